@@ -1,0 +1,97 @@
+"""Socket addresses: parsing and formatting as ztunnel writes them.
+
+`ip:port` for IPv4, `[ip]:port` for IPv6 (the HBONE `:authority` form, RFC 3986 3.2.2).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SocketAddr:
+    ip: IPAddress
+    port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= MAX_PORT:
+            raise ProtocolError(f"port {self.port} out of range 0-65535")
+
+    def __str__(self) -> str:
+        if self.ip.version == 6:
+            return f"[{self.ip}]:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+    @property
+    def family(self) -> int:
+        import socket
+
+        return socket.AF_INET6 if self.ip.version == 6 else socket.AF_INET
+
+    def sockaddr(self) -> tuple:
+        """The tuple the socket module wants for this address."""
+        if self.ip.version == 6:
+            return (str(self.ip), self.port, 0, 0)
+        return (str(self.ip), self.port)
+
+    @classmethod
+    def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:
+        return cls(ip_address(ip), port)
+
+    @classmethod
+    def from_sockaddr(cls, sa: tuple) -> SocketAddr:
+        """From what `getpeername()`/`getsockname()` return; IPv4-mapped IPv6 becomes IPv4."""
+        return cls(ip_address(sa[0]), int(sa[1]))
+
+    @classmethod
+    def parse(cls, text: str) -> SocketAddr:
+        """Parse `ip:port` or `[ipv6]:port`; raise ProtocolError on anything else."""
+        host, port = split_host_port(text)
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ProtocolError(f"{text!r}: {host!r} is not an IP address") from None
+        if ip.version == 6 and not text.startswith("["):
+            raise ProtocolError(f"{text!r}: an IPv6 address must be in brackets")
+        return cls(ip, port)
+
+
+def ip_address(value: str | bytes | IPAddress) -> IPAddress:
+    """An IP address; IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) are unmapped to IPv4."""
+    if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
+        ip = value
+    else:
+        if isinstance(value, str) and "%" in value:
+            value = value.split("%", 1)[0]
+        ip = ipaddress.ip_address(value)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """Split `host:port` / `[v6]:port` into its parts; the port must be decimal 0-65535."""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or not text[end + 1 : end + 2] == ":":
+            raise ProtocolError(f"{text!r}: expected [ipv6]:port")
+        host, port_text = text[1:end], text[end + 2 :]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ProtocolError(f"{text!r}: expected host:port")
+        if ":" in host:
+            raise ProtocolError(f"{text!r}: an IPv6 address must be in brackets")
+    if not port_text.isascii() or not port_text.isdigit() or len(port_text) > 5:
+        raise ProtocolError(f"{text!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    if port > MAX_PORT:
+        raise ProtocolError(f"{text!r}: port {port} out of range 0-65535")
+    return host, port
