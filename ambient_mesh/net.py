@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -15,10 +16,17 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 MAX_PORT = 65535
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True, slots=True)
 class SocketAddr:
     ip: IPAddress
     port: int
+
+    def __lt__(self, other: object) -> bool:
+        # ipaddress refuses to order IPv4 against IPv6, so the family sorts first (IPv4 first).
+        if not isinstance(other, SocketAddr):
+            return NotImplemented
+        return (self.ip.version, int(self.ip), self.port) < (other.ip.version, int(other.ip), other.port)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= MAX_PORT:

@@ -1,0 +1,87 @@
+"""`ambient`: the command line. Argument parsing only; each command lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from .errors import AmbientError
+
+
+def _run(coro) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep stdlib asyncio usable
+        return asyncio.run(coro)
+
+
+def cmd_ztunnel(_args: argparse.Namespace) -> int:
+    from .config import ZtunnelConfig
+    from .logs import configure_logging
+    from .ztunnel import run
+
+    env = dict(os.environ)
+    try:
+        config = ZtunnelConfig.from_env(env)
+        configure_logging(config.log_format, config.log_level)
+    except AmbientError as e:
+        print(f"ambient ztunnel: {e}", file=sys.stderr)
+        return 2
+    return _run(run(env))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return _run(run_demo(verbose=args.verbose))
+
+
+def cmd_redirect(args: argparse.Namespace) -> int:
+    from .capture.dedicated import apply_dedicated_rules, remove_dedicated_rules, render_dedicated_rules
+    from .host.commands import SubprocessRunner
+
+    rules = render_dedicated_rules(mark=args.mark)
+    if args.action == "show":
+        print(rules)
+        return 0
+    runner = SubprocessRunner()
+    if args.action == "apply":
+        apply_dedicated_rules(runner, args.netns, rules)
+    else:
+        remove_dedicated_rules(runner, args.netns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ambient", description="Istio ambient-mode data plane in Python.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("ztunnel", help="run the node proxy (configured by ztunnel's environment variables)")
+    p.set_defaults(func=cmd_ztunnel)
+    p = sub.add_parser("demo", help="two node proxies, a client and a server: one connection over HBONE/mTLS")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the proxies' logs")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("redirect", help="dedicated-mode capture rules (iptables) for the current or a named netns")
+    p.add_argument("action", choices=["show", "apply", "remove"])
+    p.add_argument("--netns", default=None, help="network namespace name (default: the current one)")
+    p.add_argument("--mark", type=int, default=1337, help="packet mark of the proxy's own sockets")
+    p.set_defaults(func=cmd_redirect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except AmbientError as e:
+        print(f"ambient {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

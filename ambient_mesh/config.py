@@ -1,0 +1,688 @@
+"""The node proxy's configuration: one frozen object built once from the environment.
+
+Counterpart: ztunnel src/config.rs (`Config`, `construct_config`). The variables, their
+defaults and their validation follow ztunnel (reference/ztunnel.md 2.1-2.2); every bad value
+raises ConfigError whose `source` is the variable's name and whose message lists the accepted
+forms.
+
+ambient-mesh extensions (ztunnel has no variables for its listener addresses):
+
+- `OUTBOUND_ADDR` (default `[::]:15001`), `INBOUND_ADDR` (`[::]:15008`),
+  `INBOUND_PLAINTEXT_ADDR` (`[::]:15006`), `SOCKS5_ADDR` (`127.0.0.1:15080`),
+  `ADMIN_ADDR` (`127.0.0.1:15000`, must be a loopback address), `STATS_ADDR` (`[::]:15020`),
+  `READINESS_ADDR` (`[::]:15021`). Each is `ip:port` or `[ipv6]:port`; port 0 asks the kernel
+  for a free port (tests use it). With IPv6 disabled the `[::]` defaults become `0.0.0.0`.
+- `ROOT_CA_DIR`: an Istio plugged-in CA directory (ca-cert.pem, ca-key.pem, root-cert.pem,
+  cert-chain.pem) for the embedded CA.
+
+Not read (ztunnel features we do not have): ZTUNNEL_WORKER_THREADS and the CPU-limit variables,
+PROXY_CONFIG and the mesh config file, COMPLIANCE_POLICY.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import ConfigError, ProtocolError
+from .logs import parse_level_spec
+from .net import IPAddress, SocketAddr, ip_address
+
+KIB = 1024
+MIB = 1024 * KIB
+
+DEFAULT_CA_PORT = 15012
+DEFAULT_LOCAL_ISTIOD = f"https://localhost:{DEFAULT_CA_PORT}"
+DEFAULT_CLUSTER_ISTIOD = f"https://istiod.istio-system.svc:{DEFAULT_CA_PORT}"
+DEFAULT_ROOT_CERT_PATH = "./var/run/secrets/istio/root-cert.pem"
+DEFAULT_TOKEN_PATH = "./var/run/secrets/tokens/istio-token"
+DEFAULT_INPOD_UDS = "/var/run/ztunnel/ztunnel.sock"
+DEFAULT_CLUSTER_ID = "Kubernetes"
+DEFAULT_CLUSTER_DOMAIN = "cluster.local"
+DEFAULT_TRUST_DOMAIN = "cluster.local"
+DEFAULT_INSTANCE_IP = "1.1.1.1"
+DEFAULT_SECRET_TTL_S = 24 * 3600.0
+DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION = 100
+DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S = 5 * 60.0
+DEFAULT_HTTP2_STREAM_WINDOW_BYTES = 4 * MIB
+# 4x the stream window, so that one stalled stream cannot starve the others (ztunnel's choice).
+DEFAULT_HTTP2_CONNECTION_WINDOW_BYTES = 16 * MIB
+DEFAULT_HTTP2_FRAME_BYTES = 1 * MIB
+DEFAULT_KEEPALIVE_TIME_S = 180.0
+DEFAULT_KEEPALIVE_INTERVAL_S = 180.0
+DEFAULT_KEEPALIVE_RETRIES = 9
+# 0x539: the mark istio-cni's rules use to let the proxy's own traffic through unredirected.
+DEFAULT_PACKET_MARK = 1337
+DEFAULT_TERMINATION_DEADLINE_S = 5.0
+DEFAULT_DNS_PROXY_PORT = 15053
+
+OUTBOUND_PORT = 15001
+INBOUND_PLAINTEXT_PORT = 15006
+INBOUND_PORT = 15008
+SOCKS5_PORT = 15080
+ADMIN_PORT = 15000
+STATS_PORT = 15020
+READINESS_PORT = 15021
+
+# RFC 9113 6.5.2: SETTINGS_MAX_FRAME_SIZE must lie in [2^14, 2^24 - 1]; windows are at most 2^31 - 1.
+MIN_HTTP2_FRAME_BYTES = 2**14
+MAX_HTTP2_FRAME_BYTES = 2**24 - 1
+MAX_HTTP2_WINDOW_BYTES = 2**31 - 1
+MAX_U32 = 2**32 - 1
+
+IPV6_LO_DISABLE_PATH = "/proc/sys/net/ipv6/conf/lo/disable_ipv6"
+
+ISTIO_META_PREFIX = "ISTIO_META_"
+ISTIO_METAJSON_PREFIX = "ISTIO_METAJSON_"
+XDS_HEADER_PREFIX = "XDS_HEADER_"
+CA_HEADER_PREFIX = "CA_HEADER_"
+
+_BOOL_FORMS = "true, false, 1 or 0"
+
+
+class ProxyMode(enum.Enum):
+    SHARED = "shared"
+    DEDICATED = "dedicated"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyWorkloadInfo:
+    """The one workload a dedicated-mode proxy serves (PROXY_WORKLOAD_INFO=ns/name/sa)."""
+
+    namespace: str
+    name: str
+    service_account: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}/{self.service_account}"
+
+
+class RootCertKind(enum.Enum):
+    FILE = "file"
+    SYSTEM = "system"  # the operating system's trust store
+    STATIC = "static"  # PEM given inline in the variable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RootCert:
+    """Where the trust anchors for istiod's TLS certificate come from (XDS_ROOT_CA / CA_ROOT_CA)."""
+
+    kind: RootCertKind
+    value: str = ""
+
+    def to_dump(self) -> dict[str, str]:
+        return {self.kind.value: self.value} if self.kind is not RootCertKind.SYSTEM else {"system": ""}
+
+
+class AuthKind(enum.Enum):
+    NONE = "none"
+    TOKEN_FILE = "tokenFile"  # a JWT file, re-read for every request so rotation is picked up
+    STATIC = "static"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthToken:
+    kind: AuthKind
+    value: str = field(default="", repr=False)
+
+    def to_dump(self) -> dict[str, str] | None:
+        if self.kind is AuthKind.NONE:
+            return None
+        # A static token is a credential: it never goes into /config_dump.
+        return {self.kind.value: self.value if self.kind is AuthKind.TOKEN_FILE else "<redacted>"}
+
+
+def read_ipv6_disabled_on_lo() -> bool:
+    """True when the kernel has IPv6 off on loopback (or has no IPv6 at all)."""
+    try:
+        with open(IPV6_LO_DISABLE_PATH) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return True
+
+
+# --- value parsers ----------------------------------------------------------------------------
+
+_DURATION_UNITS_S = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_DURATION_FORMS = "a Go duration such as 24h, 90m, 10s, 1h30m or 500ms"
+
+
+def parse_duration(text: str) -> float:
+    """Parse a Go-style duration (`1h30m`, `10s`, `1.5h`, `0`) into seconds.
+
+    Raises ValueError; negative durations are refused because nothing here can use one.
+    """
+    s = text.strip()
+    if s == "0":
+        return 0.0
+    if not s:
+        raise ValueError("empty duration")
+    total = 0.0
+    pos = 0
+    while pos < len(s):
+        m = _DURATION_PART.match(s, pos)
+        if m is None:
+            raise ValueError(f"{text!r} is not a duration")
+        total += float(m.group(1)) * _DURATION_UNITS_S[m.group(2)]
+        pos = m.end()
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest Go-style spelling of a duration: 86400 -> `24h`, 5400 -> `1h30m`, 0.5 -> `500ms`."""
+    if seconds == 0:
+        return "0s"
+    if seconds < 1:
+        ms = seconds * 1000
+        return f"{ms:g}ms"
+    whole = int(seconds)
+    frac = seconds - whole
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    out = ""
+    if hours:
+        out += f"{hours}h"
+    if minutes:
+        out += f"{minutes}m"
+    if secs or frac:
+        out += f"{secs + frac:g}s"
+    return out
+
+
+class _Env:
+    """Reads typed values out of the environment; each error names its variable."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def raw(self, name: str) -> str | None:
+        return self.env.get(name)
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value = self.env.get(name)
+        return default if value is None or value == "" else value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        return self.parse_bool(name, value)
+
+    @staticmethod
+    def parse_bool(name: str, value: str) -> bool:
+        lowered = value.strip().lower()
+        if lowered in ("true", "1"):
+            return True
+        if lowered in ("false", "0"):
+            return False
+        raise ConfigError(name, f"{value!r} is not a boolean; use {_BOOL_FORMS}")
+
+    def optional_boolean(self, name: str) -> bool | None:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return None
+        return self.parse_bool(name, value)
+
+    def integer(self, name: str, default: int | None, *, minimum: int, maximum: int) -> int | None:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        text = value.strip()
+        if not text.isascii() or not text.isdigit():
+            raise ConfigError(name, f"{value!r} is not a whole number; use {minimum}-{maximum}")
+        number = int(text)
+        if not minimum <= number <= maximum:
+            raise ConfigError(name, f"{number} is out of range; use {minimum}-{maximum}")
+        return number
+
+    def duration(self, name: str, default: float | None, *, allow_zero: bool = False) -> float | None:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            seconds = parse_duration(value)
+        except ValueError:
+            raise ConfigError(name, f"{value!r} is not a duration; use {_DURATION_FORMS}") from None
+        if seconds == 0 and not allow_zero:
+            raise ConfigError(name, f"{value!r} must be longer than zero; use {_DURATION_FORMS}")
+        return seconds
+
+    def address(self, name: str, default: SocketAddr) -> SocketAddr:
+        value = self.env.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            return SocketAddr.parse(value.strip())
+        except ProtocolError as e:
+            raise ConfigError(
+                name, f"{e.message}; use ip:port or [ipv6]:port (port 0 picks a free port)"
+            ) from None
+
+
+def _normalize_url(name: str, value: str) -> str:
+    url = value.strip()
+    if "://" not in url:
+        url = "https://" + url
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a bad port
+    except ValueError as e:
+        raise ConfigError(name, f"{value!r} is not a URL ({e}); use [https://]host:port") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(name, f"{value!r} is not a URL; use [https://]host:port")
+    return url
+
+
+def _root_cert(env: _Env, name: str, path_exists: Callable[[str], bool]) -> RootCert:
+    value = env.string(name)
+    if value is None:
+        return RootCert(kind=RootCertKind.FILE, value=DEFAULT_ROOT_CERT_PATH)
+    if path_exists(value):
+        return RootCert(kind=RootCertKind.FILE, value=value)
+    if value == "SYSTEM":
+        return RootCert(kind=RootCertKind.SYSTEM)
+    if "-----BEGIN CERTIFICATE-----" not in value:
+        raise ConfigError(
+            name,
+            f"{value!r} is neither an existing file, SYSTEM, nor PEM text; "
+            "use a path to a PEM file, SYSTEM for the OS trust store, or inline PEM",
+        )
+    return RootCert(kind=RootCertKind.STATIC, value=value)
+
+
+def _auth_token(env: _Env, path_exists: Callable[[str], bool]) -> AuthToken:
+    value = env.string("AUTH_TOKEN")
+    if value is None:
+        if path_exists(DEFAULT_TOKEN_PATH):
+            return AuthToken(kind=AuthKind.TOKEN_FILE, value=DEFAULT_TOKEN_PATH)
+        return AuthToken(kind=AuthKind.NONE)
+    if path_exists(value):
+        return AuthToken(kind=AuthKind.TOKEN_FILE, value=value)
+    return AuthToken(kind=AuthKind.STATIC, value=value)
+
+
+_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+def _headers(env: Mapping[str, str], prefix: str) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for key in sorted(env):
+        if not key.startswith(prefix) or len(key) == len(prefix):
+            continue
+        # gRPC metadata keys are lower case; env names are usually upper case.
+        header = key[len(prefix) :].lower()
+        if not _HEADER_NAME.match(header) or header.endswith("-bin"):
+            raise ConfigError(key, f"{header!r} is not a gRPC metadata key; use letters, digits, '-', '_', '.'")
+        headers[header] = env[key]
+    return headers
+
+
+def _workload_info(value: str) -> ProxyWorkloadInfo:
+    parts = value.split("/")
+    if len(parts) != 3 or not all(parts):
+        raise ConfigError("PROXY_WORKLOAD_INFO", f"{value!r} is not namespace/name/serviceaccount")
+    return ProxyWorkloadInfo(namespace=parts[0], name=parts[1], service_account=parts[2])
+
+
+def _termination_deadline(env: _Env) -> float:
+    deadline = env.duration("CONNECTION_TERMINATION_DEADLINE", None, allow_zero=True)
+    if deadline is not None:
+        return deadline
+    grace = env.integer("TERMINATION_GRACE_PERIOD_SECONDS", None, minimum=0, maximum=MAX_U32)
+    if grace is None:
+        return DEFAULT_TERMINATION_DEADLINE_S
+    # Leave the kubelet some of the grace period to deliver SIGKILL after we give up (ztunnel's
+    # rule: 5 s off a long grace period, 1 s off a short one, never below 1 s).
+    return float(max(1, grace - 5 if grace > 10 else grace - 1))
+
+
+def _dns_proxy_addr(value: str | None) -> SocketAddr:
+    if value is None:
+        return SocketAddr.of("127.0.0.1", DEFAULT_DNS_PROXY_PORT)
+    text = value.strip()
+    if text.startswith("localhost:"):
+        text = "127.0.0.1:" + text[len("localhost:") :]
+    try:
+        return SocketAddr.parse(text)
+    except ProtocolError as e:
+        raise ConfigError("ISTIO_META_DNS_PROXY_ADDR", f"{e.message}; use localhost:port or ip:port") from None
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _dump_value(value: Any) -> Any:
+    if isinstance(value, (RootCert, AuthToken)):
+        return value.to_dump()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (SocketAddr, ProxyWorkloadInfo)):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _dump_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_dump_value(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+# --- the config ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZtunnelConfig:
+    """Everything the node proxy reads from its environment. Durations are seconds (`_s`)."""
+
+    proxy_mode: ProxyMode = ProxyMode.SHARED
+    proxy_workload_info: ProxyWorkloadInfo | None = None
+    enable_proxy: bool = True
+    dns_proxy_enabled: bool = True
+    dns_proxy_addr: SocketAddr = SocketAddr.of("127.0.0.1", DEFAULT_DNS_PROXY_PORT)
+
+    xds_address: str | None = DEFAULT_LOCAL_ISTIOD
+    ca_address: str | None = DEFAULT_LOCAL_ISTIOD
+    fake_ca: bool = False
+    root_ca_dir: str | None = None
+    local_xds_path: str | None = None
+    local_xds: str | None = field(default=None, repr=False)
+    xds_on_demand: bool = False
+    xds_root_ca: RootCert = RootCert(kind=RootCertKind.FILE, value=DEFAULT_ROOT_CERT_PATH)
+    ca_root_ca: RootCert = RootCert(kind=RootCertKind.FILE, value=DEFAULT_ROOT_CERT_PATH)
+    alt_xds_hostname: str | None = None
+    alt_ca_hostname: str | None = None
+    xds_headers: dict[str, str] = field(default_factory=dict)
+    ca_headers: dict[str, str] = field(default_factory=dict)
+    auth_token: AuthToken = AuthToken(kind=AuthKind.NONE)
+
+    cluster_id: str = DEFAULT_CLUSTER_ID
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN
+    trust_domain: str = DEFAULT_TRUST_DOMAIN
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    service_account: str | None = None
+    instance_ip: IPAddress = ip_address(DEFAULT_INSTANCE_IP)
+    node_name: str | None = None
+    network: str = ""
+    secret_ttl_s: float = DEFAULT_SECRET_TTL_S
+
+    pool_max_streams_per_connection: int = DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION
+    pool_unused_release_timeout_s: float = DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S
+    http2_stream_window_size: int = DEFAULT_HTTP2_STREAM_WINDOW_BYTES
+    http2_connection_window_size: int = DEFAULT_HTTP2_CONNECTION_WINDOW_BYTES
+    http2_frame_size: int = DEFAULT_HTTP2_FRAME_BYTES
+    keepalive_enabled: bool = True
+    keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
+    keepalive_retries: int = DEFAULT_KEEPALIVE_RETRIES
+    user_timeout_enabled: bool = False
+    packet_mark: int | None = DEFAULT_PACKET_MARK
+    inpod_uds: str = DEFAULT_INPOD_UDS
+    inpod_port_reuse: bool = True
+    enable_orig_src: bool | None = None  # None: try IP_TRANSPARENT and use it if it works
+    ipv6_enabled: bool = True
+    termination_deadline_s: float = DEFAULT_TERMINATION_DEADLINE_S
+    localhost_app_tunnel: bool = True
+    enable_response_baggage: bool = True
+    prefered_service_namespace: str | None = None
+    socks5_enabled: bool = False
+    crl_path: str | None = None
+    authz_policy_info_logging: bool = False
+    tls12_enabled: bool = False
+
+    log_format: str = "plain"
+    log_level: str = "info"
+    istio_meta: dict[str, str] = field(default_factory=dict)
+    istio_meta_json: dict[str, Any] = field(default_factory=dict)
+
+    outbound_addr: SocketAddr = SocketAddr.of("::", OUTBOUND_PORT)
+    inbound_addr: SocketAddr = SocketAddr.of("::", INBOUND_PORT)
+    inbound_plaintext_addr: SocketAddr = SocketAddr.of("::", INBOUND_PLAINTEXT_PORT)
+    socks5_addr: SocketAddr = SocketAddr.of("127.0.0.1", SOCKS5_PORT)
+    admin_addr: SocketAddr = SocketAddr.of("127.0.0.1", ADMIN_PORT)
+    stats_addr: SocketAddr = SocketAddr.of("::", STATS_PORT)
+    readiness_addr: SocketAddr = SocketAddr.of("::", READINESS_PORT)
+
+    @property
+    def illegal_ports(self) -> frozenset[int]:
+        """Ports a connection may not target through the proxy itself (loops, trampolines)."""
+        ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, INBOUND_PORT}
+        if self.socks5_enabled:
+            ports.add(SOCKS5_PORT)
+        return frozenset(ports)
+
+    @property
+    def istio_version(self) -> str:
+        """The `tag` of the istio_build metric."""
+        return self.istio_meta.get("ISTIO_VERSION", "unknown")
+
+    @property
+    def self_proxy_enabled(self) -> bool:
+        """Shared mode with our own pod known: also serve HBONE as workload `ztunnel` itself."""
+        return (
+            self.proxy_mode is ProxyMode.SHARED
+            and bool(self.pod_name)
+            and bool(self.pod_namespace)
+            and bool(self.service_account)
+        )
+
+    def to_dump(self) -> dict[str, Any]:
+        """The effective config, camelCase and JSON-able, for `/config_dump` under `config`."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            name = f.name
+            value = getattr(self, name)
+            if name.endswith("_s"):
+                out[_camel(name[:-2])] = format_duration(value)
+            elif name == "local_xds":
+                out["localXds"] = None if value is None else "<inline>"
+            else:
+                out[_camel(name)] = _dump_value(value)
+        out["illegalPorts"] = sorted(self.illegal_ports)
+        return out
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str],
+        *,
+        ipv6_disabled_on_lo: Callable[[], bool] = read_ipv6_disabled_on_lo,
+        path_exists: Callable[[str], bool] = os.path.exists,
+    ) -> ZtunnelConfig:
+        """Build the config from `env` (normally os.environ); raise ConfigError on any bad value.
+
+        The two callables are the only reads outside `env`: whether the kernel has IPv6 off on
+        loopback, and whether a path names a file (for root certs and the auth token).
+        """
+        e = _Env(env)
+
+        mode_text = e.string("PROXY_MODE", ProxyMode.SHARED.value)
+        try:
+            mode = ProxyMode(mode_text)
+        except ValueError:
+            raise ConfigError("PROXY_MODE", f"{mode_text!r} is not a proxy mode; use shared or dedicated") from None
+        info_text = e.string("PROXY_WORKLOAD_INFO")
+        workload_info = _workload_info(info_text) if info_text is not None else None
+        if mode is ProxyMode.DEDICATED and workload_info is None:
+            raise ConfigError(
+                "PROXY_WORKLOAD_INFO",
+                "dedicated mode needs the workload it serves; set namespace/name/serviceaccount",
+            )
+
+        istio_meta = {
+            k[len(ISTIO_META_PREFIX) :]: v
+            for k, v in sorted(env.items())
+            if k.startswith(ISTIO_META_PREFIX) and len(k) > len(ISTIO_META_PREFIX)
+        }
+        istio_meta_json: dict[str, Any] = {}
+        for k, v in sorted(env.items()):
+            if k.startswith(ISTIO_METAJSON_PREFIX) and len(k) > len(ISTIO_METAJSON_PREFIX):
+                try:
+                    istio_meta_json[k[len(ISTIO_METAJSON_PREFIX) :]] = json.loads(v)
+                except ValueError as err:
+                    raise ConfigError(k, f"not JSON ({err}); use a JSON value") from None
+
+        enable_proxy = e.boolean("ENABLE_PROXY", True)
+        # ztunnel's rule: the DNS proxy is on unless DNS_CAPTURE says something other than true.
+        dns_capture = istio_meta.get("DNS_CAPTURE")
+        dns_proxy_enabled = True if dns_capture is None else dns_capture.strip().lower() == "true"
+        if not enable_proxy and not dns_proxy_enabled:
+            raise ConfigError(
+                "ENABLE_PROXY", "both the proxy and the DNS proxy are disabled; there is nothing to run"
+            )
+
+        in_cluster = bool(e.string("KUBERNETES_SERVICE_HOST"))
+        default_istiod = DEFAULT_CLUSTER_ISTIOD if in_cluster else DEFAULT_LOCAL_ISTIOD
+        xds_raw = e.raw("XDS_ADDRESS")
+        if xds_raw is None:
+            xds_address: str | None = default_istiod
+        elif xds_raw.strip() == "":
+            xds_address = None  # explicitly empty: run from local config only
+        else:
+            xds_address = _normalize_url("XDS_ADDRESS", xds_raw)
+        fake_ca = e.boolean("FAKE_CA", False)
+        ca_text = e.string("CA_ADDRESS")
+        ca_address = None if fake_ca else _normalize_url("CA_ADDRESS", ca_text or default_istiod)
+
+        local_xds_path = e.string("LOCAL_XDS_PATH")
+        local_xds = e.string("LOCAL_XDS")
+        if local_xds_path is not None and local_xds is not None:
+            raise ConfigError("LOCAL_XDS", "cannot be combined with LOCAL_XDS_PATH; set only one of them")
+        xds_on_demand = e.boolean("XDS_ON_DEMAND", False)
+        if xds_on_demand and dns_proxy_enabled:
+            raise ConfigError(
+                "XDS_ON_DEMAND",
+                "on-demand xDS does not work with the DNS proxy; "
+                "set ISTIO_META_DNS_CAPTURE=false or XDS_ON_DEMAND=false",
+            )
+
+        cluster_id = istio_meta.get("CLUSTER_ID") or e.string("CLUSTER_ID", DEFAULT_CLUSTER_ID)
+        instance_ip_text = e.string("INSTANCE_IP", DEFAULT_INSTANCE_IP)
+        try:
+            instance_ip = ip_address(instance_ip_text.strip())
+        except ValueError:
+            raise ConfigError("INSTANCE_IP", f"{instance_ip_text!r} is not an IP address") from None
+
+        packet_mark = e.integer(
+            "PACKET_MARK",
+            DEFAULT_PACKET_MARK if mode is ProxyMode.SHARED else None,
+            minimum=0,
+            maximum=MAX_U32,
+        )
+
+        log_format = (e.string("LOG_FORMAT", "plain") or "plain").strip().lower()
+        if log_format not in ("plain", "json"):
+            raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
+        log_level = e.string("RUST_LOG", "info")
+        try:
+            parse_level_spec(log_level)
+        except ConfigError as err:
+            raise ConfigError("RUST_LOG", err.message.removeprefix("log level: ")) from None
+
+        ipv6_enabled = e.boolean("IPV6_ENABLED", True) and not ipv6_disabled_on_lo()
+        wildcard = "::" if ipv6_enabled else "0.0.0.0"
+        admin_addr = e.address("ADMIN_ADDR", SocketAddr.of("127.0.0.1", ADMIN_PORT))
+        if not admin_addr.ip.is_loopback:
+            raise ConfigError("ADMIN_ADDR", f"{admin_addr} is not a loopback address; the admin API is local only")
+
+        return cls(
+            proxy_mode=mode,
+            proxy_workload_info=workload_info,
+            enable_proxy=enable_proxy,
+            dns_proxy_enabled=dns_proxy_enabled,
+            dns_proxy_addr=_dns_proxy_addr(istio_meta.get("DNS_PROXY_ADDR")),
+            xds_address=xds_address,
+            ca_address=ca_address,
+            fake_ca=fake_ca,
+            root_ca_dir=e.string("ROOT_CA_DIR"),
+            local_xds_path=local_xds_path,
+            local_xds=local_xds,
+            xds_on_demand=xds_on_demand,
+            xds_root_ca=_root_cert(e, "XDS_ROOT_CA", path_exists),
+            ca_root_ca=_root_cert(e, "CA_ROOT_CA", path_exists),
+            alt_xds_hostname=e.string("ALT_XDS_HOSTNAME"),
+            alt_ca_hostname=e.string("ALT_CA_HOSTNAME"),
+            xds_headers=_headers(env, XDS_HEADER_PREFIX),
+            ca_headers=_headers(env, CA_HEADER_PREFIX),
+            auth_token=_auth_token(e, path_exists),
+            cluster_id=cluster_id,
+            cluster_domain=e.string("CLUSTER_DOMAIN", DEFAULT_CLUSTER_DOMAIN),
+            trust_domain=e.string("TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
+            pod_name=e.string("POD_NAME"),
+            pod_namespace=e.string("POD_NAMESPACE"),
+            service_account=e.string("SERVICE_ACCOUNT"),
+            instance_ip=instance_ip,
+            node_name=e.string("NODE_NAME"),
+            network=e.string("NETWORK", "") or "",
+            secret_ttl_s=e.duration("SECRET_TTL", DEFAULT_SECRET_TTL_S),
+            pool_max_streams_per_connection=e.integer(
+                "POOL_MAX_STREAMS_PER_CONNECTION", DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION, minimum=1, maximum=MAX_U32
+            ),
+            pool_unused_release_timeout_s=e.duration(
+                "POOL_UNUSED_RELEASE_TIMEOUT", DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S
+            ),
+            http2_stream_window_size=e.integer(
+                "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_BYTES, minimum=1, maximum=MAX_HTTP2_WINDOW_BYTES
+            ),
+            http2_connection_window_size=e.integer(
+                "HTTP2_CONNECTION_WINDOW_SIZE",
+                DEFAULT_HTTP2_CONNECTION_WINDOW_BYTES,
+                minimum=1,
+                maximum=MAX_HTTP2_WINDOW_BYTES,
+            ),
+            http2_frame_size=e.integer(
+                "HTTP2_FRAME_SIZE",
+                DEFAULT_HTTP2_FRAME_BYTES,
+                minimum=MIN_HTTP2_FRAME_BYTES,
+                maximum=MAX_HTTP2_FRAME_BYTES,
+            ),
+            keepalive_enabled=e.boolean("KEEPALIVE_ENABLED", True),
+            keepalive_time_s=e.duration("KEEPALIVE_TIME", DEFAULT_KEEPALIVE_TIME_S),
+            keepalive_interval_s=e.duration("KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL_S),
+            keepalive_retries=e.integer("KEEPALIVE_RETRIES", DEFAULT_KEEPALIVE_RETRIES, minimum=0, maximum=MAX_U32),
+            user_timeout_enabled=e.boolean("USER_TIMEOUT_ENABLED", False),
+            packet_mark=packet_mark,
+            inpod_uds=e.string("INPOD_UDS", DEFAULT_INPOD_UDS),
+            inpod_port_reuse=e.boolean("INPOD_PORT_REUSE", True),
+            enable_orig_src=e.optional_boolean("ENABLE_ORIG_SRC"),
+            ipv6_enabled=ipv6_enabled,
+            termination_deadline_s=_termination_deadline(e),
+            localhost_app_tunnel=e.boolean("LOCALHOST_APP_TUNNEL", True),
+            enable_response_baggage=e.boolean("ENABLE_RESPONSE_BAGGAGE", True),
+            prefered_service_namespace=e.string("PREFERED_SERVICE_NAMESPACE"),
+            socks5_enabled=e.boolean("UNSTABLE_ENABLE_SOCKS5", False),
+            crl_path=e.string("CRL_PATH"),
+            authz_policy_info_logging=e.boolean("AUTHZ_POLICY_INFO_LOGGING", False),
+            tls12_enabled=e.boolean("TLS12_ENABLED", False),
+            log_format=log_format,
+            log_level=log_level,
+            istio_meta=istio_meta,
+            istio_meta_json=istio_meta_json,
+            outbound_addr=e.address("OUTBOUND_ADDR", SocketAddr.of(wildcard, OUTBOUND_PORT)),
+            inbound_addr=e.address("INBOUND_ADDR", SocketAddr.of(wildcard, INBOUND_PORT)),
+            inbound_plaintext_addr=e.address(
+                "INBOUND_PLAINTEXT_ADDR", SocketAddr.of(wildcard, INBOUND_PLAINTEXT_PORT)
+            ),
+            socks5_addr=e.address("SOCKS5_ADDR", SocketAddr.of("127.0.0.1", SOCKS5_PORT)),
+            admin_addr=admin_addr,
+            stats_addr=e.address("STATS_ADDR", SocketAddr.of(wildcard, STATS_PORT)),
+            readiness_addr=e.address("READINESS_ADDR", SocketAddr.of(wildcard, READINESS_PORT)),
+        )

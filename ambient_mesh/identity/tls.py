@@ -1,0 +1,189 @@
+"""HBONE's mutual TLS: contexts for both sides and the SPIFFE checks after the handshake.
+
+Counterparts: ztunnel src/tls/workload.rs (client and server configs, identity verifiers) and
+src/tls/lib.rs. Facts carried over (wire-protocols.md section 7): TLS 1.3 only, ALPN `h2` on
+both sides, mutual certificates verified against the roots of our own CA response, no
+hostname check, no SNI, no session resumption; the server accepts only clients with a SPIFFE
+id in its own trust domain, and the client accepts only a server naming an expected identity.
+
+Cipher suites: ztunnel allows only TLS13_AES_256_GCM_SHA384 and TLS13_AES_128_GCM_SHA256.
+Python 3.11's `ssl` has no way to set TLS 1.3 suites (`set_ciphers` only governs TLS 1.2 and
+older), so OpenSSL's defaults stay, which add CHACHA20_POLY1305. Both our sides offer
+AES-256-GCM first, and a ztunnel peer never picks ChaCha20, so the suite negotiated is always
+one ztunnel allows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import ssl
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import CertificateError, ProtocolError
+from .certificate import WorkloadCertificate, spiffe_ids
+from .spiffe import Identity
+
+ALPN_H2 = "h2"
+
+# Key material goes through a file only because `ssl` loads keys from paths; RAM-backed
+# /dev/shm keeps it off disk for the microseconds it exists.
+_KEY_DIR = "/dev/shm"
+
+
+class PeerCertificateSource(Protocol):
+    """The part of `ssl.SSLObject` / `ssl.SSLSocket` the identity checks read."""
+
+    def getpeercert(self, binary_form: bool = ...) -> object: ...
+
+    def selected_alpn_protocol(self) -> str | None: ...
+
+
+def server_context(cert: WorkloadCertificate) -> ssl.SSLContext:
+    """The HBONE listener's context: presents `cert`, requires a client cert under its roots."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _configure(ctx, cert)
+    return ctx
+
+
+def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
+    """An HBONE client's context: presents the source workload's chain.
+
+    Connect with `server_hostname=""` so that no SNI is sent, as ztunnel does.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    # The server is identified by its SPIFFE id afterwards (verify_server_identity), never by
+    # a DNS name; check_hostname must go off before verify_mode can be set.
+    ctx.check_hostname = False
+    _configure(ctx, cert)
+    return ctx
+
+
+def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    ctx.set_alpn_protocols([ALPN_H2])
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.options |= ssl.OP_NO_TICKET  # ztunnel disables session resumption
+    try:
+        ctx.load_verify_locations(cadata=cert.roots_pem.decode("ascii"))
+    except (ssl.SSLError, ValueError) as e:
+        raise CertificateError(f"trust roots for {cert.identity} cannot be loaded: {e}") from e
+    _load_key_and_chain(ctx, cert)
+
+
+def _load_key_and_chain(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
+    directory = _KEY_DIR if os.path.isdir(_KEY_DIR) and os.access(_KEY_DIR, os.W_OK) else None
+    fd, name = tempfile.mkstemp(prefix="ambient-key-", suffix=".pem", dir=directory)  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cert.private_key_pem)
+            for pem in cert.chain_pem:
+                f.write(pem)
+        ctx.load_cert_chain(name)
+    except ssl.SSLError as e:
+        raise CertificateError(f"certificate or key for {cert.identity} cannot be loaded: {e}") from e
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            Path(name).unlink()
+
+
+def require_h2(ssl_object: PeerCertificateSource) -> None:
+    """HBONE is HTTP/2 only: a peer that did not agree to ALPN `h2` is not speaking HBONE."""
+    selected = ssl_object.selected_alpn_protocol()
+    if selected != ALPN_H2:
+        raise ProtocolError(
+            f"peer negotiated ALPN {selected!r}, HBONE needs {ALPN_H2!r}",
+            hint="is the peer an HBONE endpoint (port 15008)?",
+        )
+
+
+def verify_server_identity(ssl_object: PeerCertificateSource, expected: Collection[Identity]) -> Identity:
+    """Client side, after the handshake: the server must name one of `expected`.
+
+    Returns the matching identity. ztunnel's rule: some SPIFFE URI SAN of the server leaf
+    equals one expected identity (destination workload plus service subjectAltNames).
+    """
+    require_h2(ssl_object)
+    presented = _peer_ids(ssl_object, "server")
+    for identity in presented:
+        if identity in expected:
+            return identity
+    raise CertificateError(
+        f"server identity mismatch: expected {_names(expected)}, presented {_names(presented)}"
+    )
+
+
+def verify_client_identity(ssl_object: PeerCertificateSource, trust_domain: str) -> Identity:
+    """Server side, after the handshake: the client's source identity for authorization.
+
+    The client must carry a SPIFFE id in our trust domain; the first SPIFFE id is the source
+    identity (ztunnel src/tls/workload.rs, TrustDomainVerifier).
+    """
+    require_h2(ssl_object)
+    presented = _peer_ids(ssl_object, "client")
+    if not any(i.trust_domain == trust_domain for i in presented):
+        raise CertificateError(
+            f"client identity {_names(presented)} is not in trust domain {trust_domain!r}"
+        )
+    return presented[0]
+
+
+def _peer_ids(ssl_object: PeerCertificateSource, side: str) -> list[Identity]:
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        raise CertificateError(f"{side} presented no certificate")
+    assert isinstance(der, bytes)
+    ids = spiffe_ids(der)
+    if not ids:
+        raise CertificateError(f"{side} certificate carries no SPIFFE id")
+    return ids
+
+
+def _names(ids: Collection[Identity]) -> str:
+    return "[" + ", ".join(str(i) for i in ids) + "]"
+
+
+class TlsContextCache:
+    """One server and one client context per identity, rebuilt when the certificate renews.
+
+    Building a context parses keys and roots, so connections reuse it; keying on the serial
+    means a refreshed certificate gets a fresh context and the old one is dropped with it.
+    """
+
+    def __init__(self) -> None:
+        self._server: dict[Identity, tuple[str, ssl.SSLContext]] = {}
+        self._client: dict[Identity, tuple[str, ssl.SSLContext]] = {}
+
+    def __repr__(self) -> str:
+        return f"TlsContextCache({len(self._server)} server, {len(self._client)} client)"
+
+    def __len__(self) -> int:
+        return len(self._server) + len(self._client)
+
+    def server(self, cert: WorkloadCertificate) -> ssl.SSLContext:
+        return self._get(self._server, cert, server_context)
+
+    def client(self, cert: WorkloadCertificate) -> ssl.SSLContext:
+        return self._get(self._client, cert, client_context)
+
+    def forget(self, identity: Identity) -> None:
+        self._server.pop(identity, None)
+        self._client.pop(identity, None)
+
+    @staticmethod
+    def _get(
+        table: dict[Identity, tuple[str, ssl.SSLContext]],
+        cert: WorkloadCertificate,
+        build: Callable[[WorkloadCertificate], ssl.SSLContext],
+    ) -> ssl.SSLContext:
+        serial = cert.serial_number
+        entry = table.get(cert.identity)
+        if entry is not None and entry[0] == serial:
+            return entry[1]
+        ctx = build(cert)
+        table[cert.identity] = (serial, ctx)
+        return ctx

@@ -1,0 +1,369 @@
+"""Istio-style log lines and the node proxy's access log.
+
+Counterparts: ztunnel src/telemetry.rs (line formats, the runtime log filter behind the admin
+`/logging` endpoint) and src/proxy/metrics.rs (access-log fields). Built on the stdlib `logging`
+module: each module logs to `logging.getLogger(__name__)`; the scope printed in a line is that
+logger's name without the `ambient_mesh.` prefix (`ambient_mesh.proxy.outbound` -> `proxy.outbound`).
+
+Plain lines are tab-separated, `<time>\\t<level>\\t<scope>\\t<message>\\t<k=v k=v>`; JSON lines are
+one object per line, `{"level", "time", "scope", "message", <fields>}`. Structured fields travel as
+`extra={"fields": {...}}`.
+
+Level specs use the RUST_LOG shape ztunnel reads: comma-separated directives, each a level
+(`info`) or `target=level` (`access=debug`). Rust-style targets (`ztunnel::proxy`) are accepted
+and mapped onto our scopes (`proxy`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .errors import ConfigError
+
+PACKAGE = "ambient_mesh"
+ACCESS_SCOPE = "access"
+
+# Rust's `tracing` has one level below DEBUG; stdlib logging does not, so we add it.
+TRACE = 5
+# Above CRITICAL, so nothing passes: RUST_LOG's `off`.
+OFF = logging.CRITICAL + 10
+
+logging.addLevelName(TRACE, "TRACE")
+
+LEVELS: dict[str, int] = {
+    "off": OFF,
+    "error": logging.ERROR,
+    "warn": logging.WARNING,
+    "info": logging.INFO,
+    "debug": logging.DEBUG,
+    "trace": TRACE,
+}
+# Spellings people type out of habit; they map onto the six levels above.
+_LEVEL_ALIASES = {"warning": "warn", "critical": "error", "fatal": "error"}
+
+DEFAULT_LEVEL_SPEC = "info"
+
+
+def _level_name(levelno: int) -> str:
+    if levelno >= OFF:
+        return "off"
+    if levelno >= logging.ERROR:
+        return "error"
+    if levelno >= logging.WARNING:
+        return "warn"
+    if levelno >= logging.INFO:
+        return "info"
+    if levelno >= logging.DEBUG:
+        return "debug"
+    return "trace"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LevelSpec:
+    """A parsed level filter: a default level and per-scope overrides, in the order given."""
+
+    default: str | None = None
+    targets: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        parts = [self.default] if self.default else []
+        parts.extend(f"{target}={level}" for target, level in self.targets)
+        return ",".join(parts)
+
+    def merged(self, other: LevelSpec) -> LevelSpec:
+        """This spec with `other`'s directives added on top (later ones win per target)."""
+        targets = dict(self.targets)
+        targets.update(other.targets)
+        return LevelSpec(default=other.default or self.default, targets=tuple(targets.items()))
+
+
+def _normalize_target(target: str) -> str:
+    scope = target.replace("::", ".")
+    for prefix in (f"{PACKAGE}.", "ztunnel."):
+        if scope.startswith(prefix):
+            scope = scope[len(prefix) :]
+    return scope
+
+
+def _parse_level(text: str, spec: str) -> str:
+    name = text.strip().lower()
+    name = _LEVEL_ALIASES.get(name, name)
+    if name not in LEVELS:
+        raise ConfigError(
+            "log level",
+            f"{text!r} in {spec!r} is not a level; use one of {', '.join(LEVELS)}, "
+            "or target=level directives separated by commas",
+        )
+    return name
+
+
+def parse_level_spec(spec: str) -> LevelSpec:
+    """Parse `info`, `access=debug` or `warn,proxy=debug,xds=trace`; raise ConfigError otherwise."""
+    default: str | None = None
+    targets: dict[str, str] = {}
+    for raw in spec.split(","):
+        directive = raw.strip()
+        if not directive:
+            continue
+        target, sep, level = directive.partition("=")
+        if not sep:
+            default = _parse_level(directive, spec)
+            continue
+        scope = _normalize_target(target.strip())
+        if not scope or not all(c.isalnum() or c in "._-" for c in scope):
+            raise ConfigError("log level", f"{target!r} in {spec!r} is not a log target name")
+        targets[scope] = _parse_level(level, spec)
+    if default is None and not targets:
+        raise ConfigError("log level", f"{spec!r} has no directives; use a level such as info")
+    return LevelSpec(default=default, targets=tuple(targets.items()))
+
+
+# --- formatting -----------------------------------------------------------------------------
+
+
+def format_time(created: float) -> str:
+    """RFC 3339 UTC with microseconds, as ztunnel prints it: 2024-05-01T12:00:00.123456Z."""
+    seconds = int(created)
+    micros = int(round((created - seconds) * 1_000_000))
+    if micros == 1_000_000:
+        seconds, micros = seconds + 1, 0
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
+
+
+def scope_of(logger_name: str) -> str:
+    if logger_name == PACKAGE:
+        return PACKAGE
+    if logger_name.startswith(PACKAGE + "."):
+        return logger_name[len(PACKAGE) + 1 :]
+    return logger_name
+
+
+def _plain_value(value: Any) -> str:
+    text = value if isinstance(value, str) else str(value)
+    # Quoting keeps each line splittable on spaces into k=v pairs.
+    if not text or any(c.isspace() or c in '"\\=' for c in text):
+        return json.dumps(text, ensure_ascii=False)
+    return text
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+class IstioFormatter(logging.Formatter):
+    """One line per record, plain (tab-separated) or JSON."""
+
+    def __init__(self, *, json_lines: bool = False) -> None:
+        super().__init__()
+        self.json_lines = json_lines
+
+    def _fields(self, record: logging.LogRecord) -> dict[str, Any]:
+        fields = dict(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = _level_name(record.levelno)
+        when = format_time(record.created)
+        scope = scope_of(record.name)
+        message = record.getMessage()
+        fields = self._fields(record)
+        if self.json_lines:
+            line: dict[str, Any] = {"level": level, "time": when, "scope": scope, "message": message}
+            for key, value in fields.items():
+                line.setdefault(key, _json_value(value))
+            return json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+        head = f"{when}\t{level}\t{scope}\t{message}"
+        if not fields:
+            return head
+        return head + "\t" + " ".join(f"{k}={_plain_value(v)}" for k, v in fields.items())
+
+
+# --- runtime control ------------------------------------------------------------------------
+
+
+class _Filter:
+    """What configure_logging installed, kept so /logging can change and reset it."""
+
+    startup = LevelSpec(default=DEFAULT_LEVEL_SPEC)
+    current = LevelSpec(default=DEFAULT_LEVEL_SPEC)
+    handler: logging.Handler | None = None
+    saved_root_level: int | None = None
+
+
+def _logger_for(scope: str) -> logging.Logger:
+    return logging.getLogger(f"{PACKAGE}.{scope}")
+
+
+def _apply(spec: LevelSpec) -> None:
+    for target, _ in _Filter.current.targets:
+        _logger_for(target).setLevel(logging.NOTSET)
+    default = LEVELS[spec.default or DEFAULT_LEVEL_SPEC]
+    logging.getLogger().setLevel(default)
+    logging.getLogger(PACKAGE).setLevel(default)
+    for target, level in spec.targets:
+        _logger_for(target).setLevel(LEVELS[level])
+    _Filter.current = spec
+
+
+def configure_logging(log_format: str, level_spec: str, stream: TextIO | None = None) -> logging.Handler:
+    """Send every log record to `stream` (stderr by default) in the Istio format.
+
+    Replaces the handler an earlier call installed; returns the new handler so a test can
+    remove it again with `unconfigure_logging()`.
+    """
+    if log_format not in ("plain", "json"):
+        raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
+    spec = parse_level_spec(level_spec)
+    unconfigure_logging()
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(IstioFormatter(json_lines=log_format == "json"))
+    root = logging.getLogger()
+    _Filter.saved_root_level = root.level
+    root.addHandler(handler)
+    _Filter.handler = handler
+    _Filter.startup = spec
+    _apply(spec)
+    return handler
+
+
+def unconfigure_logging() -> None:
+    """Remove the handler configure_logging installed and clear the levels it set."""
+    if _Filter.handler is not None:
+        logging.getLogger().removeHandler(_Filter.handler)
+        _Filter.handler = None
+    if _Filter.saved_root_level is not None:
+        logging.getLogger().setLevel(_Filter.saved_root_level)
+        _Filter.saved_root_level = None
+    for target, _ in _Filter.current.targets:
+        _logger_for(target).setLevel(logging.NOTSET)
+    logging.getLogger(PACKAGE).setLevel(logging.NOTSET)
+    _Filter.current = _Filter.startup = LevelSpec(default=DEFAULT_LEVEL_SPEC)
+
+
+def set_levels(spec: str) -> str:
+    """Add the directives in `spec` to the running filter (admin `/logging?level=`); return it."""
+    _apply(_Filter.current.merged(parse_level_spec(spec)))
+    return current_levels()
+
+
+def reset_levels() -> str:
+    """Go back to the filter given at start-up (admin `/logging?reset`)."""
+    _apply(_Filter.startup)
+    return current_levels()
+
+
+def current_levels() -> str:
+    return str(_Filter.current)
+
+
+# --- access log -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AccessLogFields:
+    """What ztunnel prints when a connection ends. `None` values are left out of the line.
+
+    Byte counts are from the downstream peer's point of view (ztunnel's orientation, which is
+    the opposite of the metrics' received/sent). Identities are printed only when `mtls` is true,
+    since a plaintext peer has no proven identity.
+    """
+
+    src_addr: object | None = None
+    src_workload: str | None = None
+    src_namespace: str | None = None
+    src_identity: object | None = None
+    src_cluster: str | None = None
+    dst_addr: object | None = None
+    dst_hbone_addr: object | None = None
+    dst_service: str | None = None
+    dst_workload: str | None = None
+    dst_namespace: str | None = None
+    dst_identity: object | None = None
+    dst_cluster: str | None = None
+    direction: str = "outbound"
+    bytes_sent: int | None = None
+    bytes_recv: int | None = None
+    duration_ms: int | None = None
+    error: str | None = None
+    mtls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("outbound", "inbound"):
+            raise ValueError(f"direction must be outbound or inbound, not {self.direction!r}")
+
+    def as_fields(self) -> dict[str, Any]:
+        """The fields in ztunnel's order with ztunnel's names."""
+        ordered: list[tuple[str, Any]] = [
+            ("src.addr", self.src_addr),
+            ("src.workload", self.src_workload),
+            ("src.namespace", self.src_namespace),
+            ("src.identity", self.src_identity if self.mtls else None),
+            ("src.cluster", self.src_cluster),
+            ("dst.addr", self.dst_addr),
+            ("dst.hbone_addr", self.dst_hbone_addr),
+            ("dst.service", self.dst_service),
+            ("dst.workload", self.dst_workload),
+            ("dst.namespace", self.dst_namespace),
+            ("dst.identity", self.dst_identity if self.mtls else None),
+            ("dst.cluster", self.dst_cluster),
+            ("direction", self.direction),
+            ("bytes_sent", self.bytes_sent),
+            ("bytes_recv", self.bytes_recv),
+            ("duration", None if self.duration_ms is None else f"{self.duration_ms}ms"),
+            ("error", self.error),
+        ]
+        out: dict[str, Any] = {}
+        for key, value in ordered:
+            if value is None or value == "":
+                continue
+            out[key] = value if isinstance(value, (int, str)) else str(value)
+        return out
+
+
+def access_logger() -> logging.Logger:
+    return _logger_for(ACCESS_SCOPE)
+
+
+def log_connection_opened(fields: AccessLogFields, logger: logging.Logger | None = None) -> None:
+    """DEBUG `connection opened` with the same fields as the completion line."""
+    log = logger or access_logger()
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("connection opened", extra={"fields": fields.as_fields()})
+
+
+def log_connection_complete(fields: AccessLogFields, logger: logging.Logger | None = None) -> None:
+    """INFO `connection complete`, or ERROR when the connection ended with an error."""
+    log = logger or access_logger()
+    level = logging.ERROR if fields.error else logging.INFO
+    if log.isEnabledFor(level):
+        log.log(level, "connection complete", extra={"fields": fields.as_fields()})
+
+
+def log_connection_failed(
+    *,
+    src_addr: object,
+    dst_addr: object,
+    direction: str,
+    error: str,
+    logger: logging.Logger | None = None,
+) -> None:
+    """WARN `connection failed`, for failures before the peers' workloads are known."""
+    log = logger or access_logger()
+    if log.isEnabledFor(logging.WARNING):
+        fields: Mapping[str, Any] = {
+            "src.addr": str(src_addr),
+            "dst.addr": str(dst_addr),
+            "direction": direction,
+            "error": error,
+        }
+        log.warning("connection failed", extra={"fields": dict(fields)})

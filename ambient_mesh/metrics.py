@@ -1,0 +1,313 @@
+"""Istio's standard TCP metrics, kept in a prometheus-client registry of our own.
+
+Counterparts: ztunnel src/proxy/metrics.rs (`Metrics`, `CommonTrafficLabels`,
+`ConnectionResult`) and src/metrics.rs (`istio_build`). Names and labels follow
+reference/ztunnel.md 8.2, which is what Istio dashboards and Kiali query.
+
+Each `Metrics` owns a `CollectorRegistry`; nothing touches prometheus-client's global registry,
+so several proxies (or tests) can live in one process. Other packages register their own
+collectors on `Metrics.registry`; the stats server only calls `render`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from .identity.spiffe import Identity
+from .state.model import Service, Workload
+
+UNKNOWN = "unknown"
+NO_FLAG = "-"
+
+REPORTER_SOURCE = "source"
+REPORTER_DESTINATION = "destination"
+REPORTERS = frozenset({REPORTER_SOURCE, REPORTER_DESTINATION})
+
+# The response_flags values ztunnel reports; "-" means the connection ended normally.
+RESPONSE_FLAGS = frozenset(
+    {
+        NO_FLAG,
+        "DENY",
+        "CONNECT",
+        "TLS_FAILURE",
+        "H2_HANDSHAKE_FAILURE",
+        "NETWORK_POLICY",
+        "IDENTITY_ERROR",
+        "CERT_REVOKED",
+    }
+)
+
+MUTUAL_TLS = "mutual_tls"
+
+
+def _or_unknown(value: object) -> str:
+    if value is None:
+        return UNKNOWN
+    text = str(value)
+    return text if text else UNKNOWN
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionLabels:
+    """The labels every TCP traffic metric carries, apart from `response_flags`.
+
+    Field order is the label order. Missing values are `unknown`, as in ztunnel.
+    """
+
+    reporter: str
+    source_workload: str = UNKNOWN
+    source_canonical_service: str = UNKNOWN
+    source_canonical_revision: str = UNKNOWN
+    source_workload_namespace: str = UNKNOWN
+    source_principal: str = UNKNOWN
+    source_app: str = UNKNOWN
+    source_version: str = UNKNOWN
+    source_cluster: str = UNKNOWN
+    destination_service: str = UNKNOWN
+    destination_service_namespace: str = UNKNOWN
+    destination_service_name: str = UNKNOWN
+    destination_workload: str = UNKNOWN
+    destination_canonical_service: str = UNKNOWN
+    destination_canonical_revision: str = UNKNOWN
+    destination_workload_namespace: str = UNKNOWN
+    destination_principal: str = UNKNOWN
+    destination_app: str = UNKNOWN
+    destination_version: str = UNKNOWN
+    destination_cluster: str = UNKNOWN
+    request_protocol: str = "tcp"
+    connection_security_policy: str = UNKNOWN
+    source_region: str = UNKNOWN
+    source_zone: str = UNKNOWN
+    destination_region: str = UNKNOWN
+    destination_zone: str = UNKNOWN
+
+    def __post_init__(self) -> None:
+        if self.reporter not in REPORTERS:
+            raise ValueError(f"reporter must be source or destination, not {self.reporter!r}")
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(getattr(self, name) for name in CONNECTION_LABEL_NAMES)
+
+    @classmethod
+    def build(
+        cls,
+        reporter: str,
+        source_workload: Workload | None = None,
+        source_identity: Identity | None = None,
+        destination_workload: Workload | None = None,
+        destination_service: Service | None = None,
+        destination_identity: Identity | None = None,
+        mtls: bool = False,
+    ) -> ConnectionLabels:
+        """Labels for one connection, from what the proxy knows about its two ends.
+
+        Identities are the ones proven by mTLS (or, for outbound, the identity the proxy
+        presents for the source pod); pass None for a plaintext peer, never a guess.
+        """
+        src, dst, svc = source_workload, destination_workload, destination_service
+        return cls(
+            reporter=reporter,
+            source_workload=_or_unknown(src and (src.workload_name or src.name)),
+            source_canonical_service=_or_unknown(src and src.canonical_name),
+            source_canonical_revision=_or_unknown(src and src.canonical_revision),
+            source_workload_namespace=_or_unknown(src and src.namespace),
+            source_principal=_or_unknown(source_identity),
+            source_app=_or_unknown(src and src.canonical_name),
+            source_version=_or_unknown(src and src.canonical_revision),
+            source_cluster=_or_unknown(src and src.cluster_id),
+            destination_service=_or_unknown(svc and svc.hostname),
+            destination_service_namespace=_or_unknown(svc and svc.namespace),
+            destination_service_name=_or_unknown(svc and svc.name),
+            destination_workload=_or_unknown(dst and (dst.workload_name or dst.name)),
+            destination_canonical_service=_or_unknown(dst and dst.canonical_name),
+            destination_canonical_revision=_or_unknown(dst and dst.canonical_revision),
+            destination_workload_namespace=_or_unknown(dst and dst.namespace),
+            destination_principal=_or_unknown(destination_identity),
+            destination_app=_or_unknown(dst and dst.canonical_name),
+            destination_version=_or_unknown(dst and dst.canonical_revision),
+            destination_cluster=_or_unknown(dst and dst.cluster_id),
+            connection_security_policy=MUTUAL_TLS if mtls else UNKNOWN,
+            source_region=_or_unknown(src and src.locality.region),
+            source_zone=_or_unknown(src and src.locality.zone),
+            destination_region=_or_unknown(dst and dst.locality.region),
+            destination_zone=_or_unknown(dst and dst.locality.zone),
+        )
+
+
+CONNECTION_LABEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ConnectionLabels))
+# response_flags sits right after request_protocol, as in ztunnel's label set.
+_FLAG_AT = CONNECTION_LABEL_NAMES.index("request_protocol") + 1
+TRAFFIC_LABEL_NAMES: tuple[str, ...] = (
+    *CONNECTION_LABEL_NAMES[:_FLAG_AT],
+    "response_flags",
+    *CONNECTION_LABEL_NAMES[_FLAG_AT:],
+)
+
+
+def _with_flag(labels: ConnectionLabels, flag: str) -> tuple[str, ...]:
+    values = labels.values()
+    return (*values[:_FLAG_AT], flag, *values[_FLAG_AT:])
+
+
+class _WithoutCreated(Collector):
+    """Serves our counters without prometheus-client's `_created` series, which ztunnel lacks."""
+
+    def __init__(self, collectors: Iterable[Collector]) -> None:
+        self._collectors = tuple(collectors)
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self._collectors:
+            for metric in collector.collect():
+                metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+                yield metric
+
+
+class ConnectionRecorder:
+    """Counts one connection's bytes as they move and records its end exactly once."""
+
+    __slots__ = ("_metrics", "labels", "_received", "_sent", "received_bytes", "sent_bytes", "response_flag")
+
+    def __init__(self, metrics: Metrics, labels: ConnectionLabels) -> None:
+        self._metrics = metrics
+        self.labels = labels
+        # Bound children: the hot path is one locked add, no label lookup.
+        values = _with_flag(labels, NO_FLAG)
+        self._received = metrics.received_bytes.labels(*values)
+        self._sent = metrics.sent_bytes.labels(*values)
+        self.received_bytes = 0
+        self.sent_bytes = 0
+        self.response_flag: str | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.response_flag is not None
+
+    def add_received(self, n: int) -> None:
+        """Bytes from the client towards the server."""
+        if n > 0:
+            self._received.inc(n)
+            self.received_bytes += n
+
+    def add_sent(self, n: int) -> None:
+        """Bytes from the server back to the client."""
+        if n > 0:
+            self._sent.inc(n)
+            self.sent_bytes += n
+
+    def close(self, response_flag: str = NO_FLAG) -> bool:
+        """Record the end of the connection; later calls do nothing and return False."""
+        if self.response_flag is not None:
+            return False
+        if response_flag not in RESPONSE_FLAGS:
+            raise ValueError(f"unknown response flag {response_flag!r}")
+        self.response_flag = response_flag
+        self._metrics._record_close(self.labels, response_flag)
+        return True
+
+    def __repr__(self) -> str:
+        state = f"closed {self.response_flag}" if self.closed else "open"
+        return (
+            f"<ConnectionRecorder {self.labels.reporter} {state}: "
+            f"received {self.received_bytes} B, sent {self.sent_bytes} B>"
+        )
+
+
+class Metrics:
+    """The node proxy's metrics registry."""
+
+    def __init__(self, *, istio_version: str = UNKNOWN, process_metrics: bool = True) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.connections_opened = Counter(
+            "istio_tcp_connections_opened",
+            "The total number of TCP connections opened",
+            TRAFFIC_LABEL_NAMES,
+            registry=None,
+        )
+        self.connections_closed = Counter(
+            "istio_tcp_connections_closed",
+            "The total number of TCP connections closed",
+            TRAFFIC_LABEL_NAMES,
+            registry=None,
+        )
+        self.connections_failed = Counter(
+            "istio_tcp_connections_failed",
+            "The total number of TCP connections that failed to establish or ended with a failure",
+            TRAFFIC_LABEL_NAMES,
+            registry=None,
+        )
+        self.received_bytes = Counter(
+            "istio_tcp_received_bytes",
+            "The size of total bytes received during request in case of a TCP connection",
+            TRAFFIC_LABEL_NAMES,
+            registry=None,
+        )
+        self.sent_bytes = Counter(
+            "istio_tcp_sent_bytes",
+            "The size of total bytes sent during response in case of a TCP connection",
+            TRAFFIC_LABEL_NAMES,
+            registry=None,
+        )
+        self.sockets_open = Gauge(
+            "istio_tcp_sockets_open", "The number of TCP sockets currently open", ("reporter",), registry=None
+        )
+        self.build = Gauge("istio_build", "Istio component build info", ("component", "tag"), registry=None)
+        self.build.labels("ztunnel", istio_version or UNKNOWN).set(1)
+        self.registry.register(
+            _WithoutCreated(
+                (
+                    self.connections_opened,
+                    self.connections_closed,
+                    self.connections_failed,
+                    self.received_bytes,
+                    self.sent_bytes,
+                    self.sockets_open,
+                    self.build,
+                )
+            )
+        )
+        if process_metrics:
+            # No namespace: ztunnel exports process_open_fds / process_max_fds without a prefix.
+            ProcessCollector(namespace="", registry=self.registry)
+        self._open = {reporter: self.sockets_open.labels(reporter) for reporter in REPORTERS}
+        self._open_count = dict.fromkeys(REPORTERS, 0)
+
+    def register(self, collector: Collector) -> None:
+        """Add another package's collector (xDS, DNS, workload manager) to what /metrics serves."""
+        self.registry.register(collector)
+
+    def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:
+        self.connections_opened.labels(*_with_flag(labels, NO_FLAG)).inc()
+        self._open[labels.reporter].inc()
+        self._open_count[labels.reporter] += 1
+        return ConnectionRecorder(self, labels)
+
+    def connection_failed(self, labels: ConnectionLabels, response_flag: str) -> None:
+        """A connection that failed before it was counted as opened (only the failure counter moves)."""
+        if response_flag not in RESPONSE_FLAGS or response_flag == NO_FLAG:
+            raise ValueError(f"{response_flag!r} is not a failure response flag")
+        self.connections_failed.labels(*_with_flag(labels, response_flag)).inc()
+
+    def _record_close(self, labels: ConnectionLabels, response_flag: str) -> None:
+        values = _with_flag(labels, response_flag)
+        self.connections_closed.labels(*values).inc()
+        if response_flag != NO_FLAG:
+            self.connections_failed.labels(*values).inc()
+        self._open[labels.reporter].dec()
+        self._open_count[labels.reporter] -= 1
+
+    def render(self, accept_header: str | None = None) -> tuple[bytes, str]:
+        """The exposition body and its content type: OpenMetrics when Accept asks for it."""
+        encoder, content_type = choose_encoder(accept_header or "")
+        return encoder(self.registry), content_type
+
+    def __repr__(self) -> str:
+        return (
+            f"<Metrics: {self._open_count[REPORTER_SOURCE]} outbound "
+            f"and {self._open_count[REPORTER_DESTINATION]} inbound connections open>"
+        )

@@ -1,0 +1,180 @@
+"""Headers on HBONE CONNECT requests and responses: baggage, traceparent, forwarded.
+
+Counterparts: ztunnel src/baggage.rs (baggage), src/proxy/outbound.rs (request headers),
+src/proxy/inbound.rs (response baggage, reading forwarded). Formats: spec/wire-protocols.md
+sections 7, 8.2 and 8.3; W3C Trace Context for `traceparent`; RFC 7239 for `forwarded`.
+The parsers read what a peer sent, so they never raise: bad input gives empty values or None.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..net import SocketAddr
+from ..state.model import Workload, WorkloadType
+
+BAGGAGE = "baggage"
+TRACEPARENT = "traceparent"
+FORWARDED = "forwarded"
+
+_CLUSTER = "k8s.cluster.name"
+_NAMESPACE = "k8s.namespace.name"
+_SERVICE_NAME = "service.name"
+_SERVICE_VERSION = "service.version"
+_REGION = "cloud.region"
+_ZONE = "cloud.availability_zone"
+_WORKLOAD_KEYS = {f"k8s.{t.name.lower()}.name": t for t in WorkloadType}
+
+_TRACE_ID_HEX = 32
+_PARENT_ID_HEX = 16
+TRACEPARENT_LENGTH = 2 + 1 + _TRACE_ID_HEX + 1 + _PARENT_ID_HEX + 1 + 2
+_LOWER_HEX = frozenset(string.hexdigits.lower())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Baggage:
+    """What a peer says about itself in `baggage`; empty strings for what it left out."""
+
+    cluster_id: str = ""
+    namespace: str = ""
+    workload_name: str = ""
+    workload_type: WorkloadType | None = None
+    service_name: str = ""
+    service_version: str = ""
+    region: str = ""
+    zone: str = ""
+
+
+def baggage_for(workload: Workload) -> str:
+    """The `baggage` value describing `workload`, keys in ztunnel's order, empty values left out.
+
+    Values are not percent-encoded: they are Kubernetes names, which cannot hold `,` or `=`.
+    """
+    pairs = [
+        (_CLUSTER, workload.cluster_id),
+        (_NAMESPACE, workload.namespace),
+        (f"k8s.{workload.workload_type.name.lower()}.name", workload.workload_name),
+        (_SERVICE_NAME, workload.canonical_name),
+        (_SERVICE_VERSION, workload.canonical_revision),
+        (_REGION, workload.locality.region),
+        (_ZONE, workload.locality.zone),
+    ]
+    return ",".join(f"{key}={value}" for key, value in pairs if value)
+
+
+def parse_baggage(values: Iterable[str]) -> Baggage:
+    """Merge every `baggage` header value; unknown keys and empty values are skipped.
+
+    When a key repeats (within one header or across several) the last value wins.
+    """
+    fields: dict[str, object] = {}
+    for value in values:
+        for member in value.split(","):
+            key, sep, val = member.partition("=")
+            key, val = key.strip(), val.strip()
+            if not sep or not val:
+                continue
+            if key == _CLUSTER:
+                fields["cluster_id"] = val
+            elif key == _NAMESPACE:
+                fields["namespace"] = val
+            elif key in _WORKLOAD_KEYS:
+                fields["workload_name"] = val
+                fields["workload_type"] = _WORKLOAD_KEYS[key]
+            elif key == _SERVICE_NAME:
+                fields["service_name"] = val
+            elif key == _SERVICE_VERSION:
+                fields["service_version"] = val
+            elif key == _REGION:
+                fields["region"] = val
+            elif key == _ZONE:
+                fields["zone"] = val
+    return Baggage(**fields)  # type: ignore[arg-type]
+
+
+def new_traceparent(random_bytes: Callable[[int], bytes] = os.urandom) -> str:
+    """A fresh W3C `traceparent` (version 00, flags 00), as ztunnel sends per CONNECT."""
+    trace_id = random_bytes(_TRACE_ID_HEX // 2).hex()
+    parent_id = random_bytes(_PARENT_ID_HEX // 2).hex()
+    return f"00-{trace_id}-{parent_id}-00"
+
+
+def parse_traceparent(value: str) -> str | None:
+    """`value` if it is a valid 55-character W3C `traceparent`, else None."""
+    if len(value) != TRACEPARENT_LENGTH:
+        return None
+    parts = value.split("-")
+    if [len(p) for p in parts] != [2, _TRACE_ID_HEX, _PARENT_ID_HEX, 2]:
+        return None
+    version, trace_id, parent_id, _flags = parts
+    if not all(c in _LOWER_HEX for p in parts for c in p):
+        return None
+    # W3C Trace Context 3.2.2: version ff and all-zero ids are invalid.
+    if version == "ff" or trace_id == "0" * _TRACE_ID_HEX or parent_id == "0" * _PARENT_ID_HEX:
+        return None
+    return value
+
+
+def forwarded_for(client: SocketAddr, service_hostname: str | None) -> str:
+    """The `forwarded` value ztunnel sends: the client's socket, and the service when known.
+
+    RFC 7239 section 6 requires the quotes around a node with a port (and IPv6 brackets).
+    """
+    value = f'for="{client}"'
+    if service_hostname:
+        value += f";host={service_hostname}"
+    return value
+
+
+def parse_forwarded_host(value: str) -> str | None:
+    """The first `host=` parameter in a `forwarded` value (RFC 7239), or None."""
+    for pair in _split_unquoted(value, ",;"):
+        name, sep, raw = pair.partition("=")
+        if not sep or name.strip().lower() != "host":
+            continue
+        host = _unquote(raw.strip())
+        if host:
+            return host
+    return None
+
+
+def _split_unquoted(value: str, separators: str) -> list[str]:
+    """Split at separators outside quoted-strings (RFC 7230 3.2.6); quotes are kept."""
+    parts, current, quoted, escaped = [], [], False, False
+    for ch in value:
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif not quoted and ch in separators:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current))
+    return parts
+
+
+def _unquote(raw: str) -> str | None:
+    """A token as is, a quoted-string without quotes and escapes; None if malformed."""
+    if not raw.startswith('"'):
+        return None if '"' in raw or "\\" in raw else raw
+    if len(raw) < 2 or not raw.endswith('"'):
+        return None
+    out, escaped = [], False
+    for ch in raw[1:-1]:
+        if escaped:
+            out.append(ch)
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            return None
+        else:
+            out.append(ch)
+    return None if escaped else "".join(out)

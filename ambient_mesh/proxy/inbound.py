@@ -1,0 +1,258 @@
+"""Inbound: HBONE on 15008 and plaintext capture on 15006.
+
+Counterparts: ztunnel src/proxy/inbound.rs and inbound_passthrough.rs (reference/ztunnel.md
+3.2, 3.3). The HBONE server presents the certificate of the destination workload (chosen by
+the address the connection arrived on), requires a client certificate from our trust domain,
+then checks each CONNECT stream and answers 200 / 400 / 401 / 503 as ztunnel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import AmbientError, ProtocolError
+from ..identity.spiffe import Identity
+from ..identity.tls import verify_client_identity
+from ..net import IPAddress, SocketAddr, ip_address, split_host_port
+from ..state.model import GatewayAddress, NetworkAddress, Service, Workload
+from . import headers as hbone_headers
+from .hbone import HboneConnection, HboneSettings, HboneStream
+from .inputs import ProxyInputs
+from .relay import Relay, wrap_socket
+from .sockets import original_destination
+from .telemetry import ConnectionResult
+
+log = logging.getLogger("ambient_mesh.proxy.inbound")
+
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+APP_CONNECT_TIMEOUT_S = 10.0
+
+LocalWorkload = Callable[[IPAddress], Workload | None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InboundTarget:
+    """Where an accepted CONNECT stream is delivered (the decision, before any I/O)."""
+
+    address: SocketAddr
+    service: Service | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InboundRefusal:
+    status: int
+    reason: str
+    response_flag: str = "CONNECT"
+
+
+class InboundProxy:
+    """The HBONE server of one proxy."""
+
+    def __init__(self, pi: ProxyInputs, local_workload: LocalWorkload,
+                 settings: HboneSettings = HboneSettings()) -> None:
+        self.pi = pi
+        self._local_workload = local_workload
+        self.settings = settings
+        self.connections: set[HboneConnection] = set()
+
+    def __repr__(self) -> str:
+        streams = sum(c.open_streams for c in self.connections)
+        return f"InboundProxy({len(self.connections)} connections, {streams} streams)"
+
+    async def handle(self, sock: socket.socket) -> None:
+        local = SocketAddr.from_sockaddr(sock.getsockname())
+        peer = SocketAddr.from_sockaddr(sock.getpeername())
+        workload = self._local_workload(local.ip)
+        if workload is None:
+            # Without a destination workload there is no certificate to present.
+            log.warning("HBONE connection from %s to %s: no local workload has that address; closing", peer, local)
+            sock.close()
+            return
+        try:
+            ctx = await self.pi.server_context(workload.identity)
+        except AmbientError as e:
+            log.warning("HBONE connection from %s to %s: no certificate for %s: %s", peer, local,
+                        workload.identity, e)
+            sock.close()
+            return
+        trust_domain = workload.identity.trust_domain
+
+        def check_client(conn: HboneConnection) -> None:
+            conn.peer_identity = verify_client_identity(conn.transport.get_extra_info("ssl_object"), trust_domain)
+
+        loop = asyncio.get_running_loop()
+        try:
+            _t, conn = await loop.connect_accepted_socket(
+                lambda: HboneConnection(client_side=False, settings=self.settings, on_connected=check_client,
+                                        on_request=lambda s: self._on_request(s, local, peer, workload)),
+                sock, ssl=ctx, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+        except (OSError, TimeoutError) as e:
+            log.info("HBONE TLS handshake from %s failed: %s", peer, e)
+            sock.close()
+            return
+        if conn.error is not None:
+            log.info("HBONE connection from %s refused: %s", peer, conn.error)
+            return
+        self.connections.add(conn)
+        try:
+            await conn.closed
+        finally:
+            self.connections.discard(conn)
+
+    def _on_request(self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload) -> None:
+        self.pi.connections.spawn(self.serve_stream(stream, local, peer, workload))
+
+    def decide(self, stream: HboneStream, local: SocketAddr, workload: Workload) -> InboundTarget | InboundRefusal:
+        """The checks of reference 3.2, steps 1-6, as a pure decision."""
+        request = stream.request
+        if request is None or request.method != "CONNECT":
+            return InboundRefusal(status=400, reason=f"method {request.method if request else '?'} is not CONNECT")
+        try:
+            host, port = split_host_port(request.authority)
+        except ProtocolError as e:
+            return InboundRefusal(status=400, reason=f"bad :authority: {e}")
+        try:
+            ip = ip_address(host)
+        except ValueError:
+            ip = None
+        state = self.pi.state
+        if ip is None:
+            # hostname:port (through an east-west gateway): service port -> this endpoint's port
+            service = state.services.find_hostname(host, workload.namespace)
+            if service is None:
+                return InboundRefusal(status=503, reason=f"unknown service {host}")
+            endpoint = service.endpoints.get(workload.uid)
+            target_port = (endpoint.port.get(port) if endpoint else None) or service.ports.get(port)
+            if not target_port:
+                return InboundRefusal(status=503, reason=f"service {host} has no target for port {port}")
+            address = SocketAddr(local.ip, target_port)
+        else:
+            service = None
+            if ip != local.ip and workload.application_tunnel is None and not self._is_waypoint_for(workload, ip):
+                return InboundRefusal(status=400, reason=f"authority {request.authority} does not match the "
+                                                         f"destination address {local.ip}")
+            address = SocketAddr(local.ip, port)
+        if address.port in self.pi.config.illegal_ports:
+            return InboundRefusal(status=400, reason=f"port {address.port} is one of the proxy's own ports")
+        if service is None:
+            service = self._service_for_port(stream, workload, address.port)
+        return InboundTarget(address=address, service=service)
+
+    def _is_waypoint_for(self, local: Workload, ip: IPAddress) -> bool:
+        """The local workload is the waypoint the target service or workload points to."""
+        state = self.pi.state
+        target = state.services.find_vip(self.pi.config.network, ip, None) or \
+            state.workloads.find_address(self.pi.config.network, ip)
+        waypoint: GatewayAddress | None = getattr(target, "waypoint", None)
+        if waypoint is None:
+            return False
+        dest = waypoint.destination
+        if isinstance(dest, NetworkAddress):
+            return dest.address in local.workload_ips
+        service = state.services.get(f"{dest.namespace}/{dest.hostname}")
+        return service is not None and local.uid in service.endpoints
+
+    def _service_for_port(self, stream: HboneStream, workload: Workload, port: int) -> Service | None:
+        """Destination service for telemetry: `Forwarded: host=` if it is one of ours, else by port."""
+        services = self.pi.state.services.services_for_workload(workload.uid)
+        forwarded = stream.request.header("forwarded") if stream.request else None
+        host = hbone_headers.parse_forwarded_host(forwarded) if forwarded else None
+        if host:
+            for service in services:
+                if service.hostname == host:
+                    return service
+        for service in services:
+            endpoint = service.endpoints.get(workload.uid)
+            if port in service.ports.values() or (endpoint and port in endpoint.port.values()):
+                return service
+        return None
+
+    async def serve_stream(self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload) -> None:
+        pi = self.pi
+        conn = stream.conn
+        src_id: Identity | None = conn.peer_identity
+        source = pi.state.workloads.find_address(pi.config.network, peer.ip)
+        decision = self.decide(stream, local, workload)
+        if isinstance(decision, InboundRefusal):
+            log.info("HBONE stream from %s (%s) refused with %d: %s", peer, src_id, decision.status, decision.reason)
+            ConnectionResult.failed(pi, src=peer, dst=local, direction="inbound", error=decision.reason,
+                                    source=source, destination=workload, response_flag=decision.response_flag)
+            conn.respond(stream, decision.status)
+            return
+        target = decision.address
+        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=target,
+                                  hbone_addr=stream.request.authority, source=source, source_identity=src_id,
+                                  destination=workload, service=decision.service,
+                                  destination_identity=workload.identity, mtls=True)
+        try:
+            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
+                sock = await pi.connect(target, peer.ip)
+            upstream = await wrap_socket(sock)
+        except (OSError, TimeoutError) as e:
+            reason = f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
+            result.fail(reason, "CONNECT")
+            conn.respond(stream, 503)
+            return
+        response_headers = []
+        if pi.config.enable_response_baggage:
+            response_headers.append(("baggage", hbone_headers.baggage_for(workload)))
+        conn.respond(stream, 200, response_headers)
+        relay = Relay(stream, upstream, on_progress=result.progress)
+        pi.connections.track(relay, result.dump_info())
+        upstream.attach(relay)
+        stream.attach(relay)
+        err = await relay.done
+        result.complete(relay, err)
+
+    def drain(self) -> None:
+        for conn in list(self.connections):
+            conn.drain()
+
+
+class InboundPassthroughProxy:
+    """Plaintext traffic to the workload, captured on 15006 (no identity, so no mTLS)."""
+
+    def __init__(self, pi: ProxyInputs, local_workload: LocalWorkload) -> None:
+        self.pi = pi
+        self._local_workload = local_workload
+
+    async def handle(self, sock: socket.socket) -> None:
+        pi = self.pi
+        target = original_destination(sock)
+        peer = SocketAddr.from_sockaddr(sock.getpeername())
+        if target.port in pi.config.illegal_ports:
+            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
+                                    error=f"port {target.port} is one of the proxy's own ports")
+            sock.close()
+            return
+        workload = self._local_workload(target.ip)
+        if workload is None:
+            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
+                                    error=f"no local workload has address {target.ip}")
+            sock.close()
+            return
+        source = pi.state.workloads.find_address(pi.config.network, peer.ip)
+        services = pi.state.services.services_for_workload(workload.uid)
+        service = next((s for s in services if target.port in s.ports.values()), None)
+        downstream = await wrap_socket(sock)
+        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=target, hbone_addr=None,
+                                  source=source, source_identity=None, destination=workload, service=service,
+                                  destination_identity=None, mtls=False)
+        try:
+            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
+                upstream_sock = await pi.connect(target, peer.ip)
+            upstream = await wrap_socket(upstream_sock)
+        except (OSError, TimeoutError) as e:
+            result.fail(f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}", "CONNECT")
+            downstream.abort()
+            return
+        relay = Relay(downstream, upstream, on_progress=result.progress)
+        pi.connections.track(relay, result.dump_info())
+        upstream.attach(relay)
+        downstream.attach(relay)
+        err = await relay.done
+        result.complete(relay, err)

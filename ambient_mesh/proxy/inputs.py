@@ -1,0 +1,129 @@
+"""What every listener of one proxy shares (ztunnel's ProxyInputs), and the socket factory.
+
+One `ProxyInputs` serves one workload in dedicated mode (or one pod in shared mode): its
+configuration, the shared state, the certificate manager and TLS contexts, metrics, its own
+HBONE pool, and the connections it is carrying (for draining and for /config_dump).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import ssl
+from dataclasses import dataclass, field
+
+from ..config import ZtunnelConfig
+from ..identity.manager import SecretManager
+from ..identity.spiffe import Identity
+from ..identity.tls import TlsContextCache
+from ..metrics import Metrics
+from ..net import IPAddress, SocketAddr
+from ..state.model import Workload
+from ..state.store import ProxyState
+from .pool import HbonePool
+from .relay import Relay
+from .sockets import new_socket, set_transparent
+
+WORKLOAD_WAIT_S = 5.0
+
+
+@dataclass(eq=False)
+class ConnectionTracker:
+    """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager)."""
+
+    relays: dict[Relay, dict] = field(default_factory=dict)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def __repr__(self) -> str:
+        return f"ConnectionTracker({len(self.relays)} relays, {len(self.tasks)} tasks)"
+
+    def track(self, relay: Relay, info: dict) -> None:
+        self.relays[relay] = info
+        relay.done.add_done_callback(lambda _f: self.relays.pop(relay, None))
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def dump(self, direction: str) -> list[dict]:
+        return [info for info in self.relays.values() if info.get("direction") == direction]
+
+
+@dataclass(eq=False, kw_only=True)
+class ProxyInputs:
+    config: ZtunnelConfig
+    state: ProxyState
+    cert_manager: SecretManager
+    tls: TlsContextCache
+    metrics: Metrics
+    pool: HbonePool | None = None
+    connections: ConnectionTracker = field(default_factory=ConnectionTracker)
+    rng: random.Random = field(default_factory=random.Random)
+    transparent: bool = False  # original-source preservation available
+
+    @property
+    def mark(self) -> int | None:
+        return self.config.packet_mark
+
+    async def client_context(self, identity: Identity) -> ssl.SSLContext:
+        cert = await self.cert_manager.fetch_certificate(identity)
+        return self.tls.client(cert)
+
+    async def server_context(self, identity: Identity) -> ssl.SSLContext:
+        cert = await self.cert_manager.fetch_certificate(identity)
+        return self.tls.server(cert)
+
+    async def connect(self, dst: SocketAddr, src: IPAddress | None = None) -> socket.socket:
+        """A marked TCP socket connected to `dst`, from `src` when original source is kept."""
+        sock = new_socket(dst.family, mark=self.mark)
+        try:
+            if src is not None and src.version == dst.ip.version:
+                if self.transparent:
+                    set_transparent(sock, dst.family)
+                    sock.bind(SocketAddr(src, 0).sockaddr())
+                else:
+                    _bind_if_local(sock, src)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.get_running_loop().sock_connect(sock, dst.sockaddr())
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def wait_for_workload(self, find, what: str) -> Workload | None:
+        """Look a workload up, waiting up to 5 s for it to arrive (ztunnel fetch_workload)."""
+        found = find()
+        if found is not None:
+            return found
+        event = asyncio.Event()
+        remove = self.state.add_listener(lambda *_: event.set())
+        try:
+            deadline = asyncio.get_running_loop().time() + WORKLOAD_WAIT_S
+            while found is None:
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    return None
+                event.clear()
+                try:
+                    await asyncio.wait_for(event.wait(), remaining)
+                except TimeoutError:
+                    return find()
+                found = find()
+            return found
+        finally:
+            remove()
+
+
+def _bind_if_local(sock: socket.socket, src: IPAddress) -> None:
+    """Use the workload's own address as source when it is an address of this host.
+
+    In a pod network namespace that is the pod IP anyway; when several workloads share one
+    host (loopback tests, the demo) it keeps source addresses telling which workload called.
+    """
+    try:
+        sock.bind(SocketAddr(src, 0).sockaddr())
+    except OSError:
+        pass

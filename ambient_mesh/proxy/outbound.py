@@ -1,0 +1,149 @@
+"""Outbound: connections the served workload opens, captured on 15001 (or SOCKS5 on 15080).
+
+Counterpart: ztunnel src/proxy/outbound.rs and socks5.rs. The decision of where a connection
+goes is the pure `routing.build_request`; this module carries the plan out: plain TCP for
+TCP workloads and passthrough, or a CONNECT stream on a pooled HBONE connection for HBONE
+workloads and waypoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from ..net import SocketAddr
+from ..state.model import Workload
+from . import headers as hbone_headers
+from .hbone import HboneError
+from .inputs import ProxyInputs
+from .pool import WorkloadKey
+from .relay import Relay, TcpEndpoint, wrap_socket
+from .routing import Route, RouteKind, RouteRefused, build_request
+from .socks5 import ConnectRequest as SocksConnect
+from .socks5 import ReplyCode, Socks5Error, Socks5Handshake, encode_reply
+from .sockets import original_destination
+from .telemetry import ConnectionResult
+
+log = logging.getLogger("ambient_mesh.proxy.outbound")
+
+SOCKS5_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class OutboundProxy:
+    """Carries the served workload's outgoing connections to their destinations."""
+
+    def __init__(self, pi: ProxyInputs, source: callable) -> None:
+        self.pi = pi
+        self._source = source  # () -> Workload | None : the workload this proxy serves
+
+    def __repr__(self) -> str:
+        return f"OutboundProxy({self.pi.pool!r})"
+
+    async def handle_captured(self, sock: socket.socket) -> None:
+        """A connection accepted on 15001: its real target is the pre-REDIRECT destination."""
+        target = original_destination(sock)
+        peer = SocketAddr.from_sockaddr(sock.getpeername())
+        downstream = await wrap_socket(sock)
+        await self.proxy_to(downstream, peer, target)
+
+    async def handle_socks5(self, sock: socket.socket) -> None:
+        """SOCKS5 (RFC 1928, no auth, CONNECT): the requested address is the target."""
+        loop = asyncio.get_running_loop()
+        peer = SocketAddr.from_sockaddr(sock.getpeername())
+        hs = Socks5Handshake()
+        try:
+            request = None
+            async with asyncio.timeout(SOCKS5_HANDSHAKE_TIMEOUT_S):
+                while request is None:
+                    data = await loop.sock_recv(sock, 4096)
+                    if not data:
+                        raise Socks5Error("client closed during the SOCKS5 handshake")
+                    event = hs.receive_data(data)
+                    if isinstance(event, SocksConnect):
+                        request = event
+                    out = hs.data_to_send()
+                    if out:
+                        await loop.sock_sendall(sock, out)
+        except (Socks5Error, TimeoutError, OSError) as e:
+            out = hs.data_to_send()
+            if out:
+                try:
+                    await loop.sock_sendall(sock, out)
+                except OSError:
+                    pass
+            log.warning("SOCKS5 handshake from %s failed: %s", peer, e)
+            sock.close()
+            return
+        if not isinstance(request.host, str):
+            target = SocketAddr(request.host, request.port)
+        else:
+            # Names need the DNS proxy, which the node proxy does not have yet.
+            await loop.sock_sendall(sock, encode_reply(ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED))
+            log.warning("SOCKS5 request for host name %r refused: name resolution is not supported", request.host)
+            sock.close()
+            return
+        trailing = hs.trailing_data()
+        await loop.sock_sendall(sock, encode_reply(ReplyCode.SUCCEEDED, SocketAddr.from_sockaddr(sock.getsockname())))
+        downstream = await wrap_socket(sock)
+        if trailing:
+            downstream._held.insert(0, trailing)
+        await self.proxy_to(downstream, peer, target)
+
+    async def proxy_to(self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr) -> None:
+        pi = self.pi
+        source: Workload | None = await pi.wait_for_workload(self._source, "source workload")
+        if source is None:
+            log.warning("no workload information for the source of %s -> %s; closing", peer, target)
+            ConnectionResult.failed(pi, src=peer, dst=target, direction="outbound",
+                                    error="unknown source workload")
+            downstream.abort()
+            return
+        route = build_request(pi.state, source, target, network=pi.config.network, node=pi.config.node_name or "",
+                              illegal_ports=pi.config.illegal_ports, rng=pi.rng)
+        if isinstance(route, RouteRefused):
+            ConnectionResult.failed(pi, src=peer, dst=target, direction="outbound", error=route.reason,
+                                    source=source, response_flag=route.response_flag)
+            downstream.abort()
+            return
+        result = ConnectionResult.outbound(pi, route, peer)
+        try:
+            if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
+                upstream = await self._open_hbone(route, peer)
+            else:
+                sock = await pi.connect(route.actual_destination, _source_ip(source, route.actual_destination))
+                upstream = await wrap_socket(sock)
+        except (HboneError, OSError, TimeoutError) as e:
+            flag = getattr(e, "response_flag", "CONNECT")
+            result.fail(str(e), flag)
+            downstream.abort()
+            return
+        relay = Relay(downstream, upstream, on_progress=result.progress)
+        pi.connections.track(relay, result.dump_info())
+        upstream.attach(relay)
+        downstream.attach(relay)
+        err = await relay.done
+        result.complete(relay, err)
+
+    async def _open_hbone(self, route: Route, peer: SocketAddr):
+        pi = self.pi
+        src_id = route.source_workload.identity
+        key = WorkloadKey.of(src_id, route.upstream_sans, route.actual_destination,
+                             _source_ip(route.source_workload, route.actual_destination))
+        service = route.destination_service
+        headers = [
+            ("forwarded", hbone_headers.forwarded_for(peer, service.hostname if service else None)),
+            ("baggage", hbone_headers.baggage_for(route.source_workload)),
+            ("traceparent", hbone_headers.new_traceparent()),
+        ]
+        stream, response = await pi.pool.open_stream(key, str(route.hbone_target), headers)
+        if response.status != 200:
+            flag = "DENY" if response.status == 401 else "CONNECT"
+            raise HboneError(f"HBONE CONNECT to {route.hbone_target} via {route.actual_destination} "
+                             f"answered {response.status}", response_flag=flag, status=response.status)
+        return stream
+
+
+def _source_ip(source: Workload, dst: SocketAddr):
+    """The served workload's address in the destination's family, used as the source address."""
+    return next((ip for ip in source.workload_ips if ip.version == dst.ip.version), None)

@@ -1,0 +1,256 @@
+"""Bidirectional byte copy between two endpoints, with backpressure and half-close.
+
+Counterpart: ztunnel src/copy.rs. An endpoint is either a plain TCP connection
+(`TcpEndpoint`, an asyncio Protocol) or an HBONE stream (`proxy.hbone.HboneStream`). The
+relay joins two of them: bytes read on one side are written to the other; when a side cannot
+take more (its socket buffer is full, or its HTTP/2 window is closed) the relay pauses reading
+on the other side; EOF on one side becomes a write-shutdown (or END_STREAM) on the other, so
+half-closed connections keep working; an error on either side aborts both.
+
+Protocol callbacks keep the hot path free of awaits: a chunk goes from `data_received` to the
+peer's `write` in one call (see reference/performance.md: Protocols run 2.4-3.8x faster than
+Streams here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+class Endpoint:
+    """One side of a relay. Subclasses implement the five verbs the relay uses."""
+
+    relay: Relay | None = None
+
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def write_eof(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def pause_reading(self) -> None:
+        raise NotImplementedError
+
+    def resume_reading(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Both directions are finished: release the endpoint cleanly."""
+        raise NotImplementedError
+
+
+class Relay:
+    """Joins `downstream` (the side that opened the connection) and `upstream`.
+
+    `bytes_up` counts downstream -> upstream (what the client sent), `bytes_down` the reverse.
+    `on_progress(up, down)` is called for every chunk, so metrics count live bytes.
+    `done` resolves with None on a clean finish or the error that ended the relay.
+    """
+
+    __slots__ = ("downstream", "upstream", "bytes_up", "bytes_down", "done", "_eof_from",
+                 "_on_progress", "started", "_closed")
+
+    def __init__(self, downstream: Endpoint, upstream: Endpoint,
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
+        self.downstream = downstream
+        self.upstream = upstream
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.started = time.monotonic()
+        self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self._eof_from: set[int] = set()
+        self._on_progress = on_progress
+        self._closed = False
+        downstream.relay = self
+        upstream.relay = self
+
+    def __repr__(self) -> str:
+        state = "done" if self.done.done() else f"half-closed from {len(self._eof_from)} side(s)" \
+            if self._eof_from else "open"
+        return f"Relay({state}, up={self.bytes_up}B, down={self.bytes_down}B)"
+
+    def _other(self, side: Endpoint) -> Endpoint:
+        return self.upstream if side is self.downstream else self.downstream
+
+    def data_from(self, side: Endpoint, data: bytes) -> None:
+        n = len(data)
+        if side is self.downstream:
+            self.bytes_up += n
+            if self._on_progress is not None:
+                self._on_progress(n, 0)
+            self.upstream.write(data)
+        else:
+            self.bytes_down += n
+            if self._on_progress is not None:
+                self._on_progress(0, n)
+            self.downstream.write(data)
+
+    def eof_from(self, side: Endpoint) -> None:
+        key = id(side)
+        if key in self._eof_from or self._closed:
+            return
+        self._eof_from.add(key)
+        self._other(side).write_eof()
+        if len(self._eof_from) == 2:
+            self._finish(None)
+
+    def blocked(self, side: Endpoint) -> None:
+        """`side` cannot take more bytes: stop reading from the other side."""
+        if not self._closed:
+            self._other(side).pause_reading()
+
+    def unblocked(self, side: Endpoint) -> None:
+        if not self._closed:
+            self._other(side).resume_reading()
+
+    def failed(self, side: Endpoint, exc: BaseException) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._other(side).abort()
+        side.abort()
+        if not self.done.done():
+            self.done.set_result(exc)
+
+    def abort(self, exc: BaseException) -> None:
+        """Tear both sides down from outside (drain deadline, policy change)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.downstream.abort()
+        self.upstream.abort()
+        if not self.done.done():
+            self.done.set_result(exc)
+
+    def finish(self) -> None:
+        """End cleanly now: both sides are closed after their buffered bytes are written."""
+        if not self._closed:
+            self._finish(None)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        self._closed = True
+        self.downstream.close()
+        self.upstream.close()
+        if not self.done.done():
+            self.done.set_result(exc)
+
+
+class TcpEndpoint(asyncio.Protocol, Endpoint):
+    """A plain TCP connection as a relay endpoint.
+
+    Bytes that arrive before the relay is attached are held (and reading is paused) so
+    nothing is lost while the proxy is still deciding where the connection goes.
+    """
+
+    __slots__ = ("transport", "_held", "_held_eof", "_paused_reading", "_lost", "_eof_sent")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.relay = None
+        self._held: list[bytes] = []
+        self._held_eof = False
+        self._lost: BaseException | None | bool = False
+        self._eof_sent = False
+
+    def __repr__(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return f"TcpEndpoint(peer={peer})"
+
+    # asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        relay = self.relay
+        if relay is None:
+            self._held.append(data)
+            self.transport.pause_reading()
+            return
+        relay.data_from(self, data)
+
+    def eof_received(self) -> bool:
+        if self.relay is None:
+            self._held_eof = True
+        else:
+            self.relay.eof_from(self)
+        return True  # keep the write side open: half-close
+
+    def pause_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.blocked(self)
+
+    def resume_writing(self) -> None:
+        if self.relay is not None:
+            self.relay.unblocked(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc
+        relay = self.relay
+        if relay is not None and not relay.done.done():
+            relay.failed(self, exc or ConnectionResetError("connection closed before the relay finished"))
+
+    # Endpoint --------------------------------------------------------------------------
+    def attach(self, relay: Relay) -> None:
+        """Start relaying: replay anything held while the route was decided."""
+        self.relay = relay
+        held, self._held = self._held, []
+        for chunk in held:
+            relay.data_from(self, chunk)
+        if self._held_eof:
+            relay.eof_from(self)
+        elif self._lost is not False and not relay.done.done():
+            relay.failed(self, self._lost or ConnectionResetError("connection closed early"))
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def write_eof(self) -> None:
+        if self._eof_sent or self.transport is None or self.transport.is_closing():
+            return
+        self._eof_sent = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def hold_reading(self) -> None:
+        """Pause until `attach`: used right after accept, before the route is known."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+
+async def wrap_socket(sock, *, ssl=None, server_side: bool = False, server_hostname: str | None = None,
+                      handshake_timeout: float | None = None) -> TcpEndpoint:
+    """Hand a connected socket to the event loop as a (paused) TcpEndpoint."""
+    loop = asyncio.get_running_loop()
+    endpoint = TcpEndpoint()
+    if server_side:
+        await loop.connect_accepted_socket(lambda: endpoint, sock, ssl=ssl,
+                                           ssl_handshake_timeout=handshake_timeout if ssl else None)
+    else:
+        await loop.create_connection(lambda: endpoint, sock=sock, ssl=ssl, server_hostname=server_hostname,
+                                     ssl_handshake_timeout=handshake_timeout if ssl else None)
+    endpoint.hold_reading()
+    return endpoint

@@ -1,0 +1,11 @@
+"""Protobuf and gRPC code generated from our own `.proto` files in `protos/`, nothing else.
+
+- `istio.workload.workload_pb2`: `istio.workload.Address` and friends (WDS resources).
+- `istio.security.authorization_pb2`: `istio.security.Authorization` (L4 policies).
+- `istio.v1.auth.ca_pb2`, `ca_pb2_grpc`: `istio.v1.auth.IstioCertificateService` (the CA).
+- `istio.workload.zds.zds_pb2`: ZDS messages between the node agent and the node proxy.
+
+The `.proto` files are written from spec/wire-protocols.md, not copied from Istio. Never edit
+the generated modules: change the `.proto` and run `python -m ambient_mesh.wire.regenerate`.
+These types stop at the edge: `xds` and `zds` convert them into `state` and `rbac` values.
+"""

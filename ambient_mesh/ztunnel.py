@@ -1,0 +1,277 @@
+"""`ambient ztunnel`: the node proxy program.
+
+Counterpart: ztunnel src/app.rs. Start order as ztunnel's: readiness server, metrics, state
+(local config), identity, admin, proxies, stats server. Shutdown (SIGTERM, SIGINT,
+POST /quitquitquit): stop accepting, send GOAWAY on HBONE connections, let open connections
+finish until the termination deadline, then close what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from . import __version__
+from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
+from .config import ProxyMode, ZtunnelConfig
+from .errors import AmbientError, ConfigError
+from .identity.ca import CertificateAuthority, EmbeddedCaClient
+from .identity.manager import SecretManager
+from .identity.tls import TlsContextCache, verify_server_identity
+from .metrics import Metrics
+from .net import IPAddress
+from .proxy.hbone import HboneSettings
+from .proxy.inbound import InboundPassthroughProxy, InboundProxy
+from .proxy.inputs import ProxyInputs
+from .proxy.listener import Listener
+from .proxy.outbound import OutboundProxy
+from .proxy.pool import HboneConnector, HbonePool
+from .state.dump import dump_policies, dump_services, dump_workloads
+from .state.localconfig import load_local_config, parse_local_config
+from .state.model import Workload
+from .state.store import ProxyState
+
+log = logging.getLogger("ambient_mesh.ztunnel")
+
+
+def build_certificate_authority(config: ZtunnelConfig) -> CertificateAuthority:
+    """FAKE_CA: the operator's plugged-in CA when ROOT_CA_DIR is set, else the shared test root."""
+    if config.root_ca_dir:
+        return CertificateAuthority.from_plugged_in_dir(config.root_ca_dir)
+    log.warning("FAKE_CA=true without ROOT_CA_DIR: signing with the insecure built-in test CA; "
+                "set ROOT_CA_DIR to a directory with Istio's plugged-in CA files to use your own root")
+    return CertificateAuthority.insecure_test_ca()
+
+
+def load_state(config: ZtunnelConfig) -> ProxyState:
+    state = ProxyState()
+    if config.local_xds_path:
+        local = load_local_config(config.local_xds_path)
+    elif config.local_xds:
+        local = parse_local_config(config.local_xds, "LOCAL_XDS")
+    else:
+        return state
+    state.replace_all(local.workloads, local.services, local.policies)
+    return state
+
+
+def check_supported(config: ZtunnelConfig) -> None:
+    """Refuse, at start, configurations whose features this build does not have yet."""
+    if config.xds_address:
+        raise ConfigError("XDS_ADDRESS", f"{config.xds_address!r}: the xDS client is not implemented yet",
+                          hint="set XDS_ADDRESS= (empty) and give the state with LOCAL_XDS_PATH")
+    if not config.fake_ca:
+        raise ConfigError("FAKE_CA", "the CA client for istiod is not implemented yet",
+                          hint="set FAKE_CA=true (optionally with ROOT_CA_DIR for your own root)")
+    if config.proxy_mode is not ProxyMode.DEDICATED:
+        raise ConfigError("PROXY_MODE", "shared mode needs the CNI node agent (ZDS), not implemented yet",
+                          hint="set PROXY_MODE=dedicated and PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>")
+
+
+@dataclass(eq=False)
+class Ztunnel:
+    """A running node proxy (dedicated mode: one workload)."""
+
+    config: ZtunnelConfig
+    state: ProxyState
+    ca: CertificateAuthority
+    readiness: Readiness = field(default_factory=Readiness)
+    metrics: Metrics = field(default_factory=Metrics)
+    listeners: dict[str, Listener] = field(default_factory=dict)
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        config = self.config
+        self.cert_manager = SecretManager(EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s)))
+        self.tls = TlsContextCache()
+        self.pi = ProxyInputs(config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
+                              metrics=self.metrics, transparent=config.enable_orig_src is True)
+        settings = HboneSettings(stream_window_bytes=config.http2_stream_window_size,
+                                 connection_window_bytes=config.http2_connection_window_size,
+                                 max_frame_bytes=config.http2_frame_size)
+        self.pi.pool = HbonePool(
+            HboneConnector(fetch_client_context=self.pi.client_context, verify_server=verify_server_identity,
+                           open_socket=self.pi.connect, settings=settings),
+            max_streams_per_connection=config.pool_max_streams_per_connection,
+            unused_release_timeout_s=config.pool_unused_release_timeout_s)
+        self.outbound = OutboundProxy(self.pi, self.served_workload)
+        self.inbound = InboundProxy(self.pi, self.local_workload, settings)
+        self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
+        self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
+        self.stats = StatsServer(config.stats_addr, self.metrics)
+        self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
+        self._proxy_ready = self.readiness.register("proxy")
+        self._state_ready = self.readiness.register("state manager")
+        self._shutdown_requested = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {self.pi.pool!r}, "
+                f"{self.pi.connections!r}, {self.readiness!r})")
+
+    # Which workload this proxy serves ---------------------------------------------------
+    def served_workload(self) -> Workload | None:
+        info = self.config.proxy_workload_info
+        if info is None:
+            return None
+        for w in self.state.workloads.find_by_name(info.namespace, info.name):
+            if not w.service_account or not info.service_account or w.service_account == info.service_account:
+                return w
+        return None
+
+    def local_workload(self, ip: IPAddress) -> Workload | None:
+        """The destination workload for traffic arriving at `ip` (dedicated: only ours)."""
+        served = self.served_workload()
+        if served is None:
+            return None
+        if ip in served.workload_ips:
+            return served
+        return None
+
+    # Lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        config = self.config
+        await self.readiness_server.start()
+        self._state_ready.mark_ready()
+        self._register_dumps()
+        await self.admin.start()
+        mark, tracker = config.packet_mark, self.pi.connections
+        self.listeners = {
+            "outbound": Listener("outbound", config.outbound_addr, self.outbound.handle_captured, tracker, mark=mark),
+            "inbound": Listener("inbound", config.inbound_addr, self.inbound.handle, tracker, mark=mark,
+                                transparent=self.pi.transparent),
+            "inbound plaintext": Listener("inbound plaintext", config.inbound_plaintext_addr,
+                                          self.passthrough.handle, tracker, mark=mark,
+                                          transparent=self.pi.transparent),
+        }
+        if config.socks5_enabled:
+            self.listeners["socks5"] = Listener("socks5", config.socks5_addr, self.outbound.handle_socks5,
+                                                tracker, mark=mark)
+        for listener in self.listeners.values():
+            listener.bind()
+        for listener in self.listeners.values():
+            listener.start()
+        served = self.served_workload()
+        if served is not None:
+            self.cert_manager.prefetch(served.identity)
+        self._proxy_ready.mark_ready()
+        await self.stats.start()
+        log.info("node proxy ready", extra={"fields": {
+            "mode": config.proxy_mode.value, "workload": str(config.proxy_workload_info),
+            **{name: str(lst.bound_address) for name, lst in self.listeners.items()},
+            "admin": str(self.admin.bound_address), "stats": str(self.stats.bound_address),
+            "readiness": str(self.readiness_server.bound_address)}})
+
+    def _register_dumps(self) -> None:
+        a = self.admin
+        a.register_dump("workloads", lambda: dump_workloads(self.state))
+        a.register_dump("services", lambda: dump_services(self.state))
+        a.register_dump("policies", lambda: dump_policies(self.state))
+        a.register_dump("certificates", self._dump_certificates)
+        a.register_dump("connections", lambda: {"inbound": self.pi.connections.dump("inbound"),
+                                                "outbound": self.pi.connections.dump("outbound")})
+        a.register_dump("version", lambda: {"version": __version__, "component": "ambient-mesh ztunnel"})
+        a.register_dump("config", self.config.to_dump)
+
+    def _dump_certificates(self) -> list[dict]:
+        out = []
+        for cs in sorted(self.cert_manager.certificates(), key=lambda c: str(c.identity)):
+            entry: dict = {"identity": str(cs.identity), "state": cs.state, "certChain": [], "rootCerts": []}
+            if cs.cert is not None:
+                entry["certChain"] = [_cert_info(pem) for pem in cs.cert.chain_pem]
+                entry["rootCerts"] = [_cert_info(pem) for pem in _split_pems(cs.cert.roots_pem)]
+            out.append(entry)
+        return out
+
+    def _request_shutdown(self) -> None:
+        self._shutdown_requested.set()
+
+    async def run_until_shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        sigints = 0
+
+        def on_sigint() -> None:
+            nonlocal sigints
+            sigints += 1
+            if sigints > 1:
+                log.warning("second SIGINT: exiting now")
+                raise SystemExit(130)
+            self._shutdown_requested.set()
+
+        loop.add_signal_handler(signal.SIGTERM, self._shutdown_requested.set)
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            await self._shutdown_requested.wait()
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            loop.remove_signal_handler(signal.SIGINT)
+        await self.drain()
+
+    async def drain(self, deadline_s: float | None = None) -> None:
+        """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
+        deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
+        log.info("draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline)
+        for listener in self.listeners.values():
+            listener.close()
+        self.inbound.drain()
+        self.pi.pool.close()
+        tasks = set(self.pi.connections.tasks)
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=deadline)
+            if pending:
+                log.warning("drain deadline passed: closing %d connections", len(pending))
+                for relay in list(self.pi.connections.relays):
+                    relay.abort(AmbientError("node proxy shutting down"))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=1.0)
+        await self.stop_servers()
+        self.stopped.set()
+
+    async def stop_servers(self) -> None:
+        await self.cert_manager.close()
+        for server in (self.stats, self.admin, self.readiness_server):
+            try:
+                await server.stop()
+            except Exception:  # noqa: BLE001 - stopping must not fail the shutdown
+                log.debug("stopping %r failed", server, exc_info=True)
+
+
+def _split_pems(bundle: bytes) -> list[bytes]:
+    marker = b"-----END CERTIFICATE-----"
+    parts = []
+    for chunk in bundle.split(marker):
+        if b"-----BEGIN CERTIFICATE-----" in chunk:
+            parts.append(chunk[chunk.index(b"-----BEGIN"):] + marker + b"\n")
+    return parts
+
+
+def _cert_info(pem: bytes) -> dict:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem)
+    return {"pem": base64.b64encode(pem).decode(), "serialNumber": format(cert.serial_number, "x"),
+            "validFrom": cert.not_valid_before_utc.isoformat().replace("+00:00", "Z"),
+            "expirationTime": cert.not_valid_after_utc.isoformat().replace("+00:00", "Z")}
+
+
+async def build(env: Mapping[str, str]) -> Ztunnel:
+    config = ZtunnelConfig.from_env(env)
+    check_supported(config)
+    state = load_state(config)
+    ca = build_certificate_authority(config)
+    return Ztunnel(config=config, state=state, ca=ca)
+
+
+async def run(env: Mapping[str, str]) -> int:
+    proxy = await build(env)
+    try:
+        await proxy.start()
+    except BaseException:
+        await proxy.drain(0)
+        raise
+    await proxy.run_until_shutdown()
+    return 0

@@ -1,0 +1,173 @@
+"""Tier 3: network-namespace tests (root).
+
+Every test here is marked `netns` and skipped, with the reason, when it cannot run (not root,
+or `ip netns` unavailable). Fixtures build their namespaces through `Fabric`, which deletes them
+and stops every process it started even when a test fails. Helpers (echo servers, in-namespace
+clients, HTTP GET) are handed to tests as fixtures.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ambient_mesh.host.commands import CommandError, SubprocessRunner
+from ambient_mesh.host.netns import Fabric, Node, cleanup_stale_namespaces, entered, netns_socket
+
+ECHO_SCRIPT = Path(__file__).with_name("echo.py")
+IO_TIMEOUT_S = 5.0
+READ_BYTES = 65536
+SO_MARK = getattr(socket, "SO_MARK", 36)
+
+
+@functools.cache
+def netns_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "network-namespace tests need root (CI runs them as root)"
+    if shutil.which("ip") is None:
+        return "iproute2 `ip` is not installed"
+    probe = f"am-{os.getpid()}-0-probe"
+    try:
+        runner = SubprocessRunner()
+        runner.run(["ip", "netns", "add", probe])
+        runner.run(["ip", "netns", "delete", probe])
+    except CommandError as e:
+        return f"`ip netns` does not work here: {e}"
+    return None
+
+
+def pytest_report_header(config):
+    reason = netns_unavailable_reason()
+    return f"netns tier: {'SKIPPED: ' + reason if reason else 'enabled'}"
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.netns)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _require_netns():
+    # Session scope: set up before any module-scoped topology, so those never run half-way.
+    reason = netns_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def runner():
+    return SubprocessRunner()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_stale_namespaces():
+    # Namespaces from runs that were killed before their teardown (their pid is gone).
+    if netns_unavailable_reason() is None:
+        cleanup_stale_namespaces(SubprocessRunner())
+
+
+@pytest.fixture
+def fabric(runner):
+    with Fabric(runner=runner) as fab:
+        yield fab
+
+
+# --- workloads and clients -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class EchoServer:
+    node: Node
+    port: int
+    process: subprocess.Popen
+    log: Path
+
+    def peers(self) -> list[str]:
+        """Client IPs of every accepted connection so far."""
+        return [line.split()[1] for line in self.log.read_text().splitlines() if line.startswith("accepted ")]
+
+
+def start_echo_server(fab: Fabric, node: Node, port: int, log_dir: Path) -> EchoServer:
+    """Start an echo server process in a node's namespace and wait until it listens."""
+    log = log_dir / f"echo-{node.name}-{port}.log"
+    with open(log, "wb") as out:
+        process = fab.spawn(node, [sys.executable, str(ECHO_SCRIPT), "--port", str(port)],
+                            stdout=out, stderr=subprocess.STDOUT)
+    fab.wait_for_listen(node, port, process=process)
+    return EchoServer(node=node, port=port, process=process, log=log)
+
+
+@pytest.fixture(scope="session")
+def start_echo():
+    """`start_echo(fabric, node, port, log_dir) -> EchoServer`; the fabric stops it at teardown."""
+    return start_echo_server
+
+
+def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, mark: int | None = None,
+                  timeout_s: float = IO_TIMEOUT_S) -> bytes:
+    """Connect from inside `netns`, send `payload`, half-close, return everything read back."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with netns_socket(netns, family) as sock:
+        sock.settimeout(timeout_s)
+        if mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+        sock.connect((host, port))
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(READ_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+@pytest.fixture(scope="session")
+def roundtrip():
+    return tcp_roundtrip
+
+
+def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = IO_TIMEOUT_S) -> tuple[int, bytes]:
+    """GET http://host:port/path from inside `netns`; returns (status, body)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        with entered(netns):
+            conn.connect()  # the socket is created (and stays) inside netns
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def wait_until(predicate, *, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def get():
+    return http_get
+
+
+@pytest.fixture(scope="session")
+def poll():
+    return wait_until

@@ -1,0 +1,228 @@
+"""Istio-style log lines, the access log, and the runtime level filter."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import pytest
+
+from ambient_mesh import logs
+from ambient_mesh.errors import ConfigError
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.logs import (
+    AccessLogFields,
+    IstioFormatter,
+    LevelSpec,
+    configure_logging,
+    current_levels,
+    format_time,
+    log_connection_complete,
+    log_connection_failed,
+    parse_level_spec,
+    reset_levels,
+    set_levels,
+)
+from ambient_mesh.net import SocketAddr
+
+# 2024-05-01T12:00:00.123456Z
+CREATED = 1714564800.123456
+
+
+def record(name: str, level: int, msg: str, fields: dict | None = None) -> logging.LogRecord:
+    rec = logging.LogRecord(name, level, __file__, 1, msg, None, None)
+    rec.created = CREATED
+    if fields is not None:
+        rec.fields = fields
+    return rec
+
+
+SAMPLE = AccessLogFields(
+    src_addr=SocketAddr.of("10.0.0.1", 40000),
+    src_workload="sleep-7d9f",
+    src_namespace="default",
+    src_identity=Identity("cluster.local", "default", "sleep"),
+    dst_addr=SocketAddr.of("10.0.0.2", 15008),
+    dst_hbone_addr=SocketAddr.of("10.0.0.2", 8080),
+    dst_service="echo.default.svc.cluster.local",
+    dst_workload="echo-5c4b",
+    dst_namespace="default",
+    dst_identity=Identity("cluster.local", "default", "echo"),
+    direction="outbound",
+    bytes_sent=120,
+    bytes_recv=4096,
+    duration_ms=37,
+    mtls=True,
+)
+
+
+@pytest.fixture
+def captured():
+    stream = io.StringIO()
+    yield stream
+    logs.unconfigure_logging()
+
+
+def test_format_time():
+    assert format_time(CREATED) == "2024-05-01T12:00:00.123456Z"
+    assert format_time(1714564800.9999999) == "2024-05-01T12:00:01.000000Z"
+
+
+def test_plain_access_log_line_exact():
+    rec = record("ambient_mesh.access", logging.INFO, "connection complete", SAMPLE.as_fields())
+    assert IstioFormatter().format(rec) == (
+        "2024-05-01T12:00:00.123456Z\tinfo\taccess\tconnection complete\t"
+        "src.addr=10.0.0.1:40000 src.workload=sleep-7d9f src.namespace=default "
+        "src.identity=spiffe://cluster.local/ns/default/sa/sleep "
+        "dst.addr=10.0.0.2:15008 dst.hbone_addr=10.0.0.2:8080 "
+        "dst.service=echo.default.svc.cluster.local dst.workload=echo-5c4b dst.namespace=default "
+        "dst.identity=spiffe://cluster.local/ns/default/sa/echo "
+        "direction=outbound bytes_sent=120 bytes_recv=4096 duration=37ms"
+    )
+
+
+def test_json_access_log_line_exact():
+    rec = record("ambient_mesh.access", logging.INFO, "connection complete", SAMPLE.as_fields())
+    line = IstioFormatter(json_lines=True).format(rec)
+    assert line == (
+        '{"level":"info","time":"2024-05-01T12:00:00.123456Z","scope":"access",'
+        '"message":"connection complete","src.addr":"10.0.0.1:40000","src.workload":"sleep-7d9f",'
+        '"src.namespace":"default","src.identity":"spiffe://cluster.local/ns/default/sa/sleep",'
+        '"dst.addr":"10.0.0.2:15008","dst.hbone_addr":"10.0.0.2:8080",'
+        '"dst.service":"echo.default.svc.cluster.local","dst.workload":"echo-5c4b",'
+        '"dst.namespace":"default","dst.identity":"spiffe://cluster.local/ns/default/sa/echo",'
+        '"direction":"outbound","bytes_sent":120,"bytes_recv":4096,"duration":"37ms"}'
+    )
+    assert list(json.loads(line))[:4] == ["level", "time", "scope", "message"]
+
+
+def test_identities_only_with_mtls_and_missing_values_omitted():
+    fields = AccessLogFields(
+        src_addr="10.0.0.1:1",
+        src_identity=Identity("cluster.local", "a", "b"),
+        dst_addr="10.0.0.2:80",
+        dst_identity=Identity("cluster.local", "c", "d"),
+        direction="inbound",
+        src_cluster="",
+    ).as_fields()
+    assert fields == {"src.addr": "10.0.0.1:1", "dst.addr": "10.0.0.2:80", "direction": "inbound"}
+
+
+def test_plain_values_with_spaces_are_quoted():
+    rec = record("ambient_mesh.proxy.outbound", logging.WARNING, "x", {"error": 'connection "refused" now', "n": 1})
+    assert IstioFormatter().format(rec) == (
+        '2024-05-01T12:00:00.123456Z\twarn\tproxy.outbound\tx\terror="connection \\"refused\\" now" n=1'
+    )
+
+
+def test_plain_line_without_fields_has_no_trailing_tab():
+    assert IstioFormatter().format(record("ambient_mesh.xds", logging.DEBUG, "hello")) == (
+        "2024-05-01T12:00:00.123456Z\tdebug\txds\thello"
+    )
+    assert IstioFormatter().format(record("asyncio", logs.TRACE, "t")).split("\t")[1:3] == ["trace", "asyncio"]
+
+
+def test_access_log_through_logging(captured):
+    configure_logging("plain", "info", stream=captured)
+    log_connection_complete(SAMPLE)
+    log_connection_complete(AccessLogFields(src_addr="1.1.1.1:1", direction="inbound", error="connection reset"))
+    lines = captured.getvalue().splitlines()
+    assert len(lines) == 2
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", lines[0].split("\t")[0])
+    assert lines[0].split("\t")[1:4] == ["info", "access", "connection complete"]
+    assert lines[1].split("\t")[1:] == [
+        "error",
+        "access",
+        "connection complete",
+        'src.addr=1.1.1.1:1 direction=inbound error="connection reset"',
+    ]
+
+
+def test_connection_failed_is_warn_json(captured):
+    configure_logging("json", "info", stream=captured)
+    log_connection_failed(
+        src_addr=SocketAddr.of("10.0.0.1", 1), dst_addr=SocketAddr.of("10.0.0.2", 2), direction="outbound", error="boom"
+    )
+    line = json.loads(captured.getvalue())
+    del line["time"]
+    assert line == {
+        "level": "warn",
+        "scope": "access",
+        "message": "connection failed",
+        "src.addr": "10.0.0.1:1",
+        "dst.addr": "10.0.0.2:2",
+        "direction": "outbound",
+        "error": "boom",
+    }
+
+
+def test_opened_line_is_debug_only(captured):
+    configure_logging("plain", "info", stream=captured)
+    logs.log_connection_opened(SAMPLE)
+    assert captured.getvalue() == ""
+    set_levels("access=debug")
+    logs.log_connection_opened(SAMPLE)
+    assert "\tdebug\taccess\tconnection opened\t" in captured.getvalue()
+
+
+def test_level_spec_parsing():
+    assert parse_level_spec("info") == LevelSpec(default="info")
+    assert parse_level_spec("warn,access=debug,ztunnel::proxy=trace") == LevelSpec(
+        default="warn", targets=(("access", "debug"), ("proxy", "trace"))
+    )
+    assert str(parse_level_spec("WARNING, xds=off")) == "warn,xds=off"
+    for bad in ("", "loud", "access=", "=info", "a b=info", ",,"):
+        with pytest.raises(ConfigError):
+            parse_level_spec(bad)
+
+
+def test_set_and_reset_levels(captured):
+    configure_logging("plain", "warn,xds=debug", stream=captured)
+    assert current_levels() == "warn,xds=debug"
+    proxy = logging.getLogger("ambient_mesh.proxy.inbound")
+    assert not proxy.isEnabledFor(logging.INFO)
+    assert set_levels("proxy=debug") == "warn,xds=debug,proxy=debug"
+    assert proxy.isEnabledFor(logging.DEBUG)
+    assert set_levels("error") == "error,xds=debug,proxy=debug"
+    assert not logging.getLogger("ambient_mesh.state").isEnabledFor(logging.WARNING)
+    assert set_levels("proxy=off") == "error,xds=debug,proxy=off"
+    assert not proxy.isEnabledFor(logging.CRITICAL)
+    assert reset_levels() == "warn,xds=debug"
+    assert logging.getLogger("ambient_mesh.proxy").level == logging.NOTSET
+    assert logging.getLogger("ambient_mesh.xds").isEnabledFor(logging.DEBUG)
+
+
+def test_bad_spec_leaves_levels_alone(captured):
+    configure_logging("plain", "info", stream=captured)
+    with pytest.raises(ConfigError):
+        set_levels("access=shout")
+    assert current_levels() == "info"
+
+
+def test_configure_rejects_bad_format(captured):
+    with pytest.raises(ConfigError) as info:
+        configure_logging("xml", "info", stream=captured)
+    assert info.value.source == "LOG_FORMAT"
+
+
+def test_unconfigure_restores_root():
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    configure_logging("plain", "debug", stream=io.StringIO())
+    logs.unconfigure_logging()
+    assert (root.level, list(root.handlers)) == before
+
+
+def test_exception_goes_into_a_field():
+    try:
+        raise RuntimeError("bad thing")
+    except RuntimeError:
+        import sys
+
+        rec = record("ambient_mesh.proxy", logging.ERROR, "crash")
+        rec.exc_info = sys.exc_info()
+    line = json.loads(IstioFormatter(json_lines=True).format(rec))
+    assert "RuntimeError: bad thing" in line["exception"]
+    assert "\n" not in IstioFormatter().format(rec)

@@ -1,0 +1,167 @@
+"""Property tests for the authority parser (ambient_mesh.net) and SPIFFE ids (identity.spiffe)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from ambient_mesh.errors import IdentityError, ProtocolError
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.net import SocketAddr, split_host_port
+
+# Text that looks like an authority often enough to reach every branch of the parser.
+authority_alphabet = st.sampled_from(list("0123456789abcdefABCDEF:.[]%/ -+x\u0661\uff11")) | st.characters()
+authority_text = st.one_of(
+    st.text(max_size=60),
+    st.text(alphabet=authority_alphabet, max_size=60),
+    st.builds(
+        lambda host, port: f"{host}:{port}",
+        st.one_of(st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(lambda ip: f"[{ip}]"), st.text(max_size=20)),
+        st.one_of(st.integers(min_value=-5, max_value=200000).map(str), st.text(max_size=6)),
+    ),
+)
+ports = st.integers(min_value=0, max_value=65535)
+
+
+@given(authority_text)
+@example("[::1]:80")
+@example("[::1]80")
+@example("[]:1")
+@example("::1:80")
+@example("1.2.3.4:065535")
+@example("1.2.3.4:99999")
+@example("[fe80::1%eth0]:80")
+@example("[::ffff:1.2.3.4]:80")
+def test_socket_addr_parse_any_text(text: str) -> None:
+    try:
+        addr = SocketAddr.parse(text)
+    except ProtocolError:
+        return
+    assert 0 <= addr.port <= 65535
+    assert isinstance(addr.ip, ipaddress.IPv4Address | ipaddress.IPv6Address)
+    # Whatever parses, formats to a form that parses back to the same address.
+    assert SocketAddr.parse(str(addr)) == addr
+
+
+@given(authority_text)
+def test_split_host_port_any_text(text: str) -> None:
+    try:
+        host, port = split_host_port(text)
+    except ProtocolError:
+        return
+    assert 0 <= port <= 65535
+    assert isinstance(host, str)
+    assert int(text.rpartition(":")[2]) == port
+
+
+@given(st.ip_addresses(v=4), ports)
+def test_socket_addr_v4_round_trip(ip: ipaddress.IPv4Address, port: int) -> None:
+    addr = SocketAddr(ip, port)
+    assert str(addr) == f"{ip}:{port}"
+    assert SocketAddr.parse(str(addr)) == addr
+    assert split_host_port(str(addr)) == (str(ip), port)
+
+
+@given(st.ip_addresses(v=6), ports)
+def test_socket_addr_v6_round_trip(ip: ipaddress.IPv6Address, port: int) -> None:
+    addr = SocketAddr(ip, port)
+    assert str(addr) == f"[{ip}]:{port}"
+    assert SocketAddr.parse(str(addr)) == addr
+    assert split_host_port(str(addr)) == (str(ip), port)
+    assert SocketAddr.from_sockaddr(addr.sockaddr()).port == port
+
+
+socket_addrs = st.builds(SocketAddr, st.one_of(st.ip_addresses(v=4), st.ip_addresses(v=6)), ports)
+
+
+@given(st.lists(socket_addrs, max_size=8))
+def test_socket_addrs_of_both_families_sort(addrs: list[SocketAddr]) -> None:
+    ordered = sorted(addrs)
+    assert all(a <= b and not b < a for a, b in zip(ordered, ordered[1:], strict=False))
+    versions = [a.ip.version for a in ordered]
+    assert versions == sorted(versions)
+    assert sorted(addrs, reverse=True) == ordered[::-1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["::1:80", "1.2.3.4", "1.2.3.4:", ":80", "[::1]", "[::1]80", "[::1:80", "1.2.3.4:65536", "1.2.3.4:-1",
+     "1.2.3.4:\u0661", "1.2.3.4:+80", "name.example:80", "1.2.3.4:123456"],
+)
+def test_socket_addr_parse_rejects(text: str) -> None:
+    with pytest.raises(ProtocolError):
+        SocketAddr.parse(text)
+
+
+def test_split_host_port_keeps_hostnames() -> None:
+    assert split_host_port("echo.default.svc.cluster.local:8080") == ("echo.default.svc.cluster.local", 8080)
+    assert split_host_port("[fd00::1]:0") == ("fd00::1", 0)
+
+
+# ---------------------------------------------------------------------------- SPIFFE
+
+segment = st.text(min_size=1, max_size=20).filter(lambda s: "/" not in s)
+spiffe_text = st.one_of(
+    st.text(max_size=60),
+    st.builds(lambda rest: "spiffe://" + rest, st.text(alphabet=st.sampled_from(list("ab/nsa.-%")), max_size=40)),
+    st.builds(
+        lambda td, ns, sa, a, b: f"spiffe://{td}/{a}/{ns}/{b}/{sa}",
+        st.text(max_size=10), st.text(max_size=10), st.text(max_size=10),
+        st.sampled_from(["ns", "sa", "NS", ""]), st.sampled_from(["sa", "ns", "SA", ""]),
+    ),
+)
+
+
+@given(spiffe_text)
+@example("spiffe://cluster.local/ns/default/sa/default")
+@example("spiffe:///ns/a/sa/b")
+@example("spiffe://td/ns//sa/b")
+@example("spiffe://td/ns/a/sa/")
+@example("spiffe://td/ns/a/sa/b/")
+@example("SPIFFE://td/ns/a/sa/b")
+def test_identity_parse_any_text(text: str) -> None:
+    try:
+        identity = Identity.parse(text)
+    except IdentityError:
+        return
+    assert str(identity) == text
+    assert identity.principal == text.removeprefix("spiffe://")
+    assert Identity.parse(str(identity)) == identity
+
+
+@given(segment, segment, segment)
+def test_identity_round_trip(trust_domain: str, namespace: str, service_account: str) -> None:
+    identity = Identity(trust_domain, namespace, service_account)
+    assert Identity.parse(str(identity)) == identity
+    assert str(identity) == f"spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "spiffe://",
+        "spiffe://td",
+        "spiffe://td/ns/a",
+        "spiffe://td/ns/a/sa",
+        "spiffe://td/ns/a/sa/",
+        "spiffe://td/sa/a/ns/b",
+        "spiffe://td/ns/a/sa/b/c",
+        "spiffe:///ns/a/sa/b",
+        "http://td/ns/a/sa/b",
+        "td/ns/a/sa/b",
+    ],
+)
+def test_identity_parse_rejects(text: str) -> None:
+    with pytest.raises(IdentityError):
+        Identity.parse(text)
+
+
+def test_identity_defaults_for_workload() -> None:
+    identity = Identity.for_workload(trust_domain="", namespace="ns1", service_account="")
+    assert str(identity) == "spiffe://cluster.local/ns/ns1/sa/default"
+    with pytest.raises(IdentityError):
+        Identity.for_workload(trust_domain="", namespace="", service_account="")
