@@ -41,6 +41,10 @@ MAX_HEADER_COUNT = 100
 REQUEST_READ_TIMEOUT_S = 10.0
 RESPONSE_WRITE_TIMEOUT_S = 10.0
 READ_CHUNK_BYTES = 4096
+# After refusing a request, keep reading (and discarding) for a while before closing: closing
+# with unread input makes the kernel send RST, which can destroy the error reply in flight.
+LINGER_TIMEOUT_S = 2.0
+LINGER_MAX_BYTES = 256 * 1024
 LISTEN_BACKLOG = 128
 # Smaller replies are not worth compressing.
 MIN_GZIP_BYTES = 1024
@@ -211,6 +215,10 @@ class HttpServer:
         self.requests_served = 0
 
     @property
+    def active_connections(self) -> int:
+        return len(self._connections)
+
+    @property
     def bound_address(self) -> SocketAddr:
         """The address actually bound (the kernel's choice when the configured port is 0)."""
         if self._bound is None:
@@ -292,14 +300,33 @@ class HttpServer:
                     return  # the peer connected and left without a byte
                 response = await self._respond(request)
             self.requests_served += 1
-            writer.write(render_response(response, head_only=request is not None and request.method == "HEAD"))
+            writer.write(
+                render_response(response, head_only=request is not None and request.method == "HEAD")
+            )
             await asyncio.wait_for(writer.drain(), RESPONSE_WRITE_TIMEOUT_S)
+            if request is None:
+                await self._linger(reader, writer)
         except (OSError, TimeoutError):
             pass  # the client went away or stopped reading; nothing to tell it
         finally:
             self._connections.discard(task)
             # close() flushes what is buffered; not awaiting wait_closed keeps cancellation prompt.
             writer.close()
+
+    @staticmethod
+    async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if writer.can_write_eof():
+            writer.write_eof()
+
+        async def discard() -> None:
+            left = LINGER_MAX_BYTES
+            while left > 0:
+                chunk = await reader.read(min(left, READ_CHUNK_BYTES))
+                if not chunk:
+                    return
+                left -= len(chunk)
+
+        await asyncio.wait_for(discard(), LINGER_TIMEOUT_S)
 
     def __repr__(self) -> str:
         where = str(self._bound) if self._bound and self._server else f"{self.address} (stopped)"

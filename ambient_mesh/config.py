@@ -328,7 +328,9 @@ def _headers(env: Mapping[str, str], prefix: str) -> dict[str, str]:
         # gRPC metadata keys are lower case; env names are usually upper case.
         header = key[len(prefix) :].lower()
         if not _HEADER_NAME.match(header) or header.endswith("-bin"):
-            raise ConfigError(key, f"{header!r} is not a gRPC metadata key; use letters, digits, '-', '_', '.'")
+            raise ConfigError(
+                key, f"{header!r} is not a gRPC metadata key; use letters, digits, '-', '_', '.'"
+            )
         headers[header] = env[key]
     return headers
 
@@ -361,7 +363,9 @@ def _dns_proxy_addr(value: str | None) -> SocketAddr:
     try:
         return SocketAddr.parse(text)
     except ProtocolError as e:
-        raise ConfigError("ISTIO_META_DNS_PROXY_ADDR", f"{e.message}; use localhost:port or ip:port") from None
+        raise ConfigError(
+            "ISTIO_META_DNS_PROXY_ADDR", f"{e.message}; use localhost:port or ip:port"
+        ) from None
 
 
 def _camel(name: str) -> str:
@@ -518,7 +522,9 @@ class ZtunnelConfig:
         try:
             mode = ProxyMode(mode_text)
         except ValueError:
-            raise ConfigError("PROXY_MODE", f"{mode_text!r} is not a proxy mode; use shared or dedicated") from None
+            raise ConfigError(
+                "PROXY_MODE", f"{mode_text!r} is not a proxy mode; use shared or dedicated"
+            ) from None
         info_text = e.string("PROXY_WORKLOAD_INFO")
         workload_info = _workload_info(info_text) if info_text is not None else None
         if mode is ProxyMode.DEDICATED and workload_info is None:
@@ -601,7 +607,9 @@ class ZtunnelConfig:
         wildcard = "::" if ipv6_enabled else "0.0.0.0"
         admin_addr = e.address("ADMIN_ADDR", SocketAddr.of("127.0.0.1", ADMIN_PORT))
         if not admin_addr.ip.is_loopback:
-            raise ConfigError("ADMIN_ADDR", f"{admin_addr} is not a loopback address; the admin API is local only")
+            raise ConfigError(
+                "ADMIN_ADDR", f"{admin_addr} is not a loopback address; the admin API is local only"
+            )
 
         return cls(
             proxy_mode=mode,
@@ -634,13 +642,19 @@ class ZtunnelConfig:
             network=e.string("NETWORK", "") or "",
             secret_ttl_s=e.duration("SECRET_TTL", DEFAULT_SECRET_TTL_S),
             pool_max_streams_per_connection=e.integer(
-                "POOL_MAX_STREAMS_PER_CONNECTION", DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION, minimum=1, maximum=MAX_U32
+                "POOL_MAX_STREAMS_PER_CONNECTION",
+                DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION,
+                minimum=1,
+                maximum=MAX_U32,
             ),
             pool_unused_release_timeout_s=e.duration(
                 "POOL_UNUSED_RELEASE_TIMEOUT", DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S
             ),
             http2_stream_window_size=e.integer(
-                "HTTP2_STREAM_WINDOW_SIZE", DEFAULT_HTTP2_STREAM_WINDOW_BYTES, minimum=1, maximum=MAX_HTTP2_WINDOW_BYTES
+                "HTTP2_STREAM_WINDOW_SIZE",
+                DEFAULT_HTTP2_STREAM_WINDOW_BYTES,
+                minimum=1,
+                maximum=MAX_HTTP2_WINDOW_BYTES,
             ),
             http2_connection_window_size=e.integer(
                 "HTTP2_CONNECTION_WINDOW_SIZE",
@@ -657,7 +671,9 @@ class ZtunnelConfig:
             keepalive_enabled=e.boolean("KEEPALIVE_ENABLED", True),
             keepalive_time_s=e.duration("KEEPALIVE_TIME", DEFAULT_KEEPALIVE_TIME_S),
             keepalive_interval_s=e.duration("KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL_S),
-            keepalive_retries=e.integer("KEEPALIVE_RETRIES", DEFAULT_KEEPALIVE_RETRIES, minimum=0, maximum=MAX_U32),
+            keepalive_retries=e.integer(
+                "KEEPALIVE_RETRIES", DEFAULT_KEEPALIVE_RETRIES, minimum=0, maximum=MAX_U32
+            ),
             user_timeout_enabled=e.boolean("USER_TIMEOUT_ENABLED", False),
             packet_mark=packet_mark,
             inpod_uds=e.string("INPOD_UDS", DEFAULT_INPOD_UDS),

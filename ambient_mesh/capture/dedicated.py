@@ -151,6 +151,8 @@ def apply_dedicated_rules(runner: CommandRunner, netns: str | None, rules: str, 
                           policy_routes: bool | None = None) -> None:
     """Install rendered rules inside `netns`, replacing any earlier set of ours.
 
+    `netns=None` means the caller's own namespace: the proxy's, when it runs inside the pod.
+
     `policy_routes` defaults to whether the rules are the transparent set (they carry a mangle
     table); the routes are what make original-source replies find their way back.
     """

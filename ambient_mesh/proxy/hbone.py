@@ -228,9 +228,7 @@ class HboneStream(Endpoint):
 
     def on_reset(self, code: int) -> None:
         self._reset = code
-        if not self.response.done():
-            self.response.set_exception(HboneError(f"stream reset by peer (code {code})",
-                                                    response_flag="CONNECT"))
+        self.fail_response(HboneError(f"stream reset by peer (code {code})"))
         relay = self.relay
         if relay is None:
             return
@@ -244,6 +242,12 @@ class HboneStream(Endpoint):
                 relay.finish()
         elif not relay.done.done():
             relay.failed(self, HboneError(f"stream reset by peer (code {code})"))
+
+    def fail_response(self, exc: BaseException) -> None:
+        """Wake a client waiting for the CONNECT answer; silent when nobody waits (server side)."""
+        if not self.response.done():
+            self.response.set_exception(exc)
+            self.response.exception()  # mark retrieved: an awaiting opener still gets it
 
     def set_blocked(self, blocked: bool) -> None:
         if blocked == self._blocked or self.relay is None:
@@ -387,8 +391,8 @@ class HboneConnection(asyncio.Protocol):
             last = event.last_stream_id if event.last_stream_id is not None else 0
             for sid, stream in list(self.streams.items()):
                 # Streams the peer never processed will not be answered (RFC 9113 6.8).
-                if self.client_side and sid > last and not stream.response.done():
-                    stream.response.set_exception(HboneError("connection closed by GOAWAY before the stream was accepted"))
+                if self.client_side and sid > last:
+                    stream.fail_response(HboneError("connection closed by GOAWAY before the stream was accepted"))
             if not self.streams:
                 self._close_transport()
 
@@ -408,8 +412,7 @@ class HboneConnection(asyncio.Protocol):
         self._cancel_timers()
         err = self._error or exc or HboneError("HBONE connection closed")
         for stream in list(self.streams.values()):
-            if not stream.response.done():
-                stream.response.set_exception(HboneError(f"HBONE connection lost: {err}"))
+            stream.fail_response(HboneError(f"HBONE connection lost: {err}"))
             if stream.relay is not None and not stream.relay.done.done():
                 stream.relay.failed(stream, err if isinstance(err, BaseException) else HboneError(str(err)))
         self.streams.clear()

@@ -110,13 +110,16 @@ class _Parser:
             raise ConfigError(where, f"invalid YAML: {exc.problem or exc}") from None
         except (yaml.YAMLError, ValueError) as exc:
             raise ConfigError(self.source, f"invalid YAML: {exc}") from None
+        except RecursionError:
+            # PyYAML composes recursively; thousands of nested brackets exhaust the stack.
+            raise ConfigError(self.source, "invalid YAML: nested too deeply") from None
         if root is None or self.is_null(root):
             return LocalConfig()
         fields = self.fields(root, "local config", optional={"workloads", "services", "policies"})
         return LocalConfig(
-            workloads=tuple(self.list_of(fields.get("workloads"), self.workload)),
-            services=tuple(self.list_of(fields.get("services"), self.service)),
-            policies=tuple(self.list_of(fields.get("policies"), self.policy)),
+            workloads=tuple(self.list_of(fields.get("workloads"), self.workload, "workloads")),
+            services=tuple(self.list_of(fields.get("services"), self.service, "services")),
+            policies=tuple(self.list_of(fields.get("policies"), self.policy, "policies")),
         )
 
     def is_null(self, node: Node) -> bool:
@@ -129,13 +132,18 @@ class _Parser:
             return node.value
         try:
             return self._scalars.construct_object(node, deep=True)
-        except (yaml.YAMLError, ValueError, TypeError, OverflowError) as exc:
+        except Exception as exc:  # noqa: BLE001
+            # PyYAML's scalar constructors fail in assorted ways on odd tagged values
+            # (`!!int ''` is an IndexError); this is the one seam where they become ours.
             raise self.error(node, f"{what}: bad value {node.value!r}: {exc}") from None
 
     def string(self, node: Node, what: str) -> str:
         value = self.scalar(node, what)
         if not isinstance(value, str):
-            raise self.error(node, f"{what}: expected a string, got {node.value!r}")
+            # YAML reads unquoted `no` or `1.10` as a boolean or a number; say how to keep the text.
+            raise self.error(
+                node, f"{what}: expected a string, got {node.value!r} (quote it to keep it as text)"
+            )
         return value
 
     def integer(self, node: Node, what: str, maximum: int) -> int:
@@ -185,8 +193,8 @@ class _Parser:
             raise self.error(node, f"{what}: expected a list, got a {_kind(node)}")
         return list(node.value)
 
-    def list_of(self, node: Node | None, item: Callable[[Node], T], what: str = "") -> list[T]:
-        return [item(child) for child in self.sequence(node, what or "list")]
+    def list_of(self, node: Node | None, item: Callable[[Node], T], what: str) -> list[T]:
+        return [item(child) for child in self.sequence(node, what)]
 
     def pairs(self, node: Node, what: str) -> list[tuple[Node, Node]]:
         """Mapping entries; duplicate keys are an error (serde rejects them too)."""

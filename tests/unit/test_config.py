@@ -125,7 +125,10 @@ def test_dedicated_mode():
     assert c.proxy_mode is ProxyMode.DEDICATED
     assert c.proxy_workload_info == ProxyWorkloadInfo(namespace="ns1", name="pod-a", service_account="sa-a")
     assert c.packet_mark is None
-    assert build({"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b/c", "PACKET_MARK": "7"}).packet_mark == 7
+    assert (
+        build({"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b/c", "PACKET_MARK": "7"}).packet_mark
+        == 7
+    )
 
 
 def test_dedicated_mode_requires_workload_info():
@@ -161,7 +164,9 @@ BOOLEANS = [
 
 
 @pytest.mark.parametrize(("variable", "attr"), BOOLEANS)
-@pytest.mark.parametrize(("value", "expected"), [("true", True), ("TRUE", True), ("1", True), ("False", False), ("0", False)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("true", True), ("TRUE", True), ("1", True), ("False", False), ("0", False)]
+)
 def test_booleans(variable, attr, value, expected):
     assert getattr(build({variable: value}), attr) is expected
 
@@ -254,7 +259,9 @@ def test_plain_strings():
     assert c.prefered_service_namespace == "prod"
     assert c.instance_ip == ip_address("10.0.0.5")
     assert c.self_proxy_enabled is True
-    assert build(env | {"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b/c"}).self_proxy_enabled is False
+    assert (
+        build(env | {"PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "a/b/c"}).self_proxy_enabled is False
+    )
 
 
 def test_instance_ip_invalid():
@@ -282,7 +289,15 @@ def test_headers_and_meta():
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("24h", 86400), ("90m", 5400), ("10s", 10), ("1h30m", 5400), ("500ms", 0.5), ("1.5h", 5400), ("2h45m30s", 9930)],
+    [
+        ("24h", 86400),
+        ("90m", 5400),
+        ("10s", 10),
+        ("1h30m", 5400),
+        ("500ms", 0.5),
+        ("1.5h", 5400),
+        ("2h45m30s", 9930),
+    ],
 )
 def test_durations(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
@@ -309,6 +324,15 @@ def test_duration_variables_valid():
     assert (c.pool_unused_release_timeout_s, c.keepalive_time_s, c.keepalive_interval_s) == (30, 60, 15)
 
 
+@given(st.text(alphabet=st.sampled_from(list("0123456789.hmsun\u00b5 -x")), max_size=20))
+def test_parse_duration_total(text):
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        return
+    assert seconds >= 0
+
+
 @given(st.floats(min_value=0.001, max_value=10_000_000, allow_nan=False))
 def test_format_duration_round_trips(seconds):
     assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=1e-6, abs=1e-6)
@@ -332,7 +356,9 @@ def test_integers(variable, attr, good, expected, bad):
         fails({variable: value}, variable)
 
 
-@pytest.mark.parametrize(("grace", "deadline"), [("30", 25), ("11", 6), ("10", 9), ("2", 1), ("1", 1), ("0", 1)])
+@pytest.mark.parametrize(
+    ("grace", "deadline"), [("30", 25), ("11", 6), ("10", 9), ("2", 1), ("1", 1), ("0", 1)]
+)
 def test_termination_deadline_from_grace_period(grace, deadline):
     assert build({"TERMINATION_GRACE_PERIOD_SECONDS": grace}).termination_deadline_s == deadline
 

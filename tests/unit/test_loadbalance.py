@@ -209,7 +209,9 @@ def test_network_first_is_a_gate() -> None:
 def test_node_and_cluster_scopes() -> None:
     other_node = near("n2", "10.0.0.1", node="node-b", cluster_id="c1")
     assert locality_rank((C, N), SOURCE, other_node, "node-a") == 1
-    assert locality_rank((C, N), SOURCE, near("n1", "10.0.0.2", node="node-a", cluster_id="c1"), "node-a") == 2
+    assert (
+        locality_rank((C, N), SOURCE, near("n1", "10.0.0.2", node="node-a", cluster_id="c1"), "node-a") == 2
+    )
     # Without a node on the source workload, the proxy's own node stands in.
     anonymous = Workload(uid="s", namespace="default")
     assert locality_rank((N,), anonymous, near("n1", "10.0.0.2", node="node-a"), "node-a") == 1
@@ -234,7 +236,9 @@ def test_failover_keeps_only_the_best_rank_and_falls_back() -> None:
 
 def test_strict_drops_partial_matches() -> None:
     lb = failover(LoadBalancingMode.STRICT, (R, Z))
-    state, svc = make_state(near("same-zone", "10.0.0.1"), near("same-region", "10.0.0.2", zone="z2"), load_balancer=lb)
+    state, svc = make_state(
+        near("same-zone", "10.0.0.1"), near("same-region", "10.0.0.2", zone="z2"), load_balancer=lb
+    )
     assert set(picks(state, svc)) == {"same-zone"}
     state, svc = make_state(near("same-region", "10.0.0.2", zone="z2"), load_balancer=lb)
     assert pick(state, svc) is None
@@ -242,7 +246,9 @@ def test_strict_drops_partial_matches() -> None:
 
 def test_strict_with_network_gate() -> None:
     lb = failover(LoadBalancingMode.STRICT, (NET, R))
-    state, svc = make_state(near("local", "10.0.0.1"), near("remote", "10.0.0.2", network="net2"), load_balancer=lb)
+    state, svc = make_state(
+        near("local", "10.0.0.1"), near("remote", "10.0.0.2", network="net2"), load_balancer=lb
+    )
     assert set(picks(state, svc)) == {"local"}
 
 

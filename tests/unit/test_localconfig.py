@@ -226,10 +226,13 @@ def test_every_workload_key() -> None:
     assert wl.hostname == "a.example.com" and wl.network == "net1"
     assert wl.network_mode is NetworkMode.HOST_NETWORK
     assert wl.waypoint == GatewayAddress(
-        destination=NetworkAddress(network="net1", address=ipaddress.ip_address("10.0.0.5")), hbone_mtls_port=15009
+        destination=NetworkAddress(network="net1", address=ipaddress.ip_address("10.0.0.5")),
+        hbone_mtls_port=15009,
     )
     assert wl.network_gateway == GatewayAddress(
-        destination=NamespacedHostname(namespace="istio-system", hostname="eastwest.istio-system.svc.cluster.local")
+        destination=NamespacedHostname(
+            namespace="istio-system", hostname="eastwest.istio-system.svc.cluster.local"
+        )
     )
     assert wl.workload_type is WorkloadType.CRONJOB and wl.native_tunnel is True
     assert wl.application_tunnel is not None
@@ -407,7 +410,11 @@ def test_unknown_key_deep_in_policy() -> None:
         ("workloads:\n- {namespace: x, workloadIps: [10.0.0.300]}\n", "not an IP address", "10.0.0.300"),
         ("workloads:\n- {namespace: x, workloadIps: [], protocol: hbone}\n", "HBONE", "hbone"),
         ("workloads:\n- {namespace: x, workloadIps: [], capacity: -1}\n", "out of range", "-1"),
-        ("workloads:\n- {namespace: x, workloadIps: [], nativeTunnel: yes please}\n", "true or false", "yes please"),
+        (
+            "workloads:\n- {namespace: x, workloadIps: [], nativeTunnel: yes please}\n",
+            "true or false",
+            "yes please",
+        ),
         ("workloads:\n- {namespace: 7, workloadIps: []}\n", "expected a string", "7"),
         ("workloads:\n- {namespace: x, workloadIps: 10.0.0.1}\n", "expected a list", "10.0.0.1"),
         ("workloads: {}\n", "expected a list", "{}"),
@@ -516,8 +523,24 @@ _SCALARS = st.one_of(
     st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True),
-    st.sampled_from(["", "HBONE", "TCP", "/10.0.0.1", "10.0.0.1", "ns/host", "fd00::1", "10.0.0.0/8",
-                     "Allow", "Global", "Strict", "Network", "x/y/z", "spiffe://td/ns/a/sa/b"]),  # fmt: skip
+    st.sampled_from(
+        [
+            "",
+            "HBONE",
+            "TCP",
+            "/10.0.0.1",
+            "10.0.0.1",
+            "ns/host",
+            "fd00::1",
+            "10.0.0.0/8",
+            "Allow",
+            "Global",
+            "Strict",
+            "Network",
+            "x/y/z",
+            "spiffe://td/ns/a/sa/b",
+        ]
+    ),  # fmt: skip
     st.text(max_size=8),
 )
 _KEY = st.one_of(st.sampled_from(_KEYS), st.integers(min_value=0, max_value=70000), st.text(max_size=6))
@@ -556,9 +579,141 @@ def test_yaml_documents_parse_or_raise_config_error(document: object) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(max_size=200))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        # YAML punctuation and our own key names, so more inputs get past the scanner.
+        st.lists(
+            st.sampled_from(
+                [
+                    " ",
+                    "\n",
+                    "- ",
+                    ": ",
+                    "[",
+                    "]",
+                    "{",
+                    "}",
+                    ",",
+                    "&a ",
+                    "*a",
+                    "!!int ",
+                    "'",
+                    '"',
+                    "#",
+                    "|",
+                    "? ",
+                    "workloads",
+                    "services",
+                    "policies",
+                    "namespace",
+                    "workloadIps",
+                    "10.0.0.1",
+                    "/1.2.3.4",
+                    "80",
+                ]
+            ),  # fmt: skip
+            max_size=40,
+        ).map("".join),
+    )
+)
 def test_arbitrary_text_parses_or_raises_config_error(text: str) -> None:
     try:
         parse_local_config(text, "fuzz.yaml")
     except ConfigError:
         pass
+
+
+# -- round trip: valid documents built from the model's own vocabulary ----------------------------
+
+_NAME = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=10)
+_IPV4 = st.ip_addresses(v=4).map(str)
+_PORT = st.integers(min_value=0, max_value=65535)
+
+
+@st.composite
+def _workload_document(draw: st.DrawFn) -> dict:
+    doc: dict = {"namespace": draw(_NAME), "workloadIps": draw(st.lists(_IPV4, max_size=3))}
+    optional = {
+        "uid": _NAME,
+        "serviceAccount": _NAME,
+        "protocol": st.sampled_from(["TCP", "HBONE"]),
+        "status": st.sampled_from(["Healthy", "Unhealthy"]),
+        "workloadType": st.sampled_from(["deployment", "cronjob", "pod", "job"]),
+        "capacity": st.integers(min_value=0, max_value=2**32 - 1),
+        "services": st.dictionaries(
+            st.tuples(_NAME, _NAME).map("/".join), st.dictionaries(_PORT, _PORT, max_size=3), max_size=3
+        ),
+        "waypoint": st.fixed_dictionaries({"destination": _IPV4.map(lambda ip: "/" + ip)}),
+    }
+    for key, strategy in optional.items():
+        if draw(st.booleans()):
+            doc[key] = draw(strategy)
+    return doc
+
+
+@settings(max_examples=150, deadline=None)
+@given(_workload_document())
+def test_valid_workloads_round_trip(doc: dict) -> None:
+    (wl,) = parse_local_config(yaml.safe_dump({"workloads": [doc]}), "rt.yaml").workloads
+    assert wl.namespace == doc["namespace"]
+    assert [str(ip) for ip in wl.workload_ips] == doc["workloadIps"]
+    assert wl.uid == doc.get("uid", "")
+    assert wl.service_account == doc.get("serviceAccount", "")
+    assert wl.protocol.value == doc.get("protocol", "TCP")
+    assert wl.status.value == doc.get("status", "Healthy")
+    assert wl.workload_type.value == doc.get("workloadType", "deployment")
+    assert wl.capacity == doc.get("capacity", 1)
+    assert wl.services == doc.get("services", {})
+    if "waypoint" in doc:
+        assert wl.waypoint is not None and wl.waypoint.hbone_mtls_port == 15008
+        assert "/" + str(wl.waypoint.destination.address) == doc["waypoint"]["destination"]
+    else:
+        assert wl.waypoint is None
+
+
+def test_unquoted_yaml_boolean_for_a_string_says_to_quote_it() -> None:
+    err = parse_error("workloads:\n- {namespace: no, workloadIps: []}\n")
+    assert "quote it" in err.message
+
+
+# -- the rbac model as parsed -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("matcher", "value", "expected"),
+    [
+        ("{Exact: cluster.local/ns/a/sa/b}", "cluster.local/ns/a/sa/b", True),
+        ("{Exact: cluster.local/ns/a/sa/b}", "cluster.local/ns/a/sa/bb", False),
+        ("{Prefix: team-}", "team-a", True),
+        ("{Prefix: team-}", "a-team-", False),
+        ("{Suffix: /sa/admin}", "td/ns/x/sa/admin", True),
+        ("{Suffix: /sa/admin}", "td/ns/x/sa/admins", False),
+        ("{Presence: []}", "anything", True),
+        ("{Presence: []}", "", False),
+    ],
+)
+def test_parsed_string_matchers_match(matcher: str, value: str, expected: bool) -> None:
+    config = parse(
+        f"""
+        policies:
+        - {{name: p, namespace: ns, scope: Namespace, action: Deny, dryRun: false,
+            rules: [[[{{principals: [{matcher}]}}]]]}}
+        """
+    )
+    (policy,) = config.policies
+    assert policy.key == "ns/p"
+    (string_match,) = policy.rules[0].clauses[0].matches[0].principals
+    assert string_match.matches(value) is expected
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, "- " * 3000, "{a: " * 3000])
+def test_deeply_nested_yaml_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_local_config(text, "deep.yaml")
+
+
+def test_recursive_alias_is_a_config_error_not_a_hang() -> None:
+    err = parse_error("workloads:\n- &w {namespace: a, workloadIps: [], locality: *w}\n")
+    # The alias points back at the workload mapping, which is not a locality.
+    assert "unknown key 'namespace' in locality" in err.message

@@ -8,6 +8,8 @@ import logging
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ambient_mesh import logs
 from ambient_mesh.errors import ConfigError
@@ -111,7 +113,9 @@ def test_identities_only_with_mtls_and_missing_values_omitted():
 
 
 def test_plain_values_with_spaces_are_quoted():
-    rec = record("ambient_mesh.proxy.outbound", logging.WARNING, "x", {"error": 'connection "refused" now', "n": 1})
+    rec = record(
+        "ambient_mesh.proxy.outbound", logging.WARNING, "x", {"error": 'connection "refused" now', "n": 1}
+    )
     assert IstioFormatter().format(rec) == (
         '2024-05-01T12:00:00.123456Z\twarn\tproxy.outbound\tx\terror="connection \\"refused\\" now" n=1'
     )
@@ -121,13 +125,18 @@ def test_plain_line_without_fields_has_no_trailing_tab():
     assert IstioFormatter().format(record("ambient_mesh.xds", logging.DEBUG, "hello")) == (
         "2024-05-01T12:00:00.123456Z\tdebug\txds\thello"
     )
-    assert IstioFormatter().format(record("asyncio", logs.TRACE, "t")).split("\t")[1:3] == ["trace", "asyncio"]
+    assert IstioFormatter().format(record("asyncio", logs.TRACE, "t")).split("\t")[1:3] == [
+        "trace",
+        "asyncio",
+    ]
 
 
 def test_access_log_through_logging(captured):
     configure_logging("plain", "info", stream=captured)
     log_connection_complete(SAMPLE)
-    log_connection_complete(AccessLogFields(src_addr="1.1.1.1:1", direction="inbound", error="connection reset"))
+    log_connection_complete(
+        AccessLogFields(src_addr="1.1.1.1:1", direction="inbound", error="connection reset")
+    )
     lines = captured.getvalue().splitlines()
     assert len(lines) == 2
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", lines[0].split("\t")[0])
@@ -143,7 +152,10 @@ def test_access_log_through_logging(captured):
 def test_connection_failed_is_warn_json(captured):
     configure_logging("json", "info", stream=captured)
     log_connection_failed(
-        src_addr=SocketAddr.of("10.0.0.1", 1), dst_addr=SocketAddr.of("10.0.0.2", 2), direction="outbound", error="boom"
+        src_addr=SocketAddr.of("10.0.0.1", 1),
+        dst_addr=SocketAddr.of("10.0.0.2", 2),
+        direction="outbound",
+        error="boom",
     )
     line = json.loads(captured.getvalue())
     del line["time"]
@@ -226,3 +238,13 @@ def test_exception_goes_into_a_field():
     line = json.loads(IstioFormatter(json_lines=True).format(rec))
     assert "RuntimeError: bad thing" in line["exception"]
     assert "\n" not in IstioFormatter().format(rec)
+
+
+@given(st.text(alphabet=st.sampled_from(list("abinfowrd=,.:_- TX\u00e9")), max_size=40))
+def test_level_spec_parser_total(spec):
+    try:
+        parsed = parse_level_spec(spec)
+    except ConfigError:
+        return
+    # What it prints parses back to itself.
+    assert parse_level_spec(str(parsed)) == parsed

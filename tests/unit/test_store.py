@@ -176,7 +176,9 @@ def test_unhealthy_endpoints_dropped_unless_allow_all() -> None:
     assert allow_all.endpoints[sick.uid].status is WorkloadStatus.UNHEALTHY
     # A workload turning unhealthy under ONLY_HEALTHY leaves the service.
     services.insert(service())
-    services.update_workload(workload("well", "10.0.0.2", status=WorkloadStatus.UNHEALTHY, services={SVC_KEY: {}}))
+    services.update_workload(
+        workload("well", "10.0.0.2", status=WorkloadStatus.UNHEALTHY, services={SVC_KEY: {}})
+    )
     assert services.get(SVC_KEY).endpoints == {}
 
 
@@ -198,7 +200,11 @@ def test_services_for_workload() -> None:
     wl = workload(
         "w",
         "10.0.0.1",
-        services={"default/b.default.svc.cluster.local": {}, "default/a.default.svc.cluster.local": {}, "x/y": {}},
+        services={
+            "default/b.default.svc.cluster.local": {},
+            "default/a.default.svc.cluster.local": {},
+            "x/y": {},
+        },
     )
     services.update_workload(wl)
     assert [s.name for s in services.services_for_workload(wl.uid)] == ["a", "b"]
@@ -211,7 +217,9 @@ def test_big_service_endpoint_updates_touch_only_one_entry() -> None:
     services = ServiceStore()
     stored = services.insert(service())
     for i in range(5000):
-        services.update_workload(workload(f"w{i}", str(ipaddress.ip_address("10.1.0.0") + i), services={SVC_KEY: {}}))
+        services.update_workload(
+            workload(f"w{i}", str(ipaddress.ip_address("10.1.0.0") + i), services={SVC_KEY: {}})
+        )
     assert services.get(SVC_KEY) is stored
     assert len(stored.endpoints) == 5000
 
@@ -250,7 +258,9 @@ def test_cidr_vips_after_exact_and_ranked() -> None:
     services = ServiceStore()
 
     def cidr_service(name: str, namespace: str, cidr: str, **kwargs) -> Service:
-        return services.insert(service(name, namespace, vips=(), cidr_vips=(("", ipaddress.ip_network(cidr)),), **kwargs))
+        return services.insert(
+            service(name, namespace, vips=(), cidr_vips=(("", ipaddress.ip_network(cidr)),), **kwargs)
+        )
 
     wide = cidr_service("wide", "ns1", "10.0.0.0/8")
     narrow = cidr_service("narrow", "ns1", "10.1.0.0/16")
