@@ -120,10 +120,15 @@ class _FetchGate:
 
     def release(self) -> None:
         self.in_flight -= 1
-        while self.in_flight < self.limit and self._queue:
+        while self.in_flight < self.limit:
+            # A queued fetch whose task was cancelled keeps its place until that task runs
+            # its handler; it must not be admitted meanwhile.
+            ready = [s for s in self._queue if s.future is not None and not s.future.done()]
+            if not ready:
+                return
             # Priority can rise while queued (a connection starts waiting on a prefetch), so
             # the choice is made at admission time rather than by a heap built at enqueue.
-            best = max(self._queue, key=lambda s: (s.priority, -s.seq))
+            best = max(ready, key=lambda s: (s.priority, -s.seq))
             self._queue.remove(best)
             self.in_flight += 1
             assert best.future is not None

@@ -132,7 +132,7 @@ class _Parser:
             return node.value
         try:
             return self._scalars.construct_object(node, deep=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # PyYAML's scalar constructors fail in assorted ways on odd tagged values
             # (`!!int ''` is an IndexError); this is the one seam where they become ours.
             raise self.error(node, f"{what}: bad value {node.value!r}: {exc}") from None

@@ -46,6 +46,9 @@ class WorkloadStore:
     """Workloads by uid, by (network, IP), by identity and by (namespace, name)."""
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self._by_uid: dict[str, Workload] = {}
         # (network, ip) -> uids in arrival order; several may share one IP.
         self._by_address: dict[tuple[str, IPAddress], dict[str, None]] = {}
@@ -117,6 +120,9 @@ class ServiceStore:
     """
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
         self._by_key: dict[str, Service] = {}
         self._by_vip: dict[tuple[str, IPAddress], dict[str, None]] = {}
         self._by_hostname: dict[str, dict[str, None]] = {}
@@ -291,9 +297,10 @@ class ProxyState:
         self, workloads: Iterable[Workload], services: Iterable[Service], policies: Iterable[Authorization]
     ) -> None:
         """Drop everything and load a full snapshot (the local config file); one notification."""
-        self.workloads = WorkloadStore()
-        self.services = ServiceStore()
-        self.policies = {}
+        # Cleared in place: readers may hold on to the stores themselves.
+        self.workloads.clear()
+        self.services.clear()
+        self.policies.clear()
         for service in services:
             self.services.insert(service)
         for workload in workloads:

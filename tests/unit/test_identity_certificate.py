@@ -13,7 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.errors import CertificateError
-from ambient_mesh.identity import CertificateAuthority, Identity, WorkloadCertificate, generate_csr, spiffe_ids
+from ambient_mesh.identity import (
+    CertificateAuthority,
+    Identity,
+    WorkloadCertificate,
+    generate_csr,
+    spiffe_ids,
+)
 
 NOW = datetime(2030, 6, 1, 12, 0, 0, tzinfo=UTC)
 ALICE = Identity("cluster.local", "default", "alice")

@@ -92,7 +92,7 @@ class ScriptedCa:
     def answer(self, identity: Identity | None = None, *, error: Exception | None = None) -> None:
         """Complete the oldest pending call (for `identity`, if given)."""
         for who, future in self.pending:
-            if identity is None or who == identity:
+            if not future.done() and (identity is None or who == identity):
                 if error is not None:
                     future.set_exception(error)
                 else:
@@ -102,7 +102,7 @@ class ScriptedCa:
 
     @property
     def pending_ids(self) -> list[Identity]:
-        return [i for i, _ in self.pending]
+        return [i for i, f in self.pending if not f.done()]
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -191,7 +191,7 @@ async def test_fetch_is_cached(manager: SecretManager, ca: ScriptedCa) -> None:
 
 async def test_concurrent_fetches_share_one_ca_call(manager: SecretManager, ca: ScriptedCa) -> None:
     tasks = [asyncio.create_task(manager.fetch_certificate(ALICE)) for _ in range(5)]
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
 
     ca.answer(ALICE)
     results = await asyncio.gather(*tasks)
@@ -202,7 +202,7 @@ async def test_concurrent_fetches_share_one_ca_call(manager: SecretManager, ca: 
 
 async def test_at_most_eight_ca_calls_in_flight(manager: SecretManager, ca: ScriptedCa) -> None:
     tasks = [asyncio.create_task(manager.fetch_certificate(ident(n))) for n in range(20)]
-    await until(lambda: len(ca.pending) == 8)
+    await until(lambda: len(ca.pending_ids) == 8)
     for _ in range(5):
         await asyncio.sleep(0)
 
@@ -243,16 +243,16 @@ async def test_queued_fetches_are_served_by_priority(
         sleep.finish(0)  # ALICE's refresh now queues behind BOB
         mgr.prefetch(ident(1))  # WARMUP
         waiting = [asyncio.create_task(mgr.fetch_certificate(ident(n))) for n in (2, 3)]  # REAL_TIME
-        mgr.prefetch(ident(4))
+        warm = asyncio.create_task(mgr.fetch_certificate(ident(4), Priority.WARMUP))
         await until(lambda: mgr.queued == 5)
 
         order = []
         ca.answer(BOB)
         for _ in range(5):
-            await until(lambda: len(ca.pending) == 1)
+            await until(lambda: len(ca.pending_ids) == 1)
             order.append(ca.pending_ids[0])
             ca.answer()
-        await asyncio.gather(blocker, *waiting)
+        await asyncio.gather(blocker, warm, *waiting)
 
         assert order == [ident(2), ident(3), ident(1), ident(4), ALICE]
     finally:
@@ -301,7 +301,7 @@ async def test_refresh_at_half_life(
     manager: SecretManager, ca: ScriptedCa, clock: FakeClock, sleep: FakeSleep
 ) -> None:
     task = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     old = await task
     await until(lambda: len(sleep.calls) == 1)
@@ -309,7 +309,7 @@ async def test_refresh_at_half_life(
 
     clock.advance(50)
     sleep.finish()
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     assert await manager.fetch_certificate(ALICE) is old  # still served while the refresh runs
     ca.answer(ALICE)
     await until(lambda: len(sleep.calls) == 2)
@@ -325,7 +325,7 @@ async def test_failed_refresh_backs_off_and_keeps_serving_the_old_cert(
     manager: SecretManager, ca: ScriptedCa, clock: FakeClock, sleep: FakeSleep
 ) -> None:
     task = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     old = await task
     await until(lambda: len(sleep.calls) == 1)
@@ -333,7 +333,7 @@ async def test_failed_refresh_backs_off_and_keeps_serving_the_old_cert(
     clock.advance(50)
     for attempt in range(3):
         sleep.finish()
-        await until(lambda: len(ca.pending) == 1)
+        await until(lambda: len(ca.pending_ids) == 1)
         ca.answer(error=ConnectionError("istiod:15012 unreachable"))
         await until(lambda n=attempt: len(sleep.calls) == n + 2)
         clock.advance(sleep.delays[-1])
@@ -353,7 +353,7 @@ async def test_failed_refresh_backs_off_and_keeps_serving_the_old_cert(
 
     # A success resets the backoff and schedules the next refresh at half life again.
     sleep.finish()
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     await until(lambda: len(sleep.calls) == 5)
     assert sleep.delays[-1] == 50.0
@@ -364,7 +364,7 @@ async def test_first_fetch_failure_raises_with_a_hint(
     manager: SecretManager, ca: ScriptedCa, sleep: FakeSleep
 ) -> None:
     task = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(error=ConnectionRefusedError("connect refused"))
 
     with pytest.raises(IdentityError, match="connect refused") as info:
@@ -375,7 +375,7 @@ async def test_first_fetch_failure_raises_with_a_hint(
     assert ca.calls == [ALICE]  # the retry waits for the backoff, not for the next caller
 
     sleep.finish()
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     await until(lambda: manager.certificates()[0].state == "Available")
     assert (await manager.fetch_certificate(ALICE)).identity == ALICE
@@ -400,14 +400,14 @@ async def test_expired_cert_without_failure_triggers_an_immediate_refresh(
     manager: SecretManager, ca: ScriptedCa, clock: FakeClock, sleep: FakeSleep
 ) -> None:
     task = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     old = await task
     await until(lambda: len(sleep.calls) == 1)
 
     clock.advance(500)  # the host was suspended past the whole lifetime
     waiter = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     assert sleep.calls[0][1].cancelled()
     ca.answer(ALICE)
 
@@ -423,7 +423,7 @@ async def test_forget_drops_the_cert_and_stops_refreshing(
     manager: SecretManager, ca: ScriptedCa, sleep: FakeSleep
 ) -> None:
     task = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     old = await task
     await until(lambda: len(sleep.calls) == 1)
@@ -434,7 +434,7 @@ async def test_forget_drops_the_cert_and_stops_refreshing(
     assert manager.certificates() == []
     assert repr(manager) == "SecretManager(0 certificates: 0 available, 0 pending)"
     again = asyncio.create_task(manager.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     assert (await again).serial_number != old.serial_number
     assert ca.calls == [ALICE, ALICE]
@@ -471,7 +471,7 @@ async def test_close_cancels_refresh_and_fetch_tasks(
 ) -> None:
     mgr = SecretManager(ca, clock=clock, sleep=sleep)
     task = asyncio.create_task(mgr.fetch_certificate(ALICE))
-    await until(lambda: len(ca.pending) == 1)
+    await until(lambda: len(ca.pending_ids) == 1)
     ca.answer(ALICE)
     await task
     await until(lambda: len(sleep.calls) == 1)
@@ -484,3 +484,20 @@ async def test_close_cancels_refresh_and_fetch_tasks(
     assert ca.cancelled == 1
     assert ca.pending == []
     assert mgr.certificates() == []
+
+
+async def test_close_with_fetches_queued_behind_a_running_one(
+    ca: ScriptedCa, clock: FakeClock, sleep: FakeSleep
+) -> None:
+    # Cancelling a running fetch frees its slot while the queued ones are being cancelled
+    # too: none of them may be admitted, and every task must end.
+    mgr = SecretManager(ca, clock=clock, sleep=sleep, max_in_flight=1)
+    waiters = [asyncio.create_task(mgr.fetch_certificate(ident(n))) for n in range(4)]
+    await until(lambda: len(ca.pending_ids) == 1 and mgr.queued == 3)
+
+    await mgr.close()
+
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(r, IdentityError) for r in results)
+    assert ca.calls == [ident(0)]
+    assert (mgr.in_flight, mgr.queued) == (0, 0)

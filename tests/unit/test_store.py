@@ -324,6 +324,7 @@ def test_replace_all_drops_previous_state_and_notifies_once() -> None:
     state.insert_policy(Authorization(name="old", namespace="default"))
     calls: list[str] = []
     state.add_listener(lambda s: calls.append(repr(s)))
+    workloads, services = state.workloads, state.services
     # Workloads listed before their services still become endpoints.
     state.replace_all(
         [workload("a", "10.0.0.1", services={SVC_KEY: {}})],
@@ -334,3 +335,5 @@ def test_replace_all_drops_previous_state_and_notifies_once() -> None:
     assert state.workloads.find_uid("Kubernetes//Pod/default/old") is None
     assert set(state.services.get(SVC_KEY).endpoints) == {"Kubernetes//Pod/default/a"}
     assert list(state.policies) == ["default/new"]
+    # Cleared in place, so a reader holding the stores sees the new snapshot.
+    assert state.workloads is workloads and state.services is services

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (see setup.sh) and run the whole test suite: unit, in-process integration and
+# network-namespace tiers (the last needs root; it skips loudly without it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
