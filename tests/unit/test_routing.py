@@ -256,8 +256,9 @@ def test_ip_selection_prefers_request_family() -> None:
 
 
 def test_ip_selection_exact_ip_wins_and_families_are_honoured() -> None:
-    dual = wl("dual", "127.0.0.3", "fd00::3", services={SVC_KEY: {}})
+    dual = wl("dual", "127.0.0.3", "fd00::3", "127.0.0.13", services={SVC_KEY: {}})
     assert ok(route(make_state([dual]), "[fd00::3]:7")).actual_destination == addr("[fd00::3]:7")
+    assert ok(route(make_state([dual]), "127.0.0.13:7")).actual_destination == addr("127.0.0.13:7")
     v4_only = svc("local-vip", "127.10.0.1", "fd00:10::1", ip_families=IpFamilies.IPV4_ONLY)
     r = ok(route(make_state([dual], [v4_only]), "[fd00:10::1]:80"))
     assert r.actual_destination == addr("127.0.0.3:8080")
