@@ -51,7 +51,7 @@ class SocketAddr:
 
     @classmethod
     def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:
-        return cls(ip_address(ip), port)
+        return cls(ip, port)
 
     @classmethod
     def from_sockaddr(cls, sa: tuple) -> SocketAddr:
@@ -68,6 +68,10 @@ class SocketAddr:
             raise ProtocolError(f"{text!r}: {host!r} is not an IP address") from None
         if ip.version == 6 and not text.startswith("["):
             raise ProtocolError(f"{text!r}: an IPv6 address must be in brackets")
+        if ip.version == 4 and text.startswith("["):
+            raise ProtocolError(f"{text!r}: brackets are for IPv6 addresses only (RFC 3986 3.2.2)")
+        if ip.version == 6 and ip.scope_id:
+            raise ProtocolError(f"{text!r}: a zone id is not allowed in an authority")
         return cls(ip, port)
 
 
