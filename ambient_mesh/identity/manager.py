@@ -151,6 +151,7 @@ class SecretManager:
         self._jitter = jitter
         self._gate = _FetchGate(max_in_flight)
         self._slots: dict[Identity, _CertSlot] = {}
+        self._closed = False
 
     def __repr__(self) -> str:
         states = self.certificates()
@@ -211,6 +212,7 @@ class SecretManager:
         return [self._describe(slot, now) for _, slot in sorted(self._slots.items())]
 
     async def close(self) -> None:
+        self._closed = True
         slots = list(self._slots.values())
         self._slots.clear()
         for slot in slots:
@@ -221,6 +223,9 @@ class SecretManager:
                 await task
 
     def _start(self, identity: Identity, priority: Priority) -> _CertSlot:
+        if self._closed:
+            # A task started now would outlive the proxy that closed us.
+            raise IdentityError(f"cannot fetch a certificate for {identity}: the SecretManager is closed")
         slot = self._slots.get(identity)
         if slot is None:
             slot = _CertSlot(identity, priority)

@@ -484,6 +484,10 @@ async def test_close_cancels_refresh_and_fetch_tasks(
     assert ca.cancelled == 1
     assert ca.pending == []
     assert mgr.certificates() == []
+    with pytest.raises(IdentityError, match="SecretManager is closed"):
+        await mgr.fetch_certificate(ALICE)
+    with pytest.raises(IdentityError, match="SecretManager is closed"):
+        mgr.prefetch(BOB)
 
 
 async def test_close_with_fetches_queued_behind_a_running_one(
