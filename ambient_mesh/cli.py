@@ -56,6 +56,13 @@ def cmd_redirect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ztunnel_config(args: argparse.Namespace) -> int:
+    from .ztunnel_config import Filters, run
+
+    filters = Filters(namespace=args.namespace or "", node=args.node or "", address=args.address or "")
+    return run(args.kind, admin=args.admin, output=args.output, filters=filters, out=sys.stdout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ambient", description="Istio ambient-mode data plane in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--netns", default=None, help="network namespace name (default: the current one)")
     p.add_argument("--mark", type=int, default=1337, help="packet mark of the proxy's own sockets")
     p.set_defaults(func=cmd_redirect)
+    p = sub.add_parser("ztunnel-config", help="show a running node proxy's workloads, services, policies or "
+                       "certificates (like istioctl ztunnel-config)")
+    p.add_argument("kind", choices=["workloads", "services", "policies", "certificates", "all"])
+    p.add_argument("--admin", default="127.0.0.1:15000", help="the proxy's admin address (ADMIN_ADDR)")
+    p.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    p.add_argument("-n", "--namespace", default=None, help="only this namespace")
+    p.add_argument("--node", default=None, help="workloads: only those on this node")
+    p.add_argument("--address", default=None, help="workloads: only the one with this IP")
+    p.set_defaults(func=cmd_ztunnel_config)
     return parser
 
 

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,6 +63,10 @@ SERVICE_PORT = 80
 SERVICE_NAME = "echo"
 SERVICE_HOST = f"{SERVICE_NAME}.{NAMESPACE}.svc.cluster.local"
 HBONE_PORT = 15008
+OUTBOUND_PORT = 15001
+INBOUND_PLAINTEXT_PORT = 15006
+SOCKS5_PORT = 15080
+DNS_PROXY_ADDR = "127.0.0.1:15053"
 PACKET_MARK = 1337
 ADMIN_PORT = 15000
 STATS_PORT = 15020
@@ -210,7 +215,8 @@ def traffic_counters(metrics_text: str) -> list[TrafficCounters]:
     """The istio_tcp_* counters of a Prometheus text exposition, summed per peer pair."""
     rows: dict[tuple[str, ...], dict[str, int]] = {}
     for family in text_string_to_metric_families(metrics_text):
-        column = TRAFFIC_METRICS.get(family.name)
+        # The 0.0.4 text format names counter families with their `_total` suffix.
+        column = TRAFFIC_METRICS.get(family.name.removesuffix("_total"))
         if column is None:
             continue
         for sample in family.samples:
@@ -244,6 +250,7 @@ class CertificateSummary:
 def summarize_certificate(dump: dict[str, Any], identity: str, root_pem: bytes) -> CertificateSummary | None:
     """The `certificates` entry of a /config_dump for `identity`, checked against the demo root."""
     from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
 
     for entry in dump.get("certificates", []):
         if entry.get("identity") != identity:
@@ -261,7 +268,7 @@ def summarize_certificate(dump: dict[str, Any], identity: str, root_pem: bytes) 
             try:
                 leaf.verify_directly_issued_by(root)
                 chains = True
-            except Exception:  # noqa: BLE001 - any verification failure just means "no"
+            except (ValueError, TypeError, InvalidSignature):
                 chains = False
         except (ValueError, binascii.Error, x509.ExtensionNotFound):
             pass
@@ -433,6 +440,15 @@ async def http_get(netns: str | None, host: str, port: int, path: str,
     return await asyncio.wait_for(go(), timeout_s)
 
 
+async def admin_get(proxy: NodeProxy, port: int, path: str) -> bytes:
+    """The body of a 200 answer from one of the proxy's HTTP endpoints (ValueError otherwise)."""
+    status, body = await http_get(proxy.netns, proxy.http_host, port, path)
+    if status != 200:
+        first = body.decode(errors="replace").strip().splitlines()[:1]
+        raise ValueError(f"HTTP {status} {first[0] if first else ''}".strip())
+    return body
+
+
 async def socks5_connect(proxy_ip: str, socks_port: int, dst_ip: str, dst_port: int, *, bind_ip: str):
     """CONNECT through a SOCKS5 listener (RFC 1928, no authentication, IPv4 destination)."""
     reader, writer = await open_tcp(None, proxy_ip, socks_port, bind_ip=bind_ip)
@@ -500,11 +516,19 @@ def proxy_env(demo: Demo, proxy: NodeProxy) -> dict[str, str]:
         "ADMIN_ADDR": f"{proxy.http_host}:{proxy.admin_port}",
         "STATS_ADDR": f"{proxy.http_host}:{proxy.stats_port}",
         "READINESS_ADDR": f"{proxy.http_host}:{proxy.readiness_port}",
+        "ISTIO_META_DNS_PROXY_ADDR": DNS_PROXY_ADDR,
     })
     if demo.ca_dir is not None:
         env["ROOT_CA_DIR"] = str(demo.ca_dir)
     if demo.mode is DemoMode.NETNS:
-        env["PACKET_MARK"] = str(PACKET_MARK)
+        # Every listener spelled out, so /config_dump shows the layout the capture rules expect.
+        env.update({
+            "PACKET_MARK": str(PACKET_MARK),
+            "OUTBOUND_ADDR": f"0.0.0.0:{OUTBOUND_PORT}",
+            "INBOUND_ADDR": f"0.0.0.0:{HBONE_PORT}",
+            "INBOUND_PLAINTEXT_ADDR": f"0.0.0.0:{INBOUND_PLAINTEXT_PORT}",
+            "SOCKS5_ADDR": f"127.0.0.1:{SOCKS5_PORT}",  # not enabled; named so the dump shows it
+        })
     else:
         ip = proxy.ip
         env.update({
@@ -521,7 +545,7 @@ async def wait_ready(proxy: NodeProxy, deadline: float) -> None:
     while True:
         if proxy.process is not None and proxy.process.poll() is not None:
             raise AmbientError(f"the node proxy on {proxy.node} exited with code {proxy.process.returncode}",
-                               hint=f"its log is below; is port {HBONE_PORT} on {proxy.ip} in use?")
+                               hint=f"its log is below (is port {HBONE_PORT} on {proxy.ip} taken?)")
         with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
             status, _ = await http_get(proxy.netns, proxy.http_host, proxy.readiness_port, "/healthz/ready")
             if status == 200:
@@ -539,40 +563,54 @@ def stop_proxy(proxy: NodeProxy) -> None:
 
 
 async def roundtrip(demo: Demo, attempt: Attempt, dst_ip: str, dst_port: int) -> None:
-    """Send the payload, half-close, read the echo; record the outcome in `attempt`."""
+    """Send the payload, half-close, read the echo; record the outcome in `attempt`.
+
+    Connection failures are results (attempt.error), not exceptions; cancellation propagates.
+    """
     payload = hashlib.sha256(b"ambient demo").digest() * (PAYLOAD_BYTES // 32)
     peers_before = len(demo.app_peers)
     started = time.monotonic()
     try:
-        if demo.mode is DemoMode.NETNS:
-            reader, writer = await open_tcp(demo.client_proxy.netns, dst_ip, dst_port)
-        else:
-            reader, writer = await socks5_connect(demo.client_ip, demo.client_proxy.socks_port or 0,
-                                                  dst_ip, dst_port, bind_ip=demo.client_ip)
-        try:
-            async def send() -> None:
-                writer.write(payload)
-                await writer.drain()
-                writer.write_eof()
-
-            async def receive() -> bytes:
-                chunks = []
-                while chunk := await reader.read(READ_BYTES):
-                    chunks.append(chunk)
-                return b"".join(chunks)
-
-            _, echoed = await asyncio.wait_for(asyncio.gather(send(), receive()), TRANSFER_TIMEOUT_S)
-        finally:
-            writer.close()
+        echoed = await asyncio.wait_for(_echo_roundtrip(demo, dst_ip, dst_port, payload), TRANSFER_TIMEOUT_S)
+    except* (TimeoutError, OSError, asyncio.IncompleteReadError) as group:
+        e = group.exceptions[0]
+        attempt.error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} after {TRANSFER_TIMEOUT_S:g}s"
+    else:
         attempt.sent, attempt.received = len(payload), len(echoed)
         attempt.intact = echoed == payload
         if not attempt.intact:
             attempt.error = f"echo differs: sent {len(payload)} bytes, got {len(echoed)} back"
-    except (TimeoutError, OSError, asyncio.IncompleteReadError) as e:
-        attempt.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     attempt.elapsed_ms = (time.monotonic() - started) * 1000
     if len(demo.app_peers) > peers_before:
         attempt.app_peer = demo.app_peers[peers_before]
+
+
+async def _echo_roundtrip(demo: Demo, dst_ip: str, dst_port: int, payload: bytes) -> bytes:
+    if demo.mode is DemoMode.NETNS:
+        reader, writer = await open_tcp(demo.client_proxy.netns, dst_ip, dst_port)
+    else:
+        reader, writer = await socks5_connect(demo.client_ip, demo.client_proxy.socks_port or 0,
+                                              dst_ip, dst_port, bind_ip=demo.client_ip)
+
+    async def send() -> None:
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+
+    async def receive() -> bytes:
+        chunks = []
+        while chunk := await reader.read(READ_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        # Send and receive together: the echo comes back while we are still sending.
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(send())
+            received = tg.create_task(receive())
+        return received.result()
+    finally:
+        writer.close()
 
 
 async def wait_access_lines(demo: Demo, attempt: Attempt, client_since: int, server_since: int) -> None:
@@ -607,83 +645,92 @@ class Steps:
         except BaseException:
             self.console.print(f"  [bold red]✗[/] {what}")
             raise
-        elapsed = time.monotonic() - started
-        self.console.print(f"  [green]✓[/] {what} [dim]({elapsed * 1000:.0f} ms)[/]")
+        elapsed_ms = (time.monotonic() - started) * 1000
+        self.console.print(f"  [green]✓[/] {what} [dim]{elapsed_ms:.0f} ms[/]")
+
+    def note(self, text: str) -> None:
+        self.console.print(f"    [dim]{text}[/]")
 
 
-def short_id(spiffe: str | None) -> str:
-    return spiffe or "[red]none (no mTLS)[/]"
-
-
-def header(demo: Demo, reason: str | None) -> Panel:
+def _grid() -> Table:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold cyan", no_wrap=True)
     grid.add_column()
+    return grid
+
+
+def header(demo: Demo, why_loopback: str | None) -> Panel:
+    grid = _grid()
     if demo.mode is DemoMode.NETNS:
-        where = "network namespaces on a private bridge; iptables hands the client's TCP to its proxy"
+        grid.add_row("layout", "[bold]netns[/]: a network namespace per pod, iptables capture")
     else:
-        where = f"loopback addresses; the client enters through its proxy's SOCKS5 port ({reason})"
-    grid.add_row("layout", f"{demo.mode.value}: {where}")
-    grid.add_row(CLIENT.node, f"{demo.client_ip}  pod [bold]{CLIENT.label}[/] (sa {CLIENT.service_account})"
-                 " + its node proxy `ambient ztunnel`")
-    grid.add_row(SERVER.node, f"{demo.server_ip}  pod [bold]{SERVER.label}[/] (sa {SERVER.service_account}) with an "
-                 f"echo app on :{APP_PORT} + its node proxy")
-    grid.add_row("service", f"{SERVICE_HOST}  VIP {demo.vip}:{SERVICE_PORT} → {SERVER.label}:{APP_PORT}")
-    grid.add_row("identity", "each proxy signs its workload's certificate with an operator root "
-                 "generated for this run (FAKE_CA + ROOT_CA_DIR)")
-    return Panel(grid, title="[bold]ambient demo[/]: two node proxies, one connection over HBONE + mTLS",
-                 title_align="left", box=box.ROUNDED)
+        grid.add_row("layout", f"[bold]loopback[/]: client enters via SOCKS5 [dim]({why_loopback})[/]")
+    grid.add_row(CLIENT.node, f"{demo.client_ip:<12} pod [bold]{CLIENT.label}[/] + ambient ztunnel")
+    grid.add_row(SERVER.node, f"{demo.server_ip:<12} pod [bold]{SERVER.label}[/] (echo :{APP_PORT}) + ambient ztunnel")
+    grid.add_row("service", f"{SERVICE_HOST} = {demo.vip}:{SERVICE_PORT}")
+    grid.add_row("CA", "an operator root made for this run (FAKE_CA + ROOT_CA_DIR)")
+    return Panel(grid, title="[bold]ambient demo[/]: one connection over HBONE + mTLS", title_align="left",
+                 box=box.ROUNDED, expand=False)
 
 
-def calls_table(attempts: Sequence[Attempt]) -> Table:
-    table = Table(title="Who called whom (from the proxies' access logs)", title_justify="left",
-                  box=box.SIMPLE_HEAVY, show_lines=True)
-    table.add_column("path", no_wrap=True)
-    table.add_column("reported by", no_wrap=True)
-    table.add_column("source (workload / SPIFFE id)")
-    table.add_column("destination (workload / SPIFFE id)")
-    table.add_column("bytes sent / recv", justify="right", no_wrap=True)
-    table.add_column("echo", no_wrap=True)
-    for attempt in attempts:
-        echo = (f"[green]{attempt.received} B intact[/]" if attempt.intact
-                else f"[red]{attempt.error or 'failed'}[/]")
-        path = f"{attempt.path}\n[dim]{attempt.target}[/]"
-        lines = [("client proxy, outbound", attempt.client_line), ("server proxy, inbound", attempt.server_line)]
-        for i, (who, line) in enumerate(lines):
-            if line is None:
-                table.add_row(path if i == 0 else "", who, "[red]no access log line[/]", "", "", echo if i == 0 else "")
-                continue
-            src = f"{line.get('src.namespace', '?')}/{line.get('src.workload', '?')}\n{short_id(line.get('src.identity'))}"
-            dst_name = f"{line.get('dst.namespace', '?')}/{line.get('dst.workload', '?')}"
-            if line.get("dst.service"):
-                dst_name += f" [dim](service {line['dst.service']})[/]"
-            dst = f"{dst_name}\n{short_id(line.get('dst.identity'))}"
-            table.add_row(path if i == 0 else "", who, src, dst,
-                          f"{line.get('bytes_sent', '?')} / {line.get('bytes_recv', '?')}", echo if i == 0 else "")
+def _identity(spiffe: str | None) -> str:
+    return f"[green]{spiffe}[/]" if spiffe else "[red]no peer identity (not mTLS)[/]"
+
+
+def _endpoint(line: dict[str, str], side: str) -> str:
+    name = f"{line.get(f'{side}.namespace', '?')}/{line.get(f'{side}.workload', '?')}"
+    if side == "dst" and line.get("dst.service"):
+        name += f" [dim]via {line['dst.service']}[/]"
+    return f"{name}\n  {_identity(line.get(f'{side}.identity'))}"
+
+
+def calls_table(attempt: Attempt, index: int) -> Table:
+    if attempt.intact:
+        outcome = f"[green]{attempt.received} B echoed intact[/]"
+    else:
+        outcome = f"[red]{attempt.error or 'failed'}[/]"
+    table = Table(title=f"[bold]{index}. {attempt.path}[/] {attempt.target}: {outcome}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    table.add_column("seen by", no_wrap=True)
+    table.add_column("source → destination")
+    table.add_column("bytes", justify="right", no_wrap=True)
+    rows = [(f"{CLIENT.node} proxy\noutbound", attempt.client_line),
+            (f"{SERVER.node} proxy\ninbound", attempt.server_line)]
+    for who, line in rows:
+        if line is None:
+            table.add_row(who, "[red]no `connection complete` line in its log[/]", "")
+            continue
+        flow = f"{_endpoint(line, 'src')}\n→ {_endpoint(line, 'dst')}"
+        if line.get("error"):
+            flow += f"\n[red]error: {line['error']}[/]"
+        sent_recv = f"{line.get('bytes_sent', '?')} sent\n{line.get('bytes_recv', '?')} recv"
+        if line.get("duration"):
+            sent_recv += f"\n[dim]{line['duration']}[/]"
+        table.add_row(who, flow, sent_recv)
     return table
 
 
 def counters_table(counted: Sequence[tuple[NodeProxy, list[TrafficCounters]]]) -> Table:
-    table = Table(title="What each proxy counted (from /metrics, istio_tcp_*)", title_justify="left",
-                  box=box.SIMPLE_HEAVY)
-    table.add_column("proxy", no_wrap=True)
-    table.add_column("reporter", no_wrap=True)
+    table = Table(title="[bold]What each proxy counted[/] (/metrics, istio_tcp_*)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     table.add_column("source_principal → destination_principal")
-    table.add_column("security policy", no_wrap=True)
-    table.add_column("opened", justify="right")
-    table.add_column("closed", justify="right")
-    table.add_column("received B", justify="right")
-    table.add_column("sent B", justify="right")
-    for proxy, rows in counted:
+    table.add_column("conns", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    for n, (proxy, rows) in enumerate(counted):
+        if n:
+            table.add_section()
+        table.add_row(f"[bold]{proxy.node} proxy[/]", "", "")
         if not rows:
-            table.add_row(proxy.node, "[red]no istio_tcp_* samples[/]", "", "", "", "", "", "")
+            table.add_row("  [red]no istio_tcp_* samples[/]", "", "")
         for i, row in enumerate(rows):
-            policy = row.security_policy
-            style = "green" if policy == "mutual_tls" else "yellow"
-            table.add_row(proxy.node if i == 0 else "", row.reporter,
-                          f"{row.source_principal}\n→ {row.destination_principal}",
-                          f"[{style}]{policy}[/]", str(row.opened), str(row.closed),
-                          str(row.received), str(row.sent))
+            if i:
+                table.add_row("", "", "")
+            style = "green" if row.security_policy == "mutual_tls" else "yellow"
+            flow = (f"  {row.source_principal}\n  → {row.destination_principal}\n"
+                    f"  [{style}]{row.security_policy}[/] [dim]reporter={row.reporter}[/]")
+            if row.destination_service != "unknown":
+                flow += f"\n  [dim]service {row.destination_service}[/]"
+            table.add_row(flow, f"{row.opened} opened\n{row.closed} closed", f"{row.received} recv\n{row.sent} sent")
     return table
 
 
@@ -691,27 +738,25 @@ def certificate_panel(summary: CertificateSummary | None, proxy: NodeProxy) -> P
     if summary is None:
         body: Any = Text(f"no certificate for {SERVER.spiffe_id} in {proxy.node}'s /config_dump", style="red")
     else:
-        grid = Table.grid(padding=(0, 2))
-        grid.add_column(style="bold cyan", no_wrap=True)
-        grid.add_column()
+        grid = _grid()
         grid.add_row("identity", summary.identity)
         grid.add_row("state", f"[green]{summary.state}[/]" if summary.state == "Available" else summary.state)
-        grid.add_row("SAN (URI)", summary.san or "?")
-        grid.add_row("issuer", summary.issuer or "?")
-        grid.add_row("valid", f"{summary.valid_from}  →  {summary.expires}")
+        grid.add_row("URI SAN", summary.san or "?")
+        grid.add_row("valid", f"{summary.valid_from} → {summary.expires}")
         grid.add_row("serial", summary.serial)
-        grid.add_row("chains to", "[green]the operator root generated for this run[/]" if summary.chains_to_demo_root
-                     else "[red]not the demo root[/]")
+        chains = ("[green]signed by this run's operator root[/]" if summary.chains_to_demo_root
+                  else "[red]not signed by this run's root[/]")
+        grid.add_row("issuer", f"{summary.issuer or '?'}, {chains}")
         body = grid
-    return Panel(body, title=f"Server workload certificate (from {proxy.node}'s /config_dump)",
-                 title_align="left", box=box.ROUNDED)
+    return Panel(body, title=f"[bold]Server workload certificate[/] ({proxy.node} /config_dump)",
+                 title_align="left", box=box.ROUNDED, expand=False)
 
 
 def verdict(attempts: Sequence[Attempt]) -> Text:
     if attempts and all(a.ok for a in attempts):
         return Text.from_markup(
-            f"[bold green]PASS[/] {len(attempts)} connections from {CLIENT.spiffe_id} reached "
-            f"{SERVER.spiffe_id} over HBONE with mutual TLS; every byte came back.")
+            f"[bold green]PASS[/] {CLIENT.label} called {SERVER.label} {len(attempts)} times over HBONE; the "
+            f"server's proxy verified the caller as {CLIENT.spiffe_id}; every byte came back.")
     problems = []
     for a in attempts:
         if not a.intact:
@@ -721,7 +766,7 @@ def verdict(attempts: Sequence[Attempt]) -> Text:
         elif a.server_line.get("src.identity") != CLIENT.spiffe_id:
             problems.append(f"{a.path}: the server proxy saw identity {a.server_line.get('src.identity')!r}, "
                             f"expected {CLIENT.spiffe_id}")
-    return Text.from_markup("[bold red]FAIL[/] " + "; ".join(problems or ["no connection was attempted"]))
+    return Text.from_markup("[bold red]FAIL[/] " + "; ".join(problems or ["no connection was made"]))
 
 
 def print_logs(console: Console, demo: Demo, *, tail: int | None) -> None:
@@ -729,7 +774,7 @@ def print_logs(console: Console, demo: Demo, *, tail: int | None) -> None:
         lines = proxy.log_text().splitlines()
         if tail is not None:
             lines = lines[-tail:]
-        title = f"{proxy.node} proxy log ({proxy.log.name})" + (f", last {tail} lines" if tail else "")
+        title = f"{proxy.node} proxy log" + (f" (last {tail} lines)" if tail else "")
         console.print(Panel(Text("\n".join(lines) or "(empty)", overflow="fold"), title=title,
                             title_align="left", box=box.MINIMAL))
 
@@ -738,15 +783,21 @@ def print_logs(console: Console, demo: Demo, *, tail: int | None) -> None:
 
 
 async def start_proxies(demo: Demo, steps: Steps, spawn) -> None:
-    deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
+    spawned = time.monotonic()
+    deadline = spawned + PROXY_READY_TIMEOUT_S
     for proxy in demo.proxies:
         with open(proxy.log, "wb") as out:
             proxy.process = spawn(proxy, proxy_argv(), env=proxy_env(demo, proxy), cwd=demo.workdir,
                                   stdout=out, stderr=out)
     for proxy in demo.proxies:
-        with steps.step(f"node proxy on {proxy.node} ready (pid {proxy.process.pid}, "
-                        f"HBONE {proxy.ip}:{HBONE_PORT})"):
+        what = f"{proxy.node}: ambient ztunnel ready [dim](pid {proxy.process.pid}, HBONE on {proxy.ip}:{HBONE_PORT})[/]"
+        try:
             await wait_ready(proxy, deadline)
+        except BaseException:
+            steps.console.print(f"  [bold red]✗[/] {what}")
+            raise
+        # Both start together: time since the spawn, not since the previous step.
+        steps.console.print(f"  [green]✓[/] {what} [dim]{(time.monotonic() - spawned) * 1000:.0f} ms[/]")
 
 
 async def exercise(demo: Demo, steps: Steps) -> list[Attempt]:
@@ -754,17 +805,16 @@ async def exercise(demo: Demo, steps: Steps) -> list[Attempt]:
         Attempt(path="pod IP", target=f"{demo.server_ip}:{APP_PORT}"),
         Attempt(path="service VIP", target=f"{demo.vip}:{SERVICE_PORT}"),
     ]
-    how = "plain connect(), captured by iptables" if demo.mode is DemoMode.NETNS else "via SOCKS5"
+    how = "plain connect()" if demo.mode is DemoMode.NETNS else "via SOCKS5"
     for attempt, (ip, port) in zip(attempts, [(demo.server_ip, APP_PORT), (demo.vip, SERVICE_PORT)], strict=True):
         client_since, server_since = demo.client_proxy.log_size(), demo.server_proxy.log_size()
         await roundtrip(demo, attempt, ip, port)
-        seen = f"; the app saw a connection from {attempt.app_peer}" if attempt.app_peer else ""
+        what = f"client → {attempt.path} {attempt.target} [dim]({how})[/]"
         if attempt.intact:
-            steps.console.print(f"  [green]✓[/] client → {attempt.path} {attempt.target} ({how}): "
-                                f"{attempt.received} bytes echoed intact [dim]({attempt.elapsed_ms:.0f} ms{seen})[/]")
+            steps.console.print(f"  [green]✓[/] {what}: {attempt.received} B echoed "
+                                f"[dim]{attempt.elapsed_ms:.0f} ms[/]")
         else:
-            steps.console.print(f"  [bold red]✗[/] client → {attempt.path} {attempt.target} ({how}): "
-                                f"{attempt.error}")
+            steps.console.print(f"  [bold red]✗[/] {what}: {attempt.error}")
         await wait_access_lines(demo, attempt, client_since, server_since)
     return attempts
 
@@ -773,35 +823,35 @@ async def report(demo: Demo, console: Console, attempts: list[Attempt]) -> None:
     counted = []
     for proxy in demo.proxies:
         try:
-            _, body = await http_get(proxy.netns, proxy.http_host, proxy.stats_port, "/metrics")
+            body = await admin_get(proxy, proxy.stats_port, "/metrics")
             counted.append((proxy, traffic_counters(body.decode(errors="replace"))))
         except (TimeoutError, OSError, ValueError) as e:
             console.print(f"  [red]could not read /metrics of {proxy.node}: {e}[/]")
             counted.append((proxy, []))
     summary = None
     try:
-        _, body = await http_get(demo.server_proxy.netns, demo.server_proxy.http_host,
-                                 demo.server_proxy.admin_port, "/config_dump")
+        body = await admin_get(demo.server_proxy, demo.server_proxy.admin_port, "/config_dump")
         summary = summarize_certificate(json.loads(body), SERVER.spiffe_id, demo.root_pem)
     except (TimeoutError, OSError, ValueError) as e:
         console.print(f"  [red]could not read /config_dump of {demo.server_proxy.node}: {e}[/]")
     console.print()
-    console.print(calls_table(attempts))
+    console.print("[bold]Who called whom[/] (the proxies' access logs)")
+    for index, attempt in enumerate(attempts, 1):
+        console.print(calls_table(attempt, index))
     console.print(counters_table(counted))
     console.print(certificate_panel(summary, demo.server_proxy))
 
 
 def setup_files(demo: Demo, steps: Steps) -> None:
-    with steps.step("generated an operator root CA (Istio plugged-in CA files: ca-cert.pem, ca-key.pem, "
-                    "root-cert.pem, cert-chain.pem)"):
+    with steps.step("operator root CA generated"):
         ca = CertificateAuthority.self_signed(TRUST_DOMAIN, now=datetime.now(UTC))
         demo.ca_dir = demo.workdir / "cacerts"
         write_plugged_in_ca(ca, demo.ca_dir)
         CertificateAuthority.from_plugged_in_dir(demo.ca_dir)  # what the proxies will load
         demo.root_pem = ca.root_pem
-    steps.console.print(f"    [dim]root {ca.signing_cert.subject.rfc4514_string()}, "
-                        f"sha256 {fingerprint(demo.root_pem)}, in {demo.ca_dir}[/]")
-    with steps.step(f"wrote the local config ({demo.config_path.name}: 2 workloads, service {SERVICE_HOST})"):
+    steps.note(f"{ca.signing_cert.subject.rfc4514_string()}, sha256 {fingerprint(demo.root_pem)}")
+    steps.note(f"ROOT_CA_DIR={demo.ca_dir}")
+    with steps.step(f"local config written: 2 workloads, 1 service [dim]({demo.config_path.name})[/]"):
         config = render_local_config(client_ip=demo.client_ip, server_ip=demo.server_ip, vip=demo.vip)
         demo.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -837,21 +887,21 @@ async def run_netns(demo: Demo, steps: Steps, stack: contextlib.AsyncExitStack) 
     from .host.netns import Fabric, cleanup_stale_namespaces
 
     runner = SubprocessRunner()
-    with steps.step("created network namespaces node-a and node-b on a private bridge"):
+    with steps.step(f"namespaces {CLIENT.node} and {SERVER.node} on a private bridge"):
         cleanup_stale_namespaces(runner, kill_processes=True)
         fabric = Fabric(runner=runner, subnet6=None)
         stack.callback(fabric.close)  # stops the proxies, then deletes every namespace
         fabric.open()
         node_a, node_b = fabric.add_node(CLIENT.node), fabric.add_node(SERVER.node)
     demo.client_ip, demo.server_ip = str(node_a.ipv4), str(node_b.ipv4)
-    with steps.step(f"dedicated-mode capture rules in both pods (iptables, mark {PACKET_MARK})"):
+    with steps.step(f"dedicated-mode capture rules installed [dim](iptables, mark {PACKET_MARK})[/]"):
         for node in (node_a, node_b):
             apply_dedicated_rules(runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
     for node, workload in ((node_a, CLIENT), (node_b, SERVER)):
         demo.proxies.append(NodeProxy(node=node.name, workload=workload, ip=str(node.ipv4), netns=node.netns,
                                       http_host="127.0.0.1", admin_port=ADMIN_PORT, stats_port=STATS_PORT,
                                       readiness_port=READINESS_PORT, log=demo.workdir / f"ztunnel-{node.name}.log"))
-    with steps.step(f"echo app listening on {demo.server_ip}:{APP_PORT} inside {SERVER.node}"):
+    with steps.step(f"echo app listening on {demo.server_ip}:{APP_PORT} [dim](in {SERVER.node})[/]"):
         server = await start_echo_app(demo, node_b.netns)
         stack.push_async_callback(_close_server, server)
 
@@ -871,7 +921,9 @@ async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None,
                    loopback_ips: tuple[str, str] = (LOOPBACK_CLIENT_IP, LOOPBACK_SERVER_IP)) -> int:
     """Run the demo; 0 when every connection echoed intact and the server proxy saw the client's id.
 
-    `mode` forces a layout (tests use it); by default netns when possible, else loopback.
+    `mode` forces a layout (tests use it); by default netns when possible, else loopback. Ctrl-C
+    (the runner cancels this task) and SIGTERM both stop the proxies and remove the namespaces
+    and temporary files before returning or re-raising.
     """
     console = console or Console()
     reason = netns_unavailable_reason()
@@ -881,8 +933,38 @@ async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None,
     if mode is DemoMode.NETNS and reason:
         console.print(f"[red]ambient demo: the netns layout cannot run here: {reason}[/]")
         return 2
-    steps = Steps(console)
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        if task is not None:
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        handler_installed = True
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        handler_installed = False
     started = time.monotonic()
+    try:
+        return await _run_demo(console, mode, reason, verbose, loopback_ips, started)
+    except asyncio.CancelledError:
+        console.print(f"[yellow]interrupted: proxies stopped, {'namespaces deleted, ' if mode is DemoMode.NETNS else ''}"
+                      "temporary files removed[/]")
+        if terminated and task is not None and task.uncancel() == 0:
+            return 128 + signal.SIGTERM
+        raise
+    finally:
+        if handler_installed:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _run_demo(console: Console, mode: DemoMode, reason: str | None, verbose: bool,
+                    loopback_ips: tuple[str, str], started: float) -> int:
+    steps = Steps(console)
     attempts: list[Attempt] = []
     with tempfile.TemporaryDirectory(prefix="ambient-demo-") as tmp:
         workdir = Path(tmp)
@@ -910,10 +992,10 @@ async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None,
                     await run_loopback(demo, steps, stack)
                 attempts = await exercise(demo, steps)
                 await report(demo, console, attempts)
-            except AmbientError as e:
+            except (AmbientError, OSError) as e:
                 failed = True
-                console.print(f"[bold red]ambient demo: {e.message}[/]")
-                if e.hint:
+                console.print(f"[bold red]ambient demo: {getattr(e, 'message', None) or e}[/]")
+                if getattr(e, "hint", None):
                     console.print(f"  hint: {e.hint}")
         # The proxies are stopped now, so their logs are complete.
         ok = not failed and bool(attempts) and all(a.ok for a in attempts)

@@ -51,7 +51,7 @@ class SocketAddr:
 
     @classmethod
     def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:
-        return cls(ip, port)
+        return cls(ip_address(ip), port)
 
     @classmethod
     def from_sockaddr(cls, sa: tuple) -> SocketAddr:

@@ -166,25 +166,33 @@ class Ztunnel:
             "readiness": str(self.readiness_server.bound_address)}})
 
     def _register_dumps(self) -> None:
+        # Sections in ztunnel's order (src/admin.rs `ConfigDump`, state flattened first); the
+        # shapes live in state/dump.py.
+        from .state.dump import (
+            build_info,
+            dump_staged_services,
+            dump_static_config,
+            dump_workload_state,
+        )
+
         a = self.admin
         a.register_dump("workloads", lambda: dump_workloads(self.state))
         a.register_dump("services", lambda: dump_services(self.state))
         a.register_dump("policies", lambda: dump_policies(self.state))
-        a.register_dump("certificates", self._dump_certificates)
-        a.register_dump("connections", lambda: {"inbound": self.pi.connections.dump("inbound"),
-                                                "outbound": self.pi.connections.dump("outbound")})
-        a.register_dump("version", lambda: {"version": __version__, "component": "ambient-mesh ztunnel"})
+        a.register_dump("stagedServices", lambda: dump_staged_services(self.state))
+        a.register_dump("staticConfig", lambda: dump_static_config(self.config))
+        a.register_dump("version", lambda: build_info(__version__))
         a.register_dump("config", self.config.to_dump)
+        a.register_dump("certificates", self._dump_certificates)
+        # Our open connections, where ztunnel's shared mode shows them: per served workload.
+        a.register_dump("workloadState", lambda: dump_workload_state(
+            served=self.served_workload(), info=self.config.proxy_workload_info,
+            inbound=self.pi.connections.dump("inbound"), outbound=self.pi.connections.dump("outbound")))
 
     def _dump_certificates(self) -> list[dict]:
-        out = []
-        for cs in sorted(self.cert_manager.certificates(), key=lambda c: str(c.identity)):
-            entry: dict = {"identity": str(cs.identity), "state": cs.state, "certChain": [], "rootCerts": []}
-            if cs.cert is not None:
-                entry["certChain"] = [_cert_info(pem) for pem in cs.cert.chain_pem]
-                entry["rootCerts"] = [_cert_info(pem) for pem in _split_pems(cs.cert.roots_pem)]
-            out.append(entry)
-        return out
+        from .state.dump import dump_certificates
+
+        return dump_certificates(self.cert_manager.certificates())
 
     def _request_shutdown(self) -> None:
         self._shutdown_requested.set()
@@ -238,24 +246,6 @@ class Ztunnel:
                 await server.stop()
             except Exception:  # noqa: BLE001 - stopping must not fail the shutdown
                 log.debug("stopping %r failed", server, exc_info=True)
-
-
-def _split_pems(bundle: bytes) -> list[bytes]:
-    marker = b"-----END CERTIFICATE-----"
-    parts = []
-    for chunk in bundle.split(marker):
-        if b"-----BEGIN CERTIFICATE-----" in chunk:
-            parts.append(chunk[chunk.index(b"-----BEGIN"):] + marker + b"\n")
-    return parts
-
-
-def _cert_info(pem: bytes) -> dict:
-    from cryptography import x509
-
-    cert = x509.load_pem_x509_certificate(pem)
-    return {"pem": base64.b64encode(pem).decode(), "serialNumber": format(cert.serial_number, "x"),
-            "validFrom": cert.not_valid_before_utc.isoformat().replace("+00:00", "Z"),
-            "expirationTime": cert.not_valid_after_utc.isoformat().replace("+00:00", "Z")}
 
 
 async def build(env: Mapping[str, str]) -> Ztunnel:

@@ -18,9 +18,11 @@ from ..errors import AmbientError, ProtocolError
 from ..identity.spiffe import Identity
 from ..identity.tls import verify_client_identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
+from ..rbac import RbacConnection
 from ..state.model import GatewayAddress, NetworkAddress, Service, Workload
 from . import headers as hbone_headers
 from .hbone import HboneConnection, HboneSettings, HboneStream
+from .connection_manager import PolicyDenied
 from .inputs import ProxyInputs
 from .relay import Relay, wrap_socket
 from .sockets import original_destination
@@ -85,11 +87,12 @@ class InboundProxy:
             conn.peer_identity = verify_client_identity(conn.transport.get_extra_info("ssl_object"), trust_domain)
 
         loop = asyncio.get_running_loop()
+        conn = HboneConnection(client_side=False, settings=self.settings, on_connected=check_client,
+                               on_request=lambda s: self._on_request(s, local, peer, workload))
         try:
-            _t, conn = await loop.connect_accepted_socket(
-                lambda: HboneConnection(client_side=False, settings=self.settings, on_connected=check_client,
-                                        on_request=lambda s: self._on_request(s, local, peer, workload)),
-                sock, ssl=ctx, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            # uvloop returns its SSL protocol here, not ours: keep our own reference.
+            await loop.connect_accepted_socket(lambda: conn, sock, ssl=ctx,
+                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             log.info("HBONE TLS handshake from %s failed: %s", peer, e)
             sock.close()
@@ -188,6 +191,15 @@ class InboundProxy:
                                   hbone_addr=stream.request.authority, source=source, source_identity=src_id,
                                   destination=workload, service=decision.service,
                                   destination_identity=workload.identity, mtls=True)
+        # Authorization sees the peer's address, its certificate identity and the real target
+        # (never 15008), reference 3.2 step 7.
+        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip, dst_port=target.port,
+                                   dst_network=pi.config.network)
+        verdict = pi.connection_manager.authorize(rbac_conn, workload)
+        if not verdict.allowed:
+            result.fail(str(PolicyDenied(verdict)), PolicyDenied.response_flag)
+            conn.respond(stream, 401)
+            return
         try:
             async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
                 sock = await pi.connect(target, peer.ip)
@@ -203,9 +215,13 @@ class InboundProxy:
         conn.respond(stream, 200, response_headers)
         relay = Relay(stream, upstream, on_progress=result.progress)
         pi.connections.track(relay, result.dump_info())
+        untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
         upstream.attach(relay)
         stream.attach(relay)
-        err = await relay.done
+        try:
+            err = await relay.done
+        finally:
+            untrack()
         result.complete(relay, err)
 
     def drain(self) -> None:
@@ -224,6 +240,12 @@ class InboundPassthroughProxy:
         pi = self.pi
         target = original_destination(sock)
         peer = SocketAddr.from_sockaddr(sock.getpeername())
+        if target == SocketAddr.from_sockaddr(sock.getsockname()):
+            # Not redirected: the client dialed the listener itself. Forwarding would loop.
+            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
+                                    error="connection to the plaintext listener itself (not redirected) refused")
+            sock.close()
+            return
         if target.port in pi.config.illegal_ports:
             ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
                                     error=f"port {target.port} is one of the proxy's own ports")
@@ -242,6 +264,14 @@ class InboundPassthroughProxy:
         result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=target, hbone_addr=None,
                                   source=source, source_identity=None, destination=workload, service=service,
                                   destination_identity=None, mtls=False)
+        # Plaintext has no identity: STRICT mTLS and principal-based ALLOW policies deny it.
+        rbac_conn = RbacConnection(src_identity=None, src_ip=peer.ip, dst_ip=target.ip, dst_port=target.port,
+                                   dst_network=pi.config.network)
+        verdict = pi.connection_manager.authorize(rbac_conn, workload)
+        if not verdict.allowed:
+            result.fail(str(PolicyDenied(verdict)), PolicyDenied.response_flag)
+            downstream.abort()
+            return
         try:
             async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
                 upstream_sock = await pi.connect(target, peer.ip)
@@ -252,7 +282,11 @@ class InboundPassthroughProxy:
             return
         relay = Relay(downstream, upstream, on_progress=result.progress)
         pi.connections.track(relay, result.dump_info())
+        untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
         upstream.attach(relay)
         downstream.attach(relay)
-        err = await relay.done
+        try:
+            err = await relay.done
+        finally:
+            untrack()
         result.complete(relay, err)

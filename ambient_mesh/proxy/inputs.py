@@ -21,6 +21,7 @@ from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
 from ..state.store import ProxyState
+from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
 from .sockets import new_socket, set_transparent
@@ -60,9 +61,14 @@ class ProxyInputs:
     tls: TlsContextCache
     metrics: Metrics
     pool: HbonePool | None = None
+    connection_manager: ConnectionManager | None = None
     connections: ConnectionTracker = field(default_factory=ConnectionTracker)
     rng: random.Random = field(default_factory=random.Random)
     transparent: bool = False  # original-source preservation available
+
+    def __post_init__(self) -> None:
+        if self.connection_manager is None:
+            self.connection_manager = ConnectionManager(self.state)
 
     @property
     def mark(self) -> int | None:

@@ -44,6 +44,12 @@ class OutboundProxy:
         """A connection accepted on 15001: its real target is the pre-REDIRECT destination."""
         target = original_destination(sock)
         peer = SocketAddr.from_sockaddr(sock.getpeername())
+        if target == SocketAddr.from_sockaddr(sock.getsockname()):
+            # Not redirected: the client dialed the outbound listener itself. Forwarding would loop.
+            ConnectionResult.failed(self.pi, src=peer, dst=target, direction="outbound",
+                                    error="connection to the outbound listener itself (not redirected) refused")
+            sock.close()
+            return
         downstream = await wrap_socket(sock)
         await self.proxy_to(downstream, peer, target)
 

@@ -192,10 +192,11 @@ class HboneConnector:
         def check_server(conn: HboneConnection) -> None:
             conn.peer_identity = self._verify_server(conn.transport.get_extra_info("ssl_object"), key.dst_id)
 
+        conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)
         try:
-            _transport, conn = await loop.create_connection(
-                lambda: HboneConnection(client_side=True, settings=self.settings, on_connected=check_server),
-                sock=sock, ssl=ctx, server_hostname="", ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            # uvloop returns its SSL protocol here, not ours: keep our own reference.
+            await loop.create_connection(lambda: conn, sock=sock, ssl=ctx, server_hostname="",
+                                         ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()
             raise HboneError(f"TLS handshake with {key.dst} failed: {e}", response_flag="TLS_FAILURE") from None

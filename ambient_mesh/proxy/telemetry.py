@@ -75,8 +75,9 @@ class ConnectionResult:
                 "actualDst": str(self.dst_addr), "protocol": "HBONE" if self.mtls else "TCP"}
 
     def complete(self, relay, error: BaseException | None) -> None:
+        flag = "-" if error is None else getattr(error, "response_flag", "CONNECT")
         self._finish(relay.bytes_up, relay.bytes_down, None if error is None else str(error) or type(error).__name__,
-                     "-" if error is None else "CONNECT")
+                     flag)
 
     def fail(self, error: str, response_flag: str) -> None:
         self._finish(0, 0, error, response_flag)

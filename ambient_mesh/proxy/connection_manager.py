@@ -1,0 +1,101 @@
+"""Inbound connections under authorization, re-checked when the state changes.
+
+Counterpart: ztunnel src/proxy/connection_manager.rs (ConnectionManager, PolicyWatcher),
+reference/ztunnel.md 5.5. Every inbound connection (HBONE stream or plaintext) is registered
+before its first check. When the state changes, every tracked connection is checked again
+against the destination workload as it is NOW in the state, and closed if it is now denied.
+ztunnel re-checks with the workload captured at accept time and only on Authorization pushes,
+so a workload that gains a selector-scoped policy keeps its open connections; re-reading the
+workload closes that gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import AmbientError
+from ..rbac import Decision, RbacConnection, evaluate, policies_for
+from ..state.model import Workload
+from ..state.store import ProxyState
+
+log = logging.getLogger("ambient_mesh.proxy.rbac")
+
+
+class PolicyDenied(AmbientError):
+    """A connection refused or closed by authorization; metrics record flag DENY."""
+
+    response_flag = "DENY"
+
+    def __init__(self, decision: Decision, *, closing: bool = False) -> None:
+        what = "connection closed due to policy change" if closing else "connection denied by policy"
+        super().__init__(f"{what}: {decision.reason}")
+        self.decision = decision
+
+
+@dataclass(eq=False, slots=True)
+class TrackedConnection:
+    conn: RbacConnection
+    workload_uid: str
+    close: Callable[[PolicyDenied], None]
+    description: str
+
+
+class ConnectionManager:
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        self._tracked: dict[int, TrackedConnection] = {}
+        self._next_id = 0
+        self._recheck_scheduled = False
+        self._unsubscribe = state.add_listener(self._on_state_change)
+        self.closed_by_policy = 0
+
+    def __repr__(self) -> str:
+        return f"ConnectionManager({len(self._tracked)} inbound tracked, {self.closed_by_policy} closed by policy)"
+
+    def authorize(self, conn: RbacConnection, workload: Workload) -> Decision:
+        """One authorization check against the current policies (reference 5.3)."""
+        decision = evaluate(policies_for(self.state.policies, workload), conn)
+        if decision.dry_run_matches:
+            log.info("dry-run policies matched %s: %s", conn, ", ".join(decision.dry_run_matches))
+        level = logging.INFO if not decision.allowed else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "%s %s: %s", "allowed" if decision.allowed else "denied", conn, decision.reason)
+        return decision
+
+    def register(self, conn: RbacConnection, workload: Workload, close: Callable[[PolicyDenied], None],
+                 description: str) -> Callable[[], None]:
+        """Track a connection; returns the function that stops tracking it."""
+        key = self._next_id
+        self._next_id += 1
+        self._tracked[key] = TrackedConnection(conn, workload.uid, close, description)
+        return lambda: self._tracked.pop(key, None)
+
+    def _on_state_change(self, *_args) -> None:
+        # Coalesce bursts of changes (a push applies many resources) into one re-check.
+        if not self._recheck_scheduled and self._tracked:
+            self._recheck_scheduled = True
+            asyncio.get_running_loop().call_soon(self.recheck)
+
+    def recheck(self) -> int:
+        """Check every tracked connection again; close and return the number now denied."""
+        self._recheck_scheduled = False
+        closed = 0
+        for key, tracked in list(self._tracked.items()):
+            workload = self.state.workloads.find_uid(tracked.workload_uid)
+            if workload is None:
+                continue  # the workload is going away; its own removal closes it
+            decision = evaluate(policies_for(self.state.policies, workload), tracked.conn)
+            if not decision.allowed:
+                log.info("connection %s is no longer allowed: %s", tracked.description, decision.reason)
+                self._tracked.pop(key, None)
+                tracked.close(PolicyDenied(decision, closing=True))
+                closed += 1
+        self.closed_by_policy += closed
+        return closed
+
+    def close(self) -> None:
+        self._unsubscribe()
+        self._tracked.clear()

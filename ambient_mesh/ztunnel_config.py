@@ -1,0 +1,344 @@
+"""`ambient ztunnel-config`: read a node proxy's /config_dump and print it as istioctl does.
+
+Counterpart: `istioctl ztunnel-config` (istio/istio istioctl/pkg/ztunnelconfig and
+istioctl/pkg/writer/ztunnel/configdump). Same views, columns, sort orders and filters, but the
+dump comes straight from the admin endpoint (`--admin`, default 127.0.0.1:15000) rather than
+through a Kubernetes port-forward. Works against our proxy and against Istio's ztunnel alike.
+
+Decide, then do I/O: `fetch_config_dump` is the only network call; everything else turns a
+dump dict into rows (pure, tested without sockets) and hands them to rich.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import yaml
+
+from .errors import AmbientError
+from .net import split_host_port
+
+DEFAULT_ADMIN = "127.0.0.1:15000"
+FETCH_TIMEOUT_S = 5.0
+KINDS = ("workloads", "services", "policies", "certificates", "all")
+OUTPUTS = ("table", "json", "yaml")
+
+Dump = dict[str, Any]
+Row = tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Table:
+    """What one istioctl summary prints: a header line and rows, already sorted and filtered."""
+
+    title: str
+    headers: Row
+    rows: tuple[Row, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Filters:
+    """istioctl's `--namespace`, and `--node` / `--address` for workloads; empty means any."""
+
+    namespace: str = ""
+    node: str = ""
+    address: str = ""
+
+
+# -- fetching ------------------------------------------------------------------------------------
+
+
+def fetch_config_dump(admin: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> Dump:
+    """GET http://<admin>/config_dump and decode it; AmbientError with a hint when unreachable."""
+    try:
+        host, port = split_host_port(admin)
+    except AmbientError as err:
+        raise AmbientError(f"--admin: {err.message}", hint="give host:port, e.g. 127.0.0.1:15000") from None
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/config_dump"
+    hint = "is the node proxy running? is --admin right? (ztunnel's ADMIN_ADDR, default 127.0.0.1:15000)"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - http only, by construction
+            body = response.read()
+    except urllib.error.HTTPError as err:
+        raise AmbientError(f"{url}: HTTP {err.code} {err.reason}", hint=hint) from None
+    except (urllib.error.URLError, OSError) as err:
+        reason = getattr(err, "reason", err)
+        raise AmbientError(f"cannot reach the admin endpoint {url}: {reason}", hint=hint) from None
+    try:
+        dump = json.loads(body)
+    except ValueError as err:
+        raise AmbientError(f"{url} did not answer JSON: {err}", hint=hint) from None
+    if not isinstance(dump, dict):
+        raise AmbientError(f"{url} answered JSON that is not an object", hint=hint)
+    return dump
+
+
+# -- rows (pure) ---------------------------------------------------------------------------------
+
+
+def _services(dump: Dump) -> list[Dump]:
+    services = dump.get("services") or []
+    # Older ztunnels keyed services by VIP; take the values either way.
+    return list(services.values()) if isinstance(services, dict) else list(services)
+
+
+def _workloads(dump: Dump) -> list[Dump]:
+    workloads = dump.get("workloads") or []
+    return list(workloads.values()) if isinstance(workloads, dict) else list(workloads)
+
+
+def _policies(dump: Dump) -> list[Dump]:
+    policies = dump.get("policies") or {}
+    return list(policies.values()) if isinstance(policies, dict) else list(policies)
+
+
+def _same(a: str, b: str) -> bool:
+    return a.casefold() == b.casefold()  # istioctl's filters use strings.EqualFold
+
+
+def gateway_name(gateway: Dump | None, services: Iterable[Dump]) -> str:
+    """The waypoint column: the waypoint service's name, `None` without one, `NA` if unknown.
+
+    The destination is "network/ip" (a service VIP) or "namespace/hostname".
+    """
+    if not gateway:
+        return "None"
+    destination = str(gateway.get("destination", ""))
+    for svc in services:
+        if destination in (svc.get("vips") or []):
+            return str(svc.get("name", ""))
+        if destination == f"{svc.get('namespace', '')}/{svc.get('hostname', '')}":
+            return str(svc.get("name", ""))
+    return "NA"
+
+
+def workload_table(dump: Dump, filters: Filters = Filters()) -> Table:
+    services = _services(dump)
+    chosen = []
+    for w in _workloads(dump):
+        if filters.namespace and not _same(str(w.get("namespace", "")), filters.namespace):
+            continue
+        if filters.node and not _same(str(w.get("node", "")), filters.node):
+            continue
+        if filters.address and not any(_same(str(ip), filters.address) for ip in w.get("workloadIps") or []):
+            continue
+        chosen.append(w)
+    chosen.sort(key=lambda w: (f"{w.get('namespace', '')}.{w.get('name', '')}", str(w.get("node", ""))))
+    rows = tuple(
+        (
+            str(w.get("namespace", "")),
+            str(w.get("name", "")),
+            str((w.get("workloadIps") or [""])[0]),
+            str(w.get("node", "")),
+            gateway_name(w.get("waypoint"), services),
+            str(w.get("protocol", "")),
+        )
+        for w in chosen
+    )
+    return Table(title="workloads", headers=("NAMESPACE", "POD NAME", "ADDRESS", "NODE", "WAYPOINT", "PROTOCOL"),
+                 rows=rows)
+
+
+def _services_filtered(dump: Dump, filters: Filters) -> list[Dump]:
+    services = [s for s in _services(dump)
+                if not filters.namespace or _same(str(s.get("namespace", "")), filters.namespace)]
+    services.sort(key=lambda s: (str(s.get("namespace", "")), str(s.get("name", "")), str(s.get("hostname", ""))))
+    return services
+
+
+def service_table(dump: Dump, filters: Filters = Filters()) -> Table:
+    every = _services(dump)
+    rows = []
+    for s in _services_filtered(dump, filters):
+        vips = s.get("vips") or []
+        vip = str(vips[0]).partition("/")[2] if vips else ""
+        endpoints = (s.get("endpoints") or {}).values()
+        healthy = sum(1 for ep in endpoints if ep.get("status", "Healthy") == "Healthy")
+        rows.append((str(s.get("namespace", "")), str(s.get("name", "")), vip,
+                     gateway_name(s.get("waypoint"), every), f"{healthy}/{len(endpoints)}"))
+    return Table(title="services", headers=("NAMESPACE", "SERVICE NAME", "SERVICE VIP", "WAYPOINT", "ENDPOINTS"),
+                 rows=tuple(rows))
+
+
+def _policies_filtered(dump: Dump, filters: Filters) -> list[Dump]:
+    policies = [p for p in _policies(dump)
+                if not filters.namespace or _same(str(p.get("namespace", "")), filters.namespace)]
+    policies.sort(key=lambda p: (str(p.get("namespace", "")), str(p.get("name", ""))))
+    return policies
+
+
+def policy_table(dump: Dump, filters: Filters = Filters()) -> Table:
+    rows = tuple((str(p.get("namespace", "")), str(p.get("name", "")), str(p.get("action", "")),
+                  str(p.get("scope", ""))) for p in _policies_filtered(dump, filters))
+    return Table(title="policies", headers=("NAMESPACE", "POLICY NAME", "ACTION", "SCOPE"), rows=rows)
+
+
+def _parse_rfc3339(text: str) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def cert_valid(cert: Dump, now: datetime) -> bool:
+    """istioctl's VALID CERT: now is strictly inside the validity window."""
+    start = _parse_rfc3339(str(cert.get("validFrom", "")))
+    end = _parse_rfc3339(str(cert.get("expirationTime", "")))
+    return start is not None and end is not None and start < now < end
+
+
+def _serial_hex(serial: str) -> str:
+    # The dump has the serial in decimal; istioctl prints it in hex.
+    try:
+        return format(int(serial, 10), "x")
+    except ValueError:
+        return "NA"
+
+
+def _na(value: object) -> str:
+    return str(value) if value else "NA"
+
+
+def certificate_table(dump: Dump, now: datetime) -> Table:
+    rows: list[Row] = []
+    for entry in dump.get("certificates") or []:
+        identity = str(entry.get("identity", ""))
+        state = str(entry.get("state", ""))
+        if "Unavailable" in state:
+            state = "Unavailable"  # the reason is in the JSON view
+        chain = entry.get("certChain") or []
+        roots = entry.get("rootCerts") or []
+        if not chain:
+            rows.append((identity, "NA", state, "false", "NA", "NA", "NA"))
+            continue
+        # Before rootCerts existed, the root was the last element of certChain.
+        legacy = not roots
+        for i, cert in enumerate(chain):
+            kind = "Leaf" if i == 0 else ("Root" if legacy and i == len(chain) - 1 else "Intermediate")
+            rows.append(_cert_row(identity, kind, state, cert, now))
+        for cert in roots:
+            rows.append(_cert_row(identity, "Root", state, cert, now))
+    return Table(title="certificates",
+                 headers=("CERTIFICATE NAME", "TYPE", "STATUS", "VALID CERT", "SERIAL NUMBER", "NOT AFTER",
+                          "NOT BEFORE"),
+                 rows=tuple(rows))
+
+
+def _cert_row(identity: str, kind: str, state: str, cert: Dump, now: datetime) -> Row:
+    return (identity, kind, state, str(cert_valid(cert, now)).lower(), _serial_hex(str(cert.get("serialNumber", ""))),
+            _na(cert.get("expirationTime")), _na(cert.get("validFrom")))
+
+
+def tables(kind: str, dump: Dump, filters: Filters, now: datetime) -> list[Table]:
+    builders: dict[str, Callable[[], Table]] = {
+        "workloads": lambda: workload_table(dump, filters),
+        "services": lambda: service_table(dump, filters),
+        "policies": lambda: policy_table(dump, filters),
+        "certificates": lambda: certificate_table(dump, now),
+    }
+    if kind == "all":
+        return [build() for build in builders.values()]
+    return [builders[kind]()]
+
+
+def selection(kind: str, dump: Dump, filters: Filters) -> Any:
+    """What `-o json|yaml` prints: the filtered items of one kind, or the whole dump for `all`."""
+    if kind == "workloads":
+        rows = workload_table(dump, filters)  # reuse the filter and order
+        keep = {(r[0], r[1], r[3]) for r in rows.rows}
+        return sorted((w for w in _workloads(dump)
+                       if (str(w.get("namespace", "")), str(w.get("name", "")), str(w.get("node", ""))) in keep),
+                      key=lambda w: (f"{w.get('namespace', '')}.{w.get('name', '')}", str(w.get("node", ""))))
+    if kind == "services":
+        return _services_filtered(dump, filters)
+    if kind == "policies":
+        return _policies_filtered(dump, filters)
+    if kind == "certificates":
+        return dump.get("certificates") or []
+    return dump
+
+
+# -- printing ------------------------------------------------------------------------------------
+
+
+def render_tables(items: list[Table], out: IO[str]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = Console(file=out, width=max(80, _wanted_width(items)), soft_wrap=True, highlight=False,
+                      emoji=False, markup=False)
+    for index, table in enumerate(items):
+        if index:
+            console.print()
+        rich_table = RichTable(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+        for header in table.headers:
+            rich_table.add_column(header, no_wrap=True, overflow="fold")
+        for row in table.rows:
+            rich_table.add_row(*row)
+        console.print(rich_table)
+
+
+def _wanted_width(items: list[Table]) -> int:
+    widest = 0
+    for table in items:
+        cols = [len(h) for h in table.headers]
+        for row in table.rows:
+            cols = [max(c, len(v)) for c, v in zip(cols, row, strict=False)]
+        widest = max(widest, sum(cols) + 3 * len(cols))
+    return widest
+
+
+def render(kind: str, dump: Dump, *, output: str, filters: Filters, now: datetime, out: IO[str]) -> None:
+    if output == "table":
+        render_tables(tables(kind, dump, filters, now), out)
+    elif output == "json":
+        out.write(json.dumps(selection(kind, dump, filters), indent=2) + "\n")
+    elif output == "yaml":
+        out.write(yaml.safe_dump(selection(kind, dump, filters), sort_keys=False, default_flow_style=False))
+    else:
+        raise AmbientError(f"unknown output format {output!r}", hint=f"use one of {', '.join(OUTPUTS)}")
+
+
+def run(
+    kind: str,
+    *,
+    admin: str = DEFAULT_ADMIN,
+    output: str = "table",
+    filters: Filters = Filters(),
+    out: IO[str],
+    fetch: Callable[[str], Dump] = fetch_config_dump,
+    now: datetime | None = None,
+) -> int:
+    """Fetch, then print; errors surface as AmbientError for the CLI to show."""
+    if kind not in KINDS:
+        raise AmbientError(f"unknown view {kind!r}", hint=f"use one of {', '.join(KINDS)}")
+    dump = fetch(admin)
+    render(kind, dump, output=output, filters=filters, now=now or datetime.now(UTC), out=out)
+    return 0
+
+
+__all__ = [
+    "DEFAULT_ADMIN",
+    "KINDS",
+    "OUTPUTS",
+    "Filters",
+    "Table",
+    "certificate_table",
+    "fetch_config_dump",
+    "gateway_name",
+    "policy_table",
+    "render",
+    "run",
+    "selection",
+    "service_table",
+    "tables",
+    "workload_table",
+]

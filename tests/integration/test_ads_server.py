@@ -1,0 +1,344 @@
+"""The delta ADS server over real gRPC on loopback, driven by a raw client built on the
+xds-protos stubs, the way ztunnel talks to istiod (spec/wire-protocols.md section 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import struct_pb2
+from google.rpc import status_pb2
+
+from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer, Caller, Unauthenticated
+from ambient_mesh.control.ads_state import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
+from ambient_mesh.identity.ca import CertificateAuthority
+from ambient_mesh.wire.istio.security import authorization_pb2
+from ambient_mesh.wire.istio.workload import workload_pb2
+
+A, AUTH = ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
+STEP_S = 5.0  # generous bound for one response on loopback; a hang fails instead of blocking
+
+
+def pod(name: str, ip: str, *, rev: str = "v1") -> tuple[str, workload_pb2.Address]:
+    uid = f"Kubernetes//Pod/default/{name}"
+    return uid, workload_pb2.Address(
+        workload=workload_pb2.Workload(
+            uid=uid,
+            name=name,
+            namespace="default",
+            addresses=[ipaddress.ip_address(ip).packed],
+            canonical_revision=rev,
+        )
+    )
+
+
+def policy(name: str) -> tuple[str, authorization_pb2.Authorization]:
+    return f"default/{name}", authorization_pb2.Authorization(
+        name=name, namespace="default", scope=authorization_pb2.NAMESPACE, action=authorization_pb2.ALLOW
+    )
+
+
+def node(pod_name: str, namespace: str = "istio-system") -> base_pb2.Node:
+    md = {
+        "NAME": pod_name,
+        "NAMESPACE": namespace,
+        "NODE_NAME": f"{pod_name}-node",
+        "CLUSTER_ID": "Kubernetes",
+    }
+    return base_pb2.Node(
+        id=f"ztunnel~10.0.0.9~{pod_name}.{namespace}~{namespace}.svc.cluster.local",
+        metadata=struct_pb2.Struct(fields={k: struct_pb2.Value(string_value=v) for k, v in md.items()}),
+    )
+
+
+class Proxy:
+    """A bare delta ADS stream: requests go into a queue, responses are read one at a time."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, metadata=()) -> None:
+        self.requests: asyncio.Queue[discovery_pb2.DeltaDiscoveryRequest | None] = asyncio.Queue()
+        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).DeltaAggregatedResources(
+            self._requests(), metadata=metadata
+        )
+
+    async def _requests(self) -> AsyncIterator[discovery_pb2.DeltaDiscoveryRequest]:
+        while (request := await self.requests.get()) is not None:
+            yield request
+
+    def send(self, **fields) -> None:
+        self.requests.put_nowait(discovery_pb2.DeltaDiscoveryRequest(**fields))
+
+    async def recv(self) -> discovery_pb2.DeltaDiscoveryResponse:
+        return await asyncio.wait_for(self.call.read(), STEP_S)
+
+    async def ack(self, response) -> None:
+        self.send(type_url=response.type_url, response_nonce=response.nonce)
+
+    async def start(self, pod_name: str, *, known=None) -> tuple:
+        """ztunnel's opening: Address then Authorization, both wildcard, each ACKed."""
+        self.send(type_url=A, node=node(pod_name), initial_resource_versions=known or {})
+        self.send(type_url=AUTH, node=node(pod_name))
+        first, second = await self.recv(), await self.recv()
+        await self.ack(first)
+        await self.ack(second)
+        return first, second
+
+
+def names(response) -> list[str]:
+    return [r.name for r in response.resources]
+
+
+@asynccontextmanager
+async def ads_server(ads: AdsServer, *, credentials=None) -> AsyncIterator[int]:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    ads.serve(server)
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    try:
+        yield port
+    finally:
+        await server.stop(grace=None)
+
+
+@asynccontextmanager
+async def channel(port: int, credentials=None, options=()) -> AsyncIterator[grpc.aio.Channel]:
+    target = f"127.0.0.1:{port}" if credentials is None else f"localhost:{port}"
+    ch = (
+        grpc.aio.insecure_channel(target)
+        if credentials is None
+        else grpc.aio.secure_channel(target, credentials, options=options)
+    )
+    try:
+        yield ch
+    finally:
+        await ch.close()
+
+
+async def settle(ads: AdsServer, predicate) -> None:
+    """Wait until the server has processed what the client sent (ACKs carry no answer)."""
+    for _ in range(500):
+        if predicate(ads.connections()):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"server never reached the expected state: {ads.connections()}")
+
+
+def initial_world() -> tuple[dict, dict]:
+    return dict([pod("a", "10.0.0.1"), pod("b", "10.0.0.2")]), dict([policy("allow")])
+
+
+async def test_two_proxies_get_only_the_changed_resource():
+    ads = AdsServer()
+    addresses, policies = initial_world()
+    ads.update(addresses, policies)
+    async with ads_server(ads) as port, channel(port) as ch:
+        p1, p2 = Proxy(ch), Proxy(ch)
+        for proxy, name in ((p1, "z1"), (p2, "z2")):
+            addr, auth = await proxy.start(name)
+            assert names(addr) == ["Kubernetes//Pod/default/a", "Kubernetes//Pod/default/b"]
+            assert names(auth) == ["default/allow"]
+        await settle(ads, lambda cs: len(cs) == 2 and all(t.acks == 1 for c in cs for t in c.types))
+
+        addresses.update([pod("b", "10.0.0.2", rev="v2")])
+        assert ads.update(addresses, policies) == 2
+        for proxy in (p1, p2):
+            push = await proxy.recv()
+            assert push.type_url == A and names(push) == ["Kubernetes//Pod/default/b"]
+            assert list(push.removed_resources) == []
+            await proxy.ack(push)
+        await settle(ads, lambda cs: all(c.types[0].acks == 2 for c in cs))
+
+        by_node = {c.node_name: c for c in ads.connections()}
+        assert set(by_node) == {"z1-node", "z2-node"}
+        z1 = by_node["z1-node"]
+        assert z1.node_id == "ztunnel~10.0.0.9~z1.istio-system~istio-system.svc.cluster.local"
+        assert [(t.resources_sent, t.resources_acked) for t in z1.types] == [(3, 3), (1, 1)]
+        assert z1.to_dict()["types"][0]["type"] == "Address"
+        assert repr(ads) == "AdsServer(2 connections, Snapshot(v2: 2 Address, 1 Authorization))"
+        p1.requests.put_nowait(None)
+        p2.requests.put_nowait(None)
+        await settle(ads, lambda cs: cs == ())
+
+
+async def test_reconnect_with_initial_resource_versions_gets_only_changes_and_removals():
+    ads = AdsServer()
+    addresses, policies = initial_world()
+    ads.update(addresses, policies)
+    async with ads_server(ads) as port, channel(port) as ch:
+        first = Proxy(ch)
+        addr, _ = await first.start("z1")
+        held = {r.name: r.version for r in addr.resources}
+        first.call.cancel()
+        await settle(ads, lambda cs: cs == ())
+
+        # While the proxy is away: a changes, b goes, c arrives.
+        addresses = dict([pod("a", "10.0.0.1", rev="v2"), pod("c", "10.0.0.3")])
+        ads.update(addresses, policies)
+        again = Proxy(ch)
+        known = {**held, "Kubernetes//Pod/default/c": ads.snapshot.of(A)["Kubernetes//Pod/default/c"].version}
+        addr, auth = await again.start("z1", known=known)
+        assert names(addr) == ["Kubernetes//Pod/default/a"]
+        assert list(addr.removed_resources) == ["Kubernetes//Pod/default/b"]
+        assert names(auth) == ["default/allow"]
+        again.requests.put_nowait(None)
+
+
+async def test_nack_is_not_answered_and_is_shown():
+    ads = AdsServer()
+    addresses, policies = initial_world()
+    ads.update(addresses, policies)
+    async with ads_server(ads) as port, channel(port) as ch:
+        proxy = Proxy(ch)
+        await proxy.start("z1")
+        addresses.update([pod("d", "10.0.0.4")])
+        ads.update(addresses, policies)
+        push = await proxy.recv()
+        proxy.send(
+            type_url=A,
+            response_nonce=push.nonce,
+            error_detail=status_pb2.Status(message="Kubernetes//Pod/default/d: rejected"),
+        )
+        await settle(ads, lambda cs: cs[0].types[0].nacks == 1)
+        (conn,) = ads.connections()
+        assert conn.types[0].last_error == "Kubernetes//Pod/default/d: rejected"
+        assert conn.types[0].resources_nacked == 1
+        # No answer to the NACK: the next thing on the stream is the next real push.
+        ads.update(addresses, dict([policy("allow"), policy("extra")]))
+        nxt = await proxy.recv()
+        assert nxt.type_url == AUTH and names(nxt) == ["default/extra"]
+        proxy.requests.put_nowait(None)
+
+
+async def test_on_demand_lookup_over_the_wire():
+    ads = AdsServer()
+    addresses, policies = initial_world()
+    ads.update(addresses, policies)
+    async with ads_server(ads) as port, channel(port) as ch:
+        proxy = Proxy(ch)
+        proxy.send(
+            type_url=A, node=node("z1"), resource_names_subscribe=["*"], resource_names_unsubscribe=["*"]
+        )
+        empty = await proxy.recv()
+        assert list(empty.resources) == []
+        await proxy.ack(empty)
+        proxy.send(type_url=A, resource_names_subscribe=["/10.0.0.2", "/10.9.9.9"])
+        found = await proxy.recv()
+        assert names(found) == ["Kubernetes//Pod/default/b"]
+        assert list(found.resources[0].aliases) == ["/10.0.0.2"]
+        assert list(found.removed_resources) == ["/10.9.9.9"]
+        proxy.requests.put_nowait(None)
+
+
+async def test_sidecar_is_refused_with_invalid_argument():
+    ads = AdsServer()
+    async with ads_server(ads) as port, channel(port) as ch:
+        proxy = Proxy(ch)
+        proxy.send(
+            type_url=A, node=base_pb2.Node(id="sidecar~10.0.0.1~app.default~default.svc.cluster.local")
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await proxy.recv()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "serves only ztunnel" in e.value.details()
+
+
+async def test_state_of_the_world_is_unimplemented():
+    ads = AdsServer()
+    async with ads_server(ads) as port, channel(port) as ch:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).StreamAggregatedResources(
+            iter([discovery_pb2.DiscoveryRequest(type_url=A)])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), STEP_S)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_authenticator_refuses_and_checks_the_namespace():
+    seen: list[dict] = []
+
+    async def authenticate(metadata):
+        seen.append(dict(metadata))
+        if metadata.get("authorization") != "Bearer good-token":
+            return Unauthenticated(reason="missing or invalid bearer token")
+        return Caller(identities=("spiffe://cluster.local/ns/istio-system/sa/ztunnel",))
+
+    ads = AdsServer(authenticate=authenticate)
+    ads.update(*initial_world())
+    async with ads_server(ads) as port, channel(port) as ch:
+        anonymous = Proxy(ch)
+        anonymous.send(type_url=A, node=node("z1"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await anonymous.recv()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "bearer token" in e.value.details()
+
+        wrong_ns = Proxy(ch, metadata=(("authorization", "Bearer good-token"),))
+        wrong_ns.send(type_url=A, node=node("z1", namespace="default"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await wrong_ns.recv()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        good = Proxy(ch, metadata=(("authorization", "Bearer good-token"), ("clusterid", "Kubernetes")))
+        await good.start("z1")
+        (conn,) = ads.connections()
+        assert conn.identity == "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+        assert seen[-1]["clusterid"] == "Kubernetes"
+        good.requests.put_nowait(None)
+
+
+def serving_cert(ca: CertificateAuthority, host: str) -> tuple[bytes, bytes]:
+    """istiod's serving certificate: a DNS SAN, signed by the mesh root."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(ca.signing_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=True)
+        .sign(ca.signing_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
+async def test_over_tls_with_the_mesh_root():
+    ca = CertificateAuthority.self_signed("cluster.local")
+    key_pem, cert_pem = serving_cert(ca, "istiod.istio-system.svc")
+    server_creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
+    client_creds = grpc.ssl_channel_credentials(root_certificates=ca.root_pem)
+    ads = AdsServer()
+    ads.update(*initial_world())
+    # ztunnel verifies istiod's name; ALT_XDS_HOSTNAME-style override onto the loopback target.
+    options = (("grpc.ssl_target_name_override", "istiod.istio-system.svc"),)
+    async with ads_server(ads, credentials=server_creds) as port, channel(port, client_creds, options) as ch:
+        proxy = Proxy(ch)
+        addr, auth = await proxy.start("z1")
+        assert len(addr.resources) == 2 and len(auth.resources) == 1
+        proxy.requests.put_nowait(None)
+
+    untrusted = CertificateAuthority.self_signed("cluster.local")
+    bad_creds = grpc.ssl_channel_credentials(root_certificates=untrusted.root_pem)
+    async with ads_server(ads, credentials=server_creds) as port, channel(port, bad_creds, options) as ch:
+        proxy = Proxy(ch)
+        proxy.send(type_url=A, node=node("z1"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await proxy.recv()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,284 @@
+"""Properties of L4 authorization over random policy sets (reference/ztunnel.md 5.2-5.3).
+
+Values come from small pools so that random matches often hold: the interesting cases are the
+ones where some policies match and some do not. `reference_evaluate` is a deliberately plain
+reading of reference 5.3 (StringMatch.matches, `ip in network`, no compilation) that the fast
+path must agree with.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.rbac import (
+    Action,
+    Authorization,
+    Clause,
+    CompiledPolicy,
+    Decision,
+    Match,
+    PolicyIndex,
+    RbacConnection,
+    Rule,
+    Scope,
+    ServiceAccountMatch,
+    StringMatch,
+    StringMatchKind,
+    evaluate,
+    policies_for,
+)
+
+NAMESPACES = ["a", "b", "c"]
+ACCOUNTS = ["x", "y"]
+V4 = [ipaddress.IPv4Address(f"10.0.0.{i}") for i in range(4)]
+V6 = [ipaddress.IPv6Address(f"fd00::{i}") for i in range(4)]
+PORTS = [80, 8080, 9090]
+STRINGS = ["", "a", "b", "cluster.local/", "cluster.local/ns/a/sa/x", "/sa/x", "x", "other.domain/"]
+
+identities = st.none() | st.builds(
+    Identity,
+    st.sampled_from(["cluster.local", "other.domain"]),
+    st.sampled_from(NAMESPACES),
+    st.sampled_from(ACCOUNTS),
+)
+ips = st.sampled_from(V4 + V6)
+connections = st.builds(
+    RbacConnection,
+    src_identity=identities,
+    src_ip=ips,
+    dst_ip=ips,
+    dst_port=st.sampled_from(PORTS),
+    dst_network=st.sampled_from(["", "net1"]),
+)
+string_matches = st.builds(
+    StringMatch, kind=st.sampled_from(list(StringMatchKind)), value=st.sampled_from(STRINGS)
+)
+account_matches = st.builds(
+    ServiceAccountMatch, namespace=st.sampled_from(NAMESPACES), service_account=st.sampled_from(ACCOUNTS)
+)
+
+
+@st.composite
+def networks(draw: st.DrawFn) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    ip = draw(ips)
+    length = draw(st.sampled_from([0, 30, 31, 32] if ip.version == 4 else [0, 126, 127, 128]))
+    return ipaddress.ip_network(f"{ip}/{length}", strict=False)
+
+
+def small(elements: st.SearchStrategy) -> st.SearchStrategy:
+    # Mostly empty: a Match with every list filled would almost never hold.
+    return st.one_of(st.just(()), st.lists(elements, min_size=1, max_size=2).map(tuple))
+
+
+match_objects = st.builds(
+    Match,
+    namespaces=small(string_matches),
+    not_namespaces=small(string_matches),
+    service_accounts=small(account_matches),
+    not_service_accounts=small(account_matches),
+    principals=small(string_matches),
+    not_principals=small(string_matches),
+    source_ips=small(networks()),
+    not_source_ips=small(networks()),
+    destination_ips=small(networks()),
+    not_destination_ips=small(networks()),
+    destination_ports=small(st.sampled_from(PORTS)),
+    not_destination_ports=small(st.sampled_from(PORTS)),
+)
+clauses = st.builds(Clause, matches=st.lists(match_objects, max_size=3).map(tuple))
+rules = st.builds(Rule, clauses=st.lists(clauses, max_size=3).map(tuple))
+
+
+@st.composite
+def policy_sets(draw: st.DrawFn, max_size: int = 6) -> list[Authorization]:
+    count = draw(st.integers(0, max_size))
+    return [
+        Authorization(
+            name=f"p{i}",
+            namespace=draw(st.sampled_from(NAMESPACES)),
+            scope=draw(st.sampled_from(list(Scope))),
+            action=draw(st.sampled_from(list(Action))),
+            rules=tuple(draw(st.lists(rules, max_size=3))),
+            dry_run=draw(st.booleans()),
+        )
+        for i in range(count)
+    ]
+
+
+# -- the plain reading of reference 5.3 ------------------------------------------------------------
+
+
+def _holds(positive, negative, predicate) -> bool:
+    return (not positive or any(map(predicate, positive))) and not any(map(predicate, negative))
+
+
+def reference_match(m: Match, conn: RbacConnection) -> bool:
+    ident = conn.src_identity
+    principal = ident.principal if ident else None
+    namespace = ident.namespace if ident else ""
+    return (
+        _holds(m.destination_ips, m.not_destination_ips, lambda n: conn.dst_ip in n)
+        and _holds(m.source_ips, m.not_source_ips, lambda n: conn.src_ip in n)
+        and _holds(m.destination_ports, m.not_destination_ports, lambda p: p == conn.dst_port)
+        and _holds(
+            m.service_accounts,
+            m.not_service_accounts,
+            lambda a: (
+                ident is not None
+                and (a.namespace, a.service_account) == (ident.namespace, ident.service_account)
+            ),
+        )
+        and _holds(m.principals, m.not_principals, lambda s: principal is not None and s.matches(principal))
+        and _holds(m.namespaces, m.not_namespaces, lambda s: s.matches(namespace))
+    )
+
+
+def reference_matches(policy: Authorization, conn: RbacConnection) -> bool:
+    for rule in policy.rules:
+        rule_holds = True
+        for clause in rule.clauses:
+            clause_holds = not clause.matches or any(
+                reference_match(m, conn) for m in clause.matches if m != Match()
+            )
+            rule_holds = rule_holds and clause_holds
+        if rule_holds:
+            return True
+    return False
+
+
+def reference_evaluate(policies: list[Authorization], conn: RbacConnection) -> Decision:
+    dry = [p.key for p in policies if p.dry_run and p.action is Action.DENY and reference_matches(p, conn)]
+    for p in policies:
+        if not p.dry_run and p.action is Action.DENY and reference_matches(p, conn):
+            return Decision(
+                allowed=False,
+                policy=p.key,
+                reason=f"explicitly denied by: {p.key}",
+                dry_run_matches=tuple(dry),
+            )
+    dry += [p.key for p in policies if p.dry_run and p.action is Action.ALLOW and reference_matches(p, conn)]
+    allows = [p for p in policies if not p.dry_run and p.action is Action.ALLOW]
+    if not allows:
+        return Decision(allowed=True, policy=None, reason="no allow policies", dry_run_matches=tuple(dry))
+    for p in allows:
+        if reference_matches(p, conn):
+            return Decision(
+                allowed=True, policy=p.key, reason=f"allowed by: {p.key}", dry_run_matches=tuple(dry)
+            )
+    return Decision(
+        allowed=False,
+        policy=None,
+        reason="allow policies exist, but none allowed",
+        dry_run_matches=tuple(dry),
+    )
+
+
+def matching_rule(conn: RbacConnection) -> Rule:
+    """A rule written for exactly this connection: it holds for it by construction."""
+    host = ipaddress.ip_network(conn.src_ip)
+    fields: dict = {"destination_ports": (conn.dst_port,), "source_ips": (host,)}
+    if conn.src_identity is not None:
+        fields["principals"] = (StringMatch.exact(conn.src_identity.principal),)
+    return Rule(clauses=(Clause(matches=(Match(**fields),)),))
+
+
+# -- properties ---------------------------------------------------------------------------------------
+
+
+@given(st.lists(match_objects, max_size=1), connections)
+def test_single_match_agrees_with_reference(ms: list[Match], conn: RbacConnection) -> None:
+    p = Authorization(name="p", namespace="a", rules=(Rule(clauses=(Clause(matches=tuple(ms)),)),))
+    assert CompiledPolicy(p).matches(conn) is reference_matches(p, conn)
+
+
+@settings(max_examples=300)
+@given(policy_sets(), connections)
+def test_evaluate_agrees_with_reference(policies: list[Authorization], conn: RbacConnection) -> None:
+    assert evaluate(policies, conn) == reference_evaluate(policies, conn)
+
+
+@given(policy_sets(), connections, st.integers(0, 6), st.sampled_from(list(Scope)))
+def test_matching_enforced_deny_always_denies(
+    policies: list[Authorization], conn: RbacConnection, at: int, scope: Scope
+) -> None:
+    explicit = Authorization(
+        name="explicit-deny", namespace="a", scope=scope, action=Action.DENY, rules=(matching_rule(conn),)
+    )
+    policies.insert(min(at, len(policies)), explicit)
+    d = evaluate(policies, conn)
+    assert not d.allowed
+    assert d.policy is not None and d.reason == f"explicitly denied by: {d.policy}"
+    # Whichever DENY decided really matches the connection.
+    decider = next(p for p in policies if p.key == d.policy)
+    assert decider.action is Action.DENY and not decider.dry_run and reference_matches(decider, conn)
+
+
+@given(policy_sets(), connections, st.integers(0, 6))
+def test_matching_allow_only_loses_to_a_deny(
+    policies: list[Authorization], conn: RbacConnection, at: int
+) -> None:
+    explicit = Authorization(
+        name="explicit-allow", namespace="a", action=Action.ALLOW, rules=(matching_rule(conn),)
+    )
+    policies.insert(min(at, len(policies)), explicit)
+    d = evaluate(policies, conn)
+    matching_denies = {
+        p.key for p in policies if p.action is Action.DENY and not p.dry_run and reference_matches(p, conn)
+    }
+    if matching_denies:
+        assert not d.allowed and d.policy in matching_denies
+    else:
+        assert d.allowed and d.policy is not None
+
+
+@given(
+    policy_sets(max_size=10),
+    connections,
+    st.sampled_from(NAMESPACES),
+    st.lists(st.sampled_from([f"{ns}/p{i}" for ns in NAMESPACES for i in range(12)]), max_size=4),
+)
+def test_never_raises_and_index_agrees(
+    policies: list[Authorization], conn: RbacConnection, namespace: str, listed: list[str]
+) -> None:
+    @dataclass(frozen=True)
+    class Target:
+        namespace: str
+        authorization_policies: tuple[str, ...]
+
+    wl = Target(namespace=namespace, authorization_policies=tuple(listed))
+    by_key = {p.key: p for p in policies}
+    index = PolicyIndex(by_key.values())
+    applicable = policies_for(by_key, wl)
+    # Same set from the scan and the index, each policy at most once.
+    assert sorted(p.key for p in policies_for(index, wl)) == sorted(p.key for p in applicable)
+    assert len({p.key for p in applicable}) == len(applicable)
+    # Both orders put namespace before global before the workload's list, so the decision is identical.
+    expected = evaluate(applicable, conn)
+    assert index.check(wl, conn) == expected
+    assert evaluate(policies_for(index, wl), conn) == expected
+
+
+@given(st.lists(st.tuples(st.booleans(), policy_sets(max_size=1)), max_size=20))
+def test_index_tracks_a_dict_through_inserts_and_removes(ops: list[tuple[bool, list[Authorization]]]) -> None:
+    index = PolicyIndex()
+    mirror: dict[str, Authorization] = {}
+    for remove, batch in ops:
+        for p in batch:
+            if remove:
+                assert index.remove(p.key) is (mirror.pop(p.key, None) is not None)
+            else:
+                index.insert(p)
+                mirror[p.key] = p
+    assert dict(index) == mirror
+    for ns in [*NAMESPACES, ""]:
+        expected = {
+            k
+            for k, p in mirror.items()
+            if (p.scope is Scope.NAMESPACE and p.namespace == ns) or (p.scope is Scope.GLOBAL and ns == "")
+        }
+        assert {p.key for p in index.by_namespace(ns)} == expected
