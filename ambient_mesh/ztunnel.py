@@ -9,7 +9,6 @@ finish until the termination deadline, then close what is left.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import signal
 from collections.abc import Mapping

@@ -44,7 +44,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Caller:
+class Authenticated:
     """Who opened a stream, as the authenticator proved it: SPIFFE ids, as istiod's
     security.Caller carries them (a Kubernetes token for ns/sa becomes spiffe://<td>/ns/<ns>/sa/<sa>)."""
 
@@ -61,7 +61,7 @@ class Unauthenticated:
 # Called with the call metadata (lower-case keys, e.g. `authorization: Bearer <jwt>`,
 # `clusterid`); may be a plain function or a coroutine function.
 Authenticator = Callable[
-    [Mapping[str, str]], "Caller | Unauthenticated | Awaitable[Caller | Unauthenticated]"
+    [Mapping[str, str]], "Authenticated | Unauthenticated | Awaitable[Authenticated | Unauthenticated]"
 ]
 
 
@@ -221,7 +221,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         result = self._authenticate(metadata)
         if inspect.isawaitable(result):
             result = await result
-        if isinstance(result, Caller):
+        if isinstance(result, Authenticated):
             return result.identities
         reason = (
             result.reason if isinstance(result, Unauthenticated) else f"authenticator returned {result!r}"

@@ -37,7 +37,7 @@ from ..errors import CertificateError, IdentityError
 from ..identity.ca import DEFAULT_WORKLOAD_CERT_TTL_S, MAX_WORKLOAD_CERT_TTL_S, CertificateAuthority
 from ..identity.spiffe import Identity
 from ..wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from .tokens import AuthenticationError, Caller, TokenVerifier
+from .tokens import AuthenticationError, Caller, TokenVerifier, parse_account
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,16 @@ def requested_identity(metadata: Mapping[str, Any]) -> Identity | Refusal | None
         return Identity.parse(value)
     except IdentityError as e:
         return Refusal(reason=f"failed to validate impersonated identity: {e.message}", impersonation=True)
+
+
+def parse_trusted_node_accounts(text: str) -> frozenset[str]:
+    """istiod's CA_TRUSTED_NODE_ACCOUNTS: comma-separated `namespace/serviceaccount` entries."""
+    accounts = set()
+    for entry in text.split(","):
+        if entry.strip():
+            namespace, account = parse_account(entry.strip())
+            accounts.add(f"{namespace}/{account}")
+    return frozenset(accounts)
 
 
 def certificate_ttl_s(requested_s: int, *, default_s: int, max_s: int) -> int:
@@ -249,14 +259,21 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         signer = self.ca.signing_cert
         if not signer.not_valid_before_utc <= at < signer.not_valid_after_utc:
             self.refused += 1
-            log.error("CA signing certificate is not valid now", extra={"fields": {"not_after": str(
-                signer.not_valid_after_utc)}})
-            await context.abort(grpc.StatusCode.INTERNAL, "CSR signing error: the CA's signing certificate is not valid now")
+            log.error(
+                "CA signing certificate is not valid now",
+                extra={"fields": {"not_before": str(signer.not_valid_before_utc),
+                                  "not_after": str(signer.not_valid_after_utc)}},
+            )
+            await context.abort(
+                grpc.StatusCode.INTERNAL, "CSR signing error: the CA's signing certificate is not valid now"
+            )
         try:
             chain = self.ca.sign_csr(request.csr.encode(), plan.identity, plan.ttl_s, now=at)
         except (CertificateError, UnicodeError) as e:
             self.refused += 1
-            log.warning("CSR refused", extra={"fields": {"peer": peer, "identity": str(plan.identity), "error": str(e)}})
+            log.warning(
+                "CSR refused", extra={"fields": {"peer": peer, "identity": str(plan.identity), "error": str(e)}}
+            )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"CSR signing error ({e})")
         self.issued += 1
         log.info(

@@ -19,9 +19,11 @@ import binascii
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
@@ -266,6 +268,41 @@ class TokenVerifier:
         return Caller(
             namespace=namespace, service_account=service_account, pod_name=pod_name, pod_uid=pod_uid, node=node
         )
+
+
+def parse_account(text: str) -> tuple[str, str]:
+    """`namespace/serviceaccount` (the CLI's --sa, CA_TRUSTED_NODE_ACCOUNTS entries) as a pair."""
+    namespace, sep, account = text.partition("/")
+    if not sep or not _K8S_NAME.match(namespace) or not _K8S_NAME.match(account):
+        raise ConfigError("service account", f"{text!r} is not namespace/serviceaccount")
+    return namespace, account
+
+
+def load_or_create_issuer(path: str | Path, issuer: str = DEFAULT_ISSUER) -> TokenIssuer:
+    """The control plane's token key from `path`, created (mode 0600) on first use.
+
+    The control plane and `ambient control token` share it, so tokens minted by the CLI
+    verify in the running CA, and survive its restarts.
+    """
+    path = Path(path)
+    try:
+        return TokenIssuer.from_pem(path.read_bytes(), issuer)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be read: {e.strerror or e}") from e
+    created = TokenIssuer.generate(issuer)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # O_EXCL: if another process created it meanwhile, use theirs rather than overwrite it.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return TokenIssuer.from_pem(path.read_bytes(), issuer)
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot be created: {e.strerror or e}") from e
+    with os.fdopen(fd, "wb") as f:
+        f.write(created.private_key_pem())
+    return created
 
 
 def _json(value: object) -> bytes:

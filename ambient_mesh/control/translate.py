@@ -179,35 +179,44 @@ def pod_workload_name(pod: Pod) -> str:
     return name or pod.metadata.name
 
 
-def _app_protocol(name: str) -> int:
-    """Istio's protocol name (port name prefix or appProtocol) as a workload AppProtocol."""
-    proto = name.lower()
-    if proto.startswith("grpc-web"):
-        return wl.UNKNOWN
-    proto = proto.split("-", 1)[0]
-    return {
-        "http": wl.HTTP11,
-        "http2": wl.HTTP2,
-        "kubernetes.io/h2c": wl.HTTP2,
-        "grpc": wl.GRPC,
-        "tls": wl.TLS,
-        "https": wl.TLS,
-        "tcp": wl.TCP,
-    }.get(proto, wl.UNKNOWN)
-
-
+_ISTIO_PROTOCOLS = frozenset(
+    {"tcp", "udp", "grpc", "grpc-web", "http", "http_proxy", "http2", "https", "tls", "mongo", "redis", "mysql"}
+)
+_APP_PROTOCOLS = {
+    "http": wl.HTTP11,
+    "http2": wl.HTTP2,
+    "grpc": wl.GRPC,
+    "tls": wl.TLS,
+    "https": wl.TLS,
+    "tcp": wl.TCP,
+}
+# Ports where protocol sniffing would break the application: TCP unless declared otherwise.
 _WELL_KNOWN_TCP_PORTS = frozenset({25, 53, 3306, 27017})
+
+
+def _istio_protocol(name: str) -> str | None:
+    """Istio's protocol for a port name prefix or appProtocol value; None when unsupported."""
+    lowered = name.lower()
+    if lowered.startswith("grpc-web"):
+        return "grpc-web"
+    if lowered == "kubernetes.io/h2c":
+        return "http2"
+    prefix = lowered.split("-", 1)[0]
+    return prefix if prefix in _ISTIO_PROTOCOLS else None
+
+
+def _app_protocol(name: str) -> int:
+    proto = _istio_protocol(name)
+    return _APP_PROTOCOLS.get(proto, wl.UNKNOWN) if proto is not None else wl.UNKNOWN
 
 
 def _kube_app_protocol(port: int, name: str, protocol: str, app_protocol: str | None) -> int:
     if protocol == "UDP":
         return wl.UNKNOWN
-    result = _app_protocol(app_protocol if app_protocol is not None else name)
-    if result == wl.UNKNOWN and port in _WELL_KNOWN_TCP_PORTS:
-        known = (app_protocol if app_protocol is not None else name).lower().split("-", 1)[0]
-        if known in ("", "udp") or known not in ("grpc", "mongo", "redis", "mysql"):
-            return wl.TCP
-    return result
+    proto = _istio_protocol(app_protocol if app_protocol is not None else name)
+    if proto is None:
+        return wl.TCP if port in _WELL_KNOWN_TCP_PORTS else wl.UNKNOWN
+    return _APP_PROTOCOLS.get(proto, wl.UNKNOWN)
 
 
 def _network_address(text: str, network: str, *, allow_cidr: bool) -> wl.NetworkAddress:

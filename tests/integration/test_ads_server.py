@@ -19,7 +19,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
 from google.rpc import status_pb2
 
-from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer, Caller, Unauthenticated
+from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from ambient_mesh.control.ads_state import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.wire.istio.security import authorization_pb2
@@ -272,7 +272,7 @@ async def test_authenticator_refuses_and_checks_the_namespace():
         seen.append(dict(metadata))
         if metadata.get("authorization") != "Bearer good-token":
             return Unauthenticated(reason="missing or invalid bearer token")
-        return Caller(identities=("spiffe://cluster.local/ns/istio-system/sa/ztunnel",))
+        return Authenticated(identities=("spiffe://cluster.local/ns/istio-system/sa/ztunnel",))
 
     ads = AdsServer(authenticate=authenticate)
     ads.update(*initial_world())

@@ -20,12 +20,13 @@ from cryptography.hazmat.primitives import serialization
 
 from ambient_mesh.config import AuthKind, AuthToken, ProxyMode, RootCert, RootCertKind, ZtunnelConfig
 from ambient_mesh.control.ca_server import CaServer
-from ambient_mesh.control.grpc_tls import server_credentials, serving_certificate
+from ambient_mesh.control.grpc_tls import channel_credentials, server_credentials, serving_certificate
 from ambient_mesh.control.tokens import TokenIssuer
 from ambient_mesh.errors import CertificateError, IdentityError
 from ambient_mesh.identity import CertificateAuthority, Identity, SecretManager
 from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.certificate import load_pem_certificates, spiffe_ids
+from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
 
 TD = "cluster.local"
 APP = Identity(TD, "ns1", "app")
@@ -310,3 +311,20 @@ async def test_secret_manager_end_to_end_with_a_ten_second_certificate(
         assert repr(manager) == "SecretManager(1 certificates: 1 available, 0 pending)"
     finally:
         await manager.close()
+
+
+async def test_garbled_csr_is_invalid_argument(control_plane: ControlPlane) -> None:
+    token = control_plane.workload_token(APP)
+    async with grpc.aio.secure_channel(
+        f"127.0.0.1:{control_plane.port}", channel_credentials(control_plane.ca.root_pem)
+    ) as channel:
+        stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.CreateCertificate(
+                ca_pb2.IstioCertificateRequest(csr="not a csr"), metadata=[("authorization", f"Bearer {token}")]
+            )
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "CSR signing error" in (info.value.details() or "")
+    assert repr(control_plane.server) == (
+        "CaServer(trust domain 'cluster.local', cluster 'Kubernetes', 0 issued, 1 refused)"
+    )

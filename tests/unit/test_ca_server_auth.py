@@ -18,9 +18,11 @@ from ambient_mesh.control.ca_server import (
     bearer_token,
     certificate_ttl_s,
     check_cluster_id,
+    parse_trusted_node_accounts,
     requested_identity,
 )
 from ambient_mesh.control.tokens import Caller, TokenIssuer
+from ambient_mesh.errors import ConfigError
 from ambient_mesh.identity import CertificateAuthority, Identity
 from ambient_mesh.wire.istio.v1.auth import ca_pb2
 
@@ -249,3 +251,12 @@ def test_decide_refuses_an_expired_token() -> None:
 
 def test_server_repr_counts() -> None:
     assert repr(SERVER) == "CaServer(trust domain 'cluster.local', cluster 'Kubernetes', 0 issued, 0 refused)"
+
+
+def test_trusted_node_accounts_parse_like_istiods_env() -> None:
+    assert parse_trusted_node_accounts("istio-system/ztunnel, kube-system/node-proxy,") == frozenset(
+        {"istio-system/ztunnel", "kube-system/node-proxy"}
+    )
+    assert parse_trusted_node_accounts("") == frozenset()
+    with pytest.raises(ConfigError):
+        parse_trusted_node_accounts("ztunnel")

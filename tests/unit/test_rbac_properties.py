@@ -70,28 +70,31 @@ def networks(draw: st.DrawFn) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     return ipaddress.ip_network(f"{ip}/{length}", strict=False)
 
 
-def small(elements: st.SearchStrategy) -> st.SearchStrategy:
-    # Mostly empty: a Match with every list filled would almost never hold.
-    return st.one_of(st.just(()), st.lists(elements, min_size=1, max_size=2).map(tuple))
+FIELD_VALUES: dict[str, st.SearchStrategy] = {
+    "namespaces": string_matches,
+    "not_namespaces": string_matches,
+    "service_accounts": account_matches,
+    "not_service_accounts": account_matches,
+    "principals": string_matches,
+    "not_principals": string_matches,
+    "source_ips": networks(),
+    "not_source_ips": networks(),
+    "destination_ips": networks(),
+    "not_destination_ips": networks(),
+    "destination_ports": st.sampled_from(PORTS),
+    "not_destination_ports": st.sampled_from(PORTS),
+}
 
 
-match_objects = st.builds(
-    Match,
-    namespaces=small(string_matches),
-    not_namespaces=small(string_matches),
-    service_accounts=small(account_matches),
-    not_service_accounts=small(account_matches),
-    principals=small(string_matches),
-    not_principals=small(string_matches),
-    source_ips=small(networks()),
-    not_source_ips=small(networks()),
-    destination_ips=small(networks()),
-    not_destination_ips=small(networks()),
-    destination_ports=small(st.sampled_from(PORTS)),
-    not_destination_ports=small(st.sampled_from(PORTS)),
-)
-clauses = st.builds(Clause, matches=st.lists(match_objects, max_size=3).map(tuple))
-rules = st.builds(Rule, clauses=st.lists(clauses, max_size=3).map(tuple))
+@st.composite
+def match_objects(draw: st.DrawFn) -> Match:
+    # A few fields per Match (none = the empty Match): with every list filled it would almost never hold.
+    names = draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), max_size=3, unique=True))
+    return Match(**{n: tuple(draw(st.lists(FIELD_VALUES[n], min_size=1, max_size=2))) for n in names})
+
+
+clauses = st.builds(Clause, matches=st.lists(match_objects(), max_size=2).map(tuple))
+rules = st.builds(Rule, clauses=st.lists(clauses, max_size=2).map(tuple))
 
 
 @st.composite
@@ -103,7 +106,7 @@ def policy_sets(draw: st.DrawFn, max_size: int = 6) -> list[Authorization]:
             namespace=draw(st.sampled_from(NAMESPACES)),
             scope=draw(st.sampled_from(list(Scope))),
             action=draw(st.sampled_from(list(Action))),
-            rules=tuple(draw(st.lists(rules, max_size=3))),
+            rules=tuple(draw(st.lists(rules, max_size=2))),
             dry_run=draw(st.booleans()),
         )
         for i in range(count)
@@ -190,13 +193,14 @@ def matching_rule(conn: RbacConnection) -> Rule:
 # -- properties ---------------------------------------------------------------------------------------
 
 
-@given(st.lists(match_objects, max_size=1), connections)
+@settings(max_examples=500)
+@given(st.lists(match_objects(), max_size=1), connections)
 def test_single_match_agrees_with_reference(ms: list[Match], conn: RbacConnection) -> None:
     p = Authorization(name="p", namespace="a", rules=(Rule(clauses=(Clause(matches=tuple(ms)),)),))
     assert CompiledPolicy(p).matches(conn) is reference_matches(p, conn)
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(policy_sets(), connections)
 def test_evaluate_agrees_with_reference(policies: list[Authorization], conn: RbacConnection) -> None:
     assert evaluate(policies, conn) == reference_evaluate(policies, conn)
@@ -263,7 +267,7 @@ def test_never_raises_and_index_agrees(
     assert evaluate(policies_for(index, wl), conn) == expected
 
 
-@given(st.lists(st.tuples(st.booleans(), policy_sets(max_size=1)), max_size=20))
+@given(st.lists(st.tuples(st.booleans(), policy_sets(max_size=1)), max_size=12))
 def test_index_tracks_a_dict_through_inserts_and_removes(ops: list[tuple[bool, list[Authorization]]]) -> None:
     index = PolicyIndex()
     mirror: dict[str, Authorization] = {}

@@ -20,6 +20,8 @@ from ambient_mesh.control.tokens import (
     Caller,
     TokenIssuer,
     TokenVerifier,
+    load_or_create_issuer,
+    parse_account,
 )
 from ambient_mesh.errors import AmbientError, ConfigError
 from ambient_mesh.identity import Identity
@@ -306,3 +308,26 @@ _claim_values = st.fixed_dictionaries(
 @given(_claim_values)
 def test_any_signed_claims_are_a_caller_or_an_authentication_error(claims: dict[str, object]) -> None:
     verify_or_refuse(sign_raw({"alg": "ES256"}, claims))
+
+
+# --- key file and account parsing (what `ambient control token` uses) --------------------------
+
+
+def test_load_or_create_issuer_creates_once_then_reuses(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "state" / "token-key.pem"
+    first = load_or_create_issuer(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = load_or_create_issuer(path)
+    assert again.kid == first.kid
+    token = first.mint(namespace="ns1", service_account="sa1", now=NOW)
+    assert again.verifier().verify(token, NOW).service_account == "sa1"
+    path.write_bytes(b"garbage")
+    with pytest.raises(ConfigError):
+        load_or_create_issuer(path)
+
+
+def test_parse_account() -> None:
+    assert parse_account("istio-system/ztunnel") == ("istio-system", "ztunnel")
+    for bad in ("ztunnel", "a/b/c", "/x", "NS/x"):
+        with pytest.raises(ConfigError):
+            parse_account(bad)

@@ -1,0 +1,225 @@
+"""HBONE's HTTP/2 layer driven without sockets: our HboneConnection against a plain h2 peer.
+
+Each test wires one HboneConnection to an `h2` connection through in-memory transports and
+checks what goes over the wire: settings, windows, the CONNECT request's exact pseudo-headers,
+half-close, and that received bytes are acknowledged only while the reader keeps up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+
+from ambient_mesh.proxy.hbone import (
+    CONNECTION_WINDOW_BYTES,
+    MAX_FRAME_BYTES,
+    SERVER_MAX_CONCURRENT_STREAMS,
+    STREAM_WINDOW_BYTES,
+    HboneConnection,
+)
+from ambient_mesh.proxy.relay import Endpoint, Relay
+
+
+class MemoryTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data) -> None:
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def take(self) -> bytes:
+        data = bytes(self.out)
+        self.out.clear()
+        return data
+
+
+class RecordingEndpoint(Endpoint):
+    """The TCP side of a relay, recording what reaches it."""
+
+    def __init__(self) -> None:
+        self.relay = None
+        self.received = bytearray()
+        self.eof = False
+        self.aborted = False
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        self.received += data
+
+    def write_eof(self) -> None:
+        self.eof = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        pass
+
+
+def peer(client_side: bool) -> h2.connection.H2Connection:
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=client_side, header_encoding="utf-8"))
+    conn.initiate_connection()
+    return conn
+
+
+def exchange(ours: HboneConnection, transport: MemoryTransport, theirs: h2.connection.H2Connection) -> list:
+    """Move bytes both ways until both sides are quiet; return the peer's events."""
+    events = []
+    for _ in range(20):
+        moved = False
+        data = transport.take()
+        if data:
+            events += theirs.receive_data(data)
+            moved = True
+        back = theirs.data_to_send()
+        if back:
+            ours.data_received(back)
+            moved = True
+        if not moved:
+            break
+    return events
+
+
+async def test_client_settings_and_connection_window_match_ztunnel():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    events = exchange(ours, transport, server)
+    settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)).changed_settings
+    assert settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE].new_value == STREAM_WINDOW_BYTES == 4 * 1024 * 1024
+    assert settings[h2.settings.SettingCodes.MAX_FRAME_SIZE].new_value == MAX_FRAME_BYTES == 1024 * 1024
+    assert settings[h2.settings.SettingCodes.ENABLE_PUSH].new_value == 0
+    assert settings[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE].new_value == 16 * 1024
+    update = next(e for e in events if isinstance(e, h2.events.WindowUpdated) and e.stream_id == 0)
+    assert update.delta + 65535 == CONNECTION_WINDOW_BYTES == 16 * 1024 * 1024
+    ours._cancel_timers()
+
+
+async def test_server_advertises_200_streams_and_64k_header_list():
+    ours = HboneConnection(client_side=False)
+    transport = MemoryTransport()
+    client = peer(client_side=True)
+    ours.connection_made(transport)
+    ours.data_received(client.data_to_send())
+    events = client.receive_data(transport.take())
+    settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)).changed_settings
+    assert settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == SERVER_MAX_CONCURRENT_STREAMS
+    assert settings[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE].new_value == 64 * 1024
+    ours._cancel_timers()
+
+
+async def test_connect_request_carries_only_method_and_authority_pseudo_headers():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    exchange(ours, transport, server)
+    opening = asyncio.ensure_future(ours.open_stream("[fd00::3]:8080", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-00")]))
+    await asyncio.sleep(0)
+    events = exchange(ours, transport, server)
+    request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+    pseudo = [(k, v) for k, v in request.headers if k.startswith(":")]
+    assert pseudo == [(":method", "CONNECT"), (":authority", "[fd00::3]:8080")]
+    server.send_headers(request.stream_id, [(":status", "200")])
+    exchange(ours, transport, server)
+    stream, response = await opening
+    assert response.status == 200
+    ours._cancel_timers()
+
+
+async def _open(ours, transport, server):
+    exchange(ours, transport, server)
+    opening = asyncio.ensure_future(ours.open_stream("10.0.0.3:8080", []))
+    await asyncio.sleep(0)
+    events = exchange(ours, transport, server)
+    sid = next(e for e in events if isinstance(e, h2.events.RequestReceived)).stream_id
+    server.send_headers(sid, [(":status", "200")])
+    exchange(ours, transport, server)
+    stream, _ = await opening
+    tcp = RecordingEndpoint()
+    relay = Relay(tcp, stream)
+    stream.attach(relay)
+    return stream, tcp, relay, sid
+
+
+async def test_half_close_each_way_and_relay_finishes():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, tcp, relay, sid = await _open(ours, transport, server)
+    relay.data_from(tcp, b"request")
+    relay.eof_from(tcp)  # client half-closes: END_STREAM must go out
+    events = exchange(ours, transport, server)
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"request"
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
+    assert not relay.done.done()  # the other direction is still open
+    server.send_data(sid, b"response", end_stream=True)
+    exchange(ours, transport, server)
+    assert bytes(tcp.received) == b"response" and tcp.eof
+    assert relay.done.done() and relay.done.result() is None
+    assert ours.open_streams == 0
+    ours._cancel_timers()
+
+
+async def test_received_bytes_are_acknowledged_only_while_the_reader_keeps_up():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, tcp, relay, sid = await _open(ours, transport, server)
+    stream.pause_reading()  # the TCP reader is slow: hold the window credit
+    for _ in range(3):
+        server.send_data(sid, b"x" * 1_000_000)  # 1 MiB frames are allowed: we advertised MAX_FRAME_SIZE
+    events = exchange(ours, transport, server)
+    assert not any(isinstance(e, h2.events.WindowUpdated) and e.stream_id == sid for e in events)
+    assert len(tcp.received) == 3_000_000
+    stream.resume_reading()  # the reader caught up: the credit goes back in one WINDOW_UPDATE
+    events = exchange(ours, transport, server)
+    updates = [e for e in events if isinstance(e, h2.events.WindowUpdated) and e.stream_id == sid]
+    assert sum(e.delta for e in updates) == 3_000_000
+    ours._cancel_timers()
+
+
+async def test_sender_stops_reading_when_the_peer_window_is_exhausted():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)  # h2 default: 65535-byte windows, never acknowledged here
+    stream, tcp, relay, sid = await _open(ours, transport, server)
+    relay.data_from(tcp, b"y" * 100_000)
+    assert tcp.paused  # our window at the peer is 65535: the rest waits and the TCP side pauses
+    events = exchange(ours, transport, server)
+    got = sum(len(e.data) for e in events if isinstance(e, h2.events.DataReceived))
+    assert got == 65535
+    server.acknowledge_received_data(got, sid)
+    server.increment_flow_control_window(100_000)
+    exchange(ours, transport, server)
+    assert not tcp.paused
+    ours._cancel_timers()
