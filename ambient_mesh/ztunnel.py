@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,7 +197,8 @@ class Ztunnel:
     def _request_shutdown(self) -> None:
         self._shutdown_requested.set()
 
-    async def run_until_shutdown(self) -> None:
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT start the drain; a second SIGINT exits at once (ztunnel's rule)."""
         loop = asyncio.get_running_loop()
         sigints = 0
 
@@ -205,16 +207,17 @@ class Ztunnel:
             sigints += 1
             if sigints > 1:
                 log.warning("second SIGINT: exiting now")
-                raise SystemExit(130)
+                os._exit(130)
             self._shutdown_requested.set()
 
         loop.add_signal_handler(signal.SIGTERM, self._shutdown_requested.set)
         loop.add_signal_handler(signal.SIGINT, on_sigint)
-        try:
-            await self._shutdown_requested.wait()
-        finally:
-            loop.remove_signal_handler(signal.SIGTERM)
-            loop.remove_signal_handler(signal.SIGINT)
+
+    async def run_until_shutdown(self) -> None:
+        await self._shutdown_requested.wait()
+        loop = asyncio.get_running_loop()
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.remove_signal_handler(signal.SIGINT)
         await self.drain()
 
     async def drain(self, deadline_s: float | None = None) -> None:
@@ -257,6 +260,7 @@ async def build(env: Mapping[str, str]) -> Ztunnel:
 
 async def run(env: Mapping[str, str]) -> int:
     proxy = await build(env)
+    proxy.install_signal_handlers()  # before start: a SIGTERM during start-up still drains
     try:
         await proxy.start()
     except BaseException:

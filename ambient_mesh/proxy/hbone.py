@@ -79,6 +79,9 @@ class HboneSettings:
     ping_timeout_s: float = PING_TIMEOUT_S
 
 
+DEFAULT_SETTINGS = HboneSettings()
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectRequest:
     """What the server saw in a CONNECT stream's request headers."""
@@ -266,7 +269,7 @@ class HboneConnection(asyncio.Protocol):
     answer with `respond(stream, status, headers)`.
     """
 
-    def __init__(self, *, client_side: bool, settings: HboneSettings = HboneSettings(),
+    def __init__(self, *, client_side: bool, settings: HboneSettings = DEFAULT_SETTINGS,
                  on_request: Callable[[HboneStream], None] | None = None,
                  on_closed: Callable[[HboneConnection], None] | None = None,
                  on_connected: Callable[[HboneConnection], None] | None = None,

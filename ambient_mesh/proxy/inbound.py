@@ -21,8 +21,8 @@ from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
 from ..state.model import GatewayAddress, NetworkAddress, Service, Workload
 from . import headers as hbone_headers
-from .hbone import HboneConnection, HboneSettings, HboneStream
 from .connection_manager import PolicyDenied
+from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .relay import Relay, wrap_socket
 from .sockets import original_destination
@@ -55,7 +55,7 @@ class InboundProxy:
     """The HBONE server of one proxy."""
 
     def __init__(self, pi: ProxyInputs, local_workload: LocalWorkload,
-                 settings: HboneSettings = HboneSettings()) -> None:
+                 settings: HboneSettings = DEFAULT_SETTINGS) -> None:
         self.pi = pi
         self._local_workload = local_workload
         self.settings = settings

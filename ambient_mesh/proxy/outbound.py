@@ -20,9 +20,9 @@ from .inputs import ProxyInputs
 from .pool import WorkloadKey
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
+from .sockets import original_destination
 from .socks5 import ConnectRequest as SocksConnect
 from .socks5 import ReplyCode, Socks5Error, Socks5Handshake, encode_reply
-from .sockets import original_destination
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.outbound")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
-from .hbone import ConnectResponse, HboneConnection, HboneError, HboneSettings, HboneStream
+from .hbone import DEFAULT_SETTINGS, ConnectResponse, HboneConnection, HboneError, HboneSettings, HboneStream
 
 log = logging.getLogger("ambient_mesh.pool")
 
@@ -172,7 +172,7 @@ class HboneConnector:
     def __init__(self, *, fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
                  verify_server: Callable[[object, tuple[Identity, ...]], Identity],
                  open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[object]],
-                 settings: HboneSettings = HboneSettings()) -> None:
+                 settings: HboneSettings = DEFAULT_SETTINGS) -> None:
         self._fetch_client_context = fetch_client_context
         self._verify_server = verify_server
         self._open_socket = open_socket

@@ -181,7 +181,7 @@ async def test_stream_limit_opens_another_connection():
 async def test_pool_reuses_connections_and_expires_idle_ones():
     async with running_mesh(client_env={"POOL_UNUSED_RELEASE_TIMEOUT": "1s"}) as mesh:
         pool = mesh.client.pi.pool
-        for i in range(3):
+        for _i in range(3):
             assert await echo_once(mesh, SERVER_IP, ECHO_PORT, b"again") == b"again"
         assert pool.connections_opened == 1
         await asyncio.sleep(1.1)
