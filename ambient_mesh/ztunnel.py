@@ -20,6 +20,7 @@ from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig
 from .errors import AmbientError, ConfigError
 from .identity.ca import CertificateAuthority, EmbeddedCaClient
+from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
 from .identity.tls import TlsContextCache, verify_server_identity
 from .metrics import Metrics
@@ -64,9 +65,6 @@ def check_supported(config: ZtunnelConfig) -> None:
     if config.xds_address:
         raise ConfigError("XDS_ADDRESS", f"{config.xds_address!r}: the xDS client is not implemented yet",
                           hint="set XDS_ADDRESS= (empty) and give the state with LOCAL_XDS_PATH")
-    if not config.fake_ca:
-        raise ConfigError("FAKE_CA", "the CA client for istiod is not implemented yet",
-                          hint="set FAKE_CA=true (optionally with ROOT_CA_DIR for your own root)")
     if config.proxy_mode is not ProxyMode.DEDICATED:
         raise ConfigError("PROXY_MODE", "shared mode needs the CNI node agent (ZDS), not implemented yet",
                           hint="set PROXY_MODE=dedicated and PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>")
@@ -78,7 +76,7 @@ class Ztunnel:
 
     config: ZtunnelConfig
     state: ProxyState
-    ca: CertificateAuthority
+    ca: CertificateAuthority | None  # the embedded signer with FAKE_CA=true, else None (istiod signs)
     readiness: Readiness = field(default_factory=Readiness)
     metrics: Metrics = field(default_factory=Metrics)
     listeners: dict[str, Listener] = field(default_factory=dict)
@@ -86,7 +84,11 @@ class Ztunnel:
 
     def __post_init__(self) -> None:
         config = self.config
-        self.cert_manager = SecretManager(EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s)))
+        if self.ca is not None:
+            self.ca_client = EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s))
+        else:
+            self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
+        self.cert_manager = SecretManager(self.ca_client)
         self.tls = TlsContextCache()
         self.pi = ProxyInputs(config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
                               metrics=self.metrics, transparent=config.enable_orig_src is True)
@@ -243,6 +245,8 @@ class Ztunnel:
 
     async def stop_servers(self) -> None:
         await self.cert_manager.close()
+        if isinstance(self.ca_client, GrpcCaClient):
+            await self.ca_client.close()
         for server in (self.stats, self.admin, self.readiness_server):
             try:
                 await server.stop()
@@ -254,7 +258,7 @@ async def build(env: Mapping[str, str]) -> Ztunnel:
     config = ZtunnelConfig.from_env(env)
     check_supported(config)
     state = load_state(config)
-    ca = build_certificate_authority(config)
+    ca = build_certificate_authority(config) if config.fake_ca else None
     return Ztunnel(config=config, state=state, ca=ca)
 
 
