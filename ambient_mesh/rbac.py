@@ -19,7 +19,6 @@ import ipaddress
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Protocol
 
 from .identity.spiffe import Identity
@@ -392,10 +391,10 @@ def compile_policy(policy: Authorization | CompiledPolicy) -> CompiledPolicy:
 
 
 def _decide(
-    deny: Iterable[CompiledPolicy],
+    deny: Sequence[CompiledPolicy],
     allow: Sequence[CompiledPolicy],
-    dry_deny: Iterable[CompiledPolicy],
-    dry_allow: Iterable[CompiledPolicy],
+    dry_deny: Sequence[CompiledPolicy],
+    dry_allow: Sequence[CompiledPolicy],
     conn: RbacConnection,
 ) -> Decision:
     values = _peer_values(conn)
@@ -512,32 +511,6 @@ def policies_for(state_policies: Mapping[str, Authorization], workload: PolicyTa
     return result
 
 
-class _Bucket:
-    """The policies filed under one index namespace, split by what evaluation needs."""
-
-    __slots__ = ("policies", "_split")
-
-    def __init__(self) -> None:
-        self.policies: dict[str, CompiledPolicy] = {}
-        self._split: tuple[tuple[CompiledPolicy, ...], ...] | None = None
-
-    def split(self) -> tuple[tuple[CompiledPolicy, ...], ...]:
-        """(deny, allow, dry-run deny, dry-run allow), rebuilt only after a change."""
-        if self._split is None:
-            self._split = _partition(self.policies.values())
-        return self._split
-
-
-def _partition(policies: Iterable[CompiledPolicy]) -> tuple[tuple[CompiledPolicy, ...], ...]:
-    parts: tuple[list[CompiledPolicy], ...] = ([], [], [], [])
-    for p in policies:
-        parts[(2 if p.dry_run else 0) + (0 if p.deny else 1)].append(p)
-    return tuple(tuple(part) for part in parts)
-
-
-_EMPTY_SPLIT: tuple[tuple[CompiledPolicy, ...], ...] = ((), (), (), ())
-
-
 class PolicyIndex(MutableMapping[str, Authorization]):
     """All policies by key, compiled, plus ztunnel's by-namespace index ("" = GLOBAL).
 
@@ -548,7 +521,7 @@ class PolicyIndex(MutableMapping[str, Authorization]):
 
     def __init__(self, policies: Iterable[Authorization] = ()) -> None:
         self._by_key: dict[str, CompiledPolicy] = {}
-        self._by_namespace: dict[str, _Bucket] = {}
+        self._by_namespace: dict[str, dict[str, CompiledPolicy]] = {}
         for policy in policies:
             self.insert(policy)
 
@@ -561,11 +534,7 @@ class PolicyIndex(MutableMapping[str, Authorization]):
         self._by_key[compiled.key] = compiled
         index = _index_namespace(policy)
         if index is not None:
-            bucket = self._by_namespace.get(index)
-            if bucket is None:
-                bucket = self._by_namespace[index] = _Bucket()
-            bucket.policies[compiled.key] = compiled
-            bucket._split = None
+            self._by_namespace.setdefault(index, {})[compiled.key] = compiled
 
     def remove(self, key: str) -> bool:
         return self._unfile(key) is not None
@@ -577,9 +546,8 @@ class PolicyIndex(MutableMapping[str, Authorization]):
         index = _index_namespace(old.policy)
         bucket = self._by_namespace.get(index) if index is not None else None
         if bucket is not None:
-            del bucket.policies[key]
-            bucket._split = None
-            if not bucket.policies:
+            del bucket[key]
+            if not bucket:
                 del self._by_namespace[index]  # type: ignore[arg-type]
         return old
 
@@ -616,14 +584,10 @@ class PolicyIndex(MutableMapping[str, Authorization]):
     def by_namespace(self, namespace: str) -> tuple[Authorization, ...]:
         """The policies filed under `namespace` (NAMESPACE scope; "" gives the GLOBAL ones)."""
         bucket = self._by_namespace.get(namespace)
-        return tuple(c.policy for c in bucket.policies.values()) if bucket else ()
+        return tuple(c.policy for c in bucket.values()) if bucket else ()
 
     def global_(self) -> tuple[Authorization, ...]:
         return self.by_namespace(GLOBAL_INDEX)
-
-    def _split(self, namespace: str) -> tuple[tuple[CompiledPolicy, ...], ...]:
-        bucket = self._by_namespace.get(namespace)
-        return bucket.split() if bucket else _EMPTY_SPLIT
 
     def _own(self, workload: PolicyTarget) -> list[CompiledPolicy]:
         by_key = self._by_key
@@ -639,33 +603,25 @@ class PolicyIndex(MutableMapping[str, Authorization]):
         ns = workload.namespace
         result: list[CompiledPolicy] = []
         if ns != GLOBAL_INDEX and (bucket := self._by_namespace.get(ns)):
-            result.extend(bucket.policies.values())
+            result.extend(bucket.values())
         if bucket := self._by_namespace.get(GLOBAL_INDEX):
-            result.extend(bucket.policies.values())
+            result.extend(bucket.values())
         result.extend(self._own(workload))
         return result
 
     def check(self, workload: PolicyTarget, conn: RbacConnection) -> Decision:
-        """`evaluate(policies_for(self, workload), conn)` without copying or re-sorting the
-        namespace and global policies: their action split is cached per namespace."""
-        ns = workload.namespace
-        local = self._split(ns) if ns != GLOBAL_INDEX else _EMPTY_SPLIT
-        glob = self._split(GLOBAL_INDEX)
-        own = _partition(self._own(workload)) if workload.authorization_policies else _EMPTY_SPLIT
-        allow = local[1] + glob[1] + own[1] if (local[1] or glob[1] or own[1]) else ()
-        return _decide(
-            chain(local[0], glob[0], own[0]),
-            allow,
-            chain(local[2], glob[2], own[2]),
-            chain(local[3], glob[3], own[3]),
-            conn,
-        )
+        """`evaluate(policies_for(self, workload), conn)` on the compiled policies.
+
+        bench/rbac_bench.py measured a cached per-namespace split by action: no gain, since
+        matching dominates, so the policies are split per call.
+        """
+        return evaluate(self.applicable(workload), conn)
 
     def __repr__(self) -> str:
         glob = self._by_namespace.get(GLOBAL_INDEX)
-        n_global = len(glob.policies) if glob else 0
+        n_global = len(glob) if glob else 0
         namespaces = len(self._by_namespace) - (1 if glob else 0)
-        indexed = sum(len(b.policies) for b in self._by_namespace.values())
+        indexed = sum(len(b) for b in self._by_namespace.values())
         return (
             f"<PolicyIndex: {len(self._by_key)} policies, {n_global} global, "
             f"{indexed - n_global} in {namespaces} namespaces, {len(self._by_key) - indexed} by selector>"

@@ -124,7 +124,13 @@ def main() -> None:
             seconds=args.seconds,
             iterations=args.iterations,
         )
-        record(f"connection, {chunks} chunk{'s' if chunks > 1 else ''}, same peers", n, elapsed, chunks=chunks, new_series=False)
+        record(
+            f"connection, {chunks} chunk{'s' if chunks > 1 else ''}, same peers",
+            n,
+            elapsed,
+            chunks=chunks,
+            new_series=False,
+        )
     # A new source workload per connection: prometheus-client creates a child per label set.
     metrics = Metrics(process_metrics=False)
     sources = [source(i) for i in range(min(args.iterations, 50_000) + 1)]

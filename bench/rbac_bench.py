@@ -9,7 +9,7 @@ Counterpart: ztunnel benches/throughput.rs `rbac` (reference/ztunnel.md 14.1). C
 Each for an "allow" outcome (one ALLOW matches, and it is the last one looked at) and a "deny"
 outcome ("allow policies exist, but none allowed": every policy is evaluated). Paths measured:
 
-  index.check      PolicyIndex.check(workload, conn): the hot path (cached action split)
+  index.check      PolicyIndex.check(workload, conn): the hot path
   evaluate(compiled)  evaluate(index.applicable(workload), conn): compiled, split per call
   evaluate(dict)   evaluate(policies_for(dict, workload), conn): scan every policy and
                    compile the applicable ones on every call (what a plain dict costs)
@@ -170,7 +170,7 @@ def main() -> None:
 
     console = Console(width=120)
     table = Table(title=f"L4 authorization: {args.policies:,} policies x {RULES_PER_POLICY} rules")
-    for col in ("case", "outcome", "path", "applicable", "decisions/s", "µs/decision", "n", "reason"):
+    for col in ("case", "outcome", "path", "applicable", "decisions/s", "µs/decision", "n"):
         table.add_column(
             col, justify="right" if col in ("applicable", "decisions/s", "µs/decision", "n") else "left"
         )
