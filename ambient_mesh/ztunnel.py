@@ -35,6 +35,8 @@ from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import load_local_config, parse_local_config
 from .state.model import Workload
 from .state.store import ProxyState
+from .xds.client import XdsClient
+from .xds.updater import StateUpdater
 
 log = logging.getLogger("ambient_mesh.ztunnel")
 
@@ -48,23 +50,19 @@ def build_certificate_authority(config: ZtunnelConfig) -> CertificateAuthority:
     return CertificateAuthority.insecure_test_ca()
 
 
-def load_state(config: ZtunnelConfig) -> ProxyState:
-    state = ProxyState()
+def load_local_state(config: ZtunnelConfig, updater: StateUpdater) -> None:
+    """LOCAL_XDS_PATH / LOCAL_XDS through the same updater xDS pushes go through."""
     if config.local_xds_path:
         local = load_local_config(config.local_xds_path)
     elif config.local_xds:
         local = parse_local_config(config.local_xds, "LOCAL_XDS")
     else:
-        return state
-    state.replace_all(local.workloads, local.services, local.policies)
-    return state
+        return
+    updater.apply_local_config(local)
 
 
 def check_supported(config: ZtunnelConfig) -> None:
     """Refuse, at start, configurations whose features this build does not have yet."""
-    if config.xds_address:
-        raise ConfigError("XDS_ADDRESS", f"{config.xds_address!r}: the xDS client is not implemented yet",
-                          hint="set XDS_ADDRESS= (empty) and give the state with LOCAL_XDS_PATH")
     if config.proxy_mode is not ProxyMode.DEDICATED:
         raise ConfigError("PROXY_MODE", "shared mode needs the CNI node agent (ZDS), not implemented yet",
                           hint="set PROXY_MODE=dedicated and PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>")
@@ -76,6 +74,7 @@ class Ztunnel:
 
     config: ZtunnelConfig
     state: ProxyState
+    updater: StateUpdater
     ca: CertificateAuthority | None  # the embedded signer with FAKE_CA=true, else None (istiod signs)
     readiness: Readiness = field(default_factory=Readiness)
     metrics: Metrics = field(default_factory=Metrics)
@@ -108,6 +107,8 @@ class Ztunnel:
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
         self._proxy_ready = self.readiness.register("proxy")
         self._state_ready = self.readiness.register("state manager")
+        self.xds = (XdsClient(config, self.updater, on_ready=self._state_ready.mark_ready)
+                    if config.xds_address else None)
         self._shutdown_requested = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -137,7 +138,10 @@ class Ztunnel:
     async def start(self) -> None:
         config = self.config
         await self.readiness_server.start()
-        self._state_ready.mark_ready()
+        if self.xds is None:
+            self._state_ready.mark_ready()
+        else:
+            self.xds.start()  # ready once every subscribed type got its first push
         self._register_dumps()
         await self.admin.start()
         mark, tracker = config.packet_mark, self.pi.connections
@@ -244,6 +248,8 @@ class Ztunnel:
         self.stopped.set()
 
     async def stop_servers(self) -> None:
+        if self.xds is not None:
+            await self.xds.close()
         await self.cert_manager.close()
         if isinstance(self.ca_client, GrpcCaClient):
             await self.ca_client.close()
@@ -257,9 +263,11 @@ class Ztunnel:
 async def build(env: Mapping[str, str]) -> Ztunnel:
     config = ZtunnelConfig.from_env(env)
     check_supported(config)
-    state = load_state(config)
+    state = ProxyState()
+    updater = StateUpdater(state)
+    load_local_state(config, updater)
     ca = build_certificate_authority(config) if config.fake_ca else None
-    return Ztunnel(config=config, state=state, ca=ca)
+    return Ztunnel(config=config, state=state, updater=updater, ca=ca)
 
 
 async def run(env: Mapping[str, str]) -> int:

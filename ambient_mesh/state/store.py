@@ -307,11 +307,11 @@ class ProxyState:
             self._insert_workload(workload)
         for policy in policies:
             self.policies[policy.key] = policy
-        self._changed()
+        self.notify_changed()
 
     def insert_workload(self, workload: Workload) -> None:
         self._insert_workload(workload)
-        self._changed()
+        self.notify_changed()
 
     def _insert_workload(self, workload: Workload) -> None:
         self.workloads.insert(workload)
@@ -321,17 +321,17 @@ class ProxyState:
         if self.workloads.remove(uid) is None:
             return False
         self.services.remove_workload(uid)
-        self._changed()
+        self.notify_changed()
         return True
 
     def insert_service(self, service: Service) -> None:
         self.services.insert(service)
-        self._changed()
+        self.notify_changed()
 
     def remove_service(self, key: str) -> bool:
         if self.services.remove(key) is None:
             return False
-        self._changed()
+        self.notify_changed()
         return True
 
     def remove(self, name: str) -> bool:
@@ -340,12 +340,12 @@ class ProxyState:
 
     def insert_policy(self, policy: Authorization) -> None:
         self.policies[policy.key] = policy
-        self._changed()
+        self.notify_changed()
 
     def remove_policy(self, key: str) -> bool:
         if self.policies.pop(key, None) is None:
             return False
-        self._changed()
+        self.notify_changed()
         return True
 
     # -- listeners ------------------------------------------------------------------------------
@@ -360,7 +360,8 @@ class ProxyState:
 
         return unsubscribe
 
-    def _changed(self) -> None:
+    def notify_changed(self) -> None:
+        """Bump the version and call the listeners once (writers that batch call this at the end)."""
         self.version += 1
         for callback in list(self._listeners):
             callback(self)

@@ -153,9 +153,8 @@ class StateUpdater:
     # -- notifications -----------------------------------------------------------------------------
 
     def _state_changed(self) -> None:
-        # One version bump and one round of listener calls per batch. ProxyState has no public
-        # "changed" hook yet; the lead is asked to add one (see the xDS client report).
-        self.state._changed()
+        # One version bump and one round of listener calls per batch.
+        self.state.notify_changed()
 
     def _notify_policy_listeners(self) -> None:
         for callback in list(self._policy_listeners):
