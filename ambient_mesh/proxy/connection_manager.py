@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import AmbientError
-from ..rbac import Decision, RbacConnection, evaluate, policies_for
+from ..rbac import Decision, RbacConnection
 from ..state.model import Workload
 from ..state.store import ProxyState
 
@@ -57,7 +57,7 @@ class ConnectionManager:
 
     def authorize(self, conn: RbacConnection, workload: Workload) -> Decision:
         """One authorization check against the current policies (reference 5.3)."""
-        decision = evaluate(policies_for(self.state.policies, workload), conn)
+        decision = self.state.policies.check(workload, conn)
         if decision.dry_run_matches:
             log.info("dry-run policies matched %s: %s", conn, ", ".join(decision.dry_run_matches))
         level = logging.INFO if not decision.allowed else logging.DEBUG
@@ -87,7 +87,7 @@ class ConnectionManager:
             workload = self.state.workloads.find_uid(tracked.workload_uid)
             if workload is None:
                 continue  # the workload is going away; its own removal closes it
-            decision = evaluate(policies_for(self.state.policies, workload), tracked.conn)
+            decision = self.state.policies.check(workload, tracked.conn)
             if not decision.allowed:
                 log.info("connection %s is no longer allowed: %s", tracked.description, decision.reason)
                 self._tracked.pop(key, None)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..errors import IdentityError
 from ..identity.spiffe import Identity
 from ..net import IPAddress
-from ..rbac import Authorization
+from ..rbac import Authorization, PolicyIndex
 from .model import (
     Endpoint,
     HealthPolicy,
@@ -287,7 +287,7 @@ class ProxyState:
     def __init__(self) -> None:
         self.workloads = WorkloadStore()
         self.services = ServiceStore()
-        self.policies: dict[str, Authorization] = {}
+        self.policies: PolicyIndex = PolicyIndex()  # a dict of ns/name -> policy, indexed by scope
         self.version = 0
         self._listeners: list[Listener] = []
 

@@ -1,0 +1,282 @@
+"""`ambient control`: the embedded control plane program.
+
+Counterpart: the part of istiod that ambient needs. It reads Kubernetes objects from a
+directory of YAML files (watched for changes), translates them into `istio.workload.Address` and
+`istio.security.Authorization` resources, serves them over delta ADS, and signs workload
+certificates (IstioCertificateService), both on one TLS port (15012) whose certificate chains to
+the mesh root that proxies are given. Callers authenticate with JWTs this control plane signs
+(`ambient control token`).
+
+State kept in `--state-dir`: the CA (Istio's plugged-in layout, created on first start unless
+ROOT_CA_DIR names the operator's), the token signing key, and `root-cert.pem` for proxies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+
+from ..errors import ConfigError
+from ..identity.ca import CertificateAuthority
+from ..identity.spiffe import Identity
+from ..net import SocketAddr
+from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
+from .ca_server import CaServer, Refusal, bearer_token, check_cluster_id
+from .grpc_tls import DEFAULT_SERVING_DNS_NAMES, DEFAULT_SERVING_IPS, server_credentials, serving_certificate
+from .kube import DirectoryChange, DirectoryWatcher, KubeStore
+from .tokens import AuthenticationError, TokenIssuer, load_or_create_issuer
+from .translate import MeshSettings, Translation, translate
+
+log = logging.getLogger("ambient_mesh.control")
+
+DEFAULT_LISTEN = "[::]:15012"
+SERVING_CERT_TTL_S = 365 * 24 * 3600
+POLL_INTERVAL_S = 1.0
+CA_DIR_NAME = "cacerts"
+TOKEN_KEY_FILE = "token-key.pem"
+ROOT_CERT_FILE = "root-cert.pem"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPlaneConfig:
+    directory: Path
+    state_dir: Path
+    listen: SocketAddr = SocketAddr.parse(DEFAULT_LISTEN)
+    plaintext_listen: SocketAddr | None = None  # istiod's 15010, for tests and trusted networks
+    root_ca_dir: Path | None = None
+    mesh: MeshSettings = field(default_factory=MeshSettings)
+    trusted_node_accounts: frozenset[str] = frozenset({"istio-system/ztunnel"})
+    poll_interval_s: float = POLL_INTERVAL_S
+
+
+def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
+    """The operator's plugged-in CA, else ours (created once, in the plugged-in layout)."""
+    if config.root_ca_dir is not None:
+        return CertificateAuthority.from_plugged_in_dir(config.root_ca_dir)
+    ca_dir = config.state_dir / CA_DIR_NAME
+    if not (ca_dir / "ca-key.pem").exists():
+        ca = CertificateAuthority.self_signed(config.mesh.trust_domain)
+        write_plugged_in_files(ca, ca_dir)
+        log.info("created a new mesh root CA in %s", ca_dir)
+    return CertificateAuthority.from_plugged_in_dir(ca_dir)
+
+
+def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
+    """Istio's plugged-in CA files for a self-signed root (the root is also the signer)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert_pem = ca.signing_cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = ca.signing_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption())
+    key_path = directory / "ca-key.pem"
+    key_path.touch(mode=0o600)
+    key_path.write_bytes(key_pem)
+    (directory / "ca-cert.pem").write_bytes(cert_pem)
+    (directory / "root-cert.pem").write_bytes(ca.root_pem)
+    (directory / "cert-chain.pem").write_bytes(cert_pem)
+
+
+class KubeNodeIndex:
+    """The CA's view of which workload identities run on which node (istiod's node authorizer)."""
+
+    def __init__(self, trust_domain: str) -> None:
+        self.trust_domain = trust_domain
+        self.store = KubeStore(())
+
+    def identities_on_node(self, node: str) -> set[Identity]:
+        return {Identity(self.trust_domain, p.metadata.namespace, p.service_account_name or "default")
+                for p in self.store.pods if p.node_name == node}
+
+    def pod_exists(self, namespace: str, name: str, uid: str) -> bool:
+        pod = self.store.get("Pod", namespace, name)
+        return pod is not None and pod.metadata.uid == uid
+
+
+@dataclass(eq=False)
+class ControlPlane:
+    config: ControlPlaneConfig
+    ca: CertificateAuthority
+    issuer: TokenIssuer
+    translation: Translation | None = None
+    load_errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        mesh = self.config.mesh
+        self.verifier = self.issuer.verifier()
+        self.node_index = KubeNodeIndex(mesh.trust_domain)
+        self.ads = AdsServer(authenticate=self._authenticate)
+        self.ca_server = CaServer(self.ca, self.verifier, trust_domain=mesh.trust_domain, node_index=self.node_index,
+                                  trusted_node_accounts=self.config.trusted_node_accounts,
+                                  cluster_id=mesh.cluster_id)
+        self.watcher = DirectoryWatcher(self.config.directory, self._on_change, self.config.poll_interval_s)
+        self.server: grpc.aio.Server | None = None
+        self.bound: dict[str, SocketAddr] = {}
+        self._watch_task: asyncio.Task | None = None
+        self.loaded = asyncio.Event()
+
+    def __repr__(self) -> str:
+        t = self.translation
+        counts = f"{len(t.addresses)} addresses, {len(t.authorizations)} authorizations" if t else "nothing loaded"
+        return f"ControlPlane({self.config.directory}: {counts}; {self.ads!r})"
+
+    # Authentication of xDS callers ------------------------------------------------------
+    def _authenticate(self, metadata):
+        items = list(metadata.items()) if hasattr(metadata, "items") else list(metadata)
+        refused = check_cluster_id(items, self.config.mesh.cluster_id)
+        if refused is not None:
+            return Unauthenticated(reason=refused.reason)
+        token = bearer_token(items)
+        if isinstance(token, Refusal):
+            return Unauthenticated(reason=token.reason)
+        try:
+            caller = self.verifier.verify(token, time.time())
+        except AuthenticationError as e:
+            return Unauthenticated(reason=e.reason)
+        return Authenticated(identities=(str(caller.identity(self.config.mesh.trust_domain)),))
+
+    # Configuration updates --------------------------------------------------------------
+    def _on_change(self, change: DirectoryChange) -> None:
+        self.apply(change.store, [str(e) for e in change.result.errors], change.summary())
+
+    def apply(self, store: KubeStore, errors: Iterable[str] = (), summary: str = "") -> None:
+        self.load_errors = list(errors)
+        for error in self.load_errors:
+            log.warning("skipped: %s", error)
+        self.node_index.store = store
+        translation = translate(store, self.config.mesh)
+        for note in translation.notes:
+            log.info("note: %s", note)
+        self.translation = translation
+        queued = self.ads.update(translation.addresses, translation.authorizations)
+        log.info("loaded %s: %d workload/service addresses, %d authorizations; %s; %d pushes queued",
+                 self.config.directory, len(translation.addresses), len(translation.authorizations),
+                 summary or "initial load", queued)
+        self.loaded.set()
+
+    # Lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        now = datetime.now(UTC)
+        cert = serving_certificate(self.ca, list(DEFAULT_SERVING_DNS_NAMES), list(DEFAULT_SERVING_IPS),
+                                   SERVING_CERT_TTL_S, now, trust_domain=self.config.mesh.trust_domain)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.ads.serve(self.server)
+        self.ca_server.register(self.server)
+        port = self.server.add_secure_port(str(self.config.listen), server_credentials(cert))
+        if port == 0:
+            raise ConfigError("--listen", f"cannot bind {self.config.listen}",
+                              hint="is another control plane (or istiod) already listening there?")
+        self.bound["tls"] = SocketAddr(self.config.listen.ip, port)
+        if self.config.plaintext_listen is not None:
+            port = self.server.add_insecure_port(str(self.config.plaintext_listen))
+            if port == 0:
+                raise ConfigError("--plaintext-listen", f"cannot bind {self.config.plaintext_listen}")
+            self.bound["plaintext"] = SocketAddr(self.config.plaintext_listen.ip, port)
+        await self.server.start()
+        first = self.watcher.poll()
+        if first is not None:
+            self._on_change(first)
+        else:
+            self.apply(KubeStore(()))
+        self._watch_task = asyncio.get_running_loop().create_task(self.watcher.run(), name="directory watcher")
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            try:
+                await self._watch_task
+            except asyncio.CancelledError:
+                pass
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+
+def build(config: ControlPlaneConfig) -> ControlPlane:
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    ca = load_or_create_ca(config)
+    (config.state_dir / ROOT_CERT_FILE).write_bytes(ca.root_pem)
+    issuer = load_or_create_issuer(config.state_dir / TOKEN_KEY_FILE)
+    return ControlPlane(config=config, ca=ca, issuer=issuer)
+
+
+def mint_token(state_dir: Path, *, account: tuple[str, str], node: str | None, pod: str | None = None,
+               uid: str | None = None, ttl_s: int = 24 * 3600) -> str:
+    """`ambient control token`: a JWT the control plane at `state_dir` accepts."""
+    issuer = load_or_create_issuer(state_dir / TOKEN_KEY_FILE)
+    namespace, service_account = account
+    return issuer.mint(namespace=namespace, service_account=service_account, node=node, pod_name=pod,
+                       pod_uid=uid, ttl_s=ttl_s, now=time.time())
+
+
+STATUS_INTERVAL_S = 2.0
+
+
+def status_table(plane: ControlPlane):
+    """What each connected proxy has been sent: one row per proxy and type."""
+    from rich.table import Table
+
+    table = Table(title="connected node proxies", title_justify="left")
+    for header in ("NODE", "PROXY", "IDENTITY", "TYPE", "MODE", "SENT", "ACKED", "NACKED", "LAST ERROR"):
+        table.add_column(header)
+    for info in plane.ads.connections():
+        for t in info.types:
+            table.add_row(info.node_name or "-", info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
+                          info.identity or "-", t.type_url.rsplit(".", 1)[-1], t.mode.value,
+                          str(t.resources_sent), str(t.resources_acked), str(t.resources_nacked),
+                          t.last_error or "")
+    return table
+
+
+def loaded_table(plane: ControlPlane):
+    from rich.table import Table
+
+    table = Table(title=f"loaded from {plane.config.directory}", title_justify="left")
+    for header in ("RESOURCE", "COUNT"):
+        table.add_column(header)
+    t = plane.translation
+    if t is not None:
+        workloads = sum(1 for a in t.addresses.values() if a.WhichOneof("type") == "workload")
+        table.add_row("workloads (istio.workload.Address)", str(workloads))
+        table.add_row("services (istio.workload.Address)", str(len(t.addresses) - workloads))
+        table.add_row("authorizations (istio.security.Authorization)", str(len(t.authorizations)))
+    table.add_row("objects skipped with errors", str(len(plane.load_errors)))
+    return table
+
+
+async def run(config: ControlPlaneConfig, *, console=None) -> int:
+    """Serve until SIGTERM/SIGINT, printing what was loaded and what each proxy was sent."""
+    import signal
+
+    from rich.console import Console
+
+    console = console or Console()
+    plane = build(config)
+    await plane.start()
+    console.print(f"ambient control: serving xDS and CA on {plane.bound['tls']} (TLS)"
+                  + (f" and {plane.bound['plaintext']} (plaintext)" if "plaintext" in plane.bound else "")
+                  + f"; mesh root {config.state_dir / ROOT_CERT_FILE}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    shown: tuple = ()
+    try:
+        while not stop.is_set():
+            view = (id(plane.translation), tuple((c.conn_id, c.types) for c in plane.ads.connections()))
+            if view != shown:
+                shown = view
+                console.print(loaded_table(plane))
+                console.print(status_table(plane))
+            try:
+                await asyncio.wait_for(stop.wait(), STATUS_INTERVAL_S)
+            except TimeoutError:
+                pass
+    finally:
+        await plane.stop()
+    return 0
