@@ -125,6 +125,14 @@ class Ztunnel:
                 return w
         return None
 
+    def _prefetch_served(self) -> None:
+        """Fetch the served workload's certificate as soon as the workload is known, so the
+        first connection does not wait for the CA, and a CA outage later finds it cached."""
+        served = self.served_workload()
+        if served is not None and served.identity != self._prefetched:
+            self._prefetched = served.identity
+            self.cert_manager.prefetch(served.identity)
+
     def local_workload(self, ip: IPAddress) -> Workload | None:
         """The destination workload for traffic arriving at `ip` (dedicated: only ours)."""
         served = self.served_workload()
@@ -160,9 +168,9 @@ class Ztunnel:
             listener.bind()
         for listener in self.listeners.values():
             listener.start()
-        served = self.served_workload()
-        if served is not None:
-            self.cert_manager.prefetch(served.identity)
+        self._prefetched = None
+        self.state.add_listener(lambda _state: self._prefetch_served())
+        self._prefetch_served()
         self._proxy_ready.mark_ready()
         await self.stats.start()
         log.info("node proxy ready", extra={"fields": {
