@@ -18,19 +18,13 @@ from dataclasses import dataclass, field
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig
-from .errors import AmbientError, ConfigError
+from .errors import ConfigError
 from .identity.ca import CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
-from .identity.tls import TlsContextCache, verify_server_identity
+from .identity.tls import TlsContextCache
 from .metrics import Metrics
-from .net import IPAddress
-from .proxy.hbone import HboneSettings
-from .proxy.inbound import InboundPassthroughProxy, InboundProxy
-from .proxy.inputs import ProxyInputs
-from .proxy.listener import Listener
-from .proxy.outbound import OutboundProxy
-from .proxy.pool import HboneConnector, HbonePool
+from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import load_local_config, parse_local_config
 from .state.model import Workload
@@ -78,7 +72,6 @@ class Ztunnel:
     ca: CertificateAuthority | None  # the embedded signer with FAKE_CA=true, else None (istiod signs)
     readiness: Readiness = field(default_factory=Readiness)
     metrics: Metrics = field(default_factory=Metrics)
-    listeners: dict[str, Listener] = field(default_factory=dict)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -89,19 +82,11 @@ class Ztunnel:
             self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
         self.cert_manager = SecretManager(self.ca_client)
         self.tls = TlsContextCache()
-        self.pi = ProxyInputs(config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
-                              metrics=self.metrics, transparent=config.enable_orig_src is True)
-        settings = HboneSettings(stream_window_bytes=config.http2_stream_window_size,
-                                 connection_window_bytes=config.http2_connection_window_size,
-                                 max_frame_bytes=config.http2_frame_size)
-        self.pi.pool = HbonePool(
-            HboneConnector(fetch_client_context=self.pi.client_context, verify_server=verify_server_identity,
-                           open_socket=self.pi.connect, settings=settings),
-            max_streams_per_connection=config.pool_max_streams_per_connection,
-            unused_release_timeout_s=config.pool_unused_release_timeout_s)
-        self.outbound = OutboundProxy(self.pi, self.served_workload)
-        self.inbound = InboundProxy(self.pi, self.local_workload, settings)
-        self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
+        # Dedicated mode: one proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
+        self.workload_proxy = WorkloadProxy(
+            name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
+            metrics=self.metrics, served=self.served_workload, addresses=ListenerAddresses.from_config(config),
+            transparent=config.enable_orig_src is True)
         self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
         self.stats = StatsServer(config.stats_addr, self.metrics)
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
@@ -110,10 +95,19 @@ class Ztunnel:
         self.xds = (XdsClient(config, self.updater, on_ready=self._state_ready.mark_ready)
                     if config.xds_address else None)
         self._shutdown_requested = asyncio.Event()
+        self._prefetched = None
 
     def __repr__(self) -> str:
-        return (f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {self.pi.pool!r}, "
-                f"{self.pi.connections!r}, {self.readiness!r})")
+        return f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {self.workload_proxy!r}, {self.readiness!r})"
+
+    # The dedicated proxy set, under the names the tests and dumps use ---------------------
+    @property
+    def pi(self):
+        return self.workload_proxy.pi
+
+    @property
+    def listeners(self) -> dict:
+        return self.workload_proxy.listeners
 
     # Which workload this proxy serves ---------------------------------------------------
     def served_workload(self) -> Workload | None:
@@ -133,15 +127,6 @@ class Ztunnel:
             self._prefetched = served.identity
             self.cert_manager.prefetch(served.identity)
 
-    def local_workload(self, ip: IPAddress) -> Workload | None:
-        """The destination workload for traffic arriving at `ip` (dedicated: only ours)."""
-        served = self.served_workload()
-        if served is None:
-            return None
-        if ip in served.workload_ips:
-            return served
-        return None
-
     # Lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         config = self.config
@@ -152,30 +137,14 @@ class Ztunnel:
             self.xds.start()  # ready once every subscribed type got its first push
         self._register_dumps()
         await self.admin.start()
-        mark, tracker = config.packet_mark, self.pi.connections
-        self.listeners = {
-            "outbound": Listener("outbound", config.outbound_addr, self.outbound.handle_captured, tracker, mark=mark),
-            "inbound": Listener("inbound", config.inbound_addr, self.inbound.handle, tracker, mark=mark,
-                                transparent=self.pi.transparent),
-            "inbound plaintext": Listener("inbound plaintext", config.inbound_plaintext_addr,
-                                          self.passthrough.handle, tracker, mark=mark,
-                                          transparent=self.pi.transparent),
-        }
-        if config.socks5_enabled:
-            self.listeners["socks5"] = Listener("socks5", config.socks5_addr, self.outbound.handle_socks5,
-                                                tracker, mark=mark)
-        for listener in self.listeners.values():
-            listener.bind()
-        for listener in self.listeners.values():
-            listener.start()
-        self._prefetched = None
+        self.workload_proxy.start()
         self.state.add_listener(lambda _state: self._prefetch_served())
         self._prefetch_served()
         self._proxy_ready.mark_ready()
         await self.stats.start()
         log.info("node proxy ready", extra={"fields": {
             "mode": config.proxy_mode.value, "workload": str(config.proxy_workload_info),
-            **{name: str(lst.bound_address) for name, lst in self.listeners.items()},
+            **self.workload_proxy.bound_addresses(),
             "admin": str(self.admin.bound_address), "stats": str(self.stats.bound_address),
             "readiness": str(self.readiness_server.bound_address)}})
 
@@ -202,6 +171,7 @@ class Ztunnel:
         a.register_dump("workloadState", lambda: dump_workload_state(
             served=self.served_workload(), info=self.config.proxy_workload_info,
             inbound=self.pi.connections.dump("inbound"), outbound=self.pi.connections.dump("outbound")))
+
 
     def _dump_certificates(self) -> list[dict]:
         from .state.dump import dump_certificates
@@ -238,20 +208,7 @@ class Ztunnel:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
         log.info("draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline)
-        for listener in self.listeners.values():
-            listener.close()
-        self.inbound.drain()
-        self.pi.pool.close()
-        tasks = set(self.pi.connections.tasks)
-        if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=deadline)
-            if pending:
-                log.warning("drain deadline passed: closing %d connections", len(pending))
-                for relay in list(self.pi.connections.relays):
-                    relay.abort(AmbientError("node proxy shutting down"))
-                for task in pending:
-                    task.cancel()
-                await asyncio.wait(pending, timeout=1.0)
+        await self.workload_proxy.drain(deadline)
         await self.stop_servers()
         self.stopped.set()
 

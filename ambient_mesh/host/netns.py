@@ -220,9 +220,14 @@ def wait_for_listen(runner: CommandRunner, netns: str, port: int, *,
 # --- entering a namespace from this process -----------------------------------------------------
 
 
+_LIBC: ctypes.CDLL | None = None
+
+
 def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    if _LIBC.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -246,6 +251,36 @@ def netns_socket(netns: str, family: int = socket.AF_INET, type: int = socket.SO
     """A socket that lives in `netns`."""
     with entered(netns):
         return socket.socket(family, type)
+
+
+class NetnsHandle:
+    """An open network namespace, e.g. a pod's as handed over by the node agent (ZDS).
+
+    `socket(family)` creates a TCP socket inside it: the calling thread enters the namespace,
+    creates the socket and returns at once (setns(2) is per thread; a socket keeps the
+    namespace it was created in, so bind/connect/listen can follow anywhere).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self.key = (st.st_dev, st.st_ino)  # identifies the namespace: same pod, same sandbox
+
+    def __repr__(self) -> str:
+        return f"NetnsHandle(fd={self.fd}, inode={self.key[1]})"
+
+    def socket(self, family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
+        with open("/proc/thread-self/ns/net", "rb") as home:
+            _setns(self.fd)
+            try:
+                return socket.socket(family, type)
+            finally:
+                _setns(home.fileno())
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 # --- processes in namespaces --------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..state.store import ProxyState
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
-from .sockets import new_socket, set_transparent
+from .sockets import SocketFactory, new_socket, plain_socket, set_transparent
 
 WORKLOAD_WAIT_S = 5.0
 
@@ -65,6 +65,7 @@ class ProxyInputs:
     connections: ConnectionTracker = field(default_factory=ConnectionTracker)
     rng: random.Random = field(default_factory=random.Random)
     transparent: bool = False  # original-source preservation available
+    socket_factory: SocketFactory = plain_socket  # in-pod: sockets are created in the pod's netns
 
     def __post_init__(self) -> None:
         if self.connection_manager is None:
@@ -84,7 +85,7 @@ class ProxyInputs:
 
     async def connect(self, dst: SocketAddr, src: IPAddress | None = None) -> socket.socket:
         """A marked TCP socket connected to `dst`, from `src` when original source is kept."""
-        sock = new_socket(dst.family, mark=self.mark)
+        sock = new_socket(dst.family, mark=self.mark, factory=self.socket_factory)
         try:
             if src is not None and src.version == dst.ip.version:
                 if self.transparent:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from ..errors import BindError
 from ..net import SocketAddr
 from .inputs import ConnectionTracker
-from .sockets import configure_accepted, listen_socket
+from .sockets import SocketFactory, configure_accepted, listen_socket, plain_socket
 
 log = logging.getLogger("ambient_mesh.proxy.listener")
 
@@ -24,7 +24,8 @@ Handler = Callable[[socket.socket], Awaitable[None]]
 
 class Listener:
     def __init__(self, name: str, address: SocketAddr, handler: Handler, tracker: ConnectionTracker, *,
-                 mark: int | None = None, transparent: bool = False, reuse_port: bool = False) -> None:
+                 mark: int | None = None, transparent: bool = False, reuse_port: bool = False,
+                 socket_factory: SocketFactory = plain_socket) -> None:
         self.name = name
         self.address = address
         self._handler = handler
@@ -32,6 +33,7 @@ class Listener:
         self._mark = mark
         self._transparent = transparent
         self._reuse_port = reuse_port
+        self._socket_factory = socket_factory
         self._sock: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self.accepted = 0
@@ -43,7 +45,7 @@ class Listener:
     def bind(self) -> None:
         try:
             self._sock = listen_socket(self.address, mark=self._mark, transparent=self._transparent,
-                                       reuse_port=self._reuse_port)
+                                       reuse_port=self._reuse_port, factory=self._socket_factory)
         except OSError as e:
             raise BindError(self.name, str(self.address), e) from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+from collections.abc import Callable
 
 from ..errors import AmbientError
 from ..net import SocketAddr, ip_address
@@ -99,8 +100,16 @@ class KeepaliveSettings:
             sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms)
 
 
-def new_socket(family: int, *, mark: int | None) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_STREAM)
+SocketFactory = Callable[[int], socket.socket]
+"""Creates a TCP socket of a family; in-pod proxies create theirs inside the pod's netns."""
+
+
+def plain_socket(family: int) -> socket.socket:
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
+def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_socket) -> socket.socket:
+    sock = factory(family)
     sock.setblocking(False)
     if mark is not None:
         set_mark(sock, mark)
@@ -108,9 +117,9 @@ def new_socket(family: int, *, mark: int | None) -> socket.socket:
 
 
 def listen_socket(addr: SocketAddr, *, mark: int | None = None, transparent: bool = False,
-                  reuse_port: bool = False) -> socket.socket:
+                  reuse_port: bool = False, factory: SocketFactory = plain_socket) -> socket.socket:
     """A listening socket bound as ztunnel binds: `[::]` listeners are dual-stack."""
-    sock = socket.socket(addr.family, socket.SOCK_STREAM)
+    sock = factory(addr.family)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:

@@ -1,0 +1,230 @@
+"""Is this pod ambient? The pure decision shared by the CNI plugin and the node agent.
+
+Counterpart of istio-cni's cni/pkg/util/enablement_selector.go plus the namespace exclusion the
+plugin and the agent apply on top. Enablement is an OR over selectors; each selector is a pod
+LabelSelector AND a namespace LabelSelector with Kubernetes semantics (matchLabels and
+matchExpressions In/NotIn/Exists/DoesNotExist; an empty selector matches everything). Before the
+selectors, host-network pods and sidecar-injected pods are never ambient (ztunnel and a sidecar
+on one pod is unsupported, and a host-network pod has no netns of its own to redirect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from .podinfo import PodInfo
+
+LABEL_DATAPLANE_MODE = "istio.io/dataplane-mode"
+DATAPLANE_MODE_AMBIENT = "ambient"
+DATAPLANE_MODE_NONE = "none"
+ANNOTATION_SIDECAR_STATUS = "sidecar.istio.io/status"
+ISTIO_PROXY_CONTAINER = "istio-proxy"
+
+OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Requirement:
+    key: str
+    operator: str
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator == "In":
+            return self.key in labels and labels[self.key] in self.values
+        if self.operator == "NotIn":
+            # Kubernetes: an absent key satisfies NotIn.
+            return self.key not in labels or labels[self.key] not in self.values
+        if self.operator == "Exists":
+            return self.key in labels
+        return self.key not in labels
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LabelSelector:
+    match_labels: Mapping[str, str] = field(default_factory=dict)
+    match_expressions: tuple[Requirement, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.match_labels and not self.match_expressions
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in self.match_labels.items()):
+            return False
+        return all(r.matches(labels) for r in self.match_expressions)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.match_labels:
+            out["matchLabels"] = dict(self.match_labels)
+        if self.match_expressions:
+            out["matchExpressions"] = [
+                {"key": r.key, "operator": r.operator, **({"values": sorted(r.values)} if r.values else {})}
+                for r in self.match_expressions
+            ]
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnablementSelector:
+    pod_selector: LabelSelector = field(default_factory=LabelSelector)
+    namespace_selector: LabelSelector = field(default_factory=LabelSelector)
+
+    def matches(self, pod_labels: Mapping[str, str], namespace_labels: Mapping[str, str]) -> bool:
+        return self.pod_selector.matches(pod_labels) and self.namespace_selector.matches(namespace_labels)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"podSelector": self.pod_selector.to_json(), "namespaceSelector": self.namespace_selector.to_json()}
+
+
+# The Helm chart's default list, equal to the historical rule: a pod labeled ambient anywhere, or
+# any pod in a namespace labeled ambient unless the pod opts out with dataplane-mode=none.
+DEFAULT_ENABLEMENT_SELECTORS: tuple[EnablementSelector, ...] = (
+    EnablementSelector(pod_selector=LabelSelector(match_labels={LABEL_DATAPLANE_MODE: DATAPLANE_MODE_AMBIENT})),
+    EnablementSelector(
+        pod_selector=LabelSelector(
+            match_expressions=(
+                Requirement(
+                    key=LABEL_DATAPLANE_MODE, operator="NotIn", values=frozenset({DATAPLANE_MODE_NONE})
+                ),
+            )
+        ),
+        namespace_selector=LabelSelector(match_labels={LABEL_DATAPLANE_MODE: DATAPLANE_MODE_AMBIENT}),
+    ),
+)
+
+
+# -- parsing (the `enablement_selectors` key of the plugin config, JSON) ----------------------------
+
+
+def _string_map(raw: Any, where: str) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(where, "expected an object of strings")
+    for k, v in raw.items():
+        if not isinstance(v, str):
+            raise ConfigError(f"{where}.{k}", "expected a string")
+    return dict(raw)
+
+
+def parse_label_selector(raw: Any, where: str) -> LabelSelector:
+    """A Kubernetes LabelSelector from JSON; null or {} is the empty (match-all) selector."""
+    if raw is None:
+        return LabelSelector()
+    if not isinstance(raw, dict):
+        raise ConfigError(where, "expected a label selector object")
+    labels = _string_map(raw.get("matchLabels"), f"{where}.matchLabels")
+    exprs_raw = raw.get("matchExpressions")
+    if exprs_raw is None:
+        exprs_raw = []
+    if not isinstance(exprs_raw, list):
+        raise ConfigError(f"{where}.matchExpressions", "expected a list")
+    exprs: list[Requirement] = []
+    for i, e in enumerate(exprs_raw):
+        at = f"{where}.matchExpressions[{i}]"
+        if not isinstance(e, dict):
+            raise ConfigError(at, "expected an object")
+        key, op, values = e.get("key"), e.get("operator"), e.get("values")
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"{at}.key", "expected a non-empty string")
+        if op not in OPERATORS:
+            raise ConfigError(f"{at}.operator", f"{op!r} is not one of {', '.join(OPERATORS)}")
+        if values is None:
+            values = []
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ConfigError(f"{at}.values", "expected a list of strings")
+        # The same rules metav1.LabelSelectorAsSelector enforces.
+        if op in ("In", "NotIn") and not values:
+            raise ConfigError(f"{at}.values", f"must be non-empty for operator {op}")
+        if op in ("Exists", "DoesNotExist") and values:
+            raise ConfigError(f"{at}.values", f"must be empty for operator {op}")
+        exprs.append(Requirement(key=key, operator=op, values=frozenset(values)))
+    return LabelSelector(match_labels=labels, match_expressions=tuple(exprs))
+
+
+def parse_enablement_selectors(raw: Any, where: str = "enablement_selectors") -> tuple[EnablementSelector, ...]:
+    """The plugin config's list of `{podSelector, namespaceSelector}`; null is an empty list."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(where, "expected a list of {podSelector, namespaceSelector}")
+    out: list[EnablementSelector] = []
+    for i, item in enumerate(raw):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(at, "expected an object")
+        out.append(
+            EnablementSelector(
+                pod_selector=parse_label_selector(item.get("podSelector"), f"{at}.podSelector"),
+                namespace_selector=parse_label_selector(item.get("namespaceSelector"), f"{at}.namespaceSelector"),
+            )
+        )
+    return tuple(out)
+
+
+# -- the decision -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AmbientDecision:
+    ambient: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.ambient
+
+
+def has_sidecar(pod: PodInfo) -> bool:
+    # The injector's status annotation is what istio-cni checks; an `istio-proxy` container
+    # without it (a hand-written sidecar) is still a sidecar, and ztunnel+sidecar is unsupported.
+    return ANNOTATION_SIDECAR_STATUS in pod.annotations or ISTIO_PROXY_CONTAINER in pod.containers
+
+
+def decide(
+    pod: PodInfo,
+    namespace_labels: Mapping[str, str],
+    selectors: Iterable[EnablementSelector],
+    exclude_namespaces: Iterable[str] = (),
+) -> AmbientDecision:
+    """Whether `pod` belongs in the ambient mesh, and why."""
+    if pod.namespace in set(exclude_namespaces):
+        return AmbientDecision(ambient=False, reason=f"namespace {pod.namespace} is excluded")
+    if pod.host_network:
+        return AmbientDecision(ambient=False, reason="pod uses the host network")
+    if has_sidecar(pod):
+        return AmbientDecision(ambient=False, reason="pod has an Istio sidecar")
+    for i, sel in enumerate(selectors):
+        if sel.matches(pod.labels, namespace_labels):
+            return AmbientDecision(ambient=True, reason=f"enablement selector {i} matches")
+    return AmbientDecision(ambient=False, reason="no enablement selector matches")
+
+
+def could_be_ambient(
+    namespace: str,
+    namespace_labels: Mapping[str, str] | None,
+    selectors: Iterable[EnablementSelector],
+    exclude_namespaces: Iterable[str] = (),
+) -> bool:
+    """Whether some pod in `namespace` could be ambient, for when the pod itself is unknown.
+
+    `namespace_labels` None means the namespace is unknown too. Used to fail closed: a pod we
+    cannot see is only let through when no selector could ever pick it.
+    """
+    if namespace in set(exclude_namespaces):
+        return False
+    sels = tuple(selectors)
+    if namespace_labels is None:
+        return bool(sels)
+    return any(s.namespace_selector.matches(namespace_labels) for s in sels)
+
+
+def matches_namespace(selectors: Iterable[EnablementSelector], namespace_labels: Mapping[str, str]) -> bool:
+    """Whether a namespace's labels matter to enablement (istio-cni's MatchesNamespace): only
+    non-empty namespace selectors count, so a namespace relabel is ignored when no selector
+    looks at namespaces."""
+    return any(not s.namespace_selector.empty and s.namespace_selector.matches(namespace_labels) for s in selectors)

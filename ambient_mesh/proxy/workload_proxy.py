@@ -1,0 +1,133 @@
+"""One set of listeners serving one workload: outbound 15001, inbound HBONE 15008, inbound
+plaintext 15006 and optionally SOCKS5 15080.
+
+Counterpart: ztunnel's per-pod proxy set (src/proxy.rs `Proxy`, built by the ProxyFactory).
+A dedicated-mode node proxy has one, in its own network namespace; a shared-mode node proxy has
+one per pod, with every socket created inside that pod's namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ZtunnelConfig
+from ..errors import AmbientError
+from ..identity.manager import SecretManager
+from ..identity.tls import TlsContextCache, verify_server_identity
+from ..metrics import Metrics
+from ..net import IPAddress, SocketAddr
+from ..state.model import Workload
+from ..state.store import ProxyState
+from .hbone import HboneSettings
+from .inbound import InboundPassthroughProxy, InboundProxy
+from .inputs import ProxyInputs
+from .listener import Listener
+from .outbound import OutboundProxy
+from .pool import HboneConnector, HbonePool
+from .sockets import SocketFactory, plain_socket
+
+log = logging.getLogger("ambient_mesh.proxy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListenerAddresses:
+    outbound: SocketAddr
+    inbound: SocketAddr
+    inbound_plaintext: SocketAddr
+    socks5: SocketAddr | None  # None: SOCKS5 off (UNSTABLE_ENABLE_SOCKS5 unset)
+
+    @classmethod
+    def from_config(cls, config: ZtunnelConfig) -> ListenerAddresses:
+        return cls(outbound=config.outbound_addr, inbound=config.inbound_addr,
+                   inbound_plaintext=config.inbound_plaintext_addr,
+                   socks5=config.socks5_addr if config.socks5_enabled else None)
+
+
+def hbone_settings(config: ZtunnelConfig) -> HboneSettings:
+    return HboneSettings(stream_window_bytes=config.http2_stream_window_size,
+                         connection_window_bytes=config.http2_connection_window_size,
+                         max_frame_bytes=config.http2_frame_size)
+
+
+class WorkloadProxy:
+    def __init__(self, *, name: str, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
+                 tls: TlsContextCache, metrics: Metrics, served: Callable[[], Workload | None],
+                 addresses: ListenerAddresses, transparent: bool, socket_factory: SocketFactory = plain_socket,
+                 reuse_port: bool = False) -> None:
+        self.name = name
+        self._served = served
+        self.pi = ProxyInputs(config=config, state=state, cert_manager=cert_manager, tls=tls, metrics=metrics,
+                              transparent=transparent, socket_factory=socket_factory)
+        settings = hbone_settings(config)
+        self.pi.pool = HbonePool(
+            HboneConnector(fetch_client_context=self.pi.client_context, verify_server=verify_server_identity,
+                           open_socket=self.pi.connect, settings=settings),
+            max_streams_per_connection=config.pool_max_streams_per_connection,
+            unused_release_timeout_s=config.pool_unused_release_timeout_s)
+        self.outbound = OutboundProxy(self.pi, served)
+        self.inbound = InboundProxy(self.pi, self.local_workload, settings)
+        self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
+        mark, tracker = config.packet_mark, self.pi.connections
+        common = {"mark": mark, "reuse_port": reuse_port, "socket_factory": socket_factory}
+        self.listeners: dict[str, Listener] = {
+            "outbound": Listener("outbound", addresses.outbound, self.outbound.handle_captured, tracker, **common),
+            "inbound": Listener("inbound", addresses.inbound, self.inbound.handle, tracker,
+                                transparent=transparent, **common),
+            "inbound plaintext": Listener("inbound plaintext", addresses.inbound_plaintext,
+                                          self.passthrough.handle, tracker, transparent=transparent, **common),
+        }
+        if addresses.socks5 is not None:
+            self.listeners["socks5"] = Listener("socks5", addresses.socks5, self.outbound.handle_socks5,
+                                                tracker, **common)
+
+    def __repr__(self) -> str:
+        return f"WorkloadProxy({self.name}, {self.pi.pool!r}, {self.pi.connections!r})"
+
+    def served_workload(self) -> Workload | None:
+        return self._served()
+
+    def local_workload(self, ip: IPAddress) -> Workload | None:
+        """The destination workload for traffic arriving at `ip`: only the served one."""
+        served = self._served()
+        if served is not None and ip in served.workload_ips:
+            return served
+        return None
+
+    def start(self) -> None:
+        """Bind every listener (a failure binds none: BindError names the address), then accept."""
+        try:
+            for listener in self.listeners.values():
+                listener.bind()
+        except BaseException:
+            for listener in self.listeners.values():
+                listener.close()
+            raise
+        for listener in self.listeners.values():
+            listener.start()
+
+    def bound_addresses(self) -> dict[str, str]:
+        return {name: str(lst.bound_address) for name, lst in self.listeners.items()}
+
+    def connections_dump(self) -> tuple[list[dict], list[dict]]:
+        return self.pi.connections.dump("inbound"), self.pi.connections.dump("outbound")
+
+    async def drain(self, deadline_s: float) -> None:
+        """Stop accepting, GOAWAY, let connections finish until the deadline, then close them."""
+        for listener in self.listeners.values():
+            listener.close()
+        self.inbound.drain()
+        self.pi.pool.close()
+        tasks = set(self.pi.connections.tasks)
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
+            if pending:
+                log.warning("%s: drain deadline passed, closing %d connections", self.name, len(pending))
+                for relay in list(self.pi.connections.relays):
+                    relay.abort(AmbientError("node proxy shutting down"))
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=1.0)
+        self.pi.connection_manager.close()
