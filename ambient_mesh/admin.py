@@ -572,6 +572,12 @@ class Readiness:
             raise KeyError(f"readiness task {name!r} was never registered")
         self._pending.discard(name)
 
+    def mark_not_ready(self, name: str) -> None:
+        """A task that was ready is pending again (e.g. the node agent connection was lost)."""
+        if name not in self._known:
+            raise KeyError(f"readiness task {name!r} was never registered")
+        self._pending.add(name)
+
     @property
     def pending(self) -> tuple[str, ...]:
         return tuple(sorted(self._pending))

@@ -12,18 +12,22 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig
-from .errors import ConfigError
+from .errors import AmbientError, ConfigError
+from .host.netns import NetnsHandle
 from .identity.ca import CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
 from .identity.tls import TlsContextCache
 from .metrics import Metrics
+from .proxy.inpod import InpodManager
+from .proxy.sockets import set_mark
 from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import load_local_config, parse_local_config
@@ -31,6 +35,7 @@ from .state.model import Workload
 from .state.store import ProxyState
 from .xds.client import XdsClient
 from .xds.updater import StateUpdater
+from .zds.client import ZdsClient
 
 log = logging.getLogger("ambient_mesh.ztunnel")
 
@@ -56,10 +61,29 @@ def load_local_state(config: ZtunnelConfig, updater: StateUpdater) -> None:
 
 
 def check_supported(config: ZtunnelConfig) -> None:
-    """Refuse, at start, configurations whose features this build does not have yet."""
-    if config.proxy_mode is not ProxyMode.DEDICATED:
-        raise ConfigError("PROXY_MODE", "shared mode needs the CNI node agent (ZDS), not implemented yet",
-                          hint="set PROXY_MODE=dedicated and PROXY_WORKLOAD_INFO=<namespace>/<name>/<service account>")
+    """Refuse, at start, configurations this build cannot serve."""
+    if config.proxy_mode is ProxyMode.SHARED and config.packet_mark is None:
+        raise ConfigError("PACKET_MARK", "shared mode needs a packet mark on the proxy's sockets",
+                          hint="unset PACKET_MARK (default 1337) or give the mark the in-pod rules skip")
+
+
+def check_inpod_capabilities(config: ZtunnelConfig) -> None:
+    """Shared mode enters pod namespaces and marks sockets: fail fast when it cannot (ztunnel does)."""
+    try:
+        with open("/proc/self/ns/net", "rb") as own:
+            handle = NetnsHandle(os.dup(own.fileno()))
+        try:
+            sock = handle.socket(socket.AF_INET)
+            try:
+                set_mark(sock, config.packet_mark)
+            finally:
+                sock.close()
+        finally:
+            handle.close()
+    except (OSError, AmbientError) as e:
+        raise ConfigError("PROXY_MODE", f"shared mode cannot enter network namespaces or mark sockets: {e}",
+                          hint="the node proxy needs CAP_SYS_ADMIN (setns) and CAP_NET_ADMIN (SO_MARK); "
+                               "run it as root or grant them") from None
 
 
 @dataclass(eq=False)
@@ -82,11 +106,21 @@ class Ztunnel:
             self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
         self.cert_manager = SecretManager(self.ca_client)
         self.tls = TlsContextCache()
-        # Dedicated mode: one proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
-        self.workload_proxy = WorkloadProxy(
-            name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
-            metrics=self.metrics, served=self.served_workload, addresses=ListenerAddresses.from_config(config),
-            transparent=config.enable_orig_src is True)
+        self.workload_proxy: WorkloadProxy | None = None
+        self.inpod: InpodManager | None = None
+        self.zds: ZdsClient | None = None
+        if config.proxy_mode is ProxyMode.DEDICATED:
+            # One proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
+            self.workload_proxy = WorkloadProxy(
+                name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
+                metrics=self.metrics, served=self.served_workload,
+                addresses=ListenerAddresses.from_config(config), transparent=config.enable_orig_src is True)
+        else:
+            # One proxy set per pod, inside each pod's netns, as the node agent hands them over.
+            self.inpod = InpodManager(config=config, state=self.state, cert_manager=self.cert_manager,
+                                      tls=self.tls, metrics=self.metrics)
+            self._pods_ready = self.readiness.register("workload proxy manager")
+            self.zds = ZdsClient(config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready)
         self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
         self.stats = StatsServer(config.stats_addr, self.metrics)
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
@@ -98,16 +132,25 @@ class Ztunnel:
         self._prefetched = None
 
     def __repr__(self) -> str:
-        return f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {self.workload_proxy!r}, {self.readiness!r})"
+        proxies = self.workload_proxy if self.workload_proxy is not None else self.inpod
+        return f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {proxies!r}, {self.readiness!r})"
 
     # The dedicated proxy set, under the names the tests and dumps use ---------------------
     @property
     def pi(self):
+        if self.workload_proxy is None:
+            raise AttributeError("a shared-mode node proxy has one proxy set per pod: see .inpod.pods")
         return self.workload_proxy.pi
 
     @property
     def listeners(self) -> dict:
-        return self.workload_proxy.listeners
+        return self.workload_proxy.listeners if self.workload_proxy is not None else {}
+
+    def _on_zds_ready(self, ready: bool) -> None:
+        if ready:
+            self._pods_ready.mark_ready()
+        else:
+            self.readiness.mark_not_ready("workload proxy manager")
 
     # Which workload this proxy serves ---------------------------------------------------
     def served_workload(self) -> Workload | None:
@@ -137,16 +180,29 @@ class Ztunnel:
             self.xds.start()  # ready once every subscribed type got its first push
         self._register_dumps()
         await self.admin.start()
-        self.workload_proxy.start()
-        self.state.add_listener(lambda _state: self._prefetch_served())
-        self._prefetch_served()
+        if self.workload_proxy is not None:
+            self.workload_proxy.start()
+            self.state.add_listener(lambda _state: self._prefetch_served())
+            self._prefetch_served()
+            listeners = self.workload_proxy.bound_addresses()
+        else:
+            check_inpod_capabilities(config)
+            self.inpod.sync_certificates()
+            self._zds_starter = asyncio.get_running_loop().create_task(self._start_zds(), name="zds start")
+            listeners = {"node agent socket": config.inpod_uds}
         self._proxy_ready.mark_ready()
         await self.stats.start()
         log.info("node proxy ready", extra={"fields": {
             "mode": config.proxy_mode.value, "workload": str(config.proxy_workload_info),
-            **self.workload_proxy.bound_addresses(),
+            **listeners,
             "admin": str(self.admin.bound_address), "stats": str(self.stats.bound_address),
             "readiness": str(self.readiness_server.bound_address)}})
+
+    async def _start_zds(self) -> None:
+        """Pods are taken over only once the state is synced (ztunnel: after the first xDS push)."""
+        while "state manager" in self.readiness.pending:
+            await asyncio.sleep(0.05)
+        self.zds.start()
 
     def _register_dumps(self) -> None:
         # Sections in ztunnel's order (src/admin.rs `ConfigDump`, state flattened first); the
@@ -168,6 +224,9 @@ class Ztunnel:
         a.register_dump("config", self.config.to_dump)
         a.register_dump("certificates", self._dump_certificates)
         # Our open connections, where ztunnel's shared mode shows them: per served workload.
+        if self.inpod is not None:
+            a.register_dump("workloadState", self.inpod.dump)
+            return
         a.register_dump("workloadState", lambda: dump_workload_state(
             served=self.served_workload(), info=self.config.proxy_workload_info,
             inbound=self.pi.connections.dump("inbound"), outbound=self.pi.connections.dump("outbound")))
@@ -207,8 +266,16 @@ class Ztunnel:
     async def drain(self, deadline_s: float | None = None) -> None:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
-        log.info("draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline)
-        await self.workload_proxy.drain(deadline)
+        if self.workload_proxy is not None:
+            log.info("draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline)
+            await self.workload_proxy.drain(deadline)
+        else:
+            log.info("draining %d pod proxies, deadline %.1fs", len(self.inpod.pods), deadline)
+            starter = getattr(self, "_zds_starter", None)
+            if starter is not None:
+                starter.cancel()
+            await self.zds.close(drain=False)
+            await self.inpod.stop_all(graceful=deadline > 0)
         await self.stop_servers()
         self.stopped.set()
 

@@ -123,7 +123,9 @@ def validate_container_id(container_id: str) -> None:
     if not container_id:
         raise CniError(ErrorCode.UNKNOWN_CONTAINER, "missing containerID")
     if not _NAME_RE.match(container_id):
-        raise CniError(ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid characters in containerID", container_id)
+        raise CniError(
+            ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid characters in containerID", container_id
+        )
 
 
 def validate_interface_name(ifname: str) -> None:
@@ -165,7 +167,11 @@ def _parse_bool_arg(value: str) -> bool:
         return True
     if lowered in ("0", "false"):
         return False
-    raise CniError(ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid CNI_ARGS", f"IgnoreUnknown={value!r} is not a boolean")
+    raise CniError(
+        ErrorCode.INVALID_ENVIRONMENT_VARIABLES,
+        "invalid CNI_ARGS",
+        f"IgnoreUnknown={value!r} is not a boolean",
+    )
 
 
 def parse_cni_args(args: str) -> K8sArgs:
@@ -179,7 +185,9 @@ def parse_cni_args(args: str) -> K8sArgs:
     for pair in args.split(";"):
         kv = pair.split("=")
         if len(kv) != 2:
-            raise CniError(ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid CNI_ARGS", f"invalid pair {pair!r}")
+            raise CniError(
+                ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid CNI_ARGS", f"invalid pair {pair!r}"
+            )
         key, value = kv
         if key == "IgnoreUnknown":
             ignore_unknown = _parse_bool_arg(value)
@@ -188,7 +196,9 @@ def parse_cni_args(args: str) -> K8sArgs:
         else:
             unknown.append(pair)
     if unknown and not ignore_unknown:
-        raise CniError(ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid CNI_ARGS", f"unknown args {unknown!r}")
+        raise CniError(
+            ErrorCode.INVALID_ENVIRONMENT_VARIABLES, "invalid CNI_ARGS", f"unknown args {unknown!r}"
+        )
     return K8sArgs(**values)
 
 
@@ -284,7 +294,9 @@ def parse_prev_result(raw: Any) -> PrevResult:
             if interface is not None and (isinstance(interface, bool) or not isinstance(interface, int)):
                 raise ValueError("interface: expected an integer index")
         except ValueError as exc:
-            raise CniError(ErrorCode.INVALID_NETWORK_CONFIG, "could not parse prevResult", f"{where}: {exc}") from None
+            raise CniError(
+                ErrorCode.INVALID_NETWORK_CONFIG, "could not parse prevResult", f"{where}: {exc}"
+            ) from None
         ips.append(IPConfig(address=ip, prefix_len=prefix, interface=interface, gateway=gateway))
     return PrevResult(ips=tuple(ips), raw=raw)
 
@@ -337,7 +349,9 @@ def config_version(doc: Mapping[str, Any]) -> str:
     if version is None or version == "":
         version = UNSPECIFIED_VERSION
     if not isinstance(version, str):
-        raise CniError(ErrorCode.DECODING_FAILURE, "error decoding network config", "cniVersion: expected a string")
+        raise CniError(
+            ErrorCode.DECODING_FAILURE, "error decoding network config", "cniVersion: expected a string"
+        )
     if version not in SUPPORTED_VERSIONS:
         raise CniError(
             ErrorCode.INCOMPATIBLE_CNI_VERSION,
@@ -356,7 +370,9 @@ def _field(doc: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise CniError(ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", f"{key}: expected {kind.__name__}")
+        raise CniError(
+            ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", f"{key}: expected {kind.__name__}"
+        )
     return value
 
 
@@ -380,12 +396,16 @@ def parse_plugin_conf(stdin: bytes) -> PluginConf:
         )
     excludes = _field(doc, "exclude_namespaces", list, [])
     if not all(isinstance(n, str) for n in excludes):
-        raise CniError(ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", "exclude_namespaces: expected strings")
+        raise CniError(
+            ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", "exclude_namespaces: expected strings"
+        )
     source = _field(doc, "ambient_pod_source", dict, {})
     directory = source.get("directory")
     if directory is not None and not isinstance(directory, str):
         raise CniError(
-            ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", "ambient_pod_source.directory: expected str"
+            ErrorCode.INVALID_NETWORK_CONFIG,
+            "invalid network config",
+            "ambient_pod_source.directory: expected str",
         )
     try:
         selectors = parse_enablement_selectors(doc.get("enablement_selectors"))
@@ -425,7 +445,10 @@ def render_result(conf: PluginConf) -> bytes:
 
 
 def render_error(error: CniError, cni_version: str = CURRENT_VERSION) -> bytes:
-    return _dumps({"cniVersion": cni_version, "code": error.code, "msg": error.msg, "details": error.details})
+    details = error.details
+    if error.hint:
+        details = f"{details} (hint: {error.hint})" if details else f"hint: {error.hint}"
+    return _dumps({"cniVersion": cni_version, "code": error.code, "msg": error.msg, "details": details})
 
 
 def render_version() -> bytes:
@@ -470,7 +493,11 @@ def _decode_ip_config(raw: Any, where: str) -> IPConfig:
     if interface is not None and (isinstance(interface, bool) or not isinstance(interface, int)):
         raise ValueError(f"{where}.Interface: expected an integer or null")
     addr = raw.get("Address")
-    if not isinstance(addr, dict) or not isinstance(addr.get("IP"), str) or not isinstance(addr.get("Mask"), str):
+    if (
+        not isinstance(addr, dict)
+        or not isinstance(addr.get("IP"), str)
+        or not isinstance(addr.get("Mask"), str)
+    ):
         raise ValueError(f"{where}.Address: expected {{IP, Mask}} strings")
     ip = ipaddress.ip_address(addr["IP"]) if "%" not in addr["IP"] else None
     if ip is None:
@@ -511,7 +538,13 @@ def decode_add_event(body: bytes) -> CniAddEvent:
         ips_raw = doc.get("IPs")
         if ips_raw is not None and not isinstance(ips_raw, list):
             raise ValueError("IPs: expected a list or null")
-        ips = None if ips_raw is None else tuple(_decode_ip_config(r, f"IPs[{i}]") for i, r in enumerate(ips_raw))
+        ips = (
+            None
+            if ips_raw is None
+            else tuple(_decode_ip_config(r, f"IPs[{i}]") for i, r in enumerate(ips_raw))
+        )
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"bad CNI add event: {exc}") from None
-    return CniAddEvent(netns=strings["Netns"], pod_name=strings["PodName"], pod_namespace=strings["PodNamespace"], ips=ips)
+    return CniAddEvent(
+        netns=strings["Netns"], pod_name=strings["PodName"], pod_namespace=strings["PodNamespace"], ips=ips
+    )

@@ -78,13 +78,18 @@ class EnablementSelector:
         return self.pod_selector.matches(pod_labels) and self.namespace_selector.matches(namespace_labels)
 
     def to_json(self) -> dict[str, Any]:
-        return {"podSelector": self.pod_selector.to_json(), "namespaceSelector": self.namespace_selector.to_json()}
+        return {
+            "podSelector": self.pod_selector.to_json(),
+            "namespaceSelector": self.namespace_selector.to_json(),
+        }
 
 
 # The Helm chart's default list, equal to the historical rule: a pod labeled ambient anywhere, or
 # any pod in a namespace labeled ambient unless the pod opts out with dataplane-mode=none.
 DEFAULT_ENABLEMENT_SELECTORS: tuple[EnablementSelector, ...] = (
-    EnablementSelector(pod_selector=LabelSelector(match_labels={LABEL_DATAPLANE_MODE: DATAPLANE_MODE_AMBIENT})),
+    EnablementSelector(
+        pod_selector=LabelSelector(match_labels={LABEL_DATAPLANE_MODE: DATAPLANE_MODE_AMBIENT})
+    ),
     EnablementSelector(
         pod_selector=LabelSelector(
             match_expressions=(
@@ -147,7 +152,9 @@ def parse_label_selector(raw: Any, where: str) -> LabelSelector:
     return LabelSelector(match_labels=labels, match_expressions=tuple(exprs))
 
 
-def parse_enablement_selectors(raw: Any, where: str = "enablement_selectors") -> tuple[EnablementSelector, ...]:
+def parse_enablement_selectors(
+    raw: Any, where: str = "enablement_selectors"
+) -> tuple[EnablementSelector, ...]:
     """The plugin config's list of `{podSelector, namespaceSelector}`; null is an empty list."""
     if raw is None:
         return ()
@@ -161,7 +168,9 @@ def parse_enablement_selectors(raw: Any, where: str = "enablement_selectors") ->
         out.append(
             EnablementSelector(
                 pod_selector=parse_label_selector(item.get("podSelector"), f"{at}.podSelector"),
-                namespace_selector=parse_label_selector(item.get("namespaceSelector"), f"{at}.namespaceSelector"),
+                namespace_selector=parse_label_selector(
+                    item.get("namespaceSelector"), f"{at}.namespaceSelector"
+                ),
             )
         )
     return tuple(out)
@@ -227,4 +236,6 @@ def matches_namespace(selectors: Iterable[EnablementSelector], namespace_labels:
     """Whether a namespace's labels matter to enablement (istio-cni's MatchesNamespace): only
     non-empty namespace selectors count, so a namespace relabel is ignored when no selector
     looks at namespaces."""
-    return any(not s.namespace_selector.empty and s.namespace_selector.matches(namespace_labels) for s in selectors)
+    return any(
+        not s.namespace_selector.empty and s.namespace_selector.matches(namespace_labels) for s in selectors
+    )

@@ -424,9 +424,13 @@ class ZdsServer:
             try:
                 await asyncio.wait({get, readable}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                readable.cancel()
-                if not get.done():
-                    get.cancel()
+                # Wait for the cancellations to land: a watcher still unwinding would remove the
+                # reader that the next ack read installs on the same fd.
+                pending = {f for f in (get, readable) if not f.done()}
+                for f in pending:
+                    f.cancel()
+                if pending:
+                    await asyncio.wait(pending)
             if get.done() and not get.cancelled():
                 update = get.result()
                 reason = await self._send_update(connection, update)

@@ -97,11 +97,12 @@ async def test_invalid_configuration_fails_at_start_naming_the_variable():
         await stop(proc)
 
 
-async def test_unsupported_feature_is_refused_with_a_hint():
-    proc = await spawn({"PROXY_MODE": "shared"})
+async def test_unreadable_local_config_is_refused_naming_the_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    proc = await spawn({"LOCAL_XDS": "", "LOCAL_XDS_PATH": str(missing)})
     try:
         err = (await asyncio.wait_for(proc.stderr.read(), 15)).decode()
         assert await proc.wait() != 0
-        assert "PROXY_MODE" in err and "hint:" in err
+        assert str(missing) in err
     finally:
         await stop(proc)

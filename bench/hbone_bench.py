@@ -1,0 +1,863 @@
+"""Data-plane benchmark: throughput, latency, connection rate and memory through two node proxies.
+
+Counterpart: ztunnel benches/throughput.rs (reference/ztunnel.md 14.1) with its three modes:
+
+  direct  client -> server, no proxy
+  tcp     client -> client proxy -> server (the destination is a TCP workload: plain passthrough)
+  hbone   client -> client proxy == HBONE (mTLS, HTTP/2 CONNECT) ==> server proxy -> server
+
+Each proxy is its own `ambient ztunnel` process (python -m ambient_mesh.cli ztunnel), so the two
+get their own cores. Topologies:
+
+  netns     (root) three network namespaces on a private bridge, like tests/netns/test_dedicated_mesh:
+            node "client" (HBONE workload, dedicated proxy, iptables capture), node "server"
+            (HBONE workload, dedicated proxy, capture, bench server) and node "plain" (TCP
+            workload, no proxy, bench server). The client dials the app address and is captured;
+            `direct` sets SO_MARK 1337 so the capture rules let it bypass the proxy.
+  loopback  (fallback without root) proxies on 127.0.77.x with SOCKS5 as the client's way in, as
+            tests/integration/mesh.py does in-process; the SOCKS5 handshake is part of every
+            proxied connection here, so connection-rate numbers are labelled accordingly.
+
+Measurements, in interleaved rounds (reference/performance.md, "Method"): every round runs every
+test for every mode, rotating the mode order, and ratios to `direct` are taken within a round.
+
+  throughput     one connection, --size-mib bytes client -> server, Gbit/s
+  throughput_xN  --parallel connections at once, --size-mib each, aggregate Gbit/s
+  latency        --latency-bytes ping-pong, --round-trips after --warmup, p50/p90/p99 µs;
+                 once with everything on CPU0 (CPU-path cost) and once spread over the cores
+  connections    new connection + one 1-byte round trip + close, conn/s and p50/p99
+  memory         RSS delta of each proxy over --idle-connections idle (pinged once) connections
+
+Proxy CPU comes from /proc/<pid>/stat (utime + stime) around each measurement: CPU-seconds per
+GiB and "Gbit/s per proxy core" for throughput, CPU-ms per connection for the connection rate.
+
+Pinning (with 2+ CPUs, unless --no-pin): client and bench servers on CPU0, client proxy on CPU1,
+server proxy floating over CPU0-1 (performance.md's "pair" layout); the `latency/one-core` test
+puts everything on CPU0.
+
+    sudo .venv/bin/python bench/hbone_bench.py [--rounds 3] [--size-mib 256] [--topology auto]
+
+The script also holds its own helper processes: `--worker server` (the bench server) and
+`--worker client` (one measurement, printing a JSON line), started inside the namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RESULTS = Path(__file__).resolve().parent / "results" / "hbone.json"
+MODES = ("direct", "tcp", "hbone")
+TESTS = ("throughput", "throughput_xN", "latency", "connections", "memory")
+LATENCY_LAYOUTS = ("one-core", "spread")
+
+PACKET_MARK = 1337
+BENCH_PORT = 5201
+SO_MARK = getattr(socket, "SO_MARK", 36)
+CHUNK_BYTES = 1024 * 1024
+ECHO_READ_BYTES = 65536
+CMD_ECHO = b"E"
+CMD_SINK = b"S"
+SINK_READY = b"R"
+LOOPBACK_IPS = {"client": "127.0.77.2", "server": "127.0.77.3", "plain": "127.0.77.4"}
+
+PROXY_READY_TIMEOUT_S = 30.0
+WORKER_TIMEOUT_S = 120.0
+IO_TIMEOUT_S = 30.0
+LISTEN_BACKLOG = 4096
+
+_FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+# ================================================================================================
+# Worker: the bench server (runs inside the server / plain namespace)
+# ================================================================================================
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"peer closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+def _serve_connection(conn: socket.socket) -> None:
+    """One connection: the first byte says what the client wants (echo, or sink N bytes)."""
+    with conn:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            cmd = conn.recv(1)
+            if cmd == CMD_ECHO:
+                while data := conn.recv(ECHO_READ_BYTES):
+                    conn.sendall(data)
+            elif cmd == CMD_SINK:
+                total = int.from_bytes(recv_exact(conn, 8), "big")
+                conn.sendall(SINK_READY)
+                buf = memoryview(bytearray(CHUNK_BYTES))
+                got = 0
+                while got < total:
+                    n = conn.recv_into(buf, min(CHUNK_BYTES, total - got))
+                    if n == 0:
+                        break
+                    got += n
+                conn.sendall(got.to_bytes(8, "big"))
+                while conn.recv(ECHO_READ_BYTES):  # until the client closes
+                    pass
+        except OSError:
+            pass
+
+
+def run_server_worker(bind: str, port: int) -> int:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((bind, port))
+    listener.listen(LISTEN_BACKLOG)
+    print(f"listening {listener.getsockname()[1]}", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_serve_connection, args=(conn,), daemon=True).start()
+
+
+# ================================================================================================
+# Worker: the bench client (one measurement per process, result as one JSON line)
+# ================================================================================================
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    host: str
+    port: int
+    mark: int | None = None  # SO_MARK: bypass the client's capture (`direct` in netns mode)
+    socks: tuple[str, int] | None = None  # SOCKS5 proxy (loopback mode)
+
+    def argv(self) -> list[str]:
+        out = ["--host", self.host, "--port", str(self.port)]
+        if self.mark is not None:
+            out += ["--mark", str(self.mark)]
+        if self.socks is not None:
+            out += ["--socks", f"{self.socks[0]}:{self.socks[1]}"]
+        return out
+
+
+def dial(target: Target) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(IO_TIMEOUT_S)
+        if target.mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MARK, target.mark)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if target.socks is None:
+            sock.connect((target.host, target.port))
+            return sock
+        sock.connect(target.socks)
+        # RFC 1928: greeting (no auth) and CONNECT to an IPv4 address in one write.
+        sock.sendall(b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton(target.host) + target.port.to_bytes(2, "big"))
+        reply = recv_exact(sock, 12)
+        if reply[:2] != b"\x05\x00" or reply[3] != 0:
+            raise ConnectionRefusedError(f"SOCKS5 refused: {reply.hex()}")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
+    s = sorted(samples_ns)
+
+    def pct(p: float) -> float:
+        return s[min(len(s) - 1, int(p * len(s)))] / 1000.0
+
+    return {"p50_us": pct(0.50), "p90_us": pct(0.90), "p99_us": pct(0.99), "mean_us": sum(s) / len(s) / 1000.0,
+            "count": len(s)}
+
+
+def client_throughput(target: Target, size: int, parallel: int) -> dict:
+    payload = memoryview(bytes(CHUNK_BYTES))
+    socks = [dial(target) for _ in range(parallel)]
+    for sock in socks:
+        sock.sendall(CMD_SINK + size.to_bytes(8, "big"))
+    for sock in socks:  # every stream established end to end before the clock starts
+        if recv_exact(sock, 1) != SINK_READY:
+            raise ConnectionError("bench server did not answer the sink request")
+    start = threading.Barrier(parallel)
+    t0: list[int] = []
+    ends: list[int] = [0] * parallel
+    errors: list[BaseException] = []
+
+    def send(i: int, sock: socket.socket) -> None:
+        try:
+            if start.wait() == 0:
+                t0.append(time.perf_counter_ns())
+            remaining = size
+            while remaining:
+                n = min(CHUNK_BYTES, remaining)
+                sock.sendall(payload[:n])
+                remaining -= n
+            got = int.from_bytes(recv_exact(sock, 8), "big")
+            ends[i] = time.perf_counter_ns()
+            if got != size:
+                raise ConnectionError(f"server received {got} of {size} bytes")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=send, args=(i, s)) for i, s in enumerate(socks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for sock in socks:
+        sock.close()
+    if errors:
+        raise errors[0]
+    seconds = (max(ends) - t0[0]) / 1e9
+    total = size * parallel
+    return {"bytes": total, "seconds": seconds, "gbit_s": total * 8 / seconds / 1e9}
+
+
+def client_latency(target: Target, payload_bytes: int, round_trips: int, warmup: int) -> dict:
+    payload = b"x" * payload_bytes
+    samples: list[int] = []
+    with dial(target) as sock:
+        sock.sendall(CMD_ECHO)
+        for i in range(warmup + round_trips):
+            t = time.perf_counter_ns()
+            sock.sendall(payload)
+            recv_exact(sock, payload_bytes)
+            if i >= warmup:
+                samples.append(time.perf_counter_ns() - t)
+    return percentiles_us(samples)
+
+
+def client_connections(target: Target, count: int, max_seconds: float) -> dict:
+    samples: list[int] = []
+    begin = time.perf_counter_ns()
+    deadline = begin + int(max_seconds * 1e9)
+    while len(samples) < count and time.perf_counter_ns() < deadline:
+        t = time.perf_counter_ns()
+        sock = dial(target)
+        sock.sendall(CMD_ECHO + b"x")
+        recv_exact(sock, 1)
+        sock.close()
+        samples.append(time.perf_counter_ns() - t)
+    seconds = (time.perf_counter_ns() - begin) / 1e9
+    return {"connections": len(samples), "seconds": seconds, "conn_s": len(samples) / seconds,
+            **percentiles_us(samples)}
+
+
+def client_idle(target: Target, count: int) -> None:
+    """Open `count` connections (each pinged once), report, hold them until stdin says go."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = dial(target)
+            sock.sendall(CMD_ECHO + b"x")
+            recv_exact(sock, 1)
+            socks.append(sock)
+        print(json.dumps({"open": len(socks)}), flush=True)
+        sys.stdin.readline()
+    finally:
+        for sock in socks:
+            sock.close()
+    print(json.dumps({"closed": len(socks)}), flush=True)
+
+
+def run_client_worker(args: argparse.Namespace) -> int:
+    socks = None
+    if args.socks:
+        host, _, port = args.socks.rpartition(":")
+        socks = (host, int(port))
+    target = Target(host=args.host, port=args.port, mark=args.mark, socks=socks)
+    if args.test == "throughput":
+        result = client_throughput(target, args.size, args.parallel)
+    elif args.test == "latency":
+        result = client_latency(target, args.latency_bytes, args.round_trips, args.warmup)
+    elif args.test == "connections":
+        result = client_connections(target, args.connections, args.max_seconds)
+    elif args.test == "idle":
+        client_idle(target, args.connections)
+        return 0
+    else:
+        raise SystemExit(f"unknown client test {args.test!r}")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+# ================================================================================================
+# Orchestrator: processes, pinning, /proc readings
+# ================================================================================================
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def set_affinity(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of `pid` (sched_setaffinity on a pid affects one thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
+
+
+def proxy_argv() -> list[str]:
+    return [sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
+
+
+def wait_proxy_ready(process: subprocess.Popen, log: Path) -> dict[str, str]:
+    """Wait for the proxy's `node proxy ready` line; return its fields (the bound addresses)."""
+    deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"node proxy exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        for line in log.read_text(errors="replace").splitlines():
+            if "node proxy ready" in line:
+                return parse_fields(line)
+        time.sleep(0.05)
+    raise RuntimeError(f"node proxy not ready after {PROXY_READY_TIMEOUT_S}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def read_listening_port(process: subprocess.Popen) -> int:
+    line = process.stdout.readline().decode()
+    if not line.startswith("listening "):
+        raise RuntimeError(f"bench server did not start: {line!r}")
+    return int(line.split()[1])
+
+
+def workload(name: str, sa: str, ip: str, protocol: str, node: str) -> dict:
+    return {"uid": f"Kubernetes//Pod/bench/{name}", "name": name, "namespace": "bench", "serviceAccount": sa,
+            "trustDomain": "cluster.local", "workloadIps": [ip], "protocol": protocol, "node": node}
+
+
+def mesh_config(client_ip: str, server_ip: str, plain_ip: str) -> dict:
+    """ztunnel's local xDS YAML: two HBONE workloads with proxies, one TCP workload without."""
+    return {"workloads": [workload("client", "client", client_ip, "HBONE", "node-a"),
+                          workload("server", "server", server_ip, "HBONE", "node-b"),
+                          workload("plain", "plain", plain_ip, "TCP", "node-c")]}
+
+
+class Topology:
+    """Where the proxies and bench servers run, and how the client reaches each mode."""
+
+    label = ""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proxies: dict[str, subprocess.Popen] = {}  # "client", "server"
+        self.servers: list[subprocess.Popen] = []
+        self.logs: dict[str, Path] = {}
+
+    def target(self, mode: str) -> Target:
+        raise NotImplementedError
+
+    def client_prefix(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.proxies.items()}
+
+
+class NetnsTopology(Topology):
+    label = "netns: 3 namespaces on a bridge, dedicated-mode proxies with iptables capture"
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        from ambient_mesh.host.commands import SubprocessRunner
+        from ambient_mesh.host.netns import Fabric, cleanup_stale_namespaces
+
+        self.runner = SubprocessRunner()
+        cleanup_stale_namespaces(self.runner)
+        self.fabric = Fabric(runner=self.runner, subnet6=None)
+        self.fabric.open()
+        try:
+            self._start()
+        except BaseException:
+            self.fabric.close()
+            raise
+
+    def _start(self) -> None:
+        import yaml
+
+        from ambient_mesh.capture.dedicated import apply_dedicated_rules, render_dedicated_rules
+
+        fab = self.fabric
+        self.client = fab.add_node("client")
+        self.server = fab.add_node("server")
+        self.plain = fab.add_node("plain")
+        for node in (self.server, self.plain):
+            process = fab.spawn(node, [sys.executable, __file__, "--worker", "server", "--bind", "0.0.0.0",
+                                       "--port", str(BENCH_PORT)], stdout=subprocess.PIPE)
+            read_listening_port(process)
+            self.servers.append(process)
+        config = self.workdir / "local-xds.yaml"
+        config.write_text(yaml.safe_dump(mesh_config(str(self.client.ipv4), str(self.server.ipv4),
+                                                     str(self.plain.ipv4)), sort_keys=False))
+        for node in (self.client, self.server):
+            apply_dedicated_rules(self.runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
+        for name, node in (("client", self.client), ("server", self.server)):
+            log = self.workdir / f"proxy-{name}.log"
+            env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+                       FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS_PATH=str(config), PACKET_MARK=str(PACKET_MARK),
+                       NODE_NAME=node.name, ADMIN_ADDR="127.0.0.1:15000")
+            with open(log, "wb") as out:
+                self.proxies[name] = fab.spawn(node, proxy_argv(), env=env, cwd=self.workdir, stdout=out,
+                                               stderr=out)
+            self.logs[name] = log
+        for name, process in self.proxies.items():
+            wait_proxy_ready(process, self.logs[name])
+
+    def target(self, mode: str) -> Target:
+        if mode == "direct":
+            return Target(host=str(self.plain.ipv4), port=BENCH_PORT, mark=PACKET_MARK)
+        if mode == "tcp":
+            return Target(host=str(self.plain.ipv4), port=BENCH_PORT)
+        return Target(host=str(self.server.ipv4), port=BENCH_PORT)
+
+    def client_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.client.netns]
+
+    def close(self) -> None:
+        self.fabric.close()  # stops proxies and servers, deletes every namespace
+
+
+class LoopbackTopology(Topology):
+    label = "loopback: proxies on 127.0.77.x, client enters through SOCKS5 (handshake counted per connection)"
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
+
+    def _start(self) -> None:
+        ips = LOOPBACK_IPS
+        self.ports = {}
+        for name in ("server", "plain"):
+            process = self._spawn([sys.executable, __file__, "--worker", "server", "--bind", ips[name],
+                                   "--port", "0"], stdout=subprocess.PIPE)
+            self.servers.append(process)
+            self.ports[name] = read_listening_port(process)
+        config = json.dumps(mesh_config(ips["client"], ips["server"], ips["plain"]))
+        for name in ("client", "server"):
+            ip = ips[name]
+            log = self.workdir / f"proxy-{name}.log"
+            env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+                       FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=config, UNSTABLE_ENABLE_SOCKS5="true",
+                       OUTBOUND_ADDR=f"{ip}:0", INBOUND_ADDR=f"{ip}:15008", INBOUND_PLAINTEXT_ADDR=f"{ip}:0",
+                       SOCKS5_ADDR=f"{ip}:0", ADMIN_ADDR=f"{ip}:0", STATS_ADDR=f"{ip}:0",
+                       READINESS_ADDR=f"{ip}:0", TERMINATION_GRACE_PERIOD_SECONDS="2")
+            env.pop("PACKET_MARK", None)
+            with open(log, "wb") as out:
+                self.proxies[name] = self._spawn(proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
+            self.logs[name] = log
+        fields = wait_proxy_ready(self.proxies["client"], self.logs["client"])
+        wait_proxy_ready(self.proxies["server"], self.logs["server"])
+        host, _, port = fields["socks5"].rpartition(":")
+        self.socks = (host.strip("[]"), int(port))
+
+    def target(self, mode: str) -> Target:
+        ips = LOOPBACK_IPS
+        if mode == "direct":
+            return Target(host=ips["plain"], port=self.ports["plain"])
+        if mode == "tcp":
+            return Target(host=ips["plain"], port=self.ports["plain"], socks=self.socks)
+        return Target(host=ips["server"], port=self.ports["server"], socks=self.socks)
+
+    def close(self) -> None:
+        from ambient_mesh.host.netns import stop_process
+
+        for process in [*self.proxies.values(), *self.servers]:
+            stop_process(process)
+
+
+def choose_topology(kind: str, workdir: Path) -> Topology:
+    if kind == "auto":
+        kind = "netns" if os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables-restore") \
+            else "loopback"
+    return NetnsTopology(workdir) if kind == "netns" else LoopbackTopology(workdir)
+
+
+# ================================================================================================
+# Orchestrator: the measurements
+# ================================================================================================
+
+
+@dataclass(slots=True)
+class Bench:
+    topo: Topology
+    args: argparse.Namespace
+    pin: bool
+    layout: str = ""
+    results: dict = field(default_factory=dict)  # test -> mode -> [per-round dict]
+
+    def apply_layout(self, layout: str) -> None:
+        """Pin proxies and bench servers; the client gets its CPUs through taskset."""
+        self.layout = layout
+        if not self.pin:
+            return
+        spread = layout == "spread"
+        set_affinity(self.topo.proxies["client"].pid, {1} if spread else {0})
+        set_affinity(self.topo.proxies["server"].pid, {0, 1} if spread else {0})
+        for process in self.topo.servers:
+            set_affinity(process.pid, {0})
+
+    def client_argv(self, mode: str, *extra: str) -> list[str]:
+        pin = ["taskset", "-c", "0"] if self.pin else []
+        return [*self.topo.client_prefix(), *pin, sys.executable, __file__, "--worker", "client",
+                *self.topo.target(mode).argv(), *extra]
+
+    def run_client(self, mode: str, *extra: str) -> dict:
+        out = subprocess.run(self.client_argv(mode, *extra), capture_output=True, timeout=WORKER_TIMEOUT_S,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"client ({mode} {' '.join(extra)}) failed:\n{out.stderr.decode()[-3000:]}")
+        return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+    def cpu(self) -> dict[str, float]:
+        return {name: proc_cpu_s(pid) for name, pid in self.topo.pids().items()}
+
+    def measured(self, mode: str, *extra: str) -> tuple[dict, dict[str, float]]:
+        before = self.cpu()
+        result = self.run_client(mode, *extra)
+        after = self.cpu()
+        return result, {name: after[name] - before[name] for name in after}
+
+    def record(self, test: str, mode: str, value: dict) -> None:
+        self.results.setdefault(test, {}).setdefault(mode, []).append(value)
+
+    # Tests -------------------------------------------------------------------------------------
+    def throughput(self, mode: str, parallel: int, test: str) -> None:
+        size = self.args.size_mib * 1024 * 1024
+        result, cpu = self.measured(mode, "--test", "throughput", "--size", str(size), "--parallel", str(parallel))
+        gib = result["bytes"] / 2**30
+        value = {"gbit_s": result["gbit_s"], "seconds": result["seconds"], "bytes": result["bytes"]}
+        if mode != "direct":
+            value["proxy_cpu_s"] = cpu
+            value["proxy_cpu_s_per_gib"] = {k: v / gib for k, v in cpu.items()}
+            value["gbit_s_per_proxy_core"] = {k: result["bytes"] * 8 / v / 1e9 for k, v in cpu.items() if v > 0.05}
+        self.record(test, mode, value)
+
+    def latency(self, mode: str, layout: str) -> None:
+        self.apply_layout(layout)
+        try:
+            result = self.run_client(mode, "--test", "latency", "--latency-bytes", str(self.args.latency_bytes),
+                                     "--round-trips", str(self.args.round_trips), "--warmup", str(self.args.warmup))
+        finally:
+            self.apply_layout("spread")
+        self.record(f"latency/{layout}", mode, result)
+
+    def connections(self, mode: str) -> None:
+        result, cpu = self.measured(mode, "--test", "connections", "--connections", str(self.args.connections),
+                                    "--max-seconds", str(self.args.max_seconds))
+        if mode != "direct":
+            result["proxy_cpu_ms_per_conn"] = {k: v * 1000 / result["connections"] for k, v in cpu.items()}
+        self.record("connections", mode, result)
+
+    def memory(self, mode: str) -> None:
+        if mode == "direct":
+            return
+        pids = self.topo.pids()
+        before = {k: proc_rss_kib(p) for k, p in pids.items()}
+        process = subprocess.Popen(self.client_argv(mode, "--test", "idle", "--connections",
+                                                    str(self.args.idle_connections)),
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"idle client failed:\n{process.stderr.read().decode()[-3000:]}")
+            opened = json.loads(line)["open"]
+            time.sleep(0.2)  # let the proxies finish the last connections' bookkeeping
+            during = {k: proc_rss_kib(p) for k, p in pids.items()}
+            process.stdin.write(b"go\n")
+            process.stdin.flush()
+            process.wait(timeout=WORKER_TIMEOUT_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.record("memory", mode, {"connections": opened, "rss_kib_before": before, "rss_kib_open": during,
+                                     "kib_per_conn": {k: (during[k] - before[k]) / opened for k in pids}})
+
+    def warm_up(self) -> None:
+        """First use of each path: certificates, the pooled HBONE connection, code paths."""
+        for mode in self.args.modes:
+            self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200",
+                            "--warmup", "0")
+            self.run_client(mode, "--test", "throughput", "--size", str(16 * 1024 * 1024), "--parallel", "1")
+
+    def run(self, console) -> None:
+        self.apply_layout("spread")
+        self.warm_up()
+        modes = list(self.args.modes)
+        for r in range(self.args.rounds):
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            started = time.monotonic()
+            for test in self.args.tests:
+                for mode in order:
+                    if test == "throughput":
+                        self.throughput(mode, 1, "throughput")
+                    elif test == "throughput_xN":
+                        self.throughput(mode, self.args.parallel, f"throughput_x{self.args.parallel}")
+                    elif test == "latency":
+                        for layout in self.args.latency_layouts:
+                            self.latency(mode, layout)
+                    elif test == "connections":
+                        self.connections(mode)
+                    elif test == "memory":
+                        self.memory(mode)
+            console.print(f"round {r + 1}/{self.args.rounds} done in {time.monotonic() - started:.1f}s "
+                          f"(modes {', '.join(order)})")
+
+
+# ================================================================================================
+# Summaries, tables, JSON
+# ================================================================================================
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def same_round_ratio(results: dict, mode: str, get: Callable[[dict], float]) -> float | None:
+    """Median over rounds of value(mode) / value(direct) from the same round."""
+    if "direct" not in results or mode not in results:
+        return None
+    ratios = [get(m) / get(d) for m, d in zip(results[mode], results["direct"], strict=False) if get(d)]
+    return statistics.median(ratios) if ratios else None
+
+
+def same_round_delta(results: dict, mode: str, get: Callable[[dict], float]) -> float | None:
+    if "direct" not in results or mode not in results:
+        return None
+    return statistics.median(get(m) - get(d) for m, d in zip(results[mode], results["direct"], strict=False))
+
+
+def summarize(results: dict) -> dict:
+    out: dict = {}
+    for test, per_mode in results.items():
+        out[test] = {}
+        for mode, rounds in per_mode.items():
+            s: dict = {}
+            if test.startswith("throughput"):
+                s["gbit_s"] = spread([r["gbit_s"] for r in rounds])
+                s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["gbit_s"])
+                if "proxy_cpu_s_per_gib" in rounds[0]:
+                    s["proxy_cpu_s_per_gib"] = {k: statistics.median(r["proxy_cpu_s_per_gib"][k] for r in rounds)
+                                                for k in rounds[0]["proxy_cpu_s_per_gib"]}
+                    keys = set().union(*(r["gbit_s_per_proxy_core"].keys() for r in rounds))
+                    s["gbit_s_per_proxy_core"] = {
+                        k: statistics.median(r["gbit_s_per_proxy_core"][k] for r in rounds
+                                             if k in r["gbit_s_per_proxy_core"]) for k in keys}
+            elif test.startswith("latency"):
+                for p in ("p50_us", "p90_us", "p99_us"):
+                    s[p] = spread([r[p] for r in rounds])
+                s["added_p50_us"] = same_round_delta(per_mode, mode, lambda r: r["p50_us"])
+                s["added_p99_us"] = same_round_delta(per_mode, mode, lambda r: r["p99_us"])
+            elif test == "connections":
+                s["conn_s"] = spread([r["conn_s"] for r in rounds])
+                s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["conn_s"])
+                s["p50_us"] = statistics.median(r["p50_us"] for r in rounds)
+                s["p99_us"] = statistics.median(r["p99_us"] for r in rounds)
+                if "proxy_cpu_ms_per_conn" in rounds[0]:
+                    s["proxy_cpu_ms_per_conn"] = {k: statistics.median(r["proxy_cpu_ms_per_conn"][k] for r in rounds)
+                                                  for k in rounds[0]["proxy_cpu_ms_per_conn"]}
+            elif test == "memory":
+                s["kib_per_conn"] = {k: statistics.median(r["kib_per_conn"][k] for r in rounds)
+                                     for k in rounds[0]["kib_per_conn"]}
+            out[test][mode] = s
+    return out
+
+
+def _mmm(s: dict, fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(s['min'])} / [bold]{fmt.format(s['median'])}[/bold] / {fmt.format(s['max'])}"
+
+
+def _opt(v: float | None, fmt: str) -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def _per_proxy(d: dict | None, fmt: str) -> str:
+    if not d:
+        return "–"
+    return " / ".join(f"{k} {fmt.format(v)}" for k, v in sorted(d.items()))
+
+
+def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    for test, per_mode in summary.items():
+        if test.startswith("throughput"):
+            n = 1 if test == "throughput" else args.parallel
+            t = Table(title=f"{test}: {n} connection(s) x {args.size_mib} MiB, client -> server")
+            for col in ("mode", "Gbit/s min / med / max", "x direct (same round)", "proxy CPU s per GiB",
+                        "Gbit/s per proxy core"):
+                t.add_column(col)
+            for mode, s in per_mode.items():
+                t.add_row(mode, _mmm(s["gbit_s"]), _opt(s["ratio_to_direct"], "{:.3f}"),
+                          _per_proxy(s.get("proxy_cpu_s_per_gib"), "{:.2f}"),
+                          _per_proxy(s.get("gbit_s_per_proxy_core"), "{:.2f}"))
+        elif test.startswith("latency"):
+            t = Table(title=f"{test}: {args.latency_bytes}-byte ping-pong, {args.round_trips} round trips "
+                            f"after {args.warmup} warm-up")
+            for col in ("mode", "p50 µs min / med / max", "p90 µs (med)", "p99 µs (med)", "added p50 vs direct",
+                        "added p99 vs direct"):
+                t.add_column(col)
+            for mode, s in per_mode.items():
+                t.add_row(mode, _mmm(s["p50_us"], "{:.1f}"), f"{s['p90_us']['median']:.1f}",
+                          f"{s['p99_us']['median']:.1f}", _opt(s["added_p50_us"], "{:+.1f}"),
+                          _opt(s["added_p99_us"], "{:+.1f}"))
+        elif test == "connections":
+            t = Table(title=f"connections: connect + 1-byte round trip + close, up to {args.connections} "
+                            f"per round")
+            for col in ("mode", "conn/s min / med / max", "x direct", "p50 / p99 µs", "proxy CPU ms per conn"):
+                t.add_column(col)
+            for mode, s in per_mode.items():
+                t.add_row(mode, _mmm(s["conn_s"], "{:.0f}"), _opt(s["ratio_to_direct"], "{:.3f}"),
+                          f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
+                          _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"))
+        elif test == "memory":
+            t = Table(title=f"memory: RSS delta per idle connection ({args.idle_connections} connections)")
+            t.add_column("mode")
+            t.add_column("KiB per connection (med)")
+            for mode, s in per_mode.items():
+                t.add_row(mode, _per_proxy(s["kib_per_conn"], "{:.2f}"))
+        else:
+            continue
+        console.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=("server", "client"), help=argparse.SUPPRESS)
+    p.add_argument("--bind", default="0.0.0.0", help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=BENCH_PORT, help=argparse.SUPPRESS)
+    p.add_argument("--mark", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--socks", help=argparse.SUPPRESS)
+    p.add_argument("--test", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--max-seconds", type=float, default=20.0, help="bound per connection-rate run")
+
+    p.add_argument("--topology", choices=("auto", "netns", "loopback"), default="auto")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--tests", default=",".join(TESTS))
+    p.add_argument("--size-mib", type=int, default=256, help="bytes per throughput connection")
+    p.add_argument("--parallel", type=int, default=4, help="connections in throughput_xN")
+    p.add_argument("--latency-bytes", type=int, default=1)
+    p.add_argument("--round-trips", type=int, default=5000)
+    p.add_argument("--warmup", type=int, default=500)
+    p.add_argument("--latency-layouts", default=",".join(LATENCY_LAYOUTS))
+    p.add_argument("--connections", type=int, default=1000, help="connections per connection-rate run")
+    p.add_argument("--idle-connections", type=int, default=1000)
+    p.add_argument("--no-pin", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (proxy logs)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+
+    if args.worker == "server":
+        return run_server_worker(args.bind, args.port)
+    if args.worker == "client":
+        return run_client_worker(args)
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.tests = [t for t in args.tests.split(",") if t]
+    args.latency_layouts = [x for x in args.latency_layouts.split(",") if x]
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}")
+    for t in args.tests:
+        if t not in TESTS:
+            p.error(f"unknown test {t!r}")
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0)
+    with workdir(args.keep) as wd:
+        topo = choose_topology(args.topology, wd)
+        try:
+            console.print(f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}")
+            bench = Bench(topo=topo, args=args, pin=pin)
+            bench.run(console)
+        finally:
+            topo.close()
+        if args.keep:
+            console.print(f"proxy logs kept in {wd}")
+    summary = summarize(bench.results)
+    print_tables(console, summary, args)
+    doc = {
+        "benchmark": "hbone",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "topology": topo.label,
+        "pinning": ("client+servers CPU0, client proxy CPU1, server proxy CPU0-1; latency/one-core: all CPU0"
+                    if pin else "none"),
+        "parameters": {k: getattr(args, k) for k in ("rounds", "modes", "tests", "size_mib", "parallel",
+                                                     "latency_bytes", "round_trips", "warmup", "latency_layouts",
+                                                     "connections", "idle_connections")},
+        "summary": summary,
+        "rounds": bench.results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+@contextlib.contextmanager
+def workdir(keep: bool) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="hbone-bench-"))
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Profile both node proxies under the HBONE throughput test with py-spy (sampling, no code changes).
+
+Builds the same topology as hbone_bench.py (netns when root, else loopback), warms the HBONE
+path up, attaches `py-spy record --format raw` to the client (outbound) and server (inbound)
+proxy processes, pushes --size-mib through one HBONE connection (or --parallel of them), stops
+the samplers and prints, per proxy, the functions with the most self samples and the most
+inclusive samples. Samples are of active CPU only: py-spy leaves out threads that are idle in
+epoll. Raw folded stacks are kept in a directory printed at the end (flamegraph-ready).
+
+    .venv/bin/pip install py-spy        # once
+    sudo .venv/bin/python bench/profile_hbone.py [--size-mib 2048] [--native] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hbone_bench import Bench, choose_topology, proc_cpu_s  # noqa: E402
+
+PYSPY_START_S = 1.0  # py-spy needs a moment to attach before the traffic starts
+PYSPY_STOP_TIMEOUT_S = 30.0
+_LINE = re.compile(r":\d+\)$")
+
+
+def pyspy_binary() -> str:
+    local = Path(sys.executable).with_name("py-spy")
+    found = str(local) if local.exists() else shutil.which("py-spy")
+    if not found:
+        raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
+    return found
+
+
+def frame_name(frame: str) -> str:
+    """`send_data (h2/connection.py:880)` -> `send_data (h2/connection.py)`: one row per function."""
+    frame = _LINE.sub(")", frame.strip())
+    return re.sub(r"\(.*?site-packages/", "(", re.sub(r"\(/work/main/", "(", frame))
+
+
+def fold(path: Path) -> tuple[collections.Counter, collections.Counter, int]:
+    """Self and inclusive sample counts per function from py-spy's raw (folded) output."""
+    own: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [frame_name(f) for f in stack.split(";") if f.strip()]
+        if not frames:
+            continue
+        total += n
+        own[frames[-1]] += n
+        for name in set(frames):
+            inclusive[name] += n
+    return own, inclusive, total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--topology", choices=("auto", "netns", "loopback"), default="auto")
+    p.add_argument("--size-mib", type=int, default=2048)
+    p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    p.add_argument("--native", action="store_true", help="include C frames (OpenSSL, CPython)")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-pin", action="store_true")
+    args = p.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    spy = pyspy_binary()
+    out_dir = Path(tempfile.mkdtemp(prefix="hbone-profile-"))
+    bench_args = argparse.Namespace(modes=["hbone"], size_mib=args.size_mib, parallel=args.parallel,
+                                    latency_bytes=1, round_trips=0, warmup=0, connections=0, idle_connections=0)
+    workdir = Path(tempfile.mkdtemp(prefix="hbone-bench-"))
+    topo = choose_topology(args.topology, workdir)
+    try:
+        bench = Bench(topo=topo, args=bench_args, pin=not args.no_pin)
+        bench.apply_layout("spread")
+        bench.warm_up()
+        samplers = {}
+        for name, pid in topo.pids().items():
+            argv = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
+                    "--nonblocking", "--output", str(out_dir / f"{name}.folded")]
+            if args.native:
+                argv.append("--native")
+            samplers[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(PYSPY_START_S)
+        size = args.size_mib * 1024 * 1024
+        cpu0 = {n: proc_cpu_s(pid) for n, pid in topo.pids().items()}
+        result = bench.run_client("hbone", "--test", "throughput", "--size", str(size),
+                                  "--parallel", str(args.parallel))
+        cpu = {n: proc_cpu_s(pid) - cpu0[n] for n, pid in topo.pids().items()}
+        for name, sampler in samplers.items():
+            sampler.send_signal(signal.SIGINT)
+            try:
+                sampler.wait(timeout=PYSPY_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                sampler.kill()
+                sampler.wait()
+            if sampler.returncode not in (0, -signal.SIGINT):
+                console.print(f"py-spy for {name} exited with {sampler.returncode}: "
+                              f"{sampler.stderr.read().decode()[-500:]}")
+    finally:
+        topo.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    console.print(f"topology: {topo.label}")
+    console.print(f"hbone throughput under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
+                  f"frames): {result['gbit_s']:.2f} Gbit/s, {args.parallel} x {args.size_mib} MiB; proxy CPU s: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    for name, role in (("client", "outbound (TCP -> HBONE)"), ("server", "inbound (HBONE -> TCP)")):
+        path = out_dir / f"{name}.folded"
+        if not path.exists():
+            console.print(f"no samples for {name}")
+            continue
+        own, inclusive, total = fold(path)
+        if not total:
+            continue
+        for title, counter in (("self", own), ("inclusive", inclusive)):
+            t = Table(title=f"{name} proxy, {role}: top {args.top} by {title} samples ({total} samples)")
+            t.add_column("%", justify="right")
+            t.add_column("samples", justify="right")
+            t.add_column("function (file)")
+            for fn, n in counter.most_common(args.top):
+                t.add_row(f"{100 * n / total:.1f}", str(n), fn)
+            console.print(t)
+    console.print(f"folded stacks kept in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
