@@ -830,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(console, summary, args)
     doc = {
         "benchmark": "hbone",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -11,8 +11,8 @@ import stat
 import pytest
 
 from ambient_mesh.cni.install import (
-    InstallError,
     Installer,
+    InstallError,
     PluginInstall,
     entry_state,
     insert_plugin,

@@ -1,0 +1,124 @@
+"""The node proxy in shared (in-pod) mode: pods handed over ZDS, listeners inside each pod netns.
+
+Tier 3 (root). One node, two enrolled pods and one plain pod, each a network namespace on the
+fabric. The in-pod redirection rules are installed in the enrolled pods; a ZDS server (the node
+agent's side, ambient_mesh.zds.server) hands their namespaces to a shared-mode node proxy
+running in this process. Traffic between the enrolled pods must be captured inside the pods and
+carried over HBONE (the server pod's proxy sees the client's SPIFFE id); the plain pod is
+reached with plain TCP; deleting a pod over ZDS closes its listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ambient_mesh.capture.apply import Backend, apply_inpod_rules
+from ambient_mesh.capture.inpod import InpodConfig
+from ambient_mesh.config import ProxyWorkloadInfo
+from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric, Node
+from ambient_mesh.zds.server import ZdsServer
+from ambient_mesh.ztunnel import build
+
+pytestmark = pytest.mark.timeout(120)
+
+NODE = "node-1"
+APP_PORT = 8080
+CLIENT_ID = "spiffe://cluster.local/ns/shop/sa/frontend"
+
+
+class PodTable:
+    """The node agent's pod cache as the ZDS server reads it."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, tuple[ProxyWorkloadInfo, int | None]] = {}
+
+    def snapshot(self):
+        return [(uid, info, fd) for uid, (info, fd) in self.pods.items()]
+
+
+def local_config(client: Node, server: Node, plain: Node) -> str:
+    def workload(name: str, sa: str, node: Node, protocol: str) -> dict:
+        return {"uid": f"Kubernetes//Pod/shop/{name}", "name": name, "namespace": "shop", "serviceAccount": sa,
+                "trustDomain": "cluster.local", "workloadIps": [str(node.ipv4)], "protocol": protocol,
+                "node": NODE}
+
+    return yaml.safe_dump({"workloads": [workload("client", "frontend", client, "HBONE"),
+                                         workload("server", "echo", server, "HBONE"),
+                                         workload("plain", "plain", plain, "TCP")]})
+
+
+def access(caplog, direction: str) -> list[dict]:
+    return [getattr(r, "fields", {}) for r in caplog.records
+            if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == direction]
+
+
+async def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := predicate()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+    return value
+
+
+async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_echo, roundtrip, tmp_path: Path,
+                                                               caplog):
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    with Fabric(runner=runner) as fabric:
+        client = fabric.add_node("client")
+        server = fabric.add_node("server")
+        plain = fabric.add_node("plain")
+        start_echo(fabric, server, APP_PORT, tmp_path)
+        plain_echo = start_echo(fabric, plain, APP_PORT, tmp_path)
+        rules = InpodConfig(redirect_dns=False)
+        for pod in (client, server):
+            apply_inpod_rules(runner, pod.netns, rules, Backend.IPTABLES)
+
+        table = PodTable()
+        fds = []
+        for uid, pod, sa in (("uid-client", client, "frontend"), ("uid-server", server, "echo")):
+            fd = os.open(NETNS_RUN_DIR / pod.netns, os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(fd)
+            name = "client" if pod is client else "server"
+            table.pods[uid] = (ProxyWorkloadInfo(namespace="shop", name=name, service_account=sa), fd)
+        zds = ZdsServer(str(tmp_path / "ztunnel.sock"), table)
+        await zds.start()
+        proxy = await build({
+            "PROXY_MODE": "shared", "INPOD_UDS": str(tmp_path / "ztunnel.sock"), "FAKE_CA": "true",
+            "XDS_ADDRESS": "", "LOCAL_XDS": local_config(client, server, plain), "NODE_NAME": NODE,
+            "ADMIN_ADDR": "127.0.0.1:0", "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
+            "ISTIO_META_DNS_CAPTURE": "false", "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+        try:
+            await proxy.start()
+            await wait_for(lambda: proxy.readiness.ready, what="the pods' proxies (ZDS snapshot)")
+            assert set(proxy.inpod.pods) == {"uid-client", "uid-server"}
+
+            # enrolled -> enrolled: captured in the client pod, HBONE to the server pod
+            payload = b"through the mesh" * 1000
+            got = await asyncio.to_thread(roundtrip, client.netns, str(server.ipv4), APP_PORT, payload)
+            assert got == payload
+            inbound = await wait_for(lambda: access(caplog, "inbound"), what="the server pod's access log")
+            assert inbound[0]["src.identity"] == CLIENT_ID
+            assert inbound[0]["src.addr"].startswith(f"{client.ipv4}:")
+            outbound = access(caplog, "outbound")[0]
+            assert outbound["dst.addr"] == f"{server.ipv4}:15008"
+
+            # enrolled -> plain pod: plain TCP from the client pod's own address
+            got = await asyncio.to_thread(roundtrip, client.netns, str(plain.ipv4), APP_PORT, b"plain")
+            assert got == b"plain"
+            assert str(client.ipv4) in plain_echo.peers()
+
+            # a pod deleted over ZDS: its listeners close, new connections are no longer proxied
+            assert await zds.del_workload("uid-server") is None
+            await wait_for(lambda: "uid-server" not in proxy.inpod.pods, what="server pod proxy stopped")
+        finally:
+            await proxy.drain(0.5)
+            await zds.stop()
+            for fd in fds:
+                os.close(fd)
