@@ -94,6 +94,12 @@ def cmd_control(args: argparse.Namespace) -> int:
     return _run(run(config))
 
 
+def cmd_cni_plugin(_args: argparse.Namespace) -> int:
+    from .cni.plugin import main as plugin_main
+
+    return plugin_main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ambient", description="Istio ambient-mode data plane in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--uid", default=None, help="pod uid the token is bound to")
     t.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds (default: %(default)s)")
     t.add_argument("--state-dir", default="./var/ambient-control")
+    p = sub.add_parser("cni-plugin", help="the chained CNI plugin (run by the container runtime: stdin + CNI_* env)")
+    p.set_defaults(func=cmd_cni_plugin)
     p = sub.add_parser("redirect", help="dedicated-mode capture rules (iptables) for the current or a named netns")
     p.add_argument("action", choices=["show", "apply", "remove"])
     p.add_argument("--netns", default=None, help="network namespace name (default: the current one)")

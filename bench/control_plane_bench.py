@@ -329,13 +329,14 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
     text = mesh_yaml(scale)
     generate_s = time.perf_counter() - t0
 
+    # What the YAML decode alone costs, with the pure-Python loader parse_documents uses and
+    # with libyaml's C loader, to size the parse stage's obvious fix. Measured first, while the
+    # heap is small, so the comparison with each other is fair.
+    _, stages["decode_pyyaml"] = measure(lambda: list(yaml.safe_load_all(text)))
+    _, stages["decode_libyaml"] = measure(lambda: list(yaml.load_all(text, Loader=yaml.CSafeLoader)))
     parsed, stages["parse"] = measure(lambda: parse_documents(text, "mesh.yaml"))
     if parsed.errors:
         raise AssertionError(f"generated mesh does not parse: {parsed.errors[:3]}")
-    # What the YAML decode alone costs, with the pure-Python loader parse_documents uses and
-    # with libyaml's C loader, to size the parse stage's obvious fix.
-    _, stages["decode_pyyaml"] = measure(lambda: list(yaml.safe_load_all(text)))
-    _, stages["decode_libyaml"] = measure(lambda: list(yaml.load_all(text, Loader=yaml.CSafeLoader)))
     store, stages["store"] = measure(lambda: KubeStore(parsed.objects))
     translation, stages["translate"] = measure(lambda: translate(store))
     ads = AdsServer()
@@ -817,6 +818,7 @@ def main() -> None:
     console = Console(width=160)
     names = list(SCALES) if args.scale == "all" else [args.scale]
     results = {}
+    load_before = os.getloadavg()
     for name in names:
         results[name] = run_scale(SCALES[name], args, console)
         print_scale(results[name], console)
@@ -834,6 +836,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "protobuf": api_implementation.Type(),
         "grpcio": grpc.__version__,
+        # Other work on the host skews wall times; compare runs made at a similar load.
+        "loadavg_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
         "notes": [
             "control plane and node proxy run in separate processes (multiprocessing, spawn)",
             "seconds are wall time of one untraced run; traced_* from a second run under tracemalloc",
@@ -843,7 +847,8 @@ def main() -> None:
         ],
         "scales": results,
     }, indent=2) + "\n")
-    console.print(f"wrote {RESULTS}")
+    console.print(f"load average (1 min) {load_before[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end "
+                  f"on {os.cpu_count()} CPUs; wrote {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -23,17 +23,21 @@ test for every mode, rotating the mode order, and ratios to `direct` are taken w
 
   throughput     one connection, --size-mib bytes client -> server, Gbit/s
   throughput_xN  --parallel connections at once, --size-mib each, aggregate Gbit/s
-  latency        --latency-bytes ping-pong, --round-trips after --warmup, p50/p90/p99 µs;
-                 once with everything on CPU0 (CPU-path cost) and once spread over the cores
+  latency        --latency-bytes ping-pong, --round-trips after --warmup, p50/p90/p99 µs
   connections    new connection + one 1-byte round trip + close, conn/s and p50/p99
-  memory         RSS delta of each proxy over --idle-connections idle (pinged once) connections
+                 (latency and connections run once per --layouts entry: `one-core` puts
+                 everything on CPU0, which measures CPU-path cost; `spread` is the pinning below,
+                 where every hop that wakes the other vCPU pays the VM's wake-up cost)
+  memory         RSS delta of each proxy over --idle-connections idle (pinged once) connections,
+                 on freshly restarted (then warmed) proxies, so memory freed by earlier tests
+                 is not silently reused
 
 Proxy CPU comes from /proc/<pid>/stat (utime + stime) around each measurement: CPU-seconds per
 GiB and "Gbit/s per proxy core" for throughput, CPU-ms per connection for the connection rate.
 
 Pinning (with 2+ CPUs, unless --no-pin): client and bench servers on CPU0, client proxy on CPU1,
-server proxy floating over CPU0-1 (performance.md's "pair" layout); the `latency/one-core` test
-puts everything on CPU0.
+server proxy floating over CPU0-1 (performance.md's "pair" layout); the `one-core` layout puts
+everything on CPU0.
 
     sudo .venv/bin/python bench/hbone_bench.py [--rounds 3] [--size-mib 256] [--topology auto]
 
@@ -68,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = Path(__file__).resolve().parent / "results" / "hbone.json"
 MODES = ("direct", "tcp", "hbone")
 TESTS = ("throughput", "throughput_xN", "latency", "connections", "memory")
-LATENCY_LAYOUTS = ("one-core", "spread")
+LAYOUTS = ("one-core", "spread")
 
 PACKET_MARK = 1337
 BENCH_PORT = 5201
@@ -388,6 +392,23 @@ class Topology:
     def client_prefix(self) -> list[str]:
         return []
 
+    def _spawn_proxy(self, name: str) -> subprocess.Popen:
+        raise NotImplementedError
+
+    def _start_proxies(self) -> dict[str, dict[str, str]]:
+        for name in ("client", "server"):
+            self.logs[name] = self.workdir / f"proxy-{name}.log"
+            self.proxies[name] = self._spawn_proxy(name)
+        return {name: wait_proxy_ready(process, self.logs[name]) for name, process in self.proxies.items()}
+
+    def restart_proxies(self) -> None:
+        """Fresh proxy processes: a memory measurement must not reuse memory freed by earlier tests."""
+        from ambient_mesh.host.netns import stop_process
+
+        for process in self.proxies.values():
+            stop_process(process)
+        self._start_proxies()
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -432,17 +453,16 @@ class NetnsTopology(Topology):
                                                      str(self.plain.ipv4)), sort_keys=False))
         for node in (self.client, self.server):
             apply_dedicated_rules(self.runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
-        for name, node in (("client", self.client), ("server", self.server)):
-            log = self.workdir / f"proxy-{name}.log"
-            env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
-                       FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS_PATH=str(config), PACKET_MARK=str(PACKET_MARK),
-                       NODE_NAME=node.name, ADMIN_ADDR="127.0.0.1:15000")
-            with open(log, "wb") as out:
-                self.proxies[name] = fab.spawn(node, proxy_argv(), env=env, cwd=self.workdir, stdout=out,
-                                               stderr=out)
-            self.logs[name] = log
-        for name, process in self.proxies.items():
-            wait_proxy_ready(process, self.logs[name])
+        self.config = config
+        self._start_proxies()
+
+    def _spawn_proxy(self, name: str) -> subprocess.Popen:
+        node = self.client if name == "client" else self.server
+        env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+                   FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS_PATH=str(self.config), PACKET_MARK=str(PACKET_MARK),
+                   NODE_NAME=node.name, ADMIN_ADDR="127.0.0.1:15000")
+        with open(self.logs[name], "wb") as out:
+            return self.fabric.spawn(node, proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
 
     def target(self, mode: str) -> Target:
         if mode == "direct":
@@ -480,23 +500,25 @@ class LoopbackTopology(Topology):
                                    "--port", "0"], stdout=subprocess.PIPE)
             self.servers.append(process)
             self.ports[name] = read_listening_port(process)
-        config = json.dumps(mesh_config(ips["client"], ips["server"], ips["plain"]))
-        for name in ("client", "server"):
-            ip = ips[name]
-            log = self.workdir / f"proxy-{name}.log"
-            env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
-                       FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=config, UNSTABLE_ENABLE_SOCKS5="true",
-                       OUTBOUND_ADDR=f"{ip}:0", INBOUND_ADDR=f"{ip}:15008", INBOUND_PLAINTEXT_ADDR=f"{ip}:0",
-                       SOCKS5_ADDR=f"{ip}:0", ADMIN_ADDR=f"{ip}:0", STATS_ADDR=f"{ip}:0",
-                       READINESS_ADDR=f"{ip}:0", TERMINATION_GRACE_PERIOD_SECONDS="2")
-            env.pop("PACKET_MARK", None)
-            with open(log, "wb") as out:
-                self.proxies[name] = self._spawn(proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
-            self.logs[name] = log
-        fields = wait_proxy_ready(self.proxies["client"], self.logs["client"])
-        wait_proxy_ready(self.proxies["server"], self.logs["server"])
-        host, _, port = fields["socks5"].rpartition(":")
+        self.config = json.dumps(mesh_config(ips["client"], ips["server"], ips["plain"]))
+        self._start_proxies()
+
+    def _spawn_proxy(self, name: str) -> subprocess.Popen:
+        ip = LOOPBACK_IPS[name]
+        env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+                   FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=self.config, UNSTABLE_ENABLE_SOCKS5="true",
+                   OUTBOUND_ADDR=f"{ip}:0", INBOUND_ADDR=f"{ip}:15008", INBOUND_PLAINTEXT_ADDR=f"{ip}:0",
+                   SOCKS5_ADDR=f"{ip}:0", ADMIN_ADDR=f"{ip}:0", STATS_ADDR=f"{ip}:0",
+                   READINESS_ADDR=f"{ip}:0", TERMINATION_GRACE_PERIOD_SECONDS="2")
+        env.pop("PACKET_MARK", None)
+        with open(self.logs[name], "wb") as out:
+            return self._spawn(proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
+
+    def _start_proxies(self) -> dict[str, dict[str, str]]:
+        fields = super()._start_proxies()
+        host, _, port = fields["client"]["socks5"].rpartition(":")
         self.socks = (host.strip("[]"), int(port))
+        return fields
 
     def target(self, mode: str) -> Target:
         ips = LOOPBACK_IPS
@@ -589,16 +611,26 @@ class Bench:
             self.apply_layout("spread")
         self.record(f"latency/{layout}", mode, result)
 
-    def connections(self, mode: str) -> None:
-        result, cpu = self.measured(mode, "--test", "connections", "--connections", str(self.args.connections),
-                                    "--max-seconds", str(self.args.max_seconds))
+    def connections(self, mode: str, layout: str) -> None:
+        self.apply_layout(layout)
+        try:
+            result, cpu = self.measured(mode, "--test", "connections", "--connections", str(self.args.connections),
+                                        "--max-seconds", str(self.args.max_seconds))
+        finally:
+            self.apply_layout("spread")
         if mode != "direct":
             result["proxy_cpu_ms_per_conn"] = {k: v * 1000 / result["connections"] for k, v in cpu.items()}
-        self.record("connections", mode, result)
+        self.record(f"connections/{layout}", mode, result)
 
     def memory(self, mode: str) -> None:
         if mode == "direct":
             return
+        self.topo.restart_proxies()
+        self.apply_layout("spread")
+        # Warm this mode's code paths (and, for hbone, certificates and the first pooled
+        # connection) so the delta is what idle connections cost, not first-use allocations.
+        self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200", "--warmup", "0")
+        self.run_client(mode, "--test", "connections", "--connections", "100", "--max-seconds", "10")
         pids = self.topo.pids()
         before = {k: proc_rss_kib(p) for k, p in pids.items()}
         process = subprocess.Popen(self.client_argv(mode, "--test", "idle", "--connections",
@@ -642,12 +674,15 @@ class Bench:
                     elif test == "throughput_xN":
                         self.throughput(mode, self.args.parallel, f"throughput_x{self.args.parallel}")
                     elif test == "latency":
-                        for layout in self.args.latency_layouts:
+                        for layout in self.args.layouts:
                             self.latency(mode, layout)
                     elif test == "connections":
-                        self.connections(mode)
+                        for layout in self.args.layouts:
+                            self.connections(mode, layout)
                     elif test == "memory":
                         self.memory(mode)
+                if test == "memory" and r + 1 < self.args.rounds:
+                    self.warm_up()  # the proxies were restarted
             console.print(f"round {r + 1}/{self.args.rounds} done in {time.monotonic() - started:.1f}s "
                           f"(modes {', '.join(order)})")
 
@@ -696,7 +731,7 @@ def summarize(results: dict) -> dict:
                     s[p] = spread([r[p] for r in rounds])
                 s["added_p50_us"] = same_round_delta(per_mode, mode, lambda r: r["p50_us"])
                 s["added_p99_us"] = same_round_delta(per_mode, mode, lambda r: r["p99_us"])
-            elif test == "connections":
+            elif test.startswith("connections"):
                 s["conn_s"] = spread([r["conn_s"] for r in rounds])
                 s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["conn_s"])
                 s["p50_us"] = statistics.median(r["p50_us"] for r in rounds)
@@ -749,8 +784,8 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 t.add_row(mode, _mmm(s["p50_us"], "{:.1f}"), f"{s['p90_us']['median']:.1f}",
                           f"{s['p99_us']['median']:.1f}", _opt(s["added_p50_us"], "{:+.1f}"),
                           _opt(s["added_p99_us"], "{:+.1f}"))
-        elif test == "connections":
-            t = Table(title=f"connections: connect + 1-byte round trip + close, up to {args.connections} "
+        elif test.startswith("connections"):
+            t = Table(title=f"{test}: connect + 1-byte round trip + close, up to {args.connections} "
                             f"per round")
             for col in ("mode", "conn/s min / med / max", "x direct", "p50 / p99 µs", "proxy CPU ms per conn"):
                 t.add_column(col)
@@ -790,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-bytes", type=int, default=1)
     p.add_argument("--round-trips", type=int, default=5000)
     p.add_argument("--warmup", type=int, default=500)
-    p.add_argument("--latency-layouts", default=",".join(LATENCY_LAYOUTS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="CPU layouts for latency and connections")
     p.add_argument("--connections", type=int, default=1000, help="connections per connection-rate run")
     p.add_argument("--idle-connections", type=int, default=1000)
     p.add_argument("--no-pin", action="store_true")
@@ -808,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 132)
     args.modes = [m for m in args.modes.split(",") if m]
     args.tests = [t for t in args.tests.split(",") if t]
-    args.latency_layouts = [x for x in args.latency_layouts.split(",") if x]
+    args.layouts = [x for x in args.layouts.split(",") if x]
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r}")
@@ -835,10 +870,10 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "topology": topo.label,
-        "pinning": ("client+servers CPU0, client proxy CPU1, server proxy CPU0-1; latency/one-core: all CPU0"
+        "pinning": ("spread: client+servers CPU0, client proxy CPU1, server proxy CPU0-1; one-core: all on CPU0"
                     if pin else "none"),
         "parameters": {k: getattr(args, k) for k in ("rounds", "modes", "tests", "size_mib", "parallel",
-                                                     "latency_bytes", "round_trips", "warmup", "latency_layouts",
+                                                     "latency_bytes", "round_trips", "warmup", "layouts",
                                                      "connections", "idle_connections")},
         "summary": summary,
         "rounds": bench.results,

@@ -13,8 +13,6 @@ snapshot to a callback, with the objects that were added, updated and removed.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -1049,7 +1047,7 @@ class DirectoryWatcher:
         on_change: OnChange,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         *,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         self.path = Path(path)
         self.poll_interval_s = poll_interval_s
@@ -1129,7 +1127,7 @@ class DirectoryWatcher:
             for error in change.result.errors:
                 log.warning("config object skipped: %s", error)
             outcome = self._on_change(change)
-            if inspect.isawaitable(outcome):
+            if hasattr(outcome, "__await__"):
                 await outcome
         return change
 
@@ -1137,4 +1135,8 @@ class DirectoryWatcher:
         """Poll until cancelled. The callback runs inline: a slow consumer delays the next poll."""
         while True:
             await self.poll_and_notify()
+            if self._sleep is None:
+                import asyncio  # here, not at the top: the CNI plugin imports this module and starts fast
+
+                self._sleep = asyncio.sleep
             await self._sleep(self.poll_interval_s)

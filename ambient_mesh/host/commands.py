@@ -68,9 +68,16 @@ class CommandRunner(Protocol):
 
 
 def netns_argv(argv: Sequence[str], netns: str | None) -> list[str]:
-    """The command line that runs `argv` inside `netns` (as `ip netns exec` does)."""
+    """The command line that runs `argv` inside `netns`.
+
+    A name is a namespace under /run/netns (`ip netns exec`). A path (`/proc/<pid>/ns/net`,
+    `/var/run/netns/cni-...`, as a container runtime hands pods to the CNI agent) is entered with
+    `nsenter --net=<path>`, which, unlike `ip netns exec`, needs no name under /run/netns.
+    """
     if netns is None:
         return list(argv)
+    if netns.startswith("/"):
+        return ["nsenter", f"--net={netns}", "--", *argv]
     return ["ip", "netns", "exec", netns, *argv]
 
 
@@ -97,9 +104,11 @@ class SubprocessRunner:
             raise CommandError(argv, None, str(e), netns=netns, hint=MISSING_BINARY_HINT) from None
         except subprocess.TimeoutExpired:
             raise CommandError(argv, None, f"timed out after {self.timeout_s}s", netns=netns) from None
-        # `ip netns exec` reports a missing program with its own exit code 255 and this text.
-        if (netns is not None and proc.returncode == 255
-                and b"No such file or directory" in proc.stderr and b"exec of" in proc.stderr):
+        # `ip netns exec` reports a missing program with its own exit code 255 and this text;
+        # nsenter with 127 and "failed to execute".
+        if (netns is not None and proc.returncode in (255, 127)
+                and b"No such file or directory" in proc.stderr
+                and (b"exec of" in proc.stderr or b"failed to execute" in proc.stderr)):
             raise CommandError(argv, proc.returncode, proc.stderr, netns=netns, hint=MISSING_BINARY_HINT)
         result = CompletedCommand(argv=argv, returncode=proc.returncode, stdout=proc.stdout,
                                   stderr=proc.stderr)
