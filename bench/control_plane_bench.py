@@ -50,10 +50,11 @@ import re
 import statistics
 import sys
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def mesh_yaml(scale: Scale) -> str:
         "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: istio-system\n",
         # Mesh-wide STRICT mTLS: the common production setting; it adds the static strict policy.
         "apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata:\n  name: default\n"
-        f"  namespace: istio-system\n  creationTimestamp: \"{CREATED}\"\nspec:\n  mtls:\n    mode: STRICT\n",
+        f'  namespace: istio-system\n  creationTimestamp: "{CREATED}"\nspec:\n  mtls:\n    mode: STRICT\n',
     ]
     for n in range(scale.namespaces):
         docs.append(
@@ -145,7 +146,7 @@ def mesh_yaml(scale: Scale) -> str:
         ns = _service_namespace(scale, s)
         docs.append(
             f"apiVersion: v1\nkind: Service\nmetadata:\n  name: svc-{s}\n  namespace: {ns}\n"
-            f"  uid: 5e{s:030x}\n  creationTimestamp: \"{CREATED}\"\n  labels:\n    app: svc-{s}\n"
+            f'  uid: 5e{s:030x}\n  creationTimestamp: "{CREATED}"\n  labels:\n    app: svc-{s}\n'
             f"spec:\n  type: ClusterIP\n  selector:\n    app: svc-{s}\n  clusterIP: {_cluster_ip(s)}\n"
             f"  clusterIPs:\n  - {_cluster_ip(s)}\n  ipFamilies:\n  - IPv4\n  ports:\n"
             "  - name: http\n    port: 80\n    targetPort: http\n    protocol: TCP\n"
@@ -158,15 +159,15 @@ def mesh_yaml(scale: Scale) -> str:
         ip = _pod_ip(k)
         docs.append(
             f"apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n"
-            f"  generateName: svc-{s}-{rs_hash}-\n  uid: 9d{k:030x}\n  creationTimestamp: \"{CREATED}\"\n"
-            f"  labels:\n    app: svc-{s}\n    version: v1\n    pod-template-hash: \"{rs_hash}\"\n"
+            f'  generateName: svc-{s}-{rs_hash}-\n  uid: 9d{k:030x}\n  creationTimestamp: "{CREATED}"\n'
+            f'  labels:\n    app: svc-{s}\n    version: v1\n    pod-template-hash: "{rs_hash}"\n'
             f"  ownerReferences:\n  - apiVersion: apps/v1\n    kind: ReplicaSet\n    name: svc-{s}-{rs_hash}\n"
             "    controller: true\n"
             f"spec:\n  nodeName: node-{k % scale.nodes}\n  serviceAccountName: sa-{s}\n  containers:\n"
             "  - name: app\n    ports:\n    - name: http\n      containerPort: 8080\n      protocol: TCP\n"
             "    - name: grpc\n      containerPort: 9090\n      protocol: TCP\n"
             f"status:\n  phase: Running\n  podIP: {ip}\n  podIPs:\n  - ip: {ip}\n  conditions:\n"
-            "  - type: Ready\n    status: \"True\"\n"
+            '  - type: Ready\n    status: "True"\n'
         )
     for p in range(scale.policies):
         docs.append(_policy_yaml(p, scale, principal_suffix=""))
@@ -182,7 +183,7 @@ def _policy_yaml(p: int, scale: Scale, *, principal_suffix: str) -> str:
     s = n + scale.namespaces * (j % max(1, scale.services // scale.namespaces))
     head = (
         f"apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata:\n  name: {name}\n"
-        f"  namespace: {ns}\n  creationTimestamp: \"{CREATED}\"\nspec:\n"
+        f'  namespace: {ns}\n  creationTimestamp: "{CREATED}"\nspec:\n'
     )
     selector = f"  selector:\n    matchLabels:\n      app: svc-{s}\n"
     peer = (s + 1) % scale.services
@@ -193,18 +194,18 @@ def _policy_yaml(p: int, scale: Scale, *, principal_suffix: str) -> str:
         body = (
             selector + "  action: ALLOW\n  rules:\n  - from:\n    - source:\n        principals:\n"
             f"        - {TRUST_DOMAIN}/ns/{_service_namespace(scale, peer)}/sa/sa-{peer}{principal_suffix}\n"
-            "    to:\n    - operation:\n        ports:\n        - \"8080\"\n"
+            '    to:\n    - operation:\n        ports:\n        - "8080"\n'
         )
     elif variant == 2:
         body = (
             selector + "  action: ALLOW\n  rules:\n  - from:\n    - source:\n        ipBlocks:\n"
-            "        - 10.244.0.0/16\n    to:\n    - operation:\n        ports:\n        - \"8080\"\n"
-            "        - \"9090\"\n"
+            '        - 10.244.0.0/16\n    to:\n    - operation:\n        ports:\n        - "8080"\n'
+            '        - "9090"\n'
         )
     else:
         body = (
             selector + "  action: DENY\n  rules:\n  - from:\n    - source:\n        notNamespaces:\n"
-            f"        - {ns}\n    to:\n    - operation:\n        ports:\n        - \"9090\"\n"
+            f'        - {ns}\n    to:\n    - operation:\n        ports:\n        - "9090"\n'
         )
     return head + body
 
@@ -228,6 +229,10 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def _all(iterator) -> list:
+    return list(iterator)
 
 
 def measure(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
@@ -332,27 +337,29 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
     # What the YAML decode alone costs, with the pure-Python loader parse_documents uses and
     # with libyaml's C loader, to size the parse stage's obvious fix. Measured first, while the
     # heap is small, so the comparison with each other is fair.
-    _, stages["decode_pyyaml"] = measure(lambda: list(yaml.safe_load_all(text)))
-    _, stages["decode_libyaml"] = measure(lambda: list(yaml.load_all(text, Loader=yaml.CSafeLoader)))
-    parsed, stages["parse"] = measure(lambda: parse_documents(text, "mesh.yaml"))
+    _, stages["decode_pyyaml"] = measure(partial(_all, yaml.safe_load_all(text)))
+    _, stages["decode_libyaml"] = measure(partial(_all, yaml.load_all(text, Loader=yaml.CSafeLoader)))
+    parsed, stages["parse"] = measure(partial(parse_documents, text, "mesh.yaml"))
     if parsed.errors:
         raise AssertionError(f"generated mesh does not parse: {parsed.errors[:3]}")
-    store, stages["store"] = measure(lambda: KubeStore(parsed.objects))
-    translation, stages["translate"] = measure(lambda: translate(store))
+    store, stages["store"] = measure(partial(KubeStore, parsed.objects))
+    translation, stages["translate"] = measure(partial(translate, store))
     ads = AdsServer()
-    _, stages["update"] = measure(lambda: ads.update(translation.addresses, translation.authorizations))
+    _, stages["update"] = measure(partial(ads.update, translation.addresses, translation.authorizations))
 
     # The same two stages again under tracemalloc (slower, so never timed).
-    again, extra = traced(lambda: translate(store))
+    again, extra = traced(partial(translate, store))
     stages["translate"].update(extra)
-    _, extra = traced(lambda: AdsServer().update(again.addresses, again.authorizations))
+    _, extra = traced(partial(AdsServer().update, again.addresses, again.authorizations))
     stages["update"].update(extra)
     del again
     profiles: dict[str, list[str]] = {}
     if profile:
-        profiles["parse"] = profile_top(lambda: parse_documents(text, "mesh.yaml"))
-        profiles["translate"] = profile_top(lambda: translate(store))
-        profiles["update"] = profile_top(lambda: AdsServer().update(translation.addresses, translation.authorizations))
+        profiles["parse"] = profile_top(partial(parse_documents, text, "mesh.yaml"))
+        profiles["translate"] = profile_top(partial(translate, store))
+        profiles["update"] = profile_top(
+            partial(AdsServer().update, translation.addresses, translation.authorizations)
+        )
     gc.collect()
 
     snapshot = ads.snapshot
@@ -368,7 +375,8 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
         "authorizations": len(translation.authorizations),
         "notes": len(translation.notes),
         "serialized_bytes": {
-            SHORT[t]: sum(len(r.resource.value) for r in snapshot.of(t).values()) for t in (ADDRESS, AUTHORIZATION)
+            SHORT[t]: sum(len(r.resource.value) for r in snapshot.of(t).values())
+            for t in (ADDRESS, AUTHORIZATION)
         },
         "workload_policy_refs": sum(
             len(a.workload.authorization_policies)
@@ -393,8 +401,16 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
                     conn.send(("ok", _mutate(ads, objects, scale, kind, index)))
                 case ("stop",):
                     status = proc_status()
-                    conn.send(("ok", {"rss_kib": status.get("VmRSS"), "rss_peak_kib": status.get("VmHWM"),
-                                      "connections": len(ads.connections())}))
+                    conn.send(
+                        (
+                            "ok",
+                            {
+                                "rss_kib": status.get("VmRSS"),
+                                "rss_peak_kib": status.get("VmHWM"),
+                                "connections": len(ads.connections()),
+                            },
+                        )
+                    )
                     return
                 case _:
                     raise ValueError(f"unknown command {command!r}")
@@ -419,13 +435,17 @@ def _mutate(ads, objects: dict, scale: Scale, kind: str, index: int) -> dict[str
         k = (index * 7919 + 13) % scale.pods  # a different pod each time, spread over namespaces
         ns, name = pod_name(k, scale)
         key = ("Pod", ns, name)
-        objects[key] = dataclasses.replace(objects[key], conditions=(PodCondition(type="Ready", status="False"),))
+        objects[key] = dataclasses.replace(
+            objects[key], conditions=(PodCondition(type="Ready", status="False"),)
+        )
         expected = f"{CLUSTER_ID}//Pod/{ns}/{name}"
     elif kind == "policy":
         # Policies of the "by principal" shape: j % 4 == 1, i.e. p in [namespaces, 2 * namespaces).
         p = scale.namespaces + index % scale.namespaces
         ns, name = policy_name(p, scale)
-        (new,) = parse_documents(_policy_yaml(p, scale, principal_suffix=f"-v{index + 2}"), "edit.yaml").objects
+        (new,) = parse_documents(
+            _policy_yaml(p, scale, principal_suffix=f"-v{index + 2}"), "edit.yaml"
+        ).objects
         objects[("AuthorizationPolicy", ns, name)] = new
         expected = f"{ns}/{name}"
     else:
@@ -477,9 +497,17 @@ class PushLog:
 
     def decoded(self, response, push, started: float, ended: float) -> None:
         names = [a.name for a in push.added[:5]] + [f"-{n}" for n in push.removed[:5]]
-        self.records.append(PushRecord(type_url=response.type_url, resources=len(push.added),
-                                       removed=len(push.removed), names=names, wire_bytes=response.ByteSize(),
-                                       received_at=started, decode_s=ended - started))
+        self.records.append(
+            PushRecord(
+                type_url=response.type_url,
+                resources=len(push.added),
+                removed=len(push.removed),
+                names=names,
+                wire_bytes=response.ByteSize(),
+                received_at=started,
+                decode_s=ended - started,
+            )
+        )
 
     def applied(self, started: float, ended: float) -> None:
         record = self.records[-1]
@@ -537,8 +565,12 @@ async def _proxy(conn, port: int, timeout_s: float) -> None:
             return summary
 
     config = ZtunnelConfig.from_env(
-        {"XDS_ADDRESS": f"http://127.0.0.1:{port}", "POD_NAME": "ztunnel-bench", "POD_NAMESPACE": "istio-system",
-         "NODE_NAME": "node-0"},
+        {
+            "XDS_ADDRESS": f"http://127.0.0.1:{port}",
+            "POD_NAME": "ztunnel-bench",
+            "POD_NAMESPACE": "istio-system",
+            "NODE_NAME": "node-0",
+        },
         ipv6_disabled_on_lo=lambda: False,
     )
     client: XdsClient | None = None
@@ -579,9 +611,16 @@ async def _proxy(conn, port: int, timeout_s: float) -> None:
             first_response_to_ready_s=ready_at - first.received_at,
             decode_s=sum(r.decode_s for r in log.records),
             apply_s=sum(r.apply_s for r in log.records),
-            responses=[{"type": SHORT.get(r.type_url, r.type_url), "resources": r.resources,
-                        "wire_bytes": r.wire_bytes, "decode_s": r.decode_s, "apply_s": r.apply_s}
-                       for r in log.records],
+            responses=[
+                {
+                    "type": SHORT.get(r.type_url, r.type_url),
+                    "resources": r.resources,
+                    "wire_bytes": r.wire_bytes,
+                    "decode_s": r.decode_s,
+                    "apply_s": r.apply_s,
+                }
+                for r in log.records
+            ],
             workloads=len(state.workloads),
             services=len(state.services),
             policies=len(state.policies),
@@ -605,19 +644,30 @@ async def _proxy(conn, port: int, timeout_s: float) -> None:
                     conn.send(("ok", armed))
                 case ("await", type_url):
                     mark = armed
-                    await log.wait(lambda: any(r.type_url == type_url and r.applied_at
-                                               for r in log.records[mark:]), timeout_s)
+                    await log.wait(
+                        lambda mark=mark, type_url=type_url: any(
+                            r.type_url == type_url and r.applied_at for r in log.records[mark:]
+                        ),
+                        timeout_s,
+                    )
                     seen = log.records[mark:]
                     target = next(r for r in seen if r.type_url == type_url)
-                    conn.send(("ok", {
-                        "pushes": [(SHORT.get(r.type_url, r.type_url), r.names, r.resources, r.removed)
-                                   for r in seen[: seen.index(target) + 1]],
-                        "received_at": target.received_at,
-                        "applied_at": target.applied_at,
-                        "decode_s": target.decode_s,
-                        "apply_s": target.apply_s,
-                        "wire_bytes": target.wire_bytes,
-                    }))
+                    conn.send(
+                        (
+                            "ok",
+                            {
+                                "pushes": [
+                                    (SHORT.get(r.type_url, r.type_url), r.names, r.resources, r.removed)
+                                    for r in seen[: seen.index(target) + 1]
+                                ],
+                                "received_at": target.received_at,
+                                "applied_at": target.applied_at,
+                                "decode_s": target.decode_s,
+                                "apply_s": target.apply_s,
+                                "wire_bytes": target.wire_bytes,
+                            },
+                        )
+                    )
                 case ("close",):
                     if client is not None:
                         await client.close()
@@ -643,7 +693,9 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
     timeout_s = args.timeout_s
     cp_conn, cp_child = ctx.Pipe()
     px_conn, px_child = ctx.Pipe()
-    cp = ctx.Process(target=control_plane_entry, args=(cp_child, scale.name, args.profile), name="control plane")
+    cp = ctx.Process(
+        target=control_plane_entry, args=(cp_child, scale.name, args.profile), name="control plane"
+    )
     px: multiprocessing.Process | None = None
     try:
         cp.start()
@@ -660,26 +712,27 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
                 change = call(cp_conn, ("mutate", kind, index), timeout_s)
                 seen = call(px_conn, ("await", type_url), timeout_s)
                 other = "Authorization" if kind == "pod" else "Address"
-                only_changed = (
-                    seen["pushes"] == [(SHORT[type_url], [change["expected"]], 1, 0)]
-                    and change["resources_queued"] == {SHORT[type_url]: 1, other: 0}
+                only_changed = seen["pushes"] == [(SHORT[type_url], [change["expected"]], 1, 0)] and change[
+                    "resources_queued"
+                ] == {SHORT[type_url]: 1, other: 0}
+                incremental.append(
+                    {
+                        "kind": kind,
+                        "changed": change["expected"],
+                        "store_s": change["store_s"],
+                        "translate_s": change["translate_s"],
+                        "update_s": change["update_s"],
+                        "update_to_applied_s": seen["applied_at"] - change["t_update_start"],
+                        "change_to_applied_s": seen["applied_at"] - change["t_start"],
+                        "proxy_decode_s": seen["decode_s"],
+                        "proxy_apply_s": seen["apply_s"],
+                        "wire_bytes": seen["wire_bytes"],
+                        "responses_queued": change["responses_queued"],
+                        "resources_queued": change["resources_queued"],
+                        "pushes_seen": seen["pushes"],
+                        "only_changed_resource_sent": only_changed,
+                    }
                 )
-                incremental.append({
-                    "kind": kind,
-                    "changed": change["expected"],
-                    "store_s": change["store_s"],
-                    "translate_s": change["translate_s"],
-                    "update_s": change["update_s"],
-                    "update_to_applied_s": seen["applied_at"] - change["t_update_start"],
-                    "change_to_applied_s": seen["applied_at"] - change["t_start"],
-                    "proxy_decode_s": seen["decode_s"],
-                    "proxy_apply_s": seen["apply_s"],
-                    "wire_bytes": seen["wire_bytes"],
-                    "responses_queued": change["responses_queued"],
-                    "resources_queued": change["resources_queued"],
-                    "pushes_seen": seen["pushes"],
-                    "only_changed_resource_sent": only_changed,
-                })
         call(px_conn, ("close",), timeout_s)
         console.print(f"[{scale.name}] node proxy: initial load again under tracemalloc ...")
         traced_load = call(px_conn, ("connect", {"trace": True, "profile": False}), timeout_s)
@@ -710,8 +763,11 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
         profiles["proxy_initial_load"] = profiled["profile"]
     return {
         "scale": dataclasses.asdict(scale) | {"namespaces": scale.namespaces, "nodes": scale.nodes},
-        "control_plane": {**plane["summary"], "stages": plane["stages"],
-                          "process_rss_peak_kib": cp_final["rss_peak_kib"]},
+        "control_plane": {
+            **plane["summary"],
+            "stages": plane["stages"],
+            "process_rss_peak_kib": cp_final["rss_peak_kib"],
+        },
         "node_proxy": proxy,
         "incremental": incremental,
         "profiles": profiles,
@@ -730,31 +786,50 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
     sc = result["scale"]
     cp = result["control_plane"]
     st = cp["stages"]
-    title = (f"control plane, {sc['pods']:,} pods / {sc['services']:,} services / {sc['policies']:,} "
-             f"AuthorizationPolicies ({sc['namespaces']} namespaces, {sc['nodes']} nodes): own process")
+    title = (
+        f"control plane, {sc['pods']:,} pods / {sc['services']:,} services / {sc['policies']:,} "
+        f"AuthorizationPolicies ({sc['namespaces']} namespaces, {sc['nodes']} nodes): own process"
+    )
     table = Table(title=title, title_justify="left")
     for col in ("stage", "ms", "traced peak MiB", "traced held MiB", "RSS Δ MiB", "RSS peak Δ MiB", "detail"):
         table.add_column(col, justify="left" if col in ("stage", "detail") else "right")
 
     def row(name: str, s: dict[str, Any], detail: str) -> None:
-        table.add_row(name, _ms(s["seconds"]), _mib(s.get("traced_peak_kib")), _mib(s.get("traced_retained_kib")),
-                      _mib(s["rss_delta_kib"]), _mib(s["rss_peak_over_start_kib"]), detail)
+        table.add_row(
+            name,
+            _ms(s["seconds"]),
+            _mib(s.get("traced_peak_kib")),
+            _mib(s.get("traced_retained_kib")),
+            _mib(s["rss_delta_kib"]),
+            _mib(s["rss_peak_over_start_kib"]),
+            detail,
+        )
 
-    row("parse YAML (kube.parse_documents)", st["parse"],
-        f"{cp['yaml_bytes'] / 2**20:,.1f} MiB, {cp['yaml_documents']:,} documents")
+    row(
+        "parse YAML (kube.parse_documents)",
+        st["parse"],
+        f"{cp['yaml_bytes'] / 2**20:,.1f} MiB, {cp['yaml_documents']:,} documents",
+    )
     row("  of which: decode, PyYAML pure", st["decode_pyyaml"], "yaml.safe_load_all, as kube.py does")
     row("  for comparison: decode, libyaml", st["decode_libyaml"], "yaml.load_all(Loader=CSafeLoader)")
     row("KubeStore(objects)", st["store"], cp["store"])
-    row("translate", st["translate"],
-        f"{cp['workloads']:,} workloads, {cp['services']:,} services, {cp['authorizations']:,} authorizations")
+    row(
+        "translate",
+        st["translate"],
+        f"{cp['workloads']:,} workloads, {cp['services']:,} services, {cp['authorizations']:,} authorizations",
+    )
     sizes = cp["serialized_bytes"]
-    row("AdsServer.update (pack + hash)", st["update"],
-        f"Address {sizes['Address'] / 2**20:,.1f} MiB, Authorization {sizes['Authorization'] / 2**20:,.2f} MiB")
+    row(
+        "AdsServer.update (pack + hash)",
+        st["update"],
+        f"Address {sizes['Address'] / 2**20:,.1f} MiB, Authorization {sizes['Authorization'] / 2**20:,.2f} MiB",
+    )
     console.print(table)
 
     px = result["node_proxy"]
-    table = Table(title="node proxy: initial load from the real AdsServer over gRPC (own process)",
-                  title_justify="left")
+    table = Table(
+        title="node proxy: initial load from the real AdsServer over gRPC (own process)", title_justify="left"
+    )
     for col in ("measure", "value"):
         table.add_column(col, justify="left" if col == "measure" else "right")
     table.add_row("client start -> ready (ms)", _ms(px["connect_to_ready_s"]))
@@ -763,21 +838,41 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
     table.add_row("  decode, XdsSession.handle_response (ms)", _ms(px["decode_s"]))
     table.add_row("  apply, StateUpdater.apply_push (ms)", _ms(px["apply_s"]))
     for r in px["responses"]:
-        table.add_row(f"  response {r['type']}: resources / wire MiB",
-                      f"{r['resources']:,} / {r['wire_bytes'] / 2**20:,.2f}")
-    table.add_row("state: workloads / services / policies",
-                  f"{px['workloads']:,} / {px['services']:,} / {px['policies']:,}")
-    table.add_row("RSS Δ / RSS peak Δ over start (MiB)",
-                  f"{_mib(px['rss_delta_kib'])} / {_mib(px['rss_peak_over_start_kib'])}")
-    table.add_row("traced peak / held after ready (MiB, second load)",
-                  f"{_mib(px['traced_peak_kib'])} / {_mib(px['traced_retained_kib'])}")
-    table.add_row("process peak RSS, control plane / node proxy (MiB)",
-                  f"{_mib(cp['process_rss_peak_kib'])} / {_mib(px['process_rss_peak_kib'])}")
+        table.add_row(
+            f"  response {r['type']}: resources / wire MiB",
+            f"{r['resources']:,} / {r['wire_bytes'] / 2**20:,.2f}",
+        )
+    table.add_row(
+        "state: workloads / services / policies",
+        f"{px['workloads']:,} / {px['services']:,} / {px['policies']:,}",
+    )
+    table.add_row(
+        "RSS Δ / RSS peak Δ over start (MiB)",
+        f"{_mib(px['rss_delta_kib'])} / {_mib(px['rss_peak_over_start_kib'])}",
+    )
+    table.add_row(
+        "traced peak / held after ready (MiB, second load)",
+        f"{_mib(px['traced_peak_kib'])} / {_mib(px['traced_retained_kib'])}",
+    )
+    table.add_row(
+        "process peak RSS, control plane / node proxy (MiB)",
+        f"{_mib(cp['process_rss_peak_kib'])} / {_mib(px['process_rss_peak_kib'])}",
+    )
     console.print(table)
 
     table = Table(title="incremental update: one object changed (median of repeats)", title_justify="left")
-    for col in ("change", "n", "KubeStore ms", "translate ms", "update ms", "update->applied ms",
-                "change->applied ms", "proxy decode+apply ms", "wire bytes", "only it sent"):
+    for col in (
+        "change",
+        "n",
+        "KubeStore ms",
+        "translate ms",
+        "update ms",
+        "update->applied ms",
+        "change->applied ms",
+        "proxy decode+apply ms",
+        "wire bytes",
+        "only it sent",
+    ):
         table.add_column(col, justify="left" if col == "change" else "right")
     for kind in ("pod", "policy"):
         runs = [r for r in result["incremental"] if r["kind"] == kind]
@@ -807,9 +902,15 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", choices=(*SCALES, "all"), default="all",
-                        help="1k = 1,000 pods / 100 services / 100 policies; 10k = ten times that")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scale",
+        choices=(*SCALES, "all"),
+        default="all",
+        help="1k = 1,000 pods / 100 services / 100 policies; 10k = ten times that",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="incremental updates per kind")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument("--profile", action="store_true", help="also cProfile each stage and print the top")
@@ -823,32 +924,39 @@ def main() -> None:
         results[name] = run_scale(SCALES[name], args, console)
         print_scale(results[name], console)
 
+    import grpc
     from google.protobuf.internal import api_implementation
 
-    import grpc
-
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "control_plane",
-        "repeats": args.repeats,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "protobuf": api_implementation.Type(),
-        "grpcio": grpc.__version__,
-        # Other work on the host skews wall times; compare runs made at a similar load.
-        "loadavg_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
-        "notes": [
-            "control plane and node proxy run in separate processes (multiprocessing, spawn)",
-            "seconds are wall time of one untraced run; traced_* from a second run under tracemalloc",
-            "tracemalloc sees only the Python heap: protobuf (upb) and gRPC core memory show in RSS only",
-            "rss_peak_over_start_kib: VmHWM after a reset via /proc/self/clear_refs, minus VmRSS at the start",
-            "incremental: the control plane re-translates the whole snapshot, as ControlPlane.apply does",
-        ],
-        "scales": results,
-    }, indent=2) + "\n")
-    console.print(f"load average (1 min) {load_before[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end "
-                  f"on {os.cpu_count()} CPUs; wrote {RESULTS}")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "control_plane",
+                "repeats": args.repeats,
+                "python": sys.version.split()[0],
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "protobuf": api_implementation.Type(),
+                "grpcio": grpc.__version__,
+                # Other work on the host skews wall times; compare runs made at a similar load.
+                "loadavg_1m": {"start": load_before[0], "end": os.getloadavg()[0]},
+                "notes": [
+                    "control plane and node proxy run in separate processes (multiprocessing, spawn)",
+                    "seconds are wall time of one untraced run; traced_* from a second run under tracemalloc",
+                    "tracemalloc sees only the Python heap: protobuf (upb) and gRPC core memory show in RSS only",
+                    "rss_peak_over_start_kib: VmHWM after a reset via /proc/self/clear_refs, minus VmRSS at the start",
+                    "incremental: the control plane re-translates the whole snapshot, as ControlPlane.apply does",
+                ],
+                "scales": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    console.print(
+        f"load average (1 min) {load_before[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end "
+        f"on {os.cpu_count()} CPUs; wrote {RESULTS}"
+    )
 
 
 if __name__ == "__main__":

@@ -223,3 +223,28 @@ async def test_sender_stops_reading_when_the_peer_window_is_exhausted():
     exchange(ours, transport, server)
     assert not tcp.paused
     ours._cancel_timers()
+
+
+async def test_ping_every_interval_and_drop_without_answer():
+    from ambient_mesh.proxy.hbone import HboneSettings
+
+    settings = HboneSettings(ping_interval_s=0.05, ping_timeout_s=0.12)
+    answered = HboneConnection(client_side=True, settings=settings)
+    silent = HboneConnection(client_side=True, settings=settings)
+    t_answered, t_silent = MemoryTransport(), MemoryTransport()
+    answered.connection_made(t_answered)
+    silent.connection_made(t_silent)
+    peer_answering = peer(client_side=False)
+    exchange(answered, t_answered, peer_answering)
+    t_silent.take()
+    pings = 0
+    for _ in range(6):  # 0.3 s: several intervals, longer than the timeout
+        await asyncio.sleep(0.05)
+        events = exchange(answered, t_answered, peer_answering)  # the peer acks every PING
+        pings += sum(isinstance(e, h2.events.PingReceived) for e in events)
+    assert pings >= 2
+    assert not t_answered.closed  # answered PINGs keep the connection
+    assert t_silent.closed  # no PONG within the timeout: dropped
+    assert "no PING answer" in str(silent.error)
+    answered._cancel_timers()
+    silent._cancel_timers()
