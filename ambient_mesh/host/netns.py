@@ -398,8 +398,6 @@ class Fabric:
         if self._open:
             return
         self._open = True
-        # Processes are stopped before any namespace goes away: registered first, runs last.
-        self._cleanup.callback(self._stop_processes)
         ns = self.network_netns
         self._create_netns(ns)
         add_bridge(self.runner, netns=ns, name=self.BRIDGE)
@@ -460,13 +458,23 @@ class Fabric:
         wait_for_listen(self.runner, netns, port, **kwargs)
 
     def _stop_processes(self) -> None:
+        # SIGTERM everything first, so the processes drain side by side while the network is
+        # still up, then wait for each (stop_process kills what outlives the grace period).
+        for process in self.processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
         for process in reversed(self.processes):
             stop_process(process)
+        self.processes.clear()
 
     def close(self) -> None:
-        """Stop processes, delete namespaces. Safe to call more than once."""
+        """Stop processes, then delete namespaces. Safe to call more than once."""
         try:
-            self._cleanup.close()
+            try:
+                self._stop_processes()
+            finally:
+                self._cleanup.close()
         finally:
             self._open = False
             self.nodes.clear()

@@ -24,7 +24,7 @@ from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
-from .relay import Relay, wrap_socket
+from .relay import Relay, TcpEndpoint, wrap_socket
 from .sockets import original_destination
 from .telemetry import ConnectionResult
 
@@ -42,6 +42,25 @@ class InboundTarget:
 
     address: SocketAddr
     service: Service | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Admitted:
+    """A connection that passed authorization and reached the app, ready to be relayed."""
+
+    result: ConnectionResult
+    upstream: TcpEndpoint
+    rbac_conn: RbacConnection
+    workload: Workload
+    peer: SocketAddr
+
+
+def _both(first: Callable[[int, int], None], second: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    def progress(up: int, down: int) -> None:
+        first(up, down)
+        second(up, down)
+
+    return progress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,10 +178,10 @@ class InboundProxy:
         service = state.services.get(f"{dest.namespace}/{dest.hostname}")
         return service is not None and local.uid in service.endpoints
 
-    def _service_for_port(self, stream: HboneStream, workload: Workload, port: int) -> Service | None:
+    def _service_for_port(self, stream: HboneStream | None, workload: Workload, port: int) -> Service | None:
         """Destination service for telemetry: `Forwarded: host=` if it is one of ours, else by port."""
         services = self.pi.state.services.services_for_workload(workload.uid)
-        forwarded = stream.request.header("forwarded") if stream.request else None
+        forwarded = stream.request.header("forwarded") if stream is not None and stream.request else None
         host = hbone_headers.parse_forwarded_host(forwarded) if forwarded else None
         if host:
             for service in services:
@@ -186,43 +205,67 @@ class InboundProxy:
                                     source=source, destination=workload, response_flag=decision.response_flag)
             conn.respond(stream, decision.status)
             return
-        target = decision.address
-        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=target,
-                                  hbone_addr=stream.request.authority, source=source, source_identity=src_id,
-                                  destination=workload, service=decision.service,
-                                  destination_identity=workload.identity, mtls=True)
-        # Authorization sees the peer's address, its certificate identity and the real target
-        # (never 15008), reference 3.2 step 7.
-        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip, dst_port=target.port,
-                                   dst_network=pi.config.network)
-        verdict = pi.connection_manager.authorize(rbac_conn, workload)
-        if not verdict.allowed:
-            result.fail(str(PolicyDenied(verdict)), PolicyDenied.response_flag)
-            conn.respond(stream, 401)
-            return
-        try:
-            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
-                sock = await pi.connect(target, peer.ip)
-            upstream = await wrap_socket(sock)
-        except (OSError, TimeoutError) as e:
-            reason = f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
-            result.fail(reason, "CONNECT")
-            conn.respond(stream, 503)
+        admitted = await self.admit(peer=peer, src_id=src_id, source=source, workload=workload, local=local,
+                                    target=decision, authority=stream.request.authority)
+        if isinstance(admitted, InboundRefusal):
+            conn.respond(stream, admitted.status)
             return
         response_headers = []
         if pi.config.enable_response_baggage:
             response_headers.append(("baggage", hbone_headers.baggage_for(workload)))
         conn.respond(stream, 200, response_headers)
-        relay = Relay(stream, upstream, on_progress=result.progress)
+        await self.carry(admitted, stream)
+
+    async def admit(self, *, peer: SocketAddr, src_id: Identity | None, source: Workload | None, workload: Workload,
+                    local: SocketAddr, target: InboundTarget, authority: str) -> Admitted | InboundRefusal:
+        """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
+        pi = self.pi
+        address = target.address
+        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=address, hbone_addr=authority,
+                                  source=source, source_identity=src_id, destination=workload,
+                                  service=target.service, destination_identity=workload.identity, mtls=True)
+        # Authorization sees the peer's address, its certificate identity and the real target
+        # (never 15008), reference 3.2 step 7.
+        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip, dst_port=address.port,
+                                   dst_network=pi.config.network)
+        verdict = pi.connection_manager.authorize(rbac_conn, workload)
+        if not verdict.allowed:
+            denied = PolicyDenied(verdict)
+            result.fail(str(denied), denied.response_flag)
+            return InboundRefusal(status=401, reason=str(denied), response_flag=denied.response_flag)
+        try:
+            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
+                sock = await pi.connect(address, peer.ip)
+            upstream = await wrap_socket(sock)
+        except (OSError, TimeoutError) as e:
+            reason = f"connect to {address} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
+            result.fail(reason, "CONNECT")
+            return InboundRefusal(status=503, reason=reason)
+        return Admitted(result=result, upstream=upstream, rbac_conn=rbac_conn, workload=workload, peer=peer)
+
+    async def carry(self, admitted: Admitted, downstream, also: Callable[[int, int], None] | None = None):
+        """Relay between the caller's side and the app, tracked for policy re-checks."""
+        pi = self.pi
+        result = admitted.result
+        progress = result.progress if also is None else _both(result.progress, also)
+        relay = Relay(downstream, admitted.upstream, on_progress=progress)
         pi.connections.track(relay, result.dump_info())
-        untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
-        upstream.attach(relay)
-        stream.attach(relay)
+        untrack = pi.connection_manager.register(admitted.rbac_conn, admitted.workload, relay.abort,
+                                                 f"{admitted.peer} -> {result.dst_addr}")
+        admitted.upstream.attach(relay)
+        downstream.attach(relay)
         try:
             err = await relay.done
         finally:
             untrack()
         result.complete(relay, err)
+        return relay, err
+
+    def local_target(self, workload: Workload, target: SocketAddr) -> InboundTarget | InboundRefusal:
+        """The same-node fast path's version of steps 4-6: the target is this pod's IP:port."""
+        if target.port in self.pi.config.illegal_ports:
+            return InboundRefusal(status=400, reason=f"port {target.port} is one of the proxy's own ports")
+        return InboundTarget(address=target, service=self._service_for_port(None, workload, target.port))
 
     def drain(self) -> None:
         for conn in list(self.connections):

@@ -24,6 +24,7 @@ from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..state.model import TunnelProtocol, Workload
 from ..state.store import ProxyState
+from .inbound import InboundProxy
 from .workload_proxy import ListenerAddresses, WorkloadProxy
 
 log = logging.getLogger("ambient_mesh.inpod")
@@ -74,7 +75,7 @@ class InpodManager:
             cert_manager=self.cert_manager, tls=self.tls, metrics=self.metrics,
             served=lambda: self.workload_for(info), addresses=ListenerAddresses.from_config(self.config),
             transparent=self.config.enable_orig_src is not False, socket_factory=netns.socket,
-            reuse_port=self.config.inpod_port_reuse)
+            reuse_port=self.config.inpod_port_reuse, local_inbound=self.inbound_for)
         try:
             proxy.start()
         except BaseException:
@@ -82,6 +83,14 @@ class InpodManager:
             raise
         self.pods[uid] = PodProxy(uid, info, netns, proxy)
         log.info("pod proxy started", extra={"fields": {"uid": uid, "pod": str(info), **proxy.bound_addresses()}})
+
+    def inbound_for(self, workload: Workload) -> InboundProxy | None:
+        """The inbound proxy of a pod this node proxy serves (the same-node fast path)."""
+        for pod in self.pods.values():
+            served = pod.proxy.served_workload()
+            if served is not None and served.uid == workload.uid:
+                return pod.proxy.inbound
+        return None
 
     async def stop_proxy(self, uid: str, graceful: bool) -> None:
         pod = self.pods.pop(uid, None)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 from ..net import SocketAddr
 from ..state.model import Workload
 from . import headers as hbone_headers
 from .hbone import HboneError
+from .inbound import InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
 from .relay import Relay, TcpEndpoint, wrap_socket
@@ -33,9 +35,13 @@ SOCKS5_HANDSHAKE_TIMEOUT_S = 10.0
 class OutboundProxy:
     """Carries the served workload's outgoing connections to their destinations."""
 
-    def __init__(self, pi: ProxyInputs, source: callable) -> None:
+    def __init__(self, pi: ProxyInputs, source: Callable[[], Workload | None],
+                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None) -> None:
         self.pi = pi
-        self._source = source  # () -> Workload | None : the workload this proxy serves
+        self._source = source  # the workload this proxy serves
+        # Shared mode: the inbound proxy of a pod this same node proxy serves, for the fast path.
+        self._local_inbound = local_inbound
+        self.fast_path_connections = 0
 
     def __repr__(self) -> str:
         return f"OutboundProxy({self.pi.pool!r})"
@@ -112,6 +118,11 @@ class OutboundProxy:
                                     source=source, response_flag=route.response_flag)
             downstream.abort()
             return
+        if route.kind is RouteKind.DIRECT_HBONE and route.same_node and self._local_inbound is not None:
+            inbound = self._local_inbound(route.destination_workload)
+            if inbound is not None:
+                await self._same_node(inbound, route, downstream, peer)
+                return
         result = ConnectionResult.outbound(pi, route, peer)
         try:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
@@ -129,6 +140,29 @@ class OutboundProxy:
         upstream.attach(relay)
         downstream.attach(relay)
         err = await relay.done
+        result.complete(relay, err)
+
+    async def _same_node(self, inbound: InboundProxy, route: Route, downstream: TcpEndpoint,
+                         peer: SocketAddr) -> None:
+        """The same-node fast path: both pods are served by this node proxy, so the destination
+        pod's inbound checks run directly, without a TLS connection to ourselves. The source
+        identity needs no certificate to prove it: this proxy is the one that would present it.
+        Both reporters are recorded, as they would be over HBONE."""
+        target = route.hbone_target
+        workload = route.destination_workload
+        result = ConnectionResult.outbound(self.pi, route, peer)
+        decision = inbound.local_target(workload, target)
+        admitted = decision
+        if isinstance(decision, InboundTarget):
+            admitted = await inbound.admit(peer=peer, src_id=route.source_workload.identity,
+                                           source=route.source_workload, workload=workload, local=target,
+                                           target=decision, authority=str(target))
+        if isinstance(admitted, InboundRefusal):
+            result.fail(f"{admitted.reason} (same-node fast path)", admitted.response_flag)
+            downstream.abort()
+            return
+        self.fast_path_connections += 1
+        relay, err = await inbound.carry(admitted, downstream, also=result.progress)
         result.complete(relay, err)
 
     async def _open_hbone(self, route: Route, peer: SocketAddr):

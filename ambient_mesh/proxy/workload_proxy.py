@@ -56,7 +56,8 @@ class WorkloadProxy:
     def __init__(self, *, name: str, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
                  tls: TlsContextCache, metrics: Metrics, served: Callable[[], Workload | None],
                  addresses: ListenerAddresses, transparent: bool, socket_factory: SocketFactory = plain_socket,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False,
+                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None) -> None:
         self.name = name
         self._served = served
         self.pi = ProxyInputs(config=config, state=state, cert_manager=cert_manager, tls=tls, metrics=metrics,
@@ -67,7 +68,7 @@ class WorkloadProxy:
                            open_socket=self.pi.connect, settings=settings),
             max_streams_per_connection=config.pool_max_streams_per_connection,
             unused_release_timeout_s=config.pool_unused_release_timeout_s)
-        self.outbound = OutboundProxy(self.pi, served)
+        self.outbound = OutboundProxy(self.pi, served, local_inbound)
         self.inbound = InboundProxy(self.pi, self.local_workload, settings)
         self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
         mark, tracker = config.packet_mark, self.pi.connections

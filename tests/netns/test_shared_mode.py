@@ -42,11 +42,11 @@ class PodTable:
         return [(uid, info, fd) for uid, (info, fd) in self.pods.items()]
 
 
-def local_config(client: Node, server: Node, plain: Node) -> str:
+def local_config(client: Node, server: Node, plain: Node, server_node: str = NODE) -> str:
     def workload(name: str, sa: str, node: Node, protocol: str) -> dict:
         return {"uid": f"Kubernetes//Pod/shop/{name}", "name": name, "namespace": "shop", "serviceAccount": sa,
                 "trustDomain": "cluster.local", "workloadIps": [str(node.ipv4)], "protocol": protocol,
-                "node": NODE}
+                "node": server_node if node is server else NODE}
 
     return yaml.safe_dump({"workloads": [workload("client", "frontend", client, "HBONE"),
                                          workload("server", "echo", server, "HBONE"),
@@ -99,7 +99,8 @@ async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_
             await wait_for(lambda: proxy.readiness.ready, what="the pods' proxies (ZDS snapshot)")
             assert set(proxy.inpod.pods) == {"uid-client", "uid-server"}
 
-            # enrolled -> enrolled: captured in the client pod, HBONE to the server pod
+            # enrolled -> enrolled on the same node: captured in the client pod, and since this
+            # node proxy serves both pods, carried by the same-node fast path (no TLS to itself)
             payload = b"through the mesh" * 1000
             got = await asyncio.to_thread(roundtrip, client.netns, str(server.ipv4), APP_PORT, payload)
             assert got == payload
@@ -108,6 +109,10 @@ async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_
             assert inbound[0]["src.addr"].startswith(f"{client.ipv4}:")
             outbound = access(caplog, "outbound")[0]
             assert outbound["dst.addr"] == f"{server.ipv4}:15008"
+            assert outbound["src.identity"] == CLIENT_ID
+            client_proxy = next(p.proxy for p in proxy.inpod.pods.values() if p.info.name == "client")
+            assert client_proxy.outbound.fast_path_connections == 1
+            assert client_proxy.pi.pool.connections_opened == 0
 
             # enrolled -> plain pod: plain TCP from the client pod's own address
             got = await asyncio.to_thread(roundtrip, client.netns, str(plain.ipv4), APP_PORT, b"plain")
@@ -120,5 +125,54 @@ async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_
         finally:
             await proxy.drain(0.5)
             await zds.stop()
+            for fd in fds:
+                os.close(fd)
+
+
+async def test_shared_mode_pods_on_two_nodes_talk_hbone(runner, start_echo, roundtrip, tmp_path: Path, caplog):
+    """Two node proxies (one per node), each given its own pod over ZDS: real HBONE between them."""
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    with Fabric(runner=runner) as fabric:
+        client = fabric.add_node("client")
+        server = fabric.add_node("server")
+        plain = fabric.add_node("plain")
+        start_echo(fabric, server, APP_PORT, tmp_path)
+        for pod in (client, server):
+            apply_inpod_rules(runner, pod.netns, InpodConfig(redirect_dns=False), Backend.IPTABLES)
+        config = local_config(client, server, plain, server_node="node-2")
+        proxies, servers, fds = [], [], []
+        try:
+            for node, pod, uid, name, sa in ((NODE, client, "uid-client", "client", "frontend"),
+                                             ("node-2", server, "uid-server", "server", "echo")):
+                fd = os.open(NETNS_RUN_DIR / pod.netns, os.O_RDONLY | os.O_CLOEXEC)
+                fds.append(fd)
+                table = PodTable()
+                table.pods[uid] = (ProxyWorkloadInfo(namespace="shop", name=name, service_account=sa), fd)
+                sock = str(tmp_path / f"{node}.sock")
+                zds = ZdsServer(sock, table)
+                await zds.start()
+                servers.append(zds)
+                proxy = await build({
+                    "PROXY_MODE": "shared", "INPOD_UDS": sock, "FAKE_CA": "true", "XDS_ADDRESS": "",
+                    "LOCAL_XDS": config, "NODE_NAME": node, "ADMIN_ADDR": "127.0.0.1:0",
+                    "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
+                    "ISTIO_META_DNS_CAPTURE": "false", "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+                proxies.append(proxy)
+                await proxy.start()
+            for proxy in proxies:
+                await wait_for(lambda proxy=proxy: proxy.readiness.ready, what="pod proxies ready")
+            payload = b"across nodes" * 5000
+            got = await asyncio.to_thread(roundtrip, client.netns, str(server.ipv4), APP_PORT, payload)
+            assert got == payload
+            inbound = await wait_for(lambda: access(caplog, "inbound"), what="the server pod's access log")
+            assert inbound[0]["src.identity"] == CLIENT_ID
+            client_pod = next(iter(proxies[0].inpod.pods.values())).proxy
+            assert client_pod.outbound.fast_path_connections == 0
+            assert client_pod.pi.pool.connections_opened == 1  # a real HBONE connection to node-2's pod
+        finally:
+            for proxy in proxies:
+                await proxy.drain(0.5)
+            for zds in servers:
+                await zds.stop()
             for fd in fds:
                 os.close(fd)
