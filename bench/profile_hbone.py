@@ -95,9 +95,9 @@ def main() -> int:
         samplers = {}
         for name, pid in topo.pids().items():
             argv = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
-                    "--nonblocking", "--output", str(out_dir / f"{name}.folded")]
-            if args.native:
-                argv.append("--native")
+                    "--output", str(out_dir / f"{name}.folded")]
+            # Native unwinding has to stop the process for each sample; Python-only need not.
+            argv.append("--native" if args.native else "--nonblocking")
             samplers[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(PYSPY_START_S)
         size = args.size_mib * 1024 * 1024
