@@ -810,8 +810,8 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
         st["parse"],
         f"{cp['yaml_bytes'] / 2**20:,.1f} MiB, {cp['yaml_documents']:,} documents",
     )
-    row("  of which: decode, PyYAML pure", st["decode_pyyaml"], "yaml.safe_load_all, as kube.py does")
-    row("  for comparison: decode, libyaml", st["decode_libyaml"], "yaml.load_all(Loader=CSafeLoader)")
+    row("  decode only, pure-Python PyYAML", st["decode_pyyaml"], "yaml.safe_load_all, as kube.py decodes")
+    row("  decode only, libyaml", st["decode_libyaml"], "yaml.load_all(Loader=CSafeLoader), for comparison")
     row("KubeStore(objects)", st["store"], cp["store"])
     row(
         "translate",

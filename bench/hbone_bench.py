@@ -654,11 +654,16 @@ class Bench:
                                      "kib_per_conn": {k: (during[k] - before[k]) / opened for k in pids}})
 
     def warm_up(self) -> None:
-        """First use of each path: certificates, the pooled HBONE connection, code paths."""
+        """First use of each path: certificates, the pooled HBONE connection, code paths.
+
+        One full-size transfer too: a fresh proxy moves bulk data markedly slower at first
+        (glibc's allocator is still serving the large frame buffers with mmap; see README).
+        """
         for mode in self.args.modes:
             self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200",
                             "--warmup", "0")
-            self.run_client(mode, "--test", "throughput", "--size", str(16 * 1024 * 1024), "--parallel", "1")
+            self.run_client(mode, "--test", "throughput", "--size", str(self.args.size_mib * 1024 * 1024),
+                            "--parallel", "1")
 
     def run(self, console) -> None:
         self.apply_layout("spread")
