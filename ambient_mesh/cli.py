@@ -21,8 +21,11 @@ def _run(coro) -> int:
 
 def cmd_ztunnel(_args: argparse.Namespace) -> int:
     from .config import ZtunnelConfig
+    from .host.malloc import tune_allocator
     from .logs import configure_logging
     from .ztunnel import run
+
+    tune_allocator()
 
     env = dict(os.environ)
     try:

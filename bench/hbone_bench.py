@@ -656,8 +656,9 @@ class Bench:
     def warm_up(self) -> None:
         """First use of each path: certificates, the pooled HBONE connection, code paths.
 
-        One full-size transfer too: a fresh proxy moves bulk data markedly slower at first
-        (glibc's allocator is still serving the large frame buffers with mmap; see README).
+        One full-size transfer too: a freshly started proxy moves bulk data markedly slower in
+        its first transfers (1.5 vs 3.1 Gbit/s here; the MALLOC_* A/B in bench/README.md points
+        at glibc's allocator), and the memory test restarts the proxies every round.
         """
         for mode in self.args.modes:
             self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200",

@@ -112,6 +112,23 @@ class _Env:
         return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+def istio_level_spec(text: str) -> str:
+    """Istio's `--log_output_level` (`default:info,cni-plugin:debug`) -> logs.py's
+    `info,cni-plugin=debug`; a spec already in logs.py's form passes through."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        scope, sep, level = part.partition(":")
+        if not sep:
+            out.append(part)
+        elif scope == "default":
+            out.append(level)
+        else:
+            out.append(f"{scope}={level}")
+    return ",".join(out)
+
+
 def parse_enablement_selector_env(text: str, name: str = "AMBIENT_ENABLEMENT_SELECTOR") -> tuple[EnablementSelector, ...]:
     """The chart writes the selector list as YAML (JSON is YAML too); "" means no selector."""
     if not text.strip():
@@ -174,7 +191,7 @@ class AgentConfig:
     # where the node's /proc and the runtime's netns paths are (a containerised agent: "/host")
     host_prefix: str = ""
     # logging
-    log_output_level: str = "default:info"
+    log_output_level: str = "info"  # our logs.py syntax; Istio's `scope:level` is converted
     log_as_json: bool = False
 
     # -- derived ---------------------------------------------------------------------------------
@@ -259,9 +276,7 @@ class AgentConfig:
         host_prefix = e.string("HOST_PREFIX").rstrip("/")
         if host_prefix and not host_prefix.startswith("/"):
             raise ConfigError("HOST_PREFIX", f"{host_prefix!r} must be an absolute path")
-        level = e.string("LOG_OUTPUT_LEVEL", "default:info")
-        if ":" not in level and level.lower() in LOG_LEVELS:
-            level = f"default:{level.lower()}"
+        level = istio_level_spec(e.string("LOG_OUTPUT_LEVEL", "default:info"))
         run_dir = e.string("CNI_AGENT_RUN_DIR", DEFAULT_CNI_AGENT_RUN_DIR)
         for name in ("CNI_AGENT_RUN_DIR", "MOUNTED_CNI_NET_DIR", "CNI_BIN_DIR", "ZTUNNEL_UDS_ADDRESS"):
             value = e.string(name)
