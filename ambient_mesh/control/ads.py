@@ -167,6 +167,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             addresses=addresses,
             authorizations=authorizations,
             aliases=aliases,
+            # Unchanged resources keep their packed entry: one pod's change re-packs one Address.
+            previous=self._snapshot,
         )
         queued = 0
         for conn in self._connections.values():

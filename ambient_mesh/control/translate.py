@@ -618,14 +618,13 @@ def convert_peer_authentication(
     return out
 
 
-def _split_peer_authentications(
-    store: KubeStore, namespace: str, settings: MeshSettings
-) -> tuple[PeerAuthentication | None, PeerAuthentication | None]:
-    """(oldest selector-less policy of the namespace, oldest of the root namespace)."""
-    pas = store.peer_authentications
-    ns = _oldest([p for p in pas if p.metadata.namespace == namespace and p.selector is None])
-    root = _oldest([p for p in pas if p.metadata.namespace == settings.root_namespace and p.selector is None])
-    return ns, root
+def _namespace_peer_authentications(store: KubeStore) -> dict[str, PeerAuthentication]:
+    """Namespace -> its oldest selector-less PeerAuthentication (the namespace-wide one)."""
+    by_namespace: dict[str, list[PeerAuthentication]] = {}
+    for pa in store.peer_authentications:
+        if pa.selector is None:
+            by_namespace.setdefault(pa.metadata.namespace, []).append(pa)
+    return {ns: oldest for ns, pas in by_namespace.items() if (oldest := _oldest(pas)) is not None}
 
 
 def effective_peer_authentication_keys(
@@ -698,6 +697,25 @@ class _Context:
     services: list[_ServiceInfo] = field(default_factory=list)
     policy_selectors: list[tuple[str, str, LabelSelector]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Per-namespace views built once by `index()`: a workload only ever looks at services and
+    # policies of its own namespace (and the root namespace's), so scanning the whole mesh for
+    # each of 10,000 pods would dominate the translation.
+    _services_by_namespace: dict[str, list[_ServiceInfo]] = field(default_factory=dict)
+    _selectors_by_namespace: dict[str, list[tuple[str, str, LabelSelector]]] = field(default_factory=dict)
+    _peer_authentications_by_namespace: dict[str, list[PeerAuthentication]] = field(default_factory=dict)
+
+    def index(self) -> None:
+        """Group services, selector policies and PeerAuthentications by namespace, keeping order."""
+        self._services_by_namespace = {}
+        for info in self.services:
+            self._services_by_namespace.setdefault(info.service.namespace, []).append(info)
+        self._selectors_by_namespace = {}
+        for entry in self.policy_selectors:
+            if entry[2].match_labels:  # an empty selector attaches to nothing here
+                self._selectors_by_namespace.setdefault(entry[0], []).append(entry)
+        self._peer_authentications_by_namespace = {}
+        for pa in self.store.peer_authentications:
+            self._peer_authentications_by_namespace.setdefault(pa.metadata.namespace, []).append(pa)
 
     # waypoints (waypoints.go)
 
@@ -768,26 +786,25 @@ class _Context:
     def services_selecting(self, namespace: str, labels: Mapping[str, str], kinds: tuple[str, ...]) -> list[_ServiceInfo]:
         return [
             s
-            for s in self.services
-            if s.service.namespace == namespace and s.source_kind in kinds and _selects(s.selector, labels)
+            for s in self._services_by_namespace.get(namespace, ())
+            if s.source_kind in kinds and _selects(s.selector, labels)
         ]
 
     # policies (workloads.go buildWorkloadPolicies)
 
     def workload_policies(self, labels: Mapping[str, str], namespace: str) -> list[str]:
         root = self.settings.root_namespace
-        names = sorted(
-            f"{ns}/{name}"
-            for ns, name, sel in self.policy_selectors
-            if ns in (root, namespace) and sel.match_labels and sel.matches(labels)
-        )
+        by_ns = self._selectors_by_namespace
+        candidates = by_ns.get(root, []) + (by_ns.get(namespace, []) if namespace != root else [])
+        names = sorted(f"{ns}/{name}" for ns, name, sel in candidates if sel.matches(labels))
+        # Same order as the store's (namespace-sorted) list; `_oldest` breaks ties on a total key anyway.
         pas = []
-        for pa in self.store.peer_authentications:
-            pns = pa.metadata.namespace
-            if pns == root and pa.selector is None:
-                pas.append(pa)
-            elif pns == namespace and (pa.selector is None or pa.selector.matches(labels)):
-                pas.append(pa)
+        for pns in sorted({root, namespace}):
+            for pa in self._peer_authentications_by_namespace.get(pns, ()):
+                if pns == root and pa.selector is None:
+                    pas.append(pa)
+                elif pns == namespace and (pa.selector is None or pa.selector.matches(labels)):
+                    pas.append(pa)
         return names + effective_peer_authentication_keys(pas, self.settings)
 
 
@@ -1216,9 +1233,10 @@ def translate_authorizations(
         if policy.selector is not None:
             selectors.append((policy.metadata.namespace, policy.metadata.name, policy.selector))
     pas = store.peer_authentications
+    namespace_wide = _namespace_peer_authentications(store)
+    root_pa = namespace_wide.get(settings.root_namespace)
     for pa in pas:
-        ns_pa, root_pa = _split_peer_authentications(store, pa.metadata.namespace, settings)
-        pb = convert_peer_authentication(pa, ns_pa, root_pa, settings)
+        pb = convert_peer_authentication(pa, namespace_wide.get(pa.metadata.namespace), root_pa, settings)
         if pb is not None:
             out[f"{pb.namespace}/{pb.name}"] = pb
     if pas:
@@ -1241,6 +1259,7 @@ def translate(store: KubeStore, settings: MeshSettings | None = None) -> Transla
     for se in store.service_entries:
         infos.extend(_service_entry_services(ctx, se))
     ctx.services = _select_services(infos)
+    ctx.index()
     addresses: dict[str, wl.Address] = {}
     for info in ctx.services:
         addresses[info.key] = wl.Address(service=info.service)

@@ -311,3 +311,12 @@ async def test_watcher_real_interval_bounded_wait(tmp_path: Path) -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_yaml_constructor_errors_are_load_errors_not_crashes():
+    from ambient_mesh.control.kube import parse_documents
+
+    for text in ("a: !!int x\n", "a: !!int \n", "a: !!timestamp \n"):
+        result = parse_documents(text, "bad.yaml")
+        assert result.objects == ()
+        assert len(result.errors) == 1 and result.errors[0].file == "bad.yaml"

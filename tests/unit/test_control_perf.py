@@ -1,0 +1,407 @@
+"""The control plane's shortcuts for large meshes give exactly what the slow paths give.
+
+libyaml decoding against the pure-Python loader, the watcher's per-file parse cache against a
+full reload, the translation's per-namespace indexes against the expected attachments, and a
+snapshot built on the previous one against a fresh build.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ambient_mesh.control.ads import AdsServer
+from ambient_mesh.control.ads_state import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, Snapshot
+from ambient_mesh.control.kube import (
+    DirectoryWatcher,
+    KubeStore,
+    LoadResult,
+    decode_yaml,
+    load_directory,
+    parse_documents,
+)
+from ambient_mesh.control.translate import translate
+from ambient_mesh.wire.istio.security import authorization_pb2
+from ambient_mesh.wire.istio.workload import workload_pb2
+
+A, AUTH = ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
+HAS_LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
+
+
+# -- YAML decoding --------------------------------------------------------------------------------
+
+
+# Any exception, not only YAMLError: PyYAML's SafeConstructor raises ValueError or IndexError for
+# some explicit tags (`!!int a`), and the fast path must not change that either.
+def _reference(text: str) -> tuple[str, str]:
+    """What the pure-Python loader makes of `text`, as comparable text."""
+    try:
+        return "ok", repr(list(yaml.load_all(text, Loader=yaml.SafeLoader)))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+def _decoded(text: str) -> tuple[str, str]:
+    try:
+        return "ok", repr(decode_yaml(text))
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+
+
+# Pieces where libyaml and PyYAML's pure-Python loader are known to disagree (tabs, BOM, Unicode
+# line breaks, bare `!` tags, `|#` headers), plus ordinary YAML and Kubernetes-shaped values.
+_PIECES = [*"ab:- \n\t\r'\"[]{},#&*!|>?%@`\\.0123x<=~"] + [
+    "\u00e9", "\ud800", "\x00", "\x01", "\x7f", "\x85", "\x9f", "\xa0", "\ufeff", "\u2028", "\u2029",
+    "\ufffe", "\U0001f600", "\r\n", "!!str ", "!!int ", "!!binary ", "!foo ", "%YAML 1.1\n",
+    "%YAML 2.0\n", "%TAG ! tag:x,2000:\n", "---\n", "...\n", "<<: ", "2024-05-01T10:00:00Z",
+    "2001-12-14 21:59:43.10 -5", "2002-12-14", "0x1f", "0o17", "1_000", "1:20", ".inf", "~", "null",
+    "yes", "On", "&a ", "*a", "? ", "\\x41", "  ", "\n  ", "key: ", "- ", "|-\n  ", ">+\n  ",
+]  # fmt: skip
+
+
+@settings(max_examples=400)
+@given(st.lists(st.sampled_from(_PIECES), max_size=40).map("".join))
+def test_decode_matches_the_pure_python_loader_exactly(text: str) -> None:
+    assert _decoded(text) == _reference(text)
+
+
+_SCALARS = st.one_of(st.text(max_size=12), st.integers(), st.booleans(), st.none(), st.datetimes(), st.dates())
+_DOCS = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=200)
+@given(_DOCS, st.booleans())
+def test_decode_matches_for_dumped_documents(doc: object, flow: bool) -> None:
+    text = yaml.safe_dump(doc, allow_unicode=True, default_flow_style=flow)
+    assert _decoded(text) == _reference(text)
+
+
+POD_WITH_TIMESTAMPS = """\
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web
+  namespace: default
+  creationTimestamp: "2024-05-01T10:00:00Z"
+  labels: {app: web}
+spec: {nodeName: node-1}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: unquoted
+  creationTimestamp: 2024-05-01T10:00:00Z
+"""
+
+
+def test_timestamps_decode_as_pyyaml_does() -> None:
+    docs = decode_yaml(POD_WITH_TIMESTAMPS)
+    assert repr(docs) == repr(list(yaml.safe_load_all(POD_WITH_TIMESTAMPS)))
+    # An unquoted timestamp is a datetime to YAML 1.1; the object model keeps its RFC 3339 text.
+    assert type(docs[1]["metadata"]["creationTimestamp"]).__name__ == "datetime"
+    result = parse_documents(POD_WITH_TIMESTAMPS, "pods.yaml")
+    assert result.errors == ()
+    assert [(o.metadata.name, o.metadata.creation_timestamp) for o in result.objects] == [
+        ("web", "2024-05-01T10:00:00Z"),
+        ("unquoted", "2024-05-01T10:00:00Z"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: [1, 2\nb: 3\n",  # unclosed flow sequence
+        "a: b: c\n",  # mapping values not allowed here
+        "a:\n  - 1\n - 2\n",  # bad indentation
+        "a: *missing\n",  # unknown alias
+        "a: 1\n\tb: 2\n",  # tab indentation (libyaml is more lenient)
+        "%YAML 2.0\n---\na: 1\n",
+    ],
+)
+def test_errors_keep_pyyaml_positions(text: str) -> None:
+    with pytest.raises(yaml.MarkedYAMLError) as expected:
+        list(yaml.safe_load_all(text))
+    mark = expected.value.problem_mark
+    assert mark is not None
+    result = parse_documents(text, "bad.yaml")
+    assert result.objects == ()
+    assert [str(e) for e in result.errors] == [
+        f"bad.yaml: line {mark.line + 1} column {mark.column + 1}: {expected.value.problem}"
+    ]
+
+
+def test_reader_errors_keep_pyyaml_text() -> None:
+    text = "a: \x07\n"  # a control character: refused before any parsing, so there is no mark
+    with pytest.raises(yaml.reader.ReaderError) as expected:
+        list(yaml.safe_load_all(text))
+    assert [str(e) for e in parse_documents(text, "bad.yaml").errors] == [f"bad.yaml: {expected.value}"]
+
+
+@pytest.mark.skipif(not HAS_LIBYAML, reason="PyYAML built without libyaml: only the pure-Python loader runs")
+def test_plain_kubernetes_yaml_takes_the_libyaml_path() -> None:
+    # Plain Kubernetes YAML takes the C loader; observable only through speed, so check that the
+    # C loader is what decode_yaml would pick and that it agrees.
+    from ambient_mesh.control import kube
+
+    assert kube._libyaml_agrees(POD_WITH_TIMESTAMPS)
+    for risky in ("a:\tb\n", "a: !\n", "a: |#\n", "\ufeffa: 1\n", "a: b\u2028c\n", "a: b\x85c\n", "{a?}\n"):
+        assert not kube._libyaml_agrees(risky), repr(risky)
+    fast = list(yaml.load_all(POD_WITH_TIMESTAMPS, Loader=yaml.CSafeLoader))
+    assert repr(fast) == repr(decode_yaml(POD_WITH_TIMESTAMPS))
+
+
+# -- the directory watcher's parse cache ------------------------------------------------------------
+
+
+def _pod_yaml(name: str, app: str = "web") -> str:
+    return (
+        f"apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: default, labels: {{app: {app}}}}}\n"
+        f"status: {{podIP: 10.0.0.1}}\n"
+    )
+
+
+class CountingParse:
+    """parse_documents, recording which files it was asked to parse."""
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+
+    def __call__(self, text: str, file: str) -> LoadResult:
+        self.files.append(file)
+        return parse_documents(text, file)
+
+
+def _write(path: Path, text: str, *, mtime_step_s: int = 0) -> None:
+    path.write_text(text)
+    if mtime_step_s:
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + mtime_step_s * 1_000_000_000))
+
+
+def test_watcher_parses_only_the_files_that_changed(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        _write(tmp_path / f"{name}.yaml", _pod_yaml(name))
+    parse = CountingParse()
+    watcher = DirectoryWatcher(tmp_path, lambda change: None, parse=parse)
+
+    first = watcher.poll()
+    assert first is not None and parse.files == ["a.yaml", "b.yaml", "c.yaml"]
+    assert first.result == load_directory(tmp_path)
+
+    parse.files.clear()
+    assert watcher.poll() is None and parse.files == []  # nothing moved: nothing read
+
+    _write(tmp_path / "b.yaml", _pod_yaml("b", app="other"), mtime_step_s=1)
+    change = watcher.poll()
+    assert parse.files == ["b.yaml"]
+    assert change is not None
+    assert change.updated == (("Pod", "default", "b"),) and change.files_changed == ("b.yaml",)
+    assert change.result == load_directory(tmp_path)
+
+    parse.files.clear()
+    _write(tmp_path / "d.yaml", _pod_yaml("d"))
+    (tmp_path / "a.yaml").unlink()
+    change = watcher.poll()
+    assert parse.files == ["d.yaml"]
+    assert change is not None
+    assert change.added == (("Pod", "default", "d"),) and change.removed == (("Pod", "default", "a"),)
+    assert change.files_added == ("d.yaml",) and change.files_removed == ("a.yaml",)
+    assert change.result == load_directory(tmp_path)
+
+    parse.files.clear()
+    st = (tmp_path / "c.yaml").stat()
+    os.utime(tmp_path / "c.yaml", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    assert watcher.poll() is None  # touched, same objects: no report
+    assert parse.files == ["c.yaml"]
+    assert repr(watcher).endswith("3 files, 3 objects, 0 errors, 3 changes, every 1.0s)")
+
+
+def test_watcher_cache_keeps_duplicates_and_errors_as_a_full_reload_does(tmp_path: Path) -> None:
+    _write(tmp_path / "a.yaml", _pod_yaml("same"))
+    _write(tmp_path / "b.yaml", _pod_yaml("same", app="dup") + "---\n" + "a: [1\n")
+    parse = CountingParse()
+    watcher = DirectoryWatcher(tmp_path, lambda change: None, parse=parse)
+    first = watcher.poll()
+    assert first is not None and first.result == load_directory(tmp_path)
+    # b.yaml does not parse at all; a.yaml's pod is the only object.
+    assert len(first.result.errors) == 1 and first.result.errors[0].file == "b.yaml"
+
+    _write(tmp_path / "b.yaml", _pod_yaml("same", app="dup"), mtime_step_s=1)
+    change = watcher.poll()
+    assert parse.files == ["a.yaml", "b.yaml", "b.yaml"]
+    assert change is not None and change.result == load_directory(tmp_path)
+    assert [e.message for e in change.result.errors] == ["duplicate of the object in a.yaml; the first one is kept"]
+
+
+# -- translation indexes ----------------------------------------------------------------------------
+
+
+MESH = """\
+apiVersion: v1
+kind: Namespace
+metadata: {name: istio-system}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: a, labels: {istio.io/dataplane-mode: ambient}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: b, labels: {istio.io/dataplane-mode: ambient}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: a}
+spec: {clusterIP: 10.96.0.1, selector: {app: web}, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: b}
+spec: {clusterIP: 10.96.0.2, selector: {app: web}, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web-a, namespace: a, labels: {app: web}}
+spec: {nodeName: n1}
+status: {podIP: 10.0.0.1, conditions: [{type: Ready, status: "True"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web-b, namespace: b, labels: {app: web}}
+spec: {nodeName: n1}
+status: {podIP: 10.0.0.2, conditions: [{type: Ready, status: "True"}]}
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: in-a, namespace: a}
+spec: {selector: {matchLabels: {app: web}}, action: ALLOW}
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: everywhere, namespace: istio-system}
+spec: {selector: {matchLabels: {app: web}}, action: DENY}
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: empty-selector, namespace: b}
+spec: {selector: {matchLabels: {}}, action: ALLOW}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: default, namespace: istio-system}
+spec: {mtls: {mode: STRICT}}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: relaxed, namespace: b}
+spec: {selector: {matchLabels: {app: web}}, mtls: {mode: PERMISSIVE}}
+"""
+
+
+def test_workloads_see_only_their_namespace_and_the_root_namespace() -> None:
+    loaded = parse_documents(MESH, "mesh.yaml")
+    assert loaded.errors == ()
+    out = translate(KubeStore(loaded.objects))
+    web_a = out.addresses["Kubernetes//Pod/a/web-a"].workload
+    web_b = out.addresses["Kubernetes//Pod/b/web-b"].workload
+    assert list(web_a.services) == ["a/web.a.svc.cluster.local"]
+    assert list(web_b.services) == ["b/web.b.svc.cluster.local"]
+    assert list(web_a.authorization_policies) == [
+        "a/in-a",
+        "istio-system/everywhere",
+        "istio-system/istio_converted_static_strict",
+    ]
+    # b's workload PeerAuthentication is PERMISSIVE, and its empty selector attaches nothing.
+    assert list(web_b.authorization_policies) == ["istio-system/everywhere"]
+
+
+# -- snapshot reuse -----------------------------------------------------------------------------------
+
+
+def _pod(name: str, ip: str, revision: str = "v1") -> tuple[str, workload_pb2.Address]:
+    uid = f"Kubernetes//Pod/default/{name}"
+    w = workload_pb2.Workload(
+        uid=uid,
+        name=name,
+        namespace="default",
+        addresses=[ipaddress.ip_address(ip).packed],
+        canonical_revision=revision,
+        services={"default/web.default.svc.cluster.local": workload_pb2.PortList()},
+    )
+    return uid, workload_pb2.Address(workload=w)
+
+
+def _policy(name: str, action: int = authorization_pb2.ALLOW) -> tuple[str, authorization_pb2.Authorization]:
+    return f"default/{name}", authorization_pb2.Authorization(name=name, namespace="default", action=action)
+
+
+def _mesh(revision_b: str = "v1", action: int = authorization_pb2.ALLOW):
+    addresses = dict([_pod("a", "10.0.0.1"), _pod("b", "10.0.0.2", revision_b), _pod("c", "10.0.0.3")])
+    authorizations = dict([_policy("allow"), _policy("other", action)])
+    return addresses, authorizations
+
+
+def test_build_on_previous_reuses_unchanged_entries_and_equals_a_fresh_build() -> None:
+    addresses, authorizations = _mesh()
+    first = Snapshot.build(version="1", addresses=addresses, authorizations=authorizations)
+    addresses, authorizations = _mesh(revision_b="v2", action=authorization_pb2.DENY)
+    del addresses["Kubernetes//Pod/default/c"]
+    second = Snapshot.build(version="2", addresses=addresses, authorizations=authorizations, previous=first)
+
+    assert second == Snapshot.build(version="2", addresses=addresses, authorizations=authorizations)
+    reused = {
+        (t, name)
+        for t in (A, AUTH)
+        for name, entry in second.of(t).items()
+        if first.of(t).get(name) is entry
+    }
+    assert reused == {(A, "Kubernetes//Pod/default/a"), (AUTH, "default/allow")}
+    b_before, b_after = first.of(A)["Kubernetes//Pod/default/b"], second.of(A)["Kubernetes//Pod/default/b"]
+    assert b_after.version != b_before.version and b_after.digest != b_before.digest
+    assert second.of(A)["Kubernetes//Pod/default/a"].version == first.of(A)["Kubernetes//Pod/default/a"].version
+    assert second.resolve(A, "/10.0.0.1") == ("Kubernetes//Pod/default/a",)
+    assert second.resolve(A, "/10.0.0.3") == ()
+
+
+def test_build_on_previous_repacks_when_aliases_change() -> None:
+    addresses, authorizations = _mesh()
+    first = Snapshot.build(version="1", addresses=addresses, authorizations=authorizations)
+    explicit = {"lookup-key": ["Kubernetes//Pod/default/a"]}
+    second = Snapshot.build(
+        version="2", addresses=addresses, authorizations=authorizations, aliases=explicit, previous=first
+    )
+    assert second == Snapshot.build(version="2", addresses=addresses, authorizations=authorizations, aliases=explicit)
+    assert second.of(A)["Kubernetes//Pod/default/a"].aliases == ("lookup-key",)
+    assert second.of(A)["Kubernetes//Pod/default/b"].aliases == ()
+    assert not second.derived_aliases
+    # Back to derived aliases: what the caller's mapping said must not carry over.
+    third = Snapshot.build(version="3", addresses=addresses, authorizations=authorizations, previous=second)
+    assert third == Snapshot.build(version="3", addresses=addresses, authorizations=authorizations)
+    assert third.of(A)["Kubernetes//Pod/default/a"].aliases == ("/10.0.0.1",)
+    assert third.resolve(A, "lookup-key") == ()
+
+
+def test_ads_server_update_builds_on_its_previous_snapshot() -> None:
+    ads = AdsServer()
+    addresses, authorizations = _mesh()
+    ads.update(addresses, authorizations)
+    first = ads.snapshot
+    addresses, authorizations = _mesh(revision_b="v2")
+    ads.update(addresses, authorizations)
+    second = ads.snapshot
+    assert second.version == "2"
+    assert second.of(A)["Kubernetes//Pod/default/a"] is first.of(A)["Kubernetes//Pod/default/a"]
+    assert second.of(A)["Kubernetes//Pod/default/b"] is not first.of(A)["Kubernetes//Pod/default/b"]
+    assert second.of(AUTH)["default/other"] is first.of(AUTH)["default/other"]
+    assert repr(ads) == "AdsServer(0 connections, Snapshot(v2: 3 Address, 2 Authorization))"
