@@ -97,6 +97,12 @@ def cmd_control(args: argparse.Namespace) -> int:
     return _run(run(config))
 
 
+def cmd_cni_agent(args: argparse.Namespace) -> int:
+    from .cni.agent import main as agent_main
+
+    return agent_main(args.settings)
+
+
 def cmd_cni_plugin(_args: argparse.Namespace) -> int:
     from .cni.plugin import main as plugin_main
 
@@ -134,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--uid", default=None, help="pod uid the token is bound to")
     t.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds (default: %(default)s)")
     t.add_argument("--state-dir", default="./var/ambient-control")
+    p = sub.add_parser("cni-agent", help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)")
+    p.add_argument("settings", nargs=argparse.REMAINDER, help="--setting=value flags, as istio-cni takes them")
+    p.set_defaults(func=cmd_cni_agent)
     p = sub.add_parser("cni-plugin", help="the chained CNI plugin (run by the container runtime: stdin + CNI_* env)")
     p.set_defaults(func=cmd_cni_plugin)
     p = sub.add_parser("redirect", help="dedicated-mode capture rules (iptables) for the current or a named netns")

@@ -49,7 +49,7 @@ from ..net import SocketAddr
 from ..zds.server import ZdsServer
 from .agent_config import AgentConfig, load
 from .cni_server import CniAddHandler, CniPluginServer
-from .dataplane import DataplaneSettings, MeshDataplane
+from .dataplane import DataplaneSettings, MeshDataplane, ThreadBoundProbeSet
 from .informer import Enablement, Informer
 from .install import Installer, InstallError, PluginInstall, launcher_script, plugin_entry, watch
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
@@ -166,7 +166,8 @@ class CniAgent:
 
     # -- start ----------------------------------------------------------------------------------
 
-    async def _start_http(self, server: HttpServer | None) -> HttpServer | None:
+    @staticmethod
+    async def _start_http(server: HttpServer | None, handler) -> HttpServer | None:
         if server is None:
             return None
         try:
@@ -174,13 +175,13 @@ class CniAgent:
         except BindError:
             # A netns or host without IPv6: fall back to IPv4 only.
             server = HttpServer(server.name, SocketAddr(ipaddress.ip_address("0.0.0.0"), server.address.port),
-                                server._handler)
+                                handler)
             await server.start()
         return server
 
     async def start(self) -> None:
-        self.health = await self._start_http(self.health)
-        self.monitoring = await self._start_http(self.monitoring)
+        self.health = await self._start_http(self.health, self._health)
+        self.monitoring = await self._start_http(self.monitoring, self._metrics)
         if self.cfg.ambient_enabled:
             await self._start_ambient()
         if self.installer is not None:
@@ -320,7 +321,8 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
                                   hint="set KUBELET_UID")
             probe_set = NftProbeSet(runner, None, settings.host_probe)
         else:
-            probe_set = NetlinkIpset(settings.host_probe)
+            host_probe = settings.host_probe
+            probe_set = ThreadBoundProbeSet(lambda: NetlinkIpset(host_probe), name="ipset")
     entry = plugin_entry(plugin_log_level=cfg.plugin_log_level, cni_agent_run_dir=str(cfg.cni_agent_run_dir),
                          ambient_enabled=cfg.ambient_enabled, enablement_selectors=cfg.enablement_selectors,
                          exclude_namespaces=cfg.exclude_namespaces, pod_namespace=cfg.pod_namespace,

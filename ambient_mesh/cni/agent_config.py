@@ -49,7 +49,52 @@ ENROLLMENT_STATE_FILE = "enrolled-pods.json"
 
 _TRUE = frozenset({"1", "t", "true", "y", "yes", "on"})
 _FALSE = frozenset({"0", "f", "false", "n", "no", "off"})
-LOG_LEVELS = ("debug", "info", "warn", "error", "none")
+# Every setting the agent reads; a flag naming anything else is a mistake, not a new setting.
+SETTINGS = frozenset({
+    "AMBIENT_DISABLE_SAFE_UPGRADE",
+    "AMBIENT_DNS_CAPTURE",
+    "AMBIENT_ENABLED",
+    "AMBIENT_ENABLEMENT_SELECTOR",
+    "AMBIENT_IPV6",
+    "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP",
+    "CHAINED_CNI_PLUGIN",
+    "CNI_AGENT_RUN_DIR",
+    "CNI_BIN_DIR",
+    "CNI_CONF_GROUP_READ",
+    "CNI_CONF_NAME",
+    "ENABLE_AMBIENT_DETECTION_RETRY",
+    "EXCLUDE_NAMESPACES",
+    "FORCE_IPTABLES_BINARY",
+    "HEALTH_PORT",
+    "HOST_PREFIX",
+    "HOST_PROBE_SNAT_IP",
+    "HOST_PROBE_SNAT_IPV6",
+    "K8S_SERVICE_ACCOUNT_PATH",
+    "KUBECONFIG",
+    "KUBECONFIG_MODE",
+    "KUBELET_UID",
+    "KUBERNETES_NODE_NAME",
+    "KUBERNETES_SERVICE_HOST",
+    "KUBERNETES_SERVICE_PORT",
+    "KUBERNETES_SERVICE_PROTOCOL",
+    "KUBE_CA_FILE",
+    "LOG_AS_JSON",
+    "LOG_OUTPUT_LEVEL",
+    "MONITORING_PORT",
+    "MOUNTED_CNI_NET_DIR",
+    "NATIVE_NFTABLES",
+    "NODE_NAME",
+    "PLUGIN_LOG_LEVEL",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "POD_SOURCE_DIRECTORY",
+    "POD_SOURCE_POLL_INTERVAL",
+    "PROBE_SET_PREFIX",
+    "REVISION",
+    "SKIP_TLS_VERIFY",
+    "SYSTEM_NAMESPACE",
+    "ZTUNNEL_UDS_ADDRESS",
+})
 
 
 class _Env:
@@ -177,7 +222,9 @@ class AgentConfig:
     ambient_enabled: bool = False
     enablement_selectors: tuple[EnablementSelector, ...] = DEFAULT_ENABLEMENT_SELECTORS
     exclude_namespaces: tuple[str, ...] = DEFAULT_EXCLUDE_NAMESPACES
-    ambient_dns_capture: bool = True
+    # Off by default, unlike the chart: the node proxy has no DNS proxy on 15053 yet, so
+    # redirecting port 53 there would break name resolution in every enrolled pod.
+    ambient_dns_capture: bool = False
     ambient_ipv6: bool = True
     ambient_disable_safe_upgrade: bool = False
     ambient_reconcile_pod_rules_on_startup: bool = True
@@ -311,7 +358,7 @@ class AgentConfig:
             ambient_enabled=e.boolean("AMBIENT_ENABLED", False),
             enablement_selectors=selectors,
             exclude_namespaces=e.csv("EXCLUDE_NAMESPACES", DEFAULT_EXCLUDE_NAMESPACES),
-            ambient_dns_capture=e.boolean("AMBIENT_DNS_CAPTURE", True),
+            ambient_dns_capture=e.boolean("AMBIENT_DNS_CAPTURE", False),
             ambient_ipv6=e.boolean("AMBIENT_IPV6", True),
             ambient_disable_safe_upgrade=e.boolean("AMBIENT_DISABLE_SAFE_UPGRADE", False),
             ambient_reconcile_pod_rules_on_startup=e.boolean("AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", True),
@@ -348,7 +395,11 @@ def flags_to_env(argv: Sequence[str]) -> dict[str, str]:
                 i += 1
             else:
                 value = "true"
-        out[name.upper().replace("-", "_")] = value
+        key = name.upper().replace("-", "_")
+        if key not in SETTINGS:
+            raise ConfigError(f"--{name}", "unknown flag", hint="flags are the setting names in kebab-case, "
+                              "e.g. --cni-agent-run-dir for CNI_AGENT_RUN_DIR")
+        out[key] = value
         i += 1
     return out
 

@@ -25,10 +25,11 @@ run in a worker thread; each pod's operations are serialised by a per-pod lock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,6 +131,50 @@ class OpenNetns:
     def __repr__(self) -> str:
         state = f"fd {self.fd}" if self.fd >= 0 else "closed"
         return f"OpenNetns({self.path}, inode {self.key[1]}, {state})"
+
+
+class ThreadBoundProbeSet:
+    """A ProbeSet whose every call runs on one dedicated thread.
+
+    pyroute2's synchronous IPSet drives its own event loop: it cannot be made or used on the
+    agent's loop thread, and must stay on the thread it was made on. Callers (already off the
+    loop, in `asyncio.to_thread`) block on that thread's answer.
+    """
+
+    def __init__(self, factory: Callable[[], ProbeSet], name: str = "probe-set") -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._inner = self._executor.submit(factory).result()
+
+    def __repr__(self) -> str:
+        return f"ThreadBoundProbeSet({self._inner!r})"
+
+    def _call(self, method: str, *args):
+        return self._executor.submit(getattr(self._inner, method), *args).result()
+
+    def ensure(self) -> None:
+        self._call("ensure")
+
+    def entries(self):
+        return self._call("entries")
+
+    def upsert(self, ip, uid: str) -> None:
+        self._call("upsert", ip, uid)
+
+    def delete(self, ip) -> None:
+        self._call("delete", ip)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def destroy(self) -> None:
+        self._call("destroy")
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                self._executor.submit(close).result()
+        self._executor.shutdown(wait=True)
 
 
 # -- the pod cache (istio-cni PodNetnsCache) ------------------------------------------------------
@@ -385,7 +430,9 @@ class MeshDataplane:
 
     async def _remove(self, pod: WatchedPod, is_delete: bool) -> None:
         entry = self.cache.get(pod.uid)
-        ips = tuple(pod.ips) or (entry.ips if entry is not None else ())
+        # The IPs we added (the CNI's) and the ones the pod object has now: the probe set holds
+        # whichever was current when it was written.
+        ips = tuple(dict.fromkeys((*(entry.ips if entry is not None else ()), *pod.ips)))
         problems: list[str] = []
         try:
             kept = await asyncio.to_thread(remove_pod_from_probe_set, self.probe_set, self.settings.host_probe,
@@ -475,6 +522,9 @@ class MeshDataplane:
 
     def close(self) -> None:
         self.cache.close()
+        close = getattr(self.probe_set, "close", None)
+        if close is not None:
+            close()
 
 
 __all__ = [
@@ -486,6 +536,7 @@ __all__ = [
     "NetnsLocator",
     "OpenNetns",
     "PodNetnsCache",
+    "ThreadBoundProbeSet",
     "ZtunnelLink",
     "workload_info",
 ]

@@ -220,7 +220,9 @@ class Informer:
                     self._idle.set()
 
     async def _process(self, item: _Item) -> None:
-        known_uid = lambda pod: pod.uid in self.dataplane.cache  # noqa: E731
+        def known_uid(pod: WatchedPod) -> bool:
+            return pod.uid in self.dataplane.cache
+
         if item.delete is not None:
             pod = item.delete
             action = decide_delete(pod, self._ns_labels(pod.namespace), self.enablement, known=known_uid(pod))
