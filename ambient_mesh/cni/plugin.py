@@ -14,7 +14,8 @@ run ends, POSTed to the agent's `<run dir>/log.sock` (`/log`, a JSON array of JS
 strings); without that socket they go to stderr, and only at `plugin_log_level: debug`.
 
 The runtime starts a process per pod, so imports stay few: no asyncio, no logging, no HTTP
-library (the request is written by hand), and YAML only when a pod must be looked up.
+library (the requests are written by hand), and YAML only when a pod must be looked up in a
+directory; `ssl` only when the API server is asked.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ from .cniconf import (
     version_tuple,
 )
 from .enablement import AmbientDecision, could_be_ambient, decide
-from .podinfo import DirectoryPodLookup, PodLookup, PodLookupError
+from .podinfo import (
+    PLUGIN_KUBECONFIG_NAME,
+    DirectoryPodLookup,
+    KubeApiPodLookup,
+    PodLookup,
+    PodLookupError,
+)
 
 # istio-cni retries pod detection once at 1 s, or 30 times with enable_ambient_detection_retry.
 DETECTION_ATTEMPTS = 2
@@ -269,12 +276,18 @@ TransportFactory = Callable[[str], AgentTransport]
 
 
 def default_lookup(conf: PluginConf) -> PodLookup:
-    if not conf.pod_source_directory:
-        raise PodLookupError(
-            "no pod source configured",
-            hint='add "ambient_pod_source": {"directory": ...} to the plugin entry of the CNI config',
-        )
-    return DirectoryPodLookup(conf.pod_source_directory)
+    """Where this run reads pods: the lab's YAML directory when the entry names one
+    (`ambient_pod_source.directory`, ours); else the API server, with the kubeconfig named by
+    `kubernetes.kubeconfig` (istio-cni's key up to 1.23) or, as istio-cni does since 1.24,
+    `<cni_agent_run_dir>/istio-cni-kubeconfig`, which the node agent writes."""
+    if conf.pod_source_directory:
+        return DirectoryPodLookup(conf.pod_source_directory)
+    # PluginConf.kubeconfig is `kubernetes.kubeconfig`; read defensively so an older PluginConf
+    # without the field still gets the run-dir default.
+    kubeconfig = getattr(conf, "kubeconfig", "") or (
+        f"{conf.cni_agent_run_dir.rstrip('/')}/{PLUGIN_KUBECONFIG_NAME}"
+    )
+    return KubeApiPodLookup(kubeconfig)
 
 
 def is_own_netns(path: str) -> bool:

@@ -3,7 +3,9 @@
 Counterpart of the pod/namespace GETs in istio-cni's plugin (cni/pkg/plugin) and of the pod
 fields its node agent reads. `PodLookup` is the seam: the plugin asks it for one pod and one
 namespace. `DirectoryPodLookup` answers from the embedded control plane's YAML directory (the
-lab's source of truth); the Kubernetes-API implementation lives with the node agent.
+lab's source of truth); `KubeApiPodLookup` asks the Kubernetes API server with the kubeconfig the
+node agent writes (kubeconfig.py), as istio-cni's plugin does. The node agent's own watch of the
+API server is pods.py.
 
 `get_pod`/`get_namespace` return None when the object does not exist and raise
 `PodLookupError` when the source cannot be read at all: the caller fails closed on the latter
@@ -12,12 +14,17 @@ and decides what "absent" means on the former.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+import json
+import socket
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote, urlsplit
 
-from ..errors import AmbientError
+from ..errors import AmbientError, ProtocolError
 
 if TYPE_CHECKING:
     from ..control.kube import KubeStore
@@ -123,3 +130,374 @@ class DirectoryPodLookup:
             labels=dict(obj.metadata.labels),
             annotations=dict(obj.metadata.annotations),
         )
+
+
+# -- the Kubernetes API, for the plugin --------------------------------------------------------------
+#
+# istio-cni's plugin builds a client-go client from a kubeconfig the node agent keeps in its run
+# dir and GETs the pod and its namespace. A client library would cost the plugin more start-up
+# time than the whole lookup takes, so this is two HTTP/1.1 GETs over one `ssl` socket each, with
+# the bearer token and CA from the kubeconfig. Nothing here imports asyncio; `ssl` and YAML are
+# imported only when a lookup actually happens (and YAML only for a hand-written kubeconfig: the
+# agent writes JSON, which is YAML too).
+
+PLUGIN_KUBECONFIG_NAME = "istio-cni-kubeconfig"
+# istio-cni's plugin has no timeout of its own beyond client-go's; a kubelet sandbox ADD is
+# bounded anyway, and 5 s matches the plugin's other call (the agent POST).
+API_LOOKUP_TIMEOUT_S = 5.0
+MAX_KUBECONFIG_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiCredentials:
+    """How the plugin reaches the API server: the current context of a kubeconfig."""
+
+    server: str
+    token: str = ""
+    ca_data: bytes = b""  # PEM
+    insecure_skip_tls_verify: bool = False
+
+    def __repr__(self) -> str:
+        # Never the token: this repr ends up in logs.
+        return f"ApiCredentials({self.server}, token={'yes' if self.token else 'no'})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApiReply:
+    status: int
+    body: bytes = b""
+
+
+def _kubeconfig_document(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        import yaml  # a kubeconfig written by hand, not by the agent
+
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        return yaml.load(text, Loader=loader)
+    except Exception as exc:  # YAMLError, and recursion on hostile nesting
+        raise PodLookupError(f"kubeconfig is neither JSON nor YAML: {type(exc).__name__}") from None
+
+
+def parse_kubeconfig(text: str, *, base_dir: str | Path = ".") -> ApiCredentials:
+    """The current context's server, token and CA from a kubeconfig document.
+
+    Relative `certificate-authority` / `tokenFile` paths are relative to `base_dir` (the
+    kubeconfig's directory, as client-go resolves them). Anything unusable raises PodLookupError:
+    the plugin then fails closed, since it cannot tell whether the pod is ambient.
+    """
+    doc = _kubeconfig_document(text)
+    if not isinstance(doc, dict):
+        raise PodLookupError("kubeconfig: expected a mapping at the top level")
+
+    def entries(section: str) -> list[dict[str, Any]]:
+        items = doc.get(section)
+        if items is None:
+            return []
+        if not isinstance(items, list):
+            raise PodLookupError(f"kubeconfig: {section} is not a list")
+        return [item for item in items if isinstance(item, dict)]
+
+    def named(section: str, name: Any) -> dict[str, Any]:
+        for item in entries(section):
+            if item.get("name") == name:
+                inner = item.get(section[:-1])
+                if not isinstance(inner, dict):
+                    raise PodLookupError(f"kubeconfig: {section[:-1]} {name!r} has no {section[:-1]} object")
+                return inner
+        raise PodLookupError(f"kubeconfig: no {section[:-1]} named {name!r}")
+
+    current = doc.get("current-context")
+    if not current:
+        contexts = entries("contexts")
+        if len(contexts) != 1:
+            raise PodLookupError("kubeconfig: no current-context")
+        current = contexts[0].get("name")
+    context = named("contexts", current)
+    cluster = named("clusters", context.get("cluster"))
+    user = named("users", context["user"]) if context.get("user") else {}
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server.startswith(("https://", "http://")):
+        raise PodLookupError(f"kubeconfig: cluster server {server!r} is not an http(s) URL")
+    base = Path(base_dir)
+
+    def text_field(item: dict[str, Any], key: str) -> str:
+        value = item.get(key)
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise PodLookupError(f"kubeconfig: {key} is not a string")
+        return value
+
+    def read(path: str, what: str) -> bytes:
+        file = Path(path)
+        try:
+            return (file if file.is_absolute() else base / file).read_bytes()
+        except (OSError, ValueError) as exc:
+            raise PodLookupError(f"kubeconfig: cannot read {what} {path}: {exc}") from None
+
+    ca_data = b""
+    if text_field(cluster, "certificate-authority-data"):
+        try:
+            ca_data = base64.b64decode(text_field(cluster, "certificate-authority-data"), validate=True)
+        except ValueError:
+            raise PodLookupError("kubeconfig: certificate-authority-data is not base64") from None
+    elif text_field(cluster, "certificate-authority"):
+        ca_data = read(text_field(cluster, "certificate-authority"), "certificate-authority")
+    token = text_field(user, "token")
+    if not token and text_field(user, "tokenFile"):
+        token = read(text_field(user, "tokenFile"), "tokenFile").decode("utf-8", "replace")
+    token = token.strip()
+    if any(c in token for c in "\r\n\0"):
+        raise PodLookupError("kubeconfig: token contains a line break")
+    return ApiCredentials(
+        server=server.rstrip("/"),
+        token=token,
+        ca_data=ca_data,
+        insecure_skip_tls_verify=cluster.get("insecure-skip-tls-verify") is True,
+    )
+
+
+def load_kubeconfig(path: str | Path) -> ApiCredentials:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_KUBECONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise PodLookupError(
+            f"kubeconfig {path} does not exist",
+            hint="the node agent (ambient cni-agent) writes it at start: is it running on this node?",
+        ) from None
+    except OSError as exc:
+        raise PodLookupError(f"cannot read kubeconfig {path}: {exc}") from None
+    if len(data) > MAX_KUBECONFIG_BYTES:
+        raise PodLookupError(f"kubeconfig {path} is larger than {MAX_KUBECONFIG_BYTES} bytes")
+    return parse_kubeconfig(data.decode("utf-8", "replace"), base_dir=path.parent)
+
+
+def _string_map(raw: Any) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): v for k, v in raw.items() if isinstance(v, str)}
+
+
+def _object(raw: Any, key: str) -> dict[str, Any]:
+    value = raw.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def pod_info_from_json(obj: Any) -> PodInfo:
+    """A Pod as the API server returns it -> PodInfo. Missing optional fields take zero values;
+    a pod without metadata.name/namespace is a PodLookupError (it cannot be the pod asked for)."""
+    if not isinstance(obj, dict):
+        raise PodLookupError("pod: expected a JSON object")
+    meta, spec, status = _object(obj, "metadata"), _object(obj, "spec"), _object(obj, "status")
+    name, namespace = meta.get("name"), meta.get("namespace")
+    if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
+        raise PodLookupError("pod: metadata.name and metadata.namespace are required")
+
+    def names(key: str) -> tuple[str, ...]:
+        items = spec.get(key)
+        if not isinstance(items, list):
+            return ()
+        return tuple(c["name"] for c in items if isinstance(c, dict) and isinstance(c.get("name"), str))
+
+    ips: tuple[str, ...] = ()
+    if isinstance(status.get("podIPs"), list):
+        ips = tuple(
+            p["ip"] for p in status["podIPs"] if isinstance(p, dict) and isinstance(p.get("ip"), str) and p["ip"]
+        )
+    if not ips and isinstance(status.get("podIP"), str) and status["podIP"]:
+        ips = (status["podIP"],)
+    uid, node = meta.get("uid"), spec.get("nodeName")
+    return PodInfo(
+        name=name,
+        namespace=namespace,
+        uid=uid if isinstance(uid, str) else "",
+        labels=_string_map(meta.get("labels")),
+        annotations=_string_map(meta.get("annotations")),
+        host_network=spec.get("hostNetwork") is True,
+        containers=names("containers"),
+        init_containers=names("initContainers"),
+        node_name=node if isinstance(node, str) else "",
+        ips=ips,
+    )
+
+
+def namespace_info_from_json(obj: Any) -> NamespaceInfo:
+    if not isinstance(obj, dict):
+        raise PodLookupError("namespace: expected a JSON object")
+    meta = _object(obj, "metadata")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise PodLookupError("namespace: metadata.name is required")
+    return NamespaceInfo(
+        name=name, labels=_string_map(meta.get("labels")), annotations=_string_map(meta.get("annotations"))
+    )
+
+
+def render_api_get(*, host_header: str, path: str, token: str) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = (
+        f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: istio-cni\r\n"
+        f"Accept: application/json\r\n{auth}Connection: close\r\n\r\n"
+    )
+    return head.encode("utf-8")
+
+
+class ApiTransport(Protocol):
+    """One GET against the API server; raises OSError (refused, TLS failure, timeout) or
+    ProtocolError (a reply that is not HTTP)."""
+
+    def get(self, path: str, *, timeout_s: float) -> ApiReply: ...
+
+
+class HttpsApiTransport:
+    """One TCP (+TLS) connection per GET: the plugin makes two and exits."""
+
+    __slots__ = ("credentials", "host", "port", "base_path", "_tls", "_ssl_context")
+
+    def __init__(self, credentials: ApiCredentials) -> None:
+        self.credentials = credentials
+        parts = urlsplit(credentials.server)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise PodLookupError(f"kubeconfig: {credentials.server!r} is not an http(s) URL")
+        self.host = parts.hostname
+        self._tls = parts.scheme == "https"
+        self.port = port or (443 if self._tls else 80)
+        self.base_path = parts.path.rstrip("/")
+        self._ssl_context: Any = None
+
+    def __repr__(self) -> str:
+        return f"HttpsApiTransport({self.credentials.server})"
+
+    def _context(self) -> Any:
+        if self._ssl_context is None:
+            import ssl  # only a plugin run that really asks the API server pays for it
+
+            creds = self.credentials
+            if creds.insecure_skip_tls_verify:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            elif creds.ca_data:
+                try:
+                    ctx = ssl.create_default_context(cadata=creds.ca_data.decode("ascii", "replace"))
+                except (ssl.SSLError, ValueError) as exc:
+                    raise PodLookupError(f"kubeconfig: certificate-authority is not usable PEM: {exc}") from None
+            else:
+                ctx = ssl.create_default_context()
+            self._ssl_context = ctx
+        return self._ssl_context
+
+    def get(self, path: str, *, timeout_s: float) -> ApiReply:
+        # Imported here: plugin.py imports this module, and the parser is already loaded by then.
+        from .plugin import parse_http_response
+
+        deadline = time.monotonic() + timeout_s
+
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer from the API server within {timeout_s:g} s")
+            return left
+
+        bracketed = f"[{self.host}]" if ":" in self.host else self.host
+        default_port = 443 if self._tls else 80
+        host_header = bracketed if self.port == default_port else f"{bracketed}:{self.port}"
+        request = render_api_get(
+            host_header=host_header, path=self.base_path + path, token=self.credentials.token
+        )
+        with socket.create_connection((self.host, self.port), timeout=remaining()) as raw:
+            sock = raw
+            if self._tls:
+                sock = self._context().wrap_socket(raw, server_hostname=self.host)
+            try:
+                sock.settimeout(remaining())
+                sock.sendall(request)
+                data = b""
+                while True:
+                    sock.settimeout(remaining())
+                    chunk = sock.recv(65536)
+                    data += chunk
+                    response = parse_http_response(data, eof=not chunk)
+                    if response is not None:
+                        return ApiReply(status=response.status, body=response.body)
+            finally:
+                if sock is not raw:
+                    sock.close()
+
+
+TransportFactory = Callable[[ApiCredentials], ApiTransport]
+
+
+class KubeApiPodLookup:
+    """Pods and namespaces from the Kubernetes API server, as istio-cni's plugin reads them: the
+    credentials in `kubeconfig_path` (re-read by each new lookup, so a rotated token is picked
+    up), one GET per object.
+
+    404 is "absent" (None); every other failure (kubeconfig missing or broken, connection refused,
+    TLS failure, timeout, 401/403, 5xx, a body that is not the object) is a PodLookupError.
+    """
+
+    __slots__ = ("kubeconfig_path", "timeout_s", "_transport_factory", "_transport", "requests")
+
+    def __init__(
+        self,
+        kubeconfig_path: str | Path,
+        *,
+        timeout_s: float = API_LOOKUP_TIMEOUT_S,
+        transport_factory: TransportFactory = HttpsApiTransport,
+    ) -> None:
+        self.kubeconfig_path = Path(kubeconfig_path)
+        self.timeout_s = timeout_s
+        self._transport_factory = transport_factory
+        self._transport: ApiTransport | None = None
+        self.requests = 0
+
+    def __repr__(self) -> str:
+        state = "not connected yet" if self._transport is None else f"{self._transport!r}"
+        return f"KubeApiPodLookup({str(self.kubeconfig_path)!r}: {state}, {self.requests} requests)"
+
+    def _get(self, path: str, what: str) -> Any:
+        if self._transport is None:
+            self._transport = self._transport_factory(load_kubeconfig(self.kubeconfig_path))
+        self.requests += 1
+        try:
+            reply = self._transport.get(path, timeout_s=self.timeout_s)
+        except (OSError, ProtocolError) as exc:
+            raise PodLookupError(
+                f"cannot GET {what} from the API server: {type(exc).__name__}: {exc}",
+                hint="is the API server reachable from the node, and the CA in the kubeconfig current?",
+            ) from None
+        if reply.status == 404:
+            return None
+        if reply.status != 200:
+            text = reply.body[:512].decode("utf-8", "replace").strip()
+            hint = (
+                "the node agent rewrites the kubeconfig when its service-account token rotates; "
+                "may its service account get pods and namespaces?"
+                if reply.status in (401, 403)
+                else None
+            )
+            raise PodLookupError(f"GET {what}: API server answered {reply.status}: {text}", hint=hint)
+        try:
+            return json.loads(reply.body)
+        except (ValueError, RecursionError):
+            raise PodLookupError(f"GET {what}: the API server's answer is not JSON") from None
+
+    def get_pod(self, namespace: str, name: str) -> PodInfo | None:
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+        obj = self._get(path, f"pod {namespace}/{name}")
+        return None if obj is None else pod_info_from_json(obj)
+
+    def get_namespace(self, name: str) -> NamespaceInfo | None:
+        obj = self._get(f"/api/v1/namespaces/{quote(name, safe='')}", f"namespace {name}")
+        return None if obj is None else namespace_info_from_json(obj)

@@ -166,7 +166,9 @@ async def test_token_file_is_read_again_for_each_stream(fake: FakeAds, tmp_path:
         await fake.wait_for(lambda: len(fake.streams) == 2)
         assert [s.metadata["authorization"] for s in fake.streams] == ["Bearer first", "Bearer second"]
         assert fake.streams[0].metadata["clusterid"] == "Kubernetes"
-        assert client.terminations[StreamEnd.COMPLETE] == 1
+        # A graceful server stop ends the stream cleanly or, depending on timing inside grpc,
+        # with UNAVAILABLE "Cancelling all calls": either way exactly one stream ended.
+        assert client.terminations[StreamEnd.COMPLETE] + client.terminations[StreamEnd.ERROR] == 1
 
 
 async def test_on_demand_lookup_answered_through_an_alias(fake: FakeAds) -> None:

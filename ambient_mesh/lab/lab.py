@@ -1,0 +1,676 @@
+"""`ambient lab`: start and stop a whole multi-node ambient mesh on this host.
+
+Counterpart: a kind cluster with Istio ambient installed (istiod, the istio-cni DaemonSet, the
+ztunnel DaemonSet), reduced to network namespaces and processes. Each program runs as its own
+process, configured as it would be in a cluster:
+
+    control plane  `ambient control` in the lab's network namespace, TLS on <br0>:15012,
+                   serving the objects directory (cluster.py) and signing certificates
+    per node       `python -m ambient_mesh.cni.agent` (istio-cni's env vars; pods from the objects
+                   directory; plugin installed into the node's CNI dirs) and `ambient ztunnel` in
+                   shared mode (ZDS socket from the agent, token bound to the node's ztunnel Pod)
+    per pod        a sandbox (topology.py), CNI ADD through the node's chain (runtime.py), and the
+                   echo app (`python -m ambient_mesh.lab.runtime`)
+
+State lives under the lab's state directory: `objects/` (the API server), `control/` (CA, token
+key, root cert), `nodes/<node>/{run,net.d,bin,zt}` (agent run dir, CNI conf and bin dirs, ZDS
+socket), `logs/`, and `lab.json` (what `ambient lab status|exec|down` read from another shell).
+
+`Lab` is a context manager: teardown always stops every process it started and deletes every
+namespace it created, whatever failed on the way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import AmbientError, ConfigError
+from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
+from ..host.netns import listening_ports, netns_socket, spawn_in_netns, stop_process
+from .cluster import (
+    AGENT_DAEMONSET,
+    SYSTEM_NAMESPACE,
+    ZTUNNEL_SERVICE_ACCOUNT,
+    PodSpec,
+    ServiceSpec,
+    agent_daemonset_object,
+    namespace_object,
+    parse_pod_spec,
+    pod_object,
+    pod_uid,
+    remove_object,
+    service_object,
+    write_objects,
+    ztunnel_pod_name,
+    ztunnel_pod_spec,
+)
+from .runtime import CniRuntime
+from .topology import NodeNet, PodNet, Topology
+
+CONTROL_PORT = 15012
+APP_PORT = 8080
+AGENT_HEALTH_PORT = 8000
+AGENT_MONITORING_PORT = 15014
+ZTUNNEL_ADMIN_PORT = 15000
+ZTUNNEL_STATS_PORT = 15020
+ZTUNNEL_READINESS_PORT = 15021
+ISTIOD_HOSTNAME = "istiod.istio-system.svc"  # a name in the control plane's serving certificate
+DEFAULT_STATE_DIR = "/tmp/ambient-lab"  # short: unix socket paths must stay under 108 bytes
+READY_TIMEOUT_S = 30.0
+AGENT_STOP_GRACE_S = 15.0
+PROCESS_STOP_GRACE_S = 5.0
+POLL_INTERVAL_S = 0.05
+HTTP_TIMEOUT_S = 3.0
+READ_BYTES = 65536
+LOG_TAIL_CHARS = 3000
+STATE_FILE = "lab.json"
+PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
+DEFAULT_PODS = ("node-1:demo/client", "node-2:demo/server", "node-1:legacy/plain")
+DEFAULT_AMBIENT_NAMESPACES = ("demo",)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LabConfig:
+    """What to build. Pods listed here are started by `Lab.start()`; more can be added later."""
+
+    state_dir: Path
+    nodes: tuple[str, ...] = ("node-1", "node-2")
+    pods: tuple[PodSpec, ...] = ()
+    ambient_namespaces: frozenset[str] = frozenset()
+    services: tuple[ServiceSpec, ...] = ()
+    native_nftables: bool = False
+    app_port: int = APP_PORT
+    agent_env: Mapping[str, str] = field(default_factory=dict)
+    ztunnel_env: Mapping[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = READY_TIMEOUT_S
+    python: str = sys.executable
+
+
+@dataclass(slots=True)
+class Program:
+    """One process the lab started: where it runs, its log, and how to find it again."""
+
+    name: str
+    netns: str
+    log: Path
+    process: subprocess.Popen
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass(slots=True)
+class LabNode:
+    net: NodeNet
+    dir: Path
+    uid: str  # of its ztunnel Pod
+    runtime: CniRuntime
+    agent: Program | None = None
+    proxy: Program | None = None
+    agent_starts: int = 0
+    proxy_starts: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dir / "run"
+
+    @property
+    def net_dir(self) -> Path:
+        return self.dir / "net.d"
+
+    @property
+    def bin_dir(self) -> Path:
+        return self.dir / "bin"
+
+    @property
+    def zds_socket(self) -> Path:
+        return self.dir / "zt" / "ztunnel.sock"
+
+    @property
+    def token(self) -> Path:
+        return self.dir / "ztunnel.token"
+
+
+@dataclass(slots=True)
+class LabPod:
+    spec: PodSpec
+    net: PodNet
+    uid: str
+    app: Program | None = None
+
+    @property
+    def ip(self) -> str:
+        return str(self.net.ip)
+
+    @property
+    def netns(self) -> str:
+        return self.net.netns
+
+
+def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
+    """GET from inside `netns` (HTTP/1.1, Connection: close); returns (status, body)."""
+    family = 10 if ipaddress.ip_address(host).version == 6 else 2
+    with netns_socket(netns, family) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect((host, port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(READ_BYTES):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = head.split(b"\r\n", 1)[0].split()
+    if len(fields) < 2 or not fields[1].isdigit():
+        raise AmbientError(f"GET {host}:{port}{path} from {netns}: not an HTTP response: {data[:80]!r}")
+    return int(fields[1]), body.decode(errors="replace")
+
+
+def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str,
+               on_timeout: Callable[[], str] | None = None) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            detail = on_timeout() if on_timeout else ""
+            raise AmbientError(f"timed out after {timeout_s}s waiting for {what}" + (f"\n{detail}" if detail else ""))
+        time.sleep(POLL_INTERVAL_S)
+
+
+class Lab:
+    """The whole mesh. `with Lab(config) as lab:` starts it; leaving the block tears it down."""
+
+    def __init__(self, config: LabConfig, *, runner: CommandRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner or SubprocessRunner()
+        self.state_dir = Path(config.state_dir).resolve()
+        self.objects_dir = self.state_dir / "objects"
+        self.control_dir = self.state_dir / "control"
+        self.logs_dir = self.state_dir / "logs"
+        self.topology = Topology(runner=self.runner)
+        self.lab_id = self.topology.prefix
+        self.nodes: dict[str, LabNode] = {}
+        self.pods: dict[str, LabPod] = {}
+        self.control: Program | None = None
+        self.programs: list[Program] = []
+        self._started = False
+
+    def __repr__(self) -> str:
+        running = sum(1 for p in self.programs if p.running)
+        return (f"Lab({self.lab_id!r}, {'up' if self._started else 'down'}: {len(self.nodes)} nodes, "
+                f"{len(self.pods)} pods, {running}/{len(self.programs)} processes running)")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> Lab:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    @property
+    def control_address(self) -> str:
+        return f"{self.topology.gateway}:{CONTROL_PORT}"
+
+    def start(self) -> None:
+        self._started = True
+        for d in (self.objects_dir, self.control_dir, self.logs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.topology.open()
+        for name in self.config.nodes:
+            net = self.topology.add_node(name)
+            node_dir = self.state_dir / "nodes" / name
+            node = LabNode(net=net, dir=node_dir, uid=pod_uid(self.lab_id, SYSTEM_NAMESPACE, ztunnel_pod_name(name)),
+                           runtime=CniRuntime(self.runner, node_netns=net.netns, net_dir=node_dir / "net.d",
+                                              bin_dir=node_dir / "bin"))
+            for d in (node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
+                d.mkdir(parents=True, exist_ok=True)
+            # The primary network the lab provides; the agent chains istio-cni after it.
+            (node.net_dir / "10-ambient-lab.conflist").write_text(json.dumps(
+                {"cniVersion": "1.0.0", "name": "ambient-lab", "plugins": [{"type": "ambient-lab-bridge"}]}))
+            self.nodes[name] = node
+        self._write_base_objects()
+        self._start_control()
+        for node in self.nodes.values():
+            self.start_agent(node.net.name)
+        for node in self.nodes.values():
+            self.start_proxy(node.net.name)
+        for node in self.nodes.values():
+            self.wait_proxy_ready(node.net.name)
+        for spec in self.config.pods:
+            self.add_pod(spec)
+        self.write_state()
+
+    def stop(self) -> None:
+        """Stop every process (all signalled first, so they drain side by side), then delete
+        every namespace. Safe to call more than once."""
+        try:
+            for program in self.programs:
+                if program.running:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(program.process.pid, signal.SIGTERM)
+            for program in reversed(self.programs):
+                stop_process(program.process, grace_s=AGENT_STOP_GRACE_S if program.name.startswith("agent")
+                             else PROCESS_STOP_GRACE_S)
+        finally:
+            self.topology.close()
+            self._started = False
+            with contextlib.suppress(OSError):
+                (self.state_dir / STATE_FILE).unlink()
+
+    # -- objects -----------------------------------------------------------------------------------
+
+    def _write_base_objects(self) -> None:
+        objects: list[dict] = [namespace_object(SYSTEM_NAMESPACE, ambient=False), agent_daemonset_object()]
+        namespaces = {spec.namespace for spec in self.config.pods} | set(self.config.ambient_namespaces)
+        objects += [namespace_object(ns, ambient=ns in self.config.ambient_namespaces) for ns in sorted(namespaces)]
+        for node in self.nodes.values():
+            # The ztunnel Pod: what the CA checks the node proxy's pod-bound token against. Its
+            # address is the node's (the node proxy runs in the node's namespace).
+            objects.append(pod_object(ztunnel_pod_spec(node.net.name), uid=node.uid, ip=node.net.uplink_ip))
+        objects += [service_object(s) for s in self.config.services]
+        write_objects(self.objects_dir, objects)
+
+    def set_namespace(self, namespace: str, *, ambient: bool) -> None:
+        write_objects(self.objects_dir, [namespace_object(namespace, ambient=ambient)])
+
+    # -- programs ----------------------------------------------------------------------------------
+
+    def _env(self, extra: Mapping[str, str]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in PASSED_ENV}
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, netns: str, argv: Sequence[str], env: Mapping[str, str]) -> Program:
+        log = self.logs_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            process = spawn_in_netns(netns, argv, env=self._env(env), stdout=out, stderr=subprocess.STDOUT)
+        program = Program(name=name, netns=netns, log=log, process=process)
+        self.programs.append(program)
+        return program
+
+    def _stop(self, program: Program, grace_s: float) -> int:
+        code = stop_process(program.process, grace_s=grace_s)
+        with contextlib.suppress(ValueError):
+            self.programs.remove(program)
+        return code
+
+    def _start_control(self) -> None:
+        argv = [self.config.python, "-m", "ambient_mesh.cli", "control", "--dir", str(self.objects_dir),
+                "--state-dir", str(self.control_dir), "--listen", self.control_address]
+        self.control = self._spawn("control", self.topology.network_netns, argv, {})
+        control = self.control
+        wait_until(lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
+                   timeout_s=self.config.ready_timeout_s, what="the control plane to listen",
+                   on_timeout=control.tail)
+
+    def _listening(self, netns: str, port: int, program: Program) -> bool:
+        if not program.running:
+            raise AmbientError(f"{program.name} exited with code {program.process.returncode}:\n{program.tail()}")
+        return port in listening_ports(self.runner, netns)
+
+    def agent_env(self, node: LabNode) -> dict[str, str]:
+        """istio-cni's settings for one node (reference/istio-cni.md 1.2, 1.5)."""
+        env = {
+            "AMBIENT_ENABLED": "true", "CNI_AGENT_RUN_DIR": str(node.run_dir),
+            "MOUNTED_CNI_NET_DIR": str(node.net_dir), "CNI_BIN_DIR": str(node.bin_dir),
+            "ZTUNNEL_UDS_ADDRESS": str(node.zds_socket), "POD_SOURCE_DIRECTORY": str(self.objects_dir),
+            "POD_SOURCE_POLL_INTERVAL": "100ms", "NODE_NAME": node.net.name, "AMBIENT_IPV6": "false",
+            "AMBIENT_DNS_CAPTURE": "false", "POD_NAMESPACE": SYSTEM_NAMESPACE,
+            "POD_NAME": f"{AGENT_DAEMONSET}-{node.net.name}", "LOG_OUTPUT_LEVEL": "info",
+            "MONITORING_PORT": str(AGENT_MONITORING_PORT), "HEALTH_PORT": str(AGENT_HEALTH_PORT),
+            "NATIVE_NFTABLES": "true" if self.config.native_nftables else "false",
+        }
+        if self.config.native_nftables:
+            # nftables has no `--socket-exists`: the host probe rule matches the kubelet's uid,
+            # and the lab's kubelet (this process) runs as root.
+            env["KUBELET_UID"] = str(os.geteuid())
+        env.update(self.config.agent_env)
+        return env
+
+    def start_agent(self, name: str) -> Program:
+        node = self.nodes[name]
+        node.agent_starts += 1
+        node.agent = self._spawn(f"agent-{name}-{node.agent_starts}", node.net.netns,
+                                 [self.config.python, "-m", "ambient_mesh.cni.agent"], self.agent_env(node))
+        agent = node.agent
+        wait_until(lambda: self._agent_ready(node, agent), timeout_s=self.config.ready_timeout_s,
+                   what=f"the node agent on {name} to install the plugin and be ready", on_timeout=agent.tail)
+        return agent
+
+    def _agent_ready(self, node: LabNode, agent: Program) -> bool:
+        if not agent.running:
+            raise AmbientError(f"{agent.name} exited with code {agent.process.returncode}:\n{agent.tail()}")
+        if not (node.run_dir / "pluginevent.sock").exists() or not self.plugin_installed(node.net.name):
+            return False
+        try:
+            status, _ = http_get(node.net.netns, "127.0.0.1", AGENT_HEALTH_PORT, "/readyz")
+        except OSError:
+            return False
+        return status == 200
+
+    def stop_agent(self, name: str) -> int:
+        node = self.nodes[name]
+        if node.agent is None:
+            return 0
+        code = self._stop(node.agent, AGENT_STOP_GRACE_S)
+        node.agent = None
+        return code
+
+    def restart_agent(self, name: str) -> Program:
+        self.stop_agent(name)
+        return self.start_agent(name)
+
+    def plugin_installed(self, name: str) -> bool:
+        from .runtime import find_conflist
+
+        try:
+            conflist = json.loads(find_conflist(self.nodes[name].net_dir).read_text())
+        except (OSError, ValueError, ConfigError):
+            return False
+        return any(isinstance(p, dict) and p.get("type") == "istio-cni" for p in conflist.get("plugins", []))
+
+    def proxy_env(self, node: LabNode) -> dict[str, str]:
+        """ztunnel's settings in shared mode (reference/ztunnel.md 1.2), pointed at the lab's control plane."""
+        root = str(self.control_dir / "root-cert.pem")
+        env = {
+            "PROXY_MODE": "shared", "INPOD_UDS": str(node.zds_socket), "NODE_NAME": node.net.name,
+            "XDS_ADDRESS": f"https://{self.control_address}", "CA_ADDRESS": f"https://{self.control_address}",
+            "XDS_ROOT_CA": root, "CA_ROOT_CA": root,
+            "ALT_XDS_HOSTNAME": ISTIOD_HOSTNAME, "ALT_CA_HOSTNAME": ISTIOD_HOSTNAME,
+            "AUTH_TOKEN": str(node.token), "POD_NAME": ztunnel_pod_name(node.net.name),
+            "POD_NAMESPACE": SYSTEM_NAMESPACE, "SERVICE_ACCOUNT": ZTUNNEL_SERVICE_ACCOUNT,
+            "INSTANCE_IP": str(node.net.uplink_ip), "ISTIO_META_DNS_CAPTURE": "false",
+            "TERMINATION_GRACE_PERIOD_SECONDS": "2", "IPV6_ENABLED": "false",
+        }
+        env.update(self.config.ztunnel_env)
+        return env
+
+    def start_proxy(self, name: str) -> Program:
+        from ..control.plane import mint_token
+
+        node = self.nodes[name]
+        # A projected service-account token bound to the node's ztunnel Pod, as the kubelet mounts it.
+        node.token.write_text(mint_token(self.control_dir, account=(SYSTEM_NAMESPACE, ZTUNNEL_SERVICE_ACCOUNT),
+                                         node=name, pod=ztunnel_pod_name(name), uid=node.uid))
+        node.proxy_starts += 1
+        node.proxy = self._spawn(f"ztunnel-{name}-{node.proxy_starts}", node.net.netns,
+                                 [self.config.python, "-m", "ambient_mesh.cli", "ztunnel"], self.proxy_env(node))
+        return node.proxy
+
+    def proxy_ready(self, name: str) -> bool:
+        node = self.nodes[name]
+        if node.proxy is None or not node.proxy.running:
+            return False
+        try:
+            status, _ = http_get(node.net.netns, "127.0.0.1", ZTUNNEL_READINESS_PORT, "/healthz/ready")
+        except OSError:
+            return False
+        return status == 200
+
+    def wait_proxy_ready(self, name: str) -> None:
+        node = self.nodes[name]
+        proxy = node.proxy
+        if proxy is None:
+            raise AmbientError(f"no node proxy started on {name}")
+
+        def ready() -> bool:
+            if not proxy.running:
+                raise AmbientError(f"{proxy.name} exited with code {proxy.process.returncode}:\n{proxy.tail()}")
+            return self.proxy_ready(name)
+
+        wait_until(ready, timeout_s=self.config.ready_timeout_s, what=f"the node proxy on {name} to be ready",
+                   on_timeout=proxy.tail)
+
+    def stop_proxy(self, name: str) -> int:
+        node = self.nodes[name]
+        if node.proxy is None:
+            return 0
+        code = self._stop(node.proxy, PROCESS_STOP_GRACE_S)
+        node.proxy = None
+        return code
+
+    # -- pods --------------------------------------------------------------------------------------
+
+    def add_pod(self, spec: PodSpec) -> LabPod:
+        """What kubelet and the runtime do for a new pod: the API object (Pending), the sandbox,
+        CNI ADD (the chain ends with istio-cni), the app, then the status with its IP (Running)."""
+        if spec.node not in self.nodes:
+            raise AmbientError(f"pod {spec.key} is scheduled on {spec.node!r}, which is not a lab node")
+        uid = pod_uid(self.lab_id, spec.namespace, spec.name)
+        if spec.namespace not in {p.spec.namespace for p in self.pods.values()} | set(self.config.ambient_namespaces):
+            self.set_namespace(spec.namespace, ambient=False)
+        write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=None)])
+        net = self.topology.add_pod(spec.node, spec.key)
+        pod = LabPod(spec=spec, net=net, uid=uid)
+        self.pods[spec.key] = pod
+        self.nodes[spec.node].runtime.add(net, namespace=spec.namespace, name=spec.name, uid=uid)
+        pod.app = self._spawn(f"app-{spec.namespace}-{spec.name}", net.netns,
+                              [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port",
+                               str(self.config.app_port)], {})
+        app = pod.app
+        wait_until(lambda: self._listening(net.netns, self.config.app_port, app), timeout_s=self.config.ready_timeout_s,
+                   what=f"pod {spec.key}'s app to listen", on_timeout=app.tail)
+        write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,))])
+        self.write_state()
+        return pod
+
+    def delete_pod(self, key: str) -> None:
+        """The API DELETE, then what kubelet does: stop the app, CNI DEL, remove the sandbox."""
+        pod = self.pods.pop(key)
+        remove_object(self.objects_dir, "Pod", pod.spec.namespace, pod.spec.name)
+        if pod.app is not None:
+            self._stop(pod.app, PROCESS_STOP_GRACE_S)
+        node = self.nodes[pod.spec.node]
+        with contextlib.suppress(AmbientError):  # a runtime tears the sandbox down even if DEL fails
+            node.runtime.delete(pod.net, namespace=pod.spec.namespace, name=pod.spec.name, uid=pod.uid)
+        self.topology.remove_pod(key)
+        self.write_state()
+
+    # -- what is going on --------------------------------------------------------------------------
+
+    def enrollment(self, node: str) -> dict[str, str]:
+        """The agent's enrollment marks on `node` (uid -> `enabled`/`pending`): our stand-in for
+        the pods' `ambient.istio.io/redirection` annotation."""
+        try:
+            doc = json.loads((self.nodes[node].run_dir / "enrolled-pods.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {uid: m.get("value", "") for uid, m in doc.get("pods", {}).items()}
+
+    def enrolled(self, key: str) -> bool:
+        pod = self.pods[key]
+        return self.enrollment(pod.spec.node).get(pod.uid) == "enabled"
+
+    def proxied(self, key: str) -> bool:
+        """Whether a node proxy listens inside the pod (its HBONE port 15008 is bound there)."""
+        return 15008 in listening_ports(self.runner, self.pods[key].netns)
+
+    def exec(self, key: str, argv: Sequence[str], *, input: bytes | None = None, check: bool = True) -> CompletedCommand:
+        """Run a command inside a pod's network namespace (`kubectl exec`, network-wise)."""
+        return self.runner.run(argv, input=input, netns=self.pods[key].netns, check=check)
+
+    def node_exec(self, node: str, argv: Sequence[str], *, check: bool = True) -> CompletedCommand:
+        return self.runner.run(argv, netns=self.nodes[node].net.netns, check=check)
+
+    def proxy_get(self, node: str, port: int, path: str) -> tuple[int, str]:
+        """GET one of a node proxy's endpoints (admin 15000, stats 15020, readiness 15021)."""
+        return http_get(self.nodes[node].net.netns, "127.0.0.1", port, path)
+
+    def status(self) -> dict:
+        """A JSON-able view of the whole lab (what `ambient lab status` prints)."""
+
+        def program(p: Program | None) -> dict | None:
+            if p is None:
+                return None
+            return {"pid": p.process.pid, "running": p.running, "exit": p.process.returncode, "log": str(p.log)}
+
+        nodes = {}
+        for name, node in self.nodes.items():
+            nodes[name] = {"netns": node.net.netns, "address": str(node.net.uplink_ip),
+                           "pod_cidr": str(node.net.pod_cidr), "host_address": str(node.net.pod_gateway),
+                           "agent": program(node.agent), "ztunnel": program(node.proxy),
+                           "ztunnel_ready": self.proxy_ready(name) if self._started else False}
+        pods = {}
+        for key, pod in self.pods.items():
+            marks = self.enrollment(pod.spec.node)
+            pods[key] = {"node": pod.spec.node, "ip": pod.ip, "netns": pod.netns, "uid": pod.uid,
+                         "service_account": pod.spec.sa,
+                         "ambient": pod.spec.namespace in self.config.ambient_namespaces,
+                         "redirection": marks.get(pod.uid, ""), "app": program(pod.app)}
+        return {"lab": self.lab_id, "pid": os.getpid(), "state_dir": str(self.state_dir),
+                "control": {"address": self.control_address, "netns": self.topology.network_netns,
+                            "process": program(self.control)},
+                "nodes": nodes, "pods": pods}
+
+    def write_state(self) -> None:
+        path = self.state_dir / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.status(), indent=2))
+        os.replace(tmp, path)
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+
+def read_state(state_dir: Path) -> dict:
+    try:
+        return json.loads((state_dir / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise AmbientError(f"no lab is running with state dir {state_dir}",
+                           hint="start one with `ambient lab up`") from None
+
+
+def status_text(state: Mapping) -> str:
+    """A compact table of a lab's state (from `Lab.status()` or lab.json)."""
+    lines = [f"lab {state['lab']} (pid {state['pid']}), control plane {state['control']['address']}"]
+    lines.append(f"{'NODE':<10} {'ADDRESS':<14} {'POD CIDR':<16} {'AGENT':<8} {'ZTUNNEL':<8} READY")
+    for name, node in state["nodes"].items():
+        def alive(p):
+            return "running" if p and p["running"] else "down"
+        lines.append(f"{name:<10} {node['address']:<14} {node['pod_cidr']:<16} {alive(node['agent']):<8} "
+                     f"{alive(node['ztunnel']):<8} {'yes' if node['ztunnel_ready'] else 'no'}")
+    lines.append(f"{'POD':<24} {'NODE':<10} {'IP':<14} {'AMBIENT':<8} REDIRECTION")
+    for key, pod in state["pods"].items():
+        lines.append(f"{key:<24} {pod['node']:<10} {pod['ip']:<14} {'yes' if pod['ambient'] else 'no':<8} "
+                     f"{pod['redirection'] or '-'}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ambient lab", description="a multi-node ambient mesh in network namespaces")
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="(default: %(default)s)")
+    sub = parser.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="start the lab and keep it running until Ctrl-C or `ambient lab down`")
+    up.add_argument("--nodes", type=int, default=2, help="number of nodes (default: %(default)s)")
+    up.add_argument("--pod", action="append", default=None, metavar="NODE:NS/NAME[@SA][,k=v]",
+                    help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})")
+    up.add_argument("--ambient-namespace", action="append", default=None, metavar="NS",
+                    help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})")
+    up.add_argument("--nftables", action="store_true", help="the node agents use NATIVE_NFTABLES=true")
+    sub.add_parser("status", help="show the running lab's nodes and pods")
+    sub.add_parser("down", help="stop the running lab (it tears everything down)")
+    ex = sub.add_parser("exec", help="run a command inside a pod's network namespace")
+    ex.add_argument("pod", help="namespace/name")
+    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    return parser
+
+
+def _up(args: argparse.Namespace, state_dir: Path, out) -> int:
+    specs = tuple(parse_pod_spec(p) for p in (args.pod or DEFAULT_PODS))
+    nodes = tuple(f"node-{i + 1}" for i in range(args.nodes))
+    config = LabConfig(state_dir=state_dir, nodes=nodes, pods=specs, native_nftables=args.nftables,
+                       ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES))
+    if (state_dir / STATE_FILE).exists():
+        pid = read_state(state_dir).get("pid")
+        if isinstance(pid, int) and _alive(pid):
+            raise AmbientError(f"a lab is already running from {state_dir} (pid {pid})",
+                               hint="`ambient lab down`, or pass another --state-dir")
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Lab(config) as lab:
+            print(status_text(lab.status()), file=out, flush=True)
+            print(f"lab is up; `ambient lab --state-dir {state_dir} exec <ns/pod> -- <cmd>`, "
+                  "Ctrl-C or `ambient lab down` to stop", file=out, flush=True)
+            while not stop:
+                time.sleep(0.2)
+            print("stopping the lab", file=out, flush=True)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: Iterable[str] | None = None, *, out=None) -> int:
+    """`ambient lab up|status|down|exec`: the CLI entry the `ambient` command delegates to."""
+    out = out or sys.stdout
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    state_dir = Path(args.state_dir).resolve()
+    try:
+        if args.action == "up":
+            return _up(args, state_dir, out)
+        state = read_state(state_dir)
+        if args.action == "status":
+            print(status_text(state), file=out)
+            return 0
+        if args.action == "down":
+            pid = state["pid"]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            wait_until(lambda: not _alive(pid), timeout_s=60.0, what=f"the lab (pid {pid}) to stop")
+            return 0
+        command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
+        if not command:
+            raise AmbientError("ambient lab exec needs a command after the pod: `-- sh`")
+        pod = state["pods"].get(args.pod)
+        if pod is None:
+            raise AmbientError(f"no pod {args.pod!r} in the lab; pods: {', '.join(state['pods'])}")
+        return subprocess.call(["ip", "netns", "exec", pod["netns"], *command])
+    except AmbientError as e:
+        print(f"ambient lab: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The CNI plugin asking the Kubernetes API server, end to end: the agent's `KubeconfigWriter`
+renders the plugin's kubeconfig from a service-account directory; the real plugin runs as a
+subprocess (as a container runtime runs it) and GETs the pod and its namespace from a tiny fake
+API server over HTTPS on 127.0.0.1 with a self-signed certificate; a fake node agent on unix
+sockets records whether the pod was handed over. Every failure must fail the ADD closed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import json
+import shutil
+import ssl
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from ambient_mesh.admin import parse_request
+from ambient_mesh.cni.cniconf import ErrorCode
+from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
+from ambient_mesh.cni.kubeconfig import KubeconfigInputs, KubeconfigWriter
+from ambient_mesh.cni.podinfo import PLUGIN_KUBECONFIG_NAME
+
+AMBIENT = {"istio.io/dataplane-mode": "ambient"}
+PREV = {
+    "cniVersion": "1.0.0",
+    "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/cni-1"}],
+    "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 0}],
+}
+PLUGIN_TIMEOUT_S = 30
+
+
+def self_signed(common_name: str) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) for 127.0.0.1, the way an API server's serving cert names its IP."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def pod(name: str, namespace: str, labels: dict | None = None) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": labels or {}},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "app"}]},
+        "status": {"phase": "Pending"},
+    }
+
+
+def namespace(name: str, labels: dict | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
+
+
+class FakeKubeApi:
+    """GET /api/v1/namespaces/<ns> and /api/v1/namespaces/<ns>/pods/<name>, bearer auth."""
+
+    def __init__(self, cert_pem: bytes, key_pem: bytes, directory: Path, token: str) -> None:
+        (directory / "api.crt").write_bytes(cert_pem)
+        (directory / "api.key").write_bytes(key_pem)
+        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.tls.load_cert_chain(directory / "api.crt", directory / "api.key")
+        self.token = token
+        self.objects: dict[str, dict] = {}
+        self.requests: list[tuple[str, str, str | None]] = []  # method, path, authorization
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    def add(self, obj: dict) -> None:
+        meta = obj["metadata"]
+        if obj["kind"] == "Namespace":
+            self.objects[f"/api/v1/namespaces/{meta['name']}"] = obj
+        else:
+            self.objects[f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"] = obj
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            data = b""
+            while (parsed := parse_request(data)) is None:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    return
+                data += chunk
+            request = parsed[0]
+            auth = request.header("authorization")
+            self.requests.append((request.method, unquote(request.path), auth))
+            if auth != f"Bearer {self.token}":
+                status, body = 401, {"kind": "Status", "code": 401, "reason": "Unauthorized"}
+            elif request.method != "GET":
+                status, body = 405, {"kind": "Status", "code": 405}
+            elif unquote(request.path) in self.objects:
+                status, body = 200, self.objects[unquote(request.path)]
+            else:
+                status, body = 404, {"kind": "Status", "code": 404, "reason": "NotFound"}
+            payload = json.dumps(body).encode()
+            writer.write(
+                f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+            )
+            await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass  # a client that rejected our certificate
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def gets(self) -> list[str]:
+        return [path for method, path, _ in self.requests if method == "GET"]
+
+
+class FakeAgent:
+    """The node agent's plugin-facing sockets: /cmdadd on pluginevent.sock, /log on log.sock."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, bytes]] = []
+        self.servers: list[asyncio.AbstractServer] = []
+
+    async def start(self, run_dir: Path) -> None:
+        for name in ("pluginevent.sock", "log.sock"):
+            self.servers.append(await asyncio.start_unix_server(self._serve, path=str(run_dir / name)))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:] if line)
+        body = await reader.readexactly(int(headers["Content-Length"]))
+        self.requests.append((lines[0].split(" ")[1], body))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def adds(self) -> list[dict]:
+        return [json.loads(body) for path, body in self.requests if path == "/cmdadd"]
+
+
+def cni_env(pod_name: str, pod_namespace: str) -> dict[str, str]:
+    return {
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "c0ffee",
+        "CNI_NETNS": "/var/run/netns/cni-1",
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+        "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={pod_namespace};K8S_POD_NAME={pod_name}",
+    }
+
+
+def plugin_stdin(run_dir: Path) -> bytes:
+    # istio-cni's chained entry as install.py writes it: no pod source key, so the plugin reads
+    # <cni_agent_run_dir>/istio-cni-kubeconfig.
+    return json.dumps(
+        {
+            "cniVersion": "1.0.0",
+            "name": "k8s-pod-network",
+            "type": "istio-cni",
+            "cni_agent_run_dir": str(run_dir),
+            "ambient_enabled": True,
+            "enablement_selectors": [s.to_json() for s in DEFAULT_ENABLEMENT_SELECTORS],
+            "exclude_namespaces": ["kube-system"],
+            "pod_namespace": "istio-system",
+            "prevResult": PREV,
+        }
+    ).encode()
+
+
+async def run_plugin(environ: dict[str, str], data: bytes) -> tuple[int, dict, bytes]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-m", "ambient_mesh.cni.plugin",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=environ,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(data), timeout=PLUGIN_TIMEOUT_S)
+    return proc.returncode, json.loads(out), err
+
+
+class Node:
+    """One node's worth of files: the agent's service account and run dir."""
+
+    def __init__(self, root: Path, api: FakeKubeApi, ca_pem: bytes, token: str) -> None:
+        self.run_dir = root / "run"
+        self.run_dir.mkdir()
+        self.sa = root / "serviceaccount"
+        self.sa.mkdir()
+        (self.sa / "ca.crt").write_bytes(ca_pem)
+        (self.sa / "token").write_text(token)
+        self.writer = KubeconfigWriter(
+            self.run_dir / PLUGIN_KUBECONFIG_NAME,
+            lambda: KubeconfigInputs.from_service_account(host="127.0.0.1", port=str(api.port), sa_path=self.sa),
+        )
+
+
+@pytest.fixture
+async def world():
+    # Short path: unix socket paths are limited to 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="cnik-", dir="/tmp"))
+    cert, key = self_signed("kube-apiserver")
+    api = FakeKubeApi(cert, key, root, token="tok-1")
+    api.add(namespace("apps", AMBIENT))
+    api.add(namespace("plain"))
+    api.add(pod("web-0", "apps"))
+    api.add(pod("opt-out", "apps", {"istio.io/dataplane-mode": "none"}))
+    api.add(pod("db-0", "plain"))
+    await api.start()
+    node = Node(root, api, cert, "tok-1")
+    node.writer.sync()
+    agent = FakeAgent()
+    await agent.start(node.run_dir)
+    try:
+        yield api, node, agent
+    finally:
+        agent.close()
+        await api.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_ambient_pod_is_looked_up_and_handed_to_the_agent(world):
+    api, node, agent = world
+    code, out, err = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert (code, out, err) == (0, PREV, b"")
+    assert api.gets() == ["/api/v1/namespaces/apps", "/api/v1/namespaces/apps/pods/web-0"]
+    assert {auth for _, _, auth in api.requests} == {"Bearer tok-1"}
+    [add] = agent.adds()
+    assert (add["PodName"], add["PodNamespace"], add["Netns"]) == ("web-0", "apps", "/var/run/netns/cni-1")
+    assert add["IPs"][0]["Address"]["IP"] == "10.244.1.5"
+
+
+@pytest.mark.parametrize(("name", "ns"), [("opt-out", "apps"), ("db-0", "plain")])
+async def test_non_ambient_pod_is_not_handed_over(world, name, ns):
+    api, node, agent = world
+    code, out, _ = await run_plugin(cni_env(name, ns), plugin_stdin(node.run_dir))
+    assert (code, out, agent.adds()) == (0, PREV, [])
+    assert api.gets()[-1] == f"/api/v1/namespaces/{ns}/pods/{name}"
+
+
+async def test_api_server_down_fails_closed(world):
+    api, node, agent = world
+    await api.stop()
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert code == 1 and agent.adds() == []
+    assert (out["cniVersion"], out["code"]) == ("1.0.0", int(ErrorCode.TRY_AGAIN_LATER))
+    assert out["msg"] == "istio-cni cmdAdd failed to decide whether the pod is ambient"
+    assert "ConnectionRefusedError" in out["details"]
+
+
+async def test_rotated_token_fails_closed_until_the_agent_rewrites_the_kubeconfig(world):
+    api, node, agent = world
+    api.token = "tok-2"  # the API server no longer accepts the old token
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert (code, agent.adds()) == (1, []) and "answered 401" in out["details"]
+    (node.sa / "token").write_text("tok-2")  # kubelet rotated the projected token
+    assert node.writer.sync() is True
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert (code, out, [a["PodName"] for a in agent.adds()]) == (0, PREV, ["web-0"])
+
+
+async def test_untrusted_api_server_certificate_fails_closed(world):
+    api, node, agent = world
+    other_ca, _ = self_signed("someone-else")
+    (node.sa / "ca.crt").write_bytes(other_ca)
+    node.writer.sync()
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert (code, agent.adds()) == (1, []) and "CERTIFICATE_VERIFY_FAILED" in out["details"]
+    assert api.gets() == []
+
+
+async def test_missing_kubeconfig_fails_closed(world):
+    api, node, agent = world
+    node.writer.remove()
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    assert (code, agent.adds(), api.requests) == (1, [], [])
+    assert "istio-cni-kubeconfig does not exist" in out["details"]
