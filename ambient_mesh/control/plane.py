@@ -26,11 +26,16 @@ from cryptography.hazmat.primitives import serialization
 
 from ..errors import ConfigError
 from ..identity.ca import CertificateAuthority
+from ..identity.grpc_tls import (
+    DEFAULT_SERVING_DNS_NAMES,
+    DEFAULT_SERVING_IPS,
+    server_credentials,
+    serving_certificate,
+)
 from ..identity.spiffe import Identity
 from ..net import SocketAddr
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import CaServer, Refusal, bearer_token, check_cluster_id
-from .grpc_tls import DEFAULT_SERVING_DNS_NAMES, DEFAULT_SERVING_IPS, server_credentials, serving_certificate
 from .kube import DirectoryChange, DirectoryWatcher, KubeStore
 from .tokens import AuthenticationError, TokenIssuer, load_or_create_issuer
 from .translate import MeshSettings, Translation, translate

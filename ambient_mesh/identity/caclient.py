@@ -24,10 +24,10 @@ import grpc
 from google.protobuf import struct_pb2
 
 from ..config import AuthKind, RootCertKind, ZtunnelConfig
-from ..control.grpc_tls import channel_credentials, channel_options
 from ..errors import ConfigError, IdentityError
 from ..wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from .certificate import WorkloadCertificate, generate_csr
+from .grpc_tls import channel_credentials, channel_options
 from .spiffe import Identity
 
 IMPERSONATED_IDENTITY = "ImpersonatedIdentity"

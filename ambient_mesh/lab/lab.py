@@ -27,7 +27,9 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,6 +182,42 @@ def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = 
     if len(fields) < 2 or not fields[1].isdigit():
         raise AmbientError(f"GET {host}:{port}{path} from {netns}: not an HTTP response: {data[:80]!r}")
     return int(fields[1]), body.decode(errors="replace")
+
+
+def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, timeout_s: float = HTTP_TIMEOUT_S) -> bytes:
+    """Connect from inside `netns` (as the app there would), send, half-close, return what came back."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with netns_socket(netns, family) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect((host, port))
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(READ_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+_FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')
+ACCESS_COMPLETE = "connection complete"
+
+
+def parse_log_fields(line: str) -> dict[str, str]:
+    """The `key=value` fields of one plain-text log line (quoted values are JSON strings)."""
+    fields = {}
+    for key, value in _FIELD.findall(line):
+        if value.startswith('"'):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        fields[key] = value
+    return fields
+
+
+def access_events(text: str) -> list[dict[str, str]]:
+    """ztunnel's access log (`connection complete` lines) in a node proxy's output."""
+    return [parse_log_fields(line) for line in text.splitlines() if ACCESS_COMPLETE in line]
 
 
 def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str,
@@ -519,6 +557,28 @@ class Lab:
     def proxy_get(self, node: str, port: int, path: str) -> tuple[int, str]:
         """GET one of a node proxy's endpoints (admin 15000, stats 15020, readiness 15021)."""
         return http_get(self.nodes[node].net.netns, "127.0.0.1", port, path)
+
+    def proxy_log(self, node: str, since: int = 0) -> str:
+        """The current node proxy's output on `node`, from byte offset `since`."""
+        proxy = self.nodes[node].proxy
+        if proxy is None:
+            return ""
+        with open(proxy.log, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace")
+
+    def proxy_log_offset(self, node: str) -> int:
+        proxy = self.nodes[node].proxy
+        return proxy.log.stat().st_size if proxy is not None else 0
+
+    def access_log(self, node: str, since: int = 0) -> list[dict[str, str]]:
+        return access_events(self.proxy_log(node, since))
+
+    def app_peers(self, key: str) -> list[str]:
+        """Source addresses of every connection a pod's app accepted (from its `accepted` lines)."""
+        pod = self.pods[key]
+        text = pod.app.tail(chars=10**7) if pod.app is not None else ""
+        return [line.split()[1] for line in text.splitlines() if line.startswith("accepted ")]
 
     def status(self) -> dict:
         """A JSON-able view of the whole lab (what `ambient lab status` prints)."""

@@ -20,12 +20,12 @@ from cryptography.hazmat.primitives import serialization
 
 from ambient_mesh.config import AuthKind, AuthToken, ProxyMode, RootCert, RootCertKind, ZtunnelConfig
 from ambient_mesh.control.ca_server import CaServer
-from ambient_mesh.control.grpc_tls import channel_credentials, server_credentials, serving_certificate
 from ambient_mesh.control.tokens import TokenIssuer
 from ambient_mesh.errors import CertificateError, IdentityError
 from ambient_mesh.identity import CertificateAuthority, Identity, SecretManager
 from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.certificate import load_pem_certificates, spiffe_ids
+from ambient_mesh.identity.grpc_tls import channel_credentials, server_credentials, serving_certificate
 from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
 
 TD = "cluster.local"

@@ -43,7 +43,7 @@ def self_signed(common_name: str) -> tuple[bytes, bytes]:
     """(certificate PEM, key PEM) for 127.0.0.1, the way an API server's serving cert names its IP."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -23,9 +23,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from ..errors import CertificateError
-from ..identity.ca import CertificateAuthority
-from ..identity.certificate import WorkloadCertificate
-from ..identity.spiffe import Identity
+from .ca import CertificateAuthority
+from .certificate import WorkloadCertificate
+from .spiffe import Identity
 
 ISTIOD_NAMESPACE = "istio-system"
 ISTIOD_SERVICE_ACCOUNT = "istiod"
