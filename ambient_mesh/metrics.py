@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .identity.spiffe import Identity
-from .state.model import Service, Workload
+if TYPE_CHECKING:  # types only: metrics is foundation and imports no domain package at run time
+    from .identity.spiffe import Identity
+    from .state.model import Service, Workload
 
 UNKNOWN = "unknown"
 NO_FLAG = "-"
