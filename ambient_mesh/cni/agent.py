@@ -52,7 +52,9 @@ from .cni_server import CniAddHandler, CniPluginServer
 from .dataplane import DataplaneSettings, MeshDataplane, ThreadBoundProbeSet
 from .informer import Enablement, Informer
 from .install import Installer, InstallError, PluginInstall, launcher_script, plugin_entry, watch
+from .kubeconfig import KubeconfigError, KubeconfigInputs, KubeconfigWriter
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
+from .podinfo import PLUGIN_KUBECONFIG_NAME
 from .pods import PodSource, build_pod_source
 
 log = logging.getLogger("ambient_mesh.cni-agent")
@@ -92,8 +94,12 @@ class CniAgent:
     def __init__(self, cfg: AgentConfig, *, runner: CommandRunner, source: PodSource | None,
                  probe_set: ProbeSet | None, installer: Installer | None,
                  finder: NetnsFinder | None = None, metrics: AgentMetrics | None = None,
-                 install_interval_s: float = INSTALL_WATCH_INTERVAL_S) -> None:
+                 install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
+                 kubeconfig: KubeconfigWriter | None = None) -> None:
         self.cfg = cfg
+        # The plugin's kubeconfig (Kubernetes API pod source): written at install, refreshed when
+        # the token rotates, removed on a final shutdown and kept on an upgrade, as istio-cni does.
+        self.kubeconfig = kubeconfig
         self.runner = runner
         self.source = source
         self.installer = installer
@@ -209,9 +215,16 @@ class CniAgent:
     def _install_once(self) -> bool:
         assert self.installer is not None
         try:
+            if self.kubeconfig is not None:
+                self.kubeconfig.sync()
             self.installer.install()
         except InstallError as exc:
-            result = "CREATE_CNI_CONFIG_FAILURE" if "config" in exc.message.lower() else "COPY_BINARIES_FAILURE"
+            if isinstance(exc, KubeconfigError):
+                result = "CREATE_KUBECONFIG_FAILURE"
+            elif "config" in exc.message.lower():
+                result = "CREATE_CNI_CONFIG_FAILURE"
+            else:
+                result = "COPY_BINARIES_FAILURE"
             self.metrics.installs.labels(result=result).inc()
             log.warning("CNI plugin install failed (will retry): %s", exc)
             self._set_installer_ready(False)
@@ -236,7 +249,18 @@ class CniAgent:
         if not self.installer_ready:
             while not self._install_once():
                 await asyncio.sleep(self.install_interval_s)
+        if self.kubeconfig is not None:
+            self._tasks.append(asyncio.create_task(self._refresh_kubeconfig(), name="plugin kubeconfig"))
         await watch(self.installer, interval_s=self.install_interval_s, on_drift=drifted)
+
+    async def _refresh_kubeconfig(self) -> None:
+        """Rewrite the plugin's kubeconfig when the service-account token or CA changes."""
+        while True:
+            await asyncio.sleep(self.install_interval_s)
+            try:
+                self.kubeconfig.sync()
+            except KubeconfigError as exc:
+                log.warning("plugin kubeconfig not refreshed: %s", exc)
 
     # -- stop -----------------------------------------------------------------------------------
 
@@ -266,6 +290,8 @@ class CniAgent:
         if self.installer is not None:
             try:
                 self.installer.remove(upgrade=upgrade)
+                if self.kubeconfig is not None and not upgrade:
+                    self.kubeconfig.remove()
             except (InstallError, OSError) as exc:
                 log.warning("CNI plugin removal failed: %s", exc)
             self._set_installer_ready(False)
@@ -332,7 +358,12 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
     installer = Installer(PluginInstall(cni_net_dir=cfg.mounted_cni_net_dir, cni_bin_dir=cfg.cni_bin_dir,
                                         entry=entry, launcher=launcher_script(), cni_conf_name=cfg.cni_conf_name,
                                         conf_group_read=cfg.cni_conf_group_read))
-    return CniAgent(cfg, runner=runner, source=source, probe_set=probe_set, installer=installer)
+    kubeconfig = None
+    if cfg.ambient_enabled and not cfg.pod_source_directory:
+        kubeconfig = KubeconfigWriter(cfg.cni_agent_run_dir / PLUGIN_KUBECONFIG_NAME,
+                                      lambda: KubeconfigInputs.for_agent(cfg), mode=cfg.kubeconfig_mode)
+    return CniAgent(cfg, runner=runner, source=source, probe_set=probe_set, installer=installer,
+                    kubeconfig=kubeconfig)
 
 
 async def run(cfg: AgentConfig) -> int:

@@ -322,6 +322,8 @@ class PluginConf:
     # Ours: where the plugin reads pods and namespaces (`{"directory": ...}`); istio-cni uses a
     # kubeconfig in the run dir instead.
     pod_source_directory: str = ""
+    # istio-cni's `kubernetes.kubeconfig` (up to 1.24; later the plugin uses the run dir's file)
+    kubeconfig: str = ""
     prev_result: PrevResult | None = None
 
     @property
@@ -407,6 +409,11 @@ def parse_plugin_conf(stdin: bytes) -> PluginConf:
             "invalid network config",
             "ambient_pod_source.directory: expected str",
         )
+    kube = _field(doc, "kubernetes", dict, {})
+    kubeconfig = kube.get("kubeconfig")
+    if kubeconfig is not None and not isinstance(kubeconfig, str):
+        raise CniError(ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config",
+                       "kubernetes.kubeconfig: expected str")
     try:
         selectors = parse_enablement_selectors(doc.get("enablement_selectors"))
     except ConfigError as exc:
@@ -425,6 +432,7 @@ def parse_plugin_conf(stdin: bytes) -> PluginConf:
         native_nftables=_field(doc, "native_nftables", bool, False),
         enable_ambient_detection_retry=_field(doc, "enable_ambient_detection_retry", bool, False),
         pod_source_directory=directory or "",
+        kubeconfig=kubeconfig or "",
         prev_result=None if raw_prev is None else parse_prev_result(raw_prev),
     )
 

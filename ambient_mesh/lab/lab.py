@@ -57,7 +57,7 @@ from .cluster import (
     ztunnel_pod_name,
     ztunnel_pod_spec,
 )
-from .runtime import CniRuntime
+from .runtime import CniCallError, CniRuntime
 from .topology import NodeNet, PodNet, Topology
 
 CONTROL_PORT = 15012
@@ -76,6 +76,8 @@ POLL_INTERVAL_S = 0.05
 HTTP_TIMEOUT_S = 3.0
 READ_BYTES = 65536
 LOG_TAIL_CHARS = 3000
+SANDBOX_RETRY_FIRST_S = 0.1
+SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 DEFAULT_PODS = ("node-1:demo/client", "node-2:demo/server", "node-1:legacy/plain")
@@ -299,7 +301,8 @@ class Lab:
         for node in self.nodes.values():
             self.wait_proxy_ready(node.net.name)
         for spec in self.config.pods:
-            self.add_pod(spec)
+            self.add_pod(spec, wait=False)
+        self.wait_converged()
         self.write_state()
 
     def stop(self) -> None:
@@ -483,6 +486,35 @@ class Lab:
         wait_until(ready, timeout_s=self.config.ready_timeout_s, what=f"the node proxy on {name} to be ready",
                    on_timeout=proxy.tail)
 
+    def config_dump(self, name: str) -> dict:
+        """The node proxy's /config_dump on `name`; {} when it does not answer."""
+        try:
+            status, body = self.proxy_get(name, ZTUNNEL_ADMIN_PORT, "/config_dump")
+            return json.loads(body) if status == 200 else {}
+        except (OSError, ValueError, AmbientError):
+            return {}
+
+    def known_ips(self, name: str) -> set[str]:
+        """Workload IPs the node proxy on `name` has from xDS."""
+        return {ip for w in self.config_dump(name).get("workloads", []) for ip in w.get("workloadIps", [])}
+
+    def served_pods(self, name: str) -> set[str]:
+        """`namespace/name` of every pod the node proxy on `name` runs a proxy for (workloadState)."""
+        state = self.config_dump(name).get("workloadState", {})
+        return {f"{v['info']['namespace']}/{v['info']['name']}" for v in state.values()
+                if isinstance(v, dict) and isinstance(v.get("info"), dict)}
+
+    def wait_converged(self) -> None:
+        """Until every running node proxy knows every pod: the control plane has read the pods'
+        status and pushed it (kubelet's "Ready" comes after that in a cluster, roughly)."""
+        wanted = {pod.ip for pod in self.pods.values()}
+        for name, node in self.nodes.items():
+            if node.proxy is None or not node.proxy.running:
+                continue
+            wait_until(lambda name=name: wanted <= self.known_ips(name), timeout_s=self.config.ready_timeout_s,
+                       what=f"the node proxy on {name} to learn every pod from xDS",
+                       on_timeout=lambda name=name: f"missing: {sorted(wanted - self.known_ips(name))}")
+
     def stop_proxy(self, name: str) -> int:
         node = self.nodes[name]
         if node.proxy is None:
@@ -493,9 +525,10 @@ class Lab:
 
     # -- pods --------------------------------------------------------------------------------------
 
-    def add_pod(self, spec: PodSpec) -> LabPod:
+    def add_pod(self, spec: PodSpec, *, wait: bool = True) -> LabPod:
         """What kubelet and the runtime do for a new pod: the API object (Pending), the sandbox,
-        CNI ADD (the chain ends with istio-cni), the app, then the status with its IP (Running)."""
+        CNI ADD (the chain ends with istio-cni), the app, then the status with its IP (Running).
+        With `wait`, returns once every node proxy has learned the pod from xDS."""
         if spec.node not in self.nodes:
             raise AmbientError(f"pod {spec.key} is scheduled on {spec.node!r}, which is not a lab node")
         uid = pod_uid(self.lab_id, spec.namespace, spec.name)
@@ -505,7 +538,7 @@ class Lab:
         net = self.topology.add_pod(spec.node, spec.key)
         pod = LabPod(spec=spec, net=net, uid=uid)
         self.pods[spec.key] = pod
-        self.nodes[spec.node].runtime.add(net, namespace=spec.namespace, name=spec.name, uid=uid)
+        self._cni_add_with_retries(pod)
         pod.app = self._spawn(f"app-{spec.namespace}-{spec.name}", net.netns,
                               [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port",
                                str(self.config.app_port)], {})
@@ -513,8 +546,29 @@ class Lab:
         wait_until(lambda: self._listening(net.netns, self.config.app_port, app), timeout_s=self.config.ready_timeout_s,
                    what=f"pod {spec.key}'s app to listen", on_timeout=app.tail)
         write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,))])
+        if wait:
+            self.wait_converged()
         self.write_state()
         return pod
+
+    def _cni_add_with_retries(self, pod: LabPod) -> None:
+        """kubelet's sandbox retry: a failed ADD (the agent not ready, no node proxy connected yet:
+        istio-cni fails closed) is undone with DEL and tried again, with backoff, until the deadline."""
+        runtime = self.nodes[pod.spec.node].runtime
+        args = {"namespace": pod.spec.namespace, "name": pod.spec.name, "uid": pod.uid}
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        backoff_s = SANDBOX_RETRY_FIRST_S
+        while True:
+            try:
+                runtime.add(pod.net, **args)
+                return
+            except CniCallError:
+                if time.monotonic() + backoff_s > deadline:
+                    raise
+            with contextlib.suppress(CniCallError):
+                runtime.delete(pod.net, **args)
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, SANDBOX_RETRY_MAX_S)
 
     def delete_pod(self, key: str) -> None:
         """The API DELETE, then what kubelet does: stop the app, CNI DEL, remove the sandbox."""

@@ -486,11 +486,6 @@ def test_plugin_defaults_to_the_run_dir_kubeconfig():
     assert str(lookup.kubeconfig_path) == "/var/run/x/istio-cni-kubeconfig"
 
 
-@pytest.mark.xfail(
-    "kubeconfig" not in PluginConf.__dataclass_fields__,
-    reason="cniconf.PluginConf does not read `kubernetes.kubeconfig` yet",
-    strict=True,
-)
 def test_plugin_uses_kubernetes_kubeconfig_when_given():
     lookup = default_lookup(conf(kubernetes={"kubeconfig": "/etc/cni/net.d/ZZZ-istio-cni-kubeconfig"}))
     assert str(lookup.kubeconfig_path) == "/etc/cni/net.d/ZZZ-istio-cni-kubeconfig"
