@@ -97,6 +97,12 @@ def cmd_control(args: argparse.Namespace) -> int:
     return _run(run(config))
 
 
+def cmd_lab(args: argparse.Namespace) -> int:
+    from .lab.lab import main as lab_main
+
+    return lab_main(args.args)
+
+
 def cmd_cni_agent(args: argparse.Namespace) -> int:
     from .cni.agent import main as agent_main
 
@@ -140,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--uid", default=None, help="pod uid the token is bound to")
     t.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds (default: %(default)s)")
     t.add_argument("--state-dir", default="./var/ambient-control")
+    p = sub.add_parser("lab", help="a multi-node ambient mesh in network namespaces (up|status|exec|down)",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_lab)
     p = sub.add_parser("cni-agent", help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)")
     p.add_argument("settings", nargs=argparse.REMAINDER, help="--setting=value flags, as istio-cni takes them")
     p.set_defaults(func=cmd_cni_agent)
@@ -162,7 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that parse their own arguments (istio-cni style --flags, lab sub-commands).
+PASS_THROUGH = {"lab": cmd_lab, "cni-agent": cmd_cni_agent}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASS_THROUGH:
+        rest = argv[1:]
+        namespace = argparse.Namespace(command=argv[0], args=rest, settings=rest)
+        try:
+            return PASS_THROUGH[argv[0]](namespace)
+        except AmbientError as e:
+            print(f"ambient {argv[0]}: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
