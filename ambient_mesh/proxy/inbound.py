@@ -19,11 +19,12 @@ from ..identity.spiffe import Identity
 from ..identity.tls import verify_client_identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
-from ..state.model import GatewayAddress, NetworkAddress, Service, Workload
+from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
+from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .sockets import original_destination
 from .telemetry import ConnectionResult
@@ -42,6 +43,9 @@ class InboundTarget:
 
     address: SocketAddr
     service: Service | None
+    # What the client asked for (:authority as an address): the PROXY header's destination for
+    # application tunnels; a hostname authority maps to a VIP of the service (reference 8.1).
+    authority_target: SocketAddr | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +57,12 @@ class Admitted:
     rbac_conn: RbacConnection
     workload: Workload
     peer: SocketAddr
+
+
+def _service_vip(service: Service, network: str, port: int) -> SocketAddr | None:
+    """A VIP of `service` on our network, IPv4 preferred, with the requested port."""
+    vips = sorted((v.address for v in service.vips if v.network == network), key=lambda ip: ip.version)
+    return SocketAddr(vips[0], port) if vips else None
 
 
 def _both(first: Callable[[int, int], None], second: Callable[[int, int], None]) -> Callable[[int, int], None]:
@@ -149,20 +159,24 @@ class InboundProxy:
                 return InboundRefusal(status=503, reason=f"unknown service {host}")
             endpoint = service.endpoints.get(workload.uid)
             target_port = (endpoint.port.get(port) if endpoint else None) or service.ports.get(port)
+            if not target_port and workload.application_tunnel is not None and workload.application_tunnel.port:
+                target_port = port  # the tunnel decides the port; keep the service port
             if not target_port:
                 return InboundRefusal(status=503, reason=f"service {host} has no target for port {port}")
             address = SocketAddr(local.ip, target_port)
+            authority_target = _service_vip(service, self.pi.config.network, port)
         else:
             service = None
             if ip != local.ip and workload.application_tunnel is None and not self._is_waypoint_for(workload, ip):
                 return InboundRefusal(status=400, reason=f"authority {request.authority} does not match the "
                                                          f"destination address {local.ip}")
             address = SocketAddr(local.ip, port)
+            authority_target = SocketAddr(ip, port)
         if address.port in self.pi.config.illegal_ports:
             return InboundRefusal(status=400, reason=f"port {address.port} is one of the proxy's own ports")
         if service is None:
             service = self._service_for_port(stream, workload, address.port)
-        return InboundTarget(address=address, service=service)
+        return InboundTarget(address=address, service=service, authority_target=authority_target)
 
     def _is_waypoint_for(self, local: Workload, ip: IPAddress) -> bool:
         """The local workload is the waypoint the target service or workload points to."""
@@ -220,14 +234,14 @@ class InboundProxy:
                     local: SocketAddr, target: InboundTarget, authority: str) -> Admitted | InboundRefusal:
         """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
         pi = self.pi
-        address = target.address
+        address, connect_from, proxy_header = self._delivery(workload, target, peer, src_id)
         result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=address, hbone_addr=authority,
                                   source=source, source_identity=src_id, destination=workload,
                                   service=target.service, destination_identity=workload.identity, mtls=True)
         # Authorization sees the peer's address, its certificate identity and the real target
         # (never 15008), reference 3.2 step 7.
-        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip, dst_port=address.port,
-                                   dst_network=pi.config.network)
+        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip,
+                                   dst_port=target.address.port, dst_network=pi.config.network)
         verdict = pi.connection_manager.authorize(rbac_conn, workload)
         if not verdict.allowed:
             denied = PolicyDenied(verdict)
@@ -235,12 +249,14 @@ class InboundProxy:
             return InboundRefusal(status=401, reason=str(denied), response_flag=denied.response_flag)
         try:
             async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
-                sock = await pi.connect(address, peer.ip)
+                sock = await pi.connect(address, connect_from)
             upstream = await wrap_socket(sock)
         except (OSError, TimeoutError) as e:
             reason = f"connect to {address} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
             result.fail(reason, "CONNECT")
             return InboundRefusal(status=503, reason=reason)
+        if proxy_header is not None:
+            upstream.write(proxy_header)  # the app reads who called before any stream byte
         return Admitted(result=result, upstream=upstream, rbac_conn=rbac_conn, workload=workload, peer=peer)
 
     async def carry(self, admitted: Admitted, downstream, also: Callable[[int, int], None] | None = None):
@@ -260,6 +276,29 @@ class InboundProxy:
             untrack()
         result.complete(relay, err)
         return relay, err
+
+    def _delivery(self, workload: Workload, target: InboundTarget, peer: SocketAddr,
+                  src_id: Identity | None) -> tuple[SocketAddr, IPAddress | None, bytes | None]:
+        """Where the app gets the connection, from which source, and the PROXY header if any.
+
+        Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another
+        port, and with protocol PROXY get a PROXY v2 header naming the real client and target,
+        delivered over loopback unless LOCALHOST_APP_TUNNEL=false (reference 3.7).
+        """
+        address, connect_from = target.address, peer.ip
+        tunnel = workload.application_tunnel
+        if tunnel is None:
+            return address, connect_from, None
+        if tunnel.port:
+            address = SocketAddr(address.ip, tunnel.port)
+        if tunnel.protocol is not AppTunnelProtocol.PROXY:
+            return address, connect_from, None
+        tlvs = [(TLV_PEER_IDENTITY, str(src_id).encode())] if src_id is not None else []
+        header = encode_v2(peer, target.authority_target or target.address, tlvs)
+        if self.pi.config.localhost_app_tunnel:
+            loopback = ip_address("::1" if address.ip.version == 6 else "127.0.0.1")
+            address, connect_from = SocketAddr(loopback, address.port), None
+        return address, connect_from, header
 
     def local_target(self, workload: Workload, target: SocketAddr) -> InboundTarget | InboundRefusal:
         """The same-node fast path's version of steps 4-6: the target is this pod's IP:port."""
