@@ -1,8 +1,9 @@
-"""Istio's standard TCP metrics, kept in a prometheus-client registry of our own.
+"""Istio's standard node proxy metrics, kept in a prometheus-client registry of our own.
 
 Counterparts: ztunnel src/proxy/metrics.rs (`Metrics`, `CommonTrafficLabels`,
-`ConnectionResult`) and src/metrics.rs (`istio_build`). Names and labels follow
-reference/ztunnel.md 8.2, which is what Istio dashboards and Kiali query.
+`ConnectionResult`), src/metrics.rs (`istio_build`), src/xds/metrics.rs (`XdsMetrics`) and
+src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow reference/ztunnel.md
+8.2, which is what Istio dashboards and Kiali query.
 
 Each `Metrics` owns a `CollectorRegistry`; nothing touches prometheus-client's global registry,
 so several proxies (or tests) can live in one process. Other packages register their own
@@ -46,6 +47,15 @@ RESPONSE_FLAGS = frozenset(
 )
 
 MUTUAL_TLS = "mutual_tls"
+
+# istio_xds_connection_terminations_total{reason}: ztunnel's ConnectionTerminationReason values.
+TERMINATION_CONNECTION_ERROR = "ConnectionError"  # no stream: connect failed, no response headers
+TERMINATION_RECONNECT = "Reconnect"  # a benign gRPC status (istiod rotating the connection)
+TERMINATION_ERROR = "Error"  # any other gRPC status, or a failure on our side
+TERMINATION_COMPLETE = "Complete"  # the server ended the stream with OK
+TERMINATION_REASONS = frozenset(
+    {TERMINATION_CONNECTION_ERROR, TERMINATION_RECONNECT, TERMINATION_ERROR, TERMINATION_COMPLETE}
+)
 
 
 def _or_unknown(value: object) -> str:
@@ -220,11 +230,125 @@ class ConnectionRecorder:
         )
 
 
+class XdsMetrics:
+    """The xDS client's counters: stream ends by reason, and responses and their bytes by type URL.
+
+    As ztunnel counts them: every response (known type or not) before it is handled, its bytes
+    being the sum of its resources' payloads (`Resource.resource.value`), not the frame size.
+    """
+
+    __slots__ = ("terminations", "messages", "message_bytes", "_counts")
+
+    def __init__(self) -> None:
+        self.terminations = Counter(
+            "istio_xds_connection_terminations",
+            "The total number of completed connections to xds server (unstable)",
+            ("reason",),
+            registry=None,
+        )
+        self.messages = Counter(
+            "istio_xds_message", "Total number of messages received (unstable)", ("url",), registry=None
+        )
+        # unit="bytes" names the family istio_xds_message_bytes and adds OpenMetrics' UNIT line,
+        # as ztunnel's register_with_unit(.., Unit::Bytes, ..) does.
+        self.message_bytes = Counter(
+            "istio_xds_message",
+            "Total number of bytes received (unstable)",
+            ("url",),
+            unit="bytes",
+            registry=None,
+        )
+        self._counts = [0, 0, 0]  # terminations, messages, bytes: for repr only
+
+    def collectors(self) -> tuple[Collector, ...]:
+        return (self.terminations, self.messages, self.message_bytes)
+
+    def connection_terminated(self, reason: str) -> None:
+        if reason not in TERMINATION_REASONS:
+            raise ValueError(f"unknown xDS termination reason {reason!r}")
+        self.terminations.labels(reason).inc()
+        self._counts[0] += 1
+
+    def message_received(self, type_url: str, resource_bytes: int) -> None:
+        """One DeltaDiscoveryResponse of `type_url` whose resource payloads add up to `resource_bytes`."""
+        if resource_bytes < 0:
+            raise ValueError(f"negative message size {resource_bytes}")
+        self.messages.labels(type_url).inc()
+        self.message_bytes.labels(type_url).inc(resource_bytes)
+        self._counts[1] += 1
+        self._counts[2] += resource_bytes
+
+    def __repr__(self) -> str:
+        terminations, messages, size = self._counts
+        return f"<XdsMetrics: {messages} messages ({size} B), {terminations} stream terminations>"
+
+
+class WorkloadManagerMetrics:
+    """Shared (in-pod) mode: how many pod proxies run, wait for a retry, were started and stopped.
+
+    ztunnel registers these under the `workload_manager` prefix (reference/ztunnel.md 8.2 notes
+    that its README's `istio_*` spelling is wrong). Active and pending are set from the owner's
+    own bookkeeping after every change, so they cannot drift from it.
+    """
+
+    __slots__ = ("active", "pending", "started", "stopped", "_counts")
+
+    def __init__(self) -> None:
+        self.active = Gauge(
+            "workload_manager_active_proxy_count",
+            "The total number current workloads with active proxies (unstable)",
+            registry=None,
+        )
+        self.pending = Gauge(
+            "workload_manager_pending_proxy_count",
+            "The total number current workloads with pending proxies (unstable)",
+            registry=None,
+        )
+        self.started = Counter(
+            "workload_manager_proxies_started",
+            "The total number of proxies that were started (unstable)",
+            registry=None,
+        )
+        self.stopped = Counter(
+            "workload_manager_proxies_stopped",
+            "The total number of proxies that were stopped (unstable)",
+            registry=None,
+        )
+        self._counts = [0, 0, 0, 0]  # active, pending, started, stopped: for repr only
+
+    def collectors(self) -> tuple[Collector, ...]:
+        return (self.active, self.pending, self.started, self.stopped)
+
+    def set_active(self, count: int) -> None:
+        self.active.set(count)
+        self._counts[0] = count
+
+    def set_pending(self, count: int) -> None:
+        self.pending.set(count)
+        self._counts[1] = count
+
+    def proxy_started(self) -> None:
+        self.started.inc()
+        self._counts[2] += 1
+
+    def proxy_stopped(self) -> None:
+        self.stopped.inc()
+        self._counts[3] += 1
+
+    def __repr__(self) -> str:
+        active, pending, started, stopped = self._counts
+        return (f"<WorkloadManagerMetrics: {active} active, {pending} pending, "
+                f"{started} started, {stopped} stopped>")
+
+
 class Metrics:
     """The node proxy's metrics registry."""
 
     def __init__(self, *, istio_version: str = UNKNOWN, process_metrics: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # ztunnel registers its xDS metrics whatever the mode, so they are always served.
+        self.xds = XdsMetrics()
+        self._workload_manager: WorkloadManagerMetrics | None = None
         self.connections_opened = Counter(
             "istio_tcp_connections_opened",
             "The total number of TCP connections opened",
@@ -270,6 +394,7 @@ class Metrics:
                     self.sent_bytes,
                     self.sockets_open,
                     self.build,
+                    *self.xds.collectors(),
                 )
             )
         )
@@ -282,6 +407,15 @@ class Metrics:
     def register(self, collector: Collector) -> None:
         """Add another package's collector (xDS, DNS, workload manager) to what /metrics serves."""
         self.registry.register(collector)
+
+    @property
+    def workload_manager(self) -> WorkloadManagerMetrics:
+        """The in-pod manager's metrics, registered on first use: like ztunnel, a dedicated-mode
+        proxy (which has no workload manager) does not serve them."""
+        if self._workload_manager is None:
+            self._workload_manager = WorkloadManagerMetrics()
+            self.register(_WithoutCreated(self._workload_manager.collectors()))
+        return self._workload_manager
 
     def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:
         self.connections_opened.labels(*_with_flag(labels, NO_FLAG)).inc()

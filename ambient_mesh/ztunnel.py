@@ -120,13 +120,14 @@ class Ztunnel:
             self.inpod = InpodManager(config=config, state=self.state, cert_manager=self.cert_manager,
                                       tls=self.tls, metrics=self.metrics)
             self._pods_ready = self.readiness.register("workload proxy manager")
-            self.zds = ZdsClient(config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready)
+            self.zds = ZdsClient(config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready,
+                                 metrics=self.metrics)
         self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
         self.stats = StatsServer(config.stats_addr, self.metrics)
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
         self._proxy_ready = self.readiness.register("proxy")
         self._state_ready = self.readiness.register("state manager")
-        self.xds = (XdsClient(config, self.updater, on_ready=self._state_ready.mark_ready)
+        self.xds = (XdsClient(config, self.updater, on_ready=self._state_ready.mark_ready, metrics=self.metrics)
                     if config.xds_address else None)
         self._shutdown_requested = asyncio.Event()
         self._prefetched = None

@@ -8,12 +8,17 @@ Outbound connections are created inside the client pod's namespace (so the far s
 pod's address), inbound ones are delivered to the app from the client's address (the in-pod
 rules route the replies back). Certificates of every local HBONE workload are prefetched, and
 forgotten when the last workload with that identity leaves the node.
+
+Metrics as ztunnel's src/inpod/metrics.rs: `workload_manager_proxies_started_total` when a pod's
+listeners are up, `..._stopped_total` when its drain has finished, and the active gauge set from
+`pods` after every change (the pending gauge is the ZDS client's: it holds the retry queue).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ProxyWorkloadInfo, ZtunnelConfig
@@ -29,6 +34,9 @@ from .workload_proxy import ListenerAddresses, WorkloadProxy
 
 log = logging.getLogger("ambient_mesh.inpod")
 
+# Builds (does not start) the proxy set of one pod, creating its sockets through `netns`.
+PodProxyFactory = Callable[[ProxyWorkloadInfo, NetnsHandle], WorkloadProxy]
+
 
 @dataclass(eq=False, slots=True)
 class PodProxy:
@@ -42,12 +50,14 @@ class InpodManager:
     """The `WorkloadProxyManager` the ZDS client starts and stops pod proxies through."""
 
     def __init__(self, *, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
-                 tls: TlsContextCache, metrics: Metrics) -> None:
+                 tls: TlsContextCache, metrics: Metrics, proxy_factory: PodProxyFactory | None = None) -> None:
         self.config = config
         self.state = state
         self.cert_manager = cert_manager
         self.tls = tls
         self.metrics = metrics
+        self._manager_metrics = metrics.workload_manager
+        self._proxy_factory = proxy_factory or self._new_proxy
         self.pods: dict[str, PodProxy] = {}
         self._prefetched: set[Identity] = set()
         self._unsubscribe = state.add_listener(lambda _state: self.sync_certificates())
@@ -67,21 +77,26 @@ class InpodManager:
             return w
         return None
 
-    async def start_proxy(self, uid: str, info: ProxyWorkloadInfo, netns_fd: int) -> None:
-        """Open the pod's listeners in its namespace; an exception becomes the ZDS NACK."""
-        netns = NetnsHandle(os.dup(netns_fd))  # the fd is only lent for this call
-        proxy = WorkloadProxy(
+    def _new_proxy(self, info: ProxyWorkloadInfo, netns: NetnsHandle) -> WorkloadProxy:
+        return WorkloadProxy(
             name=f"{info.namespace}/{info.name}", config=self.config, state=self.state,
             cert_manager=self.cert_manager, tls=self.tls, metrics=self.metrics,
             served=lambda: self.workload_for(info), addresses=ListenerAddresses.from_config(self.config),
             transparent=self.config.enable_orig_src is not False, socket_factory=netns.socket,
             reuse_port=self.config.inpod_port_reuse, local_inbound=self.inbound_for)
+
+    async def start_proxy(self, uid: str, info: ProxyWorkloadInfo, netns_fd: int) -> None:
+        """Open the pod's listeners in its namespace; an exception becomes the ZDS NACK."""
+        netns = NetnsHandle(os.dup(netns_fd))  # the fd is only lent for this call
         try:
+            proxy = self._proxy_factory(info, netns)
             proxy.start()
         except BaseException:
             netns.close()
             raise
         self.pods[uid] = PodProxy(uid, info, netns, proxy)
+        self._manager_metrics.proxy_started()
+        self._manager_metrics.set_active(len(self.pods))
         log.info("pod proxy started", extra={"fields": {"uid": uid, "pod": str(info), **proxy.bound_addresses()}})
 
     def inbound_for(self, workload: Workload) -> InboundProxy | None:
@@ -96,8 +111,14 @@ class InpodManager:
         pod = self.pods.pop(uid, None)
         if pod is None:
             return
-        await pod.proxy.drain(self.config.termination_deadline_s if graceful else 0)
-        pod.netns.close()
+        # No longer active as soon as it is taken out, though its drain may still run (ztunnel's
+        # count of workload states); counted as stopped once the drain is over.
+        self._manager_metrics.set_active(len(self.pods))
+        try:
+            await pod.proxy.drain(self.config.termination_deadline_s if graceful else 0)
+        finally:
+            pod.netns.close()
+            self._manager_metrics.proxy_stopped()
         log.info("pod proxy stopped", extra={"fields": {"uid": uid, "pod": str(pod.info), "graceful": graceful}})
 
     async def stop_all(self, graceful: bool = True) -> None:

@@ -8,7 +8,9 @@ This is the thin asyncio shell around `XdsSession`: it opens `DeltaAggregatedRes
 the session's initial requests, then loops read -> decode (session) -> apply (updater) -> wake
 on-demand waiters -> write the ACK/NACK -> read again. When a stream ends it waits as
 `reconnect_delay` says and starts another; the session keeps what was accepted, so nothing is
-lost and the new stream resumes with `initial_resource_versions`.
+lost and the new stream resumes with `initial_resource_versions`. Given the node proxy's
+`Metrics`, it counts what ztunnel's src/xds/metrics.rs counts: every response by type URL (and
+its resources' payload bytes) and every stream end by reason (`TERMINATION_REASON`).
 
 Deliberate differences from ztunnel: a failure to set up the channel (unreadable root cert or
 token file) backs off like a connection failure instead of retrying at once; grpc-core's own
@@ -30,6 +32,14 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from ..config import MIB, AuthKind, AuthToken, RootCert, RootCertKind, ZtunnelConfig
 from ..errors import AmbientError, ConfigError
+from ..metrics import (
+    TERMINATION_COMPLETE,
+    TERMINATION_CONNECTION_ERROR,
+    TERMINATION_ERROR,
+    TERMINATION_RECONNECT,
+    Metrics,
+    XdsMetrics,
+)
 from .session import (
     INITIAL_BACKOFF_S,
     DeltaDiscoveryRequest,
@@ -52,6 +62,16 @@ ON_DEMAND_TIMEOUT_S = 5.0
 _BENIGN_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
 _BENIGN_UNAVAILABLE = ("transport is closing", "received prior goaway", "goaway received")
 
+# istio_xds_connection_terminations_total{reason}. ztunnel has no reason of its own for a
+# failure on its side mid-stream (a request it could not send): it counts that as Error.
+TERMINATION_REASON: dict[StreamEnd, str] = {
+    StreamEnd.CONNECTION_ERROR: TERMINATION_CONNECTION_ERROR,
+    StreamEnd.RECONNECT: TERMINATION_RECONNECT,
+    StreamEnd.ERROR: TERMINATION_ERROR,
+    StreamEnd.LOCAL_ERROR: TERMINATION_ERROR,
+    StreamEnd.COMPLETE: TERMINATION_COMPLETE,
+}
+
 ChannelFactory = Callable[[], grpc.aio.Channel]
 TokenReader = Callable[[], str | None]
 Sleep = Callable[[float], Awaitable[None]]
@@ -65,6 +85,11 @@ def classify_status(code: grpc.StatusCode, details: str | None) -> StreamEnd:
     if code == grpc.StatusCode.UNAVAILABLE and any(s in text for s in _BENIGN_UNAVAILABLE):
         return StreamEnd.RECONNECT
     return StreamEnd.ERROR
+
+
+def resource_bytes(response: DeltaDiscoveryResponse) -> int:
+    """What istio_xds_message_bytes_total adds for a response: its resources' payload bytes."""
+    return sum(len(r.resource.value) for r in response.resources if r.HasField("resource"))
 
 
 def read_token(auth: AuthToken) -> str | None:
@@ -149,6 +174,7 @@ class XdsClient:
         token_reader: TokenReader | None = None,
         sleep: Sleep = asyncio.sleep,
         on_ready: Callable[[], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.updater = updater
@@ -157,6 +183,7 @@ class XdsClient:
         self._token_reader = token_reader or (lambda: read_token(config.auth_token))
         self._sleep = sleep
         self._on_ready = on_ready
+        self._metrics: XdsMetrics | None = metrics.xds if metrics is not None else None
         self.ready = asyncio.Event()
         self._call: grpc.aio.StreamStreamCall | None = None
         self._write_lock = asyncio.Lock()
@@ -198,6 +225,8 @@ class XdsClient:
             if self._closing:
                 return
             self.terminations[end] += 1
+            if self._metrics is not None:
+                self._metrics.connection_terminated(TERMINATION_REASON[end])
             self.last_error = None if end is StreamEnd.COMPLETE else detail
             delay, backoff = reconnect_delay(end, backoff)
             level = logging.DEBUG if end is StreamEnd.RECONNECT else logging.WARNING
@@ -259,6 +288,9 @@ class XdsClient:
             await channel.close()
 
     async def _handle(self, call: grpc.aio.StreamStreamCall, response: DeltaDiscoveryResponse) -> None:
+        if self._metrics is not None:
+            # Before handling, as ztunnel does: responses of unknown types and NACKed ones count too.
+            self._metrics.message_received(response.type_url, resource_bytes(response))
         outcome = self.session.handle_response(response)
         push = outcome.push
         self.pushes += 1
@@ -335,4 +367,5 @@ def _describe(error: grpc.aio.AioRpcError) -> str:
     return f"{error.code().name}: {error.details()}"
 
 
-__all__ = ["XdsClient", "classify_status", "grpc_target", "make_channel", "read_token"]
+__all__ = ["TERMINATION_REASON", "XdsClient", "classify_status", "grpc_target", "make_channel", "read_token",
+           "resource_bytes"]

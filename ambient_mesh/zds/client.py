@@ -18,6 +18,10 @@ Deliberate difference from ztunnel: a protocol error (Keep after the snapshot, a
 snapshot) NACKs and reconnects, as the spec's error rule says, instead of stopping the manager;
 a connection that ended before its snapshot completed backs off before the next attempt so a
 node agent that keeps refusing us is not hammered.
+
+Given the node proxy's `Metrics`, the shell keeps `workload_manager_pending_proxy_count` equal to
+the pods waiting for a start retry after every batch of commands (ztunnel updates it wherever its
+pending set changes); the manager counts active, started and stopped proxies itself.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import ProxyWorkloadInfo
+from ..metrics import Metrics, WorkloadManagerMetrics
 from .codec import (
     ANCILLARY_BUFFER_BYTES,
     RECEIVE_BUFFER_BYTES,
@@ -522,6 +527,7 @@ class ZdsClient:
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
         on_ready_change: Callable[[bool], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.path = Path(path)
         self.manager = manager
@@ -531,6 +537,7 @@ class ZdsClient:
         self._clock = clock
         self._sleep = sleep
         self._on_ready_change = on_ready_change
+        self._metrics: WorkloadManagerMetrics | None = metrics.workload_manager if metrics is not None else None
         self._ready_event = asyncio.Event()
         self._was_ready = False
         self._channel: SeqpacketChannel | None = None
@@ -728,6 +735,9 @@ class ZdsClient:
             log.exception("stopping the proxy for pod %s failed", command.uid)
 
     def _notify_ready(self) -> None:
+        # Called after every change to the state machine, so the pending gauge follows it here too.
+        if self._metrics is not None:
+            self._metrics.set_pending(len(self.state.pending))
         ready = self.state.ready
         if ready == self._was_ready:
             return
