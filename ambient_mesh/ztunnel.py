@@ -127,9 +127,10 @@ class Ztunnel:
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
         self._proxy_ready = self.readiness.register("proxy")
         self._state_ready = self.readiness.register("state manager")
-        self.xds = (XdsClient(config, self.updater, on_ready=self._state_ready.mark_ready, metrics=self.metrics)
+        self.xds = (XdsClient(config, self.updater, on_ready=self._on_state_synced, metrics=self.metrics)
                     if config.xds_address else None)
         self._shutdown_requested = asyncio.Event()
+        self._state_synced = asyncio.Event()
         self._prefetched = None
 
     def __repr__(self) -> str:
@@ -176,7 +177,7 @@ class Ztunnel:
         config = self.config
         await self.readiness_server.start()
         if self.xds is None:
-            self._state_ready.mark_ready()
+            self._on_state_synced()
         else:
             self.xds.start()  # ready once every subscribed type got its first push
         self._register_dumps()
@@ -199,10 +200,13 @@ class Ztunnel:
             "admin": str(self.admin.bound_address), "stats": str(self.stats.bound_address),
             "readiness": str(self.readiness_server.bound_address)}})
 
+    def _on_state_synced(self) -> None:
+        self._state_ready.mark_ready()
+        self._state_synced.set()
+
     async def _start_zds(self) -> None:
         """Pods are taken over only once the state is synced (ztunnel: after the first xDS push)."""
-        while "state manager" in self.readiness.pending:
-            await asyncio.sleep(0.05)
+        await self._state_synced.wait()
         self.zds.start()
 
     def _register_dumps(self) -> None:

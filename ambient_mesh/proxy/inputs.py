@@ -11,6 +11,7 @@ import asyncio
 import random
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import ZtunnelConfig
@@ -100,7 +101,7 @@ class ProxyInputs:
             raise
         return sock
 
-    async def wait_for_workload(self, find, what: str) -> Workload | None:
+    async def wait_for_workload(self, find: Callable[[], Workload | None]) -> Workload | None:
         """Look a workload up, waiting up to 5 s for it to arrive (ztunnel fetch_workload)."""
         found = find()
         if found is not None:

@@ -104,7 +104,7 @@ class OutboundProxy:
 
     async def proxy_to(self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr) -> None:
         pi = self.pi
-        source: Workload | None = await pi.wait_for_workload(self._source, "source workload")
+        source: Workload | None = await pi.wait_for_workload(self._source)
         if source is None:
             log.warning("no workload information for the source of %s -> %s; closing", peer, target)
             ConnectionResult.failed(pi, src=peer, dst=target, direction="outbound",

@@ -147,7 +147,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     nothing is lost while the proxy is still deciding where the connection goes.
     """
 
-    __slots__ = ("transport", "_held", "_held_eof", "_paused_reading", "_lost", "_eof_sent")
+    __slots__ = ("transport", "_held", "_held_eof", "_lost", "_eof_sent")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
