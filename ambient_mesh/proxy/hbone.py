@@ -314,7 +314,7 @@ class HboneConnection(asyncio.Protocol):
     def __repr__(self) -> str:
         side = "client" if self.client_side else "server"
         state = "closed" if self.closed.done() else ("draining" if self.goaway_received else "open")
-        return f"HboneConnection({side}, {state}, {len(self.streams)} streams)"
+        return f"HboneConnection({side}, {state}, {len(self.streams)} streams, {self.total_streams} total)"
 
     # asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

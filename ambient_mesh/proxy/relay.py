@@ -15,7 +15,6 @@ Streams here).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 
@@ -53,7 +52,7 @@ class Relay:
     """
 
     __slots__ = ("downstream", "upstream", "bytes_up", "bytes_down", "done", "_eof_from",
-                 "_on_progress", "started", "_closed")
+                 "_on_progress", "_closed")
 
     def __init__(self, downstream: Endpoint, upstream: Endpoint,
                  on_progress: Callable[[int, int], None] | None = None) -> None:
@@ -61,7 +60,6 @@ class Relay:
         self.upstream = upstream
         self.bytes_up = 0
         self.bytes_down = 0
-        self.started = time.monotonic()
         self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         self._eof_from: set[int] = set()
         self._on_progress = on_progress
