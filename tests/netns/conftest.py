@@ -171,3 +171,10 @@ def get():
 @pytest.fixture(scope="session")
 def poll():
     return wait_until
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """In-process netns tests run on uvloop, the event loop the programs use."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
