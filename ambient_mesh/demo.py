@@ -516,7 +516,8 @@ def proxy_env(demo: Demo, proxy: NodeProxy) -> dict[str, str]:
         "ADMIN_ADDR": f"{proxy.http_host}:{proxy.admin_port}",
         "STATS_ADDR": f"{proxy.http_host}:{proxy.stats_port}",
         "READINESS_ADDR": f"{proxy.http_host}:{proxy.readiness_port}",
-        "ISTIO_META_DNS_PROXY_ADDR": DNS_PROXY_ADDR,
+        # In the loopback layout both proxies share one namespace: each takes its own address.
+        "ISTIO_META_DNS_PROXY_ADDR": DNS_PROXY_ADDR if demo.mode is DemoMode.NETNS else f"{proxy.http_host}:0",
     })
     if demo.ca_dir is not None:
         env["ROOT_CA_DIR"] = str(demo.ca_dir)

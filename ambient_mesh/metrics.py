@@ -167,7 +167,7 @@ def _with_flag(labels: ConnectionLabels, flag: str) -> tuple[str, ...]:
     return (*values[:_FLAG_AT], flag, *values[_FLAG_AT:])
 
 
-class _WithoutCreated(Collector):
+class WithoutCreated(Collector):
     """Serves our counters without prometheus-client's `_created` series, which ztunnel lacks."""
 
     def __init__(self, collectors: Iterable[Collector]) -> None:
@@ -385,7 +385,7 @@ class Metrics:
         self.build = Gauge("istio_build", "Istio component build info", ("component", "tag"), registry=None)
         self.build.labels("ztunnel", istio_version or UNKNOWN).set(1)
         self.registry.register(
-            _WithoutCreated(
+            WithoutCreated(
                 (
                     self.connections_opened,
                     self.connections_closed,
@@ -414,7 +414,7 @@ class Metrics:
         proxy (which has no workload manager) does not serve them."""
         if self._workload_manager is None:
             self._workload_manager = WorkloadManagerMetrics()
-            self.register(_WithoutCreated(self._workload_manager.collectors()))
+            self.register(WithoutCreated(self._workload_manager.collectors()))
         return self._workload_manager
 
     def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig
+from .dns.resolver import DnsSettings
+from .dns.server import DnsMetrics, DnsServer, ResolvConf, UpstreamForwarder
+from .dns.server import plain_socket as dns_plain_socket
 from .errors import AmbientError, ConfigError
 from .host.netns import NetnsHandle
 from .identity.ca import CertificateAuthority, EmbeddedCaClient
@@ -109,16 +112,21 @@ class Ztunnel:
         self.workload_proxy: WorkloadProxy | None = None
         self.inpod: InpodManager | None = None
         self.zds: ZdsClient | None = None
+        # The DNS proxy (15053, ISTIO_META_DNS_CAPTURE): one per served workload; metrics shared.
+        self.dns_metrics = DnsMetrics(self.metrics) if config.dns_proxy_enabled else None
+        self.resolv = ResolvConf.read() if config.dns_proxy_enabled else None
         if config.proxy_mode is ProxyMode.DEDICATED:
             # One proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
             self.workload_proxy = WorkloadProxy(
                 name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
                 metrics=self.metrics, served=self.served_workload,
-                addresses=ListenerAddresses.from_config(config), transparent=config.enable_orig_src is True)
+                addresses=ListenerAddresses.from_config(config), transparent=config.enable_orig_src is True,
+                dns=self._dns_server("dedicated", self.served_workload, dns_plain_socket))
         else:
             # One proxy set per pod, inside each pod's netns, as the node agent hands them over.
             self.inpod = InpodManager(config=config, state=self.state, cert_manager=self.cert_manager,
-                                      tls=self.tls, metrics=self.metrics)
+                                      tls=self.tls, metrics=self.metrics,
+                                      dns_factory=self._dns_server if config.dns_proxy_enabled else None)
             self._pods_ready = self.readiness.register("workload proxy manager")
             self.zds = ZdsClient(config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready,
                                  metrics=self.metrics)
@@ -147,6 +155,23 @@ class Ztunnel:
     @property
     def listeners(self) -> dict:
         return self.workload_proxy.listeners if self.workload_proxy is not None else {}
+
+    def _dns_server(self, name: str, client, socket_factory) -> DnsServer | None:
+        """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared
+        mode synthesizes each pod's (reference/ztunnel.md section 10)."""
+        if self.dns_metrics is None:
+            return None
+        config = self.config
+        shared = config.proxy_mode is ProxyMode.SHARED
+        settings = DnsSettings(cluster_domain=config.cluster_domain,
+                               search_domains=None if shared else tuple(self.resolv.search),
+                               prefered_service_namespace=config.prefered_service_namespace,
+                               ipv6_enabled=config.ipv6_enabled)
+        forwarder = UpstreamForwarder(self.resolv.nameservers, socket_factory=socket_factory,
+                                      mark=config.packet_mark)
+        return DnsServer(name=name, address=config.dns_proxy_addr, state=self.state, settings=settings,
+                         client=client, forwarder=forwarder, metrics=self.dns_metrics,
+                         socket_factory=socket_factory)
 
     def _on_zds_ready(self, ready: bool) -> None:
         if ready:

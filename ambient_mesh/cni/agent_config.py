@@ -222,9 +222,7 @@ class AgentConfig:
     ambient_enabled: bool = False
     enablement_selectors: tuple[EnablementSelector, ...] = DEFAULT_ENABLEMENT_SELECTORS
     exclude_namespaces: tuple[str, ...] = DEFAULT_EXCLUDE_NAMESPACES
-    # Off by default, unlike the chart: the node proxy has no DNS proxy on 15053 yet, so
-    # redirecting port 53 there would break name resolution in every enrolled pod.
-    ambient_dns_capture: bool = False
+    ambient_dns_capture: bool = True  # the chart's default; the node proxy answers on 15053
     ambient_ipv6: bool = True
     ambient_disable_safe_upgrade: bool = False
     ambient_reconcile_pod_rules_on_startup: bool = True
@@ -358,7 +356,7 @@ class AgentConfig:
             ambient_enabled=e.boolean("AMBIENT_ENABLED", False),
             enablement_selectors=selectors,
             exclude_namespaces=e.csv("EXCLUDE_NAMESPACES", DEFAULT_EXCLUDE_NAMESPACES),
-            ambient_dns_capture=e.boolean("AMBIENT_DNS_CAPTURE", False),
+            ambient_dns_capture=e.boolean("AMBIENT_DNS_CAPTURE", True),
             ambient_ipv6=e.boolean("AMBIENT_IPV6", True),
             ambient_disable_safe_upgrade=e.boolean("AMBIENT_DISABLE_SAFE_UPGRADE", False),
             ambient_reconcile_pod_rules_on_startup=e.boolean("AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", True),

@@ -31,9 +31,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.registry import Collector
 
 from ..errors import BindError
-from ..metrics import UNKNOWN, _WithoutCreated
+from ..metrics import UNKNOWN, WithoutCreated
 from ..net import SocketAddr
-from ..proxy.sockets import set_mark
+from ..proxy.sockets import LISTEN_BACKLOG, set_mark
 from ..state.model import Workload
 from ..state.store import ProxyState
 from .resolver import (
@@ -145,7 +145,7 @@ class DnsMetrics:
             DNS_LABEL_NAMES, unit="seconds", buckets=UPSTREAM_DURATION_BUCKETS_S, registry=None)
         self._counts = [0, 0, 0]  # requests, forwarded, failed: for repr only
         if registry is not None:
-            registry.register(_WithoutCreated(self.collectors()))
+            registry.register(WithoutCreated(self.collectors()))
 
     def collectors(self) -> tuple[Collector, ...]:
         return (self.requests, self.upstream_requests, self.upstream_failures, self.upstream_duration)
@@ -255,13 +255,16 @@ class UpstreamForwarder:
         sock = self._socket(server.family, socket.SOCK_DGRAM)
         waiter: asyncio.Future[dns.message.Message] = loop.create_future()
         try:
+            # Connected: the kernel drops datagrams from anyone else, and reports ICMP
+            # unreachable (nothing listening) at once instead of leaving us to time out.
+            sock.connect(server.sockaddr())
             transport, _ = await loop.create_datagram_endpoint(
                 lambda: _UpstreamDatagram(query, waiter), sock=sock)
         except BaseException:
             sock.close()
             raise
         try:
-            transport.sendto(wire, server.sockaddr())
+            transport.sendto(wire)
             return await waiter
         finally:
             transport.close()
@@ -380,7 +383,7 @@ class DnsServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr.sockaddr())
             if type == socket.SOCK_STREAM:
-                sock.listen(128)
+                sock.listen(LISTEN_BACKLOG)
             sock.setblocking(False)
         except OSError as e:
             sock.close()

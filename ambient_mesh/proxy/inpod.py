@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ProxyWorkloadInfo, ZtunnelConfig
+from ..dns.server import DnsServer
 from ..host.netns import NetnsHandle
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
@@ -38,6 +39,10 @@ log = logging.getLogger("ambient_mesh.inpod")
 PodProxyFactory = Callable[[ProxyWorkloadInfo, NetnsHandle], WorkloadProxy]
 
 
+# (name, the served workload, the pod's socket factory) -> the pod's DNS proxy
+DnsFactory = Callable[[str, Callable[[], Workload | None], Callable], DnsServer]
+
+
 @dataclass(eq=False, slots=True)
 class PodProxy:
     uid: str
@@ -50,7 +55,8 @@ class InpodManager:
     """The `WorkloadProxyManager` the ZDS client starts and stops pod proxies through."""
 
     def __init__(self, *, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
-                 tls: TlsContextCache, metrics: Metrics, proxy_factory: PodProxyFactory | None = None) -> None:
+                 tls: TlsContextCache, metrics: Metrics, proxy_factory: PodProxyFactory | None = None,
+                 dns_factory: DnsFactory | None = None) -> None:
         self.config = config
         self.state = state
         self.cert_manager = cert_manager
@@ -58,6 +64,7 @@ class InpodManager:
         self.metrics = metrics
         self._manager_metrics = metrics.workload_manager
         self._proxy_factory = proxy_factory or self._new_proxy
+        self._dns_factory = dns_factory
         self.pods: dict[str, PodProxy] = {}
         self._prefetched: set[Identity] = set()
         self._unsubscribe = state.add_listener(lambda _state: self.sync_certificates())
@@ -83,7 +90,9 @@ class InpodManager:
             cert_manager=self.cert_manager, tls=self.tls, metrics=self.metrics,
             served=lambda: self.workload_for(info), addresses=ListenerAddresses.from_config(self.config),
             transparent=self.config.enable_orig_src is not False, socket_factory=netns.socket,
-            reuse_port=self.config.inpod_port_reuse, local_inbound=self.inbound_for)
+            reuse_port=self.config.inpod_port_reuse, local_inbound=self.inbound_for,
+            dns=(self._dns_factory(f"{info.namespace}/{info.name}", lambda: self.workload_for(info), netns.socket)
+                 if self._dns_factory is not None else None))
 
     async def start_proxy(self, uid: str, info: ProxyWorkloadInfo, netns_fd: int) -> None:
         """Open the pod's listeners in its namespace; an exception becomes the ZDS NACK."""

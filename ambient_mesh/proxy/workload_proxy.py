@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ZtunnelConfig
+from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..identity.manager import SecretManager
 from ..identity.tls import TlsContextCache, verify_server_identity
@@ -57,8 +58,10 @@ class WorkloadProxy:
                  tls: TlsContextCache, metrics: Metrics, served: Callable[[], Workload | None],
                  addresses: ListenerAddresses, transparent: bool, socket_factory: SocketFactory = plain_socket,
                  reuse_port: bool = False,
-                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None) -> None:
+                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
+                 dns: DnsServer | None = None) -> None:
         self.name = name
+        self.dns = dns  # the DNS proxy (15053) serving the same workload, when enabled
         self._served = served
         self.pi = ProxyInputs(config=config, state=state, cert_manager=cert_manager, tls=tls, metrics=metrics,
                               transparent=transparent, socket_factory=socket_factory)
@@ -102,15 +105,22 @@ class WorkloadProxy:
         try:
             for listener in self.listeners.values():
                 listener.bind()
+            if self.dns is not None:
+                self.dns.bind()  # bind errors surface here, with the listeners'
         except BaseException:
             for listener in self.listeners.values():
                 listener.close()
             raise
         for listener in self.listeners.values():
             listener.start()
+        if self.dns is not None:
+            self._dns_start = asyncio.get_running_loop().create_task(self.dns.start(), name=f"dns {self.name}")
 
     def bound_addresses(self) -> dict[str, str]:
-        return {name: str(lst.bound_address) for name, lst in self.listeners.items()}
+        addresses = {name: str(lst.bound_address) for name, lst in self.listeners.items()}
+        if self.dns is not None:
+            addresses["dns"] = str(self.dns.udp_address)
+        return addresses
 
     def connections_dump(self) -> tuple[list[dict], list[dict]]:
         return self.pi.connections.dump("inbound"), self.pi.connections.dump("outbound")
@@ -119,6 +129,8 @@ class WorkloadProxy:
         """Stop accepting, GOAWAY, let connections finish until the deadline, then close them."""
         for listener in self.listeners.values():
             listener.close()
+        if self.dns is not None:
+            await self.dns.stop(deadline_s)
         self.inbound.drain()
         self.pi.pool.close()
         tasks = set(self.pi.connections.tasks)

@@ -79,7 +79,7 @@ def proxy_env(name: str, ip: str, config: str, **extra: str) -> dict[str, str]:
         "XDS_ADDRESS": "", "LOCAL_XDS": config, "UNSTABLE_ENABLE_SOCKS5": "true",
         "OUTBOUND_ADDR": f"{ip}:0", "INBOUND_ADDR": f"{ip}:15008", "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
         "SOCKS5_ADDR": f"{ip}:0", "ADMIN_ADDR": f"{ip}:0", "STATS_ADDR": f"{ip}:0",
-        "READINESS_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+        "READINESS_ADDR": f"{ip}:0", "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
     }
     env.update(extra)
     return env

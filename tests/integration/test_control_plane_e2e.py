@@ -84,7 +84,7 @@ def proxy_env(tmp: Path, plane_port: int, name: str, ip: str, **extra: str) -> d
         "AUTH_TOKEN": str(token), "POD_NAME": name, "POD_NAMESPACE": "default",
         "UNSTABLE_ENABLE_SOCKS5": "true", "OUTBOUND_ADDR": f"{ip}:0", "INBOUND_ADDR": f"{ip}:15008",
         "INBOUND_PLAINTEXT_ADDR": f"{ip}:0", "SOCKS5_ADDR": f"{ip}:0", "ADMIN_ADDR": f"{ip}:0",
-        "STATS_ADDR": f"{ip}:0", "READINESS_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+        "STATS_ADDR": f"{ip}:0", "READINESS_ADDR": f"{ip}:0", "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
     }
     env.update(extra)
     return env

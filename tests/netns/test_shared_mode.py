@@ -176,3 +176,54 @@ async def test_shared_mode_pods_on_two_nodes_talk_hbone(runner, start_echo, roun
                 await zds.stop()
             for fd in fds:
                 os.close(fd)
+
+
+def dns_query(netns: str, server: str, name: str) -> list[str]:
+    """An A query sent from inside `netns` to `server`:53 over UDP; the answer's addresses."""
+    import socket
+
+    import dns.message
+    import dns.rdatatype
+
+    from ambient_mesh.host.netns import netns_socket
+
+    query = dns.message.make_query(name, dns.rdatatype.A)
+    with netns_socket(netns, socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.sendto(query.to_wire(), (server, 53))
+        reply = dns.message.from_wire(sock.recv(4096))
+    return [rr.address for rrset in reply.answer for rr in rrset if rrset.rdtype == dns.rdatatype.A]
+
+
+async def test_shared_mode_answers_dns_captured_inside_the_pod(runner, tmp_path: Path):
+    """With DNS capture, a pod's query to any resolver on port 53 reaches the node proxy's DNS
+    proxy inside that pod (15053) and service names resolve to their VIP."""
+    with Fabric(runner=runner) as fabric:
+        client = fabric.add_node("client")
+        server = fabric.add_node("server")
+        plain = fabric.add_node("plain")
+        apply_inpod_rules(runner, client.netns, InpodConfig(redirect_dns=True), Backend.IPTABLES)
+        config = yaml.safe_load(local_config(client, server, plain))
+        config["workloads"][1]["services"] = {"shop/echo.shop.svc.cluster.local": {80: APP_PORT}}
+        config["services"] = [{"name": "echo", "namespace": "shop", "hostname": "echo.shop.svc.cluster.local",
+                               "vips": ["/10.96.0.50"], "ports": {80: APP_PORT}}]
+        table = PodTable()
+        fd = os.open(NETNS_RUN_DIR / client.netns, os.O_RDONLY | os.O_CLOEXEC)
+        table.pods["uid-client"] = (ProxyWorkloadInfo(namespace="shop", name="client", service_account="frontend"), fd)
+        zds = ZdsServer(str(tmp_path / "ztunnel.sock"), table)
+        await zds.start()
+        proxy = await build({
+            "PROXY_MODE": "shared", "INPOD_UDS": str(tmp_path / "ztunnel.sock"), "FAKE_CA": "true",
+            "XDS_ADDRESS": "", "LOCAL_XDS": yaml.safe_dump(config), "NODE_NAME": NODE,
+            "ADMIN_ADDR": "127.0.0.1:0", "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
+            "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+        try:
+            await proxy.start()
+            await wait_for(lambda: proxy.readiness.ready, what="the pod's proxy")
+            for name in ("echo.shop.svc.cluster.local.", "echo.shop.", "echo."):
+                got = await asyncio.to_thread(dns_query, client.netns, "10.96.0.10", name)
+                assert got == ["10.96.0.50"], name
+        finally:
+            await proxy.drain(0.5)
+            await zds.stop()
+            os.close(fd)

@@ -36,8 +36,7 @@ def test_defaults_follow_istio_cni_and_its_chart():
     # chart ConfigMap defaults for the keys istio-cni only reads from it
     assert c.enablement_selectors == DEFAULT_ENABLEMENT_SELECTORS
     assert c.exclude_namespaces == ("kube-system",)
-    assert c.ambient_dns_capture is False  # no DNS proxy in the node proxy yet
-    assert c.ambient_ipv6 is True
+    assert c.ambient_dns_capture is True and c.ambient_ipv6 is True
     assert c.ambient_reconcile_pod_rules_on_startup is True
     assert str(c.host_probe_snat_ip) == "169.254.7.127"
     assert str(c.host_probe_snat_ipv6) == "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
