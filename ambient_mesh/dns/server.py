@@ -26,13 +26,15 @@ from typing import Protocol
 import dns.exception
 import dns.flags
 import dns.message
+import dns.name
 import dns.rcode
+import dns.rdatatype
 from prometheus_client import Counter, Histogram
 from prometheus_client.registry import Collector
 
 from ..errors import BindError
 from ..metrics import UNKNOWN, WithoutCreated
-from ..net import SocketAddr
+from ..net import IPAddress, SocketAddr, ip_address
 from ..proxy.sockets import LISTEN_BACKLOG, set_mark
 from ..state.model import Workload
 from ..state.store import ProxyState
@@ -354,6 +356,30 @@ class DnsServer:
         where = f"udp {self.udp_address}, tcp {self.tcp_address}" if self._udp_sock else f"{self.address} (not bound)"
         return (f"<DnsServer {self.name} on {where}: {self.answered} answered, {self.forwarded} forwarded, "
                 f"{self.refused} refused, {len(self._tasks)} in flight>")
+
+    async def resolve(self, name: str) -> list[IPAddress]:
+        """Addresses for `name` as this workload's DNS would give them: our answer for mesh
+        services, else the upstream's (SOCKS5 domain names use this, as ztunnel's do)."""
+        addresses: list[IPAddress] = []
+        rdtypes = (dns.rdatatype.A, dns.rdatatype.AAAA) if self._settings.ipv6_enabled else (dns.rdatatype.A,)
+        for rdtype in rdtypes:
+            query = dns.message.make_query(dns.name.from_text(name), rdtype)
+            request = parse_request(query.to_wire())
+            if not isinstance(request, DnsRequest):
+                continue
+            decision = decide(request, self._client(), self._view, self._settings, self._rng)
+            if isinstance(decision, LocalAnswer):
+                answer = decision.response
+            elif isinstance(decision, Forward):
+                answer = await self.forwarder.forward(query)
+                if isinstance(answer, UpstreamFailure):
+                    continue
+            else:
+                continue
+            for rrset in answer.answer:
+                if rrset.rdtype == rdtype:
+                    addresses.extend(ip_address(rr.address) for rr in rrset)
+        return addresses
 
     # -- lifecycle --
 

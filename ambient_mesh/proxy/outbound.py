@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..net import SocketAddr
 from ..state.model import Workload
@@ -36,8 +36,11 @@ class OutboundProxy:
     """Carries the served workload's outgoing connections to their destinations."""
 
     def __init__(self, pi: ProxyInputs, source: Callable[[], Workload | None],
-                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None) -> None:
+                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
+                 resolve_name: Callable[[str], Awaitable[list]] | None = None) -> None:
         self.pi = pi
+        # SOCKS5 domain names go through the workload's DNS proxy logic (ztunnel needs DNS on).
+        self._resolve_name = resolve_name
         self._source = source  # the workload this proxy serves
         # Shared mode: the inbound proxy of a pod this same node proxy serves, for the fast path.
         self._local_inbound = local_inbound
@@ -90,11 +93,17 @@ class OutboundProxy:
         if not isinstance(request.host, str):
             target = SocketAddr(request.host, request.port)
         else:
-            # Names need the DNS proxy, which the node proxy does not have yet.
-            await loop.sock_sendall(sock, encode_reply(ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED))
-            log.warning("SOCKS5 request for host name %r refused: name resolution is not supported", request.host)
-            sock.close()
-            return
+            addresses = await self._resolve_name(request.host) if self._resolve_name is not None else []
+            if not addresses:
+                reason = ("no DNS proxy to resolve names (ISTIO_META_DNS_CAPTURE=false)"
+                          if self._resolve_name is None else "name did not resolve")
+                await loop.sock_sendall(sock, encode_reply(ReplyCode.HOST_UNREACHABLE))
+                log.warning("SOCKS5 request for %r refused: %s", request.host, reason)
+                sock.close()
+                return
+            # Prefer the family of the client's own connection, as ztunnel picks by family.
+            addresses.sort(key=lambda ip: ip.version != peer.ip.version)
+            target = SocketAddr(addresses[0], request.port)
         trailing = hs.trailing_data()
         await loop.sock_sendall(sock, encode_reply(ReplyCode.SUCCEEDED, SocketAddr.from_sockaddr(sock.getsockname())))
         downstream = await wrap_socket(sock)

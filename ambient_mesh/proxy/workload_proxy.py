@@ -71,7 +71,8 @@ class WorkloadProxy:
                            open_socket=self.pi.connect, settings=settings),
             max_streams_per_connection=config.pool_max_streams_per_connection,
             unused_release_timeout_s=config.pool_unused_release_timeout_s)
-        self.outbound = OutboundProxy(self.pi, served, local_inbound)
+        self.outbound = OutboundProxy(self.pi, served, local_inbound,
+                                      resolve_name=dns.resolve if dns is not None else None)
         self.inbound = InboundProxy(self.pi, self.local_workload, settings)
         self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
         mark, tracker = config.packet_mark, self.pi.connections
