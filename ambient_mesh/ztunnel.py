@@ -21,7 +21,6 @@ from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig
 from .dns.resolver import DnsSettings
 from .dns.server import DnsMetrics, DnsServer, ResolvConf, UpstreamForwarder
-from .dns.server import plain_socket as dns_plain_socket
 from .errors import AmbientError, ConfigError
 from .host.netns import NetnsHandle
 from .identity.ca import CertificateAuthority, EmbeddedCaClient
@@ -30,7 +29,7 @@ from .identity.manager import SecretManager
 from .identity.tls import TlsContextCache
 from .metrics import Metrics
 from .proxy.inpod import InpodManager
-from .proxy.sockets import set_mark
+from .proxy.sockets import plain_socket, set_mark
 from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import load_local_config, parse_local_config
@@ -121,7 +120,7 @@ class Ztunnel:
                 name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
                 metrics=self.metrics, served=self.served_workload,
                 addresses=ListenerAddresses.from_config(config), transparent=config.enable_orig_src is True,
-                dns=self._dns_server("dedicated", self.served_workload, dns_plain_socket))
+                dns=self._dns_server("dedicated", self.served_workload, plain_socket))
         else:
             # One proxy set per pod, inside each pod's netns, as the node agent hands them over.
             self.inpod = InpodManager(config=config, state=self.state, cert_manager=self.cert_manager,

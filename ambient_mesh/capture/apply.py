@@ -399,9 +399,3 @@ def remove_inpod_rules(runner: CommandRunner, netns: str | None, cfg: InpodConfi
     plan = plan_inpod_remove(cfg, backend, observe_inpod(runner, netns, cfg, backend))
     execute_plan(runner, netns, plan)
     return plan
-
-
-def inpod_rules_in_sync(runner: CommandRunner, netns: str | None, cfg: InpodConfig) -> bool:
-    """True when the iptables state already matches `cfg` (the startup reconcile's question)."""
-    return plan_inpod_apply(cfg, Backend.IPTABLES,
-                            observe_inpod(runner, netns, cfg, Backend.IPTABLES)).action is PlanAction.NONE

@@ -21,7 +21,6 @@ rule's uid when no kubelet process can be found).
 from __future__ import annotations
 
 import ipaddress
-import json
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -407,7 +406,3 @@ def load(argv: Sequence[str], env: Mapping[str, str], *, hostname: str | None = 
     merged = dict(env)
     merged.update(flags_to_env(argv))
     return AgentConfig.from_env(merged, hostname=hostname)
-
-
-def selectors_json(selectors: Sequence[EnablementSelector]) -> str:
-    return json.dumps([s.to_json() for s in selectors])

@@ -254,7 +254,6 @@ def parse_cidr(text: str) -> tuple[str, int]:
     if prefix > ip.max_prefixlen:
         raise ValueError(f"{text!r}: prefix longer than {ip.max_prefixlen}")
     return str(ip), prefix
-    return str(ip), prefix
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,14 +22,12 @@ Where this differs from istiod, on purpose:
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from google.protobuf import wrappers_pb2
-from google.protobuf.message import Message
 
 from ..wire.istio.security import authorization_pb2 as sec
 from ..wire.istio.workload import workload_pb2 as wl
@@ -110,23 +108,6 @@ class Translation:
 
 
 # -- resource versions and diffs ------------------------------------------------------------------
-
-
-def _serialize(pb: Message) -> bytes:
-    # Deterministic: map fields (Workload.services) would otherwise serialize in any order.
-    return pb.SerializeToString(deterministic=True)
-
-
-def resource_version(pb: Message) -> str:
-    """A content hash, stable across processes, for DeltaDiscoveryResponse.Resource.version."""
-    return hashlib.sha256(_serialize(pb)).hexdigest()[:16]
-
-
-def diff_resources(old: Mapping[str, Message], new: Mapping[str, Message]) -> tuple[dict[str, Message], set[str]]:
-    """(added or changed resources, names removed) between two translations of one type."""
-    changed = {name: pb for name, pb in new.items() if name not in old or _serialize(old[name]) != _serialize(pb)}
-    removed = set(old) - set(new)
-    return changed, removed
 
 
 # -- small helpers --------------------------------------------------------------------------------

@@ -84,33 +84,22 @@ class MeshView(Protocol):
 
 
 class StateView:
-    """`MeshView` over a `ProxyState`, with a hostname index rebuilt when the state's version moves.
+    """`MeshView` over a `ProxyState`: the store's own host-name index, every candidate (DNS
+    ranks them differently from routing: VIP-or-headless filter, preferred namespace)."""
 
-    The store indexes hostnames but only hands out the best match by its own ranking; DNS
-    ranks differently (VIP-or-headless filter, preferred namespace), so it needs every
-    candidate. Rebuilt lazily: at most once per state change, and only if a query comes.
-    """
-
-    __slots__ = ("_state", "_version", "_by_host")
+    __slots__ = ("_state",)
 
     def __init__(self, state: ProxyState) -> None:
         self._state = state
-        self._version = -1
-        self._by_host: dict[str, list[Service]] = {}
 
     def services_for_host(self, hostname: str) -> Sequence[Service]:
-        if self._version != self._state.version:
-            by_host: dict[str, list[Service]] = {}
-            for service in self._state.services:
-                by_host.setdefault(service.hostname.lower(), []).append(service)
-            self._by_host, self._version = by_host, self._state.version
-        return self._by_host.get(hostname, ())
+        return self._state.services.services_for_hostname(hostname)
 
     def workload(self, uid: str) -> Workload | None:
         return self._state.workloads.find_uid(uid)
 
     def __repr__(self) -> str:
-        return f"<StateView v{self._version}: {len(self._by_host)} hostnames indexed>"
+        return f"<StateView v{self._state.version}: {self._state.services.hostname_count} hostnames indexed>"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 from ..errors import BindError
 from ..metrics import UNKNOWN, WithoutCreated
 from ..net import IPAddress, SocketAddr, ip_address
-from ..proxy.sockets import LISTEN_BACKLOG, set_mark
+from ..proxy.sockets import LISTEN_BACKLOG, plain_socket, set_mark
 from ..state.model import Workload
 from ..state.store import ProxyState
 from .resolver import (
@@ -71,10 +71,6 @@ PROTOCOL_TCP = "tcp"
 
 DnsSocketFactory = Callable[[int, int], socket.socket]
 """Creates a socket of (family, type); in shared mode `NetnsHandle.socket` of the pod."""
-
-
-def plain_socket(family: int, type: int) -> socket.socket:
-    return socket.socket(family, type)
 
 
 # -- resolv.conf --------------------------------------------------------------------------------

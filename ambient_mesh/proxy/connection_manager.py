@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import AmbientError
-from ..rbac import Decision, RbacConnection
+from ..rbac import Decision, RbacConnection, log_dry_run
 from ..state.model import Workload
 from ..state.store import ProxyState
 
@@ -58,8 +58,7 @@ class ConnectionManager:
     def authorize(self, conn: RbacConnection, workload: Workload) -> Decision:
         """One authorization check against the current policies (reference 5.3)."""
         decision = self.state.policies.check(workload, conn)
-        if decision.dry_run_matches:
-            log.info("dry-run policies matched %s: %s", conn, ", ".join(decision.dry_run_matches))
+        log_dry_run(decision, conn)
         level = logging.INFO if not decision.allowed else logging.DEBUG
         if log.isEnabledFor(level):
             log.log(level, "%s %s: %s", "allowed" if decision.allowed else "denied", conn, decision.reason)

@@ -104,8 +104,8 @@ SocketFactory = Callable[[int], socket.socket]
 """Creates a TCP socket of a family; in-pod proxies create theirs inside the pod's netns."""
 
 
-def plain_socket(family: int) -> socket.socket:
-    return socket.socket(family, socket.SOCK_STREAM)
+def plain_socket(family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
+    return socket.socket(family, type)
 
 
 def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_socket) -> socket.socket:

@@ -166,7 +166,8 @@ class ServiceStore:
         key = service.key
         for vip in service.vips:
             self._by_vip.setdefault((vip.network, vip.address), {})[key] = None
-        self._by_hostname.setdefault(service.hostname, {})[key] = None
+        # Host names compare without case (RFC 4343): DNS lookups and routing share this index.
+        self._by_hostname.setdefault(service.hostname.lower(), {})[key] = None
         if service.cidr_vips:
             self._with_cidrs[key] = None
 
@@ -174,7 +175,7 @@ class ServiceStore:
         key = service.key
         for vip in service.vips:
             _discard(self._by_vip, (vip.network, vip.address), key)
-        _discard(self._by_hostname, service.hostname, key)
+        _discard(self._by_hostname, service.hostname.lower(), key)
         self._with_cidrs.pop(key, None)
 
     # -- endpoints ------------------------------------------------------------------------------
@@ -241,8 +242,16 @@ class ServiceStore:
                 best, best_rank = service, rank
         return best
 
+    @property
+    def hostname_count(self) -> int:
+        return len(self._by_hostname)
+
+    def services_for_hostname(self, hostname: str) -> list[Service]:
+        """Every service with this host name, in arrival order (DNS ranks them itself)."""
+        return [self._by_key[key] for key in self._by_hostname.get(hostname.lower(), ())]
+
     def find_hostname(self, hostname: str, client_namespace: str | None = None) -> Service | None:
-        keys = self._by_hostname.get(hostname)
+        keys = self._by_hostname.get(hostname.lower())
         if not keys:
             return None
         return self._rank(
