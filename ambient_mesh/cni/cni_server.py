@@ -163,9 +163,9 @@ class CniPluginServer:
     async def _read(self, reader: asyncio.StreamReader) -> Request | None:
         buffer = bytearray()
         while True:
-            parsed = _parse(bytes(buffer))
+            parsed = parse_request(bytes(buffer), max_body_bytes=MAX_LOG_BODY_BYTES)
             if parsed is not None:
-                return parsed
+                return parsed[0]
             chunk = await reader.read(65536)
             if not chunk:
                 if buffer:
@@ -237,38 +237,6 @@ class CniPluginServer:
             log.error("CNI add of %s/%s failed: %s", event.pod_namespace, event.pod_name, error)
             return Response.text(HTTPStatus.INTERNAL_SERVER_ERROR, f"{error}\n")
         return Response(status=HTTPStatus.OK)
-
-
-def _parse(data: bytes) -> Request | None:
-    """One request, as admin.parse_request reads it but with the larger body limit plugin log
-    batches need: the head is parsed there, the body is cut here."""
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
-        parse_request(data)  # raises when the head is already too long
-        return None
-    lines = data[:end].split(b"\r\n")
-    length: int | None = None
-    kept = [lines[0]]
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        if name.lower() != b"content-length":
-            kept.append(line)
-            continue
-        text = value.strip()
-        if not text.isdigit() or len(text) > 12 or (length is not None and int(text) != length):
-            raise ProtocolError("malformed or conflicting Content-Length")
-        length = int(text)
-    length = length or 0
-    if length > MAX_LOG_BODY_BYTES:
-        raise ProtocolError(f"request body longer than {MAX_LOG_BODY_BYTES} bytes")
-    if len(data) - end - 4 < length:
-        return None
-    parsed = parse_request(b"\r\n".join(kept) + b"\r\n\r\n")
-    if parsed is None:
-        raise ProtocolError("incomplete request head")
-    head = parsed[0]
-    return Request(method=head.method, target=head.target, path=head.path, query=head.query,
-                   headers=head.headers, body=bytes(data[end + 4:end + 4 + length]))
 
 
 __all__ = ["CniAddHandler", "CniPluginServer", "emit_plugin_lines"]

@@ -41,7 +41,7 @@ import yaml
 
 from ..errors import ConfigError, ProtocolError
 from .plugin import parse_http_response
-from .podinfo import NamespaceInfo, PodInfo, PodLookupError
+from .podinfo import NamespaceInfo, PodInfo, PodLookupError, namespace_info_from_json, pod_info_from_json
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
@@ -460,42 +460,21 @@ class DirectoryPodSource(_CachedSource):
 # -- the Kubernetes API -----------------------------------------------------------------------------
 
 
-def _string_map(raw: Any) -> dict[str, str]:
-    if not isinstance(raw, dict):
-        return {}
-    return {str(k): str(v) for k, v in raw.items() if isinstance(v, str)}
-
-
 def pod_from_json(obj: Any) -> WatchedPod:
     """A Pod object as the API server returns it -> WatchedPod. Missing fields take zero values;
     a non-object or a pod without name/namespace/uid is a ProtocolError."""
+    # Checked here, before podinfo's parser: the agent needs a uid for ZDS (the plugin does not),
+    # and a bad object in a list or watch is the API server breaking protocol, not a failed lookup.
     if not isinstance(obj, dict):
         raise ProtocolError("pod: expected an object")
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
     status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
-    name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
-    if not all(isinstance(v, str) and v for v in (name, namespace, uid)):
+    if not all(isinstance(meta.get(k), str) and meta.get(k) for k in ("name", "namespace", "uid")):
         raise ProtocolError("pod: metadata.name, metadata.namespace and metadata.uid are required")
-
-    def names(key: str) -> tuple[str, ...]:
-        items = spec.get(key)
-        return tuple(c["name"] for c in items if isinstance(c, dict) and isinstance(c.get("name"), str)) \
-            if isinstance(items, list) else ()
-
-    ips: tuple[str, ...] = ()
-    if isinstance(status.get("podIPs"), list):
-        ips = tuple(p["ip"] for p in status["podIPs"] if isinstance(p, dict) and isinstance(p.get("ip"), str) and p["ip"])
-    if not ips and isinstance(status.get("podIP"), str) and status["podIP"]:
-        ips = (status["podIP"],)
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
     return WatchedPod(
-        info=PodInfo(name=name, namespace=namespace, uid=uid, labels=_string_map(meta.get("labels")),
-                     annotations=_string_map(meta.get("annotations")),
-                     host_network=spec.get("hostNetwork") is True, containers=names("containers"),
-                     init_containers=names("initContainers"),
-                     node_name=spec.get("nodeName") if isinstance(spec.get("nodeName"), str) else "",
-                     ips=ips),
+        info=pod_info_from_json(obj),
         service_account=sa if isinstance(sa, str) else "default",
         phase=status.get("phase") if isinstance(status.get("phase"), str) else "",
         resource_version=meta.get("resourceVersion") if isinstance(meta.get("resourceVersion"), str) else "",
@@ -504,13 +483,12 @@ def pod_from_json(obj: Any) -> WatchedPod:
 
 
 def namespace_from_json(obj: Any) -> NamespaceInfo:
+    # Checked here for the same reason as in pod_from_json: ProtocolError, not PodLookupError.
     if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
         raise ProtocolError("namespace: expected an object with metadata")
-    meta = obj["metadata"]
-    if not isinstance(meta.get("name"), str) or not meta["name"]:
+    if not isinstance(obj["metadata"].get("name"), str) or not obj["metadata"]["name"]:
         raise ProtocolError("namespace: metadata.name is required")
-    return NamespaceInfo(name=meta["name"], labels=_string_map(meta.get("labels")),
-                         annotations=_string_map(meta.get("annotations")))
+    return namespace_info_from_json(obj)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

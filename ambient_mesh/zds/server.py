@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import ProxyWorkloadInfo
-from .client import SeqpacketChannel, close_fds
 from .codec import (
     VERSION_V1,
     AckMsg,
@@ -49,6 +48,7 @@ from .codec import (
     encode,
     fds_to_send,
 )
+from .transport import SeqpacketChannel, close_fds
 
 log = logging.getLogger("ambient_mesh.zds.server")
 
