@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import ipaddress
 import itertools
 import os
@@ -36,6 +37,9 @@ CLONE_NEWNET = 0x40000000
 PROCESS_TERM_GRACE_S = 3.0
 WAIT_FOR_LISTEN_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.05
+IO_TIMEOUT_S = 5.0
+READ_BYTES = 65536
+SO_MARK = getattr(socket, "SO_MARK", 36)  # Linux's value; older Pythons lack the name
 
 DEFAULT_SUBNET = ipaddress.IPv4Network("10.240.0.0/24")
 DEFAULT_SUBNET6 = ipaddress.IPv6Network("fd00:240::/64")
@@ -251,6 +255,44 @@ def netns_socket(netns: str, family: int = socket.AF_INET, type: int = socket.SO
     """A socket that lives in `netns`."""
     with entered(netns):
         return socket.socket(family, type)
+
+
+def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, mark: int | None = None,
+                  timeout_s: float = IO_TIMEOUT_S) -> bytes:
+    """Connect from inside `netns` (as the app there would), send `payload`, half-close, and
+    return everything read back until the peer closes.
+
+    `mark` sets SO_MARK on the socket first, to look like traffic the node proxy itself sends.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with netns_socket(netns, family) as sock:
+        sock.settimeout(timeout_s)
+        if mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+        sock.connect((host, port))
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(READ_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def http_get(netns: str, host: str, port: int, path: str, *,
+             timeout_s: float = IO_TIMEOUT_S) -> tuple[int, bytes]:
+    """GET http://host:port/path from inside `netns`; returns (status, body).
+
+    Connection failures raise OSError; a reply that is not HTTP raises http.client.HTTPException.
+    """
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        with entered(netns):
+            conn.connect()  # only the socket has to be created inside netns; it stays there
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
 
 
 class NetnsHandle:

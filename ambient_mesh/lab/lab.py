@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
+import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,9 @@ from pathlib import Path
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
-from ..host.netns import listening_ports, netns_socket, spawn_in_netns, stop_process
+from ..host.netns import http_get as netns_http_get
+from ..host.netns import listening_ports, spawn_in_netns, stop_process
+from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
 from .cluster import (
     AGENT_DAEMONSET,
     SYSTEM_NAMESPACE,
@@ -74,7 +75,6 @@ AGENT_STOP_GRACE_S = 15.0
 PROCESS_STOP_GRACE_S = 5.0
 POLL_INTERVAL_S = 0.05
 HTTP_TIMEOUT_S = 3.0
-READ_BYTES = 65536
 LOG_TAIL_CHARS = 3000
 SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
@@ -170,34 +170,13 @@ class LabPod:
 
 
 def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
-    """GET from inside `netns` (HTTP/1.1, Connection: close); returns (status, body)."""
-    family = 10 if ipaddress.ip_address(host).version == 6 else 2
-    with netns_socket(netns, family) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect((host, port))
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(READ_BYTES):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    fields = head.split(b"\r\n", 1)[0].split()
-    if len(fields) < 2 or not fields[1].isdigit():
-        raise AmbientError(f"GET {host}:{port}{path} from {netns}: not an HTTP response: {data[:80]!r}")
-    return int(fields[1]), body.decode(errors="replace")
-
-
-def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, timeout_s: float = HTTP_TIMEOUT_S) -> bytes:
-    """Connect from inside `netns` (as the app there would), send, half-close, return what came back."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with netns_socket(netns, family) as sock:
-        sock.settimeout(timeout_s)
-        sock.connect((host, port))
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := sock.recv(READ_BYTES):
-            chunks.append(chunk)
-        return b"".join(chunks)
+    """GET from inside `netns`; returns (status, body as text). Connection failures raise OSError
+    (callers polling for readiness treat that as "not yet"), a reply that is not HTTP AmbientError."""
+    try:
+        status, body = netns_http_get(netns, host, port, path, timeout_s=timeout_s)
+    except http.client.HTTPException as e:
+        raise AmbientError(f"GET {host}:{port}{path} from {netns}: not an HTTP response: {e!r}") from e
+    return status, body.decode(errors="replace")
 
 
 _FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')

@@ -9,11 +9,8 @@ clients, HTTP GET) are handed to tests as fixtures.
 from __future__ import annotations
 
 import functools
-import http.client
-import ipaddress
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +20,9 @@ from pathlib import Path
 import pytest
 
 from ambient_mesh.host.commands import CommandError, SubprocessRunner
-from ambient_mesh.host.netns import Fabric, Node, cleanup_stale_namespaces, entered, netns_socket
+from ambient_mesh.host.netns import Fabric, Node, cleanup_stale_namespaces, http_get, tcp_roundtrip
 
 ECHO_SCRIPT = Path(__file__).with_name("echo.py")
-IO_TIMEOUT_S = 5.0
-READ_BYTES = 65536
-SO_MARK = getattr(socket, "SO_MARK", 36)
 
 
 @functools.cache
@@ -116,39 +110,10 @@ def start_echo():
     return start_echo_server
 
 
-def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, mark: int | None = None,
-                  timeout_s: float = IO_TIMEOUT_S) -> bytes:
-    """Connect from inside `netns`, send `payload`, half-close, return everything read back."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with netns_socket(netns, family) as sock:
-        sock.settimeout(timeout_s)
-        if mark is not None:
-            sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
-        sock.connect((host, port))
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
-        chunks = []
-        while chunk := sock.recv(READ_BYTES):
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-
 @pytest.fixture(scope="session")
 def roundtrip():
+    """`roundtrip(netns, host, port, payload, *, mark=None, timeout_s=5.0) -> bytes`."""
     return tcp_roundtrip
-
-
-def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = IO_TIMEOUT_S) -> tuple[int, bytes]:
-    """GET http://host:port/path from inside `netns`; returns (status, body)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        with entered(netns):
-            conn.connect()  # the socket is created (and stays) inside netns
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
 
 
 def wait_until(predicate, *, timeout_s: float, what: str, interval_s: float = 0.1):
@@ -165,6 +130,7 @@ def wait_until(predicate, *, timeout_s: float, what: str, interval_s: float = 0.
 
 @pytest.fixture(scope="session")
 def get():
+    """`get(netns, host, port, path, *, timeout_s=5.0) -> (status, body bytes)`."""
     return http_get
 
 

@@ -20,8 +20,10 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import yaml
@@ -99,21 +101,22 @@ class Mesh:
     outside_app: object
 
 
+def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> dict:
+    """One pod of ztunnel's local xDS YAML (reference/ztunnel.md 2.3), at the node's IPv4 address."""
+    return {
+        "uid": f"Kubernetes//Pod/{namespace}/{name}",
+        "name": name,
+        "namespace": namespace,
+        "serviceAccount": sa,
+        "trustDomain": "cluster.local",
+        "workloadIps": [str(node.ipv4)],
+        "protocol": protocol,
+        "node": node.name,
+    }
+
+
 def local_config(client: Node, server: Node, plain: Node) -> dict:
     """ztunnel's local xDS YAML (reference/ztunnel.md 2.3): two HBONE pods, one TCP workload, a service."""
-
-    def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> dict:
-        return {
-            "uid": f"Kubernetes//Pod/{namespace}/{name}",
-            "name": name,
-            "namespace": namespace,
-            "serviceAccount": sa,
-            "trustDomain": "cluster.local",
-            "workloadIps": [str(node.ipv4)],
-            "protocol": protocol,
-            "node": node.name,
-        }
-
     server_workload = workload("server", "shop", "echo", server, "HBONE")
     server_workload["services"] = {f"shop/{SERVICE_HOST}": {SERVICE_PORT: APP_PORT}}
     return {
@@ -132,7 +135,18 @@ def local_config(client: Node, server: Node, plain: Node) -> dict:
     }
 
 
-def start_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path, workdir: Path) -> NodeProxy:
+def capture(runner, node: Node, *, transparent: bool = False) -> None:
+    """Install the dedicated-mode capture rules (IPv4 and IPv6) in a pod; `transparent` adds the
+    original-source return path (a mangle table, so its policy routes come with it)."""
+    apply_dedicated_rules(runner, node.netns, render_dedicated_rules(mark=PACKET_MARK, transparent=transparent))
+    apply_dedicated_rules(runner, node.netns,
+                          render_dedicated_rules(mark=PACKET_MARK, transparent=transparent, ipv6=True), ipv6=True)
+
+
+def start_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path, workdir: Path,
+                extra_env: Mapping[str, str] = MappingProxyType({})) -> NodeProxy:
+    """Start `ambient ztunnel` in dedicated mode inside `node`, configured only through its
+    environment; `extra_env` adds to (or overrides) that environment."""
     workdir.mkdir()
     log = workdir / "ztunnel.log"
     env = dict(os.environ)
@@ -146,6 +160,7 @@ def start_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path, wo
         "NODE_NAME": node.name,
         "ADMIN_ADDR": f"127.0.0.1:{ADMIN_PORT}",
     })
+    env.update(extra_env)
     with open(log, "wb") as out:
         process = fabric.spawn(node, proxy_argv(), env=env, cwd=workdir, stdout=out, stderr=out)
     return NodeProxy(node=node, process=process, log=log)
@@ -182,9 +197,7 @@ def mesh(runner, start_echo, get, poll, tmp_path_factory):
         plain_app = start_echo(fabric, plain, APP_PORT, tmp)
         outside_app = start_echo(fabric, outside, APP_PORT, tmp)
         for pod in (client, server):
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK))
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK, ipv6=True),
-                                  ipv6=True)
+            capture(runner, pod)
         client_proxy = start_proxy(fabric, client, "shop/client/frontend", config, tmp / "proxy-a")
         server_proxy = start_proxy(fabric, server, "shop/server/echo", config, tmp / "proxy-b")
         for proxy in (client_proxy, server_proxy):

@@ -22,30 +22,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
 from test_dedicated_mesh import (
-    ADMIN_PORT,
     APP_PORT,
     CLIENT_ID,
-    PACKET_MARK,
     PAYLOAD,
     NodeProxy,
+    capture,
     node_proxy_missing,
-    proxy_argv,
     start_proxy,
     wait_access_line,
     wait_ready,
+    workload,
 )
 
-from ambient_mesh.capture.dedicated import (
-    CONNMARK,
-    ROUTE_TABLE,
-    apply_dedicated_rules,
-    render_dedicated_rules,
-)
+from ambient_mesh.capture.dedicated import CONNMARK, ROUTE_TABLE
 from ambient_mesh.host.netns import Fabric, Node
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,41 +55,6 @@ class OrigSrcMesh:
     plain_proxy: NodeProxy
     transparent_app: object
     plain_app: object
-
-
-def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> dict:
-    return {
-        "uid": f"Kubernetes//Pod/{namespace}/{name}",
-        "name": name,
-        "namespace": namespace,
-        "serviceAccount": sa,
-        "trustDomain": "cluster.local",
-        "workloadIps": [str(node.ipv4)],
-        "protocol": protocol,
-        "node": node.name,
-    }
-
-
-def start_transparent_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path,
-                            workdir: Path) -> NodeProxy:
-    """test_dedicated_mesh.start_proxy's environment plus ENABLE_ORIG_SRC=true."""
-    workdir.mkdir()
-    log = workdir / "ztunnel.log"
-    env = dict(os.environ)
-    env.update({
-        "PROXY_MODE": "dedicated",
-        "PROXY_WORKLOAD_INFO": workload_info,
-        "FAKE_CA": "true",
-        "XDS_ADDRESS": "",
-        "LOCAL_XDS_PATH": str(config),
-        "PACKET_MARK": str(PACKET_MARK),
-        "NODE_NAME": node.name,
-        "ADMIN_ADDR": f"127.0.0.1:{ADMIN_PORT}",
-        "ENABLE_ORIG_SRC": "true",
-    })
-    with open(log, "wb") as out:
-        process = fabric.spawn(node, proxy_argv(), env=env, cwd=workdir, stdout=out, stderr=out)
-    return NodeProxy(node=node, process=process, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +79,12 @@ def omesh(runner, start_echo, get, poll, tmp_path_factory):
         ]}, sort_keys=False))
         transparent_app = start_echo(fabric, transparent, APP_PORT, tmp)
         plain_app = start_echo(fabric, plain, APP_PORT, tmp)
-        apply_dedicated_rules(runner, client.netns, render_dedicated_rules(mark=PACKET_MARK))
-        apply_dedicated_rules(runner, client.netns, render_dedicated_rules(mark=PACKET_MARK, ipv6=True), ipv6=True)
+        capture(runner, client)
         for pod in (transparent, plain):
-            # The transparent set carries a mangle table, so the policy routes are installed too.
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK, transparent=True))
-            apply_dedicated_rules(runner, pod.netns,
-                                  render_dedicated_rules(mark=PACKET_MARK, transparent=True, ipv6=True), ipv6=True)
+            capture(runner, pod, transparent=True)
         client_proxy = start_proxy(fabric, client, "shop/client/frontend", config, tmp / "proxy-a")
-        transparent_proxy = start_transparent_proxy(fabric, transparent, "shop/server/echo", config, tmp / "proxy-b")
+        transparent_proxy = start_proxy(fabric, transparent, "shop/server/echo", config, tmp / "proxy-b",
+                                        extra_env={"ENABLE_ORIG_SRC": "true"})
         plain_proxy = start_proxy(fabric, plain, "shop/plain-src/echo", config, tmp / "proxy-c")
         for proxy in (client_proxy, transparent_proxy, plain_proxy):
             wait_ready(proxy, get, poll)

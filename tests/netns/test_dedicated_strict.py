@@ -26,16 +26,16 @@ from test_dedicated_malicious import probe
 from test_dedicated_mesh import (
     APP_PORT,
     CLIENT_ID,
-    PACKET_MARK,
     PAYLOAD,
     NodeProxy,
+    capture,
     node_proxy_missing,
     start_proxy,
     wait_access_line,
     wait_ready,
+    workload,
 )
 
-from ambient_mesh.capture.dedicated import apply_dedicated_rules, render_dedicated_rules
 from ambient_mesh.host.netns import Fabric, Node
 
 pytestmark = pytest.mark.timeout(240)
@@ -58,19 +58,6 @@ class StrictMesh:
     open_proxy: NodeProxy
     strict_app: object
     open_app: object
-
-
-def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> dict:
-    return {
-        "uid": f"Kubernetes//Pod/{namespace}/{name}",
-        "name": name,
-        "namespace": namespace,
-        "serviceAccount": sa,
-        "trustDomain": "cluster.local",
-        "workloadIps": [str(node.ipv4)],
-        "protocol": protocol,
-        "node": node.name,
-    }
 
 
 def local_config(client: Node, strict: Node, open_: Node, legacy: Node) -> dict:
@@ -112,9 +99,7 @@ def smesh(runner, start_echo, get, poll, tmp_path_factory):
         strict_app = start_echo(fabric, strict, APP_PORT, tmp)
         open_app = start_echo(fabric, open_, APP_PORT, tmp)
         for pod in (client, strict, open_):
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK))
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK, ipv6=True),
-                                  ipv6=True)
+            capture(runner, pod)
         client_proxy = start_proxy(fabric, client, "shop/client/frontend", config, tmp / "proxy-a")
         strict_proxy = start_proxy(fabric, strict, "shop/server/echo", config, tmp / "proxy-b")
         open_proxy = start_proxy(fabric, open_, "shop/open/echo", config, tmp / "proxy-c")
