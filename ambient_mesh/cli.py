@@ -75,8 +75,16 @@ def cmd_control(args: argparse.Namespace) -> int:
     if args.action == "token":
         from .control.tokens import parse_account
 
-        print(mint_token(state_dir, account=parse_account(args.sa), node=args.node, pod=args.pod, uid=args.uid,
-                         ttl_s=args.ttl))
+        print(
+            mint_token(
+                state_dir,
+                account=parse_account(args.sa),
+                node=args.node,
+                pod=args.pod,
+                uid=args.uid,
+                ttl_s=args.ttl,
+            )
+        )
         return 0
     from .control.ca_server import parse_trusted_node_accounts
     from .control.plane import ControlPlaneConfig, run
@@ -88,12 +96,16 @@ def cmd_control(args: argparse.Namespace) -> int:
         raise AmbientError("ambient control needs --dir: the directory of Kubernetes YAML files to serve")
     configure_logging("plain", args.log_level)
     config = ControlPlaneConfig(
-        directory=Path(args.dir), state_dir=state_dir, listen=SocketAddr.parse(args.listen),
+        directory=Path(args.dir),
+        state_dir=state_dir,
+        listen=SocketAddr.parse(args.listen),
         plaintext_listen=SocketAddr.parse(args.plaintext_listen) if args.plaintext_listen else None,
         root_ca_dir=Path(args.root_ca_dir) if args.root_ca_dir else None,
-        mesh=MeshSettings(trust_domain=args.trust_domain, cluster_id=args.cluster_id,
-                          root_namespace=args.root_namespace),
-        trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)))
+        mesh=MeshSettings(
+            trust_domain=args.trust_domain, cluster_id=args.cluster_id, root_namespace=args.root_namespace
+        ),
+        trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
+    )
     return _run(run(config))
 
 
@@ -123,19 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="two node proxies, a client and a server: one connection over HBONE/mTLS")
     p.add_argument("-v", "--verbose", action="store_true", help="show the proxies' logs")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("control", help="the embedded control plane: xDS and CA for node proxies, from YAML files")
+    p = sub.add_parser(
+        "control", help="the embedded control plane: xDS and CA for node proxies, from YAML files"
+    )
     p.add_argument("--dir", help="directory of Kubernetes YAML files (watched for changes)")
-    p.add_argument("--state-dir", default="./var/ambient-control",
-                   help="where the CA, the token key and root-cert.pem are kept (default: %(default)s)")
+    p.add_argument(
+        "--state-dir",
+        default="./var/ambient-control",
+        help="where the CA, the token key and root-cert.pem are kept (default: %(default)s)",
+    )
     p.add_argument("--listen", default="[::]:15012", help="TLS address for xDS and CA (default: %(default)s)")
     p.add_argument("--plaintext-listen", default=None, help="optional plaintext address (istiod's 15010)")
-    p.add_argument("--root-ca-dir", default=os.environ.get("ROOT_CA_DIR"),
-                   help="Istio plugged-in CA directory (env ROOT_CA_DIR); default: a root kept in --state-dir")
+    p.add_argument(
+        "--root-ca-dir",
+        default=os.environ.get("ROOT_CA_DIR"),
+        help="Istio plugged-in CA directory (env ROOT_CA_DIR); default: a root kept in --state-dir",
+    )
     p.add_argument("--trust-domain", default=os.environ.get("TRUST_DOMAIN", "cluster.local"))
     p.add_argument("--cluster-id", default=os.environ.get("CLUSTER_ID", "Kubernetes"))
     p.add_argument("--root-namespace", default="istio-system")
-    p.add_argument("--trusted-node-accounts", default=os.environ.get("CA_TRUSTED_NODE_ACCOUNTS", "istio-system/ztunnel"),
-                   help="ns/sa list allowed to impersonate (env CA_TRUSTED_NODE_ACCOUNTS)")
+    p.add_argument(
+        "--trusted-node-accounts",
+        default=os.environ.get("CA_TRUSTED_NODE_ACCOUNTS", "istio-system/ztunnel"),
+        help="ns/sa list allowed to impersonate (env CA_TRUSTED_NODE_ACCOUNTS)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_control, action=None)
     actions = p.add_subparsers(dest="action")
@@ -146,22 +169,34 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--uid", default=None, help="pod uid the token is bound to")
     t.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds (default: %(default)s)")
     t.add_argument("--state-dir", default="./var/ambient-control")
-    p = sub.add_parser("lab", help="a multi-node ambient mesh in network namespaces (up|status|exec|down)",
-                       add_help=False)
+    p = sub.add_parser(
+        "lab", help="a multi-node ambient mesh in network namespaces (up|status|exec|down)", add_help=False
+    )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_lab)
-    p = sub.add_parser("cni-agent", help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)")
-    p.add_argument("settings", nargs=argparse.REMAINDER, help="--setting=value flags, as istio-cni takes them")
+    p = sub.add_parser(
+        "cni-agent", help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)"
+    )
+    p.add_argument(
+        "settings", nargs=argparse.REMAINDER, help="--setting=value flags, as istio-cni takes them"
+    )
     p.set_defaults(func=cmd_cni_agent)
-    p = sub.add_parser("cni-plugin", help="the chained CNI plugin (run by the container runtime: stdin + CNI_* env)")
+    p = sub.add_parser(
+        "cni-plugin", help="the chained CNI plugin (run by the container runtime: stdin + CNI_* env)"
+    )
     p.set_defaults(func=cmd_cni_plugin)
-    p = sub.add_parser("redirect", help="dedicated-mode capture rules (iptables) for the current or a named netns")
+    p = sub.add_parser(
+        "redirect", help="dedicated-mode capture rules (iptables) for the current or a named netns"
+    )
     p.add_argument("action", choices=["show", "apply", "remove"])
     p.add_argument("--netns", default=None, help="network namespace name (default: the current one)")
     p.add_argument("--mark", type=int, default=1337, help="packet mark of the proxy's own sockets")
     p.set_defaults(func=cmd_redirect)
-    p = sub.add_parser("ztunnel-config", help="show a running node proxy's workloads, services, policies or "
-                       "certificates (like istioctl ztunnel-config)")
+    p = sub.add_parser(
+        "ztunnel-config",
+        help="show a running node proxy's workloads, services, policies or "
+        "certificates (like istioctl ztunnel-config)",
+    )
     p.add_argument("kind", choices=["workloads", "services", "policies", "certificates", "all"])
     p.add_argument("--admin", default="127.0.0.1:15000", help="the proxy's admin address (ADMIN_ADDR)")
     p.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")

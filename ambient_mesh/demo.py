@@ -154,13 +154,15 @@ def render_local_config(*, client_ip: str, server_ip: str, vip: str) -> dict[str
     server["services"] = {f"{NAMESPACE}/{SERVICE_HOST}": {SERVICE_PORT: APP_PORT}}
     return {
         "workloads": [workload(CLIENT, client_ip), server],
-        "services": [{
-            "name": SERVICE_NAME,
-            "namespace": NAMESPACE,
-            "hostname": SERVICE_HOST,
-            "vips": [f"/{vip}"],
-            "ports": {SERVICE_PORT: APP_PORT},
-        }],
+        "services": [
+            {
+                "name": SERVICE_NAME,
+                "namespace": NAMESPACE,
+                "hostname": SERVICE_HOST,
+                "vips": [f"/{vip}"],
+                "ports": {SERVICE_PORT: APP_PORT},
+            }
+        ],
     }
 
 
@@ -223,14 +225,24 @@ def traffic_counters(metrics_text: str) -> list[TrafficCounters]:
             if not sample.name.endswith("_total"):
                 continue
             labels = sample.labels
-            key = (labels.get("reporter", "unknown"), labels.get("source_principal", "unknown"),
-                   labels.get("destination_principal", "unknown"), labels.get("destination_service", "unknown"),
-                   labels.get("connection_security_policy", "unknown"))
+            key = (
+                labels.get("reporter", "unknown"),
+                labels.get("source_principal", "unknown"),
+                labels.get("destination_principal", "unknown"),
+                labels.get("destination_service", "unknown"),
+                labels.get("connection_security_policy", "unknown"),
+            )
             counts = rows.setdefault(key, {})
             counts[column] = counts.get(column, 0) + int(sample.value)
     return [
-        TrafficCounters(reporter=k[0], source_principal=k[1], destination_principal=k[2],
-                        destination_service=k[3], security_policy=k[4], **counts)
+        TrafficCounters(
+            reporter=k[0],
+            source_principal=k[1],
+            destination_principal=k[2],
+            destination_service=k[3],
+            security_policy=k[4],
+            **counts,
+        )
         for k, counts in sorted(rows.items())
     ]
 
@@ -273,9 +285,14 @@ def summarize_certificate(dump: dict[str, Any], identity: str, root_pem: bytes) 
         except (ValueError, binascii.Error, x509.ExtensionNotFound):
             pass
         return CertificateSummary(
-            identity=identity, state=str(entry.get("state", "?")), serial=str(leaf_info.get("serialNumber", "?")),
-            valid_from=str(leaf_info.get("validFrom", "?")), expires=str(leaf_info.get("expirationTime", "?")),
-            issuer=issuer, san=san, chains_to_demo_root=chains,
+            identity=identity,
+            state=str(entry.get("state", "?")),
+            serial=str(leaf_info.get("serialNumber", "?")),
+            valid_from=str(leaf_info.get("validFrom", "?")),
+            expires=str(leaf_info.get("expirationTime", "?")),
+            issuer=issuer,
+            san=san,
+            chains_to_demo_root=chains,
         )
     return None
 
@@ -285,7 +302,7 @@ def fingerprint(cert_pem: bytes) -> str:
     from cryptography.hazmat.primitives import hashes
 
     digest = x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
-    return ":".join(digest[i:i + 2] for i in range(0, 16, 2)) + "…"
+    return ":".join(digest[i : i + 2] for i in range(0, 16, 2)) + "…"
 
 
 def netns_unavailable_reason() -> str | None:
@@ -357,8 +374,11 @@ class Attempt:
 
     @property
     def ok(self) -> bool:
-        return (self.intact and self.server_line is not None
-                and self.server_line.get("src.identity") == CLIENT.spiffe_id)
+        return (
+            self.intact
+            and self.server_line is not None
+            and self.server_line.get("src.identity") == CLIENT.spiffe_id
+        )
 
 
 @dataclass(slots=True)
@@ -404,8 +424,14 @@ def _new_socket(netns: str | None, family: int = socket.AF_INET) -> socket.socke
     return netns_socket(netns, family)
 
 
-async def open_tcp(netns: str | None, host: str, port: int, *, bind_ip: str | None = None,
-                   timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_tcp(
+    netns: str | None,
+    host: str,
+    port: int,
+    *,
+    bind_ip: str | None = None,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A TCP connection made from inside `netns` (or from here), as asyncio streams."""
     sock = _new_socket(netns)
     sock.setblocking(False)
@@ -419,8 +445,9 @@ async def open_tcp(netns: str | None, host: str, port: int, *, bind_ip: str | No
         raise
 
 
-async def http_get(netns: str | None, host: str, port: int, path: str,
-                   *, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[int, bytes]:
+async def http_get(
+    netns: str | None, host: str, port: int, path: str, *, timeout_s: float = HTTP_TIMEOUT_S
+) -> tuple[int, bytes]:
     """GET over HTTP/1.1 with `Connection: close` (the admin servers answer one request each)."""
 
     async def go() -> tuple[int, bytes]:
@@ -453,7 +480,9 @@ async def socks5_connect(proxy_ip: str, socks_port: int, dst_ip: str, dst_port: 
     """CONNECT through a SOCKS5 listener (RFC 1928, no authentication, IPv4 destination)."""
     reader, writer = await open_tcp(None, proxy_ip, socks_port, bind_ip=bind_ip)
     try:
-        writer.write(b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(dst_ip) + dst_port.to_bytes(2, "big"))
+        writer.write(
+            b"\x05\x01\x00" + b"\x05\x01\x00\x01" + socket.inet_aton(dst_ip) + dst_port.to_bytes(2, "big")
+        )
         await writer.drain()
         greeting = await asyncio.wait_for(reader.readexactly(2), CONNECT_TIMEOUT_S)
         reply = await asyncio.wait_for(reader.readexactly(10), CONNECT_TIMEOUT_S)
@@ -503,56 +532,74 @@ def proxy_env(demo: Demo, proxy: NodeProxy) -> dict[str, str]:
     env = dict(os.environ)
     for name in list(env):
         # Inherited proxy settings would change what the demo shows.
-        if name.endswith("_ADDR") or name in ("PROXY_MODE", "PACKET_MARK", "LOG_FORMAT", "RUST_LOG", "ROOT_CA_DIR"):
+        if name.endswith("_ADDR") or name in (
+            "PROXY_MODE",
+            "PACKET_MARK",
+            "LOG_FORMAT",
+            "RUST_LOG",
+            "ROOT_CA_DIR",
+        ):
             env.pop(name)
-    env.update({
-        "PROXY_MODE": "dedicated",
-        "PROXY_WORKLOAD_INFO": proxy.workload.proxy_workload_info,
-        "NODE_NAME": proxy.node,
-        "FAKE_CA": "true",
-        "XDS_ADDRESS": "",
-        "LOCAL_XDS_PATH": str(demo.config_path),
-        "TERMINATION_GRACE_PERIOD_SECONDS": str(PROXY_TERMINATION_GRACE_S),
-        "ADMIN_ADDR": f"{proxy.http_host}:{proxy.admin_port}",
-        "STATS_ADDR": f"{proxy.http_host}:{proxy.stats_port}",
-        "READINESS_ADDR": f"{proxy.http_host}:{proxy.readiness_port}",
-        # In the loopback layout both proxies share one namespace: each takes its own address.
-        "ISTIO_META_DNS_PROXY_ADDR": DNS_PROXY_ADDR if demo.mode is DemoMode.NETNS else f"{proxy.http_host}:0",
-    })
+    env.update(
+        {
+            "PROXY_MODE": "dedicated",
+            "PROXY_WORKLOAD_INFO": proxy.workload.proxy_workload_info,
+            "NODE_NAME": proxy.node,
+            "FAKE_CA": "true",
+            "XDS_ADDRESS": "",
+            "LOCAL_XDS_PATH": str(demo.config_path),
+            "TERMINATION_GRACE_PERIOD_SECONDS": str(PROXY_TERMINATION_GRACE_S),
+            "ADMIN_ADDR": f"{proxy.http_host}:{proxy.admin_port}",
+            "STATS_ADDR": f"{proxy.http_host}:{proxy.stats_port}",
+            "READINESS_ADDR": f"{proxy.http_host}:{proxy.readiness_port}",
+            # In the loopback layout both proxies share one namespace: each takes its own address.
+            "ISTIO_META_DNS_PROXY_ADDR": DNS_PROXY_ADDR
+            if demo.mode is DemoMode.NETNS
+            else f"{proxy.http_host}:0",
+        }
+    )
     if demo.ca_dir is not None:
         env["ROOT_CA_DIR"] = str(demo.ca_dir)
     if demo.mode is DemoMode.NETNS:
         # Every listener spelled out, so /config_dump shows the layout the capture rules expect.
-        env.update({
-            "PACKET_MARK": str(PACKET_MARK),
-            "OUTBOUND_ADDR": f"0.0.0.0:{OUTBOUND_PORT}",
-            "INBOUND_ADDR": f"0.0.0.0:{HBONE_PORT}",
-            "INBOUND_PLAINTEXT_ADDR": f"0.0.0.0:{INBOUND_PLAINTEXT_PORT}",
-            "SOCKS5_ADDR": f"127.0.0.1:{SOCKS5_PORT}",  # not enabled; named so the dump shows it
-        })
+        env.update(
+            {
+                "PACKET_MARK": str(PACKET_MARK),
+                "OUTBOUND_ADDR": f"0.0.0.0:{OUTBOUND_PORT}",
+                "INBOUND_ADDR": f"0.0.0.0:{HBONE_PORT}",
+                "INBOUND_PLAINTEXT_ADDR": f"0.0.0.0:{INBOUND_PLAINTEXT_PORT}",
+                "SOCKS5_ADDR": f"127.0.0.1:{SOCKS5_PORT}",  # not enabled; named so the dump shows it
+            }
+        )
     else:
         ip = proxy.ip
-        env.update({
-            "UNSTABLE_ENABLE_SOCKS5": "true",
-            "OUTBOUND_ADDR": f"{ip}:0",
-            "INBOUND_ADDR": f"{ip}:{HBONE_PORT}",
-            "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
-            "SOCKS5_ADDR": f"{ip}:{proxy.socks_port}",
-        })
+        env.update(
+            {
+                "UNSTABLE_ENABLE_SOCKS5": "true",
+                "OUTBOUND_ADDR": f"{ip}:0",
+                "INBOUND_ADDR": f"{ip}:{HBONE_PORT}",
+                "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
+                "SOCKS5_ADDR": f"{ip}:{proxy.socks_port}",
+            }
+        )
     return env
 
 
 async def wait_ready(proxy: NodeProxy, deadline: float) -> None:
     while True:
         if proxy.process is not None and proxy.process.poll() is not None:
-            raise AmbientError(f"the node proxy on {proxy.node} exited with code {proxy.process.returncode}",
-                               hint=f"its log is below (is port {HBONE_PORT} on {proxy.ip} taken?)")
+            raise AmbientError(
+                f"the node proxy on {proxy.node} exited with code {proxy.process.returncode}",
+                hint=f"its log is below (is port {HBONE_PORT} on {proxy.ip} taken?)",
+            )
         with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
             status, _ = await http_get(proxy.netns, proxy.http_host, proxy.readiness_port, "/healthz/ready")
             if status == 200:
                 return
         if time.monotonic() >= deadline:
-            raise AmbientError(f"the node proxy on {proxy.node} was not ready after {PROXY_READY_TIMEOUT_S:g}s")
+            raise AmbientError(
+                f"the node proxy on {proxy.node} was not ready after {PROXY_READY_TIMEOUT_S:g}s"
+            )
         await asyncio.sleep(POLL_INTERVAL_S)
 
 
@@ -575,7 +622,9 @@ async def roundtrip(demo: Demo, attempt: Attempt, dst_ip: str, dst_port: int) ->
         echoed = await asyncio.wait_for(_echo_roundtrip(demo, dst_ip, dst_port, payload), TRANSFER_TIMEOUT_S)
     except* (TimeoutError, OSError, asyncio.IncompleteReadError) as group:
         e = group.exceptions[0]
-        attempt.error = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} after {TRANSFER_TIMEOUT_S:g}s"
+        attempt.error = (
+            f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__} after {TRANSFER_TIMEOUT_S:g}s"
+        )
     else:
         attempt.sent, attempt.received = len(payload), len(echoed)
         attempt.intact = echoed == payload
@@ -590,8 +639,9 @@ async def _echo_roundtrip(demo: Demo, dst_ip: str, dst_port: int, payload: bytes
     if demo.mode is DemoMode.NETNS:
         reader, writer = await open_tcp(demo.client_proxy.netns, dst_ip, dst_port)
     else:
-        reader, writer = await socks5_connect(demo.client_ip, demo.client_proxy.socks_port or 0,
-                                              dst_ip, dst_port, bind_ip=demo.client_ip)
+        reader, writer = await socks5_connect(
+            demo.client_ip, demo.client_proxy.socks_port or 0, dst_ip, dst_port, bind_ip=demo.client_ip
+        )
 
     async def send() -> None:
         writer.write(payload)
@@ -619,11 +669,23 @@ async def wait_access_lines(demo: Demo, attempt: Attempt, client_since: int, ser
     deadline = time.monotonic() + ACCESS_LOG_TIMEOUT_S
     while True:
         if attempt.client_line is None:
-            attempt.client_line = next((f for f in demo.client_proxy.access_lines_since(client_since)
-                                        if f.get("direction") == "outbound"), None)
+            attempt.client_line = next(
+                (
+                    f
+                    for f in demo.client_proxy.access_lines_since(client_since)
+                    if f.get("direction") == "outbound"
+                ),
+                None,
+            )
         if attempt.server_line is None:
-            attempt.server_line = next((f for f in demo.server_proxy.access_lines_since(server_since)
-                                        if f.get("direction") == "inbound"), None)
+            attempt.server_line = next(
+                (
+                    f
+                    for f in demo.server_proxy.access_lines_since(server_since)
+                    if f.get("direction") == "inbound"
+                ),
+                None,
+            )
         if (attempt.client_line and attempt.server_line) or time.monotonic() >= deadline:
             return
         await asyncio.sleep(POLL_INTERVAL_S)
@@ -667,11 +729,18 @@ def header(demo: Demo, why_loopback: str | None) -> Panel:
     else:
         grid.add_row("layout", f"[bold]loopback[/]: client enters via SOCKS5 [dim]({why_loopback})[/]")
     grid.add_row(CLIENT.node, f"{demo.client_ip:<12} pod [bold]{CLIENT.label}[/] + ambient ztunnel")
-    grid.add_row(SERVER.node, f"{demo.server_ip:<12} pod [bold]{SERVER.label}[/] (echo :{APP_PORT}) + ambient ztunnel")
+    grid.add_row(
+        SERVER.node, f"{demo.server_ip:<12} pod [bold]{SERVER.label}[/] (echo :{APP_PORT}) + ambient ztunnel"
+    )
     grid.add_row("service", f"{SERVICE_HOST} = {demo.vip}:{SERVICE_PORT}")
     grid.add_row("CA", "an operator root made for this run (FAKE_CA + ROOT_CA_DIR)")
-    return Panel(grid, title="[bold]ambient demo[/]: one connection over HBONE + mTLS", title_align="left",
-                 box=box.ROUNDED, expand=False)
+    return Panel(
+        grid,
+        title="[bold]ambient demo[/]: one connection over HBONE + mTLS",
+        title_align="left",
+        box=box.ROUNDED,
+        expand=False,
+    )
 
 
 def _identity(spiffe: str | None) -> str:
@@ -690,13 +759,20 @@ def calls_table(attempt: Attempt, index: int) -> Table:
         outcome = f"[green]{attempt.received} B echoed intact[/]"
     else:
         outcome = f"[red]{attempt.error or 'failed'}[/]"
-    table = Table(title=f"[bold]{index}. {attempt.path}[/] {attempt.target}: {outcome}", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    table = Table(
+        title=f"[bold]{index}. {attempt.path}[/] {attempt.target}: {outcome}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1),
+    )
     table.add_column("seen by", no_wrap=True)
     table.add_column("source → destination")
     table.add_column("bytes", justify="right", no_wrap=True)
-    rows = [(f"{CLIENT.node} proxy\noutbound", attempt.client_line),
-            (f"{SERVER.node} proxy\ninbound", attempt.server_line)]
+    rows = [
+        (f"{CLIENT.node} proxy\noutbound", attempt.client_line),
+        (f"{SERVER.node} proxy\ninbound", attempt.server_line),
+    ]
     for who, line in rows:
         if line is None:
             table.add_row(who, "[red]no `connection complete` line in its log[/]", "")
@@ -712,8 +788,13 @@ def calls_table(attempt: Attempt, index: int) -> Table:
 
 
 def counters_table(counted: Sequence[tuple[NodeProxy, list[TrafficCounters]]]) -> Table:
-    table = Table(title="[bold]What each proxy counted[/] (/metrics, istio_tcp_*)", title_justify="left",
-                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    table = Table(
+        title="[bold]What each proxy counted[/] (/metrics, istio_tcp_*)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1),
+    )
     table.add_column("source_principal → destination_principal")
     table.add_column("conns", justify="right", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)
@@ -727,11 +808,15 @@ def counters_table(counted: Sequence[tuple[NodeProxy, list[TrafficCounters]]]) -
             if i:
                 table.add_row("", "", "")
             style = "green" if row.security_policy == "mutual_tls" else "yellow"
-            flow = (f"  {row.source_principal}\n  → {row.destination_principal}\n"
-                    f"  [{style}]{row.security_policy}[/] [dim]reporter={row.reporter}[/]")
+            flow = (
+                f"  {row.source_principal}\n  → {row.destination_principal}\n"
+                f"  [{style}]{row.security_policy}[/] [dim]reporter={row.reporter}[/]"
+            )
             if row.destination_service != "unknown":
                 flow += f"\n  [dim]service {row.destination_service}[/]"
-            table.add_row(flow, f"{row.opened} opened\n{row.closed} closed", f"{row.received} recv\n{row.sent} sent")
+            table.add_row(
+                flow, f"{row.opened} opened\n{row.closed} closed", f"{row.received} recv\n{row.sent} sent"
+            )
     return table
 
 
@@ -745,19 +830,28 @@ def certificate_panel(summary: CertificateSummary | None, proxy: NodeProxy) -> P
         grid.add_row("URI SAN", summary.san or "?")
         grid.add_row("valid", f"{summary.valid_from} → {summary.expires}")
         grid.add_row("serial", summary.serial)
-        chains = ("[green]signed by this run's operator root[/]" if summary.chains_to_demo_root
-                  else "[red]not signed by this run's root[/]")
+        chains = (
+            "[green]signed by this run's operator root[/]"
+            if summary.chains_to_demo_root
+            else "[red]not signed by this run's root[/]"
+        )
         grid.add_row("issuer", f"{summary.issuer or '?'}, {chains}")
         body = grid
-    return Panel(body, title=f"[bold]Server workload certificate[/] ({proxy.node} /config_dump)",
-                 title_align="left", box=box.ROUNDED, expand=False)
+    return Panel(
+        body,
+        title=f"[bold]Server workload certificate[/] ({proxy.node} /config_dump)",
+        title_align="left",
+        box=box.ROUNDED,
+        expand=False,
+    )
 
 
 def verdict(attempts: Sequence[Attempt]) -> Text:
     if attempts and all(a.ok for a in attempts):
         return Text.from_markup(
             f"[bold green]PASS[/] {CLIENT.label} called {SERVER.label} {len(attempts)} times over HBONE; the "
-            f"server's proxy verified the caller as {CLIENT.spiffe_id}; every byte came back.")
+            f"server's proxy verified the caller as {CLIENT.spiffe_id}; every byte came back."
+        )
     problems = []
     for a in attempts:
         if not a.intact:
@@ -765,8 +859,10 @@ def verdict(attempts: Sequence[Attempt]) -> Text:
         elif a.server_line is None:
             problems.append(f"{a.path}: the server proxy logged no inbound connection")
         elif a.server_line.get("src.identity") != CLIENT.spiffe_id:
-            problems.append(f"{a.path}: the server proxy saw identity {a.server_line.get('src.identity')!r}, "
-                            f"expected {CLIENT.spiffe_id}")
+            problems.append(
+                f"{a.path}: the server proxy saw identity {a.server_line.get('src.identity')!r}, "
+                f"expected {CLIENT.spiffe_id}"
+            )
     return Text.from_markup("[bold red]FAIL[/] " + "; ".join(problems or ["no connection was made"]))
 
 
@@ -776,8 +872,14 @@ def print_logs(console: Console, demo: Demo, *, tail: int | None) -> None:
         if tail is not None:
             lines = lines[-tail:]
         title = f"{proxy.node} proxy log" + (f" (last {tail} lines)" if tail else "")
-        console.print(Panel(Text("\n".join(lines) or "(empty)", overflow="fold"), title=title,
-                            title_align="left", box=box.MINIMAL))
+        console.print(
+            Panel(
+                Text("\n".join(lines) or "(empty)", overflow="fold"),
+                title=title,
+                title_align="left",
+                box=box.MINIMAL,
+            )
+        )
 
 
 # --- orchestration ---------------------------------------------------------------------------------
@@ -788,8 +890,9 @@ async def start_proxies(demo: Demo, steps: Steps, spawn) -> None:
     deadline = spawned + PROXY_READY_TIMEOUT_S
     for proxy in demo.proxies:
         with open(proxy.log, "wb") as out:
-            proxy.process = spawn(proxy, proxy_argv(), env=proxy_env(demo, proxy), cwd=demo.workdir,
-                                  stdout=out, stderr=out)
+            proxy.process = spawn(
+                proxy, proxy_argv(), env=proxy_env(demo, proxy), cwd=demo.workdir, stdout=out, stderr=out
+            )
     for proxy in demo.proxies:
         what = f"{proxy.node}: ambient ztunnel ready [dim](pid {proxy.process.pid}, HBONE on {proxy.ip}:{HBONE_PORT})[/]"
         try:
@@ -807,13 +910,16 @@ async def exercise(demo: Demo, steps: Steps) -> list[Attempt]:
         Attempt(path="service VIP", target=f"{demo.vip}:{SERVICE_PORT}"),
     ]
     how = "plain connect()" if demo.mode is DemoMode.NETNS else "via SOCKS5"
-    for attempt, (ip, port) in zip(attempts, [(demo.server_ip, APP_PORT), (demo.vip, SERVICE_PORT)], strict=True):
+    for attempt, (ip, port) in zip(
+        attempts, [(demo.server_ip, APP_PORT), (demo.vip, SERVICE_PORT)], strict=True
+    ):
         client_since, server_since = demo.client_proxy.log_size(), demo.server_proxy.log_size()
         await roundtrip(demo, attempt, ip, port)
         what = f"client → {attempt.path} {attempt.target} [dim]({how})[/]"
         if attempt.intact:
-            steps.console.print(f"  [green]✓[/] {what}: {attempt.received} B echoed "
-                                f"[dim]{attempt.elapsed_ms:.0f} ms[/]")
+            steps.console.print(
+                f"  [green]✓[/] {what}: {attempt.received} B echoed [dim]{attempt.elapsed_ms:.0f} ms[/]"
+            )
         else:
             steps.console.print(f"  [bold red]✗[/] {what}: {attempt.error}")
         await wait_access_lines(demo, attempt, client_since, server_since)
@@ -867,17 +973,32 @@ async def run_loopback(demo: Demo, steps: Steps, stack: contextlib.AsyncExitStac
         try:
             ports = [free_port(ip) for _ in range(4)]
         except OSError as e:
-            raise AmbientError(f"cannot bind {ip}: {e.strerror or e}",
-                               hint="the loopback layout needs 127.0.0.0/8 on lo (Linux has it)") from None
-        demo.proxies.append(NodeProxy(node=node, workload=workload, ip=ip, netns=None, http_host=ip,
-                                      admin_port=ports[0], stats_port=ports[1], readiness_port=ports[2],
-                                      socks_port=ports[3], log=demo.workdir / f"ztunnel-{node}.log"))
+            raise AmbientError(
+                f"cannot bind {ip}: {e.strerror or e}",
+                hint="the loopback layout needs 127.0.0.0/8 on lo (Linux has it)",
+            ) from None
+        demo.proxies.append(
+            NodeProxy(
+                node=node,
+                workload=workload,
+                ip=ip,
+                netns=None,
+                http_host=ip,
+                admin_port=ports[0],
+                stats_port=ports[1],
+                readiness_port=ports[2],
+                socks_port=ports[3],
+                log=demo.workdir / f"ztunnel-{node}.log",
+            )
+        )
     with steps.step(f"echo app listening on {demo.server_ip}:{APP_PORT}"):
         try:
             server = await start_echo_app(demo, None)
         except OSError as e:
-            raise AmbientError(f"cannot listen on {demo.server_ip}:{APP_PORT}: {e.strerror or e}",
-                               hint="is an earlier demo still running?") from None
+            raise AmbientError(
+                f"cannot listen on {demo.server_ip}:{APP_PORT}: {e.strerror or e}",
+                hint="is an earlier demo still running?",
+            ) from None
         stack.push_async_callback(_close_server, server)
     await start_proxies(demo, steps, spawn)
 
@@ -899,9 +1020,19 @@ async def run_netns(demo: Demo, steps: Steps, stack: contextlib.AsyncExitStack) 
         for node in (node_a, node_b):
             apply_dedicated_rules(runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
     for node, workload in ((node_a, CLIENT), (node_b, SERVER)):
-        demo.proxies.append(NodeProxy(node=node.name, workload=workload, ip=str(node.ipv4), netns=node.netns,
-                                      http_host="127.0.0.1", admin_port=ADMIN_PORT, stats_port=STATS_PORT,
-                                      readiness_port=READINESS_PORT, log=demo.workdir / f"ztunnel-{node.name}.log"))
+        demo.proxies.append(
+            NodeProxy(
+                node=node.name,
+                workload=workload,
+                ip=str(node.ipv4),
+                netns=node.netns,
+                http_host="127.0.0.1",
+                admin_port=ADMIN_PORT,
+                stats_port=STATS_PORT,
+                readiness_port=READINESS_PORT,
+                log=demo.workdir / f"ztunnel-{node.name}.log",
+            )
+        )
     with steps.step(f"echo app listening on {demo.server_ip}:{APP_PORT} [dim](in {SERVER.node})[/]"):
         server = await start_echo_app(demo, node_b.netns)
         stack.push_async_callback(_close_server, server)
@@ -918,8 +1049,13 @@ async def _close_server(server: asyncio.Server) -> None:
         await asyncio.wait_for(server.wait_closed(), 1.0)
 
 
-async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None, console: Console | None = None,
-                   loopback_ips: tuple[str, str] = (LOOPBACK_CLIENT_IP, LOOPBACK_SERVER_IP)) -> int:
+async def run_demo(
+    verbose: bool = False,
+    *,
+    mode: DemoMode | str | None = None,
+    console: Console | None = None,
+    loopback_ips: tuple[str, str] = (LOOPBACK_CLIENT_IP, LOOPBACK_SERVER_IP),
+) -> int:
     """Run the demo; 0 when every connection echoed intact and the server proxy saw the client's id.
 
     `mode` forces a layout (tests use it); by default netns when possible, else loopback. Ctrl-C
@@ -953,8 +1089,10 @@ async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None,
     try:
         return await _run_demo(console, mode, reason, verbose, loopback_ips, started)
     except asyncio.CancelledError:
-        console.print(f"[yellow]interrupted: proxies stopped, {'namespaces deleted, ' if mode is DemoMode.NETNS else ''}"
-                      "temporary files removed[/]")
+        console.print(
+            f"[yellow]interrupted: proxies stopped, {'namespaces deleted, ' if mode is DemoMode.NETNS else ''}"
+            "temporary files removed[/]"
+        )
         if terminated and task is not None and task.uncancel() == 0:
             return 128 + signal.SIGTERM
         raise
@@ -963,15 +1101,26 @@ async def run_demo(verbose: bool = False, *, mode: DemoMode | str | None = None,
             loop.remove_signal_handler(signal.SIGTERM)
 
 
-async def _run_demo(console: Console, mode: DemoMode, reason: str | None, verbose: bool,
-                    loopback_ips: tuple[str, str], started: float) -> int:
+async def _run_demo(
+    console: Console,
+    mode: DemoMode,
+    reason: str | None,
+    verbose: bool,
+    loopback_ips: tuple[str, str],
+    started: float,
+) -> int:
     steps = Steps(console)
     attempts: list[Attempt] = []
     with tempfile.TemporaryDirectory(prefix="ambient-demo-") as tmp:
         workdir = Path(tmp)
-        demo = Demo(mode=mode, workdir=workdir, client_ip=loopback_ips[0], server_ip=loopback_ips[1],
-                    vip=LOOPBACK_VIP if mode is DemoMode.LOOPBACK else NETNS_VIP,
-                    config_path=workdir / "local-xds.yaml")
+        demo = Demo(
+            mode=mode,
+            workdir=workdir,
+            client_ip=loopback_ips[0],
+            server_ip=loopback_ips[1],
+            vip=LOOPBACK_VIP if mode is DemoMode.LOOPBACK else NETNS_VIP,
+            config_path=workdir / "local-xds.yaml",
+        )
         failed = False
         if mode is DemoMode.NETNS:
             why = None
@@ -1005,5 +1154,7 @@ async def _run_demo(console: Console, mode: DemoMode, reason: str | None, verbos
         if not failed:
             console.print(verdict(attempts))
     cleaned = "proxies stopped, " + ("namespaces deleted, " if mode is DemoMode.NETNS else "")
-    console.print(f"[dim]cleaned up: {cleaned}temporary files removed; {time.monotonic() - started:.1f}s in all[/]")
+    console.print(
+        f"[dim]cleaned up: {cleaned}temporary files removed; {time.monotonic() - started:.1f}s in all[/]"
+    )
     return 0 if ok else 1

@@ -337,8 +337,10 @@ class WorkloadManagerMetrics:
 
     def __repr__(self) -> str:
         active, pending, started, stopped = self._counts
-        return (f"<WorkloadManagerMetrics: {active} active, {pending} pending, "
-                f"{started} started, {stopped} stopped>")
+        return (
+            f"<WorkloadManagerMetrics: {active} active, {pending} pending, "
+            f"{started} started, {stopped} stopped>"
+        )
 
 
 class Metrics:

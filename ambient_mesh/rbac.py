@@ -301,7 +301,9 @@ class _Source:
             by_mask.setdefault(int(net.netmask) | _V6_BIT, set()).add(base)
         if all(mask in (_FULL_V4, _FULL_V6) for mask in by_mask):
             return self.members(var, (base for bases in by_mask.values() for base in bases))
-        tests = [f"{var} & {self.const(mask)} in {self.const(frozenset(bases))}" for mask, bases in by_mask.items()]
+        tests = [
+            f"{var} & {self.const(mask)} in {self.const(frozenset(bases))}" for mask, bases in by_mask.items()
+        ]
         return tests[0] if len(tests) == 1 else f"({' or '.join(tests)})"
 
     def match(self, m: Match) -> str | None:
@@ -482,9 +484,7 @@ def _ip_keys(tag: int, networks: Sequence[IPNetwork], lengths: set[KeyLength]) -
     return rank, keys
 
 
-def _better(
-    best: tuple[int, list[Key]] | None, candidate: tuple[int, list[Key]]
-) -> tuple[int, list[Key]]:
+def _better(best: tuple[int, list[Key]] | None, candidate: tuple[int, list[Key]]) -> tuple[int, list[Key]]:
     return candidate if best is None or candidate[0] < best[0] else best
 
 
@@ -796,7 +796,9 @@ class PolicyIndex(MutableMapping[str, Authorization]):
     Buckets of at least `min_indexed` policies are pruned by key (PolicyBucket) before matching.
     """
 
-    def __init__(self, policies: Iterable[Authorization] = (), *, min_indexed: int = MIN_INDEXED_POLICIES) -> None:
+    def __init__(
+        self, policies: Iterable[Authorization] = (), *, min_indexed: int = MIN_INDEXED_POLICIES
+    ) -> None:
         self.min_indexed = min_indexed
         self._by_key: dict[str, CompiledPolicy] = {}
         self._seq: dict[str, int] = {}

@@ -46,8 +46,10 @@ def build_certificate_authority(config: ZtunnelConfig) -> CertificateAuthority:
     """FAKE_CA: the operator's plugged-in CA when ROOT_CA_DIR is set, else the shared test root."""
     if config.root_ca_dir:
         return CertificateAuthority.from_plugged_in_dir(config.root_ca_dir)
-    log.warning("FAKE_CA=true without ROOT_CA_DIR: signing with the insecure built-in test CA; "
-                "set ROOT_CA_DIR to a directory with Istio's plugged-in CA files to use your own root")
+    log.warning(
+        "FAKE_CA=true without ROOT_CA_DIR: signing with the insecure built-in test CA; "
+        "set ROOT_CA_DIR to a directory with Istio's plugged-in CA files to use your own root"
+    )
     return CertificateAuthority.insecure_test_ca()
 
 
@@ -65,8 +67,11 @@ def load_local_state(config: ZtunnelConfig, updater: StateUpdater) -> None:
 def check_supported(config: ZtunnelConfig) -> None:
     """Refuse, at start, configurations this build cannot serve."""
     if config.proxy_mode is ProxyMode.SHARED and config.packet_mark is None:
-        raise ConfigError("PACKET_MARK", "shared mode needs a packet mark on the proxy's sockets",
-                          hint="unset PACKET_MARK (default 1337) or give the mark the in-pod rules skip")
+        raise ConfigError(
+            "PACKET_MARK",
+            "shared mode needs a packet mark on the proxy's sockets",
+            hint="unset PACKET_MARK (default 1337) or give the mark the in-pod rules skip",
+        )
 
 
 def check_inpod_capabilities(config: ZtunnelConfig) -> None:
@@ -83,9 +88,12 @@ def check_inpod_capabilities(config: ZtunnelConfig) -> None:
         finally:
             handle.close()
     except (OSError, AmbientError) as e:
-        raise ConfigError("PROXY_MODE", f"shared mode cannot enter network namespaces or mark sockets: {e}",
-                          hint="the node proxy needs CAP_SYS_ADMIN (setns) and CAP_NET_ADMIN (SO_MARK); "
-                               "run it as root or grant them") from None
+        raise ConfigError(
+            "PROXY_MODE",
+            f"shared mode cannot enter network namespaces or mark sockets: {e}",
+            hint="the node proxy needs CAP_SYS_ADMIN (setns) and CAP_NET_ADMIN (SO_MARK); "
+            "run it as root or grant them",
+        ) from None
 
 
 @dataclass(eq=False)
@@ -117,25 +125,41 @@ class Ztunnel:
         if config.proxy_mode is ProxyMode.DEDICATED:
             # One proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
             self.workload_proxy = WorkloadProxy(
-                name="dedicated", config=config, state=self.state, cert_manager=self.cert_manager, tls=self.tls,
-                metrics=self.metrics, served=self.served_workload,
-                addresses=ListenerAddresses.from_config(config), transparent=config.enable_orig_src is True,
-                dns=self._dns_server("dedicated", self.served_workload, plain_socket))
+                name="dedicated",
+                config=config,
+                state=self.state,
+                cert_manager=self.cert_manager,
+                tls=self.tls,
+                metrics=self.metrics,
+                served=self.served_workload,
+                addresses=ListenerAddresses.from_config(config),
+                transparent=config.enable_orig_src is True,
+                dns=self._dns_server("dedicated", self.served_workload, plain_socket),
+            )
         else:
             # One proxy set per pod, inside each pod's netns, as the node agent hands them over.
-            self.inpod = InpodManager(config=config, state=self.state, cert_manager=self.cert_manager,
-                                      tls=self.tls, metrics=self.metrics,
-                                      dns_factory=self._dns_server if config.dns_proxy_enabled else None)
+            self.inpod = InpodManager(
+                config=config,
+                state=self.state,
+                cert_manager=self.cert_manager,
+                tls=self.tls,
+                metrics=self.metrics,
+                dns_factory=self._dns_server if config.dns_proxy_enabled else None,
+            )
             self._pods_ready = self.readiness.register("workload proxy manager")
-            self.zds = ZdsClient(config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready,
-                                 metrics=self.metrics)
+            self.zds = ZdsClient(
+                config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready, metrics=self.metrics
+            )
         self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
         self.stats = StatsServer(config.stats_addr, self.metrics)
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
         self._proxy_ready = self.readiness.register("proxy")
         self._state_ready = self.readiness.register("state manager")
-        self.xds = (XdsClient(config, self.updater, on_ready=self._on_state_synced, metrics=self.metrics)
-                    if config.xds_address else None)
+        self.xds = (
+            XdsClient(config, self.updater, on_ready=self._on_state_synced, metrics=self.metrics)
+            if config.xds_address
+            else None
+        )
         self._shutdown_requested = asyncio.Event()
         self._state_synced = asyncio.Event()
         self._prefetched = None
@@ -162,15 +186,25 @@ class Ztunnel:
             return None
         config = self.config
         shared = config.proxy_mode is ProxyMode.SHARED
-        settings = DnsSettings(cluster_domain=config.cluster_domain,
-                               search_domains=None if shared else tuple(self.resolv.search),
-                               prefered_service_namespace=config.prefered_service_namespace,
-                               ipv6_enabled=config.ipv6_enabled)
-        forwarder = UpstreamForwarder(self.resolv.nameservers, socket_factory=socket_factory,
-                                      mark=config.packet_mark)
-        return DnsServer(name=name, address=config.dns_proxy_addr, state=self.state, settings=settings,
-                         client=client, forwarder=forwarder, metrics=self.dns_metrics,
-                         socket_factory=socket_factory)
+        settings = DnsSettings(
+            cluster_domain=config.cluster_domain,
+            search_domains=None if shared else tuple(self.resolv.search),
+            prefered_service_namespace=config.prefered_service_namespace,
+            ipv6_enabled=config.ipv6_enabled,
+        )
+        forwarder = UpstreamForwarder(
+            self.resolv.nameservers, socket_factory=socket_factory, mark=config.packet_mark
+        )
+        return DnsServer(
+            name=name,
+            address=config.dns_proxy_addr,
+            state=self.state,
+            settings=settings,
+            client=client,
+            forwarder=forwarder,
+            metrics=self.dns_metrics,
+            socket_factory=socket_factory,
+        )
 
     def _on_zds_ready(self, ready: bool) -> None:
         if ready:
@@ -218,11 +252,19 @@ class Ztunnel:
             listeners = {"node agent socket": config.inpod_uds}
         self._proxy_ready.mark_ready()
         await self.stats.start()
-        log.info("node proxy ready", extra={"fields": {
-            "mode": config.proxy_mode.value, "workload": str(config.proxy_workload_info),
-            **listeners,
-            "admin": str(self.admin.bound_address), "stats": str(self.stats.bound_address),
-            "readiness": str(self.readiness_server.bound_address)}})
+        log.info(
+            "node proxy ready",
+            extra={
+                "fields": {
+                    "mode": config.proxy_mode.value,
+                    "workload": str(config.proxy_workload_info),
+                    **listeners,
+                    "admin": str(self.admin.bound_address),
+                    "stats": str(self.stats.bound_address),
+                    "readiness": str(self.readiness_server.bound_address),
+                }
+            },
+        )
 
     def _on_state_synced(self) -> None:
         self._state_ready.mark_ready()
@@ -256,10 +298,15 @@ class Ztunnel:
         if self.inpod is not None:
             a.register_dump("workloadState", self.inpod.dump)
             return
-        a.register_dump("workloadState", lambda: dump_workload_state(
-            served=self.served_workload(), info=self.config.proxy_workload_info,
-            inbound=self.pi.connections.dump("inbound"), outbound=self.pi.connections.dump("outbound")))
-
+        a.register_dump(
+            "workloadState",
+            lambda: dump_workload_state(
+                served=self.served_workload(),
+                info=self.config.proxy_workload_info,
+                inbound=self.pi.connections.dump("inbound"),
+                outbound=self.pi.connections.dump("outbound"),
+            ),
+        )
 
     def _dump_certificates(self) -> list[dict]:
         from .state.dump import dump_certificates
@@ -296,7 +343,9 @@ class Ztunnel:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
         if self.workload_proxy is not None:
-            log.info("draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline)
+            log.info(
+                "draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline
+            )
             await self.workload_proxy.drain(deadline)
         else:
             log.info("draining %d pod proxies, deadline %.1fs", len(self.inpod.pods), deadline)

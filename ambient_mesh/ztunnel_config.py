@@ -141,14 +141,22 @@ def workload_table(dump: Dump, filters: Filters = Filters()) -> Table:
         )
         for w in chosen
     )
-    return Table(title="workloads", headers=("NAMESPACE", "POD NAME", "ADDRESS", "NODE", "WAYPOINT", "PROTOCOL"),
-                 rows=rows)
+    return Table(
+        title="workloads",
+        headers=("NAMESPACE", "POD NAME", "ADDRESS", "NODE", "WAYPOINT", "PROTOCOL"),
+        rows=rows,
+    )
 
 
 def _services_filtered(dump: Dump, filters: Filters) -> list[Dump]:
-    services = [s for s in _services(dump)
-                if not filters.namespace or _same(str(s.get("namespace", "")), filters.namespace)]
-    services.sort(key=lambda s: (str(s.get("namespace", "")), str(s.get("name", "")), str(s.get("hostname", ""))))
+    services = [
+        s
+        for s in _services(dump)
+        if not filters.namespace or _same(str(s.get("namespace", "")), filters.namespace)
+    ]
+    services.sort(
+        key=lambda s: (str(s.get("namespace", "")), str(s.get("name", "")), str(s.get("hostname", "")))
+    )
     return services
 
 
@@ -160,22 +168,42 @@ def service_table(dump: Dump, filters: Filters = Filters()) -> Table:
         vip = str(vips[0]).partition("/")[2] if vips else ""
         endpoints = (s.get("endpoints") or {}).values()
         healthy = sum(1 for ep in endpoints if ep.get("status", "Healthy") == "Healthy")
-        rows.append((str(s.get("namespace", "")), str(s.get("name", "")), vip,
-                     gateway_name(s.get("waypoint"), every), f"{healthy}/{len(endpoints)}"))
-    return Table(title="services", headers=("NAMESPACE", "SERVICE NAME", "SERVICE VIP", "WAYPOINT", "ENDPOINTS"),
-                 rows=tuple(rows))
+        rows.append(
+            (
+                str(s.get("namespace", "")),
+                str(s.get("name", "")),
+                vip,
+                gateway_name(s.get("waypoint"), every),
+                f"{healthy}/{len(endpoints)}",
+            )
+        )
+    return Table(
+        title="services",
+        headers=("NAMESPACE", "SERVICE NAME", "SERVICE VIP", "WAYPOINT", "ENDPOINTS"),
+        rows=tuple(rows),
+    )
 
 
 def _policies_filtered(dump: Dump, filters: Filters) -> list[Dump]:
-    policies = [p for p in _policies(dump)
-                if not filters.namespace or _same(str(p.get("namespace", "")), filters.namespace)]
+    policies = [
+        p
+        for p in _policies(dump)
+        if not filters.namespace or _same(str(p.get("namespace", "")), filters.namespace)
+    ]
     policies.sort(key=lambda p: (str(p.get("namespace", "")), str(p.get("name", ""))))
     return policies
 
 
 def policy_table(dump: Dump, filters: Filters = Filters()) -> Table:
-    rows = tuple((str(p.get("namespace", "")), str(p.get("name", "")), str(p.get("action", "")),
-                  str(p.get("scope", ""))) for p in _policies_filtered(dump, filters))
+    rows = tuple(
+        (
+            str(p.get("namespace", "")),
+            str(p.get("name", "")),
+            str(p.get("action", "")),
+            str(p.get("scope", "")),
+        )
+        for p in _policies_filtered(dump, filters)
+    )
     return Table(title="policies", headers=("NAMESPACE", "POLICY NAME", "ACTION", "SCOPE"), rows=rows)
 
 
@@ -225,15 +253,31 @@ def certificate_table(dump: Dump, now: datetime) -> Table:
             rows.append(_cert_row(identity, kind, state, cert, now))
         for cert in roots:
             rows.append(_cert_row(identity, "Root", state, cert, now))
-    return Table(title="certificates",
-                 headers=("CERTIFICATE NAME", "TYPE", "STATUS", "VALID CERT", "SERIAL NUMBER", "NOT AFTER",
-                          "NOT BEFORE"),
-                 rows=tuple(rows))
+    return Table(
+        title="certificates",
+        headers=(
+            "CERTIFICATE NAME",
+            "TYPE",
+            "STATUS",
+            "VALID CERT",
+            "SERIAL NUMBER",
+            "NOT AFTER",
+            "NOT BEFORE",
+        ),
+        rows=tuple(rows),
+    )
 
 
 def _cert_row(identity: str, kind: str, state: str, cert: Dump, now: datetime) -> Row:
-    return (identity, kind, state, str(cert_valid(cert, now)).lower(), _serial_hex(str(cert.get("serialNumber", ""))),
-            _na(cert.get("expirationTime")), _na(cert.get("validFrom")))
+    return (
+        identity,
+        kind,
+        state,
+        str(cert_valid(cert, now)).lower(),
+        _serial_hex(str(cert.get("serialNumber", ""))),
+        _na(cert.get("expirationTime")),
+        _na(cert.get("validFrom")),
+    )
 
 
 def tables(kind: str, dump: Dump, filters: Filters, now: datetime) -> list[Table]:
@@ -253,9 +297,14 @@ def selection(kind: str, dump: Dump, filters: Filters) -> Any:
     if kind == "workloads":
         rows = workload_table(dump, filters)  # reuse the filter and order
         keep = {(r[0], r[1], r[3]) for r in rows.rows}
-        return sorted((w for w in _workloads(dump)
-                       if (str(w.get("namespace", "")), str(w.get("name", "")), str(w.get("node", ""))) in keep),
-                      key=lambda w: (f"{w.get('namespace', '')}.{w.get('name', '')}", str(w.get("node", ""))))
+        return sorted(
+            (
+                w
+                for w in _workloads(dump)
+                if (str(w.get("namespace", "")), str(w.get("name", "")), str(w.get("node", ""))) in keep
+            ),
+            key=lambda w: (f"{w.get('namespace', '')}.{w.get('name', '')}", str(w.get("node", ""))),
+        )
     if kind == "services":
         return _services_filtered(dump, filters)
     if kind == "policies":
@@ -273,8 +322,14 @@ def render_tables(items: list[Table], out: IO[str]) -> None:
     from rich.console import Console
     from rich.table import Table as RichTable
 
-    console = Console(file=out, width=max(80, _wanted_width(items)), soft_wrap=True, highlight=False,
-                      emoji=False, markup=False)
+    console = Console(
+        file=out,
+        width=max(80, _wanted_width(items)),
+        soft_wrap=True,
+        highlight=False,
+        emoji=False,
+        markup=False,
+    )
     for index, table in enumerate(items):
         if index:
             console.print()

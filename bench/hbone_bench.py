@@ -177,7 +177,9 @@ def dial(target: Target) -> socket.socket:
             return sock
         sock.connect(target.socks)
         # RFC 1928: greeting (no auth) and CONNECT to an IPv4 address in one write.
-        sock.sendall(b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton(target.host) + target.port.to_bytes(2, "big"))
+        sock.sendall(
+            b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton(target.host) + target.port.to_bytes(2, "big")
+        )
         reply = recv_exact(sock, 12)
         if reply[:2] != b"\x05\x00" or reply[3] != 0:
             raise ConnectionRefusedError(f"SOCKS5 refused: {reply.hex()}")
@@ -193,8 +195,13 @@ def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
     def pct(p: float) -> float:
         return s[min(len(s) - 1, int(p * len(s)))] / 1000.0
 
-    return {"p50_us": pct(0.50), "p90_us": pct(0.90), "p99_us": pct(0.99), "mean_us": sum(s) / len(s) / 1000.0,
-            "count": len(s)}
+    return {
+        "p50_us": pct(0.50),
+        "p90_us": pct(0.90),
+        "p99_us": pct(0.99),
+        "mean_us": sum(s) / len(s) / 1000.0,
+        "count": len(s),
+    }
 
 
 def client_throughput(target: Target, size: int, parallel: int) -> dict:
@@ -266,8 +273,12 @@ def client_connections(target: Target, count: int, max_seconds: float) -> dict:
         sock.close()
         samples.append(time.perf_counter_ns() - t)
     seconds = (time.perf_counter_ns() - begin) / 1e9
-    return {"connections": len(samples), "seconds": seconds, "conn_s": len(samples) / seconds,
-            **percentiles_us(samples)}
+    return {
+        "connections": len(samples),
+        "seconds": seconds,
+        "conn_s": len(samples) / seconds,
+        **percentiles_us(samples),
+    }
 
 
 def client_idle(target: Target, count: int) -> None:
@@ -348,12 +359,16 @@ def wait_proxy_ready(process: subprocess.Popen, log: Path) -> dict[str, str]:
     deadline = time.monotonic() + PROXY_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"node proxy exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"node proxy exited with {process.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         for line in log.read_text(errors="replace").splitlines():
             if "node proxy ready" in line:
                 return parse_fields(line)
         time.sleep(0.05)
-    raise RuntimeError(f"node proxy not ready after {PROXY_READY_TIMEOUT_S}s:\n{log.read_text(errors='replace')[-3000:]}")
+    raise RuntimeError(
+        f"node proxy not ready after {PROXY_READY_TIMEOUT_S}s:\n{log.read_text(errors='replace')[-3000:]}"
+    )
 
 
 def read_listening_port(process: subprocess.Popen) -> int:
@@ -364,15 +379,27 @@ def read_listening_port(process: subprocess.Popen) -> int:
 
 
 def workload(name: str, sa: str, ip: str, protocol: str, node: str) -> dict:
-    return {"uid": f"Kubernetes//Pod/bench/{name}", "name": name, "namespace": "bench", "serviceAccount": sa,
-            "trustDomain": "cluster.local", "workloadIps": [ip], "protocol": protocol, "node": node}
+    return {
+        "uid": f"Kubernetes//Pod/bench/{name}",
+        "name": name,
+        "namespace": "bench",
+        "serviceAccount": sa,
+        "trustDomain": "cluster.local",
+        "workloadIps": [ip],
+        "protocol": protocol,
+        "node": node,
+    }
 
 
 def mesh_config(client_ip: str, server_ip: str, plain_ip: str) -> dict:
     """ztunnel's local xDS YAML: two HBONE workloads with proxies, one TCP workload without."""
-    return {"workloads": [workload("client", "client", client_ip, "HBONE", "node-a"),
-                          workload("server", "server", server_ip, "HBONE", "node-b"),
-                          workload("plain", "plain", plain_ip, "TCP", "node-c")]}
+    return {
+        "workloads": [
+            workload("client", "client", client_ip, "HBONE", "node-a"),
+            workload("server", "server", server_ip, "HBONE", "node-b"),
+            workload("plain", "plain", plain_ip, "TCP", "node-c"),
+        ]
+    }
 
 
 class Topology:
@@ -444,13 +471,29 @@ class NetnsTopology(Topology):
         self.server = fab.add_node("server")
         self.plain = fab.add_node("plain")
         for node in (self.server, self.plain):
-            process = fab.spawn(node, [sys.executable, __file__, "--worker", "server", "--bind", "0.0.0.0",
-                                       "--port", str(BENCH_PORT)], stdout=subprocess.PIPE)
+            process = fab.spawn(
+                node,
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    "server",
+                    "--bind",
+                    "0.0.0.0",
+                    "--port",
+                    str(BENCH_PORT),
+                ],
+                stdout=subprocess.PIPE,
+            )
             read_listening_port(process)
             self.servers.append(process)
         config = self.workdir / "local-xds.yaml"
-        config.write_text(yaml.safe_dump(mesh_config(str(self.client.ipv4), str(self.server.ipv4),
-                                                     str(self.plain.ipv4)), sort_keys=False))
+        config.write_text(
+            yaml.safe_dump(
+                mesh_config(str(self.client.ipv4), str(self.server.ipv4), str(self.plain.ipv4)),
+                sort_keys=False,
+            )
+        )
         for node in (self.client, self.server):
             apply_dedicated_rules(self.runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
         self.config = config
@@ -458,9 +501,17 @@ class NetnsTopology(Topology):
 
     def _spawn_proxy(self, name: str) -> subprocess.Popen:
         node = self.client if name == "client" else self.server
-        env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
-                   FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS_PATH=str(self.config), PACKET_MARK=str(PACKET_MARK),
-                   NODE_NAME=node.name, ADMIN_ADDR="127.0.0.1:15000")
+        env = dict(
+            os.environ,
+            PROXY_MODE="dedicated",
+            PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+            FAKE_CA="true",
+            XDS_ADDRESS="",
+            LOCAL_XDS_PATH=str(self.config),
+            PACKET_MARK=str(PACKET_MARK),
+            NODE_NAME=node.name,
+            ADMIN_ADDR="127.0.0.1:15000",
+        )
         with open(self.logs[name], "wb") as out:
             return self.fabric.spawn(node, proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
 
@@ -496,8 +547,10 @@ class LoopbackTopology(Topology):
         ips = LOOPBACK_IPS
         self.ports = {}
         for name in ("server", "plain"):
-            process = self._spawn([sys.executable, __file__, "--worker", "server", "--bind", ips[name],
-                                   "--port", "0"], stdout=subprocess.PIPE)
+            process = self._spawn(
+                [sys.executable, __file__, "--worker", "server", "--bind", ips[name], "--port", "0"],
+                stdout=subprocess.PIPE,
+            )
             self.servers.append(process)
             self.ports[name] = read_listening_port(process)
         self.config = json.dumps(mesh_config(ips["client"], ips["server"], ips["plain"]))
@@ -505,11 +558,23 @@ class LoopbackTopology(Topology):
 
     def _spawn_proxy(self, name: str) -> subprocess.Popen:
         ip = LOOPBACK_IPS[name]
-        env = dict(os.environ, PROXY_MODE="dedicated", PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
-                   FAKE_CA="true", XDS_ADDRESS="", LOCAL_XDS=self.config, UNSTABLE_ENABLE_SOCKS5="true",
-                   OUTBOUND_ADDR=f"{ip}:0", INBOUND_ADDR=f"{ip}:15008", INBOUND_PLAINTEXT_ADDR=f"{ip}:0",
-                   SOCKS5_ADDR=f"{ip}:0", ADMIN_ADDR=f"{ip}:0", STATS_ADDR=f"{ip}:0",
-                   READINESS_ADDR=f"{ip}:0", TERMINATION_GRACE_PERIOD_SECONDS="2")
+        env = dict(
+            os.environ,
+            PROXY_MODE="dedicated",
+            PROXY_WORKLOAD_INFO=f"bench/{name}/{name}",
+            FAKE_CA="true",
+            XDS_ADDRESS="",
+            LOCAL_XDS=self.config,
+            UNSTABLE_ENABLE_SOCKS5="true",
+            OUTBOUND_ADDR=f"{ip}:0",
+            INBOUND_ADDR=f"{ip}:15008",
+            INBOUND_PLAINTEXT_ADDR=f"{ip}:0",
+            SOCKS5_ADDR=f"{ip}:0",
+            ADMIN_ADDR=f"{ip}:0",
+            STATS_ADDR=f"{ip}:0",
+            READINESS_ADDR=f"{ip}:0",
+            TERMINATION_GRACE_PERIOD_SECONDS="2",
+        )
         env.pop("PACKET_MARK", None)
         with open(self.logs[name], "wb") as out:
             return self._spawn(proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
@@ -537,8 +602,11 @@ class LoopbackTopology(Topology):
 
 def choose_topology(kind: str, workdir: Path) -> Topology:
     if kind == "auto":
-        kind = "netns" if os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables-restore") \
+        kind = (
+            "netns"
+            if os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables-restore")
             else "loopback"
+        )
     return NetnsTopology(workdir) if kind == "netns" else LoopbackTopology(workdir)
 
 
@@ -568,12 +636,24 @@ class Bench:
 
     def client_argv(self, mode: str, *extra: str) -> list[str]:
         pin = ["taskset", "-c", "0"] if self.pin else []
-        return [*self.topo.client_prefix(), *pin, sys.executable, __file__, "--worker", "client",
-                *self.topo.target(mode).argv(), *extra]
+        return [
+            *self.topo.client_prefix(),
+            *pin,
+            sys.executable,
+            __file__,
+            "--worker",
+            "client",
+            *self.topo.target(mode).argv(),
+            *extra,
+        ]
 
     def run_client(self, mode: str, *extra: str) -> dict:
-        out = subprocess.run(self.client_argv(mode, *extra), capture_output=True, timeout=WORKER_TIMEOUT_S,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            self.client_argv(mode, *extra),
+            capture_output=True,
+            timeout=WORKER_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"client ({mode} {' '.join(extra)}) failed:\n{out.stderr.decode()[-3000:]}")
         return json.loads(out.stdout.decode().strip().splitlines()[-1])
@@ -593,20 +673,33 @@ class Bench:
     # Tests -------------------------------------------------------------------------------------
     def throughput(self, mode: str, parallel: int, test: str) -> None:
         size = self.args.size_mib * 1024 * 1024
-        result, cpu = self.measured(mode, "--test", "throughput", "--size", str(size), "--parallel", str(parallel))
+        result, cpu = self.measured(
+            mode, "--test", "throughput", "--size", str(size), "--parallel", str(parallel)
+        )
         gib = result["bytes"] / 2**30
         value = {"gbit_s": result["gbit_s"], "seconds": result["seconds"], "bytes": result["bytes"]}
         if mode != "direct":
             value["proxy_cpu_s"] = cpu
             value["proxy_cpu_s_per_gib"] = {k: v / gib for k, v in cpu.items()}
-            value["gbit_s_per_proxy_core"] = {k: result["bytes"] * 8 / v / 1e9 for k, v in cpu.items() if v > 0.05}
+            value["gbit_s_per_proxy_core"] = {
+                k: result["bytes"] * 8 / v / 1e9 for k, v in cpu.items() if v > 0.05
+            }
         self.record(test, mode, value)
 
     def latency(self, mode: str, layout: str) -> None:
         self.apply_layout(layout)
         try:
-            result = self.run_client(mode, "--test", "latency", "--latency-bytes", str(self.args.latency_bytes),
-                                     "--round-trips", str(self.args.round_trips), "--warmup", str(self.args.warmup))
+            result = self.run_client(
+                mode,
+                "--test",
+                "latency",
+                "--latency-bytes",
+                str(self.args.latency_bytes),
+                "--round-trips",
+                str(self.args.round_trips),
+                "--warmup",
+                str(self.args.warmup),
+            )
         finally:
             self.apply_layout("spread")
         self.record(f"latency/{layout}", mode, result)
@@ -614,8 +707,15 @@ class Bench:
     def connections(self, mode: str, layout: str) -> None:
         self.apply_layout(layout)
         try:
-            result, cpu = self.measured(mode, "--test", "connections", "--connections", str(self.args.connections),
-                                        "--max-seconds", str(self.args.max_seconds))
+            result, cpu = self.measured(
+                mode,
+                "--test",
+                "connections",
+                "--connections",
+                str(self.args.connections),
+                "--max-seconds",
+                str(self.args.max_seconds),
+            )
         finally:
             self.apply_layout("spread")
         if mode != "direct":
@@ -629,13 +729,18 @@ class Bench:
         self.apply_layout("spread")
         # Warm this mode's code paths (and, for hbone, certificates and the first pooled
         # connection) so the delta is what idle connections cost, not first-use allocations.
-        self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200", "--warmup", "0")
+        self.run_client(
+            mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200", "--warmup", "0"
+        )
         self.run_client(mode, "--test", "connections", "--connections", "100", "--max-seconds", "10")
         pids = self.topo.pids()
         before = {k: proc_rss_kib(p) for k, p in pids.items()}
-        process = subprocess.Popen(self.client_argv(mode, "--test", "idle", "--connections",
-                                                    str(self.args.idle_connections)),
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            self.client_argv(mode, "--test", "idle", "--connections", str(self.args.idle_connections)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             line = process.stdout.readline()
             if not line:
@@ -650,8 +755,16 @@ class Bench:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        self.record("memory", mode, {"connections": opened, "rss_kib_before": before, "rss_kib_open": during,
-                                     "kib_per_conn": {k: (during[k] - before[k]) / opened for k in pids}})
+        self.record(
+            "memory",
+            mode,
+            {
+                "connections": opened,
+                "rss_kib_before": before,
+                "rss_kib_open": during,
+                "kib_per_conn": {k: (during[k] - before[k]) / opened for k in pids},
+            },
+        )
 
     def warm_up(self) -> None:
         """First use of each path: certificates, the pooled HBONE connection, code paths.
@@ -661,17 +774,25 @@ class Bench:
         at glibc's allocator), and the memory test restarts the proxies every round.
         """
         for mode in self.args.modes:
-            self.run_client(mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200",
-                            "--warmup", "0")
-            self.run_client(mode, "--test", "throughput", "--size", str(self.args.size_mib * 1024 * 1024),
-                            "--parallel", "1")
+            self.run_client(
+                mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200", "--warmup", "0"
+            )
+            self.run_client(
+                mode,
+                "--test",
+                "throughput",
+                "--size",
+                str(self.args.size_mib * 1024 * 1024),
+                "--parallel",
+                "1",
+            )
 
     def run(self, console) -> None:
         self.apply_layout("spread")
         self.warm_up()
         modes = list(self.args.modes)
         for r in range(self.args.rounds):
-            order = modes[r % len(modes):] + modes[:r % len(modes)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             started = time.monotonic()
             for test in self.args.tests:
                 for mode in order:
@@ -689,8 +810,10 @@ class Bench:
                         self.memory(mode)
                 if test == "memory" and r + 1 < self.args.rounds:
                     self.warm_up()  # the proxies were restarted
-            console.print(f"round {r + 1}/{self.args.rounds} done in {time.monotonic() - started:.1f}s "
-                          f"(modes {', '.join(order)})")
+            console.print(
+                f"round {r + 1}/{self.args.rounds} done in {time.monotonic() - started:.1f}s "
+                f"(modes {', '.join(order)})"
+            )
 
 
 # ================================================================================================
@@ -726,12 +849,17 @@ def summarize(results: dict) -> dict:
                 s["gbit_s"] = spread([r["gbit_s"] for r in rounds])
                 s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["gbit_s"])
                 if "proxy_cpu_s_per_gib" in rounds[0]:
-                    s["proxy_cpu_s_per_gib"] = {k: statistics.median(r["proxy_cpu_s_per_gib"][k] for r in rounds)
-                                                for k in rounds[0]["proxy_cpu_s_per_gib"]}
+                    s["proxy_cpu_s_per_gib"] = {
+                        k: statistics.median(r["proxy_cpu_s_per_gib"][k] for r in rounds)
+                        for k in rounds[0]["proxy_cpu_s_per_gib"]
+                    }
                     keys = set().union(*(r["gbit_s_per_proxy_core"].keys() for r in rounds))
                     s["gbit_s_per_proxy_core"] = {
-                        k: statistics.median(r["gbit_s_per_proxy_core"][k] for r in rounds
-                                             if k in r["gbit_s_per_proxy_core"]) for k in keys}
+                        k: statistics.median(
+                            r["gbit_s_per_proxy_core"][k] for r in rounds if k in r["gbit_s_per_proxy_core"]
+                        )
+                        for k in keys
+                    }
             elif test.startswith("latency"):
                 for p in ("p50_us", "p90_us", "p99_us"):
                     s[p] = spread([r[p] for r in rounds])
@@ -743,11 +871,15 @@ def summarize(results: dict) -> dict:
                 s["p50_us"] = statistics.median(r["p50_us"] for r in rounds)
                 s["p99_us"] = statistics.median(r["p99_us"] for r in rounds)
                 if "proxy_cpu_ms_per_conn" in rounds[0]:
-                    s["proxy_cpu_ms_per_conn"] = {k: statistics.median(r["proxy_cpu_ms_per_conn"][k] for r in rounds)
-                                                  for k in rounds[0]["proxy_cpu_ms_per_conn"]}
+                    s["proxy_cpu_ms_per_conn"] = {
+                        k: statistics.median(r["proxy_cpu_ms_per_conn"][k] for r in rounds)
+                        for k in rounds[0]["proxy_cpu_ms_per_conn"]
+                    }
             elif test == "memory":
-                s["kib_per_conn"] = {k: statistics.median(r["kib_per_conn"][k] for r in rounds)
-                                     for k in rounds[0]["kib_per_conn"]}
+                s["kib_per_conn"] = {
+                    k: statistics.median(r["kib_per_conn"][k] for r in rounds)
+                    for k in rounds[0]["kib_per_conn"]
+                }
             out[test][mode] = s
     return out
 
@@ -773,32 +905,65 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
         if test.startswith("throughput"):
             n = 1 if test == "throughput" else args.parallel
             t = Table(title=f"{test}: {n} connection(s) x {args.size_mib} MiB, client -> server")
-            for col in ("mode", "Gbit/s min / med / max", "x direct (same round)", "proxy CPU s per GiB",
-                        "Gbit/s per proxy core"):
+            for col in (
+                "mode",
+                "Gbit/s min / med / max",
+                "x direct (same round)",
+                "proxy CPU s per GiB",
+                "Gbit/s per proxy core",
+            ):
                 t.add_column(col)
             for mode, s in per_mode.items():
-                t.add_row(mode, _mmm(s["gbit_s"]), _opt(s["ratio_to_direct"], "{:.3f}"),
-                          _per_proxy(s.get("proxy_cpu_s_per_gib"), "{:.2f}"),
-                          _per_proxy(s.get("gbit_s_per_proxy_core"), "{:.2f}"))
+                t.add_row(
+                    mode,
+                    _mmm(s["gbit_s"]),
+                    _opt(s["ratio_to_direct"], "{:.3f}"),
+                    _per_proxy(s.get("proxy_cpu_s_per_gib"), "{:.2f}"),
+                    _per_proxy(s.get("gbit_s_per_proxy_core"), "{:.2f}"),
+                )
         elif test.startswith("latency"):
-            t = Table(title=f"{test}: {args.latency_bytes}-byte ping-pong, {args.round_trips} round trips "
-                            f"after {args.warmup} warm-up")
-            for col in ("mode", "p50 µs min / med / max", "p90 µs (med)", "p99 µs (med)", "added p50 vs direct",
-                        "added p99 vs direct"):
+            t = Table(
+                title=f"{test}: {args.latency_bytes}-byte ping-pong, {args.round_trips} round trips "
+                f"after {args.warmup} warm-up"
+            )
+            for col in (
+                "mode",
+                "p50 µs min / med / max",
+                "p90 µs (med)",
+                "p99 µs (med)",
+                "added p50 vs direct",
+                "added p99 vs direct",
+            ):
                 t.add_column(col)
             for mode, s in per_mode.items():
-                t.add_row(mode, _mmm(s["p50_us"], "{:.1f}"), f"{s['p90_us']['median']:.1f}",
-                          f"{s['p99_us']['median']:.1f}", _opt(s["added_p50_us"], "{:+.1f}"),
-                          _opt(s["added_p99_us"], "{:+.1f}"))
+                t.add_row(
+                    mode,
+                    _mmm(s["p50_us"], "{:.1f}"),
+                    f"{s['p90_us']['median']:.1f}",
+                    f"{s['p99_us']['median']:.1f}",
+                    _opt(s["added_p50_us"], "{:+.1f}"),
+                    _opt(s["added_p99_us"], "{:+.1f}"),
+                )
         elif test.startswith("connections"):
-            t = Table(title=f"{test}: connect + 1-byte round trip + close, up to {args.connections} "
-                            f"per round")
-            for col in ("mode", "conn/s min / med / max", "x direct", "p50 / p99 µs", "proxy CPU ms per conn"):
+            t = Table(
+                title=f"{test}: connect + 1-byte round trip + close, up to {args.connections} per round"
+            )
+            for col in (
+                "mode",
+                "conn/s min / med / max",
+                "x direct",
+                "p50 / p99 µs",
+                "proxy CPU ms per conn",
+            ):
                 t.add_column(col)
             for mode, s in per_mode.items():
-                t.add_row(mode, _mmm(s["conn_s"], "{:.0f}"), _opt(s["ratio_to_direct"], "{:.3f}"),
-                          f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
-                          _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"))
+                t.add_row(
+                    mode,
+                    _mmm(s["conn_s"], "{:.0f}"),
+                    _opt(s["ratio_to_direct"], "{:.3f}"),
+                    f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
+                    _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"),
+                )
         elif test == "memory":
             t = Table(title=f"memory: RSS delta per idle connection ({args.idle_connections} connections)")
             t.add_column("mode")
@@ -876,11 +1041,27 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "topology": topo.label,
-        "pinning": ("spread: client+servers CPU0, client proxy CPU1, server proxy CPU0-1; one-core: all on CPU0"
-                    if pin else "none"),
-        "parameters": {k: getattr(args, k) for k in ("rounds", "modes", "tests", "size_mib", "parallel",
-                                                     "latency_bytes", "round_trips", "warmup", "layouts",
-                                                     "connections", "idle_connections")},
+        "pinning": (
+            "spread: client+servers CPU0, client proxy CPU1, server proxy CPU0-1; one-core: all on CPU0"
+            if pin
+            else "none"
+        ),
+        "parameters": {
+            k: getattr(args, k)
+            for k in (
+                "rounds",
+                "modes",
+                "tests",
+                "size_mib",
+                "parallel",
+                "latency_bytes",
+                "round_trips",
+                "warmup",
+                "layouts",
+                "connections",
+                "idle_connections",
+            )
+        },
         "summary": summary,
         "rounds": bench.results,
     }

@@ -84,8 +84,16 @@ def main() -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     spy = pyspy_binary()
     out_dir = Path(tempfile.mkdtemp(prefix="hbone-profile-"))
-    bench_args = argparse.Namespace(modes=["hbone"], size_mib=args.size_mib, parallel=args.parallel,
-                                    latency_bytes=1, round_trips=0, warmup=0, connections=0, idle_connections=0)
+    bench_args = argparse.Namespace(
+        modes=["hbone"],
+        size_mib=args.size_mib,
+        parallel=args.parallel,
+        latency_bytes=1,
+        round_trips=0,
+        warmup=0,
+        connections=0,
+        idle_connections=0,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="hbone-bench-"))
     topo = choose_topology(args.topology, workdir)
     try:
@@ -94,16 +102,27 @@ def main() -> int:
         bench.warm_up()
         samplers = {}
         for name, pid in topo.pids().items():
-            argv = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
-                    "--output", str(out_dir / f"{name}.folded")]
+            argv = [
+                spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(args.rate),
+                "--format",
+                "raw",
+                "--output",
+                str(out_dir / f"{name}.folded"),
+            ]
             # Native unwinding has to stop the process for each sample; Python-only need not.
             argv.append("--native" if args.native else "--nonblocking")
             samplers[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(PYSPY_START_S)
         size = args.size_mib * 1024 * 1024
         cpu0 = {n: proc_cpu_s(pid) for n, pid in topo.pids().items()}
-        result = bench.run_client("hbone", "--test", "throughput", "--size", str(size),
-                                  "--parallel", str(args.parallel))
+        result = bench.run_client(
+            "hbone", "--test", "throughput", "--size", str(size), "--parallel", str(args.parallel)
+        )
         cpu = {n: proc_cpu_s(pid) - cpu0[n] for n, pid in topo.pids().items()}
         for name, sampler in samplers.items():
             sampler.send_signal(signal.SIGINT)
@@ -113,16 +132,20 @@ def main() -> int:
                 sampler.kill()
                 sampler.wait()
             if sampler.returncode not in (0, -signal.SIGINT):
-                console.print(f"py-spy for {name} exited with {sampler.returncode}: "
-                              f"{sampler.stderr.read().decode()[-500:]}")
+                console.print(
+                    f"py-spy for {name} exited with {sampler.returncode}: "
+                    f"{sampler.stderr.read().decode()[-500:]}"
+                )
     finally:
         topo.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     console.print(f"topology: {topo.label}")
-    console.print(f"hbone throughput under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
-                  f"frames): {result['gbit_s']:.2f} Gbit/s, {args.parallel} x {args.size_mib} MiB; proxy CPU s: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    console.print(
+        f"hbone throughput under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
+        f"frames): {result['gbit_s']:.2f} Gbit/s, {args.parallel} x {args.size_mib} MiB; proxy CPU s: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+    )
     for name, role in (("client", "outbound (TCP -> HBONE)"), ("server", "inbound (HBONE -> TCP)")):
         path = out_dir / f"{name}.folded"
         if not path.exists():

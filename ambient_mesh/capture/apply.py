@@ -75,8 +75,12 @@ class IptablesState:
     tables: Mapping[str, Mapping[str, tuple[tuple[str, ...], ...]]]
 
     def istio_chains(self) -> list[tuple[str, str]]:
-        return [(table, chain) for table, chains in sorted(self.tables.items())
-                for chain in chains if chain.startswith(ISTIO_CHAIN_PREFIX)]
+        return [
+            (table, chain)
+            for table, chains in sorted(self.tables.items())
+            for chain in chains
+            if chain.startswith(ISTIO_CHAIN_PREFIX)
+        ]
 
     def istio_jumps(self) -> list[tuple[str, str, tuple[str, ...]]]:
         """(table, built-in chain, rule args) of every rule that jumps into an ISTIO_* chain."""
@@ -134,8 +138,9 @@ def parse_iptables_save(text: str, family: IpFamily = IpFamily.V4) -> IptablesSt
         if len(words) < 2 or words[0] not in ("-A", "--append"):
             raise RuleStateError(f"iptables-save line {number}: not a rule: {raw!r}")
         current.setdefault(words[1], []).append(tuple(words[2:]))
-    return IptablesState(family=family, tables={t: {c: tuple(r) for c, r in chains.items()}
-                                                 for t, chains in tables.items()})
+    return IptablesState(
+        family=family, tables={t: {c: tuple(r) for c, r in chains.items()} for t, chains in tables.items()}
+    )
 
 
 def parse_nft_tables(text: str) -> frozenset[tuple[str, str]]:
@@ -166,8 +171,9 @@ def check_argv(family: IpFamily, rule: IptablesRule) -> tuple[str, ...]:
     return (family.iptables, "-w", "-t", rule.table, "-C", rule.chain, *rule.args)
 
 
-def observe_inpod(runner: CommandRunner, netns: str | None, cfg: InpodConfig,
-                  backend: Backend = Backend.IPTABLES) -> InpodObservation:
+def observe_inpod(
+    runner: CommandRunner, netns: str | None, cfg: InpodConfig, backend: Backend = Backend.IPTABLES
+) -> InpodObservation:
     """Read-only look at the pod netns: our rules/tables as they stand, and lo's IPv6 switch."""
     states: dict[IpFamily, IptablesState] = {}
     present: dict[IpFamily, frozenset[IptablesRule]] = {}
@@ -188,7 +194,10 @@ def observe_inpod(runner: CommandRunner, netns: str | None, cfg: InpodConfig,
             if family in cfg.families and not state.empty:
                 expected = iptables_rule_set(cfg, family).rules
                 present[family] = frozenset(
-                    rule for rule in expected if runner.run(check_argv(family, rule), netns=netns, check=False).ok)
+                    rule
+                    for rule in expected
+                    if runner.run(check_argv(family, rule), netns=netns, check=False).ok
+                )
     else:
         listed = runner.run(["nft", "list", "tables"], netns=netns)
         nft_tables = parse_nft_tables(listed.text)
@@ -196,7 +205,9 @@ def observe_inpod(runner: CommandRunner, netns: str | None, cfg: InpodConfig,
     if cfg.ipv6:
         result = runner.run(["sysctl", "-n", IPV6_LO_SYSCTL], netns=netns, check=False)
         ipv6_loopback = result.ok and result.text.strip() != "1"
-    return InpodObservation(iptables=states, present=present, nft_tables=nft_tables, ipv6_loopback=ipv6_loopback)
+    return InpodObservation(
+        iptables=states, present=present, nft_tables=nft_tables, ipv6_loopback=ipv6_loopback
+    )
 
 
 # --- plans ---------------------------------------------------------------------------------------
@@ -228,15 +239,19 @@ class RulePlan:
 
     def __repr__(self) -> str:
         extra = f" + {len(self.finally_steps)} cleanup" if self.finally_steps else ""
-        return (f"RulePlan({self.backend.value} {self.action.value}: {len(self.steps)} steps{extra}; "
-                f"{self.reason})")
+        return (
+            f"RulePlan({self.backend.value} {self.action.value}: {len(self.steps)} steps{extra}; "
+            f"{self.reason})"
+        )
 
     @property
     def argvs(self) -> list[tuple[str, ...]]:
         return [step.argv for step in (*self.steps, *self.finally_steps)]
 
 
-def _in_sync(cfg: InpodConfig, family: IpFamily, state: IptablesState, present: frozenset[IptablesRule]) -> str:
+def _in_sync(
+    cfg: InpodConfig, family: IpFamily, state: IptablesState, present: frozenset[IptablesRule]
+) -> str:
     """'' when `state` holds exactly the expected set for `family`, else why not."""
     expected = iptables_rule_set(cfg, family)
     for table, chains in expected.chains.items():
@@ -254,7 +269,9 @@ def _in_sync(cfg: InpodConfig, family: IpFamily, state: IptablesState, present: 
     for rule in jumps:
         count = sum(1 for args in state.tables.get(rule.table, {}).get(rule.chain, ()) if args == rule.args)
         if count != 1:
-            return f"{family.iptables} jump {rule.table}/{rule.chain} -> {rule.args[-1]} present {count} times"
+            return (
+                f"{family.iptables} jump {rule.table}/{rule.chain} -> {rule.args[-1]} present {count} times"
+            )
     if len(state.istio_jumps()) != len(jumps):
         return f"{family.iptables} unexpected jumps into ISTIO_* chains"
     missing = [r for r in expected.rules if r not in present]
@@ -266,52 +283,89 @@ def _in_sync(cfg: InpodConfig, family: IpFamily, state: IptablesState, present: 
 def _iptables_cleanup_steps(state: IptablesState) -> list[Step]:
     """Remove every ISTIO_* jump and chain found in `state` (ours or a leftover of anyone's)."""
     ipt = state.family.iptables
-    steps = [Step(argv=(ipt, "-w", "-t", table, "-D", chain, *args), why="remove jump into our chain", check=False)
-             for table, chain, args in state.istio_jumps()]
+    steps = [
+        Step(argv=(ipt, "-w", "-t", table, "-D", chain, *args), why="remove jump into our chain", check=False)
+        for table, chain, args in state.istio_jumps()
+    ]
     chains = state.istio_chains()
     # flush all before deleting any: our chains may reference each other
-    steps += [Step(argv=(ipt, "-w", "-t", table, "-F", chain), why="flush our chain", check=False)
-              for table, chain in chains]
-    steps += [Step(argv=(ipt, "-w", "-t", table, "-X", chain), why="delete our chain", check=False)
-              for table, chain in chains]
+    steps += [
+        Step(argv=(ipt, "-w", "-t", table, "-F", chain), why="flush our chain", check=False)
+        for table, chain in chains
+    ]
+    steps += [
+        Step(argv=(ipt, "-w", "-t", table, "-X", chain), why="delete our chain", check=False)
+        for table, chain in chains
+    ]
     return steps
 
 
 def guardrail_steps(family: IpFamily) -> tuple[list[Step], list[Step]]:
     """(install, remove): drop all TCP/UDP in the filter table while the rules are swapped."""
     ipt = family.iptables
-    install = [Step(argv=(ipt, "-w", "-t", "filter", "-I", chain, "1", "-p", proto, "-j", "DROP"),
-                    why="guardrail during reconcile") for chain in GUARDRAIL_CHAINS for proto in GUARDRAIL_PROTOCOLS]
-    remove = [Step(argv=(ipt, "-w", "-t", "filter", "-D", chain, "-p", proto, "-j", "DROP"),
-                   why="remove guardrail", check=False) for chain in GUARDRAIL_CHAINS for proto in GUARDRAIL_PROTOCOLS]
+    install = [
+        Step(
+            argv=(ipt, "-w", "-t", "filter", "-I", chain, "1", "-p", proto, "-j", "DROP"),
+            why="guardrail during reconcile",
+        )
+        for chain in GUARDRAIL_CHAINS
+        for proto in GUARDRAIL_PROTOCOLS
+    ]
+    remove = [
+        Step(
+            argv=(ipt, "-w", "-t", "filter", "-D", chain, "-p", proto, "-j", "DROP"),
+            why="remove guardrail",
+            check=False,
+        )
+        for chain in GUARDRAIL_CHAINS
+        for proto in GUARDRAIL_PROTOCOLS
+    ]
     return install, remove
 
 
 def _routing_steps(cfg: InpodConfig, observation: InpodObservation) -> list[Step]:
-    return [Step(argv=argv, why="policy route for connmark-tagged replies (3.4)", ok_stderr=EEXIST_TEXT)
-            for argv in routing_commands(cfg, ipv6_loopback=observation.ipv6_loopback)]
+    return [
+        Step(argv=argv, why="policy route for connmark-tagged replies (3.4)", ok_stderr=EEXIST_TEXT)
+        for argv in routing_commands(cfg, ipv6_loopback=observation.ipv6_loopback)
+    ]
 
 
 def plan_inpod_apply(cfg: InpodConfig, backend: Backend, observation: InpodObservation) -> RulePlan:
     """Pure: the steps that bring the pod netns to exactly `cfg`'s rule set."""
     routing = _routing_steps(cfg, observation)
     if backend is Backend.NFTABLES:
-        ours = [name for family, name in sorted(observation.nft_tables) if family == "inet" and name in NFT_TABLES]
+        ours = [
+            name for family, name in sorted(observation.nft_tables) if family == "inet" and name in NFT_TABLES
+        ]
         # Delete-then-recreate in one transaction: atomic, so no packet ever sees a half set,
         # and a table the new set does not use (raw, when DNS capture was turned off) is gone.
         script = "".join(f"delete table inet {name}\n" for name in ours) + nft_rule_set(cfg).render()
         action = PlanAction.RECONCILE if ours else PlanAction.CREATE
         reason = f"replace tables {', '.join(ours)}" if ours else "no in-pod tables yet"
         steps = [Step(argv=("nft", "-f", "-"), input=script, why="in-pod nftables rules"), *routing]
-        return RulePlan(backend=backend, action=action, reason=f"{reason} ({cfg.describe()})", steps=tuple(steps))
+        return RulePlan(
+            backend=backend, action=action, reason=f"{reason} ({cfg.describe()})", steps=tuple(steps)
+        )
 
-    states = {family: observation.iptables.get(family, IptablesState(family=family, tables={}))
-              for family in (IpFamily.V4, IpFamily.V6)}
+    states = {
+        family: observation.iptables.get(family, IptablesState(family=family, tables={}))
+        for family in (IpFamily.V4, IpFamily.V6)
+    }
     if all(state.empty for state in states.values()):
-        steps = [Step(argv=(family.restore, "-w", "--noflush"), input=iptables_rule_set(cfg, family).render(),
-                      why=f"in-pod rules, IPv{family.value}") for family in cfg.families]
-        return RulePlan(backend=backend, action=PlanAction.CREATE,
-                        reason=f"no ISTIO_* chains yet ({cfg.describe()})", steps=tuple([*steps, *routing]))
+        steps = [
+            Step(
+                argv=(family.restore, "-w", "--noflush"),
+                input=iptables_rule_set(cfg, family).render(),
+                why=f"in-pod rules, IPv{family.value}",
+            )
+            for family in cfg.families
+        ]
+        return RulePlan(
+            backend=backend,
+            action=PlanAction.CREATE,
+            reason=f"no ISTIO_* chains yet ({cfg.describe()})",
+            steps=tuple([*steps, *routing]),
+        )
 
     reasons = []
     for family in (IpFamily.V4, IpFamily.V6):
@@ -323,8 +377,12 @@ def plan_inpod_apply(cfg: InpodConfig, backend: Backend, observation: InpodObser
         if why:
             reasons.append(why)
     if not reasons:
-        return RulePlan(backend=backend, action=PlanAction.NONE, reason=f"in sync ({cfg.describe()})",
-                        steps=tuple(routing))
+        return RulePlan(
+            backend=backend,
+            action=PlanAction.NONE,
+            reason=f"in sync ({cfg.describe()})",
+            steps=tuple(routing),
+        )
 
     steps: list[Step] = []
     finally_steps: list[Step] = []
@@ -335,30 +393,62 @@ def plan_inpod_apply(cfg: InpodConfig, backend: Backend, observation: InpodObser
         finally_steps += remove
     for family in (IpFamily.V4, IpFamily.V6):
         steps += _iptables_cleanup_steps(states[family])
-    steps += [Step(argv=(family.restore, "-w", "--noflush"), input=iptables_rule_set(cfg, family).render(),
-                   why=f"in-pod rules, IPv{family.value}") for family in cfg.families]
+    steps += [
+        Step(
+            argv=(family.restore, "-w", "--noflush"),
+            input=iptables_rule_set(cfg, family).render(),
+            why=f"in-pod rules, IPv{family.value}",
+        )
+        for family in cfg.families
+    ]
     steps += routing
-    return RulePlan(backend=backend, action=PlanAction.RECONCILE, reason="; ".join(reasons),
-                    steps=tuple(steps), finally_steps=tuple(finally_steps))
+    return RulePlan(
+        backend=backend,
+        action=PlanAction.RECONCILE,
+        reason="; ".join(reasons),
+        steps=tuple(steps),
+        finally_steps=tuple(finally_steps),
+    )
 
 
 def plan_inpod_remove(cfg: InpodConfig, backend: Backend, observation: InpodObservation) -> RulePlan:
     """Pure: the steps that remove our rules and policy route, whatever is left of them."""
-    routing = [Step(argv=argv, why="remove policy route", check=False) for argv in routing_removal_commands(cfg)]
+    routing = [
+        Step(argv=argv, why="remove policy route", check=False) for argv in routing_removal_commands(cfg)
+    ]
     if backend is Backend.NFTABLES:
-        ours = [name for family, name in sorted(observation.nft_tables) if family == "inet" and name in NFT_TABLES]
-        steps = [Step(argv=("nft", "-f", "-"), input="".join(f"delete table inet {name}\n" for name in ours),
-                      why="delete in-pod tables")] if ours else []
-        return RulePlan(backend=backend, action=PlanAction.REMOVE,
-                        reason=f"tables present: {', '.join(ours) or 'none'}", steps=tuple([*steps, *routing]))
+        ours = [
+            name for family, name in sorted(observation.nft_tables) if family == "inet" and name in NFT_TABLES
+        ]
+        steps = (
+            [
+                Step(
+                    argv=("nft", "-f", "-"),
+                    input="".join(f"delete table inet {name}\n" for name in ours),
+                    why="delete in-pod tables",
+                )
+            ]
+            if ours
+            else []
+        )
+        return RulePlan(
+            backend=backend,
+            action=PlanAction.REMOVE,
+            reason=f"tables present: {', '.join(ours) or 'none'}",
+            steps=tuple([*steps, *routing]),
+        )
     steps = []
     for family in (IpFamily.V4, IpFamily.V6):
         state = observation.iptables.get(family)
         if state is not None:
             steps += _iptables_cleanup_steps(state)
     found = sum(len(s.istio_chains()) for s in observation.iptables.values())
-    return RulePlan(backend=backend, action=PlanAction.REMOVE, reason=f"{found} ISTIO_* chains present",
-                    steps=tuple([*steps, *routing]))
+    return RulePlan(
+        backend=backend,
+        action=PlanAction.REMOVE,
+        reason=f"{found} ISTIO_* chains present",
+        steps=tuple([*steps, *routing]),
+    )
 
 
 # --- doing ---------------------------------------------------------------------------------------
@@ -371,8 +461,9 @@ def _run_step(runner: CommandRunner, netns: str | None, step: Step) -> None:
         return
     if step.ok_stderr is not None and step.ok_stderr.encode() in result.stderr:
         return
-    raise CommandError(step.argv, result.returncode, result.stderr, netns=netns,
-                       hint=f"while trying to {step.why}")
+    raise CommandError(
+        step.argv, result.returncode, result.stderr, netns=netns, hint=f"while trying to {step.why}"
+    )
 
 
 def execute_plan(runner: CommandRunner, netns: str | None, plan: RulePlan) -> None:
@@ -385,16 +476,18 @@ def execute_plan(runner: CommandRunner, netns: str | None, plan: RulePlan) -> No
             _run_step(runner, netns, step)
 
 
-def apply_inpod_rules(runner: CommandRunner, netns: str | None, cfg: InpodConfig,
-                      backend: Backend = Backend.IPTABLES) -> RulePlan:
+def apply_inpod_rules(
+    runner: CommandRunner, netns: str | None, cfg: InpodConfig, backend: Backend = Backend.IPTABLES
+) -> RulePlan:
     """Observe, plan and carry out: the pod netns ends with exactly `cfg`'s rules. Idempotent."""
     plan = plan_inpod_apply(cfg, backend, observe_inpod(runner, netns, cfg, backend))
     execute_plan(runner, netns, plan)
     return plan
 
 
-def remove_inpod_rules(runner: CommandRunner, netns: str | None, cfg: InpodConfig,
-                       backend: Backend = Backend.IPTABLES) -> RulePlan:
+def remove_inpod_rules(
+    runner: CommandRunner, netns: str | None, cfg: InpodConfig, backend: Backend = Backend.IPTABLES
+) -> RulePlan:
     """Remove our rules, chains/tables and policy route from the pod netns. Idempotent."""
     plan = plan_inpod_remove(cfg, backend, observe_inpod(runner, netns, cfg, backend))
     execute_plan(runner, netns, plan)

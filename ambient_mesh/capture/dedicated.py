@@ -52,10 +52,16 @@ class IpFamily:
     local_default: str
 
 
-IPV4 = IpFamily(version=4, restore="iptables-restore", iptables="iptables",
-                loopback_net="127.0.0.0/8", local_default="0.0.0.0/0")
-IPV6 = IpFamily(version=6, restore="ip6tables-restore", iptables="ip6tables",
-                loopback_net="::1/128", local_default="::/0")
+IPV4 = IpFamily(
+    version=4,
+    restore="iptables-restore",
+    iptables="iptables",
+    loopback_net="127.0.0.0/8",
+    local_default="0.0.0.0/0",
+)
+IPV6 = IpFamily(
+    version=6, restore="ip6tables-restore", iptables="ip6tables", loopback_net="::1/128", local_default="::/0"
+)
 
 
 def family_for(ipv6: bool) -> IpFamily:
@@ -67,10 +73,16 @@ def _check_port(name: str, port: int) -> None:
         raise ConfigError(name, f"port {port} out of range 1-65535")
 
 
-def render_dedicated_rules(*, mark: int = DEFAULT_MARK, outbound_port: int = OUTBOUND_PORT,
-                           inbound_plaintext_port: int = INBOUND_PLAINTEXT_PORT,
-                           hbone_port: int = HBONE_PORT, exclude_uids: Iterable[int] = (),
-                           transparent: bool = False, ipv6: bool = False) -> str:
+def render_dedicated_rules(
+    *,
+    mark: int = DEFAULT_MARK,
+    outbound_port: int = OUTBOUND_PORT,
+    inbound_plaintext_port: int = INBOUND_PLAINTEXT_PORT,
+    hbone_port: int = HBONE_PORT,
+    exclude_uids: Iterable[int] = (),
+    transparent: bool = False,
+    ipv6: bool = False,
+) -> str:
     """`iptables-restore` (or, with ipv6, `ip6tables-restore`) input for dedicated-mode capture.
 
     Meant for `--noflush`: only our chains are declared (and so flushed); the jumps into them
@@ -78,8 +90,11 @@ def render_dedicated_rules(*, mark: int = DEFAULT_MARK, outbound_port: int = OUT
     """
     if not 0 < mark <= 0xFFFFFFFF:
         raise ConfigError("PACKET_MARK", f"mark {mark} must be a non-zero 32-bit value")
-    for name, port in (("outbound_port", outbound_port), ("inbound_plaintext_port", inbound_plaintext_port),
-                       ("hbone_port", hbone_port)):
+    for name, port in (
+        ("outbound_port", outbound_port),
+        ("inbound_plaintext_port", inbound_plaintext_port),
+        ("hbone_port", hbone_port),
+    ):
         _check_port(name, port)
     uids = tuple(exclude_uids)
     for uid in uids:
@@ -141,14 +156,30 @@ def policy_route_commands(*, ipv6: bool = False) -> tuple[tuple[str, ...], ...]:
     fam = family_for(ipv6)
     flag = f"-{fam.version}"
     return (
-        ("ip", flag, "rule", "add", "fwmark", f"{CONNMARK:#x}/{MARK_MASK:#x}",
-         "pref", str(RULE_PRIORITY), "lookup", str(ROUTE_TABLE)),
+        (
+            "ip",
+            flag,
+            "rule",
+            "add",
+            "fwmark",
+            f"{CONNMARK:#x}/{MARK_MASK:#x}",
+            "pref",
+            str(RULE_PRIORITY),
+            "lookup",
+            str(ROUTE_TABLE),
+        ),
         ("ip", flag, "route", "replace", "local", fam.local_default, "dev", "lo", "table", str(ROUTE_TABLE)),
     )
 
 
-def apply_dedicated_rules(runner: CommandRunner, netns: str | None, rules: str, *, ipv6: bool = False,
-                          policy_routes: bool | None = None) -> None:
+def apply_dedicated_rules(
+    runner: CommandRunner,
+    netns: str | None,
+    rules: str,
+    *,
+    ipv6: bool = False,
+    policy_routes: bool | None = None,
+) -> None:
     """Install rendered rules inside `netns`, replacing any earlier set of ours.
 
     `netns=None` means the caller's own namespace: the proxy's, when it runs inside the pod.
@@ -186,7 +217,19 @@ def remove_dedicated_rules(runner: CommandRunner, netns: str | None, *, ipv6: bo
         runner.run([fam.iptables, "-t", table, "-X", chain], netns=netns, check=False)
     flag = f"-{fam.version}"
     for _ in range(MAX_JUMP_DELETES):
-        if not runner.run(["ip", flag, "rule", "del", "fwmark", f"{CONNMARK:#x}/{MARK_MASK:#x}",
-                           "lookup", str(ROUTE_TABLE)], netns=netns, check=False).ok:
+        if not runner.run(
+            [
+                "ip",
+                flag,
+                "rule",
+                "del",
+                "fwmark",
+                f"{CONNMARK:#x}/{MARK_MASK:#x}",
+                "lookup",
+                str(ROUTE_TABLE),
+            ],
+            netns=netns,
+            check=False,
+        ).ok:
             break
     runner.run(["ip", flag, "route", "flush", "table", str(ROUTE_TABLE)], netns=netns, check=False)

@@ -52,9 +52,14 @@ class HostProbeConfig:
 
     def __post_init__(self) -> None:
         if not self.probe_ipv4.is_link_local:
-            raise ConfigError("HOST_PROBE_SNAT_IP", f"{self.probe_ipv4} must be a link-local address (169.254/16)")
-        if not self.set_prefix or len(self.set_prefix) + 3 > IPSET_MAX_NAME_CHARS or not all(
-                c.isalnum() or c in "-_" for c in self.set_prefix):
+            raise ConfigError(
+                "HOST_PROBE_SNAT_IP", f"{self.probe_ipv4} must be a link-local address (169.254/16)"
+            )
+        if (
+            not self.set_prefix
+            or len(self.set_prefix) + 3 > IPSET_MAX_NAME_CHARS
+            or not all(c.isalnum() or c in "-_" for c in self.set_prefix)
+        ):
             raise ConfigError("set_prefix", f"{self.set_prefix!r} is not a usable set name prefix")
         if self.kubelet_uid is not None and not 0 <= self.kubelet_uid <= 0xFFFFFFFF:
             raise ConfigError("kubelet_uid", f"uid {self.kubelet_uid} out of range")
@@ -77,17 +82,22 @@ def render_host_iptables(cfg: HostProbeConfig, family: IpFamily = IpFamily.V4) -
     """`iptables-restore --noflush` input for the node's probe SNAT (the ipset must exist)."""
     if family not in cfg.families:
         raise ConfigError("AMBIENT_IPV6", "IPv6 host rules requested but IPv6 is disabled")
-    return "\n".join([
-        f"# ambient-mesh host probe SNAT, IPv{family.value} ({family.restore} --noflush input)",
-        "*nat",
-        f"-N {CHAIN_HOST_POSTROUTING}",
-        # First in POSTROUTING, ahead of any masquerading the primary CNI installs.
-        f"-I POSTROUTING 1 -j {CHAIN_HOST_POSTROUTING}",
-        # --socket-exists: only locally originated traffic (the kubelet), never forwarded traffic.
-        f"-A {CHAIN_HOST_POSTROUTING} -m owner --socket-exists -p tcp -m set --match-set "
-        f"{cfg.set_name(family)} dst -j SNAT --to-source {cfg.probe_address(family)}",
-        "COMMIT",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# ambient-mesh host probe SNAT, IPv{family.value} ({family.restore} --noflush input)",
+                "*nat",
+                f"-N {CHAIN_HOST_POSTROUTING}",
+                # First in POSTROUTING, ahead of any masquerading the primary CNI installs.
+                f"-I POSTROUTING 1 -j {CHAIN_HOST_POSTROUTING}",
+                # --socket-exists: only locally originated traffic (the kubelet), never forwarded traffic.
+                f"-A {CHAIN_HOST_POSTROUTING} -m owner --socket-exists -p tcp -m set --match-set "
+                f"{cfg.set_name(family)} dst -j SNAT --to-source {cfg.probe_address(family)}",
+                "COMMIT",
+            ]
+        )
+        + "\n"
+    )
 
 
 def render_host_nftables(cfg: HostProbeConfig) -> str:
@@ -97,8 +107,11 @@ def render_host_nftables(cfg: HostProbeConfig) -> str:
     keeps their members.
     """
     if cfg.kubelet_uid is None:
-        raise ConfigError("kubelet_uid", "the nftables host rule needs the kubelet's uid",
-                          hint="scan /proc for the kubelet (or kubelite, k3s) process and pass its uid")
+        raise ConfigError(
+            "kubelet_uid",
+            "the nftables host rule needs the kubelet's uid",
+            hint="scan /proc for the kubelet (or kubelite, k3s) process and pass its uid",
+        )
     table = f"inet {NFT_HOST_TABLE}"
     lines = ["# ambient-mesh host probe SNAT (nft -f input)", f"add table {table}"]
     for family in cfg.families:
@@ -108,9 +121,11 @@ def render_host_nftables(cfg: HostProbeConfig) -> str:
         f"add chain {table} {NFT_HOST_CHAIN} {{ type nat hook postrouting priority {NFT_SNAT_PRIORITY} ; }}",
         f"flush chain {table} {NFT_HOST_CHAIN}",
     ]
-    lines += [f"add rule {table} {NFT_HOST_CHAIN} meta l4proto tcp skuid {cfg.kubelet_uid} "
-              f"{family.nft} daddr @{cfg.set_name(family)} counter snat {family.nft} to {cfg.probe_address(family)}"
-              for family in cfg.families]
+    lines += [
+        f"add rule {table} {NFT_HOST_CHAIN} meta l4proto tcp skuid {cfg.kubelet_uid} "
+        f"{family.nft} daddr @{cfg.set_name(family)} counter snat {family.nft} to {cfg.probe_address(family)}"
+        for family in cfg.families
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -120,15 +135,31 @@ def render_host_nftables(cfg: HostProbeConfig) -> str:
 def plan_host_rules(cfg: HostProbeConfig, backend: Backend, saved: Mapping[IpFamily, str]) -> RulePlan:
     """Pure: delete-then-create of the host rule (3.7). `saved` is iptables-save per family."""
     if backend is Backend.NFTABLES:
-        return RulePlan(backend=backend, action=PlanAction.CREATE, reason="flush and refill postrouting",
-                        steps=(Step(argv=("nft", "-f", "-"), input=render_host_nftables(cfg),
-                                    why="host probe SNAT rule"),))
+        return RulePlan(
+            backend=backend,
+            action=PlanAction.CREATE,
+            reason="flush and refill postrouting",
+            steps=(
+                Step(argv=("nft", "-f", "-"), input=render_host_nftables(cfg), why="host probe SNAT rule"),
+            ),
+        )
     steps = [*_host_cleanup_steps(saved)]
-    steps += [Step(argv=(family.restore, "-w", "--noflush"), input=render_host_iptables(cfg, family),
-                   why=f"host probe SNAT rule, IPv{family.value}") for family in cfg.families]
-    action = PlanAction.RECONCILE if any(CHAIN_HOST_POSTROUTING in text for text in saved.values()) \
+    steps += [
+        Step(
+            argv=(family.restore, "-w", "--noflush"),
+            input=render_host_iptables(cfg, family),
+            why=f"host probe SNAT rule, IPv{family.value}",
+        )
+        for family in cfg.families
+    ]
+    action = (
+        PlanAction.RECONCILE
+        if any(CHAIN_HOST_POSTROUTING in text for text in saved.values())
         else PlanAction.CREATE
-    return RulePlan(backend=backend, action=action, reason="delete then create ISTIO_POSTRT", steps=tuple(steps))
+    )
+    return RulePlan(
+        backend=backend, action=action, reason="delete then create ISTIO_POSTRT", steps=tuple(steps)
+    )
 
 
 def _host_cleanup_steps(saved: Mapping[IpFamily, str]) -> list[Step]:
@@ -138,12 +169,19 @@ def _host_cleanup_steps(saved: Mapping[IpFamily, str]) -> list[Step]:
         ipt = family.iptables
         for table, chain, args in state.istio_jumps():
             if args[-1:] == (CHAIN_HOST_POSTROUTING,):
-                steps.append(Step(argv=(ipt, "-w", "-t", table, "-D", chain, *args),
-                                  why="remove jump into ISTIO_POSTRT", check=False))
+                steps.append(
+                    Step(
+                        argv=(ipt, "-w", "-t", table, "-D", chain, *args),
+                        why="remove jump into ISTIO_POSTRT",
+                        check=False,
+                    )
+                )
         for table, chain in state.istio_chains():
             if chain == CHAIN_HOST_POSTROUTING:
-                steps += [Step(argv=(ipt, "-w", "-t", table, "-F", chain), why="flush ISTIO_POSTRT", check=False),
-                          Step(argv=(ipt, "-w", "-t", table, "-X", chain), why="delete ISTIO_POSTRT", check=False)]
+                steps += [
+                    Step(argv=(ipt, "-w", "-t", table, "-F", chain), why="flush ISTIO_POSTRT", check=False),
+                    Step(argv=(ipt, "-w", "-t", table, "-X", chain), why="delete ISTIO_POSTRT", check=False),
+                ]
     return steps
 
 
@@ -151,8 +189,9 @@ def _saved_state(runner: CommandRunner, netns: str | None, cfg: HostProbeConfig)
     return {family: runner.run([family.save, "-t", "nat"], netns=netns).text for family in cfg.families}
 
 
-def apply_host_probe_rules(runner: CommandRunner, netns: str | None, cfg: HostProbeConfig,
-                           backend: Backend, sets: ProbeSet) -> RulePlan:
+def apply_host_probe_rules(
+    runner: CommandRunner, netns: str | None, cfg: HostProbeConfig, backend: Backend, sets: ProbeSet
+) -> RulePlan:
     """Create the probe sets (if missing) and (re)install the SNAT rule in the node netns."""
     sets.ensure()
     saved = _saved_state(runner, netns, cfg) if backend is Backend.IPTABLES else {}
@@ -161,20 +200,31 @@ def apply_host_probe_rules(runner: CommandRunner, netns: str | None, cfg: HostPr
     return plan
 
 
-def remove_host_probe_rules(runner: CommandRunner, netns: str | None, cfg: HostProbeConfig,
-                            backend: Backend, sets: ProbeSet | None = None) -> RulePlan:
+def remove_host_probe_rules(
+    runner: CommandRunner,
+    netns: str | None,
+    cfg: HostProbeConfig,
+    backend: Backend,
+    sets: ProbeSet | None = None,
+) -> RulePlan:
     """Remove the SNAT rule and (when given) destroy the sets, as on a non-upgrade shutdown."""
     if backend is Backend.NFTABLES:
         listed = runner.run(["nft", "list", "tables"], netns=netns).text
         present = f"table inet {NFT_HOST_TABLE}" in listed.splitlines()
-        steps = (Step(argv=("nft", "delete", "table", "inet", NFT_HOST_TABLE), why="delete host table"),) \
-            if present else ()
-        plan = RulePlan(backend=backend, action=PlanAction.REMOVE, reason=f"host table present: {present}",
-                        steps=steps)
+        steps = (
+            (Step(argv=("nft", "delete", "table", "inet", NFT_HOST_TABLE), why="delete host table"),)
+            if present
+            else ()
+        )
+        plan = RulePlan(
+            backend=backend, action=PlanAction.REMOVE, reason=f"host table present: {present}", steps=steps
+        )
         execute_plan(runner, netns, plan)
         return plan
     steps = _host_cleanup_steps(_saved_state(runner, netns, cfg))
-    plan = RulePlan(backend=backend, action=PlanAction.REMOVE, reason="delete ISTIO_POSTRT", steps=tuple(steps))
+    plan = RulePlan(
+        backend=backend, action=PlanAction.REMOVE, reason="delete ISTIO_POSTRT", steps=tuple(steps)
+    )
     execute_plan(runner, netns, plan)
     if sets is not None:
         sets.destroy()
@@ -216,13 +266,16 @@ def _wanted(cfg: HostProbeConfig, ips: Iterable[str | IPAddress]) -> list[IPAddr
     return [ip for ip in map(normalize_ip, ips) if ip.version == 4 or cfg.ipv6]
 
 
-def add_pod_to_probe_set(sets: ProbeSet, cfg: HostProbeConfig, uid: str, ips: Iterable[str | IPAddress]) -> None:
+def add_pod_to_probe_set(
+    sets: ProbeSet, cfg: HostProbeConfig, uid: str, ips: Iterable[str | IPAddress]
+) -> None:
     for ip in _wanted(cfg, ips):
         sets.upsert(ip, uid)
 
 
-def remove_pod_from_probe_set(sets: ProbeSet, cfg: HostProbeConfig, uid: str,
-                              ips: Iterable[str | IPAddress]) -> list[tuple[IPAddress, str]]:
+def remove_pod_from_probe_set(
+    sets: ProbeSet, cfg: HostProbeConfig, uid: str, ips: Iterable[str | IPAddress]
+) -> list[tuple[IPAddress, str]]:
     """Remove the pod's IPs whose entry carries its UID; return (ip, other uid) left alone."""
     current = sets.entries()
     kept = []
@@ -237,8 +290,9 @@ def remove_pod_from_probe_set(sets: ProbeSet, cfg: HostProbeConfig, uid: str,
     return kept
 
 
-def plan_prune(current: Mapping[IPAddress, str], enrolled: Mapping[IPAddress, str], *,
-               complete: bool) -> list[IPAddress]:
+def plan_prune(
+    current: Mapping[IPAddress, str], enrolled: Mapping[IPAddress, str], *, complete: bool
+) -> list[IPAddress]:
     """Pure: which members to drop after a startup snapshot.
 
     Nothing is pruned from an incomplete snapshot (some enrolled pod has no IP yet): its IP
@@ -249,8 +303,13 @@ def plan_prune(current: Mapping[IPAddress, str], enrolled: Mapping[IPAddress, st
     return sorted((ip for ip in current if ip not in enrolled), key=lambda a: (a.version, int(a)))
 
 
-def sync_probe_set(sets: ProbeSet, cfg: HostProbeConfig, enrolled: Mapping[str, Iterable[str | IPAddress]], *,
-                   complete: bool = True) -> list[IPAddress]:
+def sync_probe_set(
+    sets: ProbeSet,
+    cfg: HostProbeConfig,
+    enrolled: Mapping[str, Iterable[str | IPAddress]],
+    *,
+    complete: bool = True,
+) -> list[IPAddress]:
     """Make the sets hold exactly the enrolled pods' IPs (uid -> ips); return what was pruned."""
     wanted = {ip: uid for uid, ips in enrolled.items() for ip in _wanted(cfg, ips)}
     current = sets.entries()
@@ -338,15 +397,19 @@ class NftProbeSet:
         lines = [f"add table inet {NFT_HOST_TABLE}"]
         for family in self.cfg.families:
             kind = "ipv4_addr" if family is IpFamily.V4 else "ipv6_addr"
-            lines.append(f'add set inet {NFT_HOST_TABLE} {self.cfg.set_name(family)} '
-                         f'{{ type {kind} ; comment "{SET_COMMENT}" ; }}')
+            lines.append(
+                f"add set inet {NFT_HOST_TABLE} {self.cfg.set_name(family)} "
+                f'{{ type {kind} ; comment "{SET_COMMENT}" ; }}'
+            )
         self._nft("\n".join(lines) + "\n")
 
     def entries(self) -> dict[IPAddress, str]:
         members: dict[IPAddress, str] = {}
         for family in self.cfg.families:
-            out = self.runner.run(["nft", "-j", "list", "set", "inet", NFT_HOST_TABLE, self.cfg.set_name(family)],
-                                  netns=self.netns)
+            out = self.runner.run(
+                ["nft", "-j", "list", "set", "inet", NFT_HOST_TABLE, self.cfg.set_name(family)],
+                netns=self.netns,
+            )
             members.update(parse_nft_set_json(out.text))
         return members
 
@@ -362,7 +425,9 @@ class NftProbeSet:
         self._nft(f"delete element {self._set(ip)} {{ {ip} }}\n")
 
     def flush(self) -> None:
-        self._nft("".join(f"flush set inet {NFT_HOST_TABLE} {self.cfg.set_name(f)}\n" for f in self.cfg.families))
+        self._nft(
+            "".join(f"flush set inet {NFT_HOST_TABLE} {self.cfg.set_name(f)}\n" for f in self.cfg.families)
+        )
 
     def destroy(self) -> None:
         listed = self.runner.run(["nft", "list", "tables"], netns=self.netns).text
@@ -416,8 +481,13 @@ class NetlinkIpset:
 
     def ensure(self) -> None:
         for family in self.cfg.families:
-            self._ipset.create(self.cfg.set_name(family), stype="hash:ip", family=self._af(family),
-                               exclusive=False, comment=True)
+            self._ipset.create(
+                self.cfg.set_name(family),
+                stype="hash:ip",
+                family=self._af(family),
+                exclusive=False,
+                comment=True,
+            )
 
     def entries(self) -> dict[IPAddress, str]:
         members: dict[IPAddress, str] = {}
@@ -428,7 +498,9 @@ class NetlinkIpset:
                     continue
                 for data in adt.get_attrs("IPSET_ATTR_DATA"):
                     ip_from = data.get_attr("IPSET_ATTR_IP_FROM")
-                    text = ip_from.get_attr("IPSET_ATTR_IPADDR_IPV4") or ip_from.get_attr("IPSET_ATTR_IPADDR_IPV6")
+                    text = ip_from.get_attr("IPSET_ATTR_IPADDR_IPV4") or ip_from.get_attr(
+                        "IPSET_ATTR_IPADDR_IPV6"
+                    )
                     members[ipaddress.ip_address(text)] = data.get_attr("IPSET_ATTR_COMMENT") or ""
         return members
 

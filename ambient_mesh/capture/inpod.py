@@ -39,7 +39,9 @@ DNS_PORT = 53
 DNS_CONNTRACK_ZONE = 1  # separate zone for ztunnel <-> upstream DNS (istio/istio#33469)
 
 HOST_PROBE_SNAT_IPV4 = ipaddress.IPv4Address("169.254.7.127")  # HOST_PROBE_SNAT_IP
-HOST_PROBE_SNAT_IPV6 = ipaddress.IPv6Address("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")  # HOST_PROBE_SNAT_IPV6
+HOST_PROBE_SNAT_IPV6 = ipaddress.IPv6Address(
+    "fd16:9254:7127:1337:ffff:ffff:ffff:ffff"
+)  # HOST_PROBE_SNAT_IPV6
 
 CHAIN_PREROUTING = "ISTIO_PRERT"
 CHAIN_OUTPUT = "ISTIO_OUTPUT"
@@ -171,19 +173,29 @@ class InpodConfig:
             if not 0 < value <= 0xFFFFFFFF:
                 raise ConfigError(name, f"{value:#x} must be a non-zero 32-bit value")
         if not ipaddress.ip_address(self.probe_ipv4).is_link_local:
-            raise ConfigError("HOST_PROBE_SNAT_IP", f"{self.probe_ipv4} must be a link-local address (169.254/16)")
+            raise ConfigError(
+                "HOST_PROBE_SNAT_IP", f"{self.probe_ipv4} must be a link-local address (169.254/16)"
+            )
         if not isinstance(self.probe_ipv6, ipaddress.IPv6Address):
             raise ConfigError("HOST_PROBE_SNAT_IPV6", f"{self.probe_ipv6!r} is not an IPv6 address")
         for ifname in self.virtual_interfaces:
             check_ifname(ifname)
 
     @classmethod
-    def for_pod(cls, *, dns_capture: bool, ipv6: bool, overrides: PodLevelOverrides = PodLevelOverrides(),
-                **kwargs) -> InpodConfig:
+    def for_pod(
+        cls, *, dns_capture: bool, ipv6: bool, overrides: PodLevelOverrides = PodLevelOverrides(), **kwargs
+    ) -> InpodConfig:
         """Resolve the global AMBIENT_DNS_CAPTURE / AMBIENT_IPV6 against one pod's overrides."""
-        redirect_dns = {PodDns.UNSET: dns_capture, PodDns.ENABLED: True, PodDns.DISABLED: False}[overrides.dns]
-        return cls(redirect_dns=redirect_dns, ipv6=ipv6, ingress_mode=overrides.ingress_mode,
-                   virtual_interfaces=overrides.virtual_interfaces, **kwargs)
+        redirect_dns = {PodDns.UNSET: dns_capture, PodDns.ENABLED: True, PodDns.DISABLED: False}[
+            overrides.dns
+        ]
+        return cls(
+            redirect_dns=redirect_dns,
+            ipv6=ipv6,
+            ingress_mode=overrides.ingress_mode,
+            virtual_interfaces=overrides.virtual_interfaces,
+            **kwargs,
+        )
 
     @property
     def families(self) -> tuple[IpFamily, ...]:
@@ -233,8 +245,10 @@ class IptablesRuleSet:
         return tuple(rule for rule in self.rules if rule.table == table)
 
     def render(self) -> str:
-        lines = [f"# ambient-mesh in-pod redirection, IPv{self.family.value} "
-                 f"({self.family.restore} --noflush input)"]
+        lines = [
+            f"# ambient-mesh in-pod redirection, IPv{self.family.value} "
+            f"({self.family.restore} --noflush input)"
+        ]
         for table in self.tables:
             lines.append(f"*{table}")
             lines += [f"-N {chain}" for chain in self.chains[table]]
@@ -271,8 +285,18 @@ def iptables_rule_set(cfg: InpodConfig, family: IpFamily) -> IptablesRuleSet:
     # Virtual interfaces (KubeVirt, DinD): their "inbound" is really the pod's outbound, so it is
     # short-circuited to the outbound listener before any other inbound rule sees it.
     for ifname in cfg.virtual_interfaces:
-        add("nat", CHAIN_PREROUTING, "-i", ifname, "-p", "tcp", "-j", "REDIRECT",
-            "--to-ports", str(cfg.outbound_port))
+        add(
+            "nat",
+            CHAIN_PREROUTING,
+            "-i",
+            ifname,
+            "-p",
+            "tcp",
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(cfg.outbound_port),
+        )
         add("nat", CHAIN_PREROUTING, "-i", ifname, "-p", "tcp", "-j", "RETURN")
 
     # Packets carrying ztunnel's mark tag their connection, so replies can be recognised. Kept in
@@ -288,33 +312,152 @@ def iptables_rule_set(cfg: InpodConfig, family: IpFamily) -> IptablesRuleSet:
     if not cfg.ingress_mode:
         # All other inbound TCP goes to the inbound plaintext listener, except HBONE, which
         # ztunnel accepts directly on its in-pod 15008 listener, and ztunnel's own packets.
-        add("nat", CHAIN_PREROUTING, "!", "-d", localhost, "-p", "tcp", "!", "--dport", str(cfg.hbone_port),
-            "-m", "mark", "!", "--mark", mark, "-j", "REDIRECT", "--to-ports", str(cfg.inbound_plaintext_port))
+        add(
+            "nat",
+            CHAIN_PREROUTING,
+            "!",
+            "-d",
+            localhost,
+            "-p",
+            "tcp",
+            "!",
+            "--dport",
+            str(cfg.hbone_port),
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            mark,
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(cfg.inbound_plaintext_port),
+        )
 
     # Copy the connection's tag back onto its outgoing packets; the fwmark policy route (3.4)
     # then keeps replies to spoofed-source connections inside the pod.
-    add("mangle", CHAIN_OUTPUT, "-m", "connmark", "--mark", connmark, "-j", "CONNMARK", "--restore-mark",
-        "--nfmask", _hex(INPOD_RESTORE_MASK), "--ctmask", _hex(INPOD_RESTORE_MASK))
+    add(
+        "mangle",
+        CHAIN_OUTPUT,
+        "-m",
+        "connmark",
+        "--mark",
+        connmark,
+        "-j",
+        "CONNMARK",
+        "--restore-mark",
+        "--nfmask",
+        _hex(INPOD_RESTORE_MASK),
+        "--ctmask",
+        _hex(INPOD_RESTORE_MASK),
+    )
 
     if cfg.redirect_dns:
         # DNS to any resolver not on lo goes to ztunnel's DNS proxy, UDP and TCP.
-        add("nat", CHAIN_OUTPUT, "!", "-o", "lo", "-p", "udp", "-m", "mark", "!", "--mark", mark,
-            "-m", "udp", "--dport", str(DNS_PORT), "-j", "REDIRECT", "--to-port", str(cfg.dns_port))
-        add("nat", CHAIN_OUTPUT, "!", "-d", localhost, "-p", "tcp", "--dport", str(DNS_PORT),
-            "-m", "mark", "!", "--mark", mark, "-j", "REDIRECT", "--to-ports", str(cfg.dns_port))
+        add(
+            "nat",
+            CHAIN_OUTPUT,
+            "!",
+            "-o",
+            "lo",
+            "-p",
+            "udp",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            mark,
+            "-m",
+            "udp",
+            "--dport",
+            str(DNS_PORT),
+            "-j",
+            "REDIRECT",
+            "--to-port",
+            str(cfg.dns_port),
+        )
+        add(
+            "nat",
+            CHAIN_OUTPUT,
+            "!",
+            "-d",
+            localhost,
+            "-p",
+            "tcp",
+            "--dport",
+            str(DNS_PORT),
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            mark,
+            "-j",
+            "REDIRECT",
+            "--to-ports",
+            str(cfg.dns_port),
+        )
         # ztunnel <-> upstream resolver packets get their own conntrack zone (istio/istio#33469).
-        add("raw", CHAIN_OUTPUT, "-p", "udp", "-m", "mark", "--mark", mark, "-m", "udp",
-            "--dport", str(DNS_PORT), "-j", "CT", "--zone", str(DNS_CONNTRACK_ZONE))
-        add("raw", CHAIN_PREROUTING, "-p", "udp", "-m", "mark", "!", "--mark", mark, "-m", "udp",
-            "--sport", str(DNS_PORT), "-j", "CT", "--zone", str(DNS_CONNTRACK_ZONE))
+        add(
+            "raw",
+            CHAIN_OUTPUT,
+            "-p",
+            "udp",
+            "-m",
+            "mark",
+            "--mark",
+            mark,
+            "-m",
+            "udp",
+            "--dport",
+            str(DNS_PORT),
+            "-j",
+            "CT",
+            "--zone",
+            str(DNS_CONNTRACK_ZONE),
+        )
+        add(
+            "raw",
+            CHAIN_PREROUTING,
+            "-p",
+            "udp",
+            "-m",
+            "mark",
+            "!",
+            "--mark",
+            mark,
+            "-m",
+            "udp",
+            "--sport",
+            str(DNS_PORT),
+            "-j",
+            "CT",
+            "--zone",
+            str(DNS_CONNTRACK_ZONE),
+        )
 
     # Connections ztunnel touched are never redirected again.
     add("nat", CHAIN_OUTPUT, "-p", "tcp", "-m", "mark", "--mark", connmark, "-j", "ACCEPT")
     # The app calling its own pod IP leaves through lo: do not loop it through ztunnel.
     add("nat", CHAIN_OUTPUT, "!", "-d", localhost, "-o", "lo", "-j", "ACCEPT")
     # Everything else the app sends over TCP goes to the outbound listener.
-    add("nat", CHAIN_OUTPUT, "!", "-d", localhost, "-p", "tcp", "-m", "mark", "!", "--mark", mark,
-        "-j", "REDIRECT", "--to-ports", str(cfg.outbound_port))
+    add(
+        "nat",
+        CHAIN_OUTPUT,
+        "!",
+        "-d",
+        localhost,
+        "-p",
+        "tcp",
+        "-m",
+        "mark",
+        "!",
+        "--mark",
+        mark,
+        "-j",
+        "REDIRECT",
+        "--to-ports",
+        str(cfg.outbound_port),
+    )
 
     chains: dict[str, tuple[str, ...]] = {}
     for rule in rules:
@@ -328,8 +471,9 @@ def iptables_rule_set(cfg: InpodConfig, family: IpFamily) -> IptablesRuleSet:
             known = chains.setdefault(rule.table, ())
             if rule.args[1] not in known:
                 chains[rule.table] = (*known, rule.args[1])
-    ordered = {table: tuple(c for c in (CHAIN_PREROUTING, CHAIN_OUTPUT) if c in chains[table])
-               for table in chains}
+    ordered = {
+        table: tuple(c for c in (CHAIN_PREROUTING, CHAIN_OUTPUT) if c in chains[table]) for table in chains
+    }
     return IptablesRuleSet(family=family, chains=ordered, rules=tuple(rules))
 
 
@@ -353,13 +497,19 @@ class NftBaseChain:
 
 # (table, base chains); priorities are the iptables equivalents: dstnat -100, mangle -150, raw -300.
 NFT_BASE_CHAINS: Mapping[str, tuple[NftBaseChain, ...]] = {
-    NFT_NAT_TABLE: (NftBaseChain(name="prerouting", type="nat", hook="prerouting", priority=-100),
-                    NftBaseChain(name="output", type="nat", hook="output", priority=-100)),
+    NFT_NAT_TABLE: (
+        NftBaseChain(name="prerouting", type="nat", hook="prerouting", priority=-100),
+        NftBaseChain(name="output", type="nat", hook="output", priority=-100),
+    ),
     # `route` type on output: a mark change re-routes the packet, as mangle OUTPUT does.
-    NFT_MANGLE_TABLE: (NftBaseChain(name="prerouting", type="filter", hook="prerouting", priority=-150),
-                       NftBaseChain(name="output", type="route", hook="output", priority=-150)),
-    NFT_RAW_TABLE: (NftBaseChain(name="prerouting", type="filter", hook="prerouting", priority=-300),
-                    NftBaseChain(name="output", type="filter", hook="output", priority=-300)),
+    NFT_MANGLE_TABLE: (
+        NftBaseChain(name="prerouting", type="filter", hook="prerouting", priority=-150),
+        NftBaseChain(name="output", type="route", hook="output", priority=-150),
+    ),
+    NFT_RAW_TABLE: (
+        NftBaseChain(name="prerouting", type="filter", hook="prerouting", priority=-300),
+        NftBaseChain(name="output", type="filter", hook="output", priority=-300),
+    ),
 }
 
 
@@ -378,9 +528,14 @@ class NftRuleSet:
         for table in self.tables:
             lines += [f"add table inet {table}", f"flush table inet {table}"]
             for base in NFT_BASE_CHAINS[table]:
-                lines.append(f"add chain inet {table} {base.name} "
-                             f"{{ type {base.type} hook {base.hook} priority {base.priority} ; }}")
-            lines += [f"add chain inet {table} {NFT_CHAIN_PREROUTING}", f"add chain inet {table} {NFT_CHAIN_OUTPUT}"]
+                lines.append(
+                    f"add chain inet {table} {base.name} "
+                    f"{{ type {base.type} hook {base.hook} priority {base.priority} ; }}"
+                )
+            lines += [
+                f"add chain inet {table} {NFT_CHAIN_PREROUTING}",
+                f"add chain inet {table} {NFT_CHAIN_OUTPUT}",
+            ]
             lines += [f"add rule inet {table} {chain} {text}" for chain, text in self.rules[table]]
         return "\n".join(lines) + "\n"
 
@@ -410,35 +565,77 @@ def nft_rule_set(cfg: InpodConfig) -> NftRuleSet:
         nat.append((pre, f"iifname {ifname} meta l4proto tcp counter redirect to :{cfg.outbound_port}"))
         nat.append((pre, f"iifname {ifname} meta l4proto tcp counter return"))
 
-    mangle.append((pre, f"meta mark and {_hex(cfg.mark_mask)} == {_hex(cfg.mark)} counter "
-                        f"ct mark set ct mark and {_hex(~cfg.connmark_mask & 0xFFFFFFFF)} or {_hex(cfg.connmark)}"))
+    mangle.append(
+        (
+            pre,
+            f"meta mark and {_hex(cfg.mark_mask)} == {_hex(cfg.mark)} counter "
+            f"ct mark set ct mark and {_hex(~cfg.connmark_mask & 0xFFFFFFFF)} or {_hex(cfg.connmark)}",
+        )
+    )
     if not cfg.ingress_mode:
         nat += [(pre, f"meta l4proto tcp {f.nft} saddr {cfg.probe_address(f)} counter accept") for f in fams]
     nat += [(out, f"meta l4proto tcp {f.nft} daddr {cfg.probe_address(f)} counter accept") for f in fams]
     if not cfg.ingress_mode:
-        nat += [(pre, f"{f.nft} daddr != {f.localhost} tcp dport != {cfg.hbone_port} meta mark and {mark} "
-                      f"counter redirect to :{cfg.inbound_plaintext_port}") for f in fams]
+        nat += [
+            (
+                pre,
+                f"{f.nft} daddr != {f.localhost} tcp dport != {cfg.hbone_port} meta mark and {mark} "
+                f"counter redirect to :{cfg.inbound_plaintext_port}",
+            )
+            for f in fams
+        ]
 
-    mangle.append((out, f"ct mark and {_hex(cfg.connmark_mask)} == {_hex(cfg.connmark)} counter "
-                        "meta mark set ct mark"))
+    mangle.append(
+        (out, f"ct mark and {_hex(cfg.connmark_mask)} == {_hex(cfg.connmark)} counter meta mark set ct mark")
+    )
 
     if cfg.redirect_dns:
-        nat.append((out, f"oifname != lo meta mark and {mark} udp dport {DNS_PORT} counter "
-                         f"redirect to :{cfg.dns_port}"))
-        nat += [(out, f"{f.nft} daddr != {f.localhost} tcp dport {DNS_PORT} meta mark and {mark} counter "
-                      f"redirect to :{cfg.dns_port}") for f in fams]
-        raw.append((out, f"udp dport {DNS_PORT} meta mark and {_hex(cfg.mark_mask)} == {_hex(cfg.mark)} "
-                         f"counter ct zone set {DNS_CONNTRACK_ZONE}"))
-        raw.append((pre, f"udp sport {DNS_PORT} meta mark and {mark} counter ct zone set {DNS_CONNTRACK_ZONE}"))
+        nat.append(
+            (
+                out,
+                f"oifname != lo meta mark and {mark} udp dport {DNS_PORT} counter "
+                f"redirect to :{cfg.dns_port}",
+            )
+        )
+        nat += [
+            (
+                out,
+                f"{f.nft} daddr != {f.localhost} tcp dport {DNS_PORT} meta mark and {mark} counter "
+                f"redirect to :{cfg.dns_port}",
+            )
+            for f in fams
+        ]
+        raw.append(
+            (
+                out,
+                f"udp dport {DNS_PORT} meta mark and {_hex(cfg.mark_mask)} == {_hex(cfg.mark)} "
+                f"counter ct zone set {DNS_CONNTRACK_ZONE}",
+            )
+        )
+        raw.append(
+            (pre, f"udp sport {DNS_PORT} meta mark and {mark} counter ct zone set {DNS_CONNTRACK_ZONE}")
+        )
 
-    nat.append((out, f"meta l4proto tcp meta mark and {_hex(cfg.connmark_mask)} == {_hex(cfg.connmark)} "
-                     "counter accept"))
+    nat.append(
+        (
+            out,
+            f"meta l4proto tcp meta mark and {_hex(cfg.connmark_mask)} == {_hex(cfg.connmark)} "
+            "counter accept",
+        )
+    )
     nat += [(out, f"oifname lo {f.nft} daddr != {f.localhost} counter accept") for f in fams]
-    nat += [(out, f"meta l4proto tcp {f.nft} daddr != {f.localhost} meta mark and {mark} counter "
-                  f"redirect to :{cfg.outbound_port}") for f in fams]
+    nat += [
+        (
+            out,
+            f"meta l4proto tcp {f.nft} daddr != {f.localhost} meta mark and {mark} counter "
+            f"redirect to :{cfg.outbound_port}",
+        )
+        for f in fams
+    ]
 
-    return NftRuleSet(rules={NFT_NAT_TABLE: tuple(nat), NFT_MANGLE_TABLE: tuple(mangle),
-                             NFT_RAW_TABLE: tuple(raw)})
+    return NftRuleSet(
+        rules={NFT_NAT_TABLE: tuple(nat), NFT_MANGLE_TABLE: tuple(mangle), NFT_RAW_TABLE: tuple(raw)}
+    )
 
 
 def render_nftables(cfg: InpodConfig) -> str:
@@ -457,11 +654,35 @@ def routing_commands(cfg: InpodConfig, *, ipv6_loopback: bool = True) -> tuple[t
     commands = []
     for family in cfg.families:
         flag = f"-{family.value}"
-        commands.append(("ip", flag, "rule", "add", "fwmark", f"{_hex(cfg.connmark)}/{_hex(cfg.connmark_mask)}",
-                         "pref", str(cfg.rule_priority), "lookup", str(cfg.route_table)))
+        commands.append(
+            (
+                "ip",
+                flag,
+                "rule",
+                "add",
+                "fwmark",
+                f"{_hex(cfg.connmark)}/{_hex(cfg.connmark_mask)}",
+                "pref",
+                str(cfg.rule_priority),
+                "lookup",
+                str(cfg.route_table),
+            )
+        )
         if family is IpFamily.V4 or ipv6_loopback:
-            commands.append(("ip", flag, "route", "replace", "local", family.local_default, "dev", "lo",
-                             "table", str(cfg.route_table)))
+            commands.append(
+                (
+                    "ip",
+                    flag,
+                    "route",
+                    "replace",
+                    "local",
+                    family.local_default,
+                    "dev",
+                    "lo",
+                    "table",
+                    str(cfg.route_table),
+                )
+            )
     return tuple(commands)
 
 
@@ -470,8 +691,32 @@ def routing_removal_commands(cfg: InpodConfig) -> tuple[tuple[str, ...], ...]:
     commands = []
     for family in cfg.families:
         flag = f"-{family.value}"
-        commands.append(("ip", flag, "rule", "del", "fwmark", f"{_hex(cfg.connmark)}/{_hex(cfg.connmark_mask)}",
-                         "pref", str(cfg.rule_priority), "lookup", str(cfg.route_table)))
-        commands.append(("ip", flag, "route", "del", "local", family.local_default, "dev", "lo",
-                         "table", str(cfg.route_table)))
+        commands.append(
+            (
+                "ip",
+                flag,
+                "rule",
+                "del",
+                "fwmark",
+                f"{_hex(cfg.connmark)}/{_hex(cfg.connmark_mask)}",
+                "pref",
+                str(cfg.rule_priority),
+                "lookup",
+                str(cfg.route_table),
+            )
+        )
+        commands.append(
+            (
+                "ip",
+                flag,
+                "route",
+                "del",
+                "local",
+                family.local_default,
+                "dev",
+                "lo",
+                "table",
+                str(cfg.route_table),
+            )
+        )
     return tuple(commands)

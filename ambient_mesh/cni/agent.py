@@ -65,7 +65,12 @@ METRICS_PATH = "/metrics"
 INSTALL_WATCH_INTERVAL_S = 2.0
 SHUTDOWN_TIMEOUT_S = 20.0  # within the DaemonSet's 30 s grace period
 
-INSTALL_RESULTS = ("SUCCESS", "COPY_BINARIES_FAILURE", "CREATE_KUBECONFIG_FAILURE", "CREATE_CNI_CONFIG_FAILURE")
+INSTALL_RESULTS = (
+    "SUCCESS",
+    "COPY_BINARIES_FAILURE",
+    "CREATE_KUBECONFIG_FAILURE",
+    "CREATE_CNI_CONFIG_FAILURE",
+)
 
 
 class AgentMetrics:
@@ -73,16 +78,29 @@ class AgentMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.installs = Counter("istio_cni_installs", "Total number of CNI plugin installs.",
-                                ["result"], registry=self.registry)
-        self.install_ready = Gauge("istio_cni_install_ready", "Whether the CNI plugin is installed (1) or not (0).",
-                                   registry=self.registry)
-        self.plugin_requests = Counter("istio_cni_plugin_requests", "CNI plugin requests served, by response code.",
-                                       ["response_code"], registry=self.registry)
-        self.reconcile_events = Counter("nodeagent_reconcile_events", "Pod and namespace events the node agent handled.",
-                                        ["type"], registry=self.registry)
-        self.ztunnel_connected = Gauge("ztunnel_connected", "Number of node proxies connected over ZDS.",
-                                       registry=self.registry)
+        self.installs = Counter(
+            "istio_cni_installs", "Total number of CNI plugin installs.", ["result"], registry=self.registry
+        )
+        self.install_ready = Gauge(
+            "istio_cni_install_ready",
+            "Whether the CNI plugin is installed (1) or not (0).",
+            registry=self.registry,
+        )
+        self.plugin_requests = Counter(
+            "istio_cni_plugin_requests",
+            "CNI plugin requests served, by response code.",
+            ["response_code"],
+            registry=self.registry,
+        )
+        self.reconcile_events = Counter(
+            "nodeagent_reconcile_events",
+            "Pod and namespace events the node agent handled.",
+            ["type"],
+            registry=self.registry,
+        )
+        self.ztunnel_connected = Gauge(
+            "ztunnel_connected", "Number of node proxies connected over ZDS.", registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -91,11 +109,19 @@ class AgentMetrics:
 class CniAgent:
     """The node agent: installer, ambient data plane, servers. `start()`, then `shutdown()`."""
 
-    def __init__(self, cfg: AgentConfig, *, runner: CommandRunner, source: PodSource | None,
-                 probe_set: ProbeSet | None, installer: Installer | None,
-                 finder: NetnsFinder | None = None, metrics: AgentMetrics | None = None,
-                 install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
-                 kubeconfig: KubeconfigWriter | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        *,
+        runner: CommandRunner,
+        source: PodSource | None,
+        probe_set: ProbeSet | None,
+        installer: Installer | None,
+        finder: NetnsFinder | None = None,
+        metrics: AgentMetrics | None = None,
+        install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
+        kubeconfig: KubeconfigWriter | None = None,
+    ) -> None:
         self.cfg = cfg
         # The plugin's kubeconfig (Kubernetes API pod source): written at install, refreshed when
         # the token rotates, removed on a final shutdown and kept on an upgrade, as istio-cni does.
@@ -113,29 +139,43 @@ class CniAgent:
         self.zds: ZdsServer | None = None
         self.informer: Informer | None = None
         self.plugin_server: CniPluginServer | None = None
-        self.enablement = Enablement(selectors=cfg.enablement_selectors, exclude_namespaces=cfg.exclude_namespaces,
-                                     system_namespace=cfg.system_namespace)
+        self.enablement = Enablement(
+            selectors=cfg.enablement_selectors,
+            exclude_namespaces=cfg.exclude_namespaces,
+            system_namespace=cfg.system_namespace,
+        )
         if cfg.ambient_enabled:
             assert source is not None and probe_set is not None
-            finder = finder or NetnsFinder(IpCommandProbe(runner), proc_root=cfg.proc_root,
-                                           host_netns_path=cfg.host_netns_path)
+            finder = finder or NetnsFinder(
+                IpCommandProbe(runner), proc_root=cfg.proc_root, host_netns_path=cfg.host_netns_path
+            )
             settings = DataplaneSettings.from_agent_config(cfg)
             self.zds = ZdsServer(cfg.ztunnel_uds_address, _LateSnapshot(self))
-            self.dataplane = MeshDataplane(settings, runner=runner, probe_set=probe_set, ztunnel=self.zds,
-                                           marker=source, locator=finder)
-            self.informer = Informer(source, self.dataplane, self.enablement,
-                                     on_event=lambda kind: self.metrics.reconcile_events.labels(type=kind).inc())
+            self.dataplane = MeshDataplane(
+                settings, runner=runner, probe_set=probe_set, ztunnel=self.zds, marker=source, locator=finder
+            )
+            self.informer = Informer(
+                source,
+                self.dataplane,
+                self.enablement,
+                on_event=lambda kind: self.metrics.reconcile_events.labels(type=kind).inc(),
+            )
             handler = CniAddHandler(source, self.dataplane, self.enablement)
             self.plugin_server = CniPluginServer(
-                cfg.cni_event_address, cfg.log_uds_address, handler,
-                on_response=lambda code: self.metrics.plugin_requests.labels(response_code=str(code)).inc())
+                cfg.cni_event_address,
+                cfg.log_uds_address,
+                handler,
+                on_response=lambda code: self.metrics.plugin_requests.labels(response_code=str(code)).inc(),
+            )
             self.metrics.ztunnel_connected.set_function(lambda: self.zds.connected if self.zds else 0)
         self.health = self._server("health", cfg.health_port, self._health)
         self.monitoring = self._server("monitoring", cfg.monitoring_port, self._metrics)
 
     def __repr__(self) -> str:
-        parts = [f"installer {'ready' if self.installer_ready else 'not ready'}",
-                 f"agent {'ready' if self.agent_ready else 'not ready'}"]
+        parts = [
+            f"installer {'ready' if self.installer_ready else 'not ready'}",
+            f"agent {'ready' if self.agent_ready else 'not ready'}",
+        ]
         if self.zds is not None:
             parts.append(f"{self.zds.connected} node proxies")
         if self.dataplane is not None:
@@ -159,16 +199,25 @@ class CniAgent:
         if request.path == READYZ_PATH:
             if self.ready:
                 return Response.text(HTTPStatus.OK, "ready\n")
-            why = [w for w, ok in (("plugin not installed", self.installer_ready),
-                                   ("ambient agent not started", self.agent_ready)) if not ok]
+            why = [
+                w
+                for w, ok in (
+                    ("plugin not installed", self.installer_ready),
+                    ("ambient agent not started", self.agent_ready),
+                )
+                if not ok
+            ]
             return Response.text(HTTPStatus.SERVICE_UNAVAILABLE, "not ready: " + ", ".join(why) + "\n")
         return Response.text(HTTPStatus.NOT_FOUND, "not found\n")
 
     async def _metrics(self, request: Request) -> Response:
         if request.path != METRICS_PATH:
             return Response.text(HTTPStatus.NOT_FOUND, "not found\n")
-        return Response(status=HTTPStatus.OK, body=self.metrics.render(),
-                        content_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            status=HTTPStatus.OK,
+            body=self.metrics.render(),
+            content_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -180,8 +229,9 @@ class CniAgent:
             await server.start()
         except BindError:
             # A netns or host without IPv6: fall back to IPv4 only.
-            server = HttpServer(server.name, SocketAddr(ipaddress.ip_address("0.0.0.0"), server.address.port),
-                                handler)
+            server = HttpServer(
+                server.name, SocketAddr(ipaddress.ip_address("0.0.0.0"), server.address.port), handler
+            )
             await server.start()
         return server
 
@@ -204,7 +254,9 @@ class CniAgent:
         await self.source.start()
         problems = await self.informer.rebuild()
         if problems:
-            log.warning("%d enrolled pods not fully restored (node proxy is told to keep them)", len(problems))
+            log.warning(
+                "%d enrolled pods not fully restored (node proxy is told to keep them)", len(problems)
+            )
         await self.zds.start()
         await self.plugin_server.start()
         self._tasks.append(asyncio.create_task(self.source.run(self.informer.on_event), name="pod watch"))
@@ -277,7 +329,9 @@ class CniAgent:
         """Stop; remove what was installed unless this is an upgrade. Returns `upgrade`."""
         if upgrade is None:
             upgrade = await self.is_upgrade()
-        log.info("node agent shutting down (%s)", "upgrade: leaving the plugin installed" if upgrade else "final")
+        log.info(
+            "node agent shutting down (%s)", "upgrade: leaving the plugin installed" if upgrade else "final"
+        )
         self.agent_ready = False
         if self.plugin_server is not None:
             await self.plugin_server.stop()
@@ -335,35 +389,57 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
     """The real wiring: subprocess runner, pod source from the config, kernel probe sets."""
     runner = runner or SubprocessRunner()
     if not cfg.chained_cni_plugin:
-        raise ConfigError("CHAINED_CNI_PLUGIN", "only chained mode is supported",
-                          hint="the plugin must run after the pod network's own plugin")
+        raise ConfigError(
+            "CHAINED_CNI_PLUGIN",
+            "only chained mode is supported",
+            hint="the plugin must run after the pod network's own plugin",
+        )
     source = probe_set = None
     if cfg.ambient_enabled:
         source = build_pod_source(cfg)
         settings = DataplaneSettings.from_agent_config(cfg, kubelet_uid=find_kubelet_uid(cfg.proc_root))
         if cfg.native_nftables:
             if settings.host_probe.kubelet_uid is None:
-                raise ConfigError("KUBELET_UID", "NATIVE_NFTABLES needs the kubelet's uid and no kubelet process was found",
-                                  hint="set KUBELET_UID")
+                raise ConfigError(
+                    "KUBELET_UID",
+                    "NATIVE_NFTABLES needs the kubelet's uid and no kubelet process was found",
+                    hint="set KUBELET_UID",
+                )
             probe_set = NftProbeSet(runner, None, settings.host_probe)
         else:
             host_probe = settings.host_probe
             probe_set = ThreadBoundProbeSet(lambda: NetlinkIpset(host_probe), name="ipset")
-    entry = plugin_entry(plugin_log_level=cfg.plugin_log_level, cni_agent_run_dir=str(cfg.cni_agent_run_dir),
-                         ambient_enabled=cfg.ambient_enabled, enablement_selectors=cfg.enablement_selectors,
-                         exclude_namespaces=cfg.exclude_namespaces, pod_namespace=cfg.pod_namespace,
-                         native_nftables=cfg.native_nftables,
-                         enable_ambient_detection_retry=cfg.enable_ambient_detection_retry,
-                         pod_source_directory=cfg.pod_source_directory)
-    installer = Installer(PluginInstall(cni_net_dir=cfg.mounted_cni_net_dir, cni_bin_dir=cfg.cni_bin_dir,
-                                        entry=entry, launcher=launcher_script(), cni_conf_name=cfg.cni_conf_name,
-                                        conf_group_read=cfg.cni_conf_group_read))
+    entry = plugin_entry(
+        plugin_log_level=cfg.plugin_log_level,
+        cni_agent_run_dir=str(cfg.cni_agent_run_dir),
+        ambient_enabled=cfg.ambient_enabled,
+        enablement_selectors=cfg.enablement_selectors,
+        exclude_namespaces=cfg.exclude_namespaces,
+        pod_namespace=cfg.pod_namespace,
+        native_nftables=cfg.native_nftables,
+        enable_ambient_detection_retry=cfg.enable_ambient_detection_retry,
+        pod_source_directory=cfg.pod_source_directory,
+    )
+    installer = Installer(
+        PluginInstall(
+            cni_net_dir=cfg.mounted_cni_net_dir,
+            cni_bin_dir=cfg.cni_bin_dir,
+            entry=entry,
+            launcher=launcher_script(),
+            cni_conf_name=cfg.cni_conf_name,
+            conf_group_read=cfg.cni_conf_group_read,
+        )
+    )
     kubeconfig = None
     if cfg.ambient_enabled and not cfg.pod_source_directory:
-        kubeconfig = KubeconfigWriter(cfg.cni_agent_run_dir / PLUGIN_KUBECONFIG_NAME,
-                                      lambda: KubeconfigInputs.for_agent(cfg), mode=cfg.kubeconfig_mode)
-    return CniAgent(cfg, runner=runner, source=source, probe_set=probe_set, installer=installer,
-                    kubeconfig=kubeconfig)
+        kubeconfig = KubeconfigWriter(
+            cfg.cni_agent_run_dir / PLUGIN_KUBECONFIG_NAME,
+            lambda: KubeconfigInputs.for_agent(cfg),
+            mode=cfg.kubeconfig_mode,
+        )
+    return CniAgent(
+        cfg, runner=runner, source=source, probe_set=probe_set, installer=installer, kubeconfig=kubeconfig
+    )
 
 
 async def run(cfg: AgentConfig) -> int:
@@ -374,8 +450,13 @@ async def run(cfg: AgentConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await agent.start()
-        log.info("ready: health on :%s, metrics on :%s, ZDS on %s, plugin events on %s",
-                 cfg.health_port, cfg.monitoring_port, cfg.ztunnel_uds_address, cfg.cni_event_address)
+        log.info(
+            "ready: health on :%s, metrics on :%s, ZDS on %s, plugin events on %s",
+            cfg.health_port,
+            cfg.monitoring_port,
+            cfg.ztunnel_uds_address,
+            cfg.cni_event_address,
+        )
         await stop.wait()
     finally:
         with contextlib.suppress(TimeoutError):

@@ -49,51 +49,53 @@ ENROLLMENT_STATE_FILE = "enrolled-pods.json"
 _TRUE = frozenset({"1", "t", "true", "y", "yes", "on"})
 _FALSE = frozenset({"0", "f", "false", "n", "no", "off"})
 # Every setting the agent reads; a flag naming anything else is a mistake, not a new setting.
-SETTINGS = frozenset({
-    "AMBIENT_DISABLE_SAFE_UPGRADE",
-    "AMBIENT_DNS_CAPTURE",
-    "AMBIENT_ENABLED",
-    "AMBIENT_ENABLEMENT_SELECTOR",
-    "AMBIENT_IPV6",
-    "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP",
-    "CHAINED_CNI_PLUGIN",
-    "CNI_AGENT_RUN_DIR",
-    "CNI_BIN_DIR",
-    "CNI_CONF_GROUP_READ",
-    "CNI_CONF_NAME",
-    "ENABLE_AMBIENT_DETECTION_RETRY",
-    "EXCLUDE_NAMESPACES",
-    "FORCE_IPTABLES_BINARY",
-    "HEALTH_PORT",
-    "HOST_PREFIX",
-    "HOST_PROBE_SNAT_IP",
-    "HOST_PROBE_SNAT_IPV6",
-    "K8S_SERVICE_ACCOUNT_PATH",
-    "KUBECONFIG",
-    "KUBECONFIG_MODE",
-    "KUBELET_UID",
-    "KUBERNETES_NODE_NAME",
-    "KUBERNETES_SERVICE_HOST",
-    "KUBERNETES_SERVICE_PORT",
-    "KUBERNETES_SERVICE_PROTOCOL",
-    "KUBE_CA_FILE",
-    "LOG_AS_JSON",
-    "LOG_OUTPUT_LEVEL",
-    "MONITORING_PORT",
-    "MOUNTED_CNI_NET_DIR",
-    "NATIVE_NFTABLES",
-    "NODE_NAME",
-    "PLUGIN_LOG_LEVEL",
-    "POD_NAME",
-    "POD_NAMESPACE",
-    "POD_SOURCE_DIRECTORY",
-    "POD_SOURCE_POLL_INTERVAL",
-    "PROBE_SET_PREFIX",
-    "REVISION",
-    "SKIP_TLS_VERIFY",
-    "SYSTEM_NAMESPACE",
-    "ZTUNNEL_UDS_ADDRESS",
-})
+SETTINGS = frozenset(
+    {
+        "AMBIENT_DISABLE_SAFE_UPGRADE",
+        "AMBIENT_DNS_CAPTURE",
+        "AMBIENT_ENABLED",
+        "AMBIENT_ENABLEMENT_SELECTOR",
+        "AMBIENT_IPV6",
+        "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP",
+        "CHAINED_CNI_PLUGIN",
+        "CNI_AGENT_RUN_DIR",
+        "CNI_BIN_DIR",
+        "CNI_CONF_GROUP_READ",
+        "CNI_CONF_NAME",
+        "ENABLE_AMBIENT_DETECTION_RETRY",
+        "EXCLUDE_NAMESPACES",
+        "FORCE_IPTABLES_BINARY",
+        "HEALTH_PORT",
+        "HOST_PREFIX",
+        "HOST_PROBE_SNAT_IP",
+        "HOST_PROBE_SNAT_IPV6",
+        "K8S_SERVICE_ACCOUNT_PATH",
+        "KUBECONFIG",
+        "KUBECONFIG_MODE",
+        "KUBELET_UID",
+        "KUBERNETES_NODE_NAME",
+        "KUBERNETES_SERVICE_HOST",
+        "KUBERNETES_SERVICE_PORT",
+        "KUBERNETES_SERVICE_PROTOCOL",
+        "KUBE_CA_FILE",
+        "LOG_AS_JSON",
+        "LOG_OUTPUT_LEVEL",
+        "MONITORING_PORT",
+        "MOUNTED_CNI_NET_DIR",
+        "NATIVE_NFTABLES",
+        "NODE_NAME",
+        "PLUGIN_LOG_LEVEL",
+        "POD_NAME",
+        "POD_NAMESPACE",
+        "POD_SOURCE_DIRECTORY",
+        "POD_SOURCE_POLL_INTERVAL",
+        "PROBE_SET_PREFIX",
+        "REVISION",
+        "SKIP_TLS_VERIFY",
+        "SYSTEM_NAMESPACE",
+        "ZTUNNEL_UDS_ADDRESS",
+    }
+)
 
 
 class _Env:
@@ -173,7 +175,9 @@ def istio_level_spec(text: str) -> str:
     return ",".join(out)
 
 
-def parse_enablement_selector_env(text: str, name: str = "AMBIENT_ENABLEMENT_SELECTOR") -> tuple[EnablementSelector, ...]:
+def parse_enablement_selector_env(
+    text: str, name: str = "AMBIENT_ENABLEMENT_SELECTOR"
+) -> tuple[EnablementSelector, ...]:
     """The chart writes the selector list as YAML (JSON is YAML too); "" means no selector."""
     if not text.strip():
         return ()
@@ -267,9 +271,11 @@ class AgentConfig:
 
     def __repr__(self) -> str:
         source = f"dir {self.pod_source_directory}" if self.pod_source_directory else "kube api"
-        return (f"AgentConfig(node={self.node_name!r}, run_dir={str(self.cni_agent_run_dir)!r}, "
-                f"ambient={'on' if self.ambient_enabled else 'off'}, pods from {source}, "
-                f"{'nftables' if self.native_nftables else 'iptables'})")
+        return (
+            f"AgentConfig(node={self.node_name!r}, run_dir={str(self.cni_agent_run_dir)!r}, "
+            f"ambient={'on' if self.ambient_enabled else 'off'}, pods from {source}, "
+            f"{'nftables' if self.native_nftables else 'iptables'})"
+        )
 
     def dump(self) -> dict[str, object]:
         out: dict[str, object] = {}
@@ -290,11 +296,16 @@ class AgentConfig:
     def from_env(cls, env: Mapping[str, str], *, hostname: str | None = None) -> AgentConfig:
         """Build from `env` (normally os.environ); raise ConfigError naming the bad variable."""
         e = _Env(env)
-        node_name = e.string("KUBERNETES_NODE_NAME") or e.string("NODE_NAME") or (
-            hostname if hostname is not None else socket.gethostname())
+        node_name = (
+            e.string("KUBERNETES_NODE_NAME")
+            or e.string("NODE_NAME")
+            or (hostname if hostname is not None else socket.gethostname())
+        )
         plugin_level = e.string("PLUGIN_LOG_LEVEL", "info").lower()
         if plugin_level not in PLUGIN_LOG_LEVELS:
-            raise ConfigError("PLUGIN_LOG_LEVEL", f"{plugin_level!r} is not one of {', '.join(PLUGIN_LOG_LEVELS)}")
+            raise ConfigError(
+                "PLUGIN_LOG_LEVEL", f"{plugin_level!r} is not one of {', '.join(PLUGIN_LOG_LEVELS)}"
+            )
         protocol = e.string("KUBERNETES_SERVICE_PROTOCOL", "https")
         if protocol not in ("http", "https"):
             raise ConfigError("KUBERNETES_SERVICE_PROTOCOL", f"{protocol!r} is not http or https")
@@ -302,8 +313,11 @@ class AgentConfig:
         if force not in ("", "legacy", "nft"):
             raise ConfigError("FORCE_IPTABLES_BINARY", f"{force!r} is not legacy or nft")
         selector_text = env.get("AMBIENT_ENABLEMENT_SELECTOR")
-        selectors = (DEFAULT_ENABLEMENT_SELECTORS if selector_text is None
-                     else parse_enablement_selector_env(selector_text))
+        selectors = (
+            DEFAULT_ENABLEMENT_SELECTORS
+            if selector_text is None
+            else parse_enablement_selector_env(selector_text)
+        )
         try:
             probe4 = ipaddress.IPv4Address(e.string("HOST_PROBE_SNAT_IP", str(HOST_PROBE_SNAT_IPV4)))
         except ValueError as exc:
@@ -315,8 +329,7 @@ class AgentConfig:
         except ValueError as exc:
             raise ConfigError("HOST_PROBE_SNAT_IPV6", str(exc)) from None
         kubelet_uid_text = e.string("KUBELET_UID")
-        kubelet_uid = (e.integer("KUBELET_UID", 0, minimum=0, maximum=0xFFFFFFFF)
-                       if kubelet_uid_text else None)
+        kubelet_uid = e.integer("KUBELET_UID", 0, minimum=0, maximum=0xFFFFFFFF) if kubelet_uid_text else None
         host_prefix = e.string("HOST_PREFIX").rstrip("/")
         if host_prefix and not host_prefix.startswith("/"):
             raise ConfigError("HOST_PREFIX", f"{host_prefix!r} must be an absolute path")
@@ -333,7 +346,9 @@ class AgentConfig:
             cni_conf_name=e.string("CNI_CONF_NAME"),
             chained_cni_plugin=e.boolean("CHAINED_CNI_PLUGIN", True),
             cni_conf_group_read=e.boolean("CNI_CONF_GROUP_READ", False),
-            kubeconfig_mode=e.integer("KUBECONFIG_MODE", DEFAULT_KUBECONFIG_MODE, minimum=0, maximum=0o777, base=8),
+            kubeconfig_mode=e.integer(
+                "KUBECONFIG_MODE", DEFAULT_KUBECONFIG_MODE, minimum=0, maximum=0o777, base=8
+            ),
             plugin_log_level=plugin_level,
             kube_ca_file=e.string("KUBE_CA_FILE"),
             skip_tls_verify=e.boolean("SKIP_TLS_VERIFY", False),
@@ -348,7 +363,9 @@ class AgentConfig:
             system_namespace=e.string("SYSTEM_NAMESPACE", DEFAULT_SYSTEM_NAMESPACE),
             revision=e.string("REVISION"),
             pod_source_directory=e.string("POD_SOURCE_DIRECTORY"),
-            pod_source_poll_interval_s=e.seconds("POD_SOURCE_POLL_INTERVAL", DEFAULT_POD_SOURCE_POLL_INTERVAL_S),
+            pod_source_poll_interval_s=e.seconds(
+                "POD_SOURCE_POLL_INTERVAL", DEFAULT_POD_SOURCE_POLL_INTERVAL_S
+            ),
             monitoring_port=e.integer("MONITORING_PORT", DEFAULT_MONITORING_PORT, minimum=-1, maximum=65535),
             health_port=e.integer("HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=-1, maximum=65535),
             ztunnel_uds_address=Path(e.string("ZTUNNEL_UDS_ADDRESS", DEFAULT_ZTUNNEL_UDS_ADDRESS)),
@@ -382,7 +399,10 @@ def flags_to_env(argv: Sequence[str]) -> dict[str, str]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(arg or "<empty>", "expected a --flag (every setting is --name=value or NAME=value in the environment)")
+            raise ConfigError(
+                arg or "<empty>",
+                "expected a --flag (every setting is --name=value or NAME=value in the environment)",
+            )
         name, sep, value = arg[2:].partition("=")
         if not name:
             raise ConfigError(arg, "empty flag name")
@@ -394,8 +414,12 @@ def flags_to_env(argv: Sequence[str]) -> dict[str, str]:
                 value = "true"
         key = name.upper().replace("-", "_")
         if key not in SETTINGS:
-            raise ConfigError(f"--{name}", "unknown flag", hint="flags are the setting names in kebab-case, "
-                              "e.g. --cni-agent-run-dir for CNI_AGENT_RUN_DIR")
+            raise ConfigError(
+                f"--{name}",
+                "unknown flag",
+                hint="flags are the setting names in kebab-case, "
+                "e.g. --cni-agent-run-dir for CNI_AGENT_RUN_DIR",
+            )
         out[key] = value
         i += 1
     return out

@@ -45,8 +45,13 @@ MAX_LOG_BODY_BYTES = 4 * 1024 * 1024
 RUN_DIR_MODE = 0o750
 SOCKET_MODE = 0o666
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 AddHandler = Callable[[CniAddEvent], Awaitable[str | None]]
 
@@ -54,9 +59,16 @@ AddHandler = Callable[[CniAddEvent], Awaitable[str | None]]
 class CniAddHandler:
     """Turns one add event into AddPodToMesh; returns None on success, else the 500 reason."""
 
-    def __init__(self, source: PodSource, dataplane: MeshDataplane, enablement: Enablement, *,
-                 attempts: int = POD_LOOKUP_ATTEMPTS, interval_s: float = POD_LOOKUP_INTERVAL_S,
-                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        source: PodSource,
+        dataplane: MeshDataplane,
+        enablement: Enablement,
+        *,
+        attempts: int = POD_LOOKUP_ATTEMPTS,
+        interval_s: float = POD_LOOKUP_INTERVAL_S,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+    ) -> None:
         self.source = source
         self.dataplane = dataplane
         self.enablement = enablement
@@ -82,8 +94,10 @@ class CniAddHandler:
     async def __call__(self, event: CniAddEvent) -> str | None:
         pod = await self._lookup(event.pod_namespace, event.pod_name)
         if pod is None:
-            return (f"failed to find pod {event.pod_namespace}/{event.pod_name} in the agent's pod source "
-                    f"after {self.attempts} attempts")
+            return (
+                f"failed to find pod {event.pod_namespace}/{event.pod_name} in the agent's pod source "
+                f"after {self.attempts} attempts"
+            )
         ns = self.source.namespace(pod.namespace)
         if not self.enablement.should_be_enrolled(pod, ns.labels if ns is not None else {}):
             return f"pod {pod} is unexpectedly not eligible for the ambient mesh"
@@ -119,8 +133,14 @@ def emit_plugin_lines(body: bytes) -> int:
 class CniPluginServer:
     """Serves `/cmdadd` on the event socket and `/log` on the log socket."""
 
-    def __init__(self, event_socket: str | Path, log_socket: str | Path | None, on_add: AddHandler, *,
-                 on_response: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        event_socket: str | Path,
+        log_socket: str | Path | None,
+        on_add: AddHandler,
+        *,
+        on_response: Callable[[int], None] | None = None,
+    ) -> None:
         self.event_socket = Path(event_socket)
         self.log_socket = Path(log_socket) if log_socket is not None else None
         self._on_add = on_add
@@ -181,7 +201,10 @@ class CniPluginServer:
             try:
                 request = await asyncio.wait_for(self._read(reader), REQUEST_READ_TIMEOUT_S)
             except ProtocolError as exc:
-                request, response = None, Response.text(HTTPStatus.BAD_REQUEST, f"bad request: {exc.message}\n")
+                request, response = (
+                    None,
+                    Response.text(HTTPStatus.BAD_REQUEST, f"bad request: {exc.message}\n"),
+                )
             except TimeoutError:
                 request, response = None, Response.text(HTTPStatus.REQUEST_TIMEOUT, "request timeout\n")
             else:

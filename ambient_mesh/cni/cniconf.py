@@ -411,8 +411,9 @@ def parse_plugin_conf(stdin: bytes) -> PluginConf:
     kube = _field(doc, "kubernetes", dict, {})
     kubeconfig = kube.get("kubeconfig")
     if kubeconfig is not None and not isinstance(kubeconfig, str):
-        raise CniError(ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config",
-                       "kubernetes.kubeconfig: expected str")
+        raise CniError(
+            ErrorCode.INVALID_NETWORK_CONFIG, "invalid network config", "kubernetes.kubeconfig: expected str"
+        )
     try:
         selectors = parse_enablement_selectors(doc.get("enablement_selectors"))
     except ConfigError as exc:

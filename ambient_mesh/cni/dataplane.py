@@ -215,7 +215,9 @@ class PodNetnsCache:
                 entry.ips = tuple(ips)
         return entry
 
-    def upsert(self, uid: str, info: ProxyWorkloadInfo, netns: OpenNetns, ips: Sequence[str] = ()) -> OpenNetns:
+    def upsert(
+        self, uid: str, info: ProxyWorkloadInfo, netns: OpenNetns, ips: Sequence[str] = ()
+    ) -> OpenNetns:
         """Cache `netns` for the pod; if the same namespace is cached already, keep that handle
         (and close the new one) so fds given to a node proxy stay the ones we hold."""
         entry = self.ensure(uid, info, ips)
@@ -241,9 +243,14 @@ class PodNetnsCache:
         return [(p.uid, p.info, p.netns.fd if p.netns is not None else None) for p in self._pods.values()]
 
     def dump(self) -> dict[str, dict[str, object]]:
-        return {p.uid: {"workload": str(p.info), "ips": list(p.ips),
-                        "netns": None if p.netns is None else {"path": p.netns.path, "inode": p.netns.inode}}
-                for p in self._pods.values()}
+        return {
+            p.uid: {
+                "workload": str(p.info),
+                "ips": list(p.ips),
+                "netns": None if p.netns is None else {"path": p.netns.path, "inode": p.netns.inode},
+            }
+            for p in self._pods.values()
+        }
 
     def close(self) -> None:
         for entry in self._pods.values():
@@ -266,27 +273,41 @@ class DataplaneSettings:
 
     @classmethod
     def from_agent_config(cls, cfg, *, kubelet_uid: int | None = None) -> DataplaneSettings:
-        host = HostProbeConfig(ipv6=cfg.ambient_ipv6, probe_ipv4=cfg.host_probe_snat_ip,
-                               probe_ipv6=cfg.host_probe_snat_ipv6, set_prefix=cfg.probe_set_prefix,
-                               kubelet_uid=cfg.kubelet_uid if cfg.kubelet_uid is not None else kubelet_uid)
-        return cls(dns_capture=cfg.ambient_dns_capture, ipv6=cfg.ambient_ipv6,
-                   backend=Backend.NFTABLES if cfg.native_nftables else Backend.IPTABLES,
-                   host_probe=host, reconcile_on_start=cfg.ambient_reconcile_pod_rules_on_startup,
-                   host_prefix=cfg.host_prefix)
+        host = HostProbeConfig(
+            ipv6=cfg.ambient_ipv6,
+            probe_ipv4=cfg.host_probe_snat_ip,
+            probe_ipv6=cfg.host_probe_snat_ipv6,
+            set_prefix=cfg.probe_set_prefix,
+            kubelet_uid=cfg.kubelet_uid if cfg.kubelet_uid is not None else kubelet_uid,
+        )
+        return cls(
+            dns_capture=cfg.ambient_dns_capture,
+            ipv6=cfg.ambient_ipv6,
+            backend=Backend.NFTABLES if cfg.native_nftables else Backend.IPTABLES,
+            host_probe=host,
+            reconcile_on_start=cfg.ambient_reconcile_pod_rules_on_startup,
+            host_prefix=cfg.host_prefix,
+        )
 
     def inpod_config(self, pod: WatchedPod) -> InpodConfig:
         """Global settings resolved against the pod's annotations (istio-cni PodLevelOverrides)."""
         overrides = PodLevelOverrides.from_annotations(pod.annotations)
-        return InpodConfig.for_pod(dns_capture=self.dns_capture, ipv6=self.ipv6, overrides=overrides,
-                                   probe_ipv4=self.host_probe.probe_ipv4 or HOST_PROBE_SNAT_IPV4,
-                                   probe_ipv6=self.host_probe.probe_ipv6 or HOST_PROBE_SNAT_IPV6)
+        return InpodConfig.for_pod(
+            dns_capture=self.dns_capture,
+            ipv6=self.ipv6,
+            overrides=overrides,
+            probe_ipv4=self.host_probe.probe_ipv4 or HOST_PROBE_SNAT_IPV4,
+            probe_ipv6=self.host_probe.probe_ipv6 or HOST_PROBE_SNAT_IPV6,
+        )
 
     def host_path(self, path: str) -> str:
         return f"{self.host_prefix}{path}" if self.host_prefix and path.startswith("/") else path
 
 
 def workload_info(pod: WatchedPod) -> ProxyWorkloadInfo:
-    return ProxyWorkloadInfo(namespace=pod.namespace, name=pod.name, service_account=pod.service_account or "default")
+    return ProxyWorkloadInfo(
+        namespace=pod.namespace, name=pod.name, service_account=pod.service_account or "default"
+    )
 
 
 # -- the data plane -------------------------------------------------------------------------------
@@ -295,9 +316,17 @@ def workload_info(pod: WatchedPod) -> ProxyWorkloadInfo:
 class MeshDataplane:
     """Adds pods to and removes them from the mesh on this node."""
 
-    def __init__(self, settings: DataplaneSettings, *, runner: CommandRunner, probe_set: ProbeSet,
-                 ztunnel: ZtunnelLink, marker: EnrollmentMarker, locator: NetnsLocator,
-                 open_netns=OpenNetns.open) -> None:
+    def __init__(
+        self,
+        settings: DataplaneSettings,
+        *,
+        runner: CommandRunner,
+        probe_set: ProbeSet,
+        ztunnel: ZtunnelLink,
+        marker: EnrollmentMarker,
+        locator: NetnsLocator,
+        open_netns=OpenNetns.open,
+    ) -> None:
         self.settings = settings
         self.runner = runner
         self.probe_set = probe_set
@@ -313,8 +342,10 @@ class MeshDataplane:
         self.last_plans: dict[str, RulePlan] = {}
 
     def __repr__(self) -> str:
-        return (f"MeshDataplane({self.settings.backend.value}, {self.cache!r}, {self.added} added, "
-                f"{self.removed} removed, {self.failures} failures)")
+        return (
+            f"MeshDataplane({self.settings.backend.value}, {self.cache!r}, {self.added} added, "
+            f"{self.removed} removed, {self.failures} failures)"
+        )
 
     def snapshot(self) -> list[SnapshotEntry]:
         return self.cache.snapshot()
@@ -329,13 +360,25 @@ class MeshDataplane:
 
     async def setup_host(self) -> RulePlan:
         """Create the probe sets and (re)install the host SNAT rule (delete, then create)."""
-        return await asyncio.to_thread(apply_host_probe_rules, self.runner, None, self.settings.host_probe,
-                                       self.settings.backend, self.probe_set)
+        return await asyncio.to_thread(
+            apply_host_probe_rules,
+            self.runner,
+            None,
+            self.settings.host_probe,
+            self.settings.backend,
+            self.probe_set,
+        )
 
     async def teardown_host(self) -> RulePlan:
         """Remove the host rule and destroy the sets (a final, non-upgrade shutdown)."""
-        return await asyncio.to_thread(remove_host_probe_rules, self.runner, None, self.settings.host_probe,
-                                       self.settings.backend, self.probe_set)
+        return await asyncio.to_thread(
+            remove_host_probe_rules,
+            self.runner,
+            None,
+            self.settings.host_probe,
+            self.settings.backend,
+            self.probe_set,
+        )
 
     # -- add ------------------------------------------------------------------------------------
 
@@ -344,7 +387,9 @@ class MeshDataplane:
         if uid not in found:
             raise DataplaneError(
                 f"can't find netns for pod {uid}: no process under /proc runs in a namespace holding {list(ips)}",
-                retryable=False, hint="a new pod gets its netns from its CNI ADD; an old one needs a running process")
+                retryable=False,
+                hint="a new pod gets its netns from its CNI ADD; an old one needs a running process",
+            )
         return found[uid].path
 
     async def _resolve_netns(self, pod: WatchedPod, ips: Sequence[str], netns_path: str) -> OpenNetns:
@@ -361,7 +406,9 @@ class MeshDataplane:
         try:
             opened = self._open_netns(path)
         except OSError as exc:
-            raise DataplaneError(f"open netns {path} of pod {pod}: {exc.strerror or exc}", retryable=False) from None
+            raise DataplaneError(
+                f"open netns {path} of pod {pod}: {exc.strerror or exc}", retryable=False
+            ) from None
         return self.cache.upsert(pod.uid, info, opened, ips)
 
     async def add_pod_to_mesh(self, pod: WatchedPod, ips: Sequence[str], netns_path: str = "") -> None:
@@ -380,28 +427,37 @@ class MeshDataplane:
         try:
             netns = await self._resolve_netns(pod, ips, netns_path)
             cfg = self.settings.inpod_config(pod)
-            plan = await asyncio.to_thread(apply_inpod_rules, self.runner, netns.command_path(), cfg,
-                                           self.settings.backend)
+            plan = await asyncio.to_thread(
+                apply_inpod_rules, self.runner, netns.command_path(), cfg, self.settings.backend
+            )
         except (DataplaneError, AmbientError, OSError) as exc:
             entry = self.cache.take(pod.uid)
             if entry is not None and entry.netns is not None:
                 entry.netns.close()
             if isinstance(exc, DataplaneError):
                 raise
-            raise DataplaneError(f"failed to set up redirection in pod {pod}: {exc}", retryable=False) from None
+            raise DataplaneError(
+                f"failed to set up redirection in pod {pod}: {exc}", retryable=False
+            ) from None
         self.last_plans[pod.uid] = plan
         log.info("in-pod rules for %s: %r", pod, plan)
         error = await self.ztunnel.add_workload(pod.uid, info, netns.fd)
         if error:
             with contextlib.suppress(AmbientError):
                 await self.marker.mark_enrolled(pod, REDIRECTION_PENDING)
-            raise DataplaneError(f"failed to add pod {pod} to the node proxy: {error}", retryable=True,
-                                 hint="is the node proxy (ambient ztunnel, INPOD_UDS) running and connected?")
+            raise DataplaneError(
+                f"failed to add pod {pod} to the node proxy: {error}",
+                retryable=True,
+                hint="is the node proxy (ambient ztunnel, INPOD_UDS) running and connected?",
+            )
         try:
-            await asyncio.to_thread(add_pod_to_probe_set, self.probe_set, self.settings.host_probe, pod.uid, ips)
+            await asyncio.to_thread(
+                add_pod_to_probe_set, self.probe_set, self.settings.host_probe, pod.uid, ips
+            )
         except Exception as exc:  # netlink and nft failures come in several types
-            raise DataplaneError(f"failed to add {list(ips)} of pod {pod} to the host probe set: {exc}",
-                                 retryable=True) from None
+            raise DataplaneError(
+                f"failed to add {list(ips)} of pod {pod} to the host probe set: {exc}", retryable=True
+            ) from None
         try:
             await self.marker.mark_enrolled(pod)
         except AmbientError as exc:
@@ -413,7 +469,9 @@ class MeshDataplane:
         entry = self.cache.get(pod.uid)
         if entry is not None:
             entry.ips = tuple(pod.ips)
-        await asyncio.to_thread(add_pod_to_probe_set, self.probe_set, self.settings.host_probe, pod.uid, pod.ips)
+        await asyncio.to_thread(
+            add_pod_to_probe_set, self.probe_set, self.settings.host_probe, pod.uid, pod.ips
+        )
 
     # -- remove ---------------------------------------------------------------------------------
 
@@ -435,8 +493,9 @@ class MeshDataplane:
         ips = tuple(dict.fromkeys((*(entry.ips if entry is not None else ()), *pod.ips)))
         problems: list[str] = []
         try:
-            kept = await asyncio.to_thread(remove_pod_from_probe_set, self.probe_set, self.settings.host_probe,
-                                           pod.uid, ips)
+            kept = await asyncio.to_thread(
+                remove_pod_from_probe_set, self.probe_set, self.settings.host_probe, pod.uid, ips
+            )
             for ip, owner in kept:
                 log.info("probe set entry %s belongs to pod %s now, not %s: kept", ip, owner, pod.uid)
         except Exception as exc:  # go on: the rest of the removal must not wait on the probe set
@@ -451,13 +510,15 @@ class MeshDataplane:
         if netns is not None:
             cfg = self.settings.inpod_config(pod)
             try:
-                plan = await asyncio.to_thread(remove_inpod_rules, self.runner, netns.command_path(), cfg,
-                                               self.settings.backend)
+                plan = await asyncio.to_thread(
+                    remove_inpod_rules, self.runner, netns.command_path(), cfg, self.settings.backend
+                )
                 log.info("in-pod rules removed for %s: %r", pod, plan)
             except AmbientError as exc:
                 if not is_delete:
-                    raise DataplaneError(f"failed to remove redirection from pod {pod}: {exc}",
-                                         retryable=True) from None
+                    raise DataplaneError(
+                        f"failed to remove redirection from pod {pod}: {exc}", retryable=True
+                    ) from None
                 log.info("rules of deleted pod %s not removed (its netns is going away): %s", pod, exc)
         error = await self.ztunnel.del_workload(pod.uid)
         if error:
@@ -468,13 +529,16 @@ class MeshDataplane:
                 taken.netns.close()
             self.last_plans.pop(pod.uid, None)
         if problems:
-            raise DataplaneError(f"failed to remove pod {pod} from the mesh: {'; '.join(problems)}",
-                                 retryable=True)
+            raise DataplaneError(
+                f"failed to remove pod {pod} from the mesh: {'; '.join(problems)}", retryable=True
+            )
         try:
             await self.marker.unmark(pod)
         except AmbientError as exc:
             if not is_delete:
-                raise DataplaneError(f"failed to clear the enrollment mark of {pod}: {exc}", retryable=True) from None
+                raise DataplaneError(
+                    f"failed to clear the enrollment mark of {pod}: {exc}", retryable=True
+                ) from None
             log.info("mark of deleted pod %s not cleared: %s", pod, exc)
         log.info("pod %s (%s) removed from the mesh%s", pod, pod.uid, " (deleted)" if is_delete else "")
 
@@ -494,7 +558,9 @@ class MeshDataplane:
         for pod in pods:
             if pod.uid in found:
                 try:
-                    self.cache.upsert(pod.uid, workload_info(pod), self._open_netns(found[pod.uid].path), pod.ips)
+                    self.cache.upsert(
+                        pod.uid, workload_info(pod), self._open_netns(found[pod.uid].path), pod.ips
+                    )
                 except OSError as exc:
                     problems[pod.uid] = f"open netns: {exc}"
             elif self.cache.get(pod.uid).netns is None:
@@ -505,15 +571,25 @@ class MeshDataplane:
                 if entry is None or entry.netns is None:
                     continue
                 try:
-                    plan = await asyncio.to_thread(apply_inpod_rules, self.runner, entry.netns.command_path(),
-                                                   self.settings.inpod_config(pod), self.settings.backend)
+                    plan = await asyncio.to_thread(
+                        apply_inpod_rules,
+                        self.runner,
+                        entry.netns.command_path(),
+                        self.settings.inpod_config(pod),
+                        self.settings.backend,
+                    )
                     self.last_plans[pod.uid] = plan
                     log.info("reconciled rules of %s: %r", pod, plan)
                 except AmbientError as exc:
                     problems[pod.uid] = f"reconcile rules: {exc}"
         complete = all(p.ips for p in pods)
-        pruned = await asyncio.to_thread(sync_probe_set, self.probe_set, self.settings.host_probe,
-                                         {p.uid: p.ips for p in pods}, complete=complete)
+        pruned = await asyncio.to_thread(
+            sync_probe_set,
+            self.probe_set,
+            self.settings.host_probe,
+            {p.uid: p.ips for p in pods},
+            complete=complete,
+        )
         if pruned:
             log.info("pruned stale probe set entries: %s", ", ".join(map(str, pruned)))
         for uid, problem in problems.items():

@@ -71,8 +71,14 @@ class Enablement:
         return decide(pod.info, namespace_labels, self.selectors, self.exclude_namespaces).ambient
 
 
-def decide_update(old: WatchedPod | None, new: WatchedPod, namespace_labels: Mapping[str, str],
-                  enablement: Enablement, *, known: bool = False) -> PodAction:
+def decide_update(
+    old: WatchedPod | None,
+    new: WatchedPod,
+    namespace_labels: Mapping[str, str],
+    enablement: Enablement,
+    *,
+    known: bool = False,
+) -> PodAction:
     """What to do for a pod that changed (istio-cni's pod UPDATE handler). `known`: the agent's
     cache holds the pod (it may have been enrolled without the mark being written)."""
     enrolled = new.redirection == REDIRECTION_ENABLED
@@ -90,19 +96,26 @@ def decide_update(old: WatchedPod | None, new: WatchedPod, namespace_labels: Map
     return PodAction.ADD if new.ips else PodAction.WAIT_FOR_IP
 
 
-def decide_delete(pod: WatchedPod, namespace_labels: Mapping[str, str], enablement: Enablement, *,
-                  known: bool = False) -> PodAction:
+def decide_delete(
+    pod: WatchedPod, namespace_labels: Mapping[str, str], enablement: Enablement, *, known: bool = False
+) -> PodAction:
     """A deleted pod is removed if it was (or may have been) in the mesh."""
-    if (pod.redirection in (REDIRECTION_ENABLED, REDIRECTION_PENDING) or known
-            or enablement.should_be_enrolled(pod, namespace_labels)):
+    if (
+        pod.redirection in (REDIRECTION_ENABLED, REDIRECTION_PENDING)
+        or known
+        or enablement.should_be_enrolled(pod, namespace_labels)
+    ):
         return PodAction.DELETE
     return PodAction.NONE
 
 
 def enrolled_snapshot(pods: Iterable[WatchedPod], enablement: Enablement) -> list[WatchedPod]:
     """The pods to restore at start: marked enabled, not terminated, not a node proxy pod."""
-    return [p for p in pods if p.redirection == REDIRECTION_ENABLED and not p.terminated
-            and not enablement.is_ztunnel(p)]
+    return [
+        p
+        for p in pods
+        if p.redirection == REDIRECTION_ENABLED and not p.terminated and not enablement.is_ztunnel(p)
+    ]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,9 +128,16 @@ class _Item:
 class Informer:
     """One work queue over pod and namespace events, with per-pod retries."""
 
-    def __init__(self, source: PodSource, dataplane: MeshDataplane, enablement: Enablement, *,
-                 on_event: Callable[[str], None] | None = None,
-                 retry_initial_s: float = RETRY_INITIAL_S, retry_max_s: float = RETRY_MAX_S) -> None:
+    def __init__(
+        self,
+        source: PodSource,
+        dataplane: MeshDataplane,
+        enablement: Enablement,
+        *,
+        on_event: Callable[[str], None] | None = None,
+        retry_initial_s: float = RETRY_INITIAL_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
         self.source = source
         self.dataplane = dataplane
         self.enablement = enablement
@@ -135,8 +155,10 @@ class Informer:
         self._idle.set()
 
     def __repr__(self) -> str:
-        return (f"Informer({self._queue.qsize()} queued, {len(self._retry_handles)} waiting to retry, "
-                f"{self.processed} processed, {self.retries} retries, {self.dropped} dropped)")
+        return (
+            f"Informer({self._queue.qsize()} queued, {len(self._retry_handles)} waiting to retry, "
+            f"{self.processed} processed, {self.retries} retries, {self.dropped} dropped)"
+        )
 
     def _ns_labels(self, namespace: str) -> Mapping[str, str]:
         ns = self.source.namespace(namespace)
@@ -165,11 +187,13 @@ class Informer:
             new_labels = event.new.labels if event.new is not None else {}
             if event.type is EventType.DELETED:
                 return  # its pods' own deletions follow
-            if (event.type is EventType.ADDED or matches_namespace(self.enablement.selectors, old_labels)
-                    != matches_namespace(self.enablement.selectors, new_labels)):
+            if event.type is EventType.ADDED or matches_namespace(
+                self.enablement.selectors, old_labels
+            ) != matches_namespace(self.enablement.selectors, new_labels):
                 name = event.namespace.name
-                if name in self.enablement.exclude_namespaces and matches_namespace(self.enablement.selectors,
-                                                                                   new_labels):
+                if name in self.enablement.exclude_namespaces and matches_namespace(
+                    self.enablement.selectors, new_labels
+                ):
                     log.warning("namespace %s is labeled for ambient but excluded (EXCLUDE_NAMESPACES)", name)
                 for pod in self.source.pods():
                     if pod.namespace == name and not self.enablement.is_ztunnel(pod):
@@ -233,8 +257,9 @@ class Informer:
             pod = self.source.pod(*item.key)
             if pod is None:
                 return  # gone since: its deletion is queued separately
-            action = decide_update(item.old, pod, self._ns_labels(pod.namespace), self.enablement,
-                                   known=known_uid(pod))
+            action = decide_update(
+                item.old, pod, self._ns_labels(pod.namespace), self.enablement, known=known_uid(pod)
+            )
             if action is PodAction.DELETE and item.old is not None and item.old.ips:
                 pod = item.old if item.old.uid == pod.uid else pod
         self.last_actions[item.key] = action

@@ -207,7 +207,9 @@ class KubeconfigPlan:
     reason: str
 
 
-def plan_write(*, current: bytes | None, current_mode: int | None, desired: bytes, mode: int) -> KubeconfigPlan:
+def plan_write(
+    *, current: bytes | None, current_mode: int | None, desired: bytes, mode: int
+) -> KubeconfigPlan:
     """Whether the file must be (re)written. `current` is None when there is no file."""
     if current is None:
         return KubeconfigPlan(write=True, reason="missing")

@@ -35,7 +35,9 @@ log = logging.getLogger("ambient_mesh.cni-agent")
 
 # pod<uuid> in cgroupfs (`kubepods/besteffort/pod1234-...`) and systemd
 # (`kubepods-besteffort-pod1234_5678....slice`) layouts.
-_POD_UID_RE = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
+_POD_UID_RE = re.compile(
+    r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})"
+)
 KUBELET_NAMES = frozenset({"kubelet", "kubelite", "k3s"})
 
 
@@ -61,7 +63,7 @@ def parse_starttime(stat_text: str) -> int:
     close = stat_text.rfind(")")
     if close < 0:
         raise ProtocolError("stat line has no command field")
-    fields = stat_text[close + 1:].split()
+    fields = stat_text[close + 1 :].split()
     # fields[0] is field 3 (state): starttime, field 22, is fields[19].
     if len(fields) < 20 or not fields[19].isdigit():
         raise ProtocolError("stat line too short for starttime")
@@ -103,7 +105,9 @@ def _ns_key(path: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
-def scan_candidates(proc_root: str | Path, *, exclude: Iterable[tuple[int, int]] = ()) -> list[NetnsCandidate]:
+def scan_candidates(
+    proc_root: str | Path, *, exclude: Iterable[tuple[int, int]] = ()
+) -> list[NetnsCandidate]:
     """One candidate per distinct netns under `proc_root` (not in `exclude`), oldest process first."""
     excluded = set(exclude)
     best: dict[tuple[int, int], NetnsCandidate] = {}
@@ -128,13 +132,22 @@ def scan_candidates(proc_root: str | Path, *, exclude: Iterable[tuple[int, int]]
             uid = ""
         current = best.get(key)
         if current is None or (starttime, int(entry)) < (current.starttime, current.pid):
-            best[key] = NetnsCandidate(pid=int(entry), path=path, dev=key[0], inode=key[1],
-                                       starttime=starttime, pod_uid=uid or (current.pod_uid if current else ""))
+            best[key] = NetnsCandidate(
+                pid=int(entry),
+                path=path,
+                dev=key[0],
+                inode=key[1],
+                starttime=starttime,
+                pod_uid=uid or (current.pod_uid if current else ""),
+            )
     return sorted(best.values(), key=lambda c: (c.starttime, c.pid))
 
 
-def match_pods(candidates: Iterable[NetnsCandidate], wanted: Mapping[str, Iterable[str]],
-               addresses: Callable[[NetnsCandidate], set[str]]) -> dict[str, NetnsCandidate]:
+def match_pods(
+    candidates: Iterable[NetnsCandidate],
+    wanted: Mapping[str, Iterable[str]],
+    addresses: Callable[[NetnsCandidate], set[str]],
+) -> dict[str, NetnsCandidate]:
     """Pure given `addresses`: pod uid -> its netns, for pods whose IP is inside exactly that netns.
 
     A candidate whose cgroup names a different pod is not taken for this one (it belongs to a
@@ -190,8 +203,14 @@ class IpCommandProbe:
 class NetnsFinder:
     """Finds pods' network namespaces under a /proc tree (the node's, or `/host/proc`)."""
 
-    def __init__(self, probe: AddressProbe, *, proc_root: str | Path = "/proc",
-                 host_netns_path: str = "/proc/1/ns/net", own_netns_path: str = "/proc/self/ns/net") -> None:
+    def __init__(
+        self,
+        probe: AddressProbe,
+        *,
+        proc_root: str | Path = "/proc",
+        host_netns_path: str = "/proc/1/ns/net",
+        own_netns_path: str = "/proc/self/ns/net",
+    ) -> None:
         self.probe = probe
         self.proc_root = Path(proc_root)
         # Read once at start, as istio-cni does: these never change for a running agent.

@@ -282,9 +282,7 @@ def default_lookup(conf: PluginConf) -> PodLookup:
     `<cni_agent_run_dir>/istio-cni-kubeconfig`, which the node agent writes."""
     if conf.pod_source_directory:
         return DirectoryPodLookup(conf.pod_source_directory)
-    kubeconfig = conf.kubeconfig or (
-        f"{conf.cni_agent_run_dir.rstrip('/')}/{PLUGIN_KUBECONFIG_NAME}"
-    )
+    kubeconfig = conf.kubeconfig or (f"{conf.cni_agent_run_dir.rstrip('/')}/{PLUGIN_KUBECONFIG_NAME}")
     return KubeApiPodLookup(kubeconfig)
 
 

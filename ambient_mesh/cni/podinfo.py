@@ -308,7 +308,9 @@ def pod_info_from_json(obj: Any) -> PodInfo:
     ips: tuple[str, ...] = ()
     if isinstance(status.get("podIPs"), list):
         ips = tuple(
-            p["ip"] for p in status["podIPs"] if isinstance(p, dict) and isinstance(p.get("ip"), str) and p["ip"]
+            p["ip"]
+            for p in status["podIPs"]
+            if isinstance(p, dict) and isinstance(p.get("ip"), str) and p["ip"]
         )
     if not ips and isinstance(status.get("podIP"), str) and status["podIP"]:
         ips = (status["podIP"],)
@@ -391,7 +393,9 @@ class HttpsApiTransport:
                 try:
                     ctx = ssl.create_default_context(cadata=creds.ca_data.decode("ascii", "replace"))
                 except (ssl.SSLError, ValueError) as exc:
-                    raise PodLookupError(f"kubeconfig: certificate-authority is not usable PEM: {exc}") from None
+                    raise PodLookupError(
+                        f"kubeconfig: certificate-authority is not usable PEM: {exc}"
+                    ) from None
             else:
                 ctx = ssl.create_default_context()
             self._ssl_context = ctx

@@ -223,11 +223,13 @@ class _CachedSource:
     def _on_node(self, pod: WatchedPod) -> bool:
         return not self.node_name or pod.info.node_name == self.node_name
 
-    def _replace_all(self, pods: Mapping[tuple[str, str], WatchedPod],
-                     namespaces: Mapping[str, NamespaceInfo]) -> list[SourceEvent]:
+    def _replace_all(
+        self, pods: Mapping[tuple[str, str], WatchedPod], namespaces: Mapping[str, NamespaceInfo]
+    ) -> list[SourceEvent]:
         pods = {k: p for k, p in pods.items() if self._on_node(p)}
-        events: list[SourceEvent] = [NamespaceEvent(type=t, old=o, new=n)
-                                     for t, o, n in diff_objects(self._namespaces, namespaces)]
+        events: list[SourceEvent] = [
+            NamespaceEvent(type=t, old=o, new=n) for t, o, n in diff_objects(self._namespaces, namespaces)
+        ]
         events += [PodEvent(type=t, old=o, new=n) for t, o, n in diff_objects(self._pods, pods)]
         self._pods = dict(pods)
         self._namespaces = dict(namespaces)
@@ -285,12 +287,16 @@ class EnrollmentState:
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
-            raise PodSourceError(f"cannot read enrollment state {self.path}: {exc}",
-                                 hint="delete the file; the agent rebuilds marks from the pods it enrolls") from None
+            raise PodSourceError(
+                f"cannot read enrollment state {self.path}: {exc}",
+                hint="delete the file; the agent rebuilds marks from the pods it enrolls",
+            ) from None
         pods = doc.get("pods") if isinstance(doc, dict) else None
         if not isinstance(pods, dict):
             raise PodSourceError(f"enrollment state {self.path} has no `pods` object")
-        self._marks = {uid: dict(v) for uid, v in pods.items() if isinstance(v, dict) and isinstance(v.get("value"), str)}
+        self._marks = {
+            uid: dict(v) for uid, v in pods.items() if isinstance(v, dict) and isinstance(v.get("value"), str)
+        }
 
     def value(self, uid: str) -> str:
         mark = self._marks.get(uid)
@@ -330,11 +336,17 @@ def pod_from_store(obj: Any) -> WatchedPod:
     meta = obj.metadata
     return WatchedPod(
         info=PodInfo(
-            name=meta.name, namespace=meta.namespace, uid=meta.uid or synthesized_uid(meta.namespace, meta.name),
-            labels=dict(meta.labels), annotations=dict(meta.annotations), host_network=obj.host_network,
+            name=meta.name,
+            namespace=meta.namespace,
+            uid=meta.uid or synthesized_uid(meta.namespace, meta.name),
+            labels=dict(meta.labels),
+            annotations=dict(meta.annotations),
+            host_network=obj.host_network,
             containers=tuple(c.name for c in obj.containers),
             init_containers=tuple(c.name for c in obj.init_containers),
-            node_name=obj.node_name, ips=obj.ips),
+            node_name=obj.node_name,
+            ips=obj.ips,
+        ),
         service_account=obj.service_account_name or "default",
         phase=obj.phase,
         deleting=bool(meta.deletion_timestamp),
@@ -344,9 +356,15 @@ def pod_from_store(obj: Any) -> WatchedPod:
 class DirectoryPodSource(_CachedSource):
     """Pods and namespaces from the embedded control plane's YAML directory."""
 
-    def __init__(self, path: str | Path, *, node_name: str, state_file: str | Path,
-                 poll_interval_s: float = 1.0,
-                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        node_name: str,
+        state_file: str | Path,
+        poll_interval_s: float = 1.0,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
         from ..control.kube import DirectoryWatcher
 
         super().__init__(node_name)
@@ -360,8 +378,10 @@ class DirectoryPodSource(_CachedSource):
         self._held: list[SourceEvent] = []
 
     def __repr__(self) -> str:
-        return (f"DirectoryPodSource({str(self.path)!r}, node {self.node_name!r}: {len(self._pods)} pods, "
-                f"{len(self._namespaces)} namespaces, {len(self.state.marks())} marked, {self.events} events)")
+        return (
+            f"DirectoryPodSource({str(self.path)!r}, node {self.node_name!r}: {len(self._pods)} pods, "
+            f"{len(self._namespaces)} namespaces, {len(self.state.marks())} marked, {self.events} events)"
+        )
 
     def _overlay(self, pod: WatchedPod) -> WatchedPod:
         mark = self.state.value(pod.uid)
@@ -371,8 +391,10 @@ class DirectoryPodSource(_CachedSource):
         from ..control.kube import Namespace, Pod
 
         if not self.path.is_dir():
-            raise PodSourceError(f"pod source directory {self.path} does not exist",
-                                 hint="POD_SOURCE_DIRECTORY must be the control plane's --config-dir")
+            raise PodSourceError(
+                f"pod source directory {self.path} does not exist",
+                hint="POD_SOURCE_DIRECTORY must be the control plane's --config-dir",
+            )
         change = self._watcher.poll()
         if change is None:
             return None
@@ -384,8 +406,9 @@ class DirectoryPodSource(_CachedSource):
                 pods[pod.key] = pod
             elif isinstance(obj, Namespace):
                 m = obj.metadata
-                namespaces[m.name] = NamespaceInfo(name=m.name, labels=dict(m.labels),
-                                                   annotations=dict(m.annotations))
+                namespaces[m.name] = NamespaceInfo(
+                    name=m.name, labels=dict(m.labels), annotations=dict(m.annotations)
+                )
         return self._replace_all(pods, namespaces)
 
     async def start(self) -> None:
@@ -445,11 +468,14 @@ class DirectoryPodSource(_CachedSource):
             except (OSError, yaml.YAMLError):
                 continue
             for doc in docs:
-                if (isinstance(doc, dict) and doc.get("kind") == "DaemonSet"
-                        and isinstance(doc.get("metadata"), dict)
-                        and doc["metadata"].get("name") == AGENT_DAEMONSET_NAME
-                        and doc["metadata"].get("namespace", "default") == (pod_namespace or "default")
-                        and not doc["metadata"].get("deletionTimestamp")):
+                if (
+                    isinstance(doc, dict)
+                    and doc.get("kind") == "DaemonSet"
+                    and isinstance(doc.get("metadata"), dict)
+                    and doc["metadata"].get("name") == AGENT_DAEMONSET_NAME
+                    and doc["metadata"].get("namespace", "default") == (pod_namespace or "default")
+                    and not doc["metadata"].get("deletionTimestamp")
+                ):
                     return True
         return False
 
@@ -507,11 +533,22 @@ class KubeAccess:
         return f"KubeAccess({self.server}, token={'yes' if self.token or self.token_file else 'no'})"
 
     @classmethod
-    def in_cluster(cls, *, host: str, port: str, protocol: str = "https", sa_path: str | Path,
-                   ca_file: str = "", skip_tls_verify: bool = False) -> KubeAccess:
+    def in_cluster(
+        cls,
+        *,
+        host: str,
+        port: str,
+        protocol: str = "https",
+        sa_path: str | Path,
+        ca_file: str = "",
+        skip_tls_verify: bool = False,
+    ) -> KubeAccess:
         if not host:
-            raise ConfigError("KUBERNETES_SERVICE_HOST", "not set: not running in a cluster",
-                              hint="set POD_SOURCE_DIRECTORY or KUBECONFIG outside a cluster")
+            raise ConfigError(
+                "KUBERNETES_SERVICE_HOST",
+                "not set: not running in a cluster",
+                hint="set POD_SOURCE_DIRECTORY or KUBECONFIG outside a cluster",
+            )
         sa = Path(sa_path)
         ca = b""
         if not skip_tls_verify and protocol == "https":
@@ -521,8 +558,12 @@ class KubeAccess:
             except OSError as exc:
                 raise ConfigError("KUBE_CA_FILE", f"cannot read {ca_path}: {exc}") from None
         bracketed = f"[{host}]" if ":" in host else host
-        return cls(server=f"{protocol}://{bracketed}:{port or 443}", ca_data=ca,
-                   insecure_skip_tls_verify=skip_tls_verify, token_file=str(sa / "token"))
+        return cls(
+            server=f"{protocol}://{bracketed}:{port or 443}",
+            ca_data=ca,
+            insecure_skip_tls_verify=skip_tls_verify,
+            token_file=str(sa / "token"),
+        )
 
     @classmethod
     def from_kubeconfig(cls, path: str | Path) -> KubeAccess:
@@ -561,12 +602,15 @@ class KubeAccess:
         if not isinstance(cluster.get("server"), str):
             raise ConfigError("KUBECONFIG", f"{path}: cluster has no server")
         try:
-            return cls(server=cluster["server"].rstrip("/"), token=str(user.get("token") or ""),
-                       token_file=str(user.get("tokenFile") or ""),
-                       ca_data=data(cluster, "certificate-authority"),
-                       insecure_skip_tls_verify=bool(cluster.get("insecure-skip-tls-verify")),
-                       client_cert_data=data(user, "client-certificate"),
-                       client_key_data=data(user, "client-key"))
+            return cls(
+                server=cluster["server"].rstrip("/"),
+                token=str(user.get("token") or ""),
+                token_file=str(user.get("tokenFile") or ""),
+                ca_data=data(cluster, "certificate-authority"),
+                insecure_skip_tls_verify=bool(cluster.get("insecure-skip-tls-verify")),
+                client_cert_data=data(user, "client-certificate"),
+                client_key_data=data(user, "client-key"),
+            )
         except (OSError, ValueError) as exc:
             raise ConfigError("KUBECONFIG", f"{path}: {exc}") from None
 
@@ -635,8 +679,8 @@ class ChunkDecoder:
             if len(self._buf) < line_end + 2 + size + 2:
                 break
             start = line_end + 2
-            out += self._buf[start:start + size]
-            self._buf = self._buf[start + size + 2:]
+            out += self._buf[start : start + size]
+            self._buf = self._buf[start + size + 2 :]
         return bytes(out)
 
 
@@ -662,15 +706,24 @@ class KubeClient:
     def __repr__(self) -> str:
         return f"KubeClient({self.access.server}, {self.requests} requests)"
 
-    async def _open(self, method: str, path: str, body: bytes | None, content_type: str,
-                    accept: str = "application/json") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(
+        self, method: str, path: str, body: bytes | None, content_type: str, accept: str = "application/json"
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         self.requests += 1
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, ssl=self._ssl,
-                                    server_hostname=self.host if self._ssl else None), self.timeout_s)
+            asyncio.open_connection(
+                self.host, self.port, ssl=self._ssl, server_hostname=self.host if self._ssl else None
+            ),
+            self.timeout_s,
+        )
         host = f"[{self.host}]" if ":" in self.host else self.host
-        head = [f"{method} {self.base_path}{path} HTTP/1.1", f"Host: {host}:{self.port}",
-                "User-Agent: ambient-mesh-cni-agent", f"Accept: {accept}", "Connection: close"]
+        head = [
+            f"{method} {self.base_path}{path} HTTP/1.1",
+            f"Host: {host}:{self.port}",
+            "User-Agent: ambient-mesh-cni-agent",
+            f"Accept: {accept}",
+            "Connection: close",
+        ]
         token = self.access.bearer()
         if token:
             head.append(f"Authorization: Bearer {token}")
@@ -680,8 +733,9 @@ class KubeClient:
         await writer.drain()
         return reader, writer
 
-    async def request(self, method: str, path: str, body: bytes | None = None,
-                      content_type: str = "application/json") -> ApiResponse:
+    async def request(
+        self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"
+    ) -> ApiResponse:
         try:
             reader, writer = await self._open(method, path, body, content_type)
         except (OSError, TimeoutError) as exc:
@@ -723,8 +777,9 @@ class KubeClient:
             status_line = head.split(b"\r\n", 1)[0].split(b" ")
             if len(status_line) < 2 or status_line[1] != b"200":
                 body = rest + await asyncio.wait_for(reader.read(65536), self.timeout_s)
-                raise PodSourceError(f"watch {path}: {b' '.join(status_line[1:]).decode(errors='replace')}: "
-                                     f"{body[:300]!r}")
+                raise PodSourceError(
+                    f"watch {path}: {b' '.join(status_line[1:]).decode(errors='replace')}: {body[:300]!r}"
+                )
             chunked = b"transfer-encoding: chunked" in head.lower()
             decoder = ChunkDecoder() if chunked else None
             pending = b""
@@ -732,7 +787,7 @@ class KubeClient:
             while True:
                 pending += decoder.feed(data) if decoder is not None else data
                 while (nl := pending.find(b"\n")) >= 0:
-                    line, pending = pending[:nl].strip(), pending[nl + 1:]
+                    line, pending = pending[:nl].strip(), pending[nl + 1 :]
                     if line:
                         try:
                             yield json.loads(line)
@@ -756,8 +811,9 @@ class _Gone(Exception):
 class KubeApiPodSource(_CachedSource):
     """This node's pods (field selector spec.nodeName) and all namespaces from the API server."""
 
-    def __init__(self, client: KubeClient, *, node_name: str,
-                 sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
+    def __init__(
+        self, client: KubeClient, *, node_name: str, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
+    ) -> None:
         super().__init__(node_name)
         self.client = client
         self._sleep = sleep
@@ -765,9 +821,11 @@ class KubeApiPodSource(_CachedSource):
         self.relists = 0
 
     def __repr__(self) -> str:
-        return (f"KubeApiPodSource({self.client.access.server}, node {self.node_name!r}: {len(self._pods)} pods, "
-                f"{len(self._namespaces)} namespaces, rv pods={self._versions['pods'] or '-'}, "
-                f"{self.relists} relists, {self.events} events)")
+        return (
+            f"KubeApiPodSource({self.client.access.server}, node {self.node_name!r}: {len(self._pods)} pods, "
+            f"{len(self._namespaces)} namespaces, rv pods={self._versions['pods'] or '-'}, "
+            f"{self.relists} relists, {self.events} events)"
+        )
 
     def _pods_path(self, **params: str) -> str:
         query = {"fieldSelector": f"spec.nodeName={self.node_name}"} if self.node_name else {}
@@ -815,8 +873,11 @@ class KubeApiPodSource(_CachedSource):
             if kind_of_event not in ("ADDED", "MODIFIED", "DELETED"):
                 raise ProtocolError(f"watch {kind}: unknown event type {kind_of_event!r}")
             deleted = kind_of_event == "DELETED"
-            event: SourceEvent | None = (self._put_pod(pod_from_json(obj), deleted) if kind == "pods"
-                                         else self._put_namespace(namespace_from_json(obj), deleted))
+            event: SourceEvent | None = (
+                self._put_pod(pod_from_json(obj), deleted)
+                if kind == "pods"
+                else self._put_namespace(namespace_from_json(obj), deleted)
+            )
             if event is not None:
                 self.events += 1
                 await on_event(event)
@@ -852,7 +913,9 @@ class KubeApiPodSource(_CachedSource):
             group.create_task(self._watch_forever("pods", on_event))
 
     async def fetch_pod(self, namespace: str, name: str) -> WatchedPod | None:
-        response = await self.client.request("GET", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}")
+        response = await self.client.request(
+            "GET", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}"
+        )
         if response.status == 404:
             return None
         if response.status != 200:
@@ -904,15 +967,23 @@ class KubeApiPodSource(_CachedSource):
 def build_pod_source(cfg: Any) -> PodSource:
     """The source the config names: a YAML directory, a kubeconfig, or the in-cluster API."""
     if cfg.pod_source_directory:
-        return DirectoryPodSource(cfg.pod_source_directory, node_name=cfg.node_name,
-                                  state_file=cfg.enrollment_state_file,
-                                  poll_interval_s=cfg.pod_source_poll_interval_s)
+        return DirectoryPodSource(
+            cfg.pod_source_directory,
+            node_name=cfg.node_name,
+            state_file=cfg.enrollment_state_file,
+            poll_interval_s=cfg.pod_source_poll_interval_s,
+        )
     if cfg.kubeconfig:
         access = KubeAccess.from_kubeconfig(cfg.kubeconfig)
     else:
-        access = KubeAccess.in_cluster(host=cfg.k8s_service_host, port=cfg.k8s_service_port,
-                                       protocol=cfg.k8s_service_protocol, sa_path=cfg.k8s_service_account_path,
-                                       ca_file=cfg.kube_ca_file, skip_tls_verify=cfg.skip_tls_verify)
+        access = KubeAccess.in_cluster(
+            host=cfg.k8s_service_host,
+            port=cfg.k8s_service_port,
+            protocol=cfg.k8s_service_protocol,
+            sa_path=cfg.k8s_service_account_path,
+            ca_file=cfg.kube_ca_file,
+            skip_tls_verify=cfg.skip_tls_verify,
+        )
     return KubeApiPodSource(KubeClient(access), node_name=cfg.node_name)
 
 

@@ -238,7 +238,9 @@ class Snapshot:
             if unchanged is not None and unchanged.aliases == sorted_keys:
                 packed_addresses[name] = unchanged
             else:
-                packed_addresses[name] = _pack_bytes(name, ADDRESS_TYPE_URL, data, versioned=True, aliases=sorted_keys)
+                packed_addresses[name] = _pack_bytes(
+                    name, ADDRESS_TYPE_URL, data, versioned=True, aliases=sorted_keys
+                )
         before = previous.of(AUTHORIZATION_TYPE_URL) if previous is not None else {}
         packed_authorizations: dict[str, VersionedResource] = {}
         for name, policy in authorizations.items():

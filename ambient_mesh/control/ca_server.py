@@ -238,10 +238,14 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         )
         if isinstance(requested, Refusal):
             return requested
-        identity = authorize(caller, requested, self.node_index, self.trusted_node_accounts, self.trust_domain)
+        identity = authorize(
+            caller, requested, self.node_index, self.trusted_node_accounts, self.trust_domain
+        )
         if isinstance(identity, Refusal):
             return identity
-        ttl_s = certificate_ttl_s(request.validity_duration, default_s=self.default_ttl_s, max_s=self.max_ttl_s)
+        ttl_s = certificate_ttl_s(
+            request.validity_duration, default_s=self.default_ttl_s, max_s=self.max_ttl_s
+        )
         return Issuance(identity=identity, ttl_s=ttl_s, caller=caller)
 
     async def CreateCertificate(  # noqa: N802 - the generated servicer's method name
@@ -261,8 +265,12 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
             self.refused += 1
             log.error(
                 "CA signing certificate is not valid now",
-                extra={"fields": {"not_before": str(signer.not_valid_before_utc),
-                                  "not_after": str(signer.not_valid_after_utc)}},
+                extra={
+                    "fields": {
+                        "not_before": str(signer.not_valid_before_utc),
+                        "not_after": str(signer.not_valid_after_utc),
+                    }
+                },
             )
             await context.abort(
                 grpc.StatusCode.INTERNAL, "CSR signing error: the CA's signing certificate is not valid now"
@@ -272,19 +280,22 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         except (CertificateError, UnicodeError) as e:
             self.refused += 1
             log.warning(
-                "CSR refused", extra={"fields": {"peer": peer, "identity": str(plan.identity), "error": str(e)}}
+                "CSR refused",
+                extra={"fields": {"peer": peer, "identity": str(plan.identity), "error": str(e)}},
             )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"CSR signing error ({e})")
         self.issued += 1
         log.info(
             "certificate issued",
-            extra={"fields": {
-                "identity": str(plan.identity),
-                "caller": plan.caller.account,
-                "pod": plan.caller.pod_name or "",
-                "node": plan.caller.node or "",
-                "ttl_s": plan.ttl_s,
-                "peer": peer,
-            }},
+            extra={
+                "fields": {
+                    "identity": str(plan.identity),
+                    "caller": plan.caller.account,
+                    "pod": plan.caller.pod_name or "",
+                    "node": plan.caller.node or "",
+                    "ttl_s": plan.ttl_s,
+                    "peer": peer,
+                }
+            },
         )
         return ca_pb2.IstioCertificateResponse(cert_chain=chain)

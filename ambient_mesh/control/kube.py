@@ -640,7 +640,9 @@ def _parse_authorization_policy(doc: _Fields) -> AuthorizationPolicy:
     rules = []
     for r in spec.items("rules"):
         sources = tuple(_source(f.sub("source") or _Fields({}, f"{f._path}.source")) for f in r.items("from"))
-        ops = tuple(_operation(t.sub("operation") or _Fields({}, f"{t._path}.operation")) for t in r.items("to"))
+        ops = tuple(
+            _operation(t.sub("operation") or _Fields({}, f"{t._path}.operation")) for t in r.items("to")
+        )
         when = []
         for w in r.items("when"):
             key = w.str("key")
@@ -752,7 +754,8 @@ def _parse_gateway(doc: _Fields) -> Gateway:
     addresses = ()
     if status is not None:
         addresses = tuple(
-            GatewayAddress(type=a.str("type", "IPAddress"), value=a.str("value")) for a in status.items("addresses")
+            GatewayAddress(type=a.str("type", "IPAddress"), value=a.str("value"))
+            for a in status.items("addresses")
         )
     return Gateway(
         metadata=meta,
@@ -1122,7 +1125,9 @@ class DirectoryWatcher:
                 f"{len(self._fingerprint or {})} files, {len(self._objects)} objects, "
                 f"{len(self._last.errors)} errors"
             )
-        return f"DirectoryWatcher({self.path}: {state}, {self.changes} changes, every {self.poll_interval_s}s)"
+        return (
+            f"DirectoryWatcher({self.path}: {state}, {self.changes} changes, every {self.poll_interval_s}s)"
+        )
 
     @property
     def last(self) -> LoadResult | None:
@@ -1174,7 +1179,9 @@ class DirectoryWatcher:
         change = DirectoryChange(
             result=result,
             files_added=tuple(sorted(set(fingerprint) - set(previous))),
-            files_changed=tuple(sorted(f for f in fingerprint if f in previous and fingerprint[f] != previous[f])),
+            files_changed=tuple(
+                sorted(f for f in fingerprint if f in previous and fingerprint[f] != previous[f])
+            ),
             files_removed=tuple(sorted(set(previous) - set(fingerprint))),
             added=added,
             updated=updated,

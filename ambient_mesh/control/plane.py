@@ -78,8 +78,9 @@ def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
     """Istio's plugged-in CA files for a self-signed root (the root is also the signer)."""
     directory.mkdir(parents=True, exist_ok=True)
     cert_pem = ca.signing_cert.public_bytes(serialization.Encoding.PEM)
-    key_pem = ca.signing_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption())
+    key_pem = ca.signing_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     key_path = directory / "ca-key.pem"
     key_path.touch(mode=0o600)
     key_path.write_bytes(key_pem)
@@ -96,8 +97,11 @@ class KubeNodeIndex:
         self.store = KubeStore(())
 
     def identities_on_node(self, node: str) -> set[Identity]:
-        return {Identity(self.trust_domain, p.metadata.namespace, p.service_account_name or "default")
-                for p in self.store.pods if p.node_name == node}
+        return {
+            Identity(self.trust_domain, p.metadata.namespace, p.service_account_name or "default")
+            for p in self.store.pods
+            if p.node_name == node
+        }
 
     def pod_exists(self, namespace: str, name: str, uid: str) -> bool:
         pod = self.store.get("Pod", namespace, name)
@@ -117,9 +121,14 @@ class ControlPlane:
         self.verifier = self.issuer.verifier()
         self.node_index = KubeNodeIndex(mesh.trust_domain)
         self.ads = AdsServer(authenticate=self._authenticate)
-        self.ca_server = CaServer(self.ca, self.verifier, trust_domain=mesh.trust_domain, node_index=self.node_index,
-                                  trusted_node_accounts=self.config.trusted_node_accounts,
-                                  cluster_id=mesh.cluster_id)
+        self.ca_server = CaServer(
+            self.ca,
+            self.verifier,
+            trust_domain=mesh.trust_domain,
+            node_index=self.node_index,
+            trusted_node_accounts=self.config.trusted_node_accounts,
+            cluster_id=mesh.cluster_id,
+        )
         self.watcher = DirectoryWatcher(self.config.directory, self._on_change, self.config.poll_interval_s)
         self.server: grpc.aio.Server | None = None
         self.bound: dict[str, SocketAddr] = {}
@@ -128,7 +137,9 @@ class ControlPlane:
 
     def __repr__(self) -> str:
         t = self.translation
-        counts = f"{len(t.addresses)} addresses, {len(t.authorizations)} authorizations" if t else "nothing loaded"
+        counts = (
+            f"{len(t.addresses)} addresses, {len(t.authorizations)} authorizations" if t else "nothing loaded"
+        )
         return f"ControlPlane({self.config.directory}: {counts}; {self.ads!r})"
 
     # Authentication of xDS callers ------------------------------------------------------
@@ -160,23 +171,37 @@ class ControlPlane:
             log.info("note: %s", note)
         self.translation = translation
         queued = self.ads.update(translation.addresses, translation.authorizations)
-        log.info("loaded %s: %d workload/service addresses, %d authorizations; %s; %d pushes queued",
-                 self.config.directory, len(translation.addresses), len(translation.authorizations),
-                 summary or "initial load", queued)
+        log.info(
+            "loaded %s: %d workload/service addresses, %d authorizations; %s; %d pushes queued",
+            self.config.directory,
+            len(translation.addresses),
+            len(translation.authorizations),
+            summary or "initial load",
+            queued,
+        )
         self.loaded.set()
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         now = datetime.now(UTC)
-        cert = serving_certificate(self.ca, list(DEFAULT_SERVING_DNS_NAMES), list(DEFAULT_SERVING_IPS),
-                                   SERVING_CERT_TTL_S, now, trust_domain=self.config.mesh.trust_domain)
+        cert = serving_certificate(
+            self.ca,
+            list(DEFAULT_SERVING_DNS_NAMES),
+            list(DEFAULT_SERVING_IPS),
+            SERVING_CERT_TTL_S,
+            now,
+            trust_domain=self.config.mesh.trust_domain,
+        )
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.ads.serve(self.server)
         self.ca_server.register(self.server)
         port = self.server.add_secure_port(str(self.config.listen), server_credentials(cert))
         if port == 0:
-            raise ConfigError("--listen", f"cannot bind {self.config.listen}",
-                              hint="is another control plane (or istiod) already listening there?")
+            raise ConfigError(
+                "--listen",
+                f"cannot bind {self.config.listen}",
+                hint="is another control plane (or istiod) already listening there?",
+            )
         self.bound["tls"] = SocketAddr(self.config.listen.ip, port)
         if self.config.plaintext_listen is not None:
             port = self.server.add_insecure_port(str(self.config.plaintext_listen))
@@ -189,7 +214,9 @@ class ControlPlane:
             self._on_change(first)
         else:
             self.apply(KubeStore(()))
-        self._watch_task = asyncio.get_running_loop().create_task(self.watcher.run(), name="directory watcher")
+        self._watch_task = asyncio.get_running_loop().create_task(
+            self.watcher.run(), name="directory watcher"
+        )
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._watch_task is not None:
@@ -210,13 +237,27 @@ def build(config: ControlPlaneConfig) -> ControlPlane:
     return ControlPlane(config=config, ca=ca, issuer=issuer)
 
 
-def mint_token(state_dir: Path, *, account: tuple[str, str], node: str | None, pod: str | None = None,
-               uid: str | None = None, ttl_s: int = 24 * 3600) -> str:
+def mint_token(
+    state_dir: Path,
+    *,
+    account: tuple[str, str],
+    node: str | None,
+    pod: str | None = None,
+    uid: str | None = None,
+    ttl_s: int = 24 * 3600,
+) -> str:
     """`ambient control token`: a JWT the control plane at `state_dir` accepts."""
     issuer = load_or_create_issuer(state_dir / TOKEN_KEY_FILE)
     namespace, service_account = account
-    return issuer.mint(namespace=namespace, service_account=service_account, node=node, pod_name=pod,
-                       pod_uid=uid, ttl_s=ttl_s, now=time.time())
+    return issuer.mint(
+        namespace=namespace,
+        service_account=service_account,
+        node=node,
+        pod_name=pod,
+        pod_uid=uid,
+        ttl_s=ttl_s,
+        now=time.time(),
+    )
 
 
 STATUS_INTERVAL_S = 2.0
@@ -231,10 +272,17 @@ def status_table(plane: ControlPlane):
         table.add_column(header)
     for info in plane.ads.connections():
         for t in info.types:
-            table.add_row(info.node_name or "-", info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
-                          info.identity or "-", t.type_url.rsplit(".", 1)[-1], t.mode.value,
-                          str(t.resources_sent), str(t.resources_acked), str(t.resources_nacked),
-                          t.last_error or "")
+            table.add_row(
+                info.node_name or "-",
+                info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
+                info.identity or "-",
+                t.type_url.rsplit(".", 1)[-1],
+                t.mode.value,
+                str(t.resources_sent),
+                str(t.resources_acked),
+                str(t.resources_nacked),
+                t.last_error or "",
+            )
     return table
 
 
@@ -263,9 +311,11 @@ async def run(config: ControlPlaneConfig, *, console=None) -> int:
     console = console or Console()
     plane = build(config)
     await plane.start()
-    console.print(f"ambient control: serving xDS and CA on {plane.bound['tls']} (TLS)"
-                  + (f" and {plane.bound['plaintext']} (plaintext)" if "plaintext" in plane.bound else "")
-                  + f"; mesh root {config.state_dir / ROOT_CERT_FILE}")
+    console.print(
+        f"ambient control: serving xDS and CA on {plane.bound['tls']} (TLS)"
+        + (f" and {plane.bound['plaintext']} (plaintext)" if "plaintext" in plane.bound else "")
+        + f"; mesh root {config.state_dir / ROOT_CERT_FILE}"
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -91,7 +91,9 @@ class Caller:
 
 def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
     """`kid`: a digest of the public key, so a token names the key that signed it."""
-    spki = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    spki = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return _b64encode(hashlib.sha256(spki).digest()[:16])
 
 
@@ -144,8 +146,12 @@ class TokenIssuer:
         ttl_s: int = DEFAULT_TOKEN_TTL_S,
         now: float,
     ) -> str:
-        for what, value in (("namespace", namespace), ("service account", service_account),
-                            ("pod name", pod_name), ("node", node)):
+        for what, value in (
+            ("namespace", namespace),
+            ("service account", service_account),
+            ("pod name", pod_name),
+            ("node", node),
+        ):
             if value is not None and not _K8S_NAME.match(value):
                 raise ConfigError(what, f"{value!r} is not a Kubernetes name (lower-case RFC 1123)")
         if (pod_name is None) != (pod_uid is None):
@@ -184,7 +190,9 @@ class TokenVerifier:
         issuer: str = DEFAULT_ISSUER,
         audiences: frozenset[str] = frozenset({DEFAULT_AUDIENCE}),
     ) -> None:
-        if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(public_key.curve, ec.SECP256R1):
+        if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
+            public_key.curve, ec.SECP256R1
+        ):
             raise ConfigError("token verification key", "ES256 needs an ECDSA P-256 public key")
         self._key = public_key
         self.issuer = issuer
@@ -202,7 +210,9 @@ class TokenVerifier:
             raise AuthenticationError(f"the token is longer than {MAX_TOKEN_CHARS} characters")
         parts = token.split(".")
         if len(parts) != 3:
-            raise AuthenticationError(f"the token is not a JWS compact serialization ({len(parts)} parts, not 3)")
+            raise AuthenticationError(
+                f"the token is not a JWS compact serialization ({len(parts)} parts, not 3)"
+            )
         header = _object(_b64decode(parts[0], "header"), "header")
         alg = header.get("alg")
         if alg != ALGORITHM:
@@ -220,7 +230,9 @@ class TokenVerifier:
         s = int.from_bytes(signature[_P256_COORDINATE_BYTES:], "big")
         try:
             self._key.verify(
-                encode_dss_signature(r, s), f"{parts[0]}.{parts[1]}".encode("ascii"), ec.ECDSA(hashes.SHA256())
+                encode_dss_signature(r, s),
+                f"{parts[0]}.{parts[1]}".encode("ascii"),
+                ec.ECDSA(hashes.SHA256()),
             )
         except (InvalidSignature, ValueError):
             raise AuthenticationError("the token's signature does not verify") from None
@@ -234,7 +246,9 @@ class TokenVerifier:
         if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences):
             raise AuthenticationError("the token's aud claim is not a string or a list of strings")
         if not self.audiences.intersection(audiences):
-            raise AuthenticationError(f"the token's audiences {audiences} do not include {sorted(self.audiences)}")
+            raise AuthenticationError(
+                f"the token's audiences {audiences} do not include {sorted(self.audiences)}"
+            )
         exp = _time(claims, "exp", required=True)
         assert exp is not None
         if now >= exp + CLOCK_SKEW_S:
@@ -246,10 +260,14 @@ class TokenVerifier:
 
         k8s = claims.get(KUBERNETES_CLAIM)
         if not isinstance(k8s, dict):
-            raise AuthenticationError(f"the token has no {KUBERNETES_CLAIM} claim; it is not a service-account token")
+            raise AuthenticationError(
+                f"the token has no {KUBERNETES_CLAIM} claim; it is not a service-account token"
+            )
         namespace = _name(k8s.get("namespace"), "namespace")
         account = k8s.get("serviceaccount")
-        service_account = _name(account.get("name") if isinstance(account, dict) else None, "serviceaccount.name")
+        service_account = _name(
+            account.get("name") if isinstance(account, dict) else None, "serviceaccount.name"
+        )
         subject = f"{SUBJECT_PREFIX}{namespace}:{service_account}"
         if claims.get("sub") != subject:
             raise AuthenticationError(f"the token's sub {claims.get('sub')!r} does not match {subject!r}")
@@ -266,7 +284,11 @@ class TokenVerifier:
             node_claim = k8s["node"]
             node = _name(node_claim.get("name") if isinstance(node_claim, dict) else None, "node.name")
         return Caller(
-            namespace=namespace, service_account=service_account, pod_name=pod_name, pod_uid=pod_uid, node=node
+            namespace=namespace,
+            service_account=service_account,
+            pod_name=pod_name,
+            pod_uid=pod_uid,
+            node=node,
         )
 
 
@@ -352,5 +374,7 @@ def _time(claims: Mapping[str, Any], name: str, *, required: bool) -> float | No
 
 def _name(value: object, what: str) -> str:
     if not isinstance(value, str) or not _K8S_NAME.match(value):
-        raise AuthenticationError(f"the token's {KUBERNETES_CLAIM} {what} is missing or not a Kubernetes name")
+        raise AuthenticationError(
+            f"the token's {KUBERNETES_CLAIM} {what} is missing or not a Kubernetes name"
+        )
     return value

@@ -161,7 +161,20 @@ def pod_workload_name(pod: Pod) -> str:
 
 
 _ISTIO_PROTOCOLS = frozenset(
-    {"tcp", "udp", "grpc", "grpc-web", "http", "http_proxy", "http2", "https", "tls", "mongo", "redis", "mysql"}
+    {
+        "tcp",
+        "udp",
+        "grpc",
+        "grpc-web",
+        "http",
+        "http_proxy",
+        "http2",
+        "https",
+        "tls",
+        "mongo",
+        "redis",
+        "mysql",
+    }
 )
 _APP_PROTOCOLS = {
     "http": wl.HTTP11,
@@ -348,8 +361,11 @@ def _service_accounts(values: tuple[str, ...], namespace: str) -> list[sec.Servi
     out = []
     for v in values:
         ns, sep, sa = v.partition("/")
-        out.append(sec.ServiceAccountMatch(namespace=ns, serviceAccount=sa) if sep else
-                   sec.ServiceAccountMatch(namespace=namespace, serviceAccount=v))
+        out.append(
+            sec.ServiceAccountMatch(namespace=ns, serviceAccount=sa)
+            if sep
+            else sec.ServiceAccountMatch(namespace=namespace, serviceAccount=v)
+        )
     return out
 
 
@@ -385,17 +401,27 @@ def _http_operation_fields(op) -> list[str]:
 
 def _http_source_fields(src) -> list[str]:
     names = (
-        "remoteIpBlocks", "notRemoteIpBlocks", "requestPrincipals", "notRequestPrincipals",
-        "trustDomains", "notTrustDomains",
+        "remoteIpBlocks",
+        "notRemoteIpBlocks",
+        "requestPrincipals",
+        "notRequestPrincipals",
+        "trustDomains",
+        "notTrustDomains",
     )
     values = (
-        src.remote_ip_blocks, src.not_remote_ip_blocks, src.request_principals,
-        src.not_request_principals, src.trust_domains, src.not_trust_domains,
+        src.remote_ip_blocks,
+        src.not_remote_ip_blocks,
+        src.request_principals,
+        src.not_request_principals,
+        src.trust_domains,
+        src.not_trust_domains,
     )
     return [n for n, v in zip(names, values, strict=True) if v]
 
 
-def _convert_rule(action: int, rule: AuthorizationRule, namespace: str) -> tuple[list[sec.Clause] | None, set[str]]:
+def _convert_rule(
+    action: int, rule: AuthorizationRule, namespace: str
+) -> tuple[list[sec.Clause] | None, set[str]]:
     """One AuthorizationPolicy rule as the clauses of one wire Rule (istio: Group).
 
     Returns None for the clauses when the rule must be dropped: an ALLOW rule that needs HTTP
@@ -405,7 +431,9 @@ def _convert_rule(action: int, rule: AuthorizationRule, namespace: str) -> tuple
     to_matches = []
     for op in rule.operations:
         http.update(_http_operation_fields(op))
-        to_matches.append(sec.Match(destination_ports=_ports(op.ports), not_destination_ports=_ports(op.not_ports)))
+        to_matches.append(
+            sec.Match(destination_ports=_ports(op.ports), not_destination_ports=_ports(op.not_ports))
+        )
     from_matches = []
     for src in rule.sources:
         http.update(_http_source_fields(src))
@@ -481,7 +509,9 @@ def convert_authorization_policy(
     if policy.action not in ("ALLOW", "DENY"):
         return None, f"{key}: ztunnel does not support the {policy.action} action"
     action = sec.ALLOW if policy.action == "ALLOW" else sec.DENY
-    out = sec.Authorization(name=meta.name, namespace=meta.namespace, scope=scope, action=action, dry_run=dry_run)
+    out = sec.Authorization(
+        name=meta.name, namespace=meta.namespace, scope=scope, action=action, dry_run=dry_run
+    )
     http: set[str] = set()
     for rule in policy.rules:
         clauses, found = _convert_rule(action, rule, meta.namespace)
@@ -512,7 +542,10 @@ def _deny_without_identity(match: sec.Match | None = None) -> sec.Match:
 def static_strict_policy(settings: MeshSettings) -> sec.Authorization:
     """Deny any peer without an mTLS identity: what STRICT PeerAuthentication means at L4."""
     out = sec.Authorization(
-        name=STATIC_STRICT_POLICY_NAME, namespace=settings.root_namespace, scope=sec.WORKLOAD_SELECTOR, action=sec.DENY
+        name=STATIC_STRICT_POLICY_NAME,
+        namespace=settings.root_namespace,
+        scope=sec.WORKLOAD_SELECTOR,
+        action=sec.DENY,
     )
     out.rules.add().clauses.add().matches.append(_deny_without_identity())
     return out
@@ -555,7 +588,11 @@ def convert_peer_authentication(
                 mode == "UNSET"
                 and (
                     (namespace_pa is not None and ns_mode == "STRICT")
-                    or ((namespace_pa is None or ns_mode == "UNSET") and root_pa is not None and root_mode == "STRICT")
+                    or (
+                        (namespace_pa is None or ns_mode == "UNSET")
+                        and root_pa is not None
+                        and root_mode == "STRICT"
+                    )
                 )
             )
             if parent_strict:
@@ -581,7 +618,9 @@ def convert_peer_authentication(
     if not clauses and not rules:
         return None
     merge_strict = (
-        root_pa is not None and root_mode == "STRICT" and (namespace_pa is None or ns_mode in ("UNSET", "STRICT"))
+        root_pa is not None
+        and root_mode == "STRICT"
+        and (namespace_pa is None or ns_mode in ("UNSET", "STRICT"))
     ) or (namespace_pa is not None and ns_mode == "STRICT")
     if merge_strict and found_non_strict:
         clauses.append(sec.Clause(matches=[_deny_without_identity()]))
@@ -746,7 +785,9 @@ class _Context:
         self.notes.append(f"{what}: waypoint {wp.resource_name} does not accept service traffic")
         return None
 
-    def compute_waypoint(self, meta: ObjectMeta, what: str) -> tuple[wl.ApplicationTunnel | None, Waypoint | None]:
+    def compute_waypoint(
+        self, meta: ObjectMeta, what: str
+    ) -> tuple[wl.ApplicationTunnel | None, Waypoint | None]:
         instance_of = meta.labels.get(LABEL_GATEWAY_NAME)
         if instance_of:
             wp = self.waypoints.get(f"{meta.namespace}/{instance_of}")
@@ -764,7 +805,9 @@ class _Context:
 
     # services (services.go)
 
-    def services_selecting(self, namespace: str, labels: Mapping[str, str], kinds: tuple[str, ...]) -> list[_ServiceInfo]:
+    def services_selecting(
+        self, namespace: str, labels: Mapping[str, str], kinds: tuple[str, ...]
+    ) -> list[_ServiceInfo]:
         return [
             s
             for s in self._services_by_namespace.get(namespace, ())
@@ -795,7 +838,10 @@ class _Context:
 def _traffic_lb(spec_value: str, annotations: list[Mapping[str, str]]) -> wl.LoadBalancing | None:
     value = spec_value
     if value not in ("PreferClose", "PreferSameZone", "PreferSameNode"):
-        value = next((a[ANNOTATION_TRAFFIC_DISTRIBUTION] for a in annotations if ANNOTATION_TRAFFIC_DISTRIBUTION in a), "")
+        value = next(
+            (a[ANNOTATION_TRAFFIC_DISTRIBUTION] for a in annotations if ANNOTATION_TRAFFIC_DISTRIBUTION in a),
+            "",
+        )
     value = value.lower()
     if value in ("preferclose", "prefersamezone"):
         return wl.LoadBalancing(
@@ -893,7 +939,11 @@ def _service_entry_services(ctx: _Context, se: ServiceEntry) -> list[_ServiceInf
         ctx.notes.append(f"{what}: bad address ({exc}); no services built")
         return []
     ports = [
-        wl.Port(service_port=p.number, target_port=p.target_port or p.number, app_protocol=_app_protocol(p.protocol))
+        wl.Port(
+            service_port=p.number,
+            target_port=p.target_port or p.number,
+            app_protocol=_app_protocol(p.protocol),
+        )
         for p in se.ports
     ]
     port_names = {p.number: (p.name, "") for p in se.ports}
@@ -1043,7 +1093,9 @@ def pod_enrolled(pod: Pod, namespace_labels: Mapping[str, str]) -> bool:
     return namespace_labels.get(LABEL_DATAPLANE_MODE) == "ambient"
 
 
-def _set_tunnel(w: wl.Workload, labels: Mapping[str, str], annotations: Mapping[str, str], enrolled: bool) -> None:
+def _set_tunnel(
+    w: wl.Workload, labels: Mapping[str, str], annotations: Mapping[str, str], enrolled: bool
+) -> None:
     if enrolled or annotations.get(ANNOTATION_REDIRECTION) == "enabled":
         w.tunnel_protocol = wl.HBONE
     if labels.get(LABEL_TUNNEL) == "http":
@@ -1052,8 +1104,14 @@ def _set_tunnel(w: wl.Workload, labels: Mapping[str, str], annotations: Mapping[
         w.native_tunnel = True
 
 
-def _common(w: wl.Workload, ctx: _Context, meta_labels: Mapping[str, str], namespace: str,
-            waypoint: Waypoint | None, app_tunnel: wl.ApplicationTunnel | None) -> None:
+def _common(
+    w: wl.Workload,
+    ctx: _Context,
+    meta_labels: Mapping[str, str],
+    namespace: str,
+    waypoint: Waypoint | None,
+    app_tunnel: wl.ApplicationTunnel | None,
+) -> None:
     w.cluster_id = ctx.settings.cluster_id
     w.trust_domain = _pick_trust_domain(ctx.settings)
     w.authorization_policies.extend(ctx.workload_policies(meta_labels, namespace))
@@ -1118,7 +1176,9 @@ def _workload_entry_workload(ctx: _Context, we: WorkloadEntry) -> wl.Workload:
     what = f"WorkloadEntry {meta.namespace}/{meta.name}"
     labels = {**meta.labels, **we.spec.labels}
     infos = ctx.services_selecting(meta.namespace, labels, ("Service", "ServiceEntry"))
-    labelled = ObjectMeta(name=meta.name, namespace=meta.namespace, labels=labels, annotations=meta.annotations)
+    labelled = ObjectMeta(
+        name=meta.name, namespace=meta.namespace, labels=labels, annotations=meta.annotations
+    )
     app_tunnel, waypoint = ctx.compute_waypoint(labelled, what)
     w = wl.Workload(
         uid=f"{ctx.settings.cluster_id}/networking.istio.io/WorkloadEntry/{meta.namespace}/{meta.name}",
@@ -1139,7 +1199,9 @@ def _workload_entry_workload(ctx: _Context, we: WorkloadEntry) -> wl.Workload:
         w.capacity.CopyFrom(wrappers_pb2.UInt32Value(value=we.spec.weight))
     _set_address(w, we.spec.address)
     w.workload_name = (
-        meta.annotations.get(ANNOTATION_AUTO_REGISTRATION_GROUP) or labels.get(LABEL_WORKLOAD_NAME) or meta.name
+        meta.annotations.get(ANNOTATION_AUTO_REGISTRATION_GROUP)
+        or labels.get(LABEL_WORKLOAD_NAME)
+        or meta.name
     )
     w.canonical_name, w.canonical_revision = canonical_service(labels, w.workload_name)
     _set_tunnel(w, labels, meta.annotations, enrolled=False)
@@ -1152,12 +1214,19 @@ def _service_entry_workloads(ctx: _Context, se: ServiceEntry, infos: list[_Servi
     endpoints = list(se.endpoints)
     # A DNS ServiceEntry without endpoints or selector has one implicit endpoint per host.
     implicit = (
-        not endpoints and se.resolution in ("DNS", "DYNAMIC_DNS", "DNS_ROUND_ROBIN") and se.workload_selector is None
+        not endpoints
+        and se.resolution in ("DNS", "DYNAMIC_DNS", "DNS_ROUND_ROBIN")
+        and se.workload_selector is None
     )
     if not endpoints and not implicit:
         return []
-    mine = [i for i in infos if i.source_kind == "ServiceEntry" and i.service.name == meta.name
-            and i.service.namespace == meta.namespace]
+    mine = [
+        i
+        for i in infos
+        if i.source_kind == "ServiceEntry"
+        and i.service.name == meta.name
+        and i.service.namespace == meta.namespace
+    ]
     if not mine:
         return []
     if implicit:

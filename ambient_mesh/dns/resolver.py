@@ -230,7 +230,9 @@ def _answer(
     rng: random.Random,
 ) -> LocalAnswer:
     response = dns.message.make_response(
-        request.message, recursion_available=True, our_payload=max(request.message.payload, MIN_UDP_PAYLOAD_BYTES)
+        request.message,
+        recursion_available=True,
+        our_payload=max(request.message.payload, MIN_UDP_PAYLOAD_BYTES),
     )
     response.flags |= dns.flags.AA
     version = 4 if question.rdtype == dns.rdatatype.A else 6
@@ -248,8 +250,11 @@ def _answer(
         # The client's resolver appended one of its search domains; tell it the real name.
         target = dns.name.from_text(".".join(alias.stripped))
         response.answer.append(
-            dns.rrset.from_rdata(owner, ANSWER_TTL_S, dns.rdtypes.ANY.CNAME.CNAME(
-                dns.rdataclass.IN, dns.rdatatype.CNAME, target))
+            dns.rrset.from_rdata(
+                owner,
+                ANSWER_TTL_S,
+                dns.rdtypes.ANY.CNAME.CNAME(dns.rdataclass.IN, dns.rdatatype.CNAME, target),
+            )
         )
         owner, cname = target, target.to_text()
     rdtype = dns.rdatatype.A if version == 4 else dns.rdatatype.AAAA
@@ -262,7 +267,9 @@ def _answer(
     return LocalAnswer(result=RESULT_SUCCESS, addresses=tuple(addresses), cname=cname, **common)
 
 
-def refuse_response(request: DnsRequest | MalformedRequest, rcode: dns.rcode.Rcode) -> dns.message.Message | None:
+def refuse_response(
+    request: DnsRequest | MalformedRequest, rcode: dns.rcode.Rcode
+) -> dns.message.Message | None:
     """An error reply without records; None when the message had no header to answer."""
     if isinstance(request, MalformedRequest):
         if request.id is None:
@@ -354,7 +361,7 @@ def kube_fqdns(name: Labels, client_namespace: str, cluster_domain: str) -> list
 
 def trim_domain(name: Labels, domain: Labels) -> Labels | None:
     """`name` without the trailing `domain`; None unless something is left."""
-    if not domain or len(name) <= len(domain) or name[-len(domain):] != domain:
+    if not domain or len(name) <= len(domain) or name[-len(domain) :] != domain:
         return None
     return name[: -len(domain)]
 
@@ -403,8 +410,11 @@ def best_service(services: Sequence[Service], client_namespace: str, preferred: 
     best: Service | None = None
     best_rank: tuple[bool, bool, bool] | None = None
     for service in services:
-        rank = (service.namespace == client_namespace, service.canonical,
-                preferred is not None and service.namespace == preferred)
+        rank = (
+            service.namespace == client_namespace,
+            service.canonical,
+            preferred is not None and service.namespace == preferred,
+        )
         if best_rank is None or rank > best_rank:
             best, best_rank = service, rank
     return best
@@ -417,9 +427,11 @@ def find_service(
     for alias in aliases(name, client.namespace, settings):
         for candidate in wildcards(alias.name):
             services = [
-                s for s in view.services_for_host(".".join(candidate))
+                s
+                for s in view.services_for_host(".".join(candidate))
                 # No VIP and not a Kubernetes headless service: let the upstream resolve it.
-                if (s.vips or is_kubernetes_headless(s, settings.cluster_domain)) and _visible(s, client.namespace)
+                if (s.vips or is_kubernetes_headless(s, settings.cluster_domain))
+                and _visible(s, client.namespace)
             ]
             service = best_service(services, client.namespace, settings.prefered_service_namespace)
             if service is not None:
@@ -450,7 +462,11 @@ def service_addresses(service: Service, client: Workload, version: int, view: Me
                 out.append(ip)
         return out
     # A VIP on another network is not reachable from the client directly.
-    return [vip.address for vip in service.vips if vip.network == client.network and vip.address.version == version]
+    return [
+        vip.address
+        for vip in service.vips
+        if vip.network == client.network and vip.address.version == version
+    ]
 
 
 __all__ = [

@@ -112,8 +112,12 @@ class ResolvConf:
 
 # -- metrics ------------------------------------------------------------------------------------
 
-DNS_LABEL_NAMES = ("request_query_type", "request_protocol", "source_canonical_service",
-                   "source_canonical_revision")
+DNS_LABEL_NAMES = (
+    "request_query_type",
+    "request_protocol",
+    "source_canonical_service",
+    "source_canonical_revision",
+)
 
 
 class Registry(Protocol):
@@ -128,19 +132,29 @@ class DnsMetrics:
     __slots__ = ("requests", "upstream_requests", "upstream_failures", "upstream_duration", "_counts")
 
     def __init__(self, registry: Registry | None = None) -> None:
-        self.requests = Counter("istio_dns_requests", "Total number of DNS requests (unstable)",
-                                DNS_LABEL_NAMES, registry=None)
+        self.requests = Counter(
+            "istio_dns_requests", "Total number of DNS requests (unstable)", DNS_LABEL_NAMES, registry=None
+        )
         self.upstream_requests = Counter(
-            "istio_dns_upstream_requests", "Total number of DNS requests forwarded to upstream (unstable)",
-            DNS_LABEL_NAMES, registry=None)
+            "istio_dns_upstream_requests",
+            "Total number of DNS requests forwarded to upstream (unstable)",
+            DNS_LABEL_NAMES,
+            registry=None,
+        )
         self.upstream_failures = Counter(
             "istio_dns_upstream_failures",
             "Total number of DNS requests that failed to forward upstream (unstable)",
-            DNS_LABEL_NAMES, registry=None)
+            DNS_LABEL_NAMES,
+            registry=None,
+        )
         self.upstream_duration = Histogram(
             "istio_dns_upstream_request_duration",
             "Total time in seconds Istio takes to get DNS response from upstream (unstable)",
-            DNS_LABEL_NAMES, unit="seconds", buckets=UPSTREAM_DURATION_BUCKETS_S, registry=None)
+            DNS_LABEL_NAMES,
+            unit="seconds",
+            buckets=UPSTREAM_DURATION_BUCKETS_S,
+            registry=None,
+        )
         self._counts = [0, 0, 0]  # requests, forwarded, failed: for repr only
         if registry is not None:
             registry.register(WithoutCreated(self.collectors()))
@@ -149,10 +163,16 @@ class DnsMetrics:
         return (self.requests, self.upstream_requests, self.upstream_failures, self.upstream_duration)
 
     @staticmethod
-    def labels(request: DnsRequest | MalformedRequest, protocol: str, client: Workload | None) -> tuple[str, ...]:
+    def labels(
+        request: DnsRequest | MalformedRequest, protocol: str, client: Workload | None
+    ) -> tuple[str, ...]:
         query_type = request.query_type if isinstance(request, DnsRequest) else UNKNOWN
-        return (query_type, protocol, (client and client.canonical_name) or UNKNOWN,
-                (client and client.canonical_revision) or UNKNOWN)
+        return (
+            query_type,
+            protocol,
+            (client and client.canonical_name) or UNKNOWN,
+            (client and client.canonical_revision) or UNKNOWN,
+        )
 
     def request(self, labels: tuple[str, ...]) -> None:
         self.requests.labels(*labels).inc()
@@ -192,9 +212,15 @@ class UpstreamForwarder:
     fresh id; a reply counts only if it answers that id and question.
     """
 
-    def __init__(self, nameservers: Iterable[SocketAddr], *, socket_factory: DnsSocketFactory = plain_socket,
-                 mark: int | None = None, timeout_s: float = UPSTREAM_TIMEOUT_S,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        nameservers: Iterable[SocketAddr],
+        *,
+        socket_factory: DnsSocketFactory = plain_socket,
+        mark: int | None = None,
+        timeout_s: float = UPSTREAM_TIMEOUT_S,
+        rng: random.Random | None = None,
+    ) -> None:
         self.nameservers = tuple(nameservers)
         self._socket_factory = socket_factory
         self._mark = mark
@@ -224,7 +250,13 @@ class UpstreamForwarder:
             except TimeoutError:
                 reason = f"{server}: no answer within {self._timeout_s:g}s"
                 continue
-            except (OSError, EOFError, asyncio.IncompleteReadError, dns.exception.DNSException, ValueError) as e:
+            except (
+                OSError,
+                EOFError,
+                asyncio.IncompleteReadError,
+                dns.exception.DNSException,
+                ValueError,
+            ) as e:
                 reason = f"{server}: {type(e).__name__}: {e}"
                 continue
             return answer
@@ -248,7 +280,9 @@ class UpstreamForwarder:
             return await self._ask_tcp(server, query, wire)
         return answer
 
-    async def _ask_udp(self, server: SocketAddr, query: dns.message.Message, wire: bytes) -> dns.message.Message:
+    async def _ask_udp(
+        self, server: SocketAddr, query: dns.message.Message, wire: bytes
+    ) -> dns.message.Message:
         loop = asyncio.get_running_loop()
         sock = self._socket(server.family, socket.SOCK_DGRAM)
         waiter: asyncio.Future[dns.message.Message] = loop.create_future()
@@ -257,7 +291,8 @@ class UpstreamForwarder:
             # unreachable (nothing listening) at once instead of leaving us to time out.
             sock.connect(server.sockaddr())
             transport, _ = await loop.create_datagram_endpoint(
-                lambda: _UpstreamDatagram(query, waiter), sock=sock)
+                lambda: _UpstreamDatagram(query, waiter), sock=sock
+            )
         except BaseException:
             sock.close()
             raise
@@ -267,7 +302,9 @@ class UpstreamForwarder:
         finally:
             transport.close()
 
-    async def _ask_tcp(self, server: SocketAddr, query: dns.message.Message, wire: bytes) -> dns.message.Message:
+    async def _ask_tcp(
+        self, server: SocketAddr, query: dns.message.Message, wire: bytes
+    ) -> dns.message.Message:
         loop = asyncio.get_running_loop()
         sock = self._socket(server.family, socket.SOCK_STREAM)
         try:
@@ -323,11 +360,21 @@ def _upstream_failed(answer: dns.message.Message) -> bool:
 class DnsServer:
     """The DNS proxy of one workload (a pod in shared mode, the proxy itself in dedicated mode)."""
 
-    def __init__(self, *, name: str, address: SocketAddr, state: ProxyState | MeshView, settings: DnsSettings,
-                 client: Callable[[], Workload | None], forwarder: Forwarder, metrics: DnsMetrics,
-                 socket_factory: DnsSocketFactory = plain_socket, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 tcp_request_timeout_s: float = TCP_REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        address: SocketAddr,
+        state: ProxyState | MeshView,
+        settings: DnsSettings,
+        client: Callable[[], Workload | None],
+        forwarder: Forwarder,
+        metrics: DnsMetrics,
+        socket_factory: DnsSocketFactory = plain_socket,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tcp_request_timeout_s: float = TCP_REQUEST_TIMEOUT_S,
+    ) -> None:
         self.name = name
         self.address = address
         self._view: MeshView = StateView(state) if isinstance(state, ProxyState) else state
@@ -349,9 +396,15 @@ class DnsServer:
         self.refused = 0
 
     def __repr__(self) -> str:
-        where = f"udp {self.udp_address}, tcp {self.tcp_address}" if self._udp_sock else f"{self.address} (not bound)"
-        return (f"<DnsServer {self.name} on {where}: {self.answered} answered, {self.forwarded} forwarded, "
-                f"{self.refused} refused, {len(self._tasks)} in flight>")
+        where = (
+            f"udp {self.udp_address}, tcp {self.tcp_address}"
+            if self._udp_sock
+            else f"{self.address} (not bound)"
+        )
+        return (
+            f"<DnsServer {self.name} on {where}: {self.answered} answered, {self.forwarded} forwarded, "
+            f"{self.refused} refused, {len(self._tasks)} in flight>"
+        )
 
     async def resolve(self, name: str) -> list[IPAddress]:
         """Addresses for `name` as this workload's DNS would give them: our answer for mesh
@@ -421,10 +474,13 @@ class DnsServer:
         assert self._udp_sock is not None and self._tcp_sock is not None
         loop = asyncio.get_running_loop()
         self._udp_transport, _ = await loop.create_datagram_endpoint(
-            lambda: _ServerDatagram(self), sock=self._udp_sock)
+            lambda: _ServerDatagram(self), sock=self._udp_sock
+        )
         self._accept_task = loop.create_task(self._accept_loop(), name=f"dns tcp {self.name}")
-        log.info("dns proxy started", extra={"fields": {"name": self.name, "udp": str(self.udp_address),
-                                                         "tcp": str(self.tcp_address)}})
+        log.info(
+            "dns proxy started",
+            extra={"fields": {"name": self.name, "udp": str(self.udp_address), "tcp": str(self.tcp_address)}},
+        )
 
     @property
     def udp_address(self) -> SocketAddr:
@@ -449,7 +505,9 @@ class DnsServer:
         # UDP replies still being computed need the transport, so it closes after them.
         tasks = set(self._tasks)
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
+            _done, pending = (
+                await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
+            )
             for task in pending:
                 task.cancel()
             if pending:
@@ -517,7 +575,8 @@ class DnsServer:
                 try:
                     head = await asyncio.wait_for(reader.readexactly(2), self._tcp_request_timeout_s)
                     data = await asyncio.wait_for(
-                        reader.readexactly(int.from_bytes(head, "big")), self._tcp_request_timeout_s)
+                        reader.readexactly(int.from_bytes(head, "big")), self._tcp_request_timeout_s
+                    )
                 except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
                     return
                 # Queries on one connection are answered as they complete (RFC 7766 6.2.1.1).
@@ -547,8 +606,9 @@ class DnsServer:
 
     # -- one query --
 
-    async def handle(self, request: DnsRequest | MalformedRequest, protocol: str,
-                     peer: SocketAddr) -> dns.message.Message | None:
+    async def handle(
+        self, request: DnsRequest | MalformedRequest, protocol: str, peer: SocketAddr
+    ) -> dns.message.Message | None:
         """Decide and carry out: the reply to send, or None when there is nothing to say."""
         if isinstance(request, MalformedRequest):
             self.refused += 1
@@ -573,8 +633,9 @@ class DnsServer:
                 return await self._forward(request, client, labels)
         raise AssertionError(decision)
 
-    async def _forward(self, request: DnsRequest, client: Workload | None,
-                       labels: tuple[str, ...]) -> dns.message.Message:
+    async def _forward(
+        self, request: DnsRequest, client: Workload | None, labels: tuple[str, ...]
+    ) -> dns.message.Message:
         self.forwarded += 1
         self._metrics.request(labels)
         start = self._clock()
@@ -605,14 +666,19 @@ def _access_log(request: DnsRequest, client: Workload | None, result: str, endpo
     if not log.isEnabledFor(logging.DEBUG):
         return
     question = request.question
-    log.debug("dns request", extra={"fields": {
-        "src.workload": (client and client.name) or UNKNOWN,
-        "src.namespace": (client and client.namespace) or UNKNOWN,
-        "query": question.rdtype.name if question is not None else UNKNOWN,
-        "domain": request.name,
-        "result": result,
-        "endpoints": endpoints,
-    }})
+    log.debug(
+        "dns request",
+        extra={
+            "fields": {
+                "src.workload": (client and client.name) or UNKNOWN,
+                "src.namespace": (client and client.namespace) or UNKNOWN,
+                "query": question.rdtype.name if question is not None else UNKNOWN,
+                "domain": request.name,
+                "result": result,
+                "endpoints": endpoints,
+            }
+        },
+    )
 
 
 __all__ = [

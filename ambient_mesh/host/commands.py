@@ -44,8 +44,15 @@ class CommandError(AmbientError):
     sees exactly what the kernel or the tool refused.
     """
 
-    def __init__(self, argv: Sequence[str], returncode: int | None, stderr: bytes | str, *,
-                 netns: str | None = None, hint: str | None = None) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        returncode: int | None,
+        stderr: bytes | str,
+        *,
+        netns: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         stderr_text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr
         stderr_text = stderr_text.strip()[:STDERR_IN_ERROR_BYTES]
         where = f" in netns {netns}" if netns else ""
@@ -63,8 +70,9 @@ class CommandError(AmbientError):
 class CommandRunner(Protocol):
     """Runs one command, optionally inside a named network namespace."""
 
-    def run(self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None,
-            check: bool = True) -> CompletedCommand: ...
+    def run(
+        self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None, check: bool = True
+    ) -> CompletedCommand: ...
 
 
 def netns_argv(argv: Sequence[str], netns: str | None) -> list[str]:
@@ -93,25 +101,29 @@ class SubprocessRunner:
     def __repr__(self) -> str:
         return f"SubprocessRunner(timeout_s={self.timeout_s})"
 
-    def run(self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None,
-            check: bool = True) -> CompletedCommand:
+    def run(
+        self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None, check: bool = True
+    ) -> CompletedCommand:
         argv = tuple(argv)
         full = netns_argv(argv, netns)
         try:
-            proc = subprocess.run(full, input=input, capture_output=True, timeout=self.timeout_s,
-                                  check=False)
+            proc = subprocess.run(full, input=input, capture_output=True, timeout=self.timeout_s, check=False)
         except FileNotFoundError as e:
             raise CommandError(argv, None, str(e), netns=netns, hint=MISSING_BINARY_HINT) from None
         except subprocess.TimeoutExpired:
             raise CommandError(argv, None, f"timed out after {self.timeout_s}s", netns=netns) from None
         # `ip netns exec` reports a missing program with its own exit code 255 and this text;
         # nsenter with 127 and "failed to execute".
-        if (netns is not None and proc.returncode in (255, 127)
-                and b"No such file or directory" in proc.stderr
-                and (b"exec of" in proc.stderr or b"failed to execute" in proc.stderr)):
+        if (
+            netns is not None
+            and proc.returncode in (255, 127)
+            and b"No such file or directory" in proc.stderr
+            and (b"exec of" in proc.stderr or b"failed to execute" in proc.stderr)
+        ):
             raise CommandError(argv, proc.returncode, proc.stderr, netns=netns, hint=MISSING_BINARY_HINT)
-        result = CompletedCommand(argv=argv, returncode=proc.returncode, stdout=proc.stdout,
-                                  stderr=proc.stderr)
+        result = CompletedCommand(
+            argv=argv, returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr
+        )
         if check and not result.ok:
             raise CommandError(argv, result.returncode, result.stderr, netns=netns)
         return result
@@ -151,16 +163,30 @@ class RecordingRunner:
     def __repr__(self) -> str:
         return f"RecordingRunner({len(self.calls)} calls, {len(self._canned)} canned results)"
 
-    def respond(self, prefix: Sequence[str], *, returncode: int = 0, stdout: bytes | str = b"",
-                stderr: bytes | str = b"", netns: str | None = None, times: int | None = None) -> None:
-        self._canned.append(_CannedResult(
-            prefix=tuple(prefix), netns=netns, returncode=returncode, remaining=times,
-            stdout=stdout.encode() if isinstance(stdout, str) else stdout,
-            stderr=stderr.encode() if isinstance(stderr, str) else stderr,
-        ))
+    def respond(
+        self,
+        prefix: Sequence[str],
+        *,
+        returncode: int = 0,
+        stdout: bytes | str = b"",
+        stderr: bytes | str = b"",
+        netns: str | None = None,
+        times: int | None = None,
+    ) -> None:
+        self._canned.append(
+            _CannedResult(
+                prefix=tuple(prefix),
+                netns=netns,
+                returncode=returncode,
+                remaining=times,
+                stdout=stdout.encode() if isinstance(stdout, str) else stdout,
+                stderr=stderr.encode() if isinstance(stderr, str) else stderr,
+            )
+        )
 
-    def run(self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None,
-            check: bool = True) -> CompletedCommand:
+    def run(
+        self, argv: Sequence[str], *, input: bytes | None = None, netns: str | None = None, check: bool = True
+    ) -> CompletedCommand:
         argv = tuple(argv)
         self.calls.append(RecordedCall(argv=argv, input=input, netns=netns, check=check))
         result = CompletedCommand(argv=argv, returncode=0)
@@ -170,8 +196,9 @@ class RecordingRunner:
             if argv[: len(canned.prefix)] == canned.prefix and canned.netns in (None, netns):
                 if canned.remaining is not None:
                     canned.remaining -= 1
-                result = CompletedCommand(argv=argv, returncode=canned.returncode,
-                                          stdout=canned.stdout, stderr=canned.stderr)
+                result = CompletedCommand(
+                    argv=argv, returncode=canned.returncode, stdout=canned.stdout, stderr=canned.stderr
+                )
                 break
         if check and not result.ok:
             raise CommandError(argv, result.returncode, result.stderr, netns=netns)

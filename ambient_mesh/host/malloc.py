@@ -41,9 +41,14 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
-        (M_TOP_PAD, TOP_PAD_BYTES)))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+            (M_TOP_PAD, TOP_PAD_BYTES),
+        )
+    )
     if not ok:
         log.debug("mallopt refused the allocator settings; keeping the defaults")
     return ok

@@ -115,8 +115,9 @@ def netns_pids(runner: CommandRunner, name: str) -> list[int]:
     return [int(tok) for tok in result.text.split() if tok.isdigit()]
 
 
-def cleanup_stale_namespaces(runner: CommandRunner, *, kill_processes: bool = False,
-                             alive: Callable[[int], bool] = pid_alive) -> list[str]:
+def cleanup_stale_namespaces(
+    runner: CommandRunner, *, kill_processes: bool = False, alive: Callable[[int], bool] = pid_alive
+) -> list[str]:
     """Delete `am-*` namespaces left by runs that died; return their names.
 
     With `kill_processes`, processes still inside them are killed first (a deleted namespace
@@ -137,8 +138,23 @@ def add_veth(runner: CommandRunner, *, netns: str, name: str, peer_netns: str, p
     for ifname in (name, peer_name):
         if len(ifname) > IFNAME_MAX_CHARS:
             raise AmbientError(f"interface name {ifname!r} is longer than {IFNAME_MAX_CHARS} characters")
-    runner.run(["ip", "-n", netns, "link", "add", name, "type", "veth",
-                "peer", "name", peer_name, "netns", peer_netns])
+    runner.run(
+        [
+            "ip",
+            "-n",
+            netns,
+            "link",
+            "add",
+            name,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            peer_name,
+            "netns",
+            peer_netns,
+        ]
+    )
 
 
 def add_bridge(runner: CommandRunner, *, netns: str, name: str) -> None:
@@ -154,8 +170,13 @@ def link_up(runner: CommandRunner, *, netns: str, ifname: str) -> None:
     runner.run(["ip", "-n", netns, "link", "set", ifname, "up"])
 
 
-def add_address(runner: CommandRunner, *, netns: str, ifname: str,
-                address: ipaddress.IPv4Interface | ipaddress.IPv6Interface) -> None:
+def add_address(
+    runner: CommandRunner,
+    *,
+    netns: str,
+    ifname: str,
+    address: ipaddress.IPv4Interface | ipaddress.IPv6Interface,
+) -> None:
     argv = ["ip", "-n", netns, "addr", "add", str(address), "dev", ifname]
     if address.version == 6:
         # Duplicate address detection would hold the address "tentative" (unbindable) for
@@ -164,8 +185,16 @@ def add_address(runner: CommandRunner, *, netns: str, ifname: str,
     runner.run(argv)
 
 
-def add_route(runner: CommandRunner, *, netns: str, destination: str, via: str | None = None,
-              dev: str | None = None, table: int | str | None = None, route_type: str | None = None) -> None:
+def add_route(
+    runner: CommandRunner,
+    *,
+    netns: str,
+    destination: str,
+    via: str | None = None,
+    dev: str | None = None,
+    table: int | str | None = None,
+    route_type: str | None = None,
+) -> None:
     """`ip route replace [type] <destination> [via ..] [dev ..] [table ..]` in `netns`."""
     argv = ["ip", "-n", netns]
     if destination.count(":") or (via and ":" in via):
@@ -201,9 +230,14 @@ def listening_ports(runner: CommandRunner, netns: str) -> set[int]:
     return ports
 
 
-def wait_for_listen(runner: CommandRunner, netns: str, port: int, *,
-                    timeout_s: float = WAIT_FOR_LISTEN_TIMEOUT_S,
-                    process: subprocess.Popen | None = None) -> None:
+def wait_for_listen(
+    runner: CommandRunner,
+    netns: str,
+    port: int,
+    *,
+    timeout_s: float = WAIT_FOR_LISTEN_TIMEOUT_S,
+    process: subprocess.Popen | None = None,
+) -> None:
     """Block until something listens on TCP `port` inside `netns`.
 
     Gives up with AmbientError after `timeout_s`, or as soon as `process` (the one expected to
@@ -214,8 +248,10 @@ def wait_for_listen(runner: CommandRunner, netns: str, port: int, *,
         if port in listening_ports(runner, netns):
             return
         if process is not None and process.poll() is not None:
-            raise AmbientError(f"process {process.args!r} exited with code {process.returncode} "
-                               f"before listening on port {port} in netns {netns}")
+            raise AmbientError(
+                f"process {process.args!r} exited with code {process.returncode} "
+                f"before listening on port {port} in netns {netns}"
+            )
         if time.monotonic() >= deadline:
             raise AmbientError(f"nothing listens on TCP port {port} in netns {netns} after {timeout_s}s")
         time.sleep(POLL_INTERVAL_S)
@@ -257,8 +293,15 @@ def netns_socket(netns: str, family: int = socket.AF_INET, type: int = socket.SO
         return socket.socket(family, type)
 
 
-def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, mark: int | None = None,
-                  timeout_s: float = IO_TIMEOUT_S) -> bytes:
+def tcp_roundtrip(
+    netns: str,
+    host: str,
+    port: int,
+    payload: bytes,
+    *,
+    mark: int | None = None,
+    timeout_s: float = IO_TIMEOUT_S,
+) -> bytes:
     """Connect from inside `netns` (as the app there would), send `payload`, half-close, and
     return everything read back until the peer closes.
 
@@ -278,8 +321,9 @@ def tcp_roundtrip(netns: str, host: str, port: int, payload: bytes, *, mark: int
         return b"".join(chunks)
 
 
-def http_get(netns: str, host: str, port: int, path: str, *,
-             timeout_s: float = IO_TIMEOUT_S) -> tuple[int, bytes]:
+def http_get(
+    netns: str, host: str, port: int, path: str, *, timeout_s: float = IO_TIMEOUT_S
+) -> tuple[int, bytes]:
     """GET http://host:port/path from inside `netns`; returns (status, body).
 
     Connection failures raise OSError; a reply that is not HTTP raises http.client.HTTPException.
@@ -328,12 +372,26 @@ class NetnsHandle:
 # --- processes in namespaces --------------------------------------------------------------------
 
 
-def spawn_in_netns(netns: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                   cwd: str | os.PathLike | None = None, stdout=None, stderr=None,
-                   stdin=subprocess.DEVNULL) -> subprocess.Popen:
+def spawn_in_netns(
+    netns: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    stdout=None,
+    stderr=None,
+    stdin=subprocess.DEVNULL,
+) -> subprocess.Popen:
     """Start `argv` inside `netns` (through `ip netns exec`) in its own process group."""
-    return subprocess.Popen(["ip", "netns", "exec", netns, *argv], env=None if env is None else dict(env),
-                            cwd=cwd, stdout=stdout, stderr=stderr, stdin=stdin, start_new_session=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", netns, *argv],
+        env=None if env is None else dict(env),
+        cwd=cwd,
+        stdout=stdout,
+        stderr=stderr,
+        stdin=stdin,
+        start_new_session=True,
+    )
 
 
 def stop_process(process: subprocess.Popen, *, grace_s: float = PROCESS_TERM_GRACE_S) -> int:
@@ -384,8 +442,14 @@ class Fabric:
     NODE_IFNAME = "eth0"
     FIRST_NODE_HOST = 11
 
-    def __init__(self, *, runner: CommandRunner | None = None, subnet: str | ipaddress.IPv4Network = DEFAULT_SUBNET,
-                 subnet6: str | ipaddress.IPv6Network | None = DEFAULT_SUBNET6, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        runner: CommandRunner | None = None,
+        subnet: str | ipaddress.IPv4Network = DEFAULT_SUBNET,
+        subnet6: str | ipaddress.IPv6Network | None = DEFAULT_SUBNET6,
+        prefix: str | None = None,
+    ) -> None:
         self.runner = runner or SubprocessRunner()
         self.subnet = ipaddress.IPv4Network(subnet)
         self.subnet6 = ipaddress.IPv6Network(subnet6) if subnet6 is not None else None
@@ -400,8 +464,10 @@ class Fabric:
     def __repr__(self) -> str:
         state = "up" if self._open else "down"
         running = sum(1 for p in self.processes if p.poll() is None)
-        return (f"Fabric({self.prefix!r}, {state}, {len(self.nodes)} nodes, "
-                f"{running} processes running, subnet {self.subnet})")
+        return (
+            f"Fabric({self.prefix!r}, {state}, {len(self.nodes)} nodes, "
+            f"{running} processes running, subnet {self.subnet})"
+        )
 
     @property
     def gateway(self) -> ipaddress.IPv4Address:
@@ -443,12 +509,20 @@ class Fabric:
         ns = self.network_netns
         self._create_netns(ns)
         add_bridge(self.runner, netns=ns, name=self.BRIDGE)
-        add_address(self.runner, netns=ns, ifname=self.BRIDGE,
-                    address=ipaddress.IPv4Interface(f"{self.gateway}/{self.subnet.prefixlen}"))
+        add_address(
+            self.runner,
+            netns=ns,
+            ifname=self.BRIDGE,
+            address=ipaddress.IPv4Interface(f"{self.gateway}/{self.subnet.prefixlen}"),
+        )
         set_sysctl(self.runner, netns=ns, key="net.ipv4.ip_forward", value=1)
         if self.subnet6 is not None:
-            add_address(self.runner, netns=ns, ifname=self.BRIDGE,
-                        address=ipaddress.IPv6Interface(f"{self.gateway6}/{self.subnet6.prefixlen}"))
+            add_address(
+                self.runner,
+                netns=ns,
+                ifname=self.BRIDGE,
+                address=ipaddress.IPv6Interface(f"{self.gateway6}/{self.subnet6.prefixlen}"),
+            )
             set_sysctl(self.runner, netns=ns, key="net.ipv6.conf.all.forwarding", value=1)
 
     def add_node(self, name: str) -> Node:
@@ -464,18 +538,31 @@ class Fabric:
         netns = f"{self.prefix}{name}"
         bridge_port = f"vp{index}"
         self._create_netns(netns)
-        add_veth(self.runner, netns=netns, name=self.NODE_IFNAME, peer_netns=self.network_netns,
-                 peer_name=bridge_port)
+        add_veth(
+            self.runner,
+            netns=netns,
+            name=self.NODE_IFNAME,
+            peer_netns=self.network_netns,
+            peer_name=bridge_port,
+        )
         attach_to_bridge(self.runner, netns=self.network_netns, ifname=bridge_port, bridge=self.BRIDGE)
         link_up(self.runner, netns=self.network_netns, ifname=bridge_port)
         ipv4 = self.subnet.network_address + host
-        add_address(self.runner, netns=netns, ifname=self.NODE_IFNAME,
-                    address=ipaddress.IPv4Interface(f"{ipv4}/{self.subnet.prefixlen}"))
+        add_address(
+            self.runner,
+            netns=netns,
+            ifname=self.NODE_IFNAME,
+            address=ipaddress.IPv4Interface(f"{ipv4}/{self.subnet.prefixlen}"),
+        )
         ipv6 = None
         if self.subnet6 is not None:
             ipv6 = self.subnet6.network_address + host
-            add_address(self.runner, netns=netns, ifname=self.NODE_IFNAME,
-                        address=ipaddress.IPv6Interface(f"{ipv6}/{self.subnet6.prefixlen}"))
+            add_address(
+                self.runner,
+                netns=netns,
+                ifname=self.NODE_IFNAME,
+                address=ipaddress.IPv6Interface(f"{ipv6}/{self.subnet6.prefixlen}"),
+            )
         link_up(self.runner, netns=netns, ifname=self.NODE_IFNAME)
         # A default route lets apps dial addresses off the subnet (service VIPs) at all: without
         # one, connect() fails with ENETUNREACH before capture rules ever see the packet.

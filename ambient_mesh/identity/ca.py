@@ -122,7 +122,9 @@ class CertificateAuthority:
             raise ConfigError(str(key_path), f"the key does not belong to the certificate in {CA_CERT_FILE}")
         constraints = _basic_constraints(signing_cert)
         if constraints is None or not constraints.ca:
-            raise ConfigError(str(ca_cert_path), "the certificate is not a CA (basicConstraints CA:TRUE missing)")
+            raise ConfigError(
+                str(ca_cert_path), "the certificate is not a CA (basicConstraints CA:TRUE missing)"
+            )
         if chain[0] != signing_cert:
             raise ConfigError(str(chain_path), f"the first certificate must be the one in {CA_CERT_FILE}")
         intermediates = tuple(c for c in chain if c not in roots)
@@ -132,7 +134,9 @@ class CertificateAuthority:
             raise ConfigError(
                 str(ca_cert_path), f"{e.message}: check {CERT_CHAIN_FILE} and {ROOT_CERT_FILE}"
             ) from e
-        return cls(signing_cert=signing_cert, signing_key=key, intermediates=intermediates, roots=tuple(roots))
+        return cls(
+            signing_cert=signing_cert, signing_key=key, intermediates=intermediates, roots=tuple(roots)
+        )
 
     def sign_csr(self, csr_pem: bytes, identity: Identity, ttl_s: int, *, now: datetime) -> list[str]:
         """Sign a workload CSR for `identity`; returns `IstioCertificateResponse.cert_chain`.
@@ -151,8 +155,12 @@ class CertificateAuthority:
         if not valid:
             raise CertificateError(f"CSR for {identity} has an invalid signature")
         public_key = csr.public_key()
-        if not isinstance(public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey):
-            raise CertificateError(f"CSR for {identity} has an unsupported key type {type(public_key).__name__}")
+        if not isinstance(
+            public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey
+        ):
+            raise CertificateError(
+                f"CSR for {identity} has an unsupported key type {type(public_key).__name__}"
+            )
         signer_not_after = self.signing_cert.not_valid_after_utc
         if not (self.signing_cert.not_valid_before_utc <= now < signer_not_after):
             raise CertificateError(
@@ -170,7 +178,9 @@ class CertificateAuthority:
             .not_valid_before(now)
             .not_valid_after(not_after)
             # Critical because the subject is empty (RFC 5280 section 4.2.1.6).
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True)
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
+            )
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(digital_signature=True, key_encipherment=True), critical=True)
             .add_extension(
@@ -191,7 +201,9 @@ class CertificateAuthority:
     def issue(self, identity: Identity, ttl_s: int, *, now: datetime) -> WorkloadCertificate:
         """Key, CSR, signature and checks in one step: what FAKE_CA does for each identity."""
         key_pem, csr_pem = generate_csr(identity)
-        return WorkloadCertificate.from_ca_response(identity, key_pem, self.sign_csr(csr_pem, identity, ttl_s, now=now))
+        return WorkloadCertificate.from_ca_response(
+            identity, key_pem, self.sign_csr(csr_pem, identity, ttl_s, now=now)
+        )
 
 
 class CaClient(Protocol):
@@ -283,4 +295,3 @@ def _key_usage(
         encipher_only=False,
         decipher_only=False,
     )
-

@@ -104,7 +104,9 @@ class GrpcCaClient:
         )
         if self.shared_mode:
             request.metadata.CopyFrom(
-                struct_pb2.Struct(fields={IMPERSONATED_IDENTITY: struct_pb2.Value(string_value=str(identity))})
+                struct_pb2.Struct(
+                    fields={IMPERSONATED_IDENTITY: struct_pb2.Value(string_value=str(identity))}
+                )
             )
         stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
         try:

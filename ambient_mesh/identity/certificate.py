@@ -30,9 +30,7 @@ _PARSE_ERRORS = (
     x509.UnsupportedGeneralNameType,
 )
 
-_PEM_CERT_RE = re.compile(
-    rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL
-)
+_PEM_CERT_RE = re.compile(rb"-----BEGIN CERTIFICATE-----\r?\n.+?\r?\n-----END CERTIFICATE-----", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,7 +120,9 @@ def generate_csr(identity: Identity) -> tuple[bytes, bytes]:
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([]))
-        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(str(identity))]), critical=True
+        )
         .sign(key, hashes.SHA256())
     )
     key_pem = key.private_bytes(

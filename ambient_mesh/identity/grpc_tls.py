@@ -77,9 +77,15 @@ def serving_certificate(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=True,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=True,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -96,8 +102,11 @@ def serving_certificate(
     )
     pem = serialization.Encoding.PEM
     key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    chain = [cert.public_bytes(pem).decode(), *(c.public_bytes(pem).decode() for c in ca.intermediates),
-             ca.root_pem.decode()]
+    chain = [
+        cert.public_bytes(pem).decode(),
+        *(c.public_bytes(pem).decode() for c in ca.intermediates),
+        ca.root_pem.decode(),
+    ]
     # The same checks as for a workload certificate: key matches, chain reaches the root.
     return WorkloadCertificate.from_ca_response(identity, key_pem, chain)
 

@@ -34,7 +34,9 @@ BACKOFF_MULTIPLIER = 2.0
 BACKOFF_JITTER = 0.2
 BACKOFF_MAX_S = 150.0
 
-CA_HINT = "is the CA reachable? check CA_ADDRESS and the node's token, or set FAKE_CA=true for a local test CA"
+CA_HINT = (
+    "is the CA reachable? check CA_ADDRESS and the node's token, or set FAKE_CA=true for a local test CA"
+)
 
 
 class Priority(enum.IntEnum):
@@ -69,7 +71,18 @@ def backoff_delay_s(failures: int, jitter: float) -> float:
 class _CertSlot:
     """Mutable per-identity bookkeeping, owned by the SecretManager and its worker task."""
 
-    __slots__ = ("identity", "cert", "error", "priority", "seq", "future", "changed", "wake", "task", "closed")
+    __slots__ = (
+        "identity",
+        "cert",
+        "error",
+        "priority",
+        "seq",
+        "future",
+        "changed",
+        "wake",
+        "task",
+        "closed",
+    )
 
     def __init__(self, identity: Identity, priority: Priority) -> None:
         self.identity = identity
@@ -186,7 +199,9 @@ class SecretManager:
             if slot.cert is not None and not slot.cert.is_expired(now):
                 return slot.cert
             if slot.closed:
-                raise IdentityError(f"certificate for {identity} was forgotten while a connection waited for it")
+                raise IdentityError(
+                    f"certificate for {identity} was forgotten while a connection waited for it"
+                )
             if slot.error is not None:
                 raise IdentityError(
                     f"could not fetch a certificate for {identity}: {slot.error}", hint=CA_HINT

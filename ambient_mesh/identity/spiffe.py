@@ -41,10 +41,14 @@ class Identity:
             raise IdentityError(f"{uri!r} is not a SPIFFE id: it must start with {SPIFFE_SCHEME}")
         parts = uri[len(SPIFFE_SCHEME) :].split("/")
         if len(parts) != 5 or parts[1] != "ns" or parts[3] != "sa":
-            raise IdentityError(f"{uri!r} is not of the form spiffe://<trust domain>/ns/<namespace>/sa/<account>")
+            raise IdentityError(
+                f"{uri!r} is not of the form spiffe://<trust domain>/ns/<namespace>/sa/<account>"
+            )
         return cls(parts[0], parts[2], parts[4])
 
     @classmethod
     def for_workload(cls, *, trust_domain: str, namespace: str, service_account: str) -> Identity:
         """Identity of a workload record, with Istio's defaults for empty fields."""
-        return cls(trust_domain or DEFAULT_TRUST_DOMAIN, namespace, service_account or DEFAULT_SERVICE_ACCOUNT)
+        return cls(
+            trust_domain or DEFAULT_TRUST_DOMAIN, namespace, service_account or DEFAULT_SERVICE_ACCOUNT
+        )

@@ -126,9 +126,7 @@ def verify_client_identity(ssl_object: PeerCertificateSource, trust_domain: str)
     require_h2(ssl_object)
     presented = _peer_ids(ssl_object, "client")
     if not any(i.trust_domain == trust_domain for i in presented):
-        raise CertificateError(
-            f"client identity {_names(presented)} is not in trust domain {trust_domain!r}"
-        )
+        raise CertificateError(f"client identity {_names(presented)} is not in trust domain {trust_domain!r}")
     return presented[0]
 
 

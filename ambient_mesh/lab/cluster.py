@@ -40,7 +40,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 def check_name(what: str, name: str) -> str:
     """Kubernetes names used here are DNS-1123 labels (they end up in file and netns names)."""
     if not _DNS_LABEL.match(name):
-        raise ConfigError(what, f"{name!r} is not a DNS-1123 label (lowercase letters, digits, '-', at most 63)")
+        raise ConfigError(
+            what, f"{name!r} is not a DNS-1123 label (lowercase letters, digits, '-', at most 63)"
+        )
     return name
 
 
@@ -87,9 +89,13 @@ def parse_pod_spec(text: str) -> PodSpec:
         if not sep or not key:
             raise ConfigError("--pod", f"{text!r}: label {item!r} is not key=value")
         labels[key] = value
-    return PodSpec(namespace=check_name("--pod", namespace), name=check_name("--pod", name),
-                   node=check_name("--pod", node), service_account=check_name("--pod", sa) if sa else "",
-                   labels=labels)
+    return PodSpec(
+        namespace=check_name("--pod", namespace),
+        name=check_name("--pod", name),
+        node=check_name("--pod", node),
+        service_account=check_name("--pod", sa) if sa else "",
+        labels=labels,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +112,14 @@ def namespace_object(name: str, *, ambient: bool) -> dict:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
 
 
-def pod_object(spec: PodSpec, *, uid: str, ip: ipaddress.IPv4Address | str | None, ready: bool = True,
-               ports: Iterable[int] = ()) -> dict:
+def pod_object(
+    spec: PodSpec,
+    *,
+    uid: str,
+    ip: ipaddress.IPv4Address | str | None,
+    ready: bool = True,
+    ports: Iterable[int] = (),
+) -> dict:
     """A Pod as the API server would show a running one (what the control plane translates and
     what the node agent enrolls)."""
     labels = dict(spec.labels)
@@ -119,10 +131,13 @@ def pod_object(spec: PodSpec, *, uid: str, ip: ipaddress.IPv4Address | str | Non
     container: dict = {"name": "app", "image": "ambient-lab/echo"}
     if ports:
         container["ports"] = [{"containerPort": p} for p in ports]
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": spec.name, "namespace": spec.namespace, "uid": uid, "labels": labels},
-            "spec": {"nodeName": spec.node, "serviceAccountName": spec.sa, "containers": [container]},
-            "status": status}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": spec.name, "namespace": spec.namespace, "uid": uid, "labels": labels},
+        "spec": {"nodeName": spec.node, "serviceAccountName": spec.sa, "containers": [container]},
+        "status": status,
+    }
 
 
 def ztunnel_pod_name(node: str) -> str:
@@ -130,21 +145,37 @@ def ztunnel_pod_name(node: str) -> str:
 
 
 def ztunnel_pod_spec(node: str) -> PodSpec:
-    return PodSpec(namespace=SYSTEM_NAMESPACE, name=ztunnel_pod_name(node), node=node,
-                   service_account=ZTUNNEL_SERVICE_ACCOUNT, labels={"app": "ztunnel"})
+    return PodSpec(
+        namespace=SYSTEM_NAMESPACE,
+        name=ztunnel_pod_name(node),
+        node=node,
+        service_account=ZTUNNEL_SERVICE_ACCOUNT,
+        labels={"app": "ztunnel"},
+    )
 
 
 def service_object(spec: ServiceSpec) -> dict:
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": spec.name, "namespace": spec.namespace},
-            "spec": {"selector": dict(spec.selector), "clusterIP": str(spec.cluster_ip),
-                     "ports": [{"name": f"tcp-{port}", "port": port, "targetPort": target}
-                               for port, target in sorted(spec.ports.items())]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": spec.name, "namespace": spec.namespace},
+        "spec": {
+            "selector": dict(spec.selector),
+            "clusterIP": str(spec.cluster_ip),
+            "ports": [
+                {"name": f"tcp-{port}", "port": port, "targetPort": target}
+                for port, target in sorted(spec.ports.items())
+            ],
+        },
+    }
 
 
 def agent_daemonset_object() -> dict:
-    return {"apiVersion": "apps/v1", "kind": "DaemonSet",
-            "metadata": {"name": AGENT_DAEMONSET, "namespace": SYSTEM_NAMESPACE}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": AGENT_DAEMONSET, "namespace": SYSTEM_NAMESPACE},
+    }
 
 
 def object_file_name(obj: Mapping) -> str:

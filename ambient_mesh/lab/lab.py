@@ -169,7 +169,9 @@ class LabPod:
         return self.net.netns
 
 
-def http_get(netns: str, host: str, port: int, path: str, *, timeout_s: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
+def http_get(
+    netns: str, host: str, port: int, path: str, *, timeout_s: float = HTTP_TIMEOUT_S
+) -> tuple[int, str]:
     """GET from inside `netns`; returns (status, body as text). Connection failures raise OSError
     (callers polling for readiness treat that as "not yet"), a reply that is not HTTP AmbientError."""
     try:
@@ -201,8 +203,13 @@ def access_events(text: str) -> list[dict[str, str]]:
     return [parse_log_fields(line) for line in text.splitlines() if ACCESS_COMPLETE in line]
 
 
-def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str,
-               on_timeout: Callable[[], str] | None = None) -> object:
+def wait_until(
+    predicate: Callable[[], object],
+    *,
+    timeout_s: float,
+    what: str,
+    on_timeout: Callable[[], str] | None = None,
+) -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -210,7 +217,9 @@ def wait_until(predicate: Callable[[], object], *, timeout_s: float, what: str,
             return value
         if time.monotonic() >= deadline:
             detail = on_timeout() if on_timeout else ""
-            raise AmbientError(f"timed out after {timeout_s}s waiting for {what}" + (f"\n{detail}" if detail else ""))
+            raise AmbientError(
+                f"timed out after {timeout_s}s waiting for {what}" + (f"\n{detail}" if detail else "")
+            )
         time.sleep(POLL_INTERVAL_S)
 
 
@@ -234,8 +243,10 @@ class Lab:
 
     def __repr__(self) -> str:
         running = sum(1 for p in self.programs if p.running)
-        return (f"Lab({self.lab_id!r}, {'up' if self._started else 'down'}: {len(self.nodes)} nodes, "
-                f"{len(self.pods)} pods, {running}/{len(self.programs)} processes running)")
+        return (
+            f"Lab({self.lab_id!r}, {'up' if self._started else 'down'}: {len(self.nodes)} nodes, "
+            f"{len(self.pods)} pods, {running}/{len(self.programs)} processes running)"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -262,14 +273,26 @@ class Lab:
         for name in self.config.nodes:
             net = self.topology.add_node(name)
             node_dir = self.state_dir / "nodes" / name
-            node = LabNode(net=net, dir=node_dir, uid=pod_uid(self.lab_id, SYSTEM_NAMESPACE, ztunnel_pod_name(name)),
-                           runtime=CniRuntime(self.runner, node_netns=net.netns, net_dir=node_dir / "net.d",
-                                              bin_dir=node_dir / "bin"))
+            node = LabNode(
+                net=net,
+                dir=node_dir,
+                uid=pod_uid(self.lab_id, SYSTEM_NAMESPACE, ztunnel_pod_name(name)),
+                runtime=CniRuntime(
+                    self.runner, node_netns=net.netns, net_dir=node_dir / "net.d", bin_dir=node_dir / "bin"
+                ),
+            )
             for d in (node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
                 d.mkdir(parents=True, exist_ok=True)
             # The primary network the lab provides; the agent chains istio-cni after it.
-            (node.net_dir / "10-ambient-lab.conflist").write_text(json.dumps(
-                {"cniVersion": "1.0.0", "name": "ambient-lab", "plugins": [{"type": "ambient-lab-bridge"}]}))
+            (node.net_dir / "10-ambient-lab.conflist").write_text(
+                json.dumps(
+                    {
+                        "cniVersion": "1.0.0",
+                        "name": "ambient-lab",
+                        "plugins": [{"type": "ambient-lab-bridge"}],
+                    }
+                )
+            )
             self.nodes[name] = node
         self._write_base_objects()
         self._start_control()
@@ -293,8 +316,10 @@ class Lab:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(program.process.pid, signal.SIGTERM)
             for program in reversed(self.programs):
-                stop_process(program.process, grace_s=AGENT_STOP_GRACE_S if program.name.startswith("agent")
-                             else PROCESS_STOP_GRACE_S)
+                stop_process(
+                    program.process,
+                    grace_s=AGENT_STOP_GRACE_S if program.name.startswith("agent") else PROCESS_STOP_GRACE_S,
+                )
         finally:
             self.topology.close()
             self._started = False
@@ -306,7 +331,9 @@ class Lab:
     def _write_base_objects(self) -> None:
         objects: list[dict] = [namespace_object(SYSTEM_NAMESPACE, ambient=False), agent_daemonset_object()]
         namespaces = {spec.namespace for spec in self.config.pods} | set(self.config.ambient_namespaces)
-        objects += [namespace_object(ns, ambient=ns in self.config.ambient_namespaces) for ns in sorted(namespaces)]
+        objects += [
+            namespace_object(ns, ambient=ns in self.config.ambient_namespaces) for ns in sorted(namespaces)
+        ]
         for node in self.nodes.values():
             # The ztunnel Pod: what the CA checks the node proxy's pod-bound token against. Its
             # address is the node's (the node proxy runs in the node's namespace).
@@ -339,29 +366,52 @@ class Lab:
         return code
 
     def _start_control(self) -> None:
-        argv = [self.config.python, "-m", "ambient_mesh.cli", "control", "--dir", str(self.objects_dir),
-                "--state-dir", str(self.control_dir), "--listen", self.control_address]
+        argv = [
+            self.config.python,
+            "-m",
+            "ambient_mesh.cli",
+            "control",
+            "--dir",
+            str(self.objects_dir),
+            "--state-dir",
+            str(self.control_dir),
+            "--listen",
+            self.control_address,
+        ]
         self.control = self._spawn("control", self.topology.network_netns, argv, {})
         control = self.control
-        wait_until(lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
-                   timeout_s=self.config.ready_timeout_s, what="the control plane to listen",
-                   on_timeout=control.tail)
+        wait_until(
+            lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
+            timeout_s=self.config.ready_timeout_s,
+            what="the control plane to listen",
+            on_timeout=control.tail,
+        )
 
     def _listening(self, netns: str, port: int, program: Program) -> bool:
         if not program.running:
-            raise AmbientError(f"{program.name} exited with code {program.process.returncode}:\n{program.tail()}")
+            raise AmbientError(
+                f"{program.name} exited with code {program.process.returncode}:\n{program.tail()}"
+            )
         return port in listening_ports(self.runner, netns)
 
     def agent_env(self, node: LabNode) -> dict[str, str]:
         """istio-cni's settings for one node (reference/istio-cni.md 1.2, 1.5)."""
         env = {
-            "AMBIENT_ENABLED": "true", "CNI_AGENT_RUN_DIR": str(node.run_dir),
-            "MOUNTED_CNI_NET_DIR": str(node.net_dir), "CNI_BIN_DIR": str(node.bin_dir),
-            "ZTUNNEL_UDS_ADDRESS": str(node.zds_socket), "POD_SOURCE_DIRECTORY": str(self.objects_dir),
-            "POD_SOURCE_POLL_INTERVAL": "100ms", "NODE_NAME": node.net.name, "AMBIENT_IPV6": "false",
-            "AMBIENT_DNS_CAPTURE": "false", "POD_NAMESPACE": SYSTEM_NAMESPACE,
-            "POD_NAME": f"{AGENT_DAEMONSET}-{node.net.name}", "LOG_OUTPUT_LEVEL": "info",
-            "MONITORING_PORT": str(AGENT_MONITORING_PORT), "HEALTH_PORT": str(AGENT_HEALTH_PORT),
+            "AMBIENT_ENABLED": "true",
+            "CNI_AGENT_RUN_DIR": str(node.run_dir),
+            "MOUNTED_CNI_NET_DIR": str(node.net_dir),
+            "CNI_BIN_DIR": str(node.bin_dir),
+            "ZTUNNEL_UDS_ADDRESS": str(node.zds_socket),
+            "POD_SOURCE_DIRECTORY": str(self.objects_dir),
+            "POD_SOURCE_POLL_INTERVAL": "100ms",
+            "NODE_NAME": node.net.name,
+            "AMBIENT_IPV6": "false",
+            "AMBIENT_DNS_CAPTURE": "false",
+            "POD_NAMESPACE": SYSTEM_NAMESPACE,
+            "POD_NAME": f"{AGENT_DAEMONSET}-{node.net.name}",
+            "LOG_OUTPUT_LEVEL": "info",
+            "MONITORING_PORT": str(AGENT_MONITORING_PORT),
+            "HEALTH_PORT": str(AGENT_HEALTH_PORT),
             "NATIVE_NFTABLES": "true" if self.config.native_nftables else "false",
         }
         if self.config.native_nftables:
@@ -374,11 +424,19 @@ class Lab:
     def start_agent(self, name: str) -> Program:
         node = self.nodes[name]
         node.agent_starts += 1
-        node.agent = self._spawn(f"agent-{name}-{node.agent_starts}", node.net.netns,
-                                 [self.config.python, "-m", "ambient_mesh.cni.agent"], self.agent_env(node))
+        node.agent = self._spawn(
+            f"agent-{name}-{node.agent_starts}",
+            node.net.netns,
+            [self.config.python, "-m", "ambient_mesh.cni.agent"],
+            self.agent_env(node),
+        )
         agent = node.agent
-        wait_until(lambda: self._agent_ready(node, agent), timeout_s=self.config.ready_timeout_s,
-                   what=f"the node agent on {name} to install the plugin and be ready", on_timeout=agent.tail)
+        wait_until(
+            lambda: self._agent_ready(node, agent),
+            timeout_s=self.config.ready_timeout_s,
+            what=f"the node agent on {name} to install the plugin and be ready",
+            on_timeout=agent.tail,
+        )
         return agent
 
     def _agent_ready(self, node: LabNode, agent: Program) -> bool:
@@ -417,14 +475,23 @@ class Lab:
         """ztunnel's settings in shared mode (reference/ztunnel.md 1.2), pointed at the lab's control plane."""
         root = str(self.control_dir / "root-cert.pem")
         env = {
-            "PROXY_MODE": "shared", "INPOD_UDS": str(node.zds_socket), "NODE_NAME": node.net.name,
-            "XDS_ADDRESS": f"https://{self.control_address}", "CA_ADDRESS": f"https://{self.control_address}",
-            "XDS_ROOT_CA": root, "CA_ROOT_CA": root,
-            "ALT_XDS_HOSTNAME": ISTIOD_HOSTNAME, "ALT_CA_HOSTNAME": ISTIOD_HOSTNAME,
-            "AUTH_TOKEN": str(node.token), "POD_NAME": ztunnel_pod_name(node.net.name),
-            "POD_NAMESPACE": SYSTEM_NAMESPACE, "SERVICE_ACCOUNT": ZTUNNEL_SERVICE_ACCOUNT,
-            "INSTANCE_IP": str(node.net.uplink_ip), "ISTIO_META_DNS_CAPTURE": "false",
-            "TERMINATION_GRACE_PERIOD_SECONDS": "2", "IPV6_ENABLED": "false",
+            "PROXY_MODE": "shared",
+            "INPOD_UDS": str(node.zds_socket),
+            "NODE_NAME": node.net.name,
+            "XDS_ADDRESS": f"https://{self.control_address}",
+            "CA_ADDRESS": f"https://{self.control_address}",
+            "XDS_ROOT_CA": root,
+            "CA_ROOT_CA": root,
+            "ALT_XDS_HOSTNAME": ISTIOD_HOSTNAME,
+            "ALT_CA_HOSTNAME": ISTIOD_HOSTNAME,
+            "AUTH_TOKEN": str(node.token),
+            "POD_NAME": ztunnel_pod_name(node.net.name),
+            "POD_NAMESPACE": SYSTEM_NAMESPACE,
+            "SERVICE_ACCOUNT": ZTUNNEL_SERVICE_ACCOUNT,
+            "INSTANCE_IP": str(node.net.uplink_ip),
+            "ISTIO_META_DNS_CAPTURE": "false",
+            "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+            "IPV6_ENABLED": "false",
         }
         env.update(self.config.ztunnel_env)
         return env
@@ -434,11 +501,22 @@ class Lab:
 
         node = self.nodes[name]
         # A projected service-account token bound to the node's ztunnel Pod, as the kubelet mounts it.
-        node.token.write_text(mint_token(self.control_dir, account=(SYSTEM_NAMESPACE, ZTUNNEL_SERVICE_ACCOUNT),
-                                         node=name, pod=ztunnel_pod_name(name), uid=node.uid))
+        node.token.write_text(
+            mint_token(
+                self.control_dir,
+                account=(SYSTEM_NAMESPACE, ZTUNNEL_SERVICE_ACCOUNT),
+                node=name,
+                pod=ztunnel_pod_name(name),
+                uid=node.uid,
+            )
+        )
         node.proxy_starts += 1
-        node.proxy = self._spawn(f"ztunnel-{name}-{node.proxy_starts}", node.net.netns,
-                                 [self.config.python, "-m", "ambient_mesh.cli", "ztunnel"], self.proxy_env(node))
+        node.proxy = self._spawn(
+            f"ztunnel-{name}-{node.proxy_starts}",
+            node.net.netns,
+            [self.config.python, "-m", "ambient_mesh.cli", "ztunnel"],
+            self.proxy_env(node),
+        )
         return node.proxy
 
     def proxy_ready(self, name: str) -> bool:
@@ -459,11 +537,17 @@ class Lab:
 
         def ready() -> bool:
             if not proxy.running:
-                raise AmbientError(f"{proxy.name} exited with code {proxy.process.returncode}:\n{proxy.tail()}")
+                raise AmbientError(
+                    f"{proxy.name} exited with code {proxy.process.returncode}:\n{proxy.tail()}"
+                )
             return self.proxy_ready(name)
 
-        wait_until(ready, timeout_s=self.config.ready_timeout_s, what=f"the node proxy on {name} to be ready",
-                   on_timeout=proxy.tail)
+        wait_until(
+            ready,
+            timeout_s=self.config.ready_timeout_s,
+            what=f"the node proxy on {name} to be ready",
+            on_timeout=proxy.tail,
+        )
 
     def config_dump(self, name: str) -> dict:
         """The node proxy's /config_dump on `name`; {} when it does not answer."""
@@ -480,8 +564,11 @@ class Lab:
     def served_pods(self, name: str) -> set[str]:
         """`namespace/name` of every pod the node proxy on `name` runs a proxy for (workloadState)."""
         state = self.config_dump(name).get("workloadState", {})
-        return {f"{v['info']['namespace']}/{v['info']['name']}" for v in state.values()
-                if isinstance(v, dict) and isinstance(v.get("info"), dict)}
+        return {
+            f"{v['info']['namespace']}/{v['info']['name']}"
+            for v in state.values()
+            if isinstance(v, dict) and isinstance(v.get("info"), dict)
+        }
 
     def wait_converged(self) -> None:
         """Until every running node proxy knows every pod: the control plane has read the pods'
@@ -490,9 +577,12 @@ class Lab:
         for name, node in self.nodes.items():
             if node.proxy is None or not node.proxy.running:
                 continue
-            wait_until(lambda name=name: wanted <= self.known_ips(name), timeout_s=self.config.ready_timeout_s,
-                       what=f"the node proxy on {name} to learn every pod from xDS",
-                       on_timeout=lambda name=name: f"missing: {sorted(wanted - self.known_ips(name))}")
+            wait_until(
+                lambda name=name: wanted <= self.known_ips(name),
+                timeout_s=self.config.ready_timeout_s,
+                what=f"the node proxy on {name} to learn every pod from xDS",
+                on_timeout=lambda name=name: f"missing: {sorted(wanted - self.known_ips(name))}",
+            )
 
     def stop_proxy(self, name: str) -> int:
         node = self.nodes[name]
@@ -511,19 +601,28 @@ class Lab:
         if spec.node not in self.nodes:
             raise AmbientError(f"pod {spec.key} is scheduled on {spec.node!r}, which is not a lab node")
         uid = pod_uid(self.lab_id, spec.namespace, spec.name)
-        if spec.namespace not in {p.spec.namespace for p in self.pods.values()} | set(self.config.ambient_namespaces):
+        if spec.namespace not in {p.spec.namespace for p in self.pods.values()} | set(
+            self.config.ambient_namespaces
+        ):
             self.set_namespace(spec.namespace, ambient=False)
         write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=None)])
         net = self.topology.add_pod(spec.node, spec.key)
         pod = LabPod(spec=spec, net=net, uid=uid)
         self.pods[spec.key] = pod
         self._cni_add_with_retries(pod)
-        pod.app = self._spawn(f"app-{spec.namespace}-{spec.name}", net.netns,
-                              [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port",
-                               str(self.config.app_port)], {})
+        pod.app = self._spawn(
+            f"app-{spec.namespace}-{spec.name}",
+            net.netns,
+            [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port", str(self.config.app_port)],
+            {},
+        )
         app = pod.app
-        wait_until(lambda: self._listening(net.netns, self.config.app_port, app), timeout_s=self.config.ready_timeout_s,
-                   what=f"pod {spec.key}'s app to listen", on_timeout=app.tail)
+        wait_until(
+            lambda: self._listening(net.netns, self.config.app_port, app),
+            timeout_s=self.config.ready_timeout_s,
+            what=f"pod {spec.key}'s app to listen",
+            on_timeout=app.tail,
+        )
         write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,))])
         if wait:
             self.wait_converged()
@@ -580,7 +679,9 @@ class Lab:
         """Whether a node proxy listens inside the pod (its HBONE port 15008 is bound there)."""
         return 15008 in listening_ports(self.runner, self.pods[key].netns)
 
-    def exec(self, key: str, argv: Sequence[str], *, input: bytes | None = None, check: bool = True) -> CompletedCommand:
+    def exec(
+        self, key: str, argv: Sequence[str], *, input: bytes | None = None, check: bool = True
+    ) -> CompletedCommand:
         """Run a command inside a pod's network namespace (`kubectl exec`, network-wise)."""
         return self.runner.run(argv, input=input, netns=self.pods[key].netns, check=check)
 
@@ -619,25 +720,49 @@ class Lab:
         def program(p: Program | None) -> dict | None:
             if p is None:
                 return None
-            return {"pid": p.process.pid, "running": p.running, "exit": p.process.returncode, "log": str(p.log)}
+            return {
+                "pid": p.process.pid,
+                "running": p.running,
+                "exit": p.process.returncode,
+                "log": str(p.log),
+            }
 
         nodes = {}
         for name, node in self.nodes.items():
-            nodes[name] = {"netns": node.net.netns, "address": str(node.net.uplink_ip),
-                           "pod_cidr": str(node.net.pod_cidr), "host_address": str(node.net.pod_gateway),
-                           "agent": program(node.agent), "ztunnel": program(node.proxy),
-                           "ztunnel_ready": self.proxy_ready(name) if self._started else False}
+            nodes[name] = {
+                "netns": node.net.netns,
+                "address": str(node.net.uplink_ip),
+                "pod_cidr": str(node.net.pod_cidr),
+                "host_address": str(node.net.pod_gateway),
+                "agent": program(node.agent),
+                "ztunnel": program(node.proxy),
+                "ztunnel_ready": self.proxy_ready(name) if self._started else False,
+            }
         pods = {}
         for key, pod in self.pods.items():
             marks = self.enrollment(pod.spec.node)
-            pods[key] = {"node": pod.spec.node, "ip": pod.ip, "netns": pod.netns, "uid": pod.uid,
-                         "service_account": pod.spec.sa,
-                         "ambient": pod.spec.namespace in self.config.ambient_namespaces,
-                         "redirection": marks.get(pod.uid, ""), "app": program(pod.app)}
-        return {"lab": self.lab_id, "pid": os.getpid(), "state_dir": str(self.state_dir),
-                "control": {"address": self.control_address, "netns": self.topology.network_netns,
-                            "process": program(self.control)},
-                "nodes": nodes, "pods": pods}
+            pods[key] = {
+                "node": pod.spec.node,
+                "ip": pod.ip,
+                "netns": pod.netns,
+                "uid": pod.uid,
+                "service_account": pod.spec.sa,
+                "ambient": pod.spec.namespace in self.config.ambient_namespaces,
+                "redirection": marks.get(pod.uid, ""),
+                "app": program(pod.app),
+            }
+        return {
+            "lab": self.lab_id,
+            "pid": os.getpid(),
+            "state_dir": str(self.state_dir),
+            "control": {
+                "address": self.control_address,
+                "netns": self.topology.network_netns,
+                "process": program(self.control),
+            },
+            "nodes": nodes,
+            "pods": pods,
+        }
 
     def write_state(self) -> None:
         path = self.state_dir / STATE_FILE
@@ -653,8 +778,9 @@ def read_state(state_dir: Path) -> dict:
     try:
         return json.loads((state_dir / STATE_FILE).read_text())
     except FileNotFoundError:
-        raise AmbientError(f"no lab is running with state dir {state_dir}",
-                           hint="start one with `ambient lab up`") from None
+        raise AmbientError(
+            f"no lab is running with state dir {state_dir}", hint="start one with `ambient lab up`"
+        ) from None
 
 
 def status_text(state: Mapping) -> str:
@@ -662,27 +788,45 @@ def status_text(state: Mapping) -> str:
     lines = [f"lab {state['lab']} (pid {state['pid']}), control plane {state['control']['address']}"]
     lines.append(f"{'NODE':<10} {'ADDRESS':<14} {'POD CIDR':<16} {'AGENT':<8} {'ZTUNNEL':<8} READY")
     for name, node in state["nodes"].items():
+
         def alive(p):
             return "running" if p and p["running"] else "down"
-        lines.append(f"{name:<10} {node['address']:<14} {node['pod_cidr']:<16} {alive(node['agent']):<8} "
-                     f"{alive(node['ztunnel']):<8} {'yes' if node['ztunnel_ready'] else 'no'}")
+
+        lines.append(
+            f"{name:<10} {node['address']:<14} {node['pod_cidr']:<16} {alive(node['agent']):<8} "
+            f"{alive(node['ztunnel']):<8} {'yes' if node['ztunnel_ready'] else 'no'}"
+        )
     lines.append(f"{'POD':<24} {'NODE':<10} {'IP':<14} {'AMBIENT':<8} REDIRECTION")
     for key, pod in state["pods"].items():
-        lines.append(f"{key:<24} {pod['node']:<10} {pod['ip']:<14} {'yes' if pod['ambient'] else 'no':<8} "
-                     f"{pod['redirection'] or '-'}")
+        lines.append(
+            f"{key:<24} {pod['node']:<10} {pod['ip']:<14} {'yes' if pod['ambient'] else 'no':<8} "
+            f"{pod['redirection'] or '-'}"
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ambient lab", description="a multi-node ambient mesh in network namespaces")
+    parser = argparse.ArgumentParser(
+        prog="ambient lab", description="a multi-node ambient mesh in network namespaces"
+    )
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="(default: %(default)s)")
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="start the lab and keep it running until Ctrl-C or `ambient lab down`")
     up.add_argument("--nodes", type=int, default=2, help="number of nodes (default: %(default)s)")
-    up.add_argument("--pod", action="append", default=None, metavar="NODE:NS/NAME[@SA][,k=v]",
-                    help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})")
-    up.add_argument("--ambient-namespace", action="append", default=None, metavar="NS",
-                    help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})")
+    up.add_argument(
+        "--pod",
+        action="append",
+        default=None,
+        metavar="NODE:NS/NAME[@SA][,k=v]",
+        help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})",
+    )
+    up.add_argument(
+        "--ambient-namespace",
+        action="append",
+        default=None,
+        metavar="NS",
+        help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})",
+    )
     up.add_argument("--nftables", action="store_true", help="the node agents use NATIVE_NFTABLES=true")
     sub.add_parser("status", help="show the running lab's nodes and pods")
     sub.add_parser("down", help="stop the running lab (it tears everything down)")
@@ -695,13 +839,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _up(args: argparse.Namespace, state_dir: Path, out) -> int:
     specs = tuple(parse_pod_spec(p) for p in (args.pod or DEFAULT_PODS))
     nodes = tuple(f"node-{i + 1}" for i in range(args.nodes))
-    config = LabConfig(state_dir=state_dir, nodes=nodes, pods=specs, native_nftables=args.nftables,
-                       ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES))
+    config = LabConfig(
+        state_dir=state_dir,
+        nodes=nodes,
+        pods=specs,
+        native_nftables=args.nftables,
+        ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES),
+    )
     if (state_dir / STATE_FILE).exists():
         pid = read_state(state_dir).get("pid")
         if isinstance(pid, int) and _alive(pid):
-            raise AmbientError(f"a lab is already running from {state_dir} (pid {pid})",
-                               hint="`ambient lab down`, or pass another --state-dir")
+            raise AmbientError(
+                f"a lab is already running from {state_dir} (pid {pid})",
+                hint="`ambient lab down`, or pass another --state-dir",
+            )
     stop = False
 
     def on_signal(*_):
@@ -712,8 +863,12 @@ def _up(args: argparse.Namespace, state_dir: Path, out) -> int:
     try:
         with Lab(config) as lab:
             print(status_text(lab.status()), file=out, flush=True)
-            print(f"lab is up; `ambient lab --state-dir {state_dir} exec <ns/pod> -- <cmd>`, "
-                  "Ctrl-C or `ambient lab down` to stop", file=out, flush=True)
+            print(
+                f"lab is up; `ambient lab --state-dir {state_dir} exec <ns/pod> -- <cmd>`, "
+                "Ctrl-C or `ambient lab down` to stop",
+                file=out,
+                flush=True,
+            )
             while not stop:
                 time.sleep(0.2)
             print("stopping the lab", file=out, flush=True)

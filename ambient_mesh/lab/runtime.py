@@ -43,8 +43,10 @@ class CniCallError(AmbientError):
     """A CNI plugin returned an error object or exited non-zero: the sandbox must not start."""
 
     def __init__(self, command: str, pod: str, detail: str) -> None:
-        super().__init__(f"CNI {command} for pod {pod} failed: {detail}",
-                         hint="the node agent's log says why (is it running and ready?)")
+        super().__init__(
+            f"CNI {command} for pod {pod} failed: {detail}",
+            hint="the node agent's log says why (is it running and ready?)",
+        )
         self.command = command
         self.pod = pod
         self.detail = detail
@@ -82,23 +84,42 @@ def chained_entries(conflist: Mapping) -> list[Mapping]:
 
 def prev_result(pod: PodNet, cni_version: str) -> dict:
     """The primary plugin's result, as a bridge plugin reports it."""
-    return {"cniVersion": cni_version,
-            "interfaces": [{"name": POD_IFNAME, "sandbox": pod.netns_path}],
-            "ips": [{"address": f"{pod.ip}/{pod.prefixlen}", "gateway": str(pod.gateway), "interface": 0}]}
+    return {
+        "cniVersion": cni_version,
+        "interfaces": [{"name": POD_IFNAME, "sandbox": pod.netns_path}],
+        "ips": [{"address": f"{pod.ip}/{pod.prefixlen}", "gateway": str(pod.gateway), "interface": 0}],
+    }
 
 
-def plan_cni_call(command: str, *, conflist: Mapping, entry: Mapping, pod: PodNet, namespace: str, name: str,
-                  uid: str, bin_dir: Path, previous: Mapping | None) -> CniCall:
+def plan_cni_call(
+    command: str,
+    *,
+    conflist: Mapping,
+    entry: Mapping,
+    pod: PodNet,
+    namespace: str,
+    name: str,
+    uid: str,
+    bin_dir: Path,
+    previous: Mapping | None,
+) -> CniCall:
     """The stdin and environment containerd gives a chained plugin (CNI spec, section "Execution")."""
     version = str(conflist.get("cniVersion", "1.0.0"))
     stdin = dict(entry, cniVersion=version, name=conflist.get("name", ""))
     if previous is not None:
         stdin["prevResult"] = dict(previous)
     sandbox = f"sandbox-{uid}"
-    env = {"CNI_COMMAND": command, "CNI_CONTAINERID": sandbox, "CNI_NETNS": pod.netns_path,
-           "CNI_IFNAME": POD_IFNAME, "CNI_PATH": str(bin_dir),
-           "CNI_ARGS": (f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};"
-                        f"K8S_POD_INFRA_CONTAINER_ID={sandbox};K8S_POD_UID={uid}")}
+    env = {
+        "CNI_COMMAND": command,
+        "CNI_CONTAINERID": sandbox,
+        "CNI_NETNS": pod.netns_path,
+        "CNI_IFNAME": POD_IFNAME,
+        "CNI_PATH": str(bin_dir),
+        "CNI_ARGS": (
+            f"IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};"
+            f"K8S_POD_INFRA_CONTAINER_ID={sandbox};K8S_POD_UID={uid}"
+        ),
+    }
     plugin_type = entry.get("type")
     if not isinstance(plugin_type, str) or not plugin_type or "/" in plugin_type:
         raise ConfigError("conflist", f"plugin type {plugin_type!r} is not a binary name")
@@ -130,7 +151,11 @@ class CniRuntime:
         except ValueError:
             out = {}
         if not result.ok or (isinstance(out, dict) and "code" in out and "msg" in out):
-            detail = out.get("msg") if isinstance(out, dict) and out.get("msg") else result.stderr.decode(errors="replace")
+            detail = (
+                out.get("msg")
+                if isinstance(out, dict) and out.get("msg")
+                else result.stderr.decode(errors="replace")
+            )
             raise CniCallError(command, pod, f"{call.plugin.name} exit {result.returncode}: {detail}".strip())
         return out if isinstance(out, dict) else {}
 
@@ -139,8 +164,17 @@ class CniRuntime:
         conflist, entries = self._chain()
         result: Mapping = prev_result(pod, str(conflist.get("cniVersion", "1.0.0")))
         for entry in entries:
-            call = plan_cni_call("ADD", conflist=conflist, entry=entry, pod=pod, namespace=namespace, name=name,
-                                 uid=uid, bin_dir=self.bin_dir, previous=result)
+            call = plan_cni_call(
+                "ADD",
+                conflist=conflist,
+                entry=entry,
+                pod=pod,
+                namespace=namespace,
+                name=name,
+                uid=uid,
+                bin_dir=self.bin_dir,
+                previous=result,
+            )
             result = self._run(call, "ADD", f"{namespace}/{name}") or result
         return dict(result)
 
@@ -149,8 +183,17 @@ class CniRuntime:
         its agent's job, from the pod watch)."""
         conflist, entries = self._chain()
         for entry in reversed(entries):
-            call = plan_cni_call("DEL", conflist=conflist, entry=entry, pod=pod, namespace=namespace, name=name,
-                                 uid=uid, bin_dir=self.bin_dir, previous=None)
+            call = plan_cni_call(
+                "DEL",
+                conflist=conflist,
+                entry=entry,
+                pod=pod,
+                namespace=namespace,
+                name=name,
+                uid=uid,
+                bin_dir=self.bin_dir,
+                previous=None,
+            )
             self._run(call, "DEL", f"{namespace}/{name}")
 
 
@@ -185,8 +228,9 @@ def serve_echo(port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ambient_mesh.lab.runtime",
-                                     description="the lab pods' app: a TCP echo server")
+    parser = argparse.ArgumentParser(
+        prog="python -m ambient_mesh.lab.runtime", description="the lab pods' app: a TCP echo server"
+    )
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -90,9 +90,13 @@ class PodNet:
 def plan_node(prefix: str, name: str, index: int) -> NodeNet:
     if not 0 <= index < MAX_NODES:
         raise AmbientError(f"node index {index} is out of range; the lab has room for {MAX_NODES} nodes")
-    return NodeNet(name=name, index=index, netns=f"{prefix}{name}",
-                   uplink_ip=UPLINK_SUBNET.network_address + FIRST_NODE_HOST + index,
-                   pod_cidr=ipaddress.IPv4Network((int(POD_SUPERNET.network_address) + (index + 1) * 256, 24)))
+    return NodeNet(
+        name=name,
+        index=index,
+        netns=f"{prefix}{name}",
+        uplink_ip=UPLINK_SUBNET.network_address + FIRST_NODE_HOST + index,
+        pod_cidr=ipaddress.IPv4Network((int(POD_SUPERNET.network_address) + (index + 1) * 256, 24)),
+    )
 
 
 def host_veth_name(pod: str) -> str:
@@ -110,9 +114,15 @@ def plan_pod(prefix: str, node: NodeNet, pod: str, slot: int) -> PodNet:
     host = FIRST_POD_HOST + slot
     if not 0 <= slot or host >= node.pod_cidr.num_addresses - 1:
         raise AmbientError(f"node {node.name}'s pod CIDR {node.pod_cidr} has no room for pod {pod!r}")
-    return PodNet(name=pod, node=node.name, netns=pod_netns_name(prefix, pod),
-                  ip=node.pod_cidr.network_address + host, host_ifname=host_veth_name(pod),
-                  gateway=node.pod_gateway, prefixlen=node.pod_cidr.prefixlen)
+    return PodNet(
+        name=pod,
+        node=node.name,
+        netns=pod_netns_name(prefix, pod),
+        ip=node.pod_cidr.network_address + host,
+        host_ifname=host_veth_name(pod),
+        gateway=node.pod_gateway,
+        prefixlen=node.pod_cidr.prefixlen,
+    )
 
 
 class Topology:
@@ -129,8 +139,10 @@ class Topology:
         self._open = False
 
     def __repr__(self) -> str:
-        return (f"Topology({self.prefix!r}, {'up' if self._open else 'down'}, {len(self.nodes)} nodes, "
-                f"{len(self.pods)} pods)")
+        return (
+            f"Topology({self.prefix!r}, {'up' if self._open else 'down'}, {len(self.nodes)} nodes, "
+            f"{len(self.pods)} pods)"
+        )
 
     @property
     def gateway(self) -> ipaddress.IPv4Address:
@@ -168,8 +180,12 @@ class Topology:
         ns = self.network_netns
         self._create(ns)
         add_bridge(self.runner, netns=ns, name=BRIDGE)
-        add_address(self.runner, netns=ns, ifname=BRIDGE,
-                    address=ipaddress.IPv4Interface(f"{self.gateway}/{UPLINK_SUBNET.prefixlen}"))
+        add_address(
+            self.runner,
+            netns=ns,
+            ifname=BRIDGE,
+            address=ipaddress.IPv4Interface(f"{self.gateway}/{UPLINK_SUBNET.prefixlen}"),
+        )
         set_sysctl(self.runner, netns=ns, key="net.ipv4.ip_forward", value=1)
 
     def add_node(self, name: str) -> NodeNet:
@@ -184,13 +200,21 @@ class Topology:
         add_veth(r, netns=node.netns, name=UPLINK_IFNAME, peer_netns=self.network_netns, peer_name=port)
         attach_to_bridge(r, netns=self.network_netns, ifname=port, bridge=BRIDGE)
         link_up(r, netns=self.network_netns, ifname=port)
-        add_address(r, netns=node.netns, ifname=UPLINK_IFNAME,
-                    address=ipaddress.IPv4Interface(f"{node.uplink_ip}/{UPLINK_SUBNET.prefixlen}"))
+        add_address(
+            r,
+            netns=node.netns,
+            ifname=UPLINK_IFNAME,
+            address=ipaddress.IPv4Interface(f"{node.uplink_ip}/{UPLINK_SUBNET.prefixlen}"),
+        )
         link_up(r, netns=node.netns, ifname=UPLINK_IFNAME)
         add_route(r, netns=node.netns, destination="default", via=str(self.gateway))
         add_bridge(r, netns=node.netns, name=POD_BRIDGE)
-        add_address(r, netns=node.netns, ifname=POD_BRIDGE,
-                    address=ipaddress.IPv4Interface(f"{node.pod_gateway}/{node.pod_cidr.prefixlen}"))
+        add_address(
+            r,
+            netns=node.netns,
+            ifname=POD_BRIDGE,
+            address=ipaddress.IPv4Interface(f"{node.pod_gateway}/{node.pod_cidr.prefixlen}"),
+        )
         # The node routes between its pods and the rest of the cluster, as a kubelet host does.
         set_sysctl(r, netns=node.netns, key="net.ipv4.ip_forward", value=1)
         add_route(r, netns=self.network_netns, destination=str(node.pod_cidr), via=str(node.uplink_ip))
@@ -212,8 +236,12 @@ class Topology:
             add_veth(r, netns=net.netns, name=POD_IFNAME, peer_netns=node.netns, peer_name=net.host_ifname)
             attach_to_bridge(r, netns=node.netns, ifname=net.host_ifname, bridge=POD_BRIDGE)
             link_up(r, netns=node.netns, ifname=net.host_ifname)
-            add_address(r, netns=net.netns, ifname=POD_IFNAME,
-                        address=ipaddress.IPv4Interface(f"{net.ip}/{net.prefixlen}"))
+            add_address(
+                r,
+                netns=net.netns,
+                ifname=POD_IFNAME,
+                address=ipaddress.IPv4Interface(f"{net.ip}/{net.prefixlen}"),
+            )
             link_up(r, netns=net.netns, ifname=POD_IFNAME)
             add_route(r, netns=net.netns, destination="default", via=str(net.gateway))
         except BaseException:

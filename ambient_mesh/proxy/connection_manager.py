@@ -64,8 +64,13 @@ class ConnectionManager:
             log.log(level, "%s %s: %s", "allowed" if decision.allowed else "denied", conn, decision.reason)
         return decision
 
-    def register(self, conn: RbacConnection, workload: Workload, close: Callable[[PolicyDenied], None],
-                 description: str) -> Callable[[], None]:
+    def register(
+        self,
+        conn: RbacConnection,
+        workload: Workload,
+        close: Callable[[PolicyDenied], None],
+        description: str,
+    ) -> Callable[[], None]:
         """Track a connection; returns the function that stops tracking it."""
         key = self._next_id
         self._next_id += 1

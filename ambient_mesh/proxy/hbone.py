@@ -63,8 +63,14 @@ hyperframe.frame.DataFrame._body_repr = _data_frame_body_repr
 class HboneError(AmbientError):
     """An HBONE connection or stream failed. `response_flag` is Istio's flag for metrics."""
 
-    def __init__(self, message: str, *, response_flag: str = "CONNECT", status: int | None = None,
-                 hint: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        response_flag: str = "CONNECT",
+        status: int | None = None,
+        hint: str | None = None,
+    ) -> None:
         super().__init__(message, hint=hint)
         self.response_flag = response_flag
         self.status = status
@@ -120,16 +126,35 @@ class StreamState(enum.Enum):
 
 
 def _decode_headers(raw) -> tuple[tuple[str, str], ...]:
-    return tuple((k.decode("latin-1") if isinstance(k, bytes) else k,
-                  v.decode("latin-1") if isinstance(v, bytes) else v) for k, v in raw)
+    return tuple(
+        (
+            k.decode("latin-1") if isinstance(k, bytes) else k,
+            v.decode("latin-1") if isinstance(v, bytes) else v,
+        )
+        for k, v in raw
+    )
 
 
 class HboneStream(Endpoint):
     """One CONNECT stream: the HTTP/2 side of a relay."""
 
-    __slots__ = ("conn", "stream_id", "request", "response", "_pending", "_eof_pending", "_end_sent",
-                 "_remote_ended", "_unacked", "_ack_paused", "_blocked", "_held", "_held_end",
-                 "_reset", "relay")
+    __slots__ = (
+        "conn",
+        "stream_id",
+        "request",
+        "response",
+        "_pending",
+        "_eof_pending",
+        "_end_sent",
+        "_remote_ended",
+        "_unacked",
+        "_ack_paused",
+        "_blocked",
+        "_held",
+        "_held_end",
+        "_reset",
+        "relay",
+    )
 
     def __init__(self, conn: HboneConnection, stream_id: int) -> None:
         self.conn = conn
@@ -271,11 +296,16 @@ class HboneConnection(asyncio.Protocol):
     answer with `respond(stream, status, headers)`.
     """
 
-    def __init__(self, *, client_side: bool, settings: HboneSettings = DEFAULT_SETTINGS,
-                 on_request: Callable[[HboneStream], None] | None = None,
-                 on_closed: Callable[[HboneConnection], None] | None = None,
-                 on_connected: Callable[[HboneConnection], None] | None = None,
-                 max_concurrent_streams: int = SERVER_MAX_CONCURRENT_STREAMS) -> None:
+    def __init__(
+        self,
+        *,
+        client_side: bool,
+        settings: HboneSettings = DEFAULT_SETTINGS,
+        on_request: Callable[[HboneStream], None] | None = None,
+        on_closed: Callable[[HboneConnection], None] | None = None,
+        on_connected: Callable[[HboneConnection], None] | None = None,
+        max_concurrent_streams: int = SERVER_MAX_CONCURRENT_STREAMS,
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.client_side = client_side
         self.settings = settings
@@ -283,15 +313,17 @@ class HboneConnection(asyncio.Protocol):
         self.on_closed = on_closed
         self.on_connected = on_connected
         self.peer_identity = None  # set by on_connected from the peer's certificate
-        config = h2.config.H2Configuration(client_side=client_side, header_encoding=None,
-                                           validate_inbound_headers=True)
+        config = h2.config.H2Configuration(
+            client_side=client_side, header_encoding=None, validate_inbound_headers=True
+        )
         self.h2 = h2.connection.H2Connection(config=config)
         local = {
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: settings.stream_window_bytes,
             h2.settings.SettingCodes.MAX_FRAME_SIZE: settings.max_frame_bytes,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE:
-                CLIENT_MAX_HEADER_LIST_BYTES if client_side else SERVER_MAX_HEADER_LIST_BYTES,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: CLIENT_MAX_HEADER_LIST_BYTES
+            if client_side
+            else SERVER_MAX_HEADER_LIST_BYTES,
         }
         if not client_side:
             local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = max_concurrent_streams
@@ -397,7 +429,9 @@ class HboneConnection(asyncio.Protocol):
             for sid, stream in list(self.streams.items()):
                 # Streams the peer never processed will not be answered (RFC 9113 6.8).
                 if self.client_side and sid > last:
-                    stream.fail_response(HboneError("connection closed by GOAWAY before the stream was accepted"))
+                    stream.fail_response(
+                        HboneError("connection closed by GOAWAY before the stream was accepted")
+                    )
             if not self.streams:
                 self._close_transport()
 
@@ -454,7 +488,7 @@ class HboneConnection(asyncio.Protocol):
                     n = min(h2c.local_flow_control_window(sid), h2c.max_outbound_frame_size, size - offset)
                     if n <= 0:
                         break
-                    h2c.send_data(sid, data if n == size else view[offset:offset + n])
+                    h2c.send_data(sid, data if n == size else view[offset : offset + n])
                     offset += n
                 if offset < size:
                     pending += view[offset:]
@@ -536,10 +570,16 @@ class HboneConnection(asyncio.Protocol):
     @property
     def usable(self) -> bool:
         """Can carry a new stream: not closing, no GOAWAY."""
-        return (not self.closed.done() and not self.goaway_received and self.transport is not None
-                and not self.transport.is_closing())
+        return (
+            not self.closed.done()
+            and not self.goaway_received
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
 
-    async def open_stream(self, authority: str, headers: list[tuple[str, str]]) -> tuple[HboneStream, ConnectResponse]:
+    async def open_stream(
+        self, authority: str, headers: list[tuple[str, str]]
+    ) -> tuple[HboneStream, ConnectResponse]:
         """Send a CONNECT and wait for the response headers. Non-200 is returned, not raised."""
         if not self.usable:
             raise HboneError("HBONE connection is closing", response_flag="CONNECT")
@@ -567,7 +607,9 @@ class HboneConnection(asyncio.Protocol):
         headers = _decode_headers(event.headers)
         method = next((v for k, v in headers if k == ":method"), "")
         authority = next((v for k, v in headers if k == ":authority"), "")
-        stream.request = ConnectRequest(method, authority, tuple((k, v) for k, v in headers if not k.startswith(":")))
+        stream.request = ConnectRequest(
+            method, authority, tuple((k, v) for k, v in headers if not k.startswith(":"))
+        )
         self.streams[event.stream_id] = stream
         self.total_streams += 1
         if event.stream_ended is not None:
@@ -583,9 +625,11 @@ class HboneConnection(asyncio.Protocol):
             return
         end = status != 200
         try:
-            self.h2.send_headers(stream.stream_id,
-                                 [(b":status", str(status).encode())] + [(k.encode(), v.encode()) for k, v in headers],
-                                 end_stream=end)
+            self.h2.send_headers(
+                stream.stream_id,
+                [(b":status", str(status).encode())] + [(k.encode(), v.encode()) for k, v in headers],
+                end_stream=end,
+            )
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             self.streams.pop(stream.stream_id, None)
             return

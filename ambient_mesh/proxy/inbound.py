@@ -65,7 +65,9 @@ def _service_vip(service: Service, network: str, port: int) -> SocketAddr | None
     return SocketAddr(vips[0], port) if vips else None
 
 
-def _both(first: Callable[[int, int], None], second: Callable[[int, int], None]) -> Callable[[int, int], None]:
+def _both(
+    first: Callable[[int, int], None], second: Callable[[int, int], None]
+) -> Callable[[int, int], None]:
     def progress(up: int, down: int) -> None:
         first(up, down)
         second(up, down)
@@ -83,8 +85,9 @@ class InboundRefusal:
 class InboundProxy:
     """The HBONE server of one proxy."""
 
-    def __init__(self, pi: ProxyInputs, local_workload: LocalWorkload,
-                 settings: HboneSettings = DEFAULT_SETTINGS) -> None:
+    def __init__(
+        self, pi: ProxyInputs, local_workload: LocalWorkload, settings: HboneSettings = DEFAULT_SETTINGS
+    ) -> None:
         self.pi = pi
         self._local_workload = local_workload
         self.settings = settings
@@ -100,28 +103,38 @@ class InboundProxy:
         workload = self._local_workload(local.ip)
         if workload is None:
             # Without a destination workload there is no certificate to present.
-            log.warning("HBONE connection from %s to %s: no local workload has that address; closing", peer, local)
+            log.warning(
+                "HBONE connection from %s to %s: no local workload has that address; closing", peer, local
+            )
             sock.close()
             return
         try:
             ctx = await self.pi.server_context(workload.identity)
         except AmbientError as e:
-            log.warning("HBONE connection from %s to %s: no certificate for %s: %s", peer, local,
-                        workload.identity, e)
+            log.warning(
+                "HBONE connection from %s to %s: no certificate for %s: %s", peer, local, workload.identity, e
+            )
             sock.close()
             return
         trust_domain = workload.identity.trust_domain
 
         def check_client(conn: HboneConnection) -> None:
-            conn.peer_identity = verify_client_identity(conn.transport.get_extra_info("ssl_object"), trust_domain)
+            conn.peer_identity = verify_client_identity(
+                conn.transport.get_extra_info("ssl_object"), trust_domain
+            )
 
         loop = asyncio.get_running_loop()
-        conn = HboneConnection(client_side=False, settings=self.settings, on_connected=check_client,
-                               on_request=lambda s: self._on_request(s, local, peer, workload))
+        conn = HboneConnection(
+            client_side=False,
+            settings=self.settings,
+            on_connected=check_client,
+            on_request=lambda s: self._on_request(s, local, peer, workload),
+        )
         try:
             # uvloop returns its SSL protocol here, not ours: keep our own reference.
-            await loop.connect_accepted_socket(lambda: conn, sock, ssl=ctx,
-                                               ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            await loop.connect_accepted_socket(
+                lambda: conn, sock, ssl=ctx, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
+            )
         except (OSError, TimeoutError) as e:
             log.info("HBONE TLS handshake from %s failed: %s", peer, e)
             sock.close()
@@ -135,14 +148,20 @@ class InboundProxy:
         finally:
             self.connections.discard(conn)
 
-    def _on_request(self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload) -> None:
+    def _on_request(
+        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
+    ) -> None:
         self.pi.connections.spawn(self.serve_stream(stream, local, peer, workload))
 
-    def decide(self, stream: HboneStream, local: SocketAddr, workload: Workload) -> InboundTarget | InboundRefusal:
+    def decide(
+        self, stream: HboneStream, local: SocketAddr, workload: Workload
+    ) -> InboundTarget | InboundRefusal:
         """The checks of reference 3.2, steps 1-6, as a pure decision."""
         request = stream.request
         if request is None or request.method != "CONNECT":
-            return InboundRefusal(status=400, reason=f"method {request.method if request else '?'} is not CONNECT")
+            return InboundRefusal(
+                status=400, reason=f"method {request.method if request else '?'} is not CONNECT"
+            )
         try:
             host, port = split_host_port(request.authority)
         except ProtocolError as e:
@@ -159,7 +178,11 @@ class InboundProxy:
                 return InboundRefusal(status=503, reason=f"unknown service {host}")
             endpoint = service.endpoints.get(workload.uid)
             target_port = (endpoint.port.get(port) if endpoint else None) or service.ports.get(port)
-            if not target_port and workload.application_tunnel is not None and workload.application_tunnel.port:
+            if (
+                not target_port
+                and workload.application_tunnel is not None
+                and workload.application_tunnel.port
+            ):
                 target_port = port  # the tunnel decides the port; keep the service port
             if not target_port:
                 return InboundRefusal(status=503, reason=f"service {host} has no target for port {port}")
@@ -167,9 +190,15 @@ class InboundProxy:
             authority_target = _service_vip(service, self.pi.config.network, port)
         else:
             service = None
-            if ip != local.ip and workload.application_tunnel is None and not self._is_waypoint_for(workload, ip):
-                return InboundRefusal(status=400, reason=f"authority {request.authority} does not match the "
-                                                         f"destination address {local.ip}")
+            if (
+                ip != local.ip
+                and workload.application_tunnel is None
+                and not self._is_waypoint_for(workload, ip)
+            ):
+                return InboundRefusal(
+                    status=400,
+                    reason=f"authority {request.authority} does not match the destination address {local.ip}",
+                )
             address = SocketAddr(local.ip, port)
             authority_target = SocketAddr(ip, port)
         if address.port in self.pi.config.illegal_ports:
@@ -181,8 +210,9 @@ class InboundProxy:
     def _is_waypoint_for(self, local: Workload, ip: IPAddress) -> bool:
         """The local workload is the waypoint the target service or workload points to."""
         state = self.pi.state
-        target = state.services.find_vip(self.pi.config.network, ip, None) or \
-            state.workloads.find_address(self.pi.config.network, ip)
+        target = state.services.find_vip(self.pi.config.network, ip, None) or state.workloads.find_address(
+            self.pi.config.network, ip
+        )
         waypoint: GatewayAddress | None = getattr(target, "waypoint", None)
         if waypoint is None:
             return False
@@ -207,20 +237,43 @@ class InboundProxy:
                 return service
         return None
 
-    async def serve_stream(self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload) -> None:
+    async def serve_stream(
+        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
+    ) -> None:
         pi = self.pi
         conn = stream.conn
         src_id: Identity | None = conn.peer_identity
         source = pi.state.workloads.find_address(pi.config.network, peer.ip)
         decision = self.decide(stream, local, workload)
         if isinstance(decision, InboundRefusal):
-            log.info("HBONE stream from %s (%s) refused with %d: %s", peer, src_id, decision.status, decision.reason)
-            ConnectionResult.failed(pi, src=peer, dst=local, direction="inbound", error=decision.reason,
-                                    source=source, destination=workload, response_flag=decision.response_flag)
+            log.info(
+                "HBONE stream from %s (%s) refused with %d: %s",
+                peer,
+                src_id,
+                decision.status,
+                decision.reason,
+            )
+            ConnectionResult.failed(
+                pi,
+                src=peer,
+                dst=local,
+                direction="inbound",
+                error=decision.reason,
+                source=source,
+                destination=workload,
+                response_flag=decision.response_flag,
+            )
             conn.respond(stream, decision.status)
             return
-        admitted = await self.admit(peer=peer, src_id=src_id, source=source, workload=workload, local=local,
-                                    target=decision, authority=stream.request.authority)
+        admitted = await self.admit(
+            peer=peer,
+            src_id=src_id,
+            source=source,
+            workload=workload,
+            local=local,
+            target=decision,
+            authority=stream.request.authority,
+        )
         if isinstance(admitted, InboundRefusal):
             conn.respond(stream, admitted.status)
             return
@@ -230,18 +283,42 @@ class InboundProxy:
         conn.respond(stream, 200, response_headers)
         await self.carry(admitted, stream)
 
-    async def admit(self, *, peer: SocketAddr, src_id: Identity | None, source: Workload | None, workload: Workload,
-                    local: SocketAddr, target: InboundTarget, authority: str) -> Admitted | InboundRefusal:
+    async def admit(
+        self,
+        *,
+        peer: SocketAddr,
+        src_id: Identity | None,
+        source: Workload | None,
+        workload: Workload,
+        local: SocketAddr,
+        target: InboundTarget,
+        authority: str,
+    ) -> Admitted | InboundRefusal:
         """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
         pi = self.pi
         address, connect_from, proxy_header = self._delivery(workload, target, peer, src_id)
-        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=address, hbone_addr=authority,
-                                  source=source, source_identity=src_id, destination=workload,
-                                  service=target.service, destination_identity=workload.identity, mtls=True)
+        result = ConnectionResult(
+            pi,
+            direction="inbound",
+            src_addr=peer,
+            dst_addr=address,
+            hbone_addr=authority,
+            source=source,
+            source_identity=src_id,
+            destination=workload,
+            service=target.service,
+            destination_identity=workload.identity,
+            mtls=True,
+        )
         # Authorization sees the peer's address, its certificate identity and the real target
         # (never 15008), reference 3.2 step 7.
-        rbac_conn = RbacConnection(src_identity=src_id, src_ip=peer.ip, dst_ip=local.ip,
-                                   dst_port=target.address.port, dst_network=pi.config.network)
+        rbac_conn = RbacConnection(
+            src_identity=src_id,
+            src_ip=peer.ip,
+            dst_ip=local.ip,
+            dst_port=target.address.port,
+            dst_network=pi.config.network,
+        )
         verdict = pi.connection_manager.authorize(rbac_conn, workload)
         if not verdict.allowed:
             denied = PolicyDenied(verdict)
@@ -266,8 +343,9 @@ class InboundProxy:
         progress = result.progress if also is None else _both(result.progress, also)
         relay = Relay(downstream, admitted.upstream, on_progress=progress)
         pi.connections.track(relay, result.dump_info())
-        untrack = pi.connection_manager.register(admitted.rbac_conn, admitted.workload, relay.abort,
-                                                 f"{admitted.peer} -> {result.dst_addr}")
+        untrack = pi.connection_manager.register(
+            admitted.rbac_conn, admitted.workload, relay.abort, f"{admitted.peer} -> {result.dst_addr}"
+        )
         admitted.upstream.attach(relay)
         downstream.attach(relay)
         try:
@@ -277,8 +355,9 @@ class InboundProxy:
         result.complete(relay, err)
         return relay, err
 
-    def _delivery(self, workload: Workload, target: InboundTarget, peer: SocketAddr,
-                  src_id: Identity | None) -> tuple[SocketAddr, IPAddress | None, bytes | None]:
+    def _delivery(
+        self, workload: Workload, target: InboundTarget, peer: SocketAddr, src_id: Identity | None
+    ) -> tuple[SocketAddr, IPAddress | None, bytes | None]:
         """Where the app gets the connection, from which source, and the PROXY header if any.
 
         Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another
@@ -324,31 +403,61 @@ class InboundPassthroughProxy:
         peer = SocketAddr.from_sockaddr(sock.getpeername())
         if target == SocketAddr.from_sockaddr(sock.getsockname()):
             # Not redirected: the client dialed the listener itself. Forwarding would loop.
-            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
-                                    error="connection to the plaintext listener itself (not redirected) refused")
+            ConnectionResult.failed(
+                pi,
+                src=peer,
+                dst=target,
+                direction="inbound",
+                error="connection to the plaintext listener itself (not redirected) refused",
+            )
             sock.close()
             return
         if target.port in pi.config.illegal_ports:
-            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
-                                    error=f"port {target.port} is one of the proxy's own ports")
+            ConnectionResult.failed(
+                pi,
+                src=peer,
+                dst=target,
+                direction="inbound",
+                error=f"port {target.port} is one of the proxy's own ports",
+            )
             sock.close()
             return
         workload = self._local_workload(target.ip)
         if workload is None:
-            ConnectionResult.failed(pi, src=peer, dst=target, direction="inbound",
-                                    error=f"no local workload has address {target.ip}")
+            ConnectionResult.failed(
+                pi,
+                src=peer,
+                dst=target,
+                direction="inbound",
+                error=f"no local workload has address {target.ip}",
+            )
             sock.close()
             return
         source = pi.state.workloads.find_address(pi.config.network, peer.ip)
         services = pi.state.services.services_for_workload(workload.uid)
         service = next((s for s in services if target.port in s.ports.values()), None)
         downstream = await wrap_socket(sock)
-        result = ConnectionResult(pi, direction="inbound", src_addr=peer, dst_addr=target, hbone_addr=None,
-                                  source=source, source_identity=None, destination=workload, service=service,
-                                  destination_identity=None, mtls=False)
+        result = ConnectionResult(
+            pi,
+            direction="inbound",
+            src_addr=peer,
+            dst_addr=target,
+            hbone_addr=None,
+            source=source,
+            source_identity=None,
+            destination=workload,
+            service=service,
+            destination_identity=None,
+            mtls=False,
+        )
         # Plaintext has no identity: STRICT mTLS and principal-based ALLOW policies deny it.
-        rbac_conn = RbacConnection(src_identity=None, src_ip=peer.ip, dst_ip=target.ip, dst_port=target.port,
-                                   dst_network=pi.config.network)
+        rbac_conn = RbacConnection(
+            src_identity=None,
+            src_ip=peer.ip,
+            dst_ip=target.ip,
+            dst_port=target.port,
+            dst_network=pi.config.network,
+        )
         verdict = pi.connection_manager.authorize(rbac_conn, workload)
         if not verdict.allowed:
             result.fail(str(PolicyDenied(verdict)), PolicyDenied.response_flag)
@@ -359,7 +468,9 @@ class InboundPassthroughProxy:
                 upstream_sock = await pi.connect(target, peer.ip)
             upstream = await wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
-            result.fail(f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}", "CONNECT")
+            result.fail(
+                f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}", "CONNECT"
+            )
             downstream.abort()
             return
         relay = Relay(downstream, upstream, on_progress=result.progress)

@@ -54,9 +54,17 @@ class PodProxy:
 class InpodManager:
     """The `WorkloadProxyManager` the ZDS client starts and stops pod proxies through."""
 
-    def __init__(self, *, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
-                 tls: TlsContextCache, metrics: Metrics, proxy_factory: PodProxyFactory | None = None,
-                 dns_factory: DnsFactory | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: ZtunnelConfig,
+        state: ProxyState,
+        cert_manager: SecretManager,
+        tls: TlsContextCache,
+        metrics: Metrics,
+        proxy_factory: PodProxyFactory | None = None,
+        dns_factory: DnsFactory | None = None,
+    ) -> None:
         self.config = config
         self.state = state
         self.cert_manager = cert_manager
@@ -86,13 +94,26 @@ class InpodManager:
 
     def _new_proxy(self, info: ProxyWorkloadInfo, netns: NetnsHandle) -> WorkloadProxy:
         return WorkloadProxy(
-            name=f"{info.namespace}/{info.name}", config=self.config, state=self.state,
-            cert_manager=self.cert_manager, tls=self.tls, metrics=self.metrics,
-            served=lambda: self.workload_for(info), addresses=ListenerAddresses.from_config(self.config),
-            transparent=self.config.enable_orig_src is not False, socket_factory=netns.socket,
-            reuse_port=self.config.inpod_port_reuse, local_inbound=self.inbound_for,
-            dns=(self._dns_factory(f"{info.namespace}/{info.name}", lambda: self.workload_for(info), netns.socket)
-                 if self._dns_factory is not None else None))
+            name=f"{info.namespace}/{info.name}",
+            config=self.config,
+            state=self.state,
+            cert_manager=self.cert_manager,
+            tls=self.tls,
+            metrics=self.metrics,
+            served=lambda: self.workload_for(info),
+            addresses=ListenerAddresses.from_config(self.config),
+            transparent=self.config.enable_orig_src is not False,
+            socket_factory=netns.socket,
+            reuse_port=self.config.inpod_port_reuse,
+            local_inbound=self.inbound_for,
+            dns=(
+                self._dns_factory(
+                    f"{info.namespace}/{info.name}", lambda: self.workload_for(info), netns.socket
+                )
+                if self._dns_factory is not None
+                else None
+            ),
+        )
 
     async def start_proxy(self, uid: str, info: ProxyWorkloadInfo, netns_fd: int) -> None:
         """Open the pod's listeners in its namespace; an exception becomes the ZDS NACK."""
@@ -106,7 +127,9 @@ class InpodManager:
         self.pods[uid] = PodProxy(uid, info, netns, proxy)
         self._manager_metrics.proxy_started()
         self._manager_metrics.set_active(len(self.pods))
-        log.info("pod proxy started", extra={"fields": {"uid": uid, "pod": str(info), **proxy.bound_addresses()}})
+        log.info(
+            "pod proxy started", extra={"fields": {"uid": uid, "pod": str(info), **proxy.bound_addresses()}}
+        )
 
     def inbound_for(self, workload: Workload) -> InboundProxy | None:
         """The inbound proxy of a pod this node proxy serves (the same-node fast path)."""
@@ -128,7 +151,9 @@ class InpodManager:
         finally:
             pod.netns.close()
             self._manager_metrics.proxy_stopped()
-        log.info("pod proxy stopped", extra={"fields": {"uid": uid, "pod": str(pod.info), "graceful": graceful}})
+        log.info(
+            "pod proxy stopped", extra={"fields": {"uid": uid, "pod": str(pod.info), "graceful": graceful}}
+        )
 
     async def stop_all(self, graceful: bool = True) -> None:
         for uid in list(self.pods):
@@ -140,8 +165,11 @@ class InpodManager:
         node = self.config.node_name
         if not node:
             return
-        wanted = {w.identity for w in self.state.workloads
-                  if w.node == node and (w.protocol is TunnelProtocol.HBONE or w.native_tunnel)}
+        wanted = {
+            w.identity
+            for w in self.state.workloads
+            if w.node == node and (w.protocol is TunnelProtocol.HBONE or w.native_tunnel)
+        }
         for identity in wanted - self._prefetched:
             self.cert_manager.prefetch(identity)
         for identity in self._prefetched - wanted:
@@ -156,6 +184,9 @@ class InpodManager:
         out: dict = {}
         for pod in self.pods.values():
             inbound, outbound = pod.proxy.connections_dump()
-            out.update(dump_workload_state(served=pod.proxy.served_workload(), info=pod.info,
-                                           inbound=inbound, outbound=outbound))
+            out.update(
+                dump_workload_state(
+                    served=pod.proxy.served_workload(), info=pod.info, inbound=inbound, outbound=outbound
+                )
+            )
         return out

@@ -23,9 +23,18 @@ Handler = Callable[[socket.socket], Awaitable[None]]
 
 
 class Listener:
-    def __init__(self, name: str, address: SocketAddr, handler: Handler, tracker: ConnectionTracker, *,
-                 mark: int | None = None, transparent: bool = False, reuse_port: bool = False,
-                 socket_factory: SocketFactory = plain_socket) -> None:
+    def __init__(
+        self,
+        name: str,
+        address: SocketAddr,
+        handler: Handler,
+        tracker: ConnectionTracker,
+        *,
+        mark: int | None = None,
+        transparent: bool = False,
+        reuse_port: bool = False,
+        socket_factory: SocketFactory = plain_socket,
+    ) -> None:
         self.name = name
         self.address = address
         self._handler = handler
@@ -44,8 +53,13 @@ class Listener:
 
     def bind(self) -> None:
         try:
-            self._sock = listen_socket(self.address, mark=self._mark, transparent=self._transparent,
-                                       reuse_port=self._reuse_port, factory=self._socket_factory)
+            self._sock = listen_socket(
+                self.address,
+                mark=self._mark,
+                transparent=self._transparent,
+                reuse_port=self._reuse_port,
+                factory=self._socket_factory,
+            )
         except OSError as e:
             raise BindError(self.name, str(self.address), e) from None
 

@@ -35,9 +35,13 @@ SOCKS5_HANDSHAKE_TIMEOUT_S = 10.0
 class OutboundProxy:
     """Carries the served workload's outgoing connections to their destinations."""
 
-    def __init__(self, pi: ProxyInputs, source: Callable[[], Workload | None],
-                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
-                 resolve_name: Callable[[str], Awaitable[list]] | None = None) -> None:
+    def __init__(
+        self,
+        pi: ProxyInputs,
+        source: Callable[[], Workload | None],
+        local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
+        resolve_name: Callable[[str], Awaitable[list]] | None = None,
+    ) -> None:
         self.pi = pi
         # SOCKS5 domain names go through the workload's DNS proxy logic (ztunnel needs DNS on).
         self._resolve_name = resolve_name
@@ -55,8 +59,13 @@ class OutboundProxy:
         peer = SocketAddr.from_sockaddr(sock.getpeername())
         if target == SocketAddr.from_sockaddr(sock.getsockname()):
             # Not redirected: the client dialed the outbound listener itself. Forwarding would loop.
-            ConnectionResult.failed(self.pi, src=peer, dst=target, direction="outbound",
-                                    error="connection to the outbound listener itself (not redirected) refused")
+            ConnectionResult.failed(
+                self.pi,
+                src=peer,
+                dst=target,
+                direction="outbound",
+                error="connection to the outbound listener itself (not redirected) refused",
+            )
             sock.close()
             return
         downstream = await wrap_socket(sock)
@@ -95,8 +104,11 @@ class OutboundProxy:
         else:
             addresses = await self._resolve_name(request.host) if self._resolve_name is not None else []
             if not addresses:
-                reason = ("no DNS proxy to resolve names (ISTIO_META_DNS_CAPTURE=false)"
-                          if self._resolve_name is None else "name did not resolve")
+                reason = (
+                    "no DNS proxy to resolve names (ISTIO_META_DNS_CAPTURE=false)"
+                    if self._resolve_name is None
+                    else "name did not resolve"
+                )
                 await loop.sock_sendall(sock, encode_reply(ReplyCode.HOST_UNREACHABLE))
                 log.warning("SOCKS5 request for %r refused: %s", request.host, reason)
                 sock.close()
@@ -105,7 +117,9 @@ class OutboundProxy:
             addresses.sort(key=lambda ip: ip.version != peer.ip.version)
             target = SocketAddr(addresses[0], request.port)
         trailing = hs.trailing_data()
-        await loop.sock_sendall(sock, encode_reply(ReplyCode.SUCCEEDED, SocketAddr.from_sockaddr(sock.getsockname())))
+        await loop.sock_sendall(
+            sock, encode_reply(ReplyCode.SUCCEEDED, SocketAddr.from_sockaddr(sock.getsockname()))
+        )
         downstream = await wrap_socket(sock)
         if trailing:
             downstream._held.insert(0, trailing)
@@ -116,15 +130,30 @@ class OutboundProxy:
         source: Workload | None = await pi.wait_for_workload(self._source)
         if source is None:
             log.warning("no workload information for the source of %s -> %s; closing", peer, target)
-            ConnectionResult.failed(pi, src=peer, dst=target, direction="outbound",
-                                    error="unknown source workload")
+            ConnectionResult.failed(
+                pi, src=peer, dst=target, direction="outbound", error="unknown source workload"
+            )
             downstream.abort()
             return
-        route = build_request(pi.state, source, target, network=pi.config.network, node=pi.config.node_name or "",
-                              illegal_ports=pi.config.illegal_ports, rng=pi.rng)
+        route = build_request(
+            pi.state,
+            source,
+            target,
+            network=pi.config.network,
+            node=pi.config.node_name or "",
+            illegal_ports=pi.config.illegal_ports,
+            rng=pi.rng,
+        )
         if isinstance(route, RouteRefused):
-            ConnectionResult.failed(pi, src=peer, dst=target, direction="outbound", error=route.reason,
-                                    source=source, response_flag=route.response_flag)
+            ConnectionResult.failed(
+                pi,
+                src=peer,
+                dst=target,
+                direction="outbound",
+                error=route.reason,
+                source=source,
+                response_flag=route.response_flag,
+            )
             downstream.abort()
             return
         if route.kind is RouteKind.DIRECT_HBONE and route.same_node and self._local_inbound is not None:
@@ -137,7 +166,9 @@ class OutboundProxy:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
                 upstream = await self._open_hbone(route, peer)
             else:
-                sock = await pi.connect(route.actual_destination, _source_ip(source, route.actual_destination))
+                sock = await pi.connect(
+                    route.actual_destination, _source_ip(source, route.actual_destination)
+                )
                 upstream = await wrap_socket(sock)
         except (HboneError, OSError, TimeoutError) as e:
             flag = getattr(e, "response_flag", "CONNECT")
@@ -151,8 +182,9 @@ class OutboundProxy:
         err = await relay.done
         result.complete(relay, err)
 
-    async def _same_node(self, inbound: InboundProxy, route: Route, downstream: TcpEndpoint,
-                         peer: SocketAddr) -> None:
+    async def _same_node(
+        self, inbound: InboundProxy, route: Route, downstream: TcpEndpoint, peer: SocketAddr
+    ) -> None:
         """The same-node fast path: both pods are served by this node proxy, so the destination
         pod's inbound checks run directly, without a TLS connection to ourselves. The source
         identity needs no certificate to prove it: this proxy is the one that would present it.
@@ -163,9 +195,15 @@ class OutboundProxy:
         decision = inbound.local_target(workload, target)
         admitted = decision
         if isinstance(decision, InboundTarget):
-            admitted = await inbound.admit(peer=peer, src_id=route.source_workload.identity,
-                                           source=route.source_workload, workload=workload, local=target,
-                                           target=decision, authority=str(target))
+            admitted = await inbound.admit(
+                peer=peer,
+                src_id=route.source_workload.identity,
+                source=route.source_workload,
+                workload=workload,
+                local=target,
+                target=decision,
+                authority=str(target),
+            )
         if isinstance(admitted, InboundRefusal):
             result.fail(f"{admitted.reason} (same-node fast path)", admitted.response_flag)
             downstream.abort()
@@ -177,8 +215,12 @@ class OutboundProxy:
     async def _open_hbone(self, route: Route, peer: SocketAddr):
         pi = self.pi
         src_id = route.source_workload.identity
-        key = WorkloadKey.of(src_id, route.upstream_sans, route.actual_destination,
-                             _source_ip(route.source_workload, route.actual_destination))
+        key = WorkloadKey.of(
+            src_id,
+            route.upstream_sans,
+            route.actual_destination,
+            _source_ip(route.source_workload, route.actual_destination),
+        )
         service = route.destination_service
         headers = [
             ("forwarded", hbone_headers.forwarded_for(peer, service.hostname if service else None)),
@@ -188,8 +230,12 @@ class OutboundProxy:
         stream, response = await pi.pool.open_stream(key, str(route.hbone_target), headers)
         if response.status != 200:
             flag = "DENY" if response.status == 401 else "CONNECT"
-            raise HboneError(f"HBONE CONNECT to {route.hbone_target} via {route.actual_destination} "
-                             f"answered {response.status}", response_flag=flag, status=response.status)
+            raise HboneError(
+                f"HBONE CONNECT to {route.hbone_target} via {route.actual_destination} "
+                f"answered {response.status}",
+                response_flag=flag,
+                status=response.status,
+            )
         return stream
 
 

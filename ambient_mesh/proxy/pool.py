@@ -52,8 +52,13 @@ Connector = Callable[[WorkloadKey], Awaitable[HboneConnection]]
 
 
 class HbonePool:
-    def __init__(self, connector: Connector, *, max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
-                 unused_release_timeout_s: float = DEFAULT_UNUSED_RELEASE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        connector: Connector,
+        *,
+        max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        unused_release_timeout_s: float = DEFAULT_UNUSED_RELEASE_TIMEOUT_S,
+    ) -> None:
         self._connector = connector
         self.max_streams_per_connection = max_streams_per_connection
         self.unused_release_timeout_s = unused_release_timeout_s
@@ -66,8 +71,10 @@ class HbonePool:
         conns = [c for cs in self._connections.values() for c in cs]
         active = sum(1 for c in conns if c.open_streams)
         streams = sum(c.open_streams for c in conns)
-        return (f"HbonePool({len(self._connections)} keys, {active} active, {len(conns) - active} idle, "
-                f"{streams} streams, {len(self._connecting)} connecting)")
+        return (
+            f"HbonePool({len(self._connections)} keys, {active} active, {len(conns) - active} idle, "
+            f"{streams} streams, {len(self._connecting)} connecting)"
+        )
 
     def connections(self, key: WorkloadKey) -> list[HboneConnection]:
         return list(self._connections.get(key, ()))
@@ -88,8 +95,9 @@ class HbonePool:
                 return conn
         return None
 
-    async def open_stream(self, key: WorkloadKey, authority: str,
-                          headers: list[tuple[str, str]]) -> tuple[HboneStream, ConnectResponse]:
+    async def open_stream(
+        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]
+    ) -> tuple[HboneStream, ConnectResponse]:
         """A CONNECT stream to `key.dst` on a pooled connection (a new one when all are full)."""
         while True:
             conn = self._ready_connection(key)
@@ -169,10 +177,14 @@ class HboneConnector:
     """Opens one HBONE connection: TCP (marked), mTLS with the source workload's certificate,
     server identity checked against the expected SANs, then HTTP/2."""
 
-    def __init__(self, *, fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
-                 verify_server: Callable[[object, tuple[Identity, ...]], Identity],
-                 open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[object]],
-                 settings: HboneSettings = DEFAULT_SETTINGS) -> None:
+    def __init__(
+        self,
+        *,
+        fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
+        verify_server: Callable[[object, tuple[Identity, ...]], Identity],
+        open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[object]],
+        settings: HboneSettings = DEFAULT_SETTINGS,
+    ) -> None:
         self._fetch_client_context = fetch_client_context
         self._verify_server = verify_server
         self._open_socket = open_socket
@@ -183,10 +195,15 @@ class HboneConnector:
         try:
             sock = await asyncio.wait_for(self._open_socket(key.dst, key.src), CONNECT_TIMEOUT_S)
         except TimeoutError:
-            raise HboneError(f"timed out connecting to {key.dst}", response_flag="NETWORK_POLICY",
-                             hint="is a NetworkPolicy blocking port 15008?") from None
+            raise HboneError(
+                f"timed out connecting to {key.dst}",
+                response_flag="NETWORK_POLICY",
+                hint="is a NetworkPolicy blocking port 15008?",
+            ) from None
         except OSError as e:
-            raise HboneError(f"cannot connect to {key.dst}: {e.strerror or e}", response_flag="CONNECT") from None
+            raise HboneError(
+                f"cannot connect to {key.dst}: {e.strerror or e}", response_flag="CONNECT"
+            ) from None
         loop = asyncio.get_running_loop()
 
         def check_server(conn: HboneConnection) -> None:
@@ -195,11 +212,20 @@ class HboneConnector:
         conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)
         try:
             # uvloop returns its SSL protocol here, not ours: keep our own reference.
-            await loop.create_connection(lambda: conn, sock=sock, ssl=ctx, server_hostname="",
-                                         ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            await loop.create_connection(
+                lambda: conn,
+                sock=sock,
+                ssl=ctx,
+                server_hostname="",
+                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S,
+            )
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()
-            raise HboneError(f"TLS handshake with {key.dst} failed: {e}", response_flag="TLS_FAILURE") from None
+            raise HboneError(
+                f"TLS handshake with {key.dst} failed: {e}", response_flag="TLS_FAILURE"
+            ) from None
         if conn.error is not None:
-            raise HboneError(f"{key.dst} presented the wrong identity: {conn.error}", response_flag="TLS_FAILURE")
+            raise HboneError(
+                f"{key.dst} presented the wrong identity: {conn.error}", response_flag="TLS_FAILURE"
+            )
         return conn

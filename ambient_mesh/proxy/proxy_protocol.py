@@ -50,11 +50,16 @@ def encode_v2(source: SocketAddr, destination: SocketAddr, tlvs: Iterable[tuple[
     """A PROXY v2 header. Mixed families are sent as IPv6 with the IPv4 side mapped."""
     if source.ip.version == 4 and destination.ip.version == 4:
         family = FAMILY_TCP4
-        addresses = source.ip.packed + destination.ip.packed + struct.pack("!HH", source.port, destination.port)
+        addresses = (
+            source.ip.packed + destination.ip.packed + struct.pack("!HH", source.port, destination.port)
+        )
     else:
         family = FAMILY_TCP6
-        addresses = (_as_v6(source.ip).packed + _as_v6(destination.ip).packed
-                     + struct.pack("!HH", source.port, destination.port))
+        addresses = (
+            _as_v6(source.ip).packed
+            + _as_v6(destination.ip).packed
+            + struct.pack("!HH", source.port, destination.port)
+        )
     body = bytearray(addresses)
     for kind, value in tlvs:
         if not 0 <= kind <= 0xFF or len(value) > 0xFFFF:
@@ -83,7 +88,7 @@ def decode_v2(data: bytes) -> tuple[ProxyHeader, int] | None:
     (length,) = struct.unpack_from("!H", data, 14)
     if len(data) < HEADER_FIXED_BYTES + length:
         return None
-    body = bytes(data[HEADER_FIXED_BYTES:HEADER_FIXED_BYTES + length])
+    body = bytes(data[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + length])
     if family == FAMILY_TCP4:
         if length < 12:
             raise ProxyProtocolError("IPv4 address block too short")
@@ -106,6 +111,8 @@ def decode_v2(data: bytes) -> tuple[ProxyHeader, int] | None:
         offset += 3
         if length - offset < size:
             raise ProxyProtocolError(f"TLV {kind:#x} claims {size} bytes, {length - offset} left")
-        tlvs.append((kind, body[offset:offset + size]))
+        tlvs.append((kind, body[offset : offset + size]))
         offset += size
-    return ProxyHeader(SocketAddr(src, sport), SocketAddr(dst, dport), tuple(tlvs)), HEADER_FIXED_BYTES + length
+    return ProxyHeader(
+        SocketAddr(src, sport), SocketAddr(dst, dport), tuple(tlvs)
+    ), HEADER_FIXED_BYTES + length

@@ -51,11 +51,20 @@ class Relay:
     `done` resolves with None on a clean finish or the error that ended the relay.
     """
 
-    __slots__ = ("downstream", "upstream", "bytes_up", "bytes_down", "done", "_eof_from",
-                 "_on_progress", "_closed")
+    __slots__ = (
+        "downstream",
+        "upstream",
+        "bytes_up",
+        "bytes_down",
+        "done",
+        "_eof_from",
+        "_on_progress",
+        "_closed",
+    )
 
-    def __init__(self, downstream: Endpoint, upstream: Endpoint,
-                 on_progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self, downstream: Endpoint, upstream: Endpoint, on_progress: Callable[[int, int], None] | None = None
+    ) -> None:
         self.downstream = downstream
         self.upstream = upstream
         self.bytes_up = 0
@@ -68,8 +77,13 @@ class Relay:
         upstream.relay = self
 
     def __repr__(self) -> str:
-        state = "done" if self.done.done() else f"half-closed from {len(self._eof_from)} side(s)" \
-            if self._eof_from else "open"
+        state = (
+            "done"
+            if self.done.done()
+            else f"half-closed from {len(self._eof_from)} side(s)"
+            if self._eof_from
+            else "open"
+        )
         return f"Relay({state}, up={self.bytes_up}B, down={self.bytes_down}B)"
 
     def _other(self, side: Endpoint) -> Endpoint:
@@ -239,16 +253,28 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
             self.transport.pause_reading()
 
 
-async def wrap_socket(sock, *, ssl=None, server_side: bool = False, server_hostname: str | None = None,
-                      handshake_timeout: float | None = None) -> TcpEndpoint:
+async def wrap_socket(
+    sock,
+    *,
+    ssl=None,
+    server_side: bool = False,
+    server_hostname: str | None = None,
+    handshake_timeout: float | None = None,
+) -> TcpEndpoint:
     """Hand a connected socket to the event loop as a (paused) TcpEndpoint."""
     loop = asyncio.get_running_loop()
     endpoint = TcpEndpoint()
     if server_side:
-        await loop.connect_accepted_socket(lambda: endpoint, sock, ssl=ssl,
-                                           ssl_handshake_timeout=handshake_timeout if ssl else None)
+        await loop.connect_accepted_socket(
+            lambda: endpoint, sock, ssl=ssl, ssl_handshake_timeout=handshake_timeout if ssl else None
+        )
     else:
-        await loop.create_connection(lambda: endpoint, sock=sock, ssl=ssl, server_hostname=server_hostname,
-                                     ssl_handshake_timeout=handshake_timeout if ssl else None)
+        await loop.create_connection(
+            lambda: endpoint,
+            sock=sock,
+            ssl=ssl,
+            server_hostname=server_hostname,
+            ssl_handshake_timeout=handshake_timeout if ssl else None,
+        )
     endpoint.hold_reading()
     return endpoint

@@ -116,8 +116,14 @@ def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_
     return sock
 
 
-def listen_socket(addr: SocketAddr, *, mark: int | None = None, transparent: bool = False,
-                  reuse_port: bool = False, factory: SocketFactory = plain_socket) -> socket.socket:
+def listen_socket(
+    addr: SocketAddr,
+    *,
+    mark: int | None = None,
+    transparent: bool = False,
+    reuse_port: bool = False,
+    factory: SocketFactory = plain_socket,
+) -> socket.socket:
     """A listening socket bound as ztunnel binds: `[::]` listeners are dual-stack."""
     sock = factory(addr.family)
     try:

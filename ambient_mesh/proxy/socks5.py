@@ -186,7 +186,9 @@ class Socks5Handshake:
         if version != SOCKS_VERSION:
             raise self._fail(f"SOCKS version {version} in request, expected 5", ReplyCode.GENERAL_FAILURE)
         if command != CMD_CONNECT:
-            raise self._fail(f"SOCKS command {command} is not supported, only CONNECT (1)", ReplyCode.COMMAND_NOT_SUPPORTED)
+            raise self._fail(
+                f"SOCKS command {command} is not supported, only CONNECT (1)", ReplyCode.COMMAND_NOT_SUPPORTED
+            )
         if atyp == ATYP_DOMAIN:
             if len(buf) < 5:
                 return NeedMoreData()
@@ -194,7 +196,9 @@ class Socks5Handshake:
         elif atyp in _ADDRESS_BYTES:
             addr_start, addr_len = 4, _ADDRESS_BYTES[atyp]
         else:
-            raise self._fail(f"SOCKS address type {atyp} is not supported", ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED)
+            raise self._fail(
+                f"SOCKS address type {atyp} is not supported", ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED
+            )
         end = addr_start + addr_len + _PORT_BYTES
         if len(buf) < end:
             return NeedMoreData()
@@ -220,7 +224,9 @@ class Socks5Handshake:
             # Clients send IDNs in their ASCII (punycode) form; anything else is not a name.
             raise self._fail(f"SOCKS domain name {raw!r} is not ASCII", ReplyCode.GENERAL_FAILURE) from None
         if not name or not name.isprintable() or " " in name:
-            raise self._fail(f"SOCKS domain name {name!r} is empty or not printable", ReplyCode.GENERAL_FAILURE)
+            raise self._fail(
+                f"SOCKS domain name {name!r} is empty or not printable", ReplyCode.GENERAL_FAILURE
+            )
         return name
 
 

@@ -21,14 +21,40 @@ REPORTER_DESTINATION = "destination"
 
 
 class ConnectionResult:
-    __slots__ = ("pi", "direction", "src_addr", "dst_addr", "hbone_addr", "source", "source_identity",
-                 "destination", "service", "destination_identity", "mtls", "recorder", "started", "_done",
-                 "_add_received", "_add_sent")
+    __slots__ = (
+        "pi",
+        "direction",
+        "src_addr",
+        "dst_addr",
+        "hbone_addr",
+        "source",
+        "source_identity",
+        "destination",
+        "service",
+        "destination_identity",
+        "mtls",
+        "recorder",
+        "started",
+        "_done",
+        "_add_received",
+        "_add_sent",
+    )
 
-    def __init__(self, pi, *, direction: str, src_addr: SocketAddr, dst_addr: SocketAddr,
-                 hbone_addr: SocketAddr | str | None, source: Workload | None, source_identity: Identity | None,
-                 destination: Workload | None, service: Service | None,
-                 destination_identity: Identity | None, mtls: bool) -> None:
+    def __init__(
+        self,
+        pi,
+        *,
+        direction: str,
+        src_addr: SocketAddr,
+        dst_addr: SocketAddr,
+        hbone_addr: SocketAddr | str | None,
+        source: Workload | None,
+        source_identity: Identity | None,
+        destination: Workload | None,
+        service: Service | None,
+        destination_identity: Identity | None,
+        mtls: bool,
+    ) -> None:
         self.pi = pi
         self.direction = direction
         self.src_addr = src_addr
@@ -43,8 +69,9 @@ class ConnectionResult:
         self.started = time.monotonic()
         self._done = False
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        labels = ConnectionLabels.build(reporter, source, source_identity, destination, service,
-                                        destination_identity, mtls)
+        labels = ConnectionLabels.build(
+            reporter, source, source_identity, destination, service, destination_identity, mtls
+        )
         self.recorder = pi.metrics.connection_opened(labels)
         self._add_received = self.recorder.add_received
         self._add_sent = self.recorder.add_sent
@@ -55,13 +82,21 @@ class ConnectionResult:
     @classmethod
     def outbound(cls, pi, route: Route, peer: SocketAddr) -> ConnectionResult:
         hbone = route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT)
-        return cls(pi, direction="outbound", src_addr=peer, dst_addr=route.actual_destination,
-                   hbone_addr=route.hbone_target if hbone else None, source=route.source_workload,
-                   source_identity=route.source_workload.identity if hbone else None,
-                   destination=route.destination_workload, service=route.destination_service,
-                   destination_identity=(route.destination_workload.identity
-                                         if hbone and route.destination_workload else None),
-                   mtls=hbone)
+        return cls(
+            pi,
+            direction="outbound",
+            src_addr=peer,
+            dst_addr=route.actual_destination,
+            hbone_addr=route.hbone_target if hbone else None,
+            source=route.source_workload,
+            source_identity=route.source_workload.identity if hbone else None,
+            destination=route.destination_workload,
+            service=route.destination_service,
+            destination_identity=(
+                route.destination_workload.identity if hbone and route.destination_workload else None
+            ),
+            mtls=hbone,
+        )
 
     def progress(self, up: int, down: int) -> None:
         # client -> server bytes are "received" in Istio's metric vocabulary, the reverse "sent"
@@ -71,13 +106,22 @@ class ConnectionResult:
             self._add_sent(down)
 
     def dump_info(self) -> dict:
-        return {"direction": self.direction, "src": str(self.src_addr), "originalDst": str(self.hbone_addr or self.dst_addr),
-                "actualDst": str(self.dst_addr), "protocol": "HBONE" if self.mtls else "TCP"}
+        return {
+            "direction": self.direction,
+            "src": str(self.src_addr),
+            "originalDst": str(self.hbone_addr or self.dst_addr),
+            "actualDst": str(self.dst_addr),
+            "protocol": "HBONE" if self.mtls else "TCP",
+        }
 
     def complete(self, relay, error: BaseException | None) -> None:
         flag = "-" if error is None else getattr(error, "response_flag", "CONNECT")
-        self._finish(relay.bytes_up, relay.bytes_down, None if error is None else str(error) or type(error).__name__,
-                     flag)
+        self._finish(
+            relay.bytes_up,
+            relay.bytes_down,
+            None if error is None else str(error) or type(error).__name__,
+            flag,
+        )
 
     def fail(self, error: str, response_flag: str) -> None:
         self._finish(0, 0, error, response_flag)
@@ -88,21 +132,43 @@ class ConnectionResult:
         self._done = True
         self.recorder.close(flag)
         src, dst = self.source, self.destination
-        log_connection_complete(AccessLogFields(
-            src_addr=self.src_addr, src_workload=src and (src.workload_name or src.name),
-            src_namespace=src and src.namespace, src_identity=self.source_identity,
-            src_cluster=src and src.cluster_id,
-            dst_addr=self.dst_addr, dst_hbone_addr=self.hbone_addr,
-            dst_service=self.service and self.service.hostname,
-            dst_workload=dst and (dst.workload_name or dst.name), dst_namespace=dst and dst.namespace,
-            dst_identity=self.destination_identity, dst_cluster=dst and dst.cluster_id,
-            direction=self.direction, bytes_sent=down, bytes_recv=up,
-            duration_ms=int((time.monotonic() - self.started) * 1000), error=error, mtls=self.mtls))
+        log_connection_complete(
+            AccessLogFields(
+                src_addr=self.src_addr,
+                src_workload=src and (src.workload_name or src.name),
+                src_namespace=src and src.namespace,
+                src_identity=self.source_identity,
+                src_cluster=src and src.cluster_id,
+                dst_addr=self.dst_addr,
+                dst_hbone_addr=self.hbone_addr,
+                dst_service=self.service and self.service.hostname,
+                dst_workload=dst and (dst.workload_name or dst.name),
+                dst_namespace=dst and dst.namespace,
+                dst_identity=self.destination_identity,
+                dst_cluster=dst and dst.cluster_id,
+                direction=self.direction,
+                bytes_sent=down,
+                bytes_recv=up,
+                duration_ms=int((time.monotonic() - self.started) * 1000),
+                error=error,
+                mtls=self.mtls,
+            )
+        )
 
     @staticmethod
-    def failed(pi, *, src: SocketAddr, dst: SocketAddr, direction: str, error: str,
-               source: Workload | None = None, destination: Workload | None = None,
-               response_flag: str = "CONNECT") -> None:
+    def failed(
+        pi,
+        *,
+        src: SocketAddr,
+        dst: SocketAddr,
+        direction: str,
+        error: str,
+        source: Workload | None = None,
+        destination: Workload | None = None,
+        response_flag: str = "CONNECT",
+    ) -> None:
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        pi.metrics.connection_failed(ConnectionLabels.build(reporter, source, None, destination), response_flag)
+        pi.metrics.connection_failed(
+            ConnectionLabels.build(reporter, source, None, destination), response_flag
+        )
         log_connection_failed(src_addr=src, dst_addr=dst, direction=direction, error=error)

@@ -42,51 +42,90 @@ class ListenerAddresses:
 
     @classmethod
     def from_config(cls, config: ZtunnelConfig) -> ListenerAddresses:
-        return cls(outbound=config.outbound_addr, inbound=config.inbound_addr,
-                   inbound_plaintext=config.inbound_plaintext_addr,
-                   socks5=config.socks5_addr if config.socks5_enabled else None)
+        return cls(
+            outbound=config.outbound_addr,
+            inbound=config.inbound_addr,
+            inbound_plaintext=config.inbound_plaintext_addr,
+            socks5=config.socks5_addr if config.socks5_enabled else None,
+        )
 
 
 def hbone_settings(config: ZtunnelConfig) -> HboneSettings:
-    return HboneSettings(stream_window_bytes=config.http2_stream_window_size,
-                         connection_window_bytes=config.http2_connection_window_size,
-                         max_frame_bytes=config.http2_frame_size)
+    return HboneSettings(
+        stream_window_bytes=config.http2_stream_window_size,
+        connection_window_bytes=config.http2_connection_window_size,
+        max_frame_bytes=config.http2_frame_size,
+    )
 
 
 class WorkloadProxy:
-    def __init__(self, *, name: str, config: ZtunnelConfig, state: ProxyState, cert_manager: SecretManager,
-                 tls: TlsContextCache, metrics: Metrics, served: Callable[[], Workload | None],
-                 addresses: ListenerAddresses, transparent: bool, socket_factory: SocketFactory = plain_socket,
-                 reuse_port: bool = False,
-                 local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
-                 dns: DnsServer | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        config: ZtunnelConfig,
+        state: ProxyState,
+        cert_manager: SecretManager,
+        tls: TlsContextCache,
+        metrics: Metrics,
+        served: Callable[[], Workload | None],
+        addresses: ListenerAddresses,
+        transparent: bool,
+        socket_factory: SocketFactory = plain_socket,
+        reuse_port: bool = False,
+        local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
+        dns: DnsServer | None = None,
+    ) -> None:
         self.name = name
         self.dns = dns  # the DNS proxy (15053) serving the same workload, when enabled
         self._served = served
-        self.pi = ProxyInputs(config=config, state=state, cert_manager=cert_manager, tls=tls, metrics=metrics,
-                              transparent=transparent, socket_factory=socket_factory)
+        self.pi = ProxyInputs(
+            config=config,
+            state=state,
+            cert_manager=cert_manager,
+            tls=tls,
+            metrics=metrics,
+            transparent=transparent,
+            socket_factory=socket_factory,
+        )
         settings = hbone_settings(config)
         self.pi.pool = HbonePool(
-            HboneConnector(fetch_client_context=self.pi.client_context, verify_server=verify_server_identity,
-                           open_socket=self.pi.connect, settings=settings),
+            HboneConnector(
+                fetch_client_context=self.pi.client_context,
+                verify_server=verify_server_identity,
+                open_socket=self.pi.connect,
+                settings=settings,
+            ),
             max_streams_per_connection=config.pool_max_streams_per_connection,
-            unused_release_timeout_s=config.pool_unused_release_timeout_s)
-        self.outbound = OutboundProxy(self.pi, served, local_inbound,
-                                      resolve_name=dns.resolve if dns is not None else None)
+            unused_release_timeout_s=config.pool_unused_release_timeout_s,
+        )
+        self.outbound = OutboundProxy(
+            self.pi, served, local_inbound, resolve_name=dns.resolve if dns is not None else None
+        )
         self.inbound = InboundProxy(self.pi, self.local_workload, settings)
         self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
         mark, tracker = config.packet_mark, self.pi.connections
         common = {"mark": mark, "reuse_port": reuse_port, "socket_factory": socket_factory}
         self.listeners: dict[str, Listener] = {
-            "outbound": Listener("outbound", addresses.outbound, self.outbound.handle_captured, tracker, **common),
-            "inbound": Listener("inbound", addresses.inbound, self.inbound.handle, tracker,
-                                transparent=transparent, **common),
-            "inbound plaintext": Listener("inbound plaintext", addresses.inbound_plaintext,
-                                          self.passthrough.handle, tracker, transparent=transparent, **common),
+            "outbound": Listener(
+                "outbound", addresses.outbound, self.outbound.handle_captured, tracker, **common
+            ),
+            "inbound": Listener(
+                "inbound", addresses.inbound, self.inbound.handle, tracker, transparent=transparent, **common
+            ),
+            "inbound plaintext": Listener(
+                "inbound plaintext",
+                addresses.inbound_plaintext,
+                self.passthrough.handle,
+                tracker,
+                transparent=transparent,
+                **common,
+            ),
         }
         if addresses.socks5 is not None:
-            self.listeners["socks5"] = Listener("socks5", addresses.socks5, self.outbound.handle_socks5,
-                                                tracker, **common)
+            self.listeners["socks5"] = Listener(
+                "socks5", addresses.socks5, self.outbound.handle_socks5, tracker, **common
+            )
 
     def __repr__(self) -> str:
         return f"WorkloadProxy({self.name}, {self.pi.pool!r}, {self.pi.connections!r})"
@@ -115,7 +154,9 @@ class WorkloadProxy:
         for listener in self.listeners.values():
             listener.start()
         if self.dns is not None:
-            self._dns_start = asyncio.get_running_loop().create_task(self.dns.start(), name=f"dns {self.name}")
+            self._dns_start = asyncio.get_running_loop().create_task(
+                self.dns.start(), name=f"dns {self.name}"
+            )
 
     def bound_addresses(self) -> dict[str, str]:
         addresses = {name: str(lst.bound_address) for name, lst in self.listeners.items()}
@@ -136,7 +177,9 @@ class WorkloadProxy:
         self.pi.pool.close()
         tasks = set(self.pi.connections.tasks)
         if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
+            _done, pending = (
+                await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
+            )
             if pending:
                 log.warning("%s: drain deadline passed, closing %d connections", self.name, len(pending))
                 for relay in list(self.pi.connections.relays):

@@ -122,13 +122,19 @@ def _port_map(ports: Mapping[int, int]) -> dict[str, int]:
 
 
 def dump_endpoint(endpoint: Endpoint) -> JSON:
-    return {"workloadUid": endpoint.workload_uid, "port": _port_map(endpoint.port),
-            "status": endpoint.status.value}
+    return {
+        "workloadUid": endpoint.workload_uid,
+        "port": _port_map(endpoint.port),
+        "status": endpoint.status.value,
+    }
 
 
 def _load_balancer(lb: LoadBalancing) -> JSON:
-    return {"routingPreferences": [scope.value for scope in lb.routing_preferences],
-            "mode": lb.mode.value, "healthPolicy": lb.health_policy.value}
+    return {
+        "routingPreferences": [scope.value for scope in lb.routing_preferences],
+        "mode": lb.mode.value,
+        "healthPolicy": lb.health_policy.value,
+    }
 
 
 def dump_service(s: Service) -> JSON:
@@ -155,8 +161,9 @@ def dump_service(s: Service) -> JSON:
     if s.cidr_vips:
         out["cidrVips"] = [{"network": network, "cidr": str(cidr)} for network, cidr in s.cidr_vips]
     if s.weighted_waypoints:
-        out["weightedWaypoints"] = [{"destination": dump_gateway(ww.destination), "weight": ww.weight}
-                                    for ww in s.weighted_waypoints]
+        out["weightedWaypoints"] = [
+            {"destination": dump_gateway(ww.destination), "weight": ww.weight} for ww in s.weighted_waypoints
+        ]
     if s.visibility is not Visibility.PUBLIC:
         out["visibility"] = s.visibility.value
     return out
@@ -174,8 +181,9 @@ def dump_staged_services(state: ProxyState) -> dict[str, dict[str, JSON]]:
     for key in keys:
         endpoints = state.services.staged_endpoints(key)
         if endpoints:
-            out[key] = {ep.workload_uid: dump_endpoint(ep)
-                        for ep in sorted(endpoints, key=lambda e: e.workload_uid)}
+            out[key] = {
+                ep.workload_uid: dump_endpoint(ep) for ep in sorted(endpoints, key=lambda e: e.workload_uid)
+            }
     return out
 
 
@@ -278,8 +286,7 @@ def dump_static_config(config: ZtunnelConfig) -> JSON | None:
 def build_info(version: str) -> JSON:
     """`version`: ztunnel's `BuildInfo` keys where we have a value; `pythonVersion` stands where
     ztunnel has `rustVersion`. Git details are not known to an installed package, so not shown."""
-    return {"version": version, "pythonVersion": platform.python_version(),
-            "implementation": "ambient-mesh"}
+    return {"version": version, "pythonVersion": platform.python_version(), "implementation": "ambient-mesh"}
 
 
 # -- certificates --------------------------------------------------------------------------------
@@ -351,18 +358,21 @@ def dump_workload_state(
         return {}
     if served is not None:
         key, state = served.uid, "Up"
-        who = {"name": served.name, "namespace": served.namespace,
-               "serviceAccount": served.service_account}
+        who = {"name": served.name, "namespace": served.namespace, "serviceAccount": served.service_account}
     else:
         assert info is not None
         key, state = str(info), "Pending"
         who = {"name": info.name, "namespace": info.namespace, "serviceAccount": info.service_account}
-    return {key: {
-        "state": state,
-        "info": who,
-        "connections": {"inbound": [_connection(c) for c in inbound],
-                        "outbound": [_connection(c) for c in outbound]},
-    }}
+    return {
+        key: {
+            "state": state,
+            "info": who,
+            "connections": {
+                "inbound": [_connection(c) for c in inbound],
+                "outbound": [_connection(c) for c in outbound],
+            },
+        }
+    }
 
 
 __all__ = [

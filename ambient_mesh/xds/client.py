@@ -59,7 +59,9 @@ ON_DEMAND_TIMEOUT_S = 5.0
 
 # Statuses that mean "istiod is rotating this connection" (max connection age, shutdown):
 # reconnect after the initial 10 ms without growing the backoff (spec 4.1).
-_BENIGN_CODES = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
+_BENIGN_CODES = frozenset(
+    {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 _BENIGN_UNAVAILABLE = ("transport is closing", "received prior goaway", "goaway received")
 
 # istio_xds_connection_terminations_total{reason}. ztunnel has no reason of its own for a
@@ -103,8 +105,11 @@ def read_token(auth: AuthToken) -> str | None:
             try:
                 return Path(auth.value).read_text(encoding="utf-8").strip()
             except (OSError, UnicodeDecodeError) as e:
-                raise ConfigError("AUTH_TOKEN", f"cannot read token file {auth.value!r}: {e}",
-                                  hint="is the projected service-account token mounted?") from None
+                raise ConfigError(
+                    "AUTH_TOKEN",
+                    f"cannot read token file {auth.value!r}: {e}",
+                    hint="is the projected service-account token mounted?",
+                ) from None
     raise AssertionError(auth.kind)
 
 
@@ -118,8 +123,11 @@ def _root_certificates(root: RootCert) -> bytes | None:
             try:
                 return Path(root.value).read_bytes()
             except OSError as e:
-                raise ConfigError("XDS_ROOT_CA", f"cannot read root certificate {root.value!r}: {e}",
-                                  hint="is the istio-ca-root-cert ConfigMap mounted?") from None
+                raise ConfigError(
+                    "XDS_ROOT_CA",
+                    f"cannot read root certificate {root.value!r}: {e}",
+                    hint="is the istio-ca-root-cert ConfigMap mounted?",
+                ) from None
     raise AssertionError(root.kind)
 
 
@@ -230,8 +238,14 @@ class XdsClient:
             self.last_error = None if end is StreamEnd.COMPLETE else detail
             delay, backoff = reconnect_delay(end, backoff)
             level = logging.DEBUG if end is StreamEnd.RECONNECT else logging.WARNING
-            log.log(level, "xDS stream %d ended (%s: %s); reconnecting in %.3fs",
-                    self.streams, end.value, detail, delay)
+            log.log(
+                level,
+                "xDS stream %d ended (%s: %s); reconnecting in %.3fs",
+                self.streams,
+                end.value,
+                detail,
+                delay,
+            )
             if delay > 0:
                 await self._sleep(delay)
 
@@ -359,13 +373,22 @@ class XdsClient:
         link = f"connected (stream {self.streams})" if self.connected else "disconnected"
         known = sum(len(names) for names in self.session.known.values())
         ready = "ready" if self.ready.is_set() else "not ready"
-        return (f"<XdsClient {self.config.xds_address}: {link}, {self.pushes} pushes, "
-                f"{known} resources known, {len(self.session.pending)} on-demand pending, {ready}>")
+        return (
+            f"<XdsClient {self.config.xds_address}: {link}, {self.pushes} pushes, "
+            f"{known} resources known, {len(self.session.pending)} on-demand pending, {ready}>"
+        )
 
 
 def _describe(error: grpc.aio.AioRpcError) -> str:
     return f"{error.code().name}: {error.details()}"
 
 
-__all__ = ["TERMINATION_REASON", "XdsClient", "classify_status", "grpc_target", "make_channel", "read_token",
-           "resource_bytes"]
+__all__ = [
+    "TERMINATION_REASON",
+    "XdsClient",
+    "classify_status",
+    "grpc_target",
+    "make_channel",
+    "read_token",
+    "resource_bytes",
+]

@@ -253,14 +253,16 @@ def _service(pb: workload_pb2.Service) -> Service:
     for ww in pb.weighted_waypoints:
         if not ww.HasField("destination"):
             raise _Invalid("weighted_waypoints: entry has no destination")
-        weighted.append(WeightedWaypoint(destination=_gateway(ww.destination, "weighted_waypoints"),
-                                         weight=ww.weight))
+        weighted.append(
+            WeightedWaypoint(destination=_gateway(ww.destination, "weighted_waypoints"), weight=ww.weight)
+        )
     load_balancer = None
     if pb.HasField("load_balancing"):
         lb = pb.load_balancing
         load_balancer = LoadBalancing(
             routing_preferences=tuple(
-                _enum(_LB_SCOPE, scope, "load_balancing.routing_preference") for scope in lb.routing_preference
+                _enum(_LB_SCOPE, scope, "load_balancing.routing_preference")
+                for scope in lb.routing_preference
             ),
             mode=_enum(_LB_MODE, lb.mode, "load_balancing.mode"),
             health_policy=_enum(_HEALTH_POLICY, lb.health_policy, "load_balancing.health_policy"),
@@ -286,7 +288,9 @@ def _service(pb: workload_pb2.Service) -> Service:
 # -- authorization -----------------------------------------------------------------------------
 
 
-def authorization_from_proto(pb: authorization_pb2.Authorization, *, name: str | None = None) -> Authorization:
+def authorization_from_proto(
+    pb: authorization_pb2.Authorization, *, name: str | None = None
+) -> Authorization:
     """An `istio.security.Authorization` as the rbac model."""
     return _named(f"{pb.namespace}/{pb.name}" if name is None else name, _authorization, pb)
 

@@ -128,13 +128,20 @@ def build_node(config: ZtunnelConfig) -> base_pb2.Node:
     pod_name = config.pod_name or ""
     namespace = config.pod_namespace or ""
     metadata = struct_pb2.Struct()
-    fields = {"NAME": pod_name, "NAMESPACE": namespace, "INSTANCE_IPS": ip, "NODE_NAME": config.node_name or ""}
+    fields = {
+        "NAME": pod_name,
+        "NAMESPACE": namespace,
+        "INSTANCE_IPS": ip,
+        "NODE_NAME": config.node_name or "",
+    }
     # ISTIO_META_* entries come after the fixed keys and win over them, as in ztunnel.
     fields.update(config.istio_meta)
     metadata.update(fields)
     for key, value in config.istio_meta_json.items():
         json_format.ParseDict(value, metadata.fields[key])
-    return base_pb2.Node(id=f"ztunnel~{ip}~{pod_name}.{namespace}~{namespace}.{NODE_ID_SUFFIX}", metadata=metadata)
+    return base_pb2.Node(
+        id=f"ztunnel~{ip}~{pod_name}.{namespace}~{namespace}.{NODE_ID_SUFFIX}", metadata=metadata
+    )
 
 
 class XdsSession:
@@ -249,11 +256,15 @@ class XdsSession:
     def __repr__(self) -> str:
         mode = "on-demand" if self.on_demand else "wildcard"
         counts = ", ".join(f"{len(self.known[t])} {t.rsplit('.', 1)[-1]}" for t in WATCHED_TYPES)
-        state = "ready" if self.ready else "waiting for " + ", ".join(
-            t.rsplit(".", 1)[-1] for t in self._awaiting
+        state = (
+            "ready"
+            if self.ready
+            else "waiting for " + ", ".join(t.rsplit(".", 1)[-1] for t in self._awaiting)
         )
-        return (f"<XdsSession {mode}: {counts} known, {len(self.pending)} pending on-demand, "
-                f"{self.responses} responses ({self.nacks} NACKed), {state}>")
+        return (
+            f"<XdsSession {mode}: {counts} known, {len(self.pending)} pending on-demand, "
+            f"{self.responses} responses ({self.nacks} NACKed), {state}>"
+        )
 
 
 __all__ = [

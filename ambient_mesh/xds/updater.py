@@ -41,8 +41,12 @@ class UpdateSummary:
     rejected: int = 0
 
     def __str__(self) -> str:
-        parts = [f"{self.workloads} workloads", f"{self.services} services", f"{self.policies} policies",
-                 f"{self.removed} removed"]
+        parts = [
+            f"{self.workloads} workloads",
+            f"{self.services} services",
+            f"{self.policies} policies",
+            f"{self.removed} removed",
+        ]
         if self.not_found:
             parts.append(f"{self.not_found} unknown removals")
         if self.rejected:
@@ -92,7 +96,9 @@ class StateUpdater:
                     counts["not_found"] += 1
         else:
             return UpdateSummary(source=push.type_url)
-        summary = UpdateSummary(source=push.type_url.rsplit(".", 1)[-1], rejected=len(push.rejected), **counts)
+        summary = UpdateSummary(
+            source=push.type_url.rsplit(".", 1)[-1], rejected=len(push.rejected), **counts
+        )
         applied = len(push.added) + len(push.removed)
         if applied:
             self._state_changed()
@@ -164,8 +170,10 @@ class StateUpdater:
                 log.exception("policy listener %r failed", callback)
 
     def __repr__(self) -> str:
-        return (f"<StateUpdater: {self.pushes_applied} pushes applied, "
-                f"{len(self._policy_listeners)} policy listeners, {self.state!r}>")
+        return (
+            f"<StateUpdater: {self.pushes_applied} pushes applied, "
+            f"{len(self._policy_listeners)} policy listeners, {self.state!r}>"
+        )
 
 
 __all__ = ["StateUpdater", "UpdateSummary"]

@@ -194,8 +194,10 @@ class ZdsClientState:
         return tuple(sorted(self._pending))
 
     def __repr__(self) -> str:
-        return (f"<ZdsClientState {self.phase.value}: {len(self._running)} running, {len(self._pending)} pending"
-                f"{', ready' if self.ready else ''}>")
+        return (
+            f"<ZdsClientState {self.phase.value}: {len(self._running)} running, {len(self._pending)} pending"
+            f"{', ready' if self.ready else ''}>"
+        )
 
     # -- connection lifecycle ----------------------------------------------------------------------
 
@@ -240,10 +242,13 @@ class ZdsClientState:
         """One decoded request. For an Add, `netns_id` identifies its namespace (the shell fstat()s
         the fd); None means unknown and never matches a running proxy."""
         if self.phase not in (ClientPhase.HELLO_SENT, ClientPhase.SNAPSHOT, ClientPhase.STEADY):
-            raise ZdsProtocolError(f"request {type(msg).__name__} while {self.phase.value}",
-                                   fds=fds_to_send(msg))
+            raise ZdsProtocolError(
+                f"request {type(msg).__name__} while {self.phase.value}", fds=fds_to_send(msg)
+            )
         if self._starting:
-            raise ZdsProtocolError("request while a proxy start is still being reported", fds=fds_to_send(msg))
+            raise ZdsProtocolError(
+                "request while a proxy start is still being reported", fds=fds_to_send(msg)
+            )
         if self.phase is ClientPhase.HELLO_SENT:
             self.phase = ClientPhase.SNAPSHOT
         match msg:
@@ -282,7 +287,11 @@ class ZdsClientState:
             self._pending[uid] = _Pending(info=start.info, netns_fd=start.netns_fd, netns_id=netns_id)
             if self.next_retry_at is None:
                 self.next_retry_at = now + self.retry_interval_s
-            commands = [] if start.retry else [SendAck(error=nack_text(f"failure to start proxy for {uid}: {error}"))]
+            commands = (
+                []
+                if start.retry
+                else [SendAck(error=nack_text(f"failure to start proxy for {uid}: {error}"))]
+            )
         if not self._pending:
             self.next_retry_at = None
         return commands
@@ -442,7 +451,9 @@ class ZdsClient:
         self._clock = clock
         self._sleep = sleep
         self._on_ready_change = on_ready_change
-        self._metrics: WorkloadManagerMetrics | None = metrics.workload_manager if metrics is not None else None
+        self._metrics: WorkloadManagerMetrics | None = (
+            metrics.workload_manager if metrics is not None else None
+        )
         self._ready_event = asyncio.Event()
         self._was_ready = False
         self._channel: SeqpacketChannel | None = None
@@ -475,8 +486,10 @@ class ZdsClient:
 
     def __repr__(self) -> str:
         link = "connected" if self.connected else "disconnected"
-        return (f"<ZdsClient {self.path} {link}, {self.state.phase.value}: {len(self.state.running)} running, "
-                f"{len(self.state.pending)} pending, {'ready' if self.ready else 'not ready'}>")
+        return (
+            f"<ZdsClient {self.path} {link}, {self.state.phase.value}: {len(self.state.running)} running, "
+            f"{len(self.state.pending)} pending, {'ready' if self.ready else 'not ready'}>"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -507,8 +520,13 @@ class ZdsClient:
                 sock = self._connect()
             except OSError as e:
                 self.connect_failures += 1
-                log.warning("failed to connect to the node agent over %s, is the node agent healthy? (%s); "
-                            "retrying in %.3fs", self.path, e.strerror or e, backoff)
+                log.warning(
+                    "failed to connect to the node agent over %s, is the node agent healthy? (%s); "
+                    "retrying in %.3fs",
+                    self.path,
+                    e.strerror or e,
+                    backoff,
+                )
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
                 continue
@@ -518,8 +536,13 @@ class ZdsClient:
             self.last_disconnect = outcome.reason
             if outcome.reached_steady:
                 backoff = self.initial_backoff_s
-            log.warning("connection to the node agent over %s ended (%s); reconnecting in %.3fs, "
-                        "is the node agent healthy?", self.path, outcome.reason, backoff)
+            log.warning(
+                "connection to the node agent over %s ended (%s); reconnecting in %.3fs, "
+                "is the node agent healthy?",
+                self.path,
+                outcome.reason,
+                backoff,
+            )
             await self._sleep(backoff)
             if not outcome.reached_steady:
                 backoff = min(backoff * 2, self.max_backoff_s)
@@ -612,8 +635,12 @@ class ZdsClient:
                 case StopProxy():
                     await self._stop(command)
                 case Reconcile():
-                    log.info("snapshot complete: keeping %d pods, stopping %d (%s)", len(command.keep),
-                             len(command.stop), ", ".join(command.stop) or "none")
+                    log.info(
+                        "snapshot complete: keeping %d pods, stopping %d (%s)",
+                        len(command.keep),
+                        len(command.stop),
+                        ", ".join(command.stop) or "none",
+                    )
                 case CloseFd():
                     close_fds([command.fd])
                 case Disconnect():

@@ -79,12 +79,19 @@ class Add:
 
     @property
     def info(self) -> ProxyWorkloadInfo:
-        return ProxyWorkloadInfo(namespace=self.namespace, name=self.name, service_account=self.service_account)
+        return ProxyWorkloadInfo(
+            namespace=self.namespace, name=self.name, service_account=self.service_account
+        )
 
     @classmethod
     def of(cls, uid: str, info: ProxyWorkloadInfo, netns_fd: int) -> Add:
-        return cls(uid=uid, name=info.name, namespace=info.namespace,
-                   service_account=info.service_account, netns_fd=netns_fd)
+        return cls(
+            uid=uid,
+            name=info.name,
+            namespace=info.namespace,
+            service_account=info.service_account,
+            netns_fd=netns_fd,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -127,7 +134,9 @@ Message = Hello | Request | AckMsg
 def _workload_request(msg: Request) -> zds_pb2.WorkloadRequest:
     match msg:
         case Add():
-            info = zds_pb2.WorkloadInfo(name=msg.name, namespace=msg.namespace, service_account=msg.service_account)
+            info = zds_pb2.WorkloadInfo(
+                name=msg.name, namespace=msg.namespace, service_account=msg.service_account
+            )
             return zds_pb2.WorkloadRequest(add=zds_pb2.AddWorkload(uid=msg.uid, workload_info=info))
         case Keep():
             return zds_pb2.WorkloadRequest(keep=zds_pb2.KeepWorkload(uid=msg.uid))
@@ -153,7 +162,8 @@ def encode(msg: Message) -> bytes:
     if len(data) > RECEIVE_BUFFER_BYTES:
         raise ZdsProtocolError(
             f"{type(msg).__name__} encodes to {len(data)} bytes, more than the {RECEIVE_BUFFER_BYTES}-byte "
-            "datagram the peer reads")
+            "datagram the peer reads"
+        )
     return data
 
 
@@ -177,7 +187,9 @@ def nack_text(error: str) -> str:
 def _check_datagram(what: str, data: bytes, fds: Sequence[int], flags: int) -> None:
     # Checked before parsing so that every failure path reports the fds for closing.
     if flags & socket.MSG_TRUNC or len(data) > RECEIVE_BUFFER_BYTES:
-        raise ZdsProtocolError(f"received truncated {what} (longer than {RECEIVE_BUFFER_BYTES} bytes)", fds=fds)
+        raise ZdsProtocolError(
+            f"received truncated {what} (longer than {RECEIVE_BUFFER_BYTES} bytes)", fds=fds
+        )
     if flags & socket.MSG_CTRUNC:
         raise ZdsProtocolError(f"received {what} with a truncated control message", fds=fds)
 
@@ -200,16 +212,22 @@ def decode_request(data: bytes, fds: Sequence[int], flags: int = 0) -> Request:
     req = _parse(zds_pb2.WorkloadRequest, "WorkloadRequest", data, fds)
     kind = req.WhichOneof("payload")
     if kind is None:
-        raise ZdsProtocolError("WorkloadRequest without a payload (or with one this version does not know)",
-                               fds=fds)
+        raise ZdsProtocolError(
+            "WorkloadRequest without a payload (or with one this version does not know)", fds=fds
+        )
     if kind == "add":
         if not fds:
             raise ZdsProtocolError("AddWorkload without a netns fd (no SCM_RIGHTS control message)")
         if not req.add.HasField("workload_info"):
             raise ZdsProtocolError(f"AddWorkload for {req.add.uid!r} without workload_info", fds=fds)
         info = req.add.workload_info
-        return Add(uid=req.add.uid, name=info.name, namespace=info.namespace,
-                   service_account=info.service_account, netns_fd=fds[0])
+        return Add(
+            uid=req.add.uid,
+            name=info.name,
+            namespace=info.namespace,
+            service_account=info.service_account,
+            netns_fd=fds[0],
+        )
     if fds:
         raise ZdsProtocolError(f"unexpected fd with a {kind} request (only AddWorkload carries one)", fds=fds)
     match kind:

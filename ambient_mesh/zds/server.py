@@ -169,8 +169,10 @@ class ZdsConnectionState:
     def send(self, request: Add | Del) -> list[ServerCommand]:
         """A steady-state update; the shell sends one at a time."""
         if self.phase is not ServerPhase.STEADY or self.busy:
-            raise ZdsProtocolError(f"cannot send {type(request).__name__} while {self.phase.value}"
-                                   f"{' and busy' if self.busy else ''}")
+            raise ZdsProtocolError(
+                f"cannot send {type(request).__name__} while {self.phase.value}"
+                f"{' and busy' if self.busy else ''}"
+            )
         self.outstanding = request
         return [SendRequest(request=request)]
 
@@ -272,7 +274,8 @@ class ZdsServer:
         """Until at least `count` node proxies have taken their snapshot."""
         async with self._changed:
             await self._changed.wait_for(
-                lambda: sum(c.state.phase is ServerPhase.STEADY for c in self._connections) >= count)
+                lambda: sum(c.state.phase is ServerPhase.STEADY for c in self._connections) >= count
+            )
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -357,8 +360,12 @@ class ZdsServer:
             self._connections.remove(connection)
             connection.fail_queued(f"ztunnel connection closed: {reason}")
             connection.channel.close()
-            log.info("node proxy #%d disconnected (%s), total connected %d", connection.number, reason,
-                     len(self._connections))
+            log.info(
+                "node proxy #%d disconnected (%s), total connected %d",
+                connection.number,
+                reason,
+                len(self._connections),
+            )
             await self._changed_notify()
 
     async def _converse(self, connection: _Connection) -> str:
@@ -377,8 +384,9 @@ class ZdsServer:
         log.info("received hello from node proxy #%d (version %d)", connection.number, hello.version)
 
         # dup() now, in the same step as reading the snapshot: the store may close its handles later.
-        plan = plan_snapshot([(uid, info, None if fd is None else os.dup(fd))
-                              for uid, info, fd in self.pods.snapshot()])
+        plan = plan_snapshot(
+            [(uid, info, None if fd is None else os.dup(fd)) for uid, info, fd in self.pods.snapshot()]
+        )
         dups = [fd for request in plan for fd in fds_to_send(request)]
         try:
             commands = state.receive_hello(hello, plan)

@@ -68,8 +68,9 @@ class SeqpacketChannel:
 
     def try_recv(self) -> Datagram | None:
         """One datagram, or None at EOF; BlockingIOError if there is none yet."""
-        data, ancdata, flags, _ = self.sock.recvmsg(RECEIVE_BUFFER_BYTES, ANCILLARY_BUFFER_BYTES,
-                                                    socket.MSG_CMSG_CLOEXEC)
+        data, ancdata, flags, _ = self.sock.recvmsg(
+            RECEIVE_BUFFER_BYTES, ANCILLARY_BUFFER_BYTES, socket.MSG_CMSG_CLOEXEC
+        )
         fds = _received_fds(ancdata)
         if not data and not fds and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             return None

@@ -37,7 +37,9 @@ Request = discovery_pb2.DeltaDiscoveryRequest
 Response = discovery_pb2.DeltaDiscoveryResponse
 
 
-def resource(name: str, message, *, version: str = "v1", aliases: Iterable[str] = ()) -> discovery_pb2.Resource:
+def resource(
+    name: str, message, *, version: str = "v1", aliases: Iterable[str] = ()
+) -> discovery_pb2.Resource:
     """A `Resource` wrapping an Address, Workload/Service (wrapped into an Address) or Authorization."""
     if isinstance(message, workload_pb2.Workload):
         message = workload_pb2.Address(workload=message)
@@ -50,13 +52,18 @@ def resource(name: str, message, *, version: str = "v1", aliases: Iterable[str] 
 
 def raw_resource(name: str, value: bytes, *, version: str = "v1") -> discovery_pb2.Resource:
     """A resource whose payload bytes are given as is (for undecodable payloads)."""
-    return discovery_pb2.Resource(name=name, version=version, resource=any_pb2.Any(type_url=ADDRESS, value=value))
+    return discovery_pb2.Resource(
+        name=name, version=version, resource=any_pb2.Any(type_url=ADDRESS, value=value)
+    )
 
 
 def authorization(name: str, namespace: str = "default", **kwargs) -> discovery_pb2.Resource:
     version = kwargs.pop("version", "")
-    return resource(f"{namespace}/{name}",
-                    authorization_pb2.Authorization(name=name, namespace=namespace, **kwargs), version=version)
+    return resource(
+        f"{namespace}/{name}",
+        authorization_pb2.Authorization(name=name, namespace=namespace, **kwargs),
+        version=version,
+    )
 
 
 @dataclass(eq=False)
@@ -141,8 +148,12 @@ class FakeAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     ) -> str:
         """Send one response on `stream` (default: the newest); returns its nonce."""
         target = stream or self.streams[-1]
-        response = Response(type_url=type_url, resources=list(resources), removed_resources=list(removed),
-                            nonce=f"nonce-{next(self._nonces)}")
+        response = Response(
+            type_url=type_url,
+            resources=list(resources),
+            removed_resources=list(removed),
+            nonce=f"nonce-{next(self._nonces)}",
+        )
         target.outbox.put_nowait(response)
         return response.nonce
 
@@ -153,8 +164,10 @@ class FakeAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     async def wait_reply(self, nonce: str, timeout: float = 5.0) -> Request:
         """The ACK or NACK the client sent for `nonce`."""
-        return await self.wait_for(lambda: next(
-            (r for s in self.streams for r in s.requests if r.response_nonce == nonce), None), timeout)
+        return await self.wait_for(
+            lambda: next((r for s in self.streams for r in s.requests if r.response_nonce == nonce), None),
+            timeout,
+        )
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -163,8 +176,9 @@ class FakeAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     # -- the service -------------------------------------------------------------------------------
 
     async def DeltaAggregatedResources(self, request_iterator, context):  # noqa: N802 - gRPC's name
-        stream = FakeStream(number=len(self.streams) + 1,
-                            metadata={k: v for k, v in context.invocation_metadata()})
+        stream = FakeStream(
+            number=len(self.streams) + 1, metadata={k: v for k, v in context.invocation_metadata()}
+        )
         self.streams.append(stream)
         await self._notify()
         reader = asyncio.create_task(self._read(stream, request_iterator))
@@ -197,7 +211,9 @@ class FakeAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             reported = dict(request.initial_resource_versions)
             wildcard = "*" not in request.resource_names_unsubscribe
             names = set(current) if wildcard else set(reported)
-            send = [current[n] for n in sorted(names) if n in current and reported.get(n) != current[n].version]
+            send = [
+                current[n] for n in sorted(names) if n in current and reported.get(n) != current[n].version
+            ]
             removed = sorted(n for n in reported if n not in current)
             self._queue(stream, type_url, send, removed)
         elif request.resource_names_subscribe and not request.response_nonce:
@@ -211,12 +227,20 @@ class FakeAds(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             self._queue(stream, type_url, send, removed)
 
     def _queue(self, stream: FakeStream, type_url: str, send, removed) -> None:
-        stream.outbox.put_nowait(Response(type_url=type_url, resources=send, removed_resources=removed,
-                                          nonce=f"nonce-{next(self._nonces)}"))
+        stream.outbox.put_nowait(
+            Response(
+                type_url=type_url,
+                resources=send,
+                removed_resources=removed,
+                nonce=f"nonce-{next(self._nonces)}",
+            )
+        )
 
     def __repr__(self) -> str:
-        return (f"<FakeAds {self.address}: {len(self.streams)} streams, "
-                f"{sum(len(v) for v in self.resources.values())} resources>")
+        return (
+            f"<FakeAds {self.address}: {len(self.streams)} streams, "
+            f"{sum(len(v) for v in self.resources.values())} resources>"
+        )
 
 
 def server_certificate(ca: CertificateAuthority, dns_names: list[str]) -> tuple[bytes, bytes]:
@@ -235,6 +259,7 @@ def server_certificate(ca: CertificateAuthority, dns_names: list[str]) -> tuple[
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca.signing_key, hashes.SHA256())
     )
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem

@@ -23,8 +23,13 @@ VIP = "127.10.0.1"
 ECHO_PORT = 8080
 
 
-def local_config(extra_workloads: str = "", extra_services: str = "", policies: str = "",
-                 server_sa: str = "server", server_td: str = "cluster.local") -> str:
+def local_config(
+    extra_workloads: str = "",
+    extra_services: str = "",
+    policies: str = "",
+    server_sa: str = "server",
+    server_td: str = "cluster.local",
+) -> str:
     return f"""
 workloads:
 - uid: cluster1//v1/Pod/default/client
@@ -75,11 +80,21 @@ services:
 
 def proxy_env(name: str, ip: str, config: str, **extra: str) -> dict[str, str]:
     env = {
-        "PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": f"default/{name}/{name}", "FAKE_CA": "true",
-        "XDS_ADDRESS": "", "LOCAL_XDS": config, "UNSTABLE_ENABLE_SOCKS5": "true",
-        "OUTBOUND_ADDR": f"{ip}:0", "INBOUND_ADDR": f"{ip}:15008", "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
-        "SOCKS5_ADDR": f"{ip}:0", "ADMIN_ADDR": f"{ip}:0", "STATS_ADDR": f"{ip}:0",
-        "READINESS_ADDR": f"{ip}:0", "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
+        "FAKE_CA": "true",
+        "XDS_ADDRESS": "",
+        "LOCAL_XDS": config,
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "OUTBOUND_ADDR": f"{ip}:0",
+        "INBOUND_ADDR": f"{ip}:15008",
+        "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
+        "SOCKS5_ADDR": f"{ip}:0",
+        "ADMIN_ADDR": f"{ip}:0",
+        "STATS_ADDR": f"{ip}:0",
+        "READINESS_ADDR": f"{ip}:0",
+        "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0",
+        "TERMINATION_GRACE_PERIOD_SECONDS": "2",
     }
     env.update(extra)
     return env
@@ -132,8 +147,13 @@ class Mesh:
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(config: str | None = None, *, client_env: dict | None = None,
-                       server_env: dict | None = None, echo: bool = True):
+async def running_mesh(
+    config: str | None = None,
+    *,
+    client_env: dict | None = None,
+    server_env: dict | None = None,
+    echo: bool = True,
+):
     config = config or local_config()
     servers = []
     if echo:

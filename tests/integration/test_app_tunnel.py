@@ -33,7 +33,8 @@ async def test_proxy_header_names_client_target_and_identity():
     tunnel_app = await asyncio.start_server(app, "127.0.0.1", TUNNEL_PORT)
     config = local_config().replace(
         f'workloadIps: ["{SERVER_IP}"]',
-        f'workloadIps: ["{SERVER_IP}"]\n  applicationTunnel: {{protocol: PROXY, port: {TUNNEL_PORT}}}')
+        f'workloadIps: ["{SERVER_IP}"]\n  applicationTunnel: {{protocol: PROXY, port: {TUNNEL_PORT}}}',
+    )
     try:
         async with running_mesh(config, echo=False) as mesh:
             reader, writer = await mesh.socks_connect(SERVER_IP, 8080)

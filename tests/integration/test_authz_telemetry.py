@@ -43,18 +43,32 @@ def samples(proxy, name: str) -> list[tuple[dict, float]]:
 def connection_labels(reporter: str, *, flag: str = "-", service: bool = False) -> dict:
     labels = {
         "reporter": reporter,
-        "source_workload": "client", "source_canonical_service": "client", "source_canonical_revision": "v1",
-        "source_workload_namespace": "default", "source_principal": CLIENT_PRINCIPAL, "source_app": "client",
-        "source_version": "v1", "source_cluster": "unknown",
+        "source_workload": "client",
+        "source_canonical_service": "client",
+        "source_canonical_revision": "v1",
+        "source_workload_namespace": "default",
+        "source_principal": CLIENT_PRINCIPAL,
+        "source_app": "client",
+        "source_version": "v1",
+        "source_cluster": "unknown",
         "destination_service": "echo.default.svc.cluster.local" if service else "unknown",
         "destination_service_namespace": "default" if service else "unknown",
         "destination_service_name": "echo" if service else "unknown",
-        "destination_workload": "server", "destination_canonical_service": "server",
-        "destination_canonical_revision": "v1", "destination_workload_namespace": "default",
-        "destination_principal": SERVER_PRINCIPAL, "destination_app": "server", "destination_version": "v1",
-        "destination_cluster": "unknown", "request_protocol": "tcp", "response_flags": flag,
-        "connection_security_policy": "mutual_tls", "source_region": "unknown", "source_zone": "unknown",
-        "destination_region": "unknown", "destination_zone": "unknown",
+        "destination_workload": "server",
+        "destination_canonical_service": "server",
+        "destination_canonical_revision": "v1",
+        "destination_workload_namespace": "default",
+        "destination_principal": SERVER_PRINCIPAL,
+        "destination_app": "server",
+        "destination_version": "v1",
+        "destination_cluster": "unknown",
+        "request_protocol": "tcp",
+        "response_flags": flag,
+        "connection_security_policy": "mutual_tls",
+        "source_region": "unknown",
+        "source_zone": "unknown",
+        "destination_region": "unknown",
+        "destination_zone": "unknown",
     }
     return labels
 
@@ -114,13 +128,19 @@ async def test_denied_by_policy_gets_401_and_deny_flag():
         ca = CertificateAuthority.insecure_test_ca()
         cert = ca.issue(Identity("cluster.local", "default", "client"), 3600, now=datetime.now(UTC))
         loop = asyncio.get_running_loop()
-        _t, conn = await loop.create_connection(lambda: HboneConnection(client_side=True), SERVER_IP, 15008,
-                                                ssl=client_context(cert), server_hostname="")
+        _t, conn = await loop.create_connection(
+            lambda: HboneConnection(client_side=True),
+            SERVER_IP,
+            15008,
+            ssl=client_context(cert),
+            server_hostname="",
+        )
         _stream, response = await asyncio.wait_for(conn.open_stream(f"{SERVER_IP}:{ECHO_PORT}", []), 10)
         assert response.status == 401
         failed = samples(mesh.server, "istio_tcp_connections_failed_total")
-        assert [(labels["response_flags"], labels["source_principal"]) for labels, _ in failed] == \
-            [("DENY", CLIENT_PRINCIPAL)]
+        assert [(labels["response_flags"], labels["source_principal"]) for labels, _ in failed] == [
+            ("DENY", CLIENT_PRINCIPAL)
+        ]
         # through the client proxy the connection is refused too, and the client sees it fail
         reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
         writer.write(b"let me in")
@@ -130,14 +150,21 @@ async def test_denied_by_policy_gets_401_and_deny_flag():
             pass
         writer.close()
         await wait_for(lambda: samples(mesh.client, "istio_tcp_connections_failed_total"))
-        assert [labels["response_flags"] for labels, _ in samples(mesh.client, "istio_tcp_connections_failed_total")] \
-            == ["DENY"]
+        assert [
+            labels["response_flags"]
+            for labels, _ in samples(mesh.client, "istio_tcp_connections_failed_total")
+        ] == ["DENY"]
 
 
 def deny_client(name: str, scope: Scope) -> Authorization:
     match = Match(principals=(StringMatch.exact("cluster.local/ns/default/sa/client"),))
-    return Authorization(name=name, namespace="default", scope=scope, action=Action.DENY,
-                         rules=(Rule(clauses=(Clause(matches=(match,)),)),))
+    return Authorization(
+        name=name,
+        namespace="default",
+        scope=scope,
+        action=Action.DENY,
+        rules=(Rule(clauses=(Clause(matches=(match,)),)),),
+    )
 
 
 async def open_echo(mesh):

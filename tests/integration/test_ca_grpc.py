@@ -67,14 +67,21 @@ class ControlPlane:
         return replace(base, **changes)  # type: ignore[arg-type]
 
     def ztunnel_token(self, **changes: str) -> str:
-        args = dict(namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-a",
-                    node="node-1")
+        args = dict(
+            namespace="istio-system",
+            service_account="ztunnel",
+            pod_name="ztunnel-a",
+            pod_uid="uid-a",
+            node="node-1",
+        )
         args.update(changes)
         return self.issuer.mint(**args, now=datetime.now(UTC).timestamp())  # type: ignore[arg-type]
 
     def workload_token(self, identity: Identity) -> str:
         return self.issuer.mint(
-            namespace=identity.namespace, service_account=identity.service_account, now=datetime.now(UTC).timestamp()
+            namespace=identity.namespace,
+            service_account=identity.service_account,
+            now=datetime.now(UTC).timestamp(),
         )
 
 
@@ -127,7 +134,9 @@ async def test_dedicated_mode_gets_its_own_certificate(
     assert cert.identity == APP
     assert cert.not_after - cert.not_before == timedelta(seconds=3600)
     assert_chains_to(control_plane.ca.root_pem, cert.chain_pem, cert.roots_pem)
-    assert repr(client) == f"GrpcCaClient(https://127.0.0.1:{control_plane.port}, dedicated, 1 issued, 0 failed)"
+    assert (
+        repr(client) == f"GrpcCaClient(https://127.0.0.1:{control_plane.port}, dedicated, 1 issued, 0 failed)"
+    )
     assert control_plane.server.issued == 1
 
 
@@ -168,13 +177,17 @@ async def test_shared_mode_identity_not_on_the_node_is_refused_with_the_reason(
 async def test_shared_mode_from_a_stale_pod_is_refused(
     control_plane: ControlPlane, clients: list[GrpcCaClient]
 ) -> None:
-    client = client_for(clients, control_plane.config(control_plane.ztunnel_token(pod_uid="uid-old")), shared=True)
+    client = client_for(
+        clients, control_plane.config(control_plane.ztunnel_token(pod_uid="uid-old")), shared=True
+    )
     with pytest.raises(IdentityError, match="pod istio-system/ztunnel-a with UID uid-old does not exist"):
         await client.fetch_certificate(APP)
 
 
 async def test_bad_tokens_are_refused(control_plane: ControlPlane, clients: list[GrpcCaClient]) -> None:
-    stranger = TokenIssuer.generate().mint(namespace="ns1", service_account="app", now=datetime.now(UTC).timestamp())
+    stranger = TokenIssuer.generate().mint(
+        namespace="ns1", service_account="app", now=datetime.now(UTC).timestamp()
+    )
     client = client_for(clients, control_plane.config(stranger), shared=False)
     with pytest.raises(IdentityError, match="UNAUTHENTICATED: request authenticate failure: .*another key"):
         await client.fetch_certificate(APP)
@@ -184,7 +197,9 @@ async def test_bad_tokens_are_refused(control_plane: ControlPlane, clients: list
         await garbled.fetch_certificate(APP)
 
     none = control_plane.config("", auth_token=AuthToken(kind=AuthKind.NONE))
-    with pytest.raises(IdentityError, match="UNAUTHENTICATED: request authenticate failure: no authorization header"):
+    with pytest.raises(
+        IdentityError, match="UNAUTHENTICATED: request authenticate failure: no authorization header"
+    ):
         await client_for(clients, none, shared=False).fetch_certificate(APP)
 
 
@@ -228,8 +243,11 @@ async def test_alt_ca_hostname_and_ca_headers_and_static_token(
         token = control_plane.workload_token(APP)
         # The certificate has no 127.0.0.1 SAN: only the ALT_CA_HOSTNAME check can pass.
         config = control_plane.config(
-            "", ca_address=f"https://127.0.0.1:{port}", alt_ca_hostname="istiod.istio-system.svc",
-            auth_token=AuthToken(kind=AuthKind.STATIC, value=token), ca_headers={"x-tenant": "blue"},
+            "",
+            ca_address=f"https://127.0.0.1:{port}",
+            alt_ca_hostname="istiod.istio-system.svc",
+            auth_token=AuthToken(kind=AuthKind.STATIC, value=token),
+            ca_headers={"x-tenant": "blue"},
             cluster_id="Kubernetes",
         )
         assert (await client_for(clients, config, shared=False).fetch_certificate(APP)).identity == APP
@@ -270,8 +288,9 @@ async def test_plaintext_http_address_for_tests(clients: list[GrpcCaClient], tmp
     await server.start()
     try:
         token = issuer.mint(namespace="ns1", service_account="app", now=datetime.now(UTC).timestamp())
-        config = ZtunnelConfig(ca_address=f"http://127.0.0.1:{port}",
-                               auth_token=AuthToken(kind=AuthKind.STATIC, value=token))
+        config = ZtunnelConfig(
+            ca_address=f"http://127.0.0.1:{port}", auth_token=AuthToken(kind=AuthKind.STATIC, value=token)
+        )
         assert (await client_for(clients, config, shared=False).fetch_certificate(APP)).identity == APP
     finally:
         await server.stop(None)
@@ -321,7 +340,8 @@ async def test_garbled_csr_is_invalid_argument(control_plane: ControlPlane) -> N
         stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.CreateCertificate(
-                ca_pb2.IstioCertificateRequest(csr="not a csr"), metadata=[("authorization", f"Bearer {token}")]
+                ca_pb2.IstioCertificateRequest(csr="not a csr"),
+                metadata=[("authorization", f"Bearer {token}")],
             )
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "CSR signing error" in (info.value.details() or "")

@@ -52,7 +52,9 @@ def self_signed(common_name: str) -> tuple[bytes, bytes]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(key, hashes.SHA256())
     )
@@ -129,7 +131,8 @@ class FakeKubeApi:
             payload = json.dumps(body).encode()
             writer.write(
                 f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+                + payload
             )
             await writer.drain()
         except (ConnectionError, ssl.SSLError):
@@ -203,8 +206,13 @@ def plugin_stdin(run_dir: Path) -> bytes:
 
 async def run_plugin(environ: dict[str, str], data: bytes) -> tuple[int, dict, bytes]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-m", "ambient_mesh.cni.plugin",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-I",
+        "-m",
+        "ambient_mesh.cni.plugin",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env=environ,
     )
     out, err = await asyncio.wait_for(proc.communicate(data), timeout=PLUGIN_TIMEOUT_S)
@@ -223,7 +231,9 @@ class Node:
         (self.sa / "token").write_text(token)
         self.writer = KubeconfigWriter(
             self.run_dir / PLUGIN_KUBECONFIG_NAME,
-            lambda: KubeconfigInputs.from_service_account(host="127.0.0.1", port=str(api.port), sa_path=self.sa),
+            lambda: KubeconfigInputs.from_service_account(
+                host="127.0.0.1", port=str(api.port), sa_path=self.sa
+            ),
         )
 
 

@@ -53,8 +53,12 @@ def post(path: Path, url: str, body: bytes, timeout_s: float = WAIT_S):
     return UnixHttpTransport(str(path)).post(url, body, timeout_s=timeout_s)
 
 
-EVENT = CniAddEvent(netns="/var/run/netns/cni-1", pod_name="web", pod_namespace="demo",
-                    ips=(IPConfig(address="10.1.0.7", prefix_len=24, interface=0),))
+EVENT = CniAddEvent(
+    netns="/var/run/netns/cni-1",
+    pod_name="web",
+    pod_namespace="demo",
+    ips=(IPConfig(address="10.1.0.7", prefix_len=24, interface=0),),
+)
 
 
 class RecordingHandler:
@@ -71,8 +75,12 @@ class RecordingHandler:
 async def served(short_dir):
     handler = RecordingHandler()
     codes: list[int] = []
-    server = CniPluginServer(short_dir / "run" / "pluginevent.sock", short_dir / "run" / "log.sock", handler,
-                             on_response=codes.append)
+    server = CniPluginServer(
+        short_dir / "run" / "pluginevent.sock",
+        short_dir / "run" / "log.sock",
+        handler,
+        on_response=codes.append,
+    )
     await server.start()
     yield server, handler, codes
     await server.stop()
@@ -96,8 +104,16 @@ async def test_failure_is_500_with_the_reason(served):
     assert codes == [500]
 
 
-@pytest.mark.parametrize("body", [b"{", b"[]", b'{"PodName": 3}', b'{"Netns": "/x", "PodName": "", "PodNamespace": ""}',
-                                  b'{"PodName": "a", "PodNamespace": "b", "IPs": [{"Address": {"IP": "1.2.3.4", "Mask": "!!"}}]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{",
+        b"[]",
+        b'{"PodName": 3}',
+        b'{"Netns": "/x", "PodName": "", "PodNamespace": ""}',
+        b'{"PodName": "a", "PodNamespace": "b", "IPs": [{"Address": {"IP": "1.2.3.4", "Mask": "!!"}}]}',
+    ],
+)
 async def test_bad_body_is_400(served, body):
     server, handler, codes = served
     response = await asyncio.to_thread(post, server.event_socket, "/cmdadd", body)
@@ -121,13 +137,18 @@ async def test_other_paths_and_methods(served):
 
 async def test_log_socket_reemits_plugin_lines(served, caplog):
     server, _, _ = served
-    lines = [json.dumps({"level": "warn", "time": "t", "msg": "detection retry", "pod": "demo/web"}), "not json"]
+    lines = [
+        json.dumps({"level": "warn", "time": "t", "msg": "detection retry", "pod": "demo/web"}),
+        "not json",
+    ]
     with caplog.at_level(logging.DEBUG, logger="ambient_mesh.cni-plugin"):
         response = await asyncio.to_thread(post, server.log_socket, "/log", json.dumps(lines).encode())
     assert response.status == 200
     records = [r for r in caplog.records if r.name == "ambient_mesh.cni-plugin"]
-    assert [(r.levelno, r.getMessage()) for r in records] == [(logging.WARNING, "detection retry"),
-                                                              (logging.INFO, "not json")]
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.WARNING, "detection retry"),
+        (logging.INFO, "not json"),
+    ]
     bad = await asyncio.to_thread(post, server.log_socket, "/log", b'{"a": 1}')
     assert bad.status == 400
 
@@ -147,14 +168,31 @@ class FakeDataplane:
 
 
 def write_pods(dir_: Path, *pods: dict, ns_labels=None) -> None:
-    docs = [{"apiVersion": "v1", "kind": "Namespace",
-             "metadata": {"name": "demo", "labels": ns_labels if ns_labels is not None else {"istio.io/dataplane-mode": "ambient"}}}]
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {
+                "name": "demo",
+                "labels": ns_labels if ns_labels is not None else {"istio.io/dataplane-mode": "ambient"},
+            },
+        }
+    ]
     for p in pods:
-        docs.append({"apiVersion": "v1", "kind": "Pod",
-                     "metadata": {"name": p["name"], "namespace": "demo", "uid": f"uid-{p['name']}",
-                                  "labels": p.get("labels", {})},
-                     "spec": {"nodeName": "node-1", "serviceAccountName": "sa", "containers": [{"name": "app"}]},
-                     "status": {"phase": "Running", "podIP": "10.1.0.99"}})
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": p["name"],
+                    "namespace": "demo",
+                    "uid": f"uid-{p['name']}",
+                    "labels": p.get("labels", {}),
+                },
+                "spec": {"nodeName": "node-1", "serviceAccountName": "sa", "containers": [{"name": "app"}]},
+                "status": {"phase": "Running", "podIP": "10.1.0.99"},
+            }
+        )
     (dir_ / "pods.yaml").write_text(yaml.safe_dump_all(docs))
 
 
@@ -171,7 +209,9 @@ async def lookup(tmp_path):
         sleeps.append(s)
 
     dataplane = FakeDataplane()
-    handler = CniAddHandler(source, dataplane, Enablement(selectors=DEFAULT_ENABLEMENT_SELECTORS), sleep=sleep)
+    handler = CniAddHandler(
+        source, dataplane, Enablement(selectors=DEFAULT_ENABLEMENT_SELECTORS), sleep=sleep
+    )
     return handler, dataplane, sleeps, pods
 
 
@@ -210,8 +250,9 @@ async def test_handler_refuses_an_ineligible_pod_and_reports_dataplane_errors(lo
     handler, dataplane, _, _ = lookup
     error = await handler(CniAddEvent(netns="/n", pod_name="opted-out", pod_namespace="demo"))
     assert "unexpectedly not eligible" in error
-    dataplane.error = DataplaneError("failed to add pod demo/web to the node proxy: no ztunnel connection",
-                                     retryable=True)
+    dataplane.error = DataplaneError(
+        "failed to add pod demo/web to the node proxy: no ztunnel connection", retryable=True
+    )
     assert "no ztunnel connection" in await handler(EVENT)
 
 
@@ -274,21 +315,48 @@ async def agent_world(short_dir):
     for d in ("net.d", "bin", "pods"):
         (short_dir / d).mkdir()
     write_pods(short_dir / "pods", {"name": "web"})
-    cfg = AgentConfig.from_env({
-        "AMBIENT_ENABLED": "true", "CNI_AGENT_RUN_DIR": str(short_dir / "run"),
-        "MOUNTED_CNI_NET_DIR": str(short_dir / "net.d"), "CNI_BIN_DIR": str(short_dir / "bin"),
-        "ZTUNNEL_UDS_ADDRESS": str(short_dir / "zt" / "ztunnel.sock"), "POD_SOURCE_DIRECTORY": str(short_dir / "pods"),
-        "POD_SOURCE_POLL_INTERVAL": "50ms", "NODE_NAME": "node-1", "HEALTH_PORT": "0", "MONITORING_PORT": "0",
-        "AMBIENT_IPV6": "false"}, hostname="h")
-    source = DirectoryPodSource(cfg.pod_source_directory, node_name=cfg.node_name,
-                                state_file=cfg.enrollment_state_file, poll_interval_s=cfg.pod_source_poll_interval_s)
-    installer = Installer(PluginInstall(cni_net_dir=cfg.mounted_cni_net_dir, cni_bin_dir=cfg.cni_bin_dir,
-                                        entry=plugin_entry(cni_agent_run_dir=str(cfg.cni_agent_run_dir),
-                                                           pod_source_directory=str(short_dir / "pods"))))
+    cfg = AgentConfig.from_env(
+        {
+            "AMBIENT_ENABLED": "true",
+            "CNI_AGENT_RUN_DIR": str(short_dir / "run"),
+            "MOUNTED_CNI_NET_DIR": str(short_dir / "net.d"),
+            "CNI_BIN_DIR": str(short_dir / "bin"),
+            "ZTUNNEL_UDS_ADDRESS": str(short_dir / "zt" / "ztunnel.sock"),
+            "POD_SOURCE_DIRECTORY": str(short_dir / "pods"),
+            "POD_SOURCE_POLL_INTERVAL": "50ms",
+            "NODE_NAME": "node-1",
+            "HEALTH_PORT": "0",
+            "MONITORING_PORT": "0",
+            "AMBIENT_IPV6": "false",
+        },
+        hostname="h",
+    )
+    source = DirectoryPodSource(
+        cfg.pod_source_directory,
+        node_name=cfg.node_name,
+        state_file=cfg.enrollment_state_file,
+        poll_interval_s=cfg.pod_source_poll_interval_s,
+    )
+    installer = Installer(
+        PluginInstall(
+            cni_net_dir=cfg.mounted_cni_net_dir,
+            cni_bin_dir=cfg.cni_bin_dir,
+            entry=plugin_entry(
+                cni_agent_run_dir=str(cfg.cni_agent_run_dir), pod_source_directory=str(short_dir / "pods")
+            ),
+        )
+    )
     probe = FakeProbeSet()
     runner = RecordingRunner()
-    agent = CniAgent(cfg, runner=runner, source=source, probe_set=probe, installer=installer, finder=NoProc(),
-                     install_interval_s=0.05)
+    agent = CniAgent(
+        cfg,
+        runner=runner,
+        source=source,
+        probe_set=probe,
+        installer=installer,
+        finder=NoProc(),
+        install_interval_s=0.05,
+    )
     proxies = Proxies()
     client = ZdsClient(cfg.ztunnel_uds_address, proxies, max_backoff_s=0.1)
     try:
@@ -307,10 +375,20 @@ async def wait_until(predicate, what: str):
 
 def run_plugin(cfg: AgentConfig, conflist: dict) -> tuple[int, bytes]:
     entry = next(p for p in conflist["plugins"] if p["type"] == "istio-cni")
-    stdin = dict(entry, cniVersion=conflist["cniVersion"], name=conflist["name"],
-                 prevResult={"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.7/24", "interface": 0}]})
-    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/proc/self/ns/net", "CNI_IFNAME": "eth0",
-           "CNI_PATH": "/opt/cni/bin", "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME=web"}
+    stdin = dict(
+        entry,
+        cniVersion=conflist["cniVersion"],
+        name=conflist["name"],
+        prevResult={"cniVersion": "1.0.0", "ips": [{"address": "10.1.0.7/24", "interface": 0}]},
+    )
+    env = {
+        "CNI_COMMAND": "ADD",
+        "CNI_CONTAINERID": "c1",
+        "CNI_NETNS": "/proc/self/ns/net",
+        "CNI_IFNAME": "eth0",
+        "CNI_PATH": "/opt/cni/bin",
+        "CNI_ARGS": "IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME=web",
+    }
     # This process's namespace stands in for the pod's: the plugin's own-netns guard is told so.
     outcome = Plugin(same_netns=lambda path: False).run(env, json.dumps(stdin).encode())
     return outcome.exit_code, outcome.stdout
@@ -324,7 +402,9 @@ async def test_agent_readiness_install_and_cni_add_end_to_end(agent_world):
     status, text = await asyncio.to_thread(http_get, port, "/readyz")
     assert status == 503 and "plugin not installed" in text
     assert (await asyncio.to_thread(http_get, port, "/healthz"))[0] == 200
-    (cfg.mounted_cni_net_dir / "10-net.conf").write_text(json.dumps({"cniVersion": "0.3.1", "name": "net", "type": "bridge"}))
+    (cfg.mounted_cni_net_dir / "10-net.conf").write_text(
+        json.dumps({"cniVersion": "0.3.1", "name": "net", "type": "bridge"})
+    )
     await wait_until(lambda: agent.ready, "installed")
     assert (await asyncio.to_thread(http_get, port, "/readyz"))[0] == 200
     conflist = json.loads((cfg.mounted_cni_net_dir / "10-net.conflist").read_text())  # .conf converted
@@ -370,10 +450,18 @@ async def test_agent_readiness_install_and_cni_add_end_to_end(agent_world):
 async def test_agent_upgrade_shutdown_keeps_the_plugin(agent_world):
     agent, cfg, *_ = agent_world
     probe = agent_world[4]
-    (cfg.mounted_cni_net_dir / "10-net.conflist").write_text(json.dumps(
-        {"cniVersion": "0.3.1", "name": "net", "plugins": [{"type": "bridge"}]}))
-    (Path(cfg.pod_source_directory) / "agent.yaml").write_text(yaml.safe_dump(
-        {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "istio-cni-node", "namespace": "default"}}))
+    (cfg.mounted_cni_net_dir / "10-net.conflist").write_text(
+        json.dumps({"cniVersion": "0.3.1", "name": "net", "plugins": [{"type": "bridge"}]})
+    )
+    (Path(cfg.pod_source_directory) / "agent.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": "istio-cni-node", "namespace": "default"},
+            }
+        )
+    )
     await agent.start()
     assert agent.ready
     assert await agent.shutdown() is True
@@ -385,16 +473,20 @@ async def test_agent_upgrade_shutdown_keeps_the_plugin(agent_world):
 
 async def test_agent_restores_enrolled_pods_before_serving_node_proxies(agent_world):
     agent, cfg, proxies, client, probe, runner = agent_world
-    (cfg.mounted_cni_net_dir / "10-net.conflist").write_text(json.dumps(
-        {"cniVersion": "0.3.1", "name": "net", "plugins": [{"type": "bridge"}]}))
+    (cfg.mounted_cni_net_dir / "10-net.conflist").write_text(
+        json.dumps({"cniVersion": "0.3.1", "name": "net", "plugins": [{"type": "bridge"}]})
+    )
     cfg.cni_agent_run_dir.mkdir(parents=True)
-    cfg.enrollment_state_file.write_text(json.dumps(
-        {"pods": {"uid-web": {"value": "enabled", "namespace": "demo", "name": "web"}}}))
+    cfg.enrollment_state_file.write_text(
+        json.dumps({"pods": {"uid-web": {"value": "enabled", "namespace": "demo", "name": "web"}}})
+    )
 
     class ProcHasIt:
         def find(self, wanted):
-            return {uid: NetnsCandidate(pid=os.getpid(), path="/proc/self/ns/net", dev=0, inode=0, starttime=0)
-                    for uid in wanted}
+            return {
+                uid: NetnsCandidate(pid=os.getpid(), path="/proc/self/ns/net", dev=0, inode=0, starttime=0)
+                for uid in wanted
+            }
 
     agent.dataplane.locator = ProcHasIt()
     await agent.start()

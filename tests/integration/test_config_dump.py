@@ -63,11 +63,19 @@ policies:
 
 def env(path: Path) -> dict[str, str]:
     return {
-        "PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": "dump/app-0/app", "FAKE_CA": "true",
-        "XDS_ADDRESS": "", "LOCAL_XDS_PATH": str(path),
-        "OUTBOUND_ADDR": f"{IP}:0", "INBOUND_ADDR": f"{IP}:0", "INBOUND_PLAINTEXT_ADDR": f"{IP}:0",
-        "ADMIN_ADDR": f"{IP}:0", "STATS_ADDR": f"{IP}:0", "READINESS_ADDR": f"{IP}:0",
-        "SOCKS5_ADDR": f"{IP}:0", "ISTIO_META_DNS_PROXY_ADDR": f"{IP}:0",
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": "dump/app-0/app",
+        "FAKE_CA": "true",
+        "XDS_ADDRESS": "",
+        "LOCAL_XDS_PATH": str(path),
+        "OUTBOUND_ADDR": f"{IP}:0",
+        "INBOUND_ADDR": f"{IP}:0",
+        "INBOUND_PLAINTEXT_ADDR": f"{IP}:0",
+        "ADMIN_ADDR": f"{IP}:0",
+        "STATS_ADDR": f"{IP}:0",
+        "READINESS_ADDR": f"{IP}:0",
+        "SOCKS5_ADDR": f"{IP}:0",
+        "ISTIO_META_DNS_PROXY_ADDR": f"{IP}:0",
         "TERMINATION_GRACE_PERIOD_SECONDS": "1",
     }
 
@@ -90,17 +98,26 @@ async def test_config_dump_from_a_running_proxy(tmp_path: Path) -> None:
         dump = await asyncio.to_thread(fetch_config_dump, admin)
 
         assert list(dump)[:5] == ["workloads", "services", "policies", "stagedServices", "staticConfig"]
-        assert [w["uid"] for w in dump["workloads"]] == ["cluster1//v1/Pod/dump/app-0",
-                                                          "cluster1//v1/Pod/dump/waypoint-0"]
+        assert [w["uid"] for w in dump["workloads"]] == [
+            "cluster1//v1/Pod/dump/app-0",
+            "cluster1//v1/Pod/dump/waypoint-0",
+        ]
         app = dump["workloads"][0]
         assert app["waypoint"] == {"destination": "/10.96.40.9", "hboneMtlsPort": 15008}
         assert app["services"] == ["dump/app.dump.svc.cluster.local"]
         service = next(s for s in dump["services"] if s["name"] == "app")
-        assert service["endpoints"] == {"cluster1//v1/Pod/dump/app-0": {
-            "workloadUid": "cluster1//v1/Pod/dump/app-0", "port": {"80": 8080}, "status": "Healthy"}}
+        assert service["endpoints"] == {
+            "cluster1//v1/Pod/dump/app-0": {
+                "workloadUid": "cluster1//v1/Pod/dump/app-0",
+                "port": {"80": 8080},
+                "status": "Healthy",
+            }
+        }
         assert dump["policies"]["dump/deny-debug"]["rules"] == [[[{"destinationPorts": [9999]}]]]
         assert dump["stagedServices"] == {}
-        assert dump["staticConfig"]["workloads"][0]["services"] == {"dump/app.dump.svc.cluster.local": {"80": 8080}}
+        assert dump["staticConfig"]["workloads"][0]["services"] == {
+            "dump/app.dump.svc.cluster.local": {"80": 8080}
+        }
         assert dump["version"]["version"]
         assert dump["config"]["proxyMode"] == "dedicated"
         [cert] = dump["certificates"]

@@ -67,8 +67,12 @@ def write(directory: Path, name: str, text: str) -> None:
 
 
 async def start_plane(tmp: Path, port: int = 0) -> ControlPlane:
-    config = ControlPlaneConfig(directory=tmp / "objects", state_dir=tmp / "state",
-                                listen=SocketAddr.parse(f"127.0.0.1:{port}"), poll_interval_s=0.05)
+    config = ControlPlaneConfig(
+        directory=tmp / "objects",
+        state_dir=tmp / "state",
+        listen=SocketAddr.parse(f"127.0.0.1:{port}"),
+        poll_interval_s=0.05,
+    )
     plane = build(config)
     await plane.start()
     return plane
@@ -78,13 +82,25 @@ def proxy_env(tmp: Path, plane_port: int, name: str, ip: str, **extra: str) -> d
     token = tmp / f"{name}.token"
     token.write_text(mint_token(tmp / "state", account=("default", name), node=None))
     env = {
-        "PROXY_MODE": "dedicated", "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
-        "XDS_ADDRESS": f"https://127.0.0.1:{plane_port}", "CA_ADDRESS": f"https://127.0.0.1:{plane_port}",
-        "XDS_ROOT_CA": str(tmp / "state" / "root-cert.pem"), "CA_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
-        "AUTH_TOKEN": str(token), "POD_NAME": name, "POD_NAMESPACE": "default",
-        "UNSTABLE_ENABLE_SOCKS5": "true", "OUTBOUND_ADDR": f"{ip}:0", "INBOUND_ADDR": f"{ip}:15008",
-        "INBOUND_PLAINTEXT_ADDR": f"{ip}:0", "SOCKS5_ADDR": f"{ip}:0", "ADMIN_ADDR": f"{ip}:0",
-        "STATS_ADDR": f"{ip}:0", "READINESS_ADDR": f"{ip}:0", "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0", "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
+        "XDS_ADDRESS": f"https://127.0.0.1:{plane_port}",
+        "CA_ADDRESS": f"https://127.0.0.1:{plane_port}",
+        "XDS_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
+        "CA_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
+        "AUTH_TOKEN": str(token),
+        "POD_NAME": name,
+        "POD_NAMESPACE": "default",
+        "UNSTABLE_ENABLE_SOCKS5": "true",
+        "OUTBOUND_ADDR": f"{ip}:0",
+        "INBOUND_ADDR": f"{ip}:15008",
+        "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
+        "SOCKS5_ADDR": f"{ip}:0",
+        "ADMIN_ADDR": f"{ip}:0",
+        "STATS_ADDR": f"{ip}:0",
+        "READINESS_ADDR": f"{ip}:0",
+        "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0",
+        "TERMINATION_GRACE_PERIOD_SECONDS": "2",
     }
     env.update(extra)
     return env
@@ -190,15 +206,22 @@ async def test_yaml_changes_reach_the_proxy_and_change_routing_and_authorization
     assert await echo_roundtrip(client, "127.10.0.1", 80) == b"hello"
     # and the service's port change is routing the proxy follows
     write(tmp / "objects", "service.yaml", SERVICE.replace("port: 80,", "port: 81,"))
-    await wait_for(lambda: client.state.services.find_vip("", SocketAddr.parse("127.10.0.1:0").ip)
-                   .ports.get(81) == 8080, what="service port update")
+    await wait_for(
+        lambda: client.state.services.find_vip("", SocketAddr.parse("127.10.0.1:0").ip).ports.get(81) == 8080,
+        what="service port update",
+    )
     assert await echo_roundtrip(client, "127.10.0.1", 81) == b"hello"
 
 
 async def test_malformed_object_is_reported_and_the_rest_still_served(mesh, caplog):
     plane, client, _server, tmp = mesh
-    write(tmp / "objects", "bad.yaml", PODS.replace("nodeName: node-a", "nodeName: [not, a, string]")
-          .replace("name: client", "name: broken").replace("name: server", "name: broken2"))
+    write(
+        tmp / "objects",
+        "bad.yaml",
+        PODS.replace("nodeName: node-a", "nodeName: [not, a, string]")
+        .replace("name: client", "name: broken")
+        .replace("name: server", "name: broken2"),
+    )
     await wait_for(lambda: any("bad.yaml" in e for e in plane.load_errors), what="load error")
     error = next(e for e in plane.load_errors if "bad.yaml" in e)
     assert "spec.nodeName" in error
@@ -217,8 +240,10 @@ async def test_control_plane_restart_is_survived_without_losing_state(mesh):
     assert {w["uid"] for w in (await config_dump(client))["workloads"]} == before
     restarted = await start_plane(tmp, port)
     try:
-        await wait_for(lambda: restarted.ads.connections() and len(restarted.ads.connections()) == 2,
-                       what="both proxies reconnected")
+        await wait_for(
+            lambda: restarted.ads.connections() and len(restarted.ads.connections()) == 2,
+            what="both proxies reconnected",
+        )
         write(tmp / "objects", "policy.yaml", DENY_CLIENT)
         await wait_for(lambda: _has(_server, "default/deny-client"), what="push after restart")
         assert {w["uid"] for w in (await config_dump(client))["workloads"]} == before
@@ -231,25 +256,44 @@ async def test_node_proxy_cannot_get_an_identity_that_is_not_on_its_node(mesh):
     port = plane.bound["tls"].port
     token = tmp / "ztunnel-a.token"
     # a node proxy for node-a, bound to a ztunnel pod that exists in the control plane's view
-    write(tmp / "objects", "ztunnel.yaml", """
+    write(
+        tmp / "objects",
+        "ztunnel.yaml",
+        """
 apiVersion: v1
 kind: Pod
 metadata: {name: ztunnel-a, namespace: istio-system, uid: uid-zt-a}
 spec: {nodeName: node-a, serviceAccountName: ztunnel, containers: [{name: z, image: z}]}
 status: {phase: Running, podIP: 127.0.0.60}
-""")
-    await wait_for(lambda: plane.node_index.pod_exists("istio-system", "ztunnel-a", "uid-zt-a"), what="ztunnel pod")
-    token.write_text(mint_token(tmp / "state", account=("istio-system", "ztunnel"), node="node-a",
-                                pod="ztunnel-a", uid="uid-zt-a"))
-    config = ZtunnelConfig.from_env({
-        "CA_ADDRESS": f"https://127.0.0.1:{port}", "CA_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
-        "AUTH_TOKEN": str(token), "XDS_ADDRESS": "", "ISTIO_META_DNS_CAPTURE": "false"})
+""",
+    )
+    await wait_for(
+        lambda: plane.node_index.pod_exists("istio-system", "ztunnel-a", "uid-zt-a"), what="ztunnel pod"
+    )
+    token.write_text(
+        mint_token(
+            tmp / "state", account=("istio-system", "ztunnel"), node="node-a", pod="ztunnel-a", uid="uid-zt-a"
+        )
+    )
+    config = ZtunnelConfig.from_env(
+        {
+            "CA_ADDRESS": f"https://127.0.0.1:{port}",
+            "CA_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
+            "AUTH_TOKEN": str(token),
+            "XDS_ADDRESS": "",
+            "ISTIO_META_DNS_CAPTURE": "false",
+        }
+    )
     ca = GrpcCaClient(config, shared_mode=True)
     try:
-        cert = await ca.fetch_certificate(Identity("cluster.local", "default", "client"))  # client runs on node-a
+        cert = await ca.fetch_certificate(
+            Identity("cluster.local", "default", "client")
+        )  # client runs on node-a
         assert cert.identity == Identity("cluster.local", "default", "client")
         with pytest.raises(IdentityError, match="impersonation"):
-            await ca.fetch_certificate(Identity("cluster.local", "default", "server"))  # server runs on node-b
+            await ca.fetch_certificate(
+                Identity("cluster.local", "default", "server")
+            )  # server runs on node-b
     finally:
         await ca.close()
     assert isinstance(grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode)

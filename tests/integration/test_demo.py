@@ -91,8 +91,14 @@ def test_access_log_fields_are_parsed_with_quoted_values():
 
 def test_traffic_counters_sum_per_peer_pair():
     registry = CollectorRegistry()
-    names = ("reporter", "source_principal", "destination_principal", "destination_service",
-             "connection_security_policy", "response_flags")
+    names = (
+        "reporter",
+        "source_principal",
+        "destination_principal",
+        "destination_service",
+        "connection_security_policy",
+        "response_flags",
+    )
     opened = Counter("istio_tcp_connections_opened", "", names, registry=registry)
     received = Counter("istio_tcp_received_bytes", "", names, registry=registry)
     Gauge("istio_build", "", ("component",), registry=registry).labels("ztunnel").set(1)
@@ -102,7 +108,10 @@ def test_traffic_counters_sum_per_peer_pair():
     received.labels(*values, "-").inc(131072)
     [row] = traffic_counters(generate_latest(registry).decode())
     assert (row.reporter, row.source_principal, row.destination_principal) == (
-        "destination", CLIENT.spiffe_id, SERVER.spiffe_id)
+        "destination",
+        CLIENT.spiffe_id,
+        SERVER.spiffe_id,
+    )
     assert (row.opened, row.received, row.sent, row.security_policy) == (3, 131072, 0, "mutual_tls")
 
 
@@ -114,17 +123,30 @@ async def test_loopback_demo_shows_an_mtls_connection_and_cleans_up():
     console, buf = recording_console()
     loop = asyncio.get_running_loop()
     started = loop.time()
-    rc = await run_demo(verbose=True, mode=DemoMode.LOOPBACK, console=console,
-                        loopback_ips=("127.0.61.2", "127.0.61.3"))
+    rc = await run_demo(
+        verbose=True, mode=DemoMode.LOOPBACK, console=console, loopback_ips=("127.0.61.2", "127.0.61.3")
+    )
     elapsed = loop.time() - started
     out = buf.getvalue()
     assert rc == 0, out
     assert elapsed < DEMO_BUDGET_S, out
     for expected in (
-        "loopback", "via SOCKS5", "pod IP 127.0.61.3:8080", "service VIP", "65536 B echoed intact",
-        "node-a proxy", "node-b proxy", CLIENT.spiffe_id, SERVER.spiffe_id, "mutual_tls",
-        "reporter=source", "reporter=destination", "Available", "signed by this run's operator root",
-        "PASS", "connection complete",  # the last one from --verbose's logs
+        "loopback",
+        "via SOCKS5",
+        "pod IP 127.0.61.3:8080",
+        "service VIP",
+        "65536 B echoed intact",
+        "node-a proxy",
+        "node-b proxy",
+        CLIENT.spiffe_id,
+        SERVER.spiffe_id,
+        "mutual_tls",
+        "reporter=source",
+        "reporter=destination",
+        "Available",
+        "signed by this run's operator root",
+        "PASS",
+        "connection complete",  # the last one from --verbose's logs
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     assert "insecure built-in test CA" not in out, "the proxies did not use ROOT_CA_DIR"
@@ -171,8 +193,9 @@ async def test_loopback_demo_cleans_up_when_cancelled():
     before = demo_dirs()
     buf = CancelOnText("node-b: ambient ztunnel ready")
     console, _ = recording_console(buf)
-    task = asyncio.create_task(run_demo(mode="loopback", console=console,
-                                        loopback_ips=("127.0.63.2", "127.0.63.3")))
+    task = asyncio.create_task(
+        run_demo(mode="loopback", console=console, loopback_ips=("127.0.63.2", "127.0.63.3"))
+    )
     buf.task = task
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -34,7 +34,9 @@ async def test_service_names_resolve_to_the_vip_for_the_served_workload():
         address = proxy.workload_proxy.dns.udp_address
         for name in ("echo.default.svc.cluster.local.", "echo.default.svc.", "echo.default."):
             reply = await ask(address, name)
-            addresses = [rr.address for rrset in reply.answer for rr in rrset if rrset.rdtype == dns.rdatatype.A]
+            addresses = [
+                rr.address for rrset in reply.answer for rr in rrset if rrset.rdtype == dns.rdatatype.A
+            ]
             assert addresses == [VIP], (name, reply)
             assert reply.flags & dns.flags.AA
         # found, but no IPv6 VIP: an empty NOERROR, not NXDOMAIN

@@ -21,8 +21,15 @@ from ambient_mesh.state.model import NetworkAddress, Service, Workload
 from ambient_mesh.state.store import ProxyState
 
 LOOPBACK = SocketAddr.of("127.0.0.1", 0)
-CLIENT = Workload(uid="client", name="client", namespace="ns1", network="nw1",
-                  workload_ips=(ip_address("10.0.0.1"),), canonical_name="client-app", canonical_revision="v1")
+CLIENT = Workload(
+    uid="client",
+    name="client",
+    namespace="ns1",
+    network="nw1",
+    workload_ips=(ip_address("10.0.0.1"),),
+    canonical_name="client-app",
+    canonical_revision="v1",
+)
 
 
 class FakeUpstream:
@@ -91,8 +98,15 @@ def make_state() -> ProxyState:
     state = ProxyState()
     state.replace_all(
         [CLIENT],
-        [Service(name="productpage", namespace="ns1", hostname="productpage.ns1.svc.cluster.local",
-                 vips=(NetworkAddress(network="nw1", address=ip_address("9.9.9.9")),), ports={80: 80})],
+        [
+            Service(
+                name="productpage",
+                namespace="ns1",
+                hostname="productpage.ns1.svc.cluster.local",
+                vips=(NetworkAddress(network="nw1", address=ip_address("9.9.9.9")),),
+                ports={80: 80},
+            )
+        ],
         [],
     )
     return state
@@ -109,10 +123,12 @@ class RecordingFactory:
 
 @pytest.fixture
 async def upstream():
-    server = FakeUpstream({
-        "test.example.com.": ["1.1.1.1"],
-        "large.example.com.": [f"240.0.0.{i}" for i in range(256)],
-    })
+    server = FakeUpstream(
+        {
+            "test.example.com.": ["1.1.1.1"],
+            "large.example.com.": [f"240.0.0.{i}" for i in range(256)],
+        }
+    )
     await server.start()
     yield server
     await server.stop()
@@ -120,9 +136,17 @@ async def upstream():
 
 def build(forwarder, *, client=lambda: CLIENT, factory=None, metrics: Metrics | None = None) -> DnsServer:
     metrics = metrics or Metrics(process_metrics=False)
-    return DnsServer(name="ns1/client", address=LOOPBACK, state=make_state(), settings=DnsSettings(),
-                     client=client, forwarder=forwarder, metrics=DnsMetrics(metrics),
-                     socket_factory=factory or RecordingFactory(), rng=random.Random(0))
+    return DnsServer(
+        name="ns1/client",
+        address=LOOPBACK,
+        state=make_state(),
+        settings=DnsSettings(),
+        client=client,
+        forwarder=forwarder,
+        metrics=DnsMetrics(metrics),
+        socket_factory=factory or RecordingFactory(),
+        rng=random.Random(0),
+    )
 
 
 async def udp_ask(server: DnsServer, wire: bytes) -> dns.message.Message:
@@ -164,8 +188,12 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-LABELS_A_UDP = {"request_query_type": "a", "request_protocol": "udp",
-                "source_canonical_service": "client-app", "source_canonical_revision": "v1"}
+LABELS_A_UDP = {
+    "request_query_type": "a",
+    "request_protocol": "udp",
+    "source_canonical_service": "client-app",
+    "source_canonical_revision": "v1",
+}
 
 
 async def test_local_answers_over_udp_and_tcp(upstream: FakeUpstream) -> None:
@@ -193,15 +221,22 @@ async def test_unknown_names_and_types_are_forwarded(upstream: FakeUpstream) -> 
     await server.start()
     try:
         found = await udp_ask(server, q("test.example.com."))
-        assert found.rcode() == dns.rcode.NOERROR and not found.flags & dns.flags.AA and found.flags & dns.flags.RA
+        assert (
+            found.rcode() == dns.rcode.NOERROR
+            and not found.flags & dns.flags.AA
+            and found.flags & dns.flags.RA
+        )
         assert [r.to_text() for r in found.answer[0]] == ["1.1.1.1"]
         missing = await udp_ask(server, q("nowhere.example.com."))
         assert missing.rcode() == dns.rcode.NXDOMAIN
         # Not A/AAAA: forwarded even for a mesh service name.
         (srv,) = await tcp_ask(server, q("productpage.ns1.svc.cluster.local.", "SRV"))
         assert srv.rcode() == dns.rcode.NXDOMAIN and not srv.answer
-        assert upstream.queries == [("udp", "test.example.com."), ("udp", "nowhere.example.com."),
-                                    ("udp", "productpage.ns1.svc.cluster.local.")]
+        assert upstream.queries == [
+            ("udp", "test.example.com."),
+            ("udp", "nowhere.example.com."),
+            ("udp", "productpage.ns1.svc.cluster.local."),
+        ]
         assert sample(metrics, "istio_dns_requests_total", **LABELS_A_UDP) == 2
         assert sample(metrics, "istio_dns_upstream_requests_total", **LABELS_A_UDP) == 2
         # As in ztunnel, an upstream NXDOMAIN (and an empty answer) counts as a failure.
@@ -234,7 +269,9 @@ async def test_pipelined_tcp_queries_are_all_answered(upstream: FakeUpstream) ->
     server = build(UpstreamForwarder([upstream.address]))
     await server.start()
     try:
-        wires = [dns.message.make_query(n, "A") for n in ("productpage.", "test.example.com.", "productpage.ns1.")]
+        wires = [
+            dns.message.make_query(n, "A") for n in ("productpage.", "test.example.com.", "productpage.ns1.")
+        ]
         responses = await tcp_ask(server, *(w.to_wire() for w in wires))
         assert sorted(r.id for r in responses) == sorted(w.id for w in wires)
         assert all(r.rcode() == dns.rcode.NOERROR and r.answer for r in responses)
@@ -251,7 +288,9 @@ async def test_upstream_failures_become_servfail() -> None:
     closed.bind(("127.0.0.1", 0))
     closed_addr = SocketAddr.from_sockaddr(closed.getsockname())
     closed.close()
-    forwarder = UpstreamForwarder([closed_addr, SocketAddr.from_sockaddr(silent.getsockname())], timeout_s=0.3)
+    forwarder = UpstreamForwarder(
+        [closed_addr, SocketAddr.from_sockaddr(silent.getsockname())], timeout_s=0.3
+    )
     server = build(forwarder, metrics=metrics)
     await server.start()
     try:
@@ -259,8 +298,10 @@ async def test_upstream_failures_become_servfail() -> None:
         assert response.rcode() == dns.rcode.SERVFAIL and not response.answer
         assert sample(metrics, "istio_dns_upstream_failures_total", **LABELS_A_UDP) == 1
         assert sample(metrics, "istio_dns_requests_total", **LABELS_A_UDP) == 1
-        assert repr(forwarder) == (f"<UpstreamForwarder to {closed_addr}, {SocketAddr.from_sockaddr(silent.getsockname())}"
-                                   ": 2 sent, 1 failed>")
+        assert repr(forwarder) == (
+            f"<UpstreamForwarder to {closed_addr}, {SocketAddr.from_sockaddr(silent.getsockname())}"
+            ": 2 sent, 1 failed>"
+        )
     finally:
         await server.stop()
         silent.close()
@@ -280,7 +321,8 @@ async def test_next_nameserver_is_tried_after_a_failure(upstream: FakeUpstream) 
 
 async def test_no_nameservers_is_a_failure() -> None:
     assert await UpstreamForwarder([]).forward(dns.message.make_query("x.", "A")) == UpstreamFailure(
-        reason="no nameservers configured")
+        reason="no nameservers configured"
+    )
 
 
 async def test_unknown_client_gets_servfail_and_is_counted(upstream: FakeUpstream) -> None:
@@ -290,7 +332,11 @@ async def test_unknown_client_gets_servfail_and_is_counted(upstream: FakeUpstrea
     try:
         response = await udp_ask(server, q("productpage.ns1."))
         assert response.rcode() == dns.rcode.SERVFAIL
-        unknown = {**LABELS_A_UDP, "source_canonical_service": "unknown", "source_canonical_revision": "unknown"}
+        unknown = {
+            **LABELS_A_UDP,
+            "source_canonical_service": "unknown",
+            "source_canonical_revision": "unknown",
+        }
         assert sample(metrics, "istio_dns_requests_total", **unknown) == 1
         assert upstream.queries == []
     finally:
@@ -317,8 +363,12 @@ async def test_every_socket_comes_from_the_factory(upstream: FakeUpstream) -> No
     await server.start()
     try:
         await udp_ask(server, q("large.example.com."))
-        assert factory.made == [(socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_INET, socket.SOCK_STREAM),
-                                (socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_INET, socket.SOCK_STREAM)]
+        assert factory.made == [
+            (socket.AF_INET, socket.SOCK_DGRAM),
+            (socket.AF_INET, socket.SOCK_STREAM),
+            (socket.AF_INET, socket.SOCK_DGRAM),
+            (socket.AF_INET, socket.SOCK_STREAM),
+        ]
     finally:
         await server.stop()
 
@@ -359,8 +409,20 @@ async def test_access_log_at_debug(upstream: FakeUpstream, caplog: pytest.LogCap
         await server.stop()
     lines = [r.fields for r in caplog.records if r.getMessage() == "dns request"]
     assert lines == [
-        {"src.workload": "client", "src.namespace": "ns1", "query": "A", "domain": "productpage.ns1.",
-         "result": "success", "endpoints": 1},
-        {"src.workload": "client", "src.namespace": "ns1", "query": "A", "domain": "test.example.com.",
-         "result": "forwarded", "endpoints": 1},
+        {
+            "src.workload": "client",
+            "src.namespace": "ns1",
+            "query": "A",
+            "domain": "productpage.ns1.",
+            "result": "success",
+            "endpoints": 1,
+        },
+        {
+            "src.workload": "client",
+            "src.namespace": "ns1",
+            "query": "A",
+            "domain": "test.example.com.",
+            "result": "forwarded",
+            "endpoints": 1,
+        },
     ]

@@ -145,7 +145,7 @@ async def test_half_close_both_ways():
 async def test_one_gib_through_the_tunnel_intact():
     async with running_mesh() as mesh:
         reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
-        sent, received = await asyncio.wait_for(transfer(reader, writer, 1024 ** 3), 300)
+        sent, received = await asyncio.wait_for(transfer(reader, writer, 1024**3), 300)
         assert sent == received
 
 
@@ -154,7 +154,9 @@ async def test_many_concurrent_streams_share_one_pooled_connection():
         conns = [await mesh.socks_connect(SERVER_IP, ECHO_PORT) for _ in range(50)]
         for i, (_r, w) in enumerate(conns):
             w.write(f"stream {i}".encode())
-        replies = await asyncio.gather(*(r.readexactly(len(f"stream {i}")) for i, (r, _w) in enumerate(conns)))
+        replies = await asyncio.gather(
+            *(r.readexactly(len(f"stream {i}")) for i, (r, _w) in enumerate(conns))
+        )
         assert replies == [f"stream {i}".encode() for i in range(50)]
         pool = mesh.client.pi.pool
         assert pool.connections_opened == 1
@@ -197,7 +199,9 @@ async def test_server_with_unexpected_identity_is_refused():
     server_view = local_config(server_sa="impostor")
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
     client = await start_proxy("client", CLIENT_IP, client_view)
-    server = await start_proxy("server", SERVER_IP, server_view, PROXY_WORKLOAD_INFO="default/server/impostor")
+    server = await start_proxy(
+        "server", SERVER_IP, server_view, PROXY_WORKLOAD_INFO="default/server/impostor"
+    )
     try:
         socks = client.listeners["socks5"].bound_address
         reader, writer = await asyncio.open_connection(str(socks.ip), socks.port)
@@ -220,14 +224,16 @@ async def test_server_with_unexpected_identity_is_refused():
 
 # Raw HBONE clients against the server proxy's 15008 ----------------------------------------
 
+
 def issue(identity: Identity, ca: CertificateAuthority | None = None):
     return (ca or CertificateAuthority.insecure_test_ca()).issue(identity, 3600, now=datetime.now(UTC))
 
 
 async def raw_hbone(ctx: ssl.SSLContext, address: str = SERVER_IP, port: int = 15008) -> HboneConnection:
     loop = asyncio.get_running_loop()
-    _t, conn = await loop.create_connection(lambda: HboneConnection(client_side=True), address, port,
-                                            ssl=ctx, server_hostname="")
+    _t, conn = await loop.create_connection(
+        lambda: HboneConnection(client_side=True), address, port, ssl=ctx, server_hostname=""
+    )
     return conn
 
 
@@ -241,8 +247,10 @@ async def test_status_codes_of_the_hbone_server():
         conn = await raw_hbone(client_context(issue(CLIENT_ID)))
         stream, response = await conn.open_stream(f"{SERVER_IP}:{ECHO_PORT}", [])
         assert response.status == 200
-        assert response.header("baggage") == "k8s.namespace.name=default,k8s.deployment.name=server," \
-                                             "service.name=server,service.version=v1"
+        assert (
+            response.header("baggage") == "k8s.namespace.name=default,k8s.deployment.name=server,"
+            "service.name=server,service.version=v1"
+        )
         stream.abort()
         # authority IP is not the address the connection arrived on
         assert await connect_status(conn, f"127.0.0.9:{ECHO_PORT}") == 400
@@ -268,10 +276,19 @@ async def test_non_connect_method_gets_400():
         conn = await raw_hbone(client_context(issue(CLIENT_ID)))
         sid = conn.h2.get_next_available_stream_id()
         from ambient_mesh.proxy.hbone import HboneStream
+
         stream = HboneStream(conn, sid)
         conn.streams[sid] = stream
-        conn.h2.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":path", "/"),
-                                   (":authority", f"{SERVER_IP}:{ECHO_PORT}")], end_stream=True)
+        conn.h2.send_headers(
+            sid,
+            [
+                (":method", "GET"),
+                (":scheme", "https"),
+                (":path", "/"),
+                (":authority", f"{SERVER_IP}:{ECHO_PORT}"),
+            ],
+            end_stream=True,
+        )
         conn.flush()
         response = await asyncio.wait_for(stream.response, 10)
         assert response.status == 400

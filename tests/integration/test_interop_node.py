@@ -90,8 +90,9 @@ def write_identity(directory: Path, identity: Identity) -> Path:
 
 
 async def run_node(script: str, *args: str, timeout: float = 60) -> str:
-    proc = await asyncio.create_subprocess_exec(NODE, "-e", script, *args, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        NODE, "-e", script, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     finally:
@@ -109,7 +110,9 @@ async def test_node_http2_client_through_our_hbone_server(tmp_path):
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
     server = await start_proxy("server", SERVER_IP, local_config())
     try:
-        out = await run_node(NODE_CLIENT, str(certs), SERVER_IP, f"{SERVER_IP}:{ECHO_PORT}", str(PAYLOAD_BYTES))
+        out = await run_node(
+            NODE_CLIENT, str(certs), SERVER_IP, f"{SERVER_IP}:{ECHO_PORT}", str(PAYLOAD_BYTES)
+        )
         result = json.loads(out)
         assert result["status"] == 200
         assert result["received"] == PAYLOAD_BYTES
@@ -127,8 +130,9 @@ async def test_node_http2_client_through_our_hbone_server(tmp_path):
 async def test_our_hbone_client_through_a_node_http2_server(tmp_path):
     certs = write_identity(tmp_path / "server", Identity("cluster.local", "default", "server"))
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
-    node = await asyncio.create_subprocess_exec(NODE, "-e", NODE_SERVER, str(certs), SERVER_IP,
-                                                stdout=asyncio.subprocess.PIPE)
+    node = await asyncio.create_subprocess_exec(
+        NODE, "-e", NODE_SERVER, str(certs), SERVER_IP, stdout=asyncio.subprocess.PIPE
+    )
     client = None
     try:
         assert (await asyncio.wait_for(node.stdout.readline(), 20)).strip() == b"listening"

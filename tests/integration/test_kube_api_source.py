@@ -31,11 +31,19 @@ WAIT_S = 5.0
 
 
 def pod_obj(name: str, *, node: str = NODE, labels: dict | None = None, ip: str = "10.0.0.5") -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "demo", "uid": f"uid-{name}", "labels": labels or {},
-                         "annotations": {}},
-            "spec": {"nodeName": node, "serviceAccountName": "sa", "containers": [{"name": "app"}]},
-            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "demo",
+            "uid": f"uid-{name}",
+            "labels": labels or {},
+            "annotations": {},
+        },
+        "spec": {"nodeName": node, "serviceAccountName": "sa", "containers": [{"name": "app"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    }
 
 
 def ns_obj(labels: dict) -> dict:
@@ -85,8 +93,11 @@ class FakeApiServer:
             self.changed.notify_all()
 
     def _list(self, kind: str, node: str | None) -> dict:
-        items = [o for (k, _, _), o in sorted(self.objects.items()) if k == kind
-                 and (node is None or o["spec"].get("nodeName") == node)]
+        items = [
+            o
+            for (k, _, _), o in sorted(self.objects.items())
+            if k == kind and (node is None or o["spec"].get("nodeName") == node)
+        ]
         return {"kind": f"{kind}List", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -130,8 +141,11 @@ class FakeApiServer:
                 else:
                     await self._reply(writer, 200, self.objects[key])
             elif parts[:2] == ["apis", "apps"] and parts[-1] == "istio-cni-node":
-                await self._reply(writer, 200 if self.daemonset else 404,
-                                  {"kind": "DaemonSet", "metadata": {"name": "istio-cni-node"}})
+                await self._reply(
+                    writer,
+                    200 if self.daemonset else 404,
+                    {"kind": "DaemonSet", "metadata": {"name": "istio-cni-node"}},
+                )
             else:
                 await self._reply(writer, 404, {"kind": "Status", "code": 404})
         except (ConnectionError, asyncio.CancelledError):
@@ -142,12 +156,17 @@ class FakeApiServer:
     @staticmethod
     async def _reply(writer: asyncio.StreamWriter, status: int, doc: dict) -> None:
         body = json.dumps(doc).encode()
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + body)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n".encode()
+            + body
+        )
         await writer.drain()
 
     async def _watch(self, writer: asyncio.StreamWriter, kind: str, node: str | None, since: int) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
 
         def send(doc: dict) -> None:
             line = json.dumps(doc).encode() + b"\n"
@@ -180,7 +199,8 @@ class ApiWorld:
     def __init__(self, server: FakeApiServer) -> None:
         self.server = server
         self.source = KubeApiPodSource(
-            KubeClient(KubeAccess(server=f"http://127.0.0.1:{server.port}", token=TOKEN)), node_name=NODE)
+            KubeClient(KubeAccess(server=f"http://127.0.0.1:{server.port}", token=TOKEN)), node_name=NODE
+        )
 
     async def set_namespace(self, labels: dict) -> None:
         await self.server.put(ns_obj(labels))
@@ -197,8 +217,9 @@ class DirectoryWorld:
         self.dir = root / "pods"
         self.dir.mkdir()
         self.objects: dict[tuple[str, str], dict] = {}
-        self.source = DirectoryPodSource(self.dir, node_name=NODE, state_file=root / "run" / "state.json",
-                                         poll_interval_s=0.02)
+        self.source = DirectoryPodSource(
+            self.dir, node_name=NODE, state_file=root / "run" / "state.json", poll_interval_s=0.02
+        )
 
     def _write(self) -> None:
         (self.dir / "objects.yaml").write_text(yaml.safe_dump_all(list(self.objects.values())))
@@ -344,7 +365,9 @@ async def test_watch_resumes_from_the_list_version_with_a_node_field_selector(ap
     async with watching(world.source) as seen:
         await world.set_pod(pod_obj("b"))
         await seen.wait_for(lambda e: isinstance(e, PodEvent) and e.pod.name == "b")
-    watches = [target for method, target, _ in api_server.requests if "watch=1" in target and "/pods" in target]
+    watches = [
+        target for method, target, _ in api_server.requests if "watch=1" in target and "/pods" in target
+    ]
     assert watches and f"resourceVersion={api_server.rv - 1}" in watches[0]
     assert "fieldSelector=spec.nodeName%3Dnode-1" in watches[0]
 
@@ -366,15 +389,17 @@ async def test_expired_watch_relists_and_reports_the_difference(api_server):
 
 
 async def test_wrong_token_is_a_pod_source_error(api_server):
-    source = KubeApiPodSource(KubeClient(KubeAccess(server=f"http://127.0.0.1:{api_server.port}", token="bad")),
-                              node_name=NODE)
+    source = KubeApiPodSource(
+        KubeClient(KubeAccess(server=f"http://127.0.0.1:{api_server.port}", token="bad")), node_name=NODE
+    )
     with pytest.raises(PodSourceError, match="401"):
         await source.start()
 
 
 async def test_unreachable_api_server_is_a_pod_source_error():
-    source = KubeApiPodSource(KubeClient(KubeAccess(server="http://127.0.0.1:1", token=TOKEN), timeout_s=1),
-                              node_name=NODE)
+    source = KubeApiPodSource(
+        KubeClient(KubeAccess(server="http://127.0.0.1:1", token=TOKEN), timeout_s=1), node_name=NODE
+    )
     with pytest.raises(PodSourceError):
         await source.start()
 

@@ -37,8 +37,9 @@ async def spawn(env_extra: dict[str, str]) -> asyncio.subprocess.Process:
     env = dict(os.environ)
     env.update(proxy_env("server", IP, local_config()))
     env.update(env_extra)
-    return await asyncio.create_subprocess_exec(*AMBIENT, env=env, stderr=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.DEVNULL)
+    return await asyncio.create_subprocess_exec(
+        *AMBIENT, env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL
+    )
 
 
 async def wait_ready_line(proc: asyncio.subprocess.Process) -> dict[str, str]:

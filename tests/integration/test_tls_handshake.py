@@ -168,7 +168,9 @@ async def test_server_with_an_unexpected_identity_is_refused_by_the_client(
     async with hbone_listener(server_cert) as listener:
         _, writer = await open_hbone(listener.port, client_context(client_cert))
         try:
-            with pytest.raises(CertificateError, match=r"expected \[.*someone-else\], presented \[.*ns1/sa/server\]"):
+            with pytest.raises(
+                CertificateError, match=r"expected \[.*someone-else\], presented \[.*ns1/sa/server\]"
+            ):
                 verify_server_identity(writer.get_extra_info("ssl_object"), [expected])
         finally:
             writer.close()
@@ -224,7 +226,12 @@ async def test_client_without_alpn_h2_is_refused(
     assert [type(e) for e in listener.rejected] == [ProtocolError]
 
 
-def _ca_cert(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None, issuer_key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
+def _ca_cert(
+    name: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Certificate | None,
+    issuer_key: ec.EllipticCurvePrivateKey,
+) -> x509.Certificate:
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, name)])
     return (
         x509.CertificateBuilder()
@@ -237,9 +244,15 @@ def _ca_cert(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificat
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )

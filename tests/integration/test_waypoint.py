@@ -50,18 +50,21 @@ class StandInWaypoint:
         self.server = None
 
     async def start(self) -> None:
-        cert = CertificateAuthority.insecure_test_ca().issue(Identity("cluster.local", "default", "waypoint"),
-                                                             3600, now=datetime.now(UTC))
+        cert = CertificateAuthority.insecure_test_ca().issue(
+            Identity("cluster.local", "default", "waypoint"), 3600, now=datetime.now(UTC)
+        )
         ctx = server_context(cert)
 
         def factory():
             def check(conn: HboneConnection) -> None:
-                conn.peer_identity = verify_client_identity(conn.transport.get_extra_info("ssl_object"),
-                                                            "cluster.local")
+                conn.peer_identity = verify_client_identity(
+                    conn.transport.get_extra_info("ssl_object"), "cluster.local"
+                )
 
             def on_request(stream) -> None:
-                self.requests.append((stream.request.authority, stream.conn.peer_identity,
-                                      stream.request.header("forwarded")))
+                self.requests.append(
+                    (stream.request.authority, stream.conn.peer_identity, stream.request.header("forwarded"))
+                )
                 stream.conn.respond(stream, 200)
                 stream.write(MARKER)
                 stream.write_eof()
@@ -88,8 +91,9 @@ async def socks_read(proxy, ip: str, port: int) -> bytes:
 async def test_service_with_waypoint_goes_to_the_waypoint_with_the_vip_as_authority():
     waypoint = StandInWaypoint()
     await waypoint.start()
-    client = await start_proxy("client", CLIENT_IP,
-                               local_config(extra_workloads=WAYPOINT, extra_services=SERVICE_WITH_WAYPOINT))
+    client = await start_proxy(
+        "client", CLIENT_IP, local_config(extra_workloads=WAYPOINT, extra_services=SERVICE_WITH_WAYPOINT)
+    )
     try:
         assert await socks_read(client, "127.10.0.9", 9080) == MARKER
         assert len(waypoint.requests) == 1
@@ -109,7 +113,8 @@ async def test_service_with_waypoint_goes_to_the_waypoint_with_the_vip_as_author
 async def test_workload_with_waypoint_goes_to_the_waypoint_with_the_original_target():
     server_with_waypoint = local_config(extra_workloads=WAYPOINT).replace(
         f'workloadIps: ["{SERVER_IP}"]',
-        f'workloadIps: ["{SERVER_IP}"]\n  waypoint: {{destination: "/{WAYPOINT_IP}", hboneMtlsPort: 15008}}')
+        f'workloadIps: ["{SERVER_IP}"]\n  waypoint: {{destination: "/{WAYPOINT_IP}", hboneMtlsPort: 15008}}',
+    )
     waypoint = StandInWaypoint()
     await waypoint.start()
     client = await start_proxy("client", CLIENT_IP, server_with_waypoint)
@@ -125,8 +130,10 @@ async def test_waypoint_presenting_another_identity_is_refused():
     waypoint = StandInWaypoint()
     # the config says the waypoint runs as sa "waypoint"; claim it is "other" so the presented
     # certificate does not match what the client expects
-    config = local_config(extra_workloads=WAYPOINT.replace("serviceAccount: waypoint", "serviceAccount: other"),
-                          extra_services=SERVICE_WITH_WAYPOINT)
+    config = local_config(
+        extra_workloads=WAYPOINT.replace("serviceAccount: waypoint", "serviceAccount: other"),
+        extra_services=SERVICE_WITH_WAYPOINT,
+    )
     await waypoint.start()
     client = await start_proxy("client", CLIENT_IP, config)
     try:

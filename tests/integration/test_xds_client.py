@@ -23,8 +23,9 @@ SVC = "ns/echo.ns.svc.cluster.local"
 
 
 def workload(name: str, ip: str, **kwargs) -> W.Workload:
-    return W.Workload(uid=f"c1//Pod/ns/{name}", name=name, namespace="ns",
-                      addresses=[ip_address(ip).packed], **kwargs)
+    return W.Workload(
+        uid=f"c1//Pod/ns/{name}", name=name, namespace="ns", addresses=[ip_address(ip).packed], **kwargs
+    )
 
 
 def wl_resource(name: str, ip: str, version: str = "v1", **kwargs):
@@ -32,17 +33,26 @@ def wl_resource(name: str, ip: str, version: str = "v1", **kwargs):
 
 
 def echo_service(version: str = "s1"):
-    return resource(SVC, W.Service(name="echo", namespace="ns", hostname="echo.ns.svc.cluster.local",
-                                   addresses=[W.NetworkAddress(address=ip_address("10.96.0.1").packed)],
-                                   ports=[W.Port(service_port=80, target_port=8080)]),
-                    version=version, aliases=["/10.96.0.1"])
+    return resource(
+        SVC,
+        W.Service(
+            name="echo",
+            namespace="ns",
+            hostname="echo.ns.svc.cluster.local",
+            addresses=[W.NetworkAddress(address=ip_address("10.96.0.1").packed)],
+            ports=[W.Port(service_port=80, target_port=8080)],
+        ),
+        version=version,
+        aliases=["/10.96.0.1"],
+    )
 
 
 @contextlib.asynccontextmanager
 async def running(fake: FakeAds, env: dict[str, str], **kwargs):
-    config = ZtunnelConfig.from_env({"XDS_ADDRESS": fake.address, "POD_NAME": "ztunnel-1",
-                                     "POD_NAMESPACE": "istio-system", **env},
-                                    ipv6_disabled_on_lo=lambda: False)
+    config = ZtunnelConfig.from_env(
+        {"XDS_ADDRESS": fake.address, "POD_NAME": "ztunnel-1", "POD_NAMESPACE": "istio-system", **env},
+        ipv6_disabled_on_lo=lambda: False,
+    )
     state = ProxyState()
     client = XdsClient(config, StateUpdater(state), **kwargs)
     client.start()
@@ -76,8 +86,13 @@ def find(state: ProxyState, ip: str):
 async def test_initial_subscription_readiness_and_call_metadata(fake: FakeAds, tmp_path: Path) -> None:
     token = tmp_path / "istio-token"
     token.write_text("token-one\n")
-    fake.put(ADDRESS, echo_service(), wl_resource("a", "10.0.0.1", services={SVC: W.PortList(
-        ports=[W.Port(service_port=80, target_port=8080)])}))
+    fake.put(
+        ADDRESS,
+        echo_service(),
+        wl_resource(
+            "a", "10.0.0.1", services={SVC: W.PortList(ports=[W.Port(service_port=80, target_port=8080)])}
+        ),
+    )
     fake.put(AUTHORIZATION, authorization("allow-all"))
     env = {"AUTH_TOKEN": str(token), "CLUSTER_ID": "cluster-9", "XDS_HEADER_X_TEAM": "mesh"}
     async with running(fake, env) as (client, state):
@@ -99,8 +114,9 @@ async def test_initial_subscription_readiness_and_call_metadata(fake: FakeAds, t
         acks = stream.requests[2:]
         assert sorted(a.response_nonce for a in acks) == sorted(r.nonce for r in stream.responses)
         assert all(not a.HasField("node") and not a.HasField("error_detail") for a in acks)
-        assert "connected (stream 1)" in repr(client) and repr(client).endswith("3 resources known, "
-                                                                                  "0 on-demand pending, ready>")
+        assert "connected (stream 1)" in repr(client) and repr(client).endswith(
+            "3 resources known, 0 on-demand pending, ready>"
+        )
 
 
 async def test_pushes_and_removals_reach_the_state(fake: FakeAds) -> None:
@@ -125,14 +141,20 @@ async def test_partly_bad_push_is_nacked_and_the_good_part_applied(fake: FakeAds
         nonce = await fake.push(ADDRESS, [wl_resource("good", "10.0.0.4"), bad])
         reply = await fake.wait_reply(nonce)
         assert reply.type_url == ADDRESS and reply.response_nonce == nonce
-        assert reply.error_detail.message == "c1//Pod/ns/bad: tunnel protocol LEGACY_ISTIO_MTLS is not supported"
+        assert (
+            reply.error_detail.message == "c1//Pod/ns/bad: tunnel protocol LEGACY_ISTIO_MTLS is not supported"
+        )
         assert find(state, "10.0.0.4") is not None and find(state, "10.0.0.3") is None
         assert "c1//Pod/ns/bad" not in client.session.known[ADDRESS]
 
 
 async def test_server_restart_resumes_with_initial_resource_versions(fake: FakeAds) -> None:
-    fake.put(ADDRESS, wl_resource("keep", "10.0.0.5"), wl_resource("change", "10.0.0.6"),
-             wl_resource("gone", "10.0.0.7"))
+    fake.put(
+        ADDRESS,
+        wl_resource("keep", "10.0.0.5"),
+        wl_resource("change", "10.0.0.6"),
+        wl_resource("gone", "10.0.0.7"),
+    )
     async with running(fake, {}) as (client, state):
         await ready(client)
         await fake.wait_for(lambda: len(fake.streams[0].requests) == 4)  # both ACKs in
@@ -144,7 +166,10 @@ async def test_server_restart_resumes_with_initial_resource_versions(fake: FakeA
         await fake.wait_for(lambda: len(second.requests) >= 4)
         initial = second.initial(ADDRESS)
         assert dict(initial.initial_resource_versions) == {
-            "c1//Pod/ns/keep": "v1", "c1//Pod/ns/change": "v1", "c1//Pod/ns/gone": "v1"}
+            "c1//Pod/ns/keep": "v1",
+            "c1//Pod/ns/change": "v1",
+            "c1//Pod/ns/gone": "v1",
+        }
         # The server re-sent only what changed; the unchanged workload survived the reconnect.
         (answer,) = [r for r in second.responses if r.type_url == ADDRESS]
         assert [r.name for r in answer.resources] == ["c1//Pod/ns/change"]
@@ -179,7 +204,9 @@ async def test_on_demand_lookup_answered_through_an_alias(fake: FakeAds) -> None
         assert len(state.workloads) == 0
         assert await client.on_demand("/10.0.0.8") is True
         assert find(state, "10.0.0.8").uid == "c1//Pod/ns/od"
-        lookup = next(r for r in fake.streams[0].requests if list(r.resource_names_subscribe) == ["/10.0.0.8"])
+        lookup = next(
+            r for r in fake.streams[0].requests if list(r.resource_names_subscribe) == ["/10.0.0.8"]
+        )
         assert not lookup.HasField("node") and lookup.response_nonce == ""
         # Not found: istiod answers with a removal of the key, which also releases the waiter.
         assert await client.on_demand("/10.0.0.99") is True

@@ -64,7 +64,9 @@ class Gate:
 
 
 def wl(name: str, ip: str, version: str = "v1"):
-    workload = W.Workload(uid=f"c1//Pod/ns/{name}", name=name, namespace="ns", addresses=[ip_address(ip).packed])
+    workload = W.Workload(
+        uid=f"c1//Pod/ns/{name}", name=name, namespace="ns", addresses=[ip_address(ip).packed]
+    )
     return resource(f"c1//Pod/ns/{name}", workload, version=version, aliases=[f"/{ip}"])
 
 
@@ -91,7 +93,8 @@ def payload_bytes(fake: FakeAds) -> dict[str, float]:
         for response in stream.responses:
             if response.nonce != ABORT_NONCE:
                 sent[response.type_url] = sent.get(response.type_url, 0) + sum(
-                    len(r.resource.value) for r in response.resources)
+                    len(r.resource.value) for r in response.resources
+                )
     return sent
 
 
@@ -118,8 +121,10 @@ async def test_terminations_messages_and_bytes_across_stream_ends() -> None:
     stats = StatsServer(SocketAddr.of("127.0.0.1", 0), metrics)
     await stats.start()
     gate = Gate()
-    config = ZtunnelConfig.from_env({"XDS_ADDRESS": fake.address, "POD_NAME": "ztunnel-1",
-                                     "POD_NAMESPACE": "istio-system"}, ipv6_disabled_on_lo=lambda: False)
+    config = ZtunnelConfig.from_env(
+        {"XDS_ADDRESS": fake.address, "POD_NAME": "ztunnel-1", "POD_NAMESPACE": "istio-system"},
+        ipv6_disabled_on_lo=lambda: False,
+    )
     client = XdsClient(config, StateUpdater(ProxyState()), sleep=gate, metrics=metrics)
     try:
         fake.put(ADDRESS, wl("a", "10.0.0.1"), wl("b", "10.0.0.2"))
@@ -136,15 +141,20 @@ async def test_terminations_messages_and_bytes_across_stream_ends() -> None:
 
         # A push, a removal, a partly undecodable push (NACKed) and a type nobody asked for:
         # every response counts, before it is handled.
-        for nonce in (await fake.push(ADDRESS, [wl("c", "10.0.0.3")]),
-                      await fake.push(ADDRESS, removed=["c1//Pod/ns/b"]),
-                      await fake.push(ADDRESS, [raw_resource("c1//Pod/ns/bad", b"\xff\xff\xff")]),
-                      await fake.push(UNKNOWN_TYPE, [raw_resource("u", b"0123456789")])):
+        for nonce in (
+            await fake.push(ADDRESS, [wl("c", "10.0.0.3")]),
+            await fake.push(ADDRESS, removed=["c1//Pod/ns/b"]),
+            await fake.push(ADDRESS, [raw_resource("c1//Pod/ns/bad", b"\xff\xff\xff")]),
+            await fake.push(UNKNOWN_TYPE, [raw_resource("u", b"0123456789")]),
+        ):
             await fake.wait_reply(nonce)
         assert by_url(metrics, "istio_xds_message") == {ADDRESS: 4, AUTHORIZATION: 1, UNKNOWN_TYPE: 1}
         pushed = len(wl("c", "10.0.0.3").resource.value) + 3
         assert by_url(metrics, "istio_xds_message_bytes") == {
-            ADDRESS: initial_bytes[ADDRESS] + pushed, AUTHORIZATION: initial_bytes[AUTHORIZATION], UNKNOWN_TYPE: 10}
+            ADDRESS: initial_bytes[ADDRESS] + pushed,
+            AUTHORIZATION: initial_bytes[AUTHORIZATION],
+            UNKNOWN_TYPE: 10,
+        }
 
         # The server ends the stream with OK: Complete, and a reconnect without waiting.
         fake.end_newest_cleanly()
@@ -173,8 +183,9 @@ async def test_terminations_messages_and_bytes_across_stream_ends() -> None:
         # Streams 2-4 each got one (empty: nothing changed) initial response per type.
         assert by_url(metrics, "istio_xds_message") == {ADDRESS: 7, AUTHORIZATION: 4, UNKNOWN_TYPE: 1}
         assert by_url(metrics, "istio_xds_message_bytes") == payload_bytes(fake)
-        assert repr(metrics.xds) == (f"<XdsMetrics: 12 messages ({int(sum(payload_bytes(fake).values()))} B), "
-                                     "4 stream terminations>")
+        assert repr(metrics.xds) == (
+            f"<XdsMetrics: 12 messages ({int(sum(payload_bytes(fake).values()))} B), 4 stream terminations>"
+        )
 
         # The same numbers on the stats port (15020 in production).
         text = await scrape(stats)

@@ -98,8 +98,12 @@ def start_echo_server(fab: Fabric, node: Node, port: int, log_dir: Path) -> Echo
     """Start an echo server process in a node's namespace and wait until it listens."""
     log = log_dir / f"echo-{node.name}-{port}.log"
     with open(log, "wb") as out:
-        process = fab.spawn(node, [sys.executable, str(ECHO_SCRIPT), "--port", str(port)],
-                            stdout=out, stderr=subprocess.STDOUT)
+        process = fab.spawn(
+            node,
+            [sys.executable, str(ECHO_SCRIPT), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     fab.wait_for_listen(node, port, process=process)
     return EchoServer(node=node, port=port, process=process, log=log)
 

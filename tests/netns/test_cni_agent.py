@@ -76,10 +76,13 @@ async def wait_for(predicate, what: str, timeout_s: float = WAIT_S):
 
 
 def pod_doc(name: str, ip: str, labels: dict[str, str] | None = None) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "uid": UIDS[name], "labels": labels or {}},
-            "spec": {"nodeName": NODE_NAME, "serviceAccountName": f"sa-{name}", "containers": [{"name": "app"}]},
-            "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": UIDS[name], "labels": labels or {}},
+        "spec": {"nodeName": NODE_NAME, "serviceAccountName": f"sa-{name}", "containers": [{"name": "app"}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]},
+    }
 
 
 class Scenario:
@@ -97,8 +100,11 @@ class Scenario:
         self.zds_socket = root / "zt" / "ztunnel.sock"
         for d in (self.net_dir, self.bin_dir, self.pods_dir):
             d.mkdir(parents=True)
-        (self.net_dir / "10-bridge.conflist").write_text(json.dumps(
-            {"cniVersion": "1.0.0", "name": "lab", "plugins": [{"type": "bridge", "bridge": "cni0"}]}))
+        (self.net_dir / "10-bridge.conflist").write_text(
+            json.dumps(
+                {"cniVersion": "1.0.0", "name": "lab", "plugins": [{"type": "bridge", "bridge": "cni0"}]}
+            )
+        )
         self.agent: subprocess.Popen | None = None
         self.agent_logs: list[Path] = []
         self.proxies = RecordingProxies()
@@ -109,8 +115,13 @@ class Scenario:
         return str(self.pods[pod].ipv4)
 
     def write_pods(self, *, pb_labels: dict[str, str], with_pa: bool = True) -> None:
-        docs = [{"apiVersion": "v1", "kind": "Namespace",
-                 "metadata": {"name": NAMESPACE, "labels": {"istio.io/dataplane-mode": "ambient"}}}]
+        docs = [
+            {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": NAMESPACE, "labels": {"istio.io/dataplane-mode": "ambient"}},
+            }
+        ]
         if with_pa:
             docs.append(pod_doc("pa", self.ip("pa")))
         docs.append(pod_doc("pb", self.ip("pb"), pb_labels))
@@ -120,14 +131,25 @@ class Scenario:
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG")}
-        env.update({
-            "AMBIENT_ENABLED": "true", "CNI_AGENT_RUN_DIR": str(self.run_dir),
-            "MOUNTED_CNI_NET_DIR": str(self.net_dir), "CNI_BIN_DIR": str(self.bin_dir),
-            "ZTUNNEL_UDS_ADDRESS": str(self.zds_socket), "POD_SOURCE_DIRECTORY": str(self.pods_dir),
-            "POD_SOURCE_POLL_INTERVAL": "100ms", "NODE_NAME": NODE_NAME, "AMBIENT_IPV6": "false",
-            "AMBIENT_DNS_CAPTURE": "true", "PROBE_SET_PREFIX": PROBE_PREFIX, "POD_NAMESPACE": "istio-system",
-            "LOG_OUTPUT_LEVEL": "debug", "MONITORING_PORT": "15014", "HEALTH_PORT": "8000",
-        })
+        env.update(
+            {
+                "AMBIENT_ENABLED": "true",
+                "CNI_AGENT_RUN_DIR": str(self.run_dir),
+                "MOUNTED_CNI_NET_DIR": str(self.net_dir),
+                "CNI_BIN_DIR": str(self.bin_dir),
+                "ZTUNNEL_UDS_ADDRESS": str(self.zds_socket),
+                "POD_SOURCE_DIRECTORY": str(self.pods_dir),
+                "POD_SOURCE_POLL_INTERVAL": "100ms",
+                "NODE_NAME": NODE_NAME,
+                "AMBIENT_IPV6": "false",
+                "AMBIENT_DNS_CAPTURE": "true",
+                "PROBE_SET_PREFIX": PROBE_PREFIX,
+                "POD_NAMESPACE": "istio-system",
+                "LOG_OUTPUT_LEVEL": "debug",
+                "MONITORING_PORT": "15014",
+                "HEALTH_PORT": "8000",
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -136,8 +158,13 @@ class Scenario:
         self.agent_logs.append(log)
         LOGS.append(log)
         with open(log, "wb") as out:
-            self.agent = self.fabric.spawn(self.node, [sys.executable, "-m", "ambient_mesh.cni.agent"],
-                                           env=self.env(), stdout=out, stderr=subprocess.STDOUT)
+            self.agent = self.fabric.spawn(
+                self.node,
+                [sys.executable, "-m", "ambient_mesh.cni.agent"],
+                env=self.env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def stop_agent(self) -> int:
         assert self.agent is not None
@@ -161,7 +188,11 @@ class Scenario:
         return self.runner.run(["iptables-save"], netns=self.pods[pod].netns).text
 
     def istio_rules(self, pod: str) -> list[str]:
-        return [line for line in self.iptables_save(pod).splitlines() if re.match(r"-A (ISTIO_\w+|\w+ -j ISTIO_)", line)]
+        return [
+            line
+            for line in self.iptables_save(pod).splitlines()
+            if re.match(r"-A (ISTIO_\w+|\w+ -j ISTIO_)", line)
+        ]
 
     def probe_set(self) -> dict[str, str]:
         """The node's probe set members; read on a thread of its own (pyroute2 runs its own loop)."""
@@ -186,16 +217,33 @@ class Scenario:
     async def cni_add(self, pod: str) -> subprocess.CompletedProcess:
         conflist = self.conflist()
         entry = next(p for p in conflist["plugins"] if p["type"] == "istio-cni")
-        stdin = dict(entry, cniVersion=conflist["cniVersion"], name=conflist["name"],
-                     prevResult={"cniVersion": "1.0.0", "interfaces": [{"name": "eth0"}],
-                                 "ips": [{"address": f"{self.ip(pod)}/24", "interface": 0}]})
-        env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": f"sandbox-{pod}",
-               "CNI_NETNS": str(NETNS_RUN_DIR / self.pods[pod].netns), "CNI_IFNAME": "eth0",
-               "CNI_PATH": str(self.bin_dir),
-               "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={NAMESPACE};K8S_POD_NAME={pod};"
-                           f"K8S_POD_INFRA_CONTAINER_ID=sandbox-{pod}"}
-        proc = await asyncio.create_subprocess_exec(str(self.bin_dir / "istio-cni"), stdin=subprocess.PIPE,
-                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        stdin = dict(
+            entry,
+            cniVersion=conflist["cniVersion"],
+            name=conflist["name"],
+            prevResult={
+                "cniVersion": "1.0.0",
+                "interfaces": [{"name": "eth0"}],
+                "ips": [{"address": f"{self.ip(pod)}/24", "interface": 0}],
+            },
+        )
+        env = {
+            "PATH": os.environ["PATH"],
+            "CNI_COMMAND": "ADD",
+            "CNI_CONTAINERID": f"sandbox-{pod}",
+            "CNI_NETNS": str(NETNS_RUN_DIR / self.pods[pod].netns),
+            "CNI_IFNAME": "eth0",
+            "CNI_PATH": str(self.bin_dir),
+            "CNI_ARGS": f"IgnoreUnknown=1;K8S_POD_NAMESPACE={NAMESPACE};K8S_POD_NAME={pod};"
+            f"K8S_POD_INFRA_CONTAINER_ID=sandbox-{pod}",
+        }
+        proc = await asyncio.create_subprocess_exec(
+            str(self.bin_dir / "istio-cni"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
         out, err = await asyncio.wait_for(proc.communicate(json.dumps(stdin).encode()), WAIT_S)
         return subprocess.CompletedProcess([], proc.returncode, out, err)
 
@@ -243,13 +291,21 @@ async def proxies(scenario):
 
 async def test_1_agent_installs_plugin_and_starts(scenario):
     scenario.start_agent()
-    await wait_for(lambda: scenario.installed() and (scenario.run_dir / "pluginevent.sock").exists()
-                   and scenario.zds_socket.exists(), "plugin installed and sockets listening")
+    await wait_for(
+        lambda: (
+            scenario.installed()
+            and (scenario.run_dir / "pluginevent.sock").exists()
+            and scenario.zds_socket.exists()
+        ),
+        "plugin installed and sockets listening",
+    )
     assert (scenario.bin_dir / "istio-cni").stat().st_mode & 0o111
     entry = next(p for p in scenario.conflist()["plugins"] if p["type"] == "istio-cni")
     assert entry["ambient_enabled"] is True and entry["cni_agent_run_dir"] == str(scenario.run_dir)
     assert scenario.conflist()["plugins"][-1]["type"] == "istio-cni"
-    assert "ISTIO_POSTRT" in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    assert (
+        "ISTIO_POSTRT" in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    )
     status, body = await asyncio.to_thread(http_get, scenario.node.netns, "/readyz", 8000)
     assert status == 200, body
     status, body = await asyncio.to_thread(http_get, scenario.node.netns, "/metrics", 15014)
@@ -261,7 +317,10 @@ async def test_2_cni_add_enrolls_pod(scenario, proxies):
     assert result.returncode == 0, (result.stdout, result.stderr, scenario.agent_log()[-3000:])
     assert json.loads(result.stdout)["ips"][0]["address"] == f"{scenario.ip('pa')}/24"
     rules = scenario.istio_rules("pa")
-    assert "-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001" in rules
+    assert (
+        "-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001"
+        in rules
+    )
     assert any("--to-ports 15006" in r for r in rules)
     pa_inode = os.stat(NETNS_RUN_DIR / scenario.pods["pa"].netns).st_ino
     assert proxies.running[UIDS["pa"]] == pa_inode
@@ -313,7 +372,10 @@ async def test_7_restart_rebuilds_state_without_duplicates(scenario, proxies):
     # A final shutdown (no agent DaemonSet in the store): plugin and host rule are removed,
     # the pod keeps its rules and its node proxy.
     assert not scenario.installed()
-    assert "ISTIO_POSTRT" not in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    assert (
+        "ISTIO_POSTRT"
+        not in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    )
     assert scenario.istio_rules("pb") == rules_before
     assert UIDS["pb"] in proxies.running
 
@@ -337,11 +399,20 @@ async def test_7_restart_rebuilds_state_without_duplicates(scenario, proxies):
 
 
 async def test_8_upgrade_shutdown_keeps_plugin(scenario):
-    (scenario.pods_dir / "agent.yaml").write_text(yaml.safe_dump(
-        {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "istio-cni-node", "namespace": "istio-system"}}))
+    (scenario.pods_dir / "agent.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": "istio-cni-node", "namespace": "istio-system"},
+            }
+        )
+    )
     assert scenario.stop_agent() == 0
     assert scenario.installed()
-    assert "ISTIO_POSTRT" in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    assert (
+        "ISTIO_POSTRT" in scenario.runner.run(["iptables-save", "-t", "nat"], netns=scenario.node.netns).text
+    )
     assert scenario.probe_set()[scenario.ip("pb")] == UIDS["pb"]
 
 
@@ -356,15 +427,21 @@ async def test_nftables_backend_end_to_end():
             client.start()
             try:
                 sc.start_agent()
-                await wait_for(lambda: sc.installed() and (sc.run_dir / "pluginevent.sock").exists(), "agent up")
+                await wait_for(
+                    lambda: sc.installed() and (sc.run_dir / "pluginevent.sock").exists(), "agent up"
+                )
                 await asyncio.wait_for(client.wait_ready(), WAIT_S)
                 result = await sc.cni_add("pa")
                 assert result.returncode == 0, (result.stdout, sc.agent_log()[-3000:])
                 tables = sc.runner.run(["nft", "list", "tables"], netns=sc.pods["pa"].netns).text
-                assert "table inet istio-ambient-nat" in tables and "table inet istio-ambient-mangle" in tables
+                assert (
+                    "table inet istio-ambient-nat" in tables and "table inet istio-ambient-mangle" in tables
+                )
                 assert sc.istio_rules("pa") == []  # no iptables rules alongside
-                members = sc.runner.run(["nft", "list", "set", "inet", "istio-ambient-nat", f"{PROBE_PREFIX}-v4"],
-                                        netns=sc.node.netns).text
+                members = sc.runner.run(
+                    ["nft", "list", "set", "inet", "istio-ambient-nat", f"{PROBE_PREFIX}-v4"],
+                    netns=sc.node.netns,
+                ).text
                 assert sc.ip("pa") in members
                 assert proxies.running[UIDS["pa"]] == os.stat(NETNS_RUN_DIR / sc.pods["pa"].netns).st_ino
                 assert sc.stop_agent() == 0

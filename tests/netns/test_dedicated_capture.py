@@ -99,8 +99,12 @@ def captured(fabric, runner):
     peer = fabric.add_node("peer")
     apply_dedicated_rules(runner, pod.netns, render_dedicated_rules())
     apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(ipv6=True), ipv6=True)
-    sockets = [listen(pod.netns, 15001), listen(pod.netns, 15006), listen(pod.netns, 15008),
-               listen(peer.netns, 8080)]
+    sockets = [
+        listen(pod.netns, 15001),
+        listen(pod.netns, 15006),
+        listen(pod.netns, 15008),
+        listen(peer.netns, 8080),
+    ]
     try:
         yield Captured(fabric, pod, peer, *sockets)
     finally:
@@ -170,8 +174,10 @@ def test_removing_the_rules_restores_direct_connections(captured, runner):
     c = captured
     remove_dedicated_rules(runner, c.pod.netns)
     remove_dedicated_rules(runner, c.pod.netns, ipv6=True)
-    saved = runner.run(["iptables-save"], netns=c.pod.netns).text + runner.run(
-        ["ip6tables-save"], netns=c.pod.netns).text
+    saved = (
+        runner.run(["iptables-save"], netns=c.pod.netns).text
+        + runner.run(["ip6tables-save"], netns=c.pod.netns).text
+    )
     assert "AMBIENT_" not in saved
     with connect(c.pod.netns, str(c.peer.ipv4), 8080):
         c.peer_app.accept()[0].close()

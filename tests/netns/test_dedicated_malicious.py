@@ -98,12 +98,22 @@ class Outcome:
         return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
     def __str__(self) -> str:
-        return (f"connect={self.connect} end={self.end} received {len(self.data)} bytes"
-                f"{': ' + repr(self.data[:SHOWN_BYTES]) if self.data else ''}")
+        return (
+            f"connect={self.connect} end={self.end} received {len(self.data)} bytes"
+            f"{': ' + repr(self.data[:SHOWN_BYTES]) if self.data else ''}"
+        )
 
 
-def probe(netns: str, host: str, port: int, payload: bytes, *, half_close: bool = False,
-          mark: int | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> Outcome:
+def probe(
+    netns: str,
+    host: str,
+    port: int,
+    payload: bytes,
+    *,
+    half_close: bool = False,
+    mark: int | None = None,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> Outcome:
     """Connect from inside `netns`, send `payload`, read until the peer closes or `timeout_s` passes."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     with netns_socket(netns, family) as sock:
@@ -206,23 +216,37 @@ def topo(runner, start_echo, get, poll, tmp_path_factory):
         server = fabric.add_node("node-b")
         outside = fabric.add_node("outside")
         config = tmp / "local-xds.yaml"
-        config.write_text(yaml.safe_dump({"workloads": [
-            workload("client", "shop", "frontend", client),
-            workload("server", "shop", "echo", server),
-        ]}, sort_keys=False))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "workloads": [
+                        workload("client", "shop", "frontend", client),
+                        workload("server", "shop", "echo", server),
+                    ]
+                },
+                sort_keys=False,
+            )
+        )
         server_app = start_echo(fabric, server, APP_PORT, tmp)
         for pod in (client, server):
             apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK))
-            apply_dedicated_rules(runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK, ipv6=True),
-                                  ipv6=True)
+            apply_dedicated_rules(
+                runner, pod.netns, render_dedicated_rules(mark=PACKET_MARK, ipv6=True), ipv6=True
+            )
         proxies = {
             client.name: start_proxy(fabric, client, "shop/client/frontend", config, tmp / "proxy-a"),
             server.name: start_proxy(fabric, server, "shop/server/echo", config, tmp / "proxy-b"),
         }
         for proxy in proxies.values():
             wait_ready(proxy, get, poll)
-        yield Topology(fabric=fabric, client=client, server=server, outside=outside, proxies=proxies,
-                       server_app=server_app)
+        yield Topology(
+            fabric=fabric,
+            client=client,
+            server=server,
+            outside=outside,
+            proxies=proxies,
+            server_app=server_app,
+        )
 
 
 def new_events(proxy: NodeProxy, since: int) -> list[str]:
@@ -230,7 +254,9 @@ def new_events(proxy: NodeProxy, since: int) -> list[str]:
     with open(proxy.log, "rb") as f:
         f.seek(since)
         text = f.read().decode(errors="replace")
-    return [line for line in text.splitlines() if "connection complete" in line or "connection failed" in line]
+    return [
+        line for line in text.splitlines() if "connection complete" in line or "connection failed" in line
+    ]
 
 
 def report(what: str, expect: Expect, outcome: Outcome, topo: Topology, offsets: dict[str, int]) -> str:
@@ -262,7 +288,9 @@ def wait_for_event(proxy: NodeProxy, since: int, port: int, needles: tuple[str, 
         return None
 
 
-def run_case(topo: Topology, source: Node, host: str, port: int, expect: Expect) -> tuple[Outcome, dict[str, int], str]:
+def run_case(
+    topo: Topology, source: Node, host: str, port: int, expect: Expect
+) -> tuple[Outcome, dict[str, int], str]:
     offsets = {name: proxy.offset() for name, proxy in topo.proxies.items()}
     outcome = probe(source.netns, host, port, payload_for(port))
     what = f"{source.name} -> {host}:{port}"
@@ -271,9 +299,17 @@ def run_case(topo: Topology, source: Node, host: str, port: int, expect: Expect)
     return outcome, offsets, what
 
 
-def assert_refusal_logged_once(topo: Topology, node: Node, port: int, offsets: dict[str, int],
-                               needles: tuple[str, ...], what: str, expect: Expect, outcome: Outcome,
-                               poll) -> None:
+def assert_refusal_logged_once(
+    topo: Topology,
+    node: Node,
+    port: int,
+    offsets: dict[str, int],
+    needles: tuple[str, ...],
+    what: str,
+    expect: Expect,
+    outcome: Outcome,
+    poll,
+) -> None:
     """The refusing proxy logged the reason, and one event only: a loop would log one per hop."""
     proxy = topo.proxies[node.name]
     found = wait_for_event(proxy, offsets[node.name], port, needles, poll)
@@ -304,11 +340,29 @@ def test_uncaptured_caller_to_server_pod_ip(topo, poll, port, expect):
     outcome, offsets, what = run_case(topo, topo.outside, str(topo.server.ipv4), port, expect)
     if port in (OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT):
         # 15001 arrives at 15006 with an illegal original port; 15006 arrives at 15006 itself.
-        assert_refusal_logged_once(topo, topo.server, port, offsets, (REFUSED_OWN_PORT, REFUSED_NOT_REDIRECTED),
-                                   what, expect, outcome, poll)
+        assert_refusal_logged_once(
+            topo,
+            topo.server,
+            port,
+            offsets,
+            (REFUSED_OWN_PORT, REFUSED_NOT_REDIRECTED),
+            what,
+            expect,
+            outcome,
+            poll,
+        )
     if port == ADMIN_PORT:
-        assert_refusal_logged_once(topo, topo.server, port, offsets, (f"{topo.server.ipv4}:{ADMIN_PORT} failed",),
-                                   what, expect, outcome, poll)
+        assert_refusal_logged_once(
+            topo,
+            topo.server,
+            port,
+            offsets,
+            (f"{topo.server.ipv4}:{ADMIN_PORT} failed",),
+            what,
+            expect,
+            outcome,
+            poll,
+        )
 
 
 @pytest.mark.parametrize(("port", "expect"), REMOTE_CASES, ids=[str(p) for p, _ in REMOTE_CASES])
@@ -317,10 +371,21 @@ def test_captured_caller_to_server_pod_ip(topo, poll, port, expect):
     if port in (OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT):
         # Carried over HBONE with authority podIP:<port>; the server's inbound refuses the
         # illegal target port (400) before any connect.
-        assert_refusal_logged_once(topo, topo.server, port, offsets, (REFUSED_OWN_PORT,), what, expect, outcome, poll)
+        assert_refusal_logged_once(
+            topo, topo.server, port, offsets, (REFUSED_OWN_PORT,), what, expect, outcome, poll
+        )
     if port == ADMIN_PORT:
-        assert_refusal_logged_once(topo, topo.server, port, offsets, (f"{topo.server.ipv4}:{ADMIN_PORT} failed",),
-                                   what, expect, outcome, poll)
+        assert_refusal_logged_once(
+            topo,
+            topo.server,
+            port,
+            offsets,
+            (f"{topo.server.ipv4}:{ADMIN_PORT} failed",),
+            what,
+            expect,
+            outcome,
+            poll,
+        )
 
 
 # Calls from inside a pod to its own proxy, as the app would make them (unmarked sockets).
@@ -342,14 +407,17 @@ LOCAL_CASES = [
 
 
 @pytest.mark.parametrize("pod", ["client", "server"])
-@pytest.mark.parametrize(("target", "port", "expect"), LOCAL_CASES,
-                         ids=[f"{t}-{p}" for t, p, _ in LOCAL_CASES])
+@pytest.mark.parametrize(
+    ("target", "port", "expect"), LOCAL_CASES, ids=[f"{t}-{p}" for t, p, _ in LOCAL_CASES]
+)
 def test_pod_calls_its_own_proxy(topo, poll, pod, target, port, expect):
     node = topo.client if pod == "client" else topo.server
     host = "127.0.0.1" if target == "loopback" else str(node.ipv4)
     outcome, offsets, what = run_case(topo, node, host, port, expect)
     if port in (OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT):
-        assert_refusal_logged_once(topo, node, port, offsets, (REFUSED_NOT_REDIRECTED,), what, expect, outcome, poll)
+        assert_refusal_logged_once(
+            topo, node, port, offsets, (REFUSED_NOT_REDIRECTED,), what, expect, outcome, poll
+        )
 
 
 def test_no_call_reached_the_app_and_the_proxies_stay_healthy(topo, get):

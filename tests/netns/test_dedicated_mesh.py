@@ -125,41 +125,57 @@ def local_config(client: Node, server: Node, plain: Node) -> dict:
             server_workload,
             workload("plain", "legacy", "plain", plain, "TCP"),
         ],
-        "services": [{
-            "name": "echo",
-            "namespace": "shop",
-            "hostname": SERVICE_HOST,
-            "vips": [f"/{SERVICE_VIP}"],
-            "ports": {SERVICE_PORT: APP_PORT},
-        }],
+        "services": [
+            {
+                "name": "echo",
+                "namespace": "shop",
+                "hostname": SERVICE_HOST,
+                "vips": [f"/{SERVICE_VIP}"],
+                "ports": {SERVICE_PORT: APP_PORT},
+            }
+        ],
     }
 
 
 def capture(runner, node: Node, *, transparent: bool = False) -> None:
     """Install the dedicated-mode capture rules (IPv4 and IPv6) in a pod; `transparent` adds the
     original-source return path (a mangle table, so its policy routes come with it)."""
-    apply_dedicated_rules(runner, node.netns, render_dedicated_rules(mark=PACKET_MARK, transparent=transparent))
-    apply_dedicated_rules(runner, node.netns,
-                          render_dedicated_rules(mark=PACKET_MARK, transparent=transparent, ipv6=True), ipv6=True)
+    apply_dedicated_rules(
+        runner, node.netns, render_dedicated_rules(mark=PACKET_MARK, transparent=transparent)
+    )
+    apply_dedicated_rules(
+        runner,
+        node.netns,
+        render_dedicated_rules(mark=PACKET_MARK, transparent=transparent, ipv6=True),
+        ipv6=True,
+    )
 
 
-def start_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path, workdir: Path,
-                extra_env: Mapping[str, str] = MappingProxyType({})) -> NodeProxy:
+def start_proxy(
+    fabric: Fabric,
+    node: Node,
+    workload_info: str,
+    config: Path,
+    workdir: Path,
+    extra_env: Mapping[str, str] = MappingProxyType({}),
+) -> NodeProxy:
     """Start `ambient ztunnel` in dedicated mode inside `node`, configured only through its
     environment; `extra_env` adds to (or overrides) that environment."""
     workdir.mkdir()
     log = workdir / "ztunnel.log"
     env = dict(os.environ)
-    env.update({
-        "PROXY_MODE": "dedicated",
-        "PROXY_WORKLOAD_INFO": workload_info,
-        "FAKE_CA": "true",
-        "XDS_ADDRESS": "",
-        "LOCAL_XDS_PATH": str(config),
-        "PACKET_MARK": str(PACKET_MARK),
-        "NODE_NAME": node.name,
-        "ADMIN_ADDR": f"127.0.0.1:{ADMIN_PORT}",
-    })
+    env.update(
+        {
+            "PROXY_MODE": "dedicated",
+            "PROXY_WORKLOAD_INFO": workload_info,
+            "FAKE_CA": "true",
+            "XDS_ADDRESS": "",
+            "LOCAL_XDS_PATH": str(config),
+            "PACKET_MARK": str(PACKET_MARK),
+            "NODE_NAME": node.name,
+            "ADMIN_ADDR": f"127.0.0.1:{ADMIN_PORT}",
+        }
+    )
     env.update(extra_env)
     with open(log, "wb") as out:
         process = fabric.spawn(node, proxy_argv(), env=env, cwd=workdir, stdout=out, stderr=out)
@@ -169,8 +185,10 @@ def start_proxy(fabric: Fabric, node: Node, workload_info: str, config: Path, wo
 def wait_ready(proxy: NodeProxy, get, poll) -> None:
     def ready():
         if proxy.process.poll() is not None:
-            pytest.fail(f"node proxy in {proxy.node.name} exited with code {proxy.process.returncode}:\n"
-                        f"{proxy.tail()}")
+            pytest.fail(
+                f"node proxy in {proxy.node.name} exited with code {proxy.process.returncode}:\n"
+                f"{proxy.tail()}"
+            )
         try:
             status, _ = get(proxy.node.netns, "127.0.0.1", READINESS_PORT, "/healthz/ready")
         except OSError:
@@ -202,9 +220,18 @@ def mesh(runner, start_echo, get, poll, tmp_path_factory):
         server_proxy = start_proxy(fabric, server, "shop/server/echo", config, tmp / "proxy-b")
         for proxy in (client_proxy, server_proxy):
             wait_ready(proxy, get, poll)
-        yield Mesh(fabric=fabric, client=client, server=server, plain=plain, outside=outside,
-                   client_proxy=client_proxy, server_proxy=server_proxy, server_app=server_app,
-                   plain_app=plain_app, outside_app=outside_app)
+        yield Mesh(
+            fabric=fabric,
+            client=client,
+            server=server,
+            plain=plain,
+            outside=outside,
+            client_proxy=client_proxy,
+            server_proxy=server_proxy,
+            server_app=server_app,
+            plain_app=plain_app,
+            outside_app=outside_app,
+        )
     # Fabric teardown has stopped both proxies and the echo servers and deleted every namespace.
 
 
@@ -218,9 +245,13 @@ def wait_access_line(proxy: NodeProxy, since: int, poll, **expected: str) -> dic
         return None
 
     try:
-        return poll(find, timeout_s=ACCESS_LOG_TIMEOUT_S, what=f"access log line {expected} in {proxy.node.name}")
+        return poll(
+            find, timeout_s=ACCESS_LOG_TIMEOUT_S, what=f"access log line {expected} in {proxy.node.name}"
+        )
     except pytest.fail.Exception:
-        pytest.fail(f"no access log line with {expected} in {proxy.node.name}'s proxy; log tail:\n{proxy.tail()}")
+        pytest.fail(
+            f"no access log line with {expected} in {proxy.node.name}'s proxy; log tail:\n{proxy.tail()}"
+        )
 
 
 def test_proxies_are_up_and_serve_config_dump(mesh, get):
@@ -231,15 +262,21 @@ def test_proxies_are_up_and_serve_config_dump(mesh, get):
         assert dump, "empty config_dump"
         text = body.decode()
         for node in (mesh.client, mesh.server, mesh.plain):
-            assert str(node.ipv4) in text, f"{node.name}'s workload missing from {proxy.node.name}'s config_dump"
+            assert str(node.ipv4) in text, (
+                f"{node.name}'s workload missing from {proxy.node.name}'s config_dump"
+            )
 
 
 def test_pod_ip_traffic_crosses_hbone_with_the_client_identity(mesh, roundtrip, poll):
     server_since, client_since = mesh.server_proxy.offset(), mesh.client_proxy.offset()
     assert roundtrip(mesh.client.netns, str(mesh.server.ipv4), APP_PORT, PAYLOAD) == PAYLOAD
-    inbound = wait_access_line(mesh.server_proxy, server_since, poll, direction="inbound", src_identity=CLIENT_ID)
+    inbound = wait_access_line(
+        mesh.server_proxy, server_since, poll, direction="inbound", src_identity=CLIENT_ID
+    )
     assert inbound["src.addr"].startswith(f"{mesh.client.ipv4}:")
-    outbound = wait_access_line(mesh.client_proxy, client_since, poll, direction="outbound", dst_identity=SERVER_ID)
+    outbound = wait_access_line(
+        mesh.client_proxy, client_since, poll, direction="outbound", dst_identity=SERVER_ID
+    )
     assert outbound["src.addr"].startswith(f"{mesh.client.ipv4}:")
 
 

@@ -71,26 +71,47 @@ def omesh(runner, start_echo, get, poll, tmp_path_factory):
         plain = fabric.add_node("node-c")
         legacy = fabric.add_node("legacy")
         config = tmp / "local-xds.yaml"
-        config.write_text(yaml.safe_dump({"workloads": [
-            workload("client", "shop", "frontend", client, "HBONE"),
-            workload("server", "shop", "echo", transparent, "HBONE"),
-            workload("plain-src", "shop", "echo", plain, "HBONE"),
-            workload("legacy", "legacy", "legacy", legacy, "TCP"),
-        ]}, sort_keys=False))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "workloads": [
+                        workload("client", "shop", "frontend", client, "HBONE"),
+                        workload("server", "shop", "echo", transparent, "HBONE"),
+                        workload("plain-src", "shop", "echo", plain, "HBONE"),
+                        workload("legacy", "legacy", "legacy", legacy, "TCP"),
+                    ]
+                },
+                sort_keys=False,
+            )
+        )
         transparent_app = start_echo(fabric, transparent, APP_PORT, tmp)
         plain_app = start_echo(fabric, plain, APP_PORT, tmp)
         capture(runner, client)
         for pod in (transparent, plain):
             capture(runner, pod, transparent=True)
         client_proxy = start_proxy(fabric, client, "shop/client/frontend", config, tmp / "proxy-a")
-        transparent_proxy = start_proxy(fabric, transparent, "shop/server/echo", config, tmp / "proxy-b",
-                                        extra_env={"ENABLE_ORIG_SRC": "true"})
+        transparent_proxy = start_proxy(
+            fabric,
+            transparent,
+            "shop/server/echo",
+            config,
+            tmp / "proxy-b",
+            extra_env={"ENABLE_ORIG_SRC": "true"},
+        )
         plain_proxy = start_proxy(fabric, plain, "shop/plain-src/echo", config, tmp / "proxy-c")
         for proxy in (client_proxy, transparent_proxy, plain_proxy):
             wait_ready(proxy, get, poll)
-        yield OrigSrcMesh(fabric=fabric, client=client, transparent=transparent, plain=plain, legacy=legacy,
-                          transparent_proxy=transparent_proxy, plain_proxy=plain_proxy,
-                          transparent_app=transparent_app, plain_app=plain_app)
+        yield OrigSrcMesh(
+            fabric=fabric,
+            client=client,
+            transparent=transparent,
+            plain=plain,
+            legacy=legacy,
+            transparent_proxy=transparent_proxy,
+            plain_proxy=plain_proxy,
+            transparent_app=transparent_app,
+            plain_app=plain_app,
+        )
 
 
 def delivered_from(app, before: int, proxy: NodeProxy) -> list[str]:
@@ -103,7 +124,9 @@ def test_transparent_pod_has_the_return_path(omesh, runner):
     # Without these, replies to a spoofed source would leave the pod instead of reaching the proxy.
     rules = runner.run(["ip", "-4", "rule", "show"], netns=omesh.transparent.netns).text
     assert f"fwmark {CONNMARK:#x}/0xfff lookup {ROUTE_TABLE}" in rules, rules
-    table = runner.run(["ip", "-4", "route", "show", "table", str(ROUTE_TABLE)], netns=omesh.transparent.netns).text
+    table = runner.run(
+        ["ip", "-4", "route", "show", "table", str(ROUTE_TABLE)], netns=omesh.transparent.netns
+    ).text
     assert "local default dev lo" in table, table
 
 
@@ -112,8 +135,9 @@ def test_hbone_delivery_keeps_the_client_ip(omesh, roundtrip, poll):
     since, before = proxy.offset(), len(app.peers())
     assert roundtrip(omesh.client.netns, str(omesh.transparent.ipv4), APP_PORT, PAYLOAD) == PAYLOAD
     wait_access_line(proxy, since, poll, direction="inbound", src_identity=CLIENT_ID)
-    assert delivered_from(app, before, proxy) == [str(omesh.client.ipv4)], \
+    assert delivered_from(app, before, proxy) == [str(omesh.client.ipv4)], (
         "with ENABLE_ORIG_SRC=true the app must see the client pod's IP, not the server pod's own"
+    )
 
 
 def test_plaintext_delivery_keeps_the_client_ip(omesh, roundtrip, poll):

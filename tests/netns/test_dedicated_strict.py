@@ -71,15 +71,17 @@ def local_config(client: Node, strict: Node, open_: Node, legacy: Node) -> dict:
             workload("open", "shop", "echo", open_, "HBONE"),
             workload("plain", "legacy", "plain", legacy, "TCP"),
         ],
-        "policies": [{
-            "name": name,
-            "namespace": namespace,
-            "scope": "WorkloadSelector",
-            "action": "Deny",
-            "dryRun": False,
-            # One rule, one clause, one match: "no mTLS principal at all".
-            "rules": [[[{"notPrincipals": [{"Presence": []}]}]]],
-        }],
+        "policies": [
+            {
+                "name": name,
+                "namespace": namespace,
+                "scope": "WorkloadSelector",
+                "action": "Deny",
+                "dryRun": False,
+                # One rule, one clause, one match: "no mTLS principal at all".
+                "rules": [[[{"notPrincipals": [{"Presence": []}]}]]],
+            }
+        ],
     }
 
 
@@ -105,9 +107,17 @@ def smesh(runner, start_echo, get, poll, tmp_path_factory):
         open_proxy = start_proxy(fabric, open_, "shop/open/echo", config, tmp / "proxy-c")
         for proxy in (client_proxy, strict_proxy, open_proxy):
             wait_ready(proxy, get, poll)
-        yield StrictMesh(fabric=fabric, client=client, strict=strict, open=open_, legacy=legacy,
-                         strict_proxy=strict_proxy, open_proxy=open_proxy, strict_app=strict_app,
-                         open_app=open_app)
+        yield StrictMesh(
+            fabric=fabric,
+            client=client,
+            strict=strict,
+            open=open_,
+            legacy=legacy,
+            strict_proxy=strict_proxy,
+            open_proxy=open_proxy,
+            strict_app=strict_app,
+            open_app=open_app,
+        )
 
 
 def denied_inbound(netns: str, get) -> float:
@@ -117,9 +127,11 @@ def denied_inbound(netns: str, get) -> float:
     total = 0.0
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
-            if (sample.name == "istio_tcp_connections_failed_total"
-                    and sample.labels.get("reporter") == "destination"
-                    and sample.labels.get("response_flags") == "DENY"):
+            if (
+                sample.name == "istio_tcp_connections_failed_total"
+                and sample.labels.get("reporter") == "destination"
+                and sample.labels.get("response_flags") == "DENY"
+            ):
                 total += sample.value
     return total
 
@@ -147,8 +159,9 @@ def test_plaintext_client_is_denied_by_strict(smesh, get, poll):
     outcome = probe(smesh.legacy.netns, str(smesh.strict.ipv4), APP_PORT, DENIED_PAYLOAD, half_close=True)
 
     # Captured on 15006, authorized with no identity, closed without a byte (a reset or a FIN).
-    assert outcome.connected and outcome.closed_by_peer and outcome.data == b"", \
+    assert outcome.connected and outcome.closed_by_peer and outcome.data == b"", (
         f"plaintext call to the STRICT server: {outcome}\nproxy log:\n{smesh.strict_proxy.tail()}"
+    )
     line = wait_access_line(smesh.strict_proxy, since, poll, direction="inbound", src_workload="plain")
     assert line["src.addr"].startswith(f"{smesh.legacy.ipv4}:"), line
     assert line["dst.addr"] == f"{smesh.strict.ipv4}:{APP_PORT}", line
@@ -161,8 +174,11 @@ def test_plaintext_client_is_denied_by_strict(smesh, get, poll):
         value = denied_inbound(smesh.strict.netns, get)
         return value if value > denied_before else None
 
-    denied_after = poll(counted, timeout_s=METRICS_TIMEOUT_S,
-                        what='istio_tcp_connections_failed_total{response_flags="DENY",reporter="destination"}')
+    denied_after = poll(
+        counted,
+        timeout_s=METRICS_TIMEOUT_S,
+        what='istio_tcp_connections_failed_total{response_flags="DENY",reporter="destination"}',
+    )
     assert denied_after == denied_before + 1
 
 

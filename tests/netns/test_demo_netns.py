@@ -37,9 +37,18 @@ async def test_netns_demo_crosses_hbone_and_leaves_nothing_behind(runner):
     assert rc == 0, out
     assert elapsed < DEMO_BUDGET_S, out
     for expected in (
-        "netns", "dedicated-mode capture rules", "plain connect()", "pod IP 10.240.0.12:8080",
-        "service VIP 10.96.0.50:80", "65536 B echoed intact", CLIENT.spiffe_id, SERVER.spiffe_id,
-        "mutual_tls", "Available", "signed by this run's operator root", "PASS",
+        "netns",
+        "dedicated-mode capture rules",
+        "plain connect()",
+        "pod IP 10.240.0.12:8080",
+        "service VIP 10.96.0.50:80",
+        "65536 B echoed intact",
+        CLIENT.spiffe_id,
+        SERVER.spiffe_id,
+        "mutual_tls",
+        "Available",
+        "signed by this run's operator root",
+        "PASS",
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"
     assert not [ns for ns in list_netns(runner) if ns.startswith(own_prefix)]

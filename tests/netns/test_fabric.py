@@ -56,8 +56,9 @@ def test_teardown_runs_when_the_body_raises(runner):
 
 
 def test_stale_namespaces_of_dead_runs_are_removed(runner):
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(finished.stdout)
     stale = f"am-{dead_pid}-1-leftover"
     create_netns(runner, stale)

@@ -50,7 +50,9 @@ def listen(netns: str, port: int, host: str = "::") -> socket.socket:
     return sock
 
 
-def connect(netns: str, host: str, port: int, *, mark: int | None = None, source: str | None = None) -> socket.socket:
+def connect(
+    netns: str, host: str, port: int, *, mark: int | None = None, source: str | None = None
+) -> socket.socket:
     sock = netns_socket(netns, socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.settimeout(ACCEPT_TIMEOUT_S)
     if mark is not None:
@@ -131,9 +133,13 @@ def captured(request, fabric, runner):
     pod = fabric.add_node("pod")
     peer = fabric.add_node("peer")
     apply_inpod_rules(runner, pod.netns, InpodConfig(ipv6=True), request.param)
-    sockets = {"outbound": listen(pod.netns, 15001), "inbound": listen(pod.netns, 15006),
-               "hbone": listen(pod.netns, 15008), "app": listen(pod.netns, 9090),
-               "peer_app": listen(peer.netns, 8080)}
+    sockets = {
+        "outbound": listen(pod.netns, 15001),
+        "inbound": listen(pod.netns, 15006),
+        "hbone": listen(pod.netns, 15008),
+        "app": listen(pod.netns, 9090),
+        "peer_app": listen(peer.netns, 8080),
+    }
     try:
         yield pod, peer, sockets
     finally:
@@ -179,8 +185,12 @@ def test_socket_with_ztunnels_mark_is_not_redirected(captured):
 def test_traffic_from_the_probe_address_is_not_redirected(captured, runner):
     pod, peer, s = captured
     # the peer plays the node: it owns the probe address, and the pod routes it back via the peer
-    add_address(runner, netns=peer.netns, ifname=peer.ifname,
-                address=ipaddress.IPv4Interface(f"{HOST_PROBE_SNAT_IPV4}/32"))
+    add_address(
+        runner,
+        netns=peer.netns,
+        ifname=peer.ifname,
+        address=ipaddress.IPv4Interface(f"{HOST_PROBE_SNAT_IPV4}/32"),
+    )
     add_route(runner, netns=pod.netns, destination=f"{HOST_PROBE_SNAT_IPV4}/32", via=str(peer.ipv4))
     with connect(peer.netns, str(pod.ipv4), 9090, source=str(HOST_PROBE_SNAT_IPV4)) as client:
         conn, source = s["app"].accept()
@@ -198,7 +208,9 @@ def test_host_probe_snat_rewrites_node_to_pod_source(fabric, runner, backend):
     # In a cluster the pod's default route points at its node; here only the probe address does.
     add_route(runner, netns=pod.netns, destination=f"{HOST_PROBE_SNAT_IPV4}/32", via=str(node.ipv4))
     cfg = HostProbeConfig(kubelet_uid=0)  # the test process (uid 0) plays the kubelet
-    sets = NftProbeSet(runner, node.netns, cfg) if backend is Backend.NFTABLES else NetlinkIpset(cfg, node.netns)
+    sets = (
+        NftProbeSet(runner, node.netns, cfg) if backend is Backend.NFTABLES else NetlinkIpset(cfg, node.netns)
+    )
     try:
         apply_host_probe_rules(runner, node.netns, cfg, backend, sets)
         apply_host_probe_rules(runner, node.netns, cfg, backend, sets)  # delete-then-create: still once

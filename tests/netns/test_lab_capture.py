@@ -43,9 +43,12 @@ PAYLOAD = bytes(range(256)) * 64
 
 @pytest.fixture(scope="module", params=["iptables", "nftables"])
 def lab(request, tmp_path_factory):
-    config = LabConfig(state_dir=tmp_path_factory.mktemp(f"lab-{request.param}"),
-                       pods=tuple(parse_pod_spec(p) for p in PODS), ambient_namespaces=frozenset({"demo"}),
-                       native_nftables=request.param == "nftables")
+    config = LabConfig(
+        state_dir=tmp_path_factory.mktemp(f"lab-{request.param}"),
+        pods=tuple(parse_pod_spec(p) for p in PODS),
+        ambient_namespaces=frozenset({"demo"}),
+        native_nftables=request.param == "nftables",
+    )
     with Lab(config) as running:
         yield running
 
@@ -53,16 +56,23 @@ def lab(request, tmp_path_factory):
 def find_access(lab: Lab, node: str, since: int, match, what: str) -> dict[str, str]:
     """The first access-log event on `node` after `since` that `match` accepts."""
     try:
-        return wait_until(lambda: next((e for e in lab.access_log(node, since) if match(e)), None),
-                          timeout_s=LOG_WAIT_S, what=what)
+        return wait_until(
+            lambda: next((e for e in lab.access_log(node, since) if match(e)), None),
+            timeout_s=LOG_WAIT_S,
+            what=what,
+        )
     except AmbientError:
-        pytest.fail(f"no access event on {node}: {what}; its new events:\n"
-                    + "\n".join(map(str, lab.access_log(node, since))))
+        pytest.fail(
+            f"no access event on {node}: {what}; its new events:\n"
+            + "\n".join(map(str, lab.access_log(node, since)))
+        )
 
 
 def new_access(lab: Lab, node: str, since: int, **expected: str) -> dict[str, str]:
     """The first access-log event on `node` after `since` whose fields include `expected`."""
-    return find_access(lab, node, since, lambda e: all(e.get(k) == v for k, v in expected.items()), str(expected))
+    return find_access(
+        lab, node, since, lambda e: all(e.get(k) == v for k, v in expected.items()), str(expected)
+    )
 
 
 def test_every_pod_is_where_the_lab_put_it(lab):
@@ -77,17 +87,25 @@ def test_cross_node_enrolled_pods_talk_hbone(lab):
     client, server = lab.pods["demo/client"], lab.pods["demo/server"]
     since = {n: lab.proxy_log_offset(n) for n in lab.nodes}
     assert tcp_roundtrip(client.netns, server.ip, APP_PORT, PAYLOAD) == PAYLOAD
-    inbound = new_access(lab, "node-2", since["node-2"], direction="inbound", **{"dst.addr": f"{server.ip}:{APP_PORT}"})
+    inbound = new_access(
+        lab, "node-2", since["node-2"], direction="inbound", **{"dst.addr": f"{server.ip}:{APP_PORT}"}
+    )
     assert inbound["src.identity"] == CLIENT_ID
     assert inbound["src.addr"].startswith(f"{client.ip}:")
-    outbound = new_access(lab, "node-1", since["node-1"], direction="outbound",
-                          **{"dst.hbone_addr": f"{server.ip}:{APP_PORT}"})
+    outbound = new_access(
+        lab, "node-1", since["node-1"], direction="outbound", **{"dst.hbone_addr": f"{server.ip}:{APP_PORT}"}
+    )
     assert outbound["dst.addr"] == f"{server.ip}:15008"
     assert outbound["dst.identity"] == "spiffe://cluster.local/ns/demo/sa/server"
     status, metrics = lab.proxy_get("node-2", ZTUNNEL_STATS_PORT, "/metrics")
     assert status == 200
-    opened = [line for line in metrics.splitlines() if line.startswith("istio_tcp_connections_opened_total{")
-              and 'reporter="destination"' in line and f'source_principal="{CLIENT_ID}"' in line]
+    opened = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("istio_tcp_connections_opened_total{")
+        and 'reporter="destination"' in line
+        and f'source_principal="{CLIENT_ID}"' in line
+    ]
     assert opened and all('connection_security_policy="mutual_tls"' in line for line in opened), opened
     # The app saw the client pod's own address: the node proxies are transparent.
     assert client.ip in lab.app_peers("demo/server")
@@ -106,20 +124,28 @@ def test_enrolled_pod_to_pod_outside_the_mesh_is_plain_tcp(lab):
     client, plain = lab.pods["demo/client"], lab.pods["legacy/plain"]
     since = {n: lab.proxy_log_offset(n) for n in lab.nodes}
     assert tcp_roundtrip(client.netns, plain.ip, APP_PORT, b"plain") == b"plain"
-    outbound = new_access(lab, "node-1", since["node-1"], direction="outbound",
-                          **{"dst.addr": f"{plain.ip}:{APP_PORT}"})
+    outbound = new_access(
+        lab, "node-1", since["node-1"], direction="outbound", **{"dst.addr": f"{plain.ip}:{APP_PORT}"}
+    )
     assert "dst.hbone_addr" not in outbound and "dst.identity" not in outbound
     assert client.ip in lab.app_peers("legacy/plain")
     # Nothing on node-2 proxied it: plain has no proxy.
-    assert not [e for e in lab.access_log("node-2", since["node-2"]) if e.get("dst.addr", "").startswith(plain.ip)]
+    assert not [
+        e for e in lab.access_log("node-2", since["node-2"]) if e.get("dst.addr", "").startswith(plain.ip)
+    ]
 
 
 def test_pod_outside_the_mesh_to_enrolled_pod(lab):
     plain, server = lab.pods["legacy/plain"], lab.pods["demo/server"]
     since = lab.proxy_log_offset("node-2")
     assert tcp_roundtrip(plain.netns, server.ip, APP_PORT, b"from outside") == b"from outside"
-    inbound = find_access(lab, "node-2", since, lambda e: e.get("src.addr", "").startswith(f"{plain.ip}:"),
-                          f"inbound from {plain.ip}")
+    inbound = find_access(
+        lab,
+        "node-2",
+        since,
+        lambda e: e.get("src.addr", "").startswith(f"{plain.ip}:"),
+        f"inbound from {plain.ip}",
+    )
     assert inbound["direction"] == "inbound"
     assert "src.identity" not in inbound  # plaintext, captured on 15006: no peer identity
     assert inbound["dst.addr"] == f"{server.ip}:{APP_PORT}"
@@ -137,13 +163,19 @@ def test_kubelet_probe_from_the_node_bypasses_capture(lab, key):
     peers = wait_until(lambda: lab.app_peers(key)[before:], timeout_s=LOG_WAIT_S, what="the probe at the app")
     # SNATed by the node agent's host rule, then let through by the in-pod rules, uncaptured.
     assert peers == [PROBE_SNAT_IP]
-    assert [e for e in access_events(lab.proxy_log(pod.spec.node, since))
-            if e.get("dst.addr") == f"{pod.ip}:{APP_PORT}"] == []
+    assert [
+        e
+        for e in access_events(lab.proxy_log(pod.spec.node, since))
+        if e.get("dst.addr") == f"{pod.ip}:{APP_PORT}"
+    ] == []
 
 
 def istio_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if re.match(r"(:ISTIO_\w+|-A ISTIO_\w+|-A \w+ .*-j ISTIO_|-I \w+ .*-j ISTIO_)", line)]
+    return [
+        line
+        for line in text.splitlines()
+        if re.match(r"(:ISTIO_\w+|-A ISTIO_\w+|-A \w+ .*-j ISTIO_|-I \w+ .*-j ISTIO_)", line)
+    ]
 
 
 def istio_lines_by_table(saved: str) -> dict[str, list[str]]:
@@ -176,10 +208,14 @@ def test_inpod_rules_present_exactly_once(lab):
                 duplicates = [line for line, n in Counter(lines).items() if n > 1]
                 assert duplicates == [], f"{key}: duplicated in {table}: {duplicates}\n{saved}"
                 assert sorted(line.split()[0] for line in lines if line.startswith(":")) == [
-                    ":ISTIO_OUTPUT", ":ISTIO_PRERT"], saved
+                    ":ISTIO_OUTPUT",
+                    ":ISTIO_PRERT",
+                ], saved
                 assert "-A OUTPUT -j ISTIO_OUTPUT" in lines and "-A PREROUTING -j ISTIO_PRERT" in lines
             nat = tables["nat"]
-            assert any("--to-ports 15001" in line for line in nat) and any("--to-ports 15006" in line for line in nat)
+            assert any("--to-ports 15001" in line for line in nat) and any(
+                "--to-ports 15006" in line for line in nat
+            )
     plain = lab.exec("legacy/plain", ["iptables-save"]).text
     assert istio_lines(plain) == []
     if lab.config.native_nftables:

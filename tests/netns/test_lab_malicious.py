@@ -54,8 +54,11 @@ LOOP_PORTS = (OUTBOUND, INBOUND_PLAIN)
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    config = LabConfig(state_dir=tmp_path_factory.mktemp("lab-malicious"), pods=tuple(parse_pod_spec(p) for p in PODS),
-                       ambient_namespaces=frozenset({"demo"}))
+    config = LabConfig(
+        state_dir=tmp_path_factory.mktemp("lab-malicious"),
+        pods=tuple(parse_pod_spec(p) for p in PODS),
+        ambient_namespaces=frozenset({"demo"}),
+    )
     with Lab(config) as running:
         yield running
 
@@ -63,31 +66,45 @@ def lab(tmp_path_factory):
 def events_about(lab: Lab, node: str, since: int, port: int) -> list[str]:
     """New access events on `node` naming `port` as a destination or in a refusal."""
     about = re.compile(rf"(?::|port ){port}\b")
-    return [line for line in lab.proxy_log(node, since).splitlines()
-            if ("connection complete" in line or "connection failed" in line) and about.search(line)]
+    return [
+        line
+        for line in lab.proxy_log(node, since).splitlines()
+        if ("connection complete" in line or "connection failed" in line) and about.search(line)
+    ]
 
 
 def run_case(lab: Lab, source: str, host: str, port: int, expect: Expect) -> tuple[Outcome, dict[str, int]]:
     offsets = {n: lab.proxy_log_offset(n) for n in lab.nodes}
     outcome = probe(lab.pods[source].netns, host, port, payload_for(port))
     detail = "\n".join(f"  {n}: {line}" for n in lab.nodes for line in events_about(lab, n, offsets[n], port))
-    assert check(expect, outcome), f"{source} -> {host}:{port}: expected {expect.value}; got {outcome}\n{detail}"
+    assert check(expect, outcome), (
+        f"{source} -> {host}:{port}: expected {expect.value}; got {outcome}\n{detail}"
+    )
     return outcome, offsets
 
 
 def assert_refused_once(lab: Lab, node: str, since: int, port: int) -> None:
     """One refusal event, not one per hop: a loop back into the proxy would log again and again."""
     try:
-        wait_until(lambda: events_about(lab, node, since, port), timeout_s=LOG_WAIT_S,
-                   what=f"{node}'s proxy to log the refused call to port {port}")
+        wait_until(
+            lambda: events_about(lab, node, since, port),
+            timeout_s=LOG_WAIT_S,
+            what=f"{node}'s proxy to log the refused call to port {port}",
+        )
     except AmbientError as e:
         pytest.fail(str(e))
     events = events_about(lab, node, since, port)
     assert len(events) == 1, "\n".join(events)
 
 
-SERVER_CASES = [(OUTBOUND, Expect.CLOSED), (INBOUND_PLAIN, Expect.CLOSED), (HBONE, Expect.NO_H2),
-                (ADMIN, Expect.CLOSED), (STATS, Expect.CLOSED), (READY, Expect.CLOSED)]
+SERVER_CASES = [
+    (OUTBOUND, Expect.CLOSED),
+    (INBOUND_PLAIN, Expect.CLOSED),
+    (HBONE, Expect.NO_H2),
+    (ADMIN, Expect.CLOSED),
+    (STATS, Expect.CLOSED),
+    (READY, Expect.CLOSED),
+]
 
 
 @pytest.mark.parametrize("source", ["legacy/outside", "demo/client"])
@@ -100,8 +117,14 @@ def test_call_to_the_server_pod_ip(lab, source, port, expect):
         assert_refused_once(lab, "node-2", offsets["node-2"], port)
 
 
-LOCAL_CASES = [(OUTBOUND, Expect.CLOSED), (INBOUND_PLAIN, Expect.CLOSED), (HBONE, Expect.NO_H2),
-               (ADMIN, Expect.NOT_LISTENING), (STATS, Expect.NOT_LISTENING), (READY, Expect.NOT_LISTENING)]
+LOCAL_CASES = [
+    (OUTBOUND, Expect.CLOSED),
+    (INBOUND_PLAIN, Expect.CLOSED),
+    (HBONE, Expect.NO_H2),
+    (ADMIN, Expect.NOT_LISTENING),
+    (STATS, Expect.NOT_LISTENING),
+    (READY, Expect.NOT_LISTENING),
+]
 
 
 @pytest.mark.parametrize("pod", ["demo/client", "demo/server"])
@@ -117,19 +140,32 @@ def test_pod_calls_its_own_proxy_ports(lab, pod, target, port, expect):
 
 NODE_CASES = {
     # uncaptured caller: straight to the node's namespace, where only stats and readiness listen
-    "legacy/outside": [(OUTBOUND, Expect.NOT_LISTENING), (INBOUND_PLAIN, Expect.NOT_LISTENING),
-                       (HBONE, Expect.NOT_LISTENING), (ADMIN, Expect.NOT_LISTENING),
-                       (STATS, Expect.HTTP_OK), (READY, Expect.HTTP_OK)],
+    "legacy/outside": [
+        (OUTBOUND, Expect.NOT_LISTENING),
+        (INBOUND_PLAIN, Expect.NOT_LISTENING),
+        (HBONE, Expect.NOT_LISTENING),
+        (ADMIN, Expect.NOT_LISTENING),
+        (STATS, Expect.HTTP_OK),
+        (READY, Expect.HTTP_OK),
+    ],
     # captured caller: the node's address is the ztunnel pod's (a workload outside the mesh), so
     # its proxy passes the call through as plain TCP; a refused upstream closes the client
-    "demo/client": [(OUTBOUND, Expect.CLOSED), (INBOUND_PLAIN, Expect.CLOSED), (HBONE, Expect.CLOSED),
-                    (ADMIN, Expect.CLOSED), (STATS, Expect.HTTP_OK), (READY, Expect.HTTP_OK)],
+    "demo/client": [
+        (OUTBOUND, Expect.CLOSED),
+        (INBOUND_PLAIN, Expect.CLOSED),
+        (HBONE, Expect.CLOSED),
+        (ADMIN, Expect.CLOSED),
+        (STATS, Expect.HTTP_OK),
+        (READY, Expect.HTTP_OK),
+    ],
 }
 
 
-@pytest.mark.parametrize(("source", "port", "expect"),
-                         [(s, p, e) for s, cases in NODE_CASES.items() for p, e in cases],
-                         ids=[f"{s.split('/')[1]}-{p}" for s, cases in NODE_CASES.items() for p, _ in cases])
+@pytest.mark.parametrize(
+    ("source", "port", "expect"),
+    [(s, p, e) for s, cases in NODE_CASES.items() for p, e in cases],
+    ids=[f"{s.split('/')[1]}-{p}" for s, cases in NODE_CASES.items() for p, _ in cases],
+)
 def test_call_to_the_node_proxy_address(lab, source, port, expect):
     for node in lab.nodes.values():
         run_case(lab, source, str(node.net.uplink_ip), port, expect)

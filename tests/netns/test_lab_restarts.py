@@ -27,15 +27,21 @@ WAIT_S = 20.0
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    config = LabConfig(state_dir=tmp_path_factory.mktemp("lab-restarts"), pods=tuple(parse_pod_spec(p) for p in PODS),
-                       ambient_namespaces=frozenset({"demo"}))
+    config = LabConfig(
+        state_dir=tmp_path_factory.mktemp("lab-restarts"),
+        pods=tuple(parse_pod_spec(p) for p in PODS),
+        ambient_namespaces=frozenset({"demo"}),
+    )
     with Lab(config) as running:
         yield running
 
 
 def istio_rules(lab: Lab, key: str) -> list[str]:
-    return [line for line in lab.exec(key, ["iptables-save"]).text.splitlines()
-            if re.match(r"(:ISTIO_|-A ISTIO_|-A \w+ -j ISTIO_)", line)]
+    return [
+        line
+        for line in lab.exec(key, ["iptables-save"]).text.splitlines()
+        if re.match(r"(:ISTIO_|-A ISTIO_|-A \w+ -j ISTIO_)", line)
+    ]
 
 
 def hbone_roundtrip(lab: Lab, src: str, dst: str, payload: bytes) -> dict[str, str]:
@@ -45,11 +51,22 @@ def hbone_roundtrip(lab: Lab, src: str, dst: str, payload: bytes) -> dict[str, s
     node = target.spec.node
     since = lab.proxy_log_offset(node)
     assert tcp_roundtrip(lab.pods[src].netns, target.ip, APP_PORT, payload) == payload
-    event = wait_until(lambda: next((e for e in lab.access_log(node, since)
-                                     if e.get("direction") == "inbound"
-                                     and e.get("dst.addr") == f"{target.ip}:{APP_PORT}"), None),
-                       timeout_s=WAIT_S, what=f"{node}'s inbound access event for {src} -> {dst}")
-    assert event["src.identity"] == f"spiffe://cluster.local/ns/{lab.pods[src].spec.namespace}/sa/{lab.pods[src].spec.sa}"
+    event = wait_until(
+        lambda: next(
+            (
+                e
+                for e in lab.access_log(node, since)
+                if e.get("direction") == "inbound" and e.get("dst.addr") == f"{target.ip}:{APP_PORT}"
+            ),
+            None,
+        ),
+        timeout_s=WAIT_S,
+        what=f"{node}'s inbound access event for {src} -> {dst}",
+    )
+    assert (
+        event["src.identity"]
+        == f"spiffe://cluster.local/ns/{lab.pods[src].spec.namespace}/sa/{lab.pods[src].spec.sa}"
+    )
     return event
 
 
@@ -90,7 +107,9 @@ def test_3_pod_deleted_while_the_node_proxy_is_down_is_not_proxied_after(lab):
     assert lab.stop_proxy("node-2") == 0
     lab.delete_pod("demo/gone")
     # The agent sees the delete (pod watch) and forgets the pod; no proxy is there to tell.
-    wait_until(lambda: gone_uid not in lab.enrollment("node-2"), timeout_s=WAIT_S, what="demo/gone unenrolled")
+    wait_until(
+        lambda: gone_uid not in lab.enrollment("node-2"), timeout_s=WAIT_S, what="demo/gone unenrolled"
+    )
     lab.start_proxy("node-2")
     lab.wait_proxy_ready("node-2")
     assert lab.served_pods("node-2") == {"demo/server"}

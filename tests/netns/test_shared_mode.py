@@ -44,18 +44,34 @@ class PodTable:
 
 def local_config(client: Node, server: Node, plain: Node, server_node: str = NODE) -> str:
     def workload(name: str, sa: str, node: Node, protocol: str) -> dict:
-        return {"uid": f"Kubernetes//Pod/shop/{name}", "name": name, "namespace": "shop", "serviceAccount": sa,
-                "trustDomain": "cluster.local", "workloadIps": [str(node.ipv4)], "protocol": protocol,
-                "node": server_node if node is server else NODE}
+        return {
+            "uid": f"Kubernetes//Pod/shop/{name}",
+            "name": name,
+            "namespace": "shop",
+            "serviceAccount": sa,
+            "trustDomain": "cluster.local",
+            "workloadIps": [str(node.ipv4)],
+            "protocol": protocol,
+            "node": server_node if node is server else NODE,
+        }
 
-    return yaml.safe_dump({"workloads": [workload("client", "frontend", client, "HBONE"),
-                                         workload("server", "echo", server, "HBONE"),
-                                         workload("plain", "plain", plain, "TCP")]})
+    return yaml.safe_dump(
+        {
+            "workloads": [
+                workload("client", "frontend", client, "HBONE"),
+                workload("server", "echo", server, "HBONE"),
+                workload("plain", "plain", plain, "TCP"),
+            ]
+        }
+    )
 
 
 def access(caplog, direction: str) -> list[dict]:
-    return [getattr(r, "fields", {}) for r in caplog.records
-            if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == direction]
+    return [
+        getattr(r, "fields", {})
+        for r in caplog.records
+        if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == direction
+    ]
 
 
 async def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
@@ -67,8 +83,9 @@ async def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
     return value
 
 
-async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_echo, roundtrip, tmp_path: Path,
-                                                               caplog):
+async def test_shared_mode_captures_inside_pods_and_carries_hbone(
+    runner, start_echo, roundtrip, tmp_path: Path, caplog
+):
     caplog.set_level(logging.INFO, logger="ambient_mesh")
     with Fabric(runner=runner) as fabric:
         client = fabric.add_node("client")
@@ -89,11 +106,21 @@ async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_
             table.pods[uid] = (ProxyWorkloadInfo(namespace="shop", name=name, service_account=sa), fd)
         zds = ZdsServer(str(tmp_path / "ztunnel.sock"), table)
         await zds.start()
-        proxy = await build({
-            "PROXY_MODE": "shared", "INPOD_UDS": str(tmp_path / "ztunnel.sock"), "FAKE_CA": "true",
-            "XDS_ADDRESS": "", "LOCAL_XDS": local_config(client, server, plain), "NODE_NAME": NODE,
-            "ADMIN_ADDR": "127.0.0.1:0", "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
-            "ISTIO_META_DNS_CAPTURE": "false", "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+        proxy = await build(
+            {
+                "PROXY_MODE": "shared",
+                "INPOD_UDS": str(tmp_path / "ztunnel.sock"),
+                "FAKE_CA": "true",
+                "XDS_ADDRESS": "",
+                "LOCAL_XDS": local_config(client, server, plain),
+                "NODE_NAME": NODE,
+                "ADMIN_ADDR": "127.0.0.1:0",
+                "STATS_ADDR": "127.0.0.1:0",
+                "READINESS_ADDR": "127.0.0.1:0",
+                "ISTIO_META_DNS_CAPTURE": "false",
+                "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+            }
+        )
         try:
             await proxy.start()
             await wait_for(lambda: proxy.readiness.ready, what="the pods' proxies (ZDS snapshot)")
@@ -129,7 +156,9 @@ async def test_shared_mode_captures_inside_pods_and_carries_hbone(runner, start_
                 os.close(fd)
 
 
-async def test_shared_mode_pods_on_two_nodes_talk_hbone(runner, start_echo, roundtrip, tmp_path: Path, caplog):
+async def test_shared_mode_pods_on_two_nodes_talk_hbone(
+    runner, start_echo, roundtrip, tmp_path: Path, caplog
+):
     """Two node proxies (one per node), each given its own pod over ZDS: real HBONE between them."""
     caplog.set_level(logging.INFO, logger="ambient_mesh")
     with Fabric(runner=runner) as fabric:
@@ -142,8 +171,10 @@ async def test_shared_mode_pods_on_two_nodes_talk_hbone(runner, start_echo, roun
         config = local_config(client, server, plain, server_node="node-2")
         proxies, servers, fds = [], [], []
         try:
-            for node, pod, uid, name, sa in ((NODE, client, "uid-client", "client", "frontend"),
-                                             ("node-2", server, "uid-server", "server", "echo")):
+            for node, pod, uid, name, sa in (
+                (NODE, client, "uid-client", "client", "frontend"),
+                ("node-2", server, "uid-server", "server", "echo"),
+            ):
                 fd = os.open(NETNS_RUN_DIR / pod.netns, os.O_RDONLY | os.O_CLOEXEC)
                 fds.append(fd)
                 table = PodTable()
@@ -152,11 +183,21 @@ async def test_shared_mode_pods_on_two_nodes_talk_hbone(runner, start_echo, roun
                 zds = ZdsServer(sock, table)
                 await zds.start()
                 servers.append(zds)
-                proxy = await build({
-                    "PROXY_MODE": "shared", "INPOD_UDS": sock, "FAKE_CA": "true", "XDS_ADDRESS": "",
-                    "LOCAL_XDS": config, "NODE_NAME": node, "ADMIN_ADDR": "127.0.0.1:0",
-                    "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
-                    "ISTIO_META_DNS_CAPTURE": "false", "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+                proxy = await build(
+                    {
+                        "PROXY_MODE": "shared",
+                        "INPOD_UDS": sock,
+                        "FAKE_CA": "true",
+                        "XDS_ADDRESS": "",
+                        "LOCAL_XDS": config,
+                        "NODE_NAME": node,
+                        "ADMIN_ADDR": "127.0.0.1:0",
+                        "STATS_ADDR": "127.0.0.1:0",
+                        "READINESS_ADDR": "127.0.0.1:0",
+                        "ISTIO_META_DNS_CAPTURE": "false",
+                        "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+                    }
+                )
                 proxies.append(proxy)
                 await proxy.start()
             for proxy in proxies:
@@ -205,18 +246,37 @@ async def test_shared_mode_answers_dns_captured_inside_the_pod(runner, tmp_path:
         apply_inpod_rules(runner, client.netns, InpodConfig(redirect_dns=True), Backend.IPTABLES)
         config = yaml.safe_load(local_config(client, server, plain))
         config["workloads"][1]["services"] = {"shop/echo.shop.svc.cluster.local": {80: APP_PORT}}
-        config["services"] = [{"name": "echo", "namespace": "shop", "hostname": "echo.shop.svc.cluster.local",
-                               "vips": ["/10.96.0.50"], "ports": {80: APP_PORT}}]
+        config["services"] = [
+            {
+                "name": "echo",
+                "namespace": "shop",
+                "hostname": "echo.shop.svc.cluster.local",
+                "vips": ["/10.96.0.50"],
+                "ports": {80: APP_PORT},
+            }
+        ]
         table = PodTable()
         fd = os.open(NETNS_RUN_DIR / client.netns, os.O_RDONLY | os.O_CLOEXEC)
-        table.pods["uid-client"] = (ProxyWorkloadInfo(namespace="shop", name="client", service_account="frontend"), fd)
+        table.pods["uid-client"] = (
+            ProxyWorkloadInfo(namespace="shop", name="client", service_account="frontend"),
+            fd,
+        )
         zds = ZdsServer(str(tmp_path / "ztunnel.sock"), table)
         await zds.start()
-        proxy = await build({
-            "PROXY_MODE": "shared", "INPOD_UDS": str(tmp_path / "ztunnel.sock"), "FAKE_CA": "true",
-            "XDS_ADDRESS": "", "LOCAL_XDS": yaml.safe_dump(config), "NODE_NAME": NODE,
-            "ADMIN_ADDR": "127.0.0.1:0", "STATS_ADDR": "127.0.0.1:0", "READINESS_ADDR": "127.0.0.1:0",
-            "TERMINATION_GRACE_PERIOD_SECONDS": "2"})
+        proxy = await build(
+            {
+                "PROXY_MODE": "shared",
+                "INPOD_UDS": str(tmp_path / "ztunnel.sock"),
+                "FAKE_CA": "true",
+                "XDS_ADDRESS": "",
+                "LOCAL_XDS": yaml.safe_dump(config),
+                "NODE_NAME": NODE,
+                "ADMIN_ADDR": "127.0.0.1:0",
+                "STATS_ADDR": "127.0.0.1:0",
+                "READINESS_ADDR": "127.0.0.1:0",
+                "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+            }
+        )
         try:
             await proxy.start()
             await wait_for(lambda: proxy.readiness.ready, what="the pod's proxy")

@@ -46,9 +46,18 @@ def test_defaults_follow_istio_cni_and_its_chart():
 
 
 def test_env_values_are_read():
-    c = cfg(AMBIENT_ENABLED="true", CNI_AGENT_RUN_DIR="/run/x", MONITORING_PORT="9000", NATIVE_NFTABLES="1",
-            EXCLUDE_NAMESPACES="kube-system, istio-system,", KUBERNETES_NODE_NAME="n7", NODE_NAME="ignored",
-            HOST_PREFIX="/host/", KUBECONFIG_MODE="640", POD_SOURCE_POLL_INTERVAL="250ms")
+    c = cfg(
+        AMBIENT_ENABLED="true",
+        CNI_AGENT_RUN_DIR="/run/x",
+        MONITORING_PORT="9000",
+        NATIVE_NFTABLES="1",
+        EXCLUDE_NAMESPACES="kube-system, istio-system,",
+        KUBERNETES_NODE_NAME="n7",
+        NODE_NAME="ignored",
+        HOST_PREFIX="/host/",
+        KUBECONFIG_MODE="640",
+        POD_SOURCE_POLL_INTERVAL="250ms",
+    )
     assert c.ambient_enabled and c.native_nftables
     assert c.cni_event_address == Path("/run/x/pluginevent.sock")
     assert c.monitoring_port == 9000
@@ -86,8 +95,10 @@ def test_selector_yaml_as_the_chart_writes_it():
         ({"MONITORING_PORT": "x"}, "MONITORING_PORT"),
         ({"HOST_PROBE_SNAT_IP": "10.0.0.1"}, "HOST_PROBE_SNAT_IP"),
         ({"HOST_PROBE_SNAT_IPV6": "nope"}, "HOST_PROBE_SNAT_IPV6"),
-        ({"AMBIENT_ENABLEMENT_SELECTOR": "[{podSelector: {matchExpressions: [{key: a, operator: Bad}]}}]"},
-         "AMBIENT_ENABLEMENT_SELECTOR"),
+        (
+            {"AMBIENT_ENABLEMENT_SELECTOR": "[{podSelector: {matchExpressions: [{key: a, operator: Bad}]}}]"},
+            "AMBIENT_ENABLEMENT_SELECTOR",
+        ),
         ({"AMBIENT_ENABLEMENT_SELECTOR": "{"}, "AMBIENT_ENABLEMENT_SELECTOR"),
         ({"FORCE_IPTABLES_BINARY": "old"}, "FORCE_IPTABLES_BINARY"),
         ({"KUBERNETES_SERVICE_PROTOCOL": "ftp"}, "KUBERNETES_SERVICE_PROTOCOL"),
@@ -105,14 +116,19 @@ def test_errors_name_the_variable(env, variable):
 
 
 def test_flags_override_env_like_viper():
-    c = load(["--ambient-enabled", "--cni-agent-run-dir", "/run/a", "--monitoring-port=1234"],
-             {"CNI_AGENT_RUN_DIR": "/run/env", "AMBIENT_ENABLED": "false"}, hostname="h")
+    c = load(
+        ["--ambient-enabled", "--cni-agent-run-dir", "/run/a", "--monitoring-port=1234"],
+        {"CNI_AGENT_RUN_DIR": "/run/env", "AMBIENT_ENABLED": "false"},
+        hostname="h",
+    )
     assert c.ambient_enabled and c.cni_agent_run_dir == Path("/run/a") and c.monitoring_port == 1234
 
 
 def test_istio_log_flag_names_keep_underscores():
     assert flags_to_env(["--log_output_level=default:debug", "--log_as_json"]) == {
-        "LOG_OUTPUT_LEVEL": "default:debug", "LOG_AS_JSON": "true"}
+        "LOG_OUTPUT_LEVEL": "default:debug",
+        "LOG_AS_JSON": "true",
+    }
 
 
 @pytest.mark.parametrize("argv", [["--bogus"], ["positional"], ["--"], ["--=x"]])
@@ -133,7 +149,9 @@ def test_dump_is_json_ready():
     dumped = cfg(AMBIENT_ENABLED="true").dump()
     json.dumps(dumped)
     assert dumped["ztunnel_uds_address"] == "/var/run/ztunnel/ztunnel.sock"
-    assert dumped["enablement_selectors"][0]["podSelector"]["matchLabels"] == {"istio.io/dataplane-mode": "ambient"}
+    assert dumped["enablement_selectors"][0]["podSelector"]["matchLabels"] == {
+        "istio.io/dataplane-mode": "ambient"
+    }
 
 
 @given(st.lists(st.text(max_size=20), max_size=6))
@@ -145,10 +163,23 @@ def test_flag_parser_returns_env_or_config_error(argv):
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in out.items())
 
 
-@given(st.dictionaries(st.sampled_from(["AMBIENT_ENABLED", "MONITORING_PORT", "EXCLUDE_NAMESPACES",
-                                        "HOST_PROBE_SNAT_IP", "POD_SOURCE_POLL_INTERVAL", "KUBECONFIG_MODE",
-                                        "AMBIENT_ENABLEMENT_SELECTOR"]),
-                       st.text(max_size=30), max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "AMBIENT_ENABLED",
+                "MONITORING_PORT",
+                "EXCLUDE_NAMESPACES",
+                "HOST_PROBE_SNAT_IP",
+                "POD_SOURCE_POLL_INTERVAL",
+                "KUBECONFIG_MODE",
+                "AMBIENT_ENABLEMENT_SELECTOR",
+            ]
+        ),
+        st.text(max_size=30),
+        max_size=4,
+    )
+)
 def test_from_env_returns_config_or_config_error(env):
     try:
         AgentConfig.from_env(env, hostname="h")

@@ -59,7 +59,9 @@ def index() -> FakeNodeIndex:
     )
 
 
-def decide(caller: Caller, requested: Identity | None, idx: FakeNodeIndex | None = None) -> Identity | Refusal:
+def decide(
+    caller: Caller, requested: Identity | None, idx: FakeNodeIndex | None = None
+) -> Identity | Refusal:
     return authorize(caller, requested, idx or index(), DEFAULT_TRUSTED_NODE_ACCOUNTS, TD)
 
 
@@ -102,7 +104,10 @@ def test_untrusted_caller_may_not_impersonate_even_its_neighbours() -> None:
     app = Caller(namespace="ns1", service_account="app", pod_name="app-1", pod_uid="uid-app", node="node-1")
     idx = index()
     reason = refusal(app, Identity(TD, "istio-system", "ztunnel"), idx)
-    assert reason == "caller ns1/app is not allowed to impersonate (CA_TRUSTED_NODE_ACCOUNTS: istio-system/ztunnel)"
+    assert (
+        reason
+        == "caller ns1/app is not allowed to impersonate (CA_TRUSTED_NODE_ACCOUNTS: istio-system/ztunnel)"
+    )
     assert idx.asked == []  # refused before looking anything up
     assert "(CA_TRUSTED_NODE_ACCOUNTS: none)" in authorize(app, APP, idx, frozenset(), TD).reason  # type: ignore[union-attr]
 
@@ -113,13 +118,19 @@ def test_impersonation_needs_a_pod_bound_token() -> None:
 
 
 def test_impersonation_needs_a_node_bound_token() -> None:
-    no_node = Caller(namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-a")
+    no_node = Caller(
+        namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-a"
+    )
     assert refusal(no_node, APP) == "caller istio-system/ztunnel holds a token that is not bound to a node"
 
 
 def test_impersonation_from_a_pod_that_no_longer_exists_is_refused() -> None:
     stale = Caller(
-        namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-old", node="node-1"
+        namespace="istio-system",
+        service_account="ztunnel",
+        pod_name="ztunnel-a",
+        pod_uid="uid-old",
+        node="node-1",
     )
     assert refusal(stale, APP) == "pod istio-system/ztunnel-a with UID uid-old does not exist (any more)"
 
@@ -173,7 +184,9 @@ def test_impersonated_identity_is_read_from_the_metadata() -> None:
         reason="ImpersonatedIdentity is not a string", impersonation=True
     )
     garbled = requested_identity({"ImpersonatedIdentity": "spiffe://td/ns/x"})
-    assert isinstance(garbled, Refusal) and garbled.reason.startswith("failed to validate impersonated identity")
+    assert isinstance(garbled, Refusal) and garbled.reason.startswith(
+        "failed to validate impersonated identity"
+    )
 
 
 @given(st.text())
@@ -194,7 +207,10 @@ def test_lifetime_defaults_and_cap(requested: int, expected: int) -> None:
 
 ISSUER = TokenIssuer.generate()
 SERVER = CaServer(
-    CertificateAuthority.insecure_test_ca(), ISSUER.verifier(), trust_domain=TD, node_index=index(),
+    CertificateAuthority.insecure_test_ca(),
+    ISSUER.verifier(),
+    trust_domain=TD,
+    node_index=index(),
     clock=lambda: NOW,
 )
 
@@ -203,14 +219,20 @@ def request(impersonate: Identity | None = None, ttl_s: int = 0) -> ca_pb2.Istio
     req = ca_pb2.IstioCertificateRequest(csr="unused by decide", validity_duration=ttl_s)
     if impersonate is not None:
         req.metadata.CopyFrom(
-            struct_pb2.Struct(fields={"ImpersonatedIdentity": struct_pb2.Value(string_value=str(impersonate))})
+            struct_pb2.Struct(
+                fields={"ImpersonatedIdentity": struct_pb2.Value(string_value=str(impersonate))}
+            )
         )
     return req
 
 
 def ztunnel_metadata(**extra: str) -> list[tuple[str, str]]:
     token = ISSUER.mint(
-        namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-a", node="node-1",
+        namespace="istio-system",
+        service_account="ztunnel",
+        pod_name="ztunnel-a",
+        pod_uid="uid-a",
+        node="node-1",
         now=NOW,
     )
     return [("authorization", f"Bearer {token}"), *extra.items()]
@@ -232,7 +254,11 @@ def test_decide_without_impersonation_issues_the_callers_identity_for_the_defaul
     [
         ([], request(), "request authenticate failure: no authorization header"),
         ([("authorization", "Bearer x.y.z")], request(), "request authenticate failure: the token's header"),
-        (ztunnel_metadata(clusterid="east"), request(), "request authenticate failure: unknown cluster 'east'"),
+        (
+            ztunnel_metadata(clusterid="east"),
+            request(),
+            "request authenticate failure: unknown cluster 'east'",
+        ),
         (ztunnel_metadata(), request(ELSEWHERE), "request impersonation authentication failure: no workload"),
     ],
 )

@@ -46,8 +46,13 @@ GOLDEN_CASES = {
     "dedicated_v6": {"ipv6": True},
     "dedicated_transparent_v4": {"transparent": True},
     "dedicated_transparent_v6": {"transparent": True, "ipv6": True},
-    "dedicated_custom_v4": {"mark": 0x1234, "outbound_port": 25001, "inbound_plaintext_port": 25006,
-                            "hbone_port": 25008, "exclude_uids": (0, 1337)},
+    "dedicated_custom_v4": {
+        "mark": 0x1234,
+        "outbound_port": 25001,
+        "inbound_plaintext_port": 25006,
+        "hbone_port": 25008,
+        "exclude_uids": (0, 1337),
+    },
 }
 
 
@@ -76,9 +81,11 @@ def test_default_rules_redirect_outbound_and_inbound_but_skip_mark_loopback_and_
     assert "-A AMBIENT_PRERT -i lo -j RETURN" in lines
     # every exemption comes before the REDIRECT it protects against
     assert lines.index("-A AMBIENT_OUTPUT -m mark --mark 0x539 -j RETURN") < lines.index(
-        "-A AMBIENT_OUTPUT -p tcp -j REDIRECT --to-ports 15001")
+        "-A AMBIENT_OUTPUT -p tcp -j REDIRECT --to-ports 15001"
+    )
     assert lines.index("-A AMBIENT_PRERT -p tcp --dport 15008 -j RETURN") < lines.index(
-        "-A AMBIENT_PRERT -p tcp -j REDIRECT --to-ports 15006")
+        "-A AMBIENT_PRERT -p tcp -j REDIRECT --to-ports 15006"
+    )
     assert "*mangle" not in lines
 
 
@@ -96,25 +103,34 @@ def test_ipv6_rules_use_ipv6_loopback():
     assert "127.0.0.0/8" not in text
 
 
-@pytest.mark.parametrize("kwargs, source", [
-    ({"mark": 0}, "PACKET_MARK"),
-    ({"mark": 1 << 32}, "PACKET_MARK"),
-    ({"outbound_port": 0}, "outbound_port"),
-    ({"inbound_plaintext_port": 70000}, "inbound_plaintext_port"),
-    ({"hbone_port": -1}, "hbone_port"),
-    ({"exclude_uids": (-5,)}, "exclude_uids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, source",
+    [
+        ({"mark": 0}, "PACKET_MARK"),
+        ({"mark": 1 << 32}, "PACKET_MARK"),
+        ({"outbound_port": 0}, "outbound_port"),
+        ({"inbound_plaintext_port": 70000}, "inbound_plaintext_port"),
+        ({"hbone_port": -1}, "hbone_port"),
+        ({"exclude_uids": (-5,)}, "exclude_uids"),
+    ],
+)
 def test_bad_parameters_are_config_errors(kwargs, source):
     with pytest.raises(ConfigError) as info:
         render_dedicated_rules(**kwargs)
     assert info.value.source == source
 
 
-@given(mark=st.integers(1, 0xFFFFFFFF), port=st.integers(1, 65535),
-       uids=st.lists(st.integers(0, 0xFFFFFFFF), max_size=3), transparent=st.booleans(), ipv6=st.booleans())
+@given(
+    mark=st.integers(1, 0xFFFFFFFF),
+    port=st.integers(1, 65535),
+    uids=st.lists(st.integers(0, 0xFFFFFFFF), max_size=3),
+    transparent=st.booleans(),
+    ipv6=st.booleans(),
+)
 def test_any_valid_parameters_render_one_restore_table_per_commit(mark, port, uids, transparent, ipv6):
-    text = render_dedicated_rules(mark=mark, outbound_port=port, exclude_uids=uids,
-                                  transparent=transparent, ipv6=ipv6)
+    text = render_dedicated_rules(
+        mark=mark, outbound_port=port, exclude_uids=uids, transparent=transparent, ipv6=ipv6
+    )
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     tables = [line for line in lines if line.startswith("*")]
     assert tables == (["*mangle", "*nat"] if transparent else ["*nat"])
@@ -148,7 +164,7 @@ def test_apply_transparent_v6_installs_policy_routes_after_the_rules():
     apply_dedicated_rules(runner, "pod", render_dedicated_rules(transparent=True, ipv6=True), ipv6=True)
     argvs = runner.argvs
     index = argvs.index(("ip6tables-restore", "--noflush"))
-    assert argvs[index + 1:] == list(policy_route_commands(ipv6=True))
+    assert argvs[index + 1 :] == list(policy_route_commands(ipv6=True))
     assert all(c.check for c in runner.calls[index:])
 
 
@@ -270,8 +286,21 @@ def test_fabric_wires_nodes_only_inside_its_own_namespaces_and_tears_down():
     for argv in argvs:
         if argv[0] == "ip" and argv[1] != "netns":
             assert argv[1] == "-n" and argv[2].startswith("am-9-1-"), argv
-    assert ("ip", "-n", "am-9-1-a", "link", "add", "eth0", "type", "veth", "peer", "name", "vp0",
-            "netns", "am-9-1-net") in argvs
+    assert (
+        "ip",
+        "-n",
+        "am-9-1-a",
+        "link",
+        "add",
+        "eth0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "vp0",
+        "netns",
+        "am-9-1-net",
+    ) in argvs
     assert ("ip", "-n", "am-9-1-a", "route", "replace", "default", "via", "10.240.0.1") in argvs
     deletes = [a[3] for a in argvs if a[:3] == ("ip", "netns", "delete")]
     assert deletes == ["am-9-1-a", "am-9-1-net"]

@@ -48,14 +48,22 @@ def assert_golden(name: str, text: str) -> None:
     assert text == path.read_text(), f"rendered rules differ from {path} (UPDATE_GOLDEN=1 regenerates)"
 
 
-@pytest.mark.parametrize(("name", "render"), [
-    ("host.iptables_v4.hostrules", lambda: render_host_iptables(HostProbeConfig())),
-    ("host_ipv6.iptables_v4.hostrules", lambda: render_host_iptables(HostProbeConfig(ipv6=True))),
-    ("host_ipv6.iptables_v6.hostrules", lambda: render_host_iptables(HostProbeConfig(ipv6=True), IpFamily.V6)),
-    ("host.nftables.hostrules", lambda: render_host_nftables(HostProbeConfig(kubelet_uid=KUBELET_UID))),
-    ("host_ipv6.nftables.hostrules",
-     lambda: render_host_nftables(HostProbeConfig(ipv6=True, kubelet_uid=KUBELET_UID))),
-])
+@pytest.mark.parametrize(
+    ("name", "render"),
+    [
+        ("host.iptables_v4.hostrules", lambda: render_host_iptables(HostProbeConfig())),
+        ("host_ipv6.iptables_v4.hostrules", lambda: render_host_iptables(HostProbeConfig(ipv6=True))),
+        (
+            "host_ipv6.iptables_v6.hostrules",
+            lambda: render_host_iptables(HostProbeConfig(ipv6=True), IpFamily.V6),
+        ),
+        ("host.nftables.hostrules", lambda: render_host_nftables(HostProbeConfig(kubelet_uid=KUBELET_UID))),
+        (
+            "host_ipv6.nftables.hostrules",
+            lambda: render_host_nftables(HostProbeConfig(ipv6=True, kubelet_uid=KUBELET_UID)),
+        ),
+    ],
+)
 def test_host_rules_match_golden(name, render):
     assert_golden(name, render())
 
@@ -63,16 +71,20 @@ def test_host_rules_match_golden(name, render):
 def test_iptables_host_rule_is_reference_3_7():
     lines = render_host_iptables(HostProbeConfig()).splitlines()
     assert "-I POSTROUTING 1 -j ISTIO_POSTRT" in lines
-    assert ("-A ISTIO_POSTRT -m owner --socket-exists -p tcp -m set --match-set istio-inpod-probes-v4 dst "
-            "-j SNAT --to-source 169.254.7.127") in lines
+    assert (
+        "-A ISTIO_POSTRT -m owner --socket-exists -p tcp -m set --match-set istio-inpod-probes-v4 dst "
+        "-j SNAT --to-source 169.254.7.127"
+    ) in lines
     v6 = render_host_iptables(HostProbeConfig(ipv6=True), IpFamily.V6)
     assert "istio-inpod-probes-v6 dst -j SNAT --to-source fd16:9254:7127:1337:ffff:ffff:ffff:ffff" in v6
 
 
 def test_nft_host_rule_matches_the_kubelet_uid_and_keeps_set_members():
     text = render_host_nftables(HostProbeConfig(kubelet_uid=KUBELET_UID))
-    assert ("add rule inet istio-ambient-nat postrouting meta l4proto tcp skuid 1000 "
-            "ip daddr @istio-inpod-probes-v4 counter snat ip to 169.254.7.127") in text
+    assert (
+        "add rule inet istio-ambient-nat postrouting meta l4proto tcp skuid 1000 "
+        "ip daddr @istio-inpod-probes-v4 counter snat ip to 169.254.7.127"
+    ) in text
     assert "flush chain inet istio-ambient-nat postrouting" in text
     assert "flush table" not in text and "flush set" not in text
 
@@ -82,16 +94,25 @@ def test_nft_host_rule_needs_a_kubelet_uid():
         render_host_nftables(HostProbeConfig())
 
 
-@pytest.mark.parametrize("kwargs", [{"probe_ipv4": ipaddress.IPv4Address("10.1.1.1")}, {"set_prefix": "x y"},
-                                    {"set_prefix": "a" * 40}, {"kubelet_uid": -1}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"probe_ipv4": ipaddress.IPv4Address("10.1.1.1")},
+        {"set_prefix": "x y"},
+        {"set_prefix": "a" * 40},
+        {"kubelet_uid": -1},
+    ],
+)
 def test_bad_host_config_is_refused(kwargs):
     with pytest.raises(ConfigError):
         HostProbeConfig(**kwargs)
 
 
 def test_host_plan_deletes_then_creates():
-    saved = {IpFamily.V4: "*nat\n:POSTROUTING ACCEPT [0:0]\n:ISTIO_POSTRT - [0:0]\n"
-                          "-A POSTROUTING -j ISTIO_POSTRT\n-A POSTROUTING -j KUBE-POSTROUTING\nCOMMIT\n"}
+    saved = {
+        IpFamily.V4: "*nat\n:POSTROUTING ACCEPT [0:0]\n:ISTIO_POSTRT - [0:0]\n"
+        "-A POSTROUTING -j ISTIO_POSTRT\n-A POSTROUTING -j KUBE-POSTROUTING\nCOMMIT\n"
+    }
     plan = plan_host_rules(HostProbeConfig(), Backend.IPTABLES, saved)
     assert plan.action is PlanAction.RECONCILE
     assert [s.argv for s in plan.steps] == [
@@ -165,7 +186,9 @@ def test_prune_only_from_a_complete_snapshot():
 def test_sync_upserts_and_prunes():
     sets = MemorySet()
     sets.members = {ip("10.0.0.1"): "stale", ip("10.0.0.2"): "b"}
-    pruned = sync_probe_set(sets, HostProbeConfig(), {"a": ["10.0.0.1"], "b": ["10.0.0.2"], "c": ["10.0.0.3"]})
+    pruned = sync_probe_set(
+        sets, HostProbeConfig(), {"a": ["10.0.0.1"], "b": ["10.0.0.2"], "c": ["10.0.0.3"]}
+    )
     assert pruned == []
     assert sets.members == {ip("10.0.0.1"): "a", ip("10.0.0.2"): "b", ip("10.0.0.3"): "c"}
     assert sync_probe_set(sets, HostProbeConfig(), {"c": ["10.0.0.3"]}) == [ip("10.0.0.1"), ip("10.0.0.2")]
@@ -184,10 +207,22 @@ def test_apply_host_rules_creates_the_sets_first():
 
 
 def nft_json(*elems) -> str:
-    return json.dumps({"nftables": [{"metainfo": {"json_schema_version": 1}},
-                                    {"set": {"family": "inet", "name": "istio-inpod-probes-v4",
-                                             "table": "istio-ambient-nat", "type": "ipv4_addr",
-                                             "elem": list(elems)}}]})
+    return json.dumps(
+        {
+            "nftables": [
+                {"metainfo": {"json_schema_version": 1}},
+                {
+                    "set": {
+                        "family": "inet",
+                        "name": "istio-inpod-probes-v4",
+                        "table": "istio-ambient-nat",
+                        "type": "ipv4_addr",
+                        "elem": list(elems),
+                    }
+                },
+            ]
+        }
+    )
 
 
 def test_parse_nft_set_json_reads_members_and_comments():
@@ -196,17 +231,32 @@ def test_parse_nft_set_json_reads_members_and_comments():
     assert parse_nft_set_json(json.dumps({"nftables": [{"set": {"name": "x"}}]})) == {}
 
 
-@pytest.mark.parametrize("text", ["", "[]", '{"nftables": 3}', nft_json({"elem": {"val": "nope"}}),
-                                  nft_json(7), nft_json({"elem": {"val": "10.0.0.1", "comment": 5}})])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "[]",
+        '{"nftables": 3}',
+        nft_json({"elem": {"val": "nope"}}),
+        nft_json(7),
+        nft_json({"elem": {"val": "10.0.0.1", "comment": 5}}),
+    ],
+)
 def test_parse_nft_set_json_rejects_garbage(text):
     with pytest.raises(RuleStateError):
         parse_nft_set_json(text)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=12),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                               st.sampled_from(["nftables", "set", "elem", "val", "comment", "x"]), inner,
-                               max_size=4), max_leaves=20)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["nftables", "set", "elem", "val", "comment", "x"]), inner, max_size=4
+        )
+    ),
+    max_leaves=20,
+)
 
 
 @given(json_values)
@@ -220,12 +270,16 @@ def test_parse_nft_set_json_returns_members_or_rule_state_error(value):
 
 def test_nft_upsert_recomments_an_existing_member_in_one_transaction():
     runner = RecordingRunner()
-    runner.respond(["nft", "-j", "list", "set"], stdout=nft_json({"elem": {"val": "10.0.0.1", "comment": "old"}}))
+    runner.respond(
+        ["nft", "-j", "list", "set"], stdout=nft_json({"elem": {"val": "10.0.0.1", "comment": "old"}})
+    )
     sets = NftProbeSet(runner, "node", HostProbeConfig())
     sets.upsert(ip("10.0.0.1"), "new")
     script = runner.calls[-1].input.decode()
-    assert script == ("delete element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.1 }\n"
-                      'add element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.1 comment "new" }\n')
+    assert script == (
+        "delete element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.1 }\n"
+        'add element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.1 comment "new" }\n'
+    )
     calls = len(runner.calls)
     sets.upsert(ip("10.0.0.1"), "old")  # already so: no write
     assert len(runner.calls) == calls + 1

@@ -64,7 +64,11 @@ CASES = {
     "virtual_interfaces": {"virtual_interfaces": VIRTUAL},
     "virtual_interfaces_ipv6": {"virtual_interfaces": VIRTUAL, "ipv6": True},
     "ingress_and_virtual_interfaces": {"ingress_mode": True, "virtual_interfaces": VIRTUAL},
-    "ingress_and_virtual_interfaces_ipv6": {"ingress_mode": True, "virtual_interfaces": VIRTUAL, "ipv6": True},
+    "ingress_and_virtual_interfaces_ipv6": {
+        "ingress_mode": True,
+        "virtual_interfaces": VIRTUAL,
+        "ipv6": True,
+    },
 }
 
 
@@ -81,7 +85,9 @@ def golden_params():
     for case, kwargs in sorted(CASES.items()):
         cfg = InpodConfig(**kwargs)
         for family in cfg.families:
-            yield pytest.param(f"{case}.iptables_v{family.value}.rules", cfg, family, id=f"{case}-ipt-v{family.value}")
+            yield pytest.param(
+                f"{case}.iptables_v{family.value}.rules", cfg, family, id=f"{case}-ipt-v{family.value}"
+            )
         yield pytest.param(f"{case}.nftables.rules", cfg, None, id=f"{case}-nft")
 
 
@@ -106,7 +112,7 @@ def lines_of(cfg: InpodConfig, family: IpFamily = IpFamily.V4) -> list[str]:
 
 def section(lines: list[str], table: str) -> list[str]:
     start = lines.index(f"*{table}")
-    return lines[start + 1: lines.index("COMMIT", start)]
+    return lines[start + 1 : lines.index("COMMIT", start)]
 
 
 def test_default_v4_rules_are_istio_cnis_in_order():
@@ -193,9 +199,13 @@ def test_nftables_default_has_three_inet_tables_with_istio_chains():
         assert f"add table inet {table}\nflush table inet {table}\n" in text
     assert "add chain inet istio-ambient-nat prerouting { type nat hook prerouting priority -100 ; }" in text
     assert "add chain inet istio-ambient-mangle output { type route hook output priority -150 ; }" in text
-    assert "add chain inet istio-ambient-raw prerouting { type filter hook prerouting priority -300 ; }" in text
-    assert ("add rule inet istio-ambient-nat istio-prerouting meta l4proto tcp ip saddr 169.254.7.127 "
-            "counter accept") in text
+    assert (
+        "add chain inet istio-ambient-raw prerouting { type filter hook prerouting priority -300 ; }" in text
+    )
+    assert (
+        "add rule inet istio-ambient-nat istio-prerouting meta l4proto tcp ip saddr 169.254.7.127 "
+        "counter accept"
+    ) in text
     assert " ip6 " not in text  # IPv6 off: no v6 address rules
 
 
@@ -206,18 +216,26 @@ def test_nftables_ipv6_adds_v6_variants():
 
 
 def test_custom_ports_and_marks_flow_into_every_backend():
-    cfg = InpodConfig(outbound_port=25001, inbound_plaintext_port=25006, hbone_port=25008, dns_port=25053,
-                      mark=0x1234)
+    cfg = InpodConfig(
+        outbound_port=25001, inbound_plaintext_port=25006, hbone_port=25008, dns_port=25053, mark=0x1234
+    )
     for text in (render_iptables(cfg), render_nftables(cfg)):
         assert "15001" not in text and "15006" not in text and "15008" not in text and "15053" not in text
         assert "0x1234" in text and "0x539" not in text
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"outbound_port": 0}, {"hbone_port": 70000}, {"mark": 0}, {"connmark": 1 << 33},
-    {"probe_ipv4": ipaddress.IPv4Address("10.0.0.1")}, {"virtual_interfaces": ("eth0 -j ACCEPT",)},
-    {"virtual_interfaces": ("a" * 16,)},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"outbound_port": 0},
+        {"hbone_port": 70000},
+        {"mark": 0},
+        {"connmark": 1 << 33},
+        {"probe_ipv4": ipaddress.IPv4Address("10.0.0.1")},
+        {"virtual_interfaces": ("eth0 -j ACCEPT",)},
+        {"virtual_interfaces": ("a" * 16,)},
+    ],
+)
 def test_bad_config_is_refused(kwargs):
     with pytest.raises(ConfigError):
         InpodConfig(**kwargs)
@@ -239,19 +257,28 @@ def test_routing_commands_follow_reference_3_4():
 
 
 def test_overrides_from_annotations():
-    overrides = PodLevelOverrides.from_annotations({
-        ANNOTATION_BYPASS_INBOUND: "true", ANNOTATION_DNS_CAPTURE: "F",
-        ANNOTATION_VIRTUAL_INTERFACES: "virt0, virt1,,",
-    })
-    assert overrides == PodLevelOverrides(virtual_interfaces=("virt0", "virt1"), ingress_mode=True,
-                                          dns=PodDns.DISABLED)
+    overrides = PodLevelOverrides.from_annotations(
+        {
+            ANNOTATION_BYPASS_INBOUND: "true",
+            ANNOTATION_DNS_CAPTURE: "F",
+            ANNOTATION_VIRTUAL_INTERFACES: "virt0, virt1,,",
+        }
+    )
+    assert overrides == PodLevelOverrides(
+        virtual_interfaces=("virt0", "virt1"), ingress_mode=True, dns=PodDns.DISABLED
+    )
     assert PodLevelOverrides.from_annotations({ANNOTATION_DNS_CAPTURE: "yes"}).dns is PodDns.UNSET
 
 
-@pytest.mark.parametrize(("global_dns", "pod_dns", "expected"), [
-    (True, PodDns.UNSET, True), (False, PodDns.UNSET, False),
-    (False, PodDns.ENABLED, True), (True, PodDns.DISABLED, False),
-])
+@pytest.mark.parametrize(
+    ("global_dns", "pod_dns", "expected"),
+    [
+        (True, PodDns.UNSET, True),
+        (False, PodDns.UNSET, False),
+        (False, PodDns.ENABLED, True),
+        (True, PodDns.DISABLED, False),
+    ],
+)
 def test_pod_dns_override_beats_the_global_setting(global_dns, pod_dns, expected):
     cfg = InpodConfig.for_pod(dns_capture=global_dns, ipv6=False, overrides=PodLevelOverrides(dns=pod_dns))
     assert cfg.redirect_dns is expected
@@ -260,12 +287,23 @@ def test_pod_dns_override_beats_the_global_setting(global_dns, pod_dns, expected
 @given(st.text(max_size=8))
 def test_parse_go_bool_matches_go(text):
     value = parse_go_bool(text)
-    assert value is (True if text in {"1", "t", "T", "TRUE", "true", "True"} else
-                     False if text in {"0", "f", "F", "FALSE", "false", "False"} else None)
+    assert value is (
+        True
+        if text in {"1", "t", "T", "TRUE", "true", "True"}
+        else False
+        if text in {"0", "f", "F", "FALSE", "false", "False"}
+        else None
+    )
 
 
-@given(st.dictionaries(st.sampled_from([ANNOTATION_BYPASS_INBOUND, ANNOTATION_DNS_CAPTURE,
-                                        ANNOTATION_VIRTUAL_INTERFACES, "other"]), st.text(max_size=40)))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [ANNOTATION_BYPASS_INBOUND, ANNOTATION_DNS_CAPTURE, ANNOTATION_VIRTUAL_INTERFACES, "other"]
+        ),
+        st.text(max_size=40),
+    )
+)
 def test_annotation_parsing_returns_overrides_or_config_error(annotations):
     try:
         overrides = PodLevelOverrides.from_annotations(annotations)
@@ -333,8 +371,10 @@ def test_parse_nft_tables_returns_pairs_or_rule_state_error(text):
 
 def observed(cfg: InpodConfig, texts: dict[IpFamily, str], *, all_present: bool = True) -> InpodObservation:
     states = {family: parse_iptables_save(text, family) for family, text in texts.items()}
-    present = {family: frozenset(iptables_rule_set(cfg, family).rules) if all_present else frozenset()
-               for family in cfg.families}
+    present = {
+        family: frozenset(iptables_rule_set(cfg, family).rules) if all_present else frozenset()
+        for family in cfg.families
+    }
     return InpodObservation(iptables=states, present=present)
 
 
@@ -342,8 +382,10 @@ def test_clean_pod_gets_a_create_plan():
     cfg = InpodConfig(ipv6=True)
     plan = plan_inpod_apply(cfg, Backend.IPTABLES, InpodObservation())
     assert plan.action is PlanAction.CREATE
-    assert [s.argv for s in plan.steps[:2]] == [("iptables-restore", "-w", "--noflush"),
-                                                ("ip6tables-restore", "-w", "--noflush")]
+    assert [s.argv for s in plan.steps[:2]] == [
+        ("iptables-restore", "-w", "--noflush"),
+        ("ip6tables-restore", "-w", "--noflush"),
+    ]
     assert plan.steps[0].input == render_iptables(cfg, IpFamily.V4)
     assert [s.argv for s in plan.steps[2:]] == list(routing_commands(cfg))
     assert repr(plan).startswith("RulePlan(iptables create: 6 steps;")
@@ -358,8 +400,11 @@ def test_in_sync_pod_needs_nothing_but_the_idempotent_routes():
 
 def test_duplicate_jump_triggers_a_guarded_reconcile():
     cfg = InpodConfig()
-    plan = plan_inpod_apply(cfg, Backend.IPTABLES, observed(
-        cfg, {IpFamily.V4: saved_text(cfg, extra=("-A OUTPUT -j ISTIO_OUTPUT",))}))
+    plan = plan_inpod_apply(
+        cfg,
+        Backend.IPTABLES,
+        observed(cfg, {IpFamily.V4: saved_text(cfg, extra=("-A OUTPUT -j ISTIO_OUTPUT",))}),
+    )
     assert plan.action is PlanAction.RECONCILE
     assert "present 2 times" in plan.reason
     argvs = [s.argv for s in plan.steps]
@@ -369,13 +414,15 @@ def test_duplicate_jump_triggers_a_guarded_reconcile():
     assert argvs.index(install) < argvs.index(delete_jump) < argvs.index(restore)
     assert argvs.count(delete_jump) == 2  # both copies go
     assert ("iptables", "-w", "-t", "filter", "-D", "INPUT", "-p", "tcp", "-j", "DROP") in [
-        s.argv for s in plan.finally_steps]
+        s.argv for s in plan.finally_steps
+    ]
 
 
 def test_rule_that_fails_the_check_triggers_reconcile():
     cfg = InpodConfig()
-    plan = plan_inpod_apply(cfg, Backend.IPTABLES,
-                            observed(cfg, {IpFamily.V4: saved_text(cfg)}, all_present=False))
+    plan = plan_inpod_apply(
+        cfg, Backend.IPTABLES, observed(cfg, {IpFamily.V4: saved_text(cfg)}, all_present=False)
+    )
     assert plan.action is PlanAction.RECONCILE and "rule differs" in plan.reason
 
 
@@ -392,7 +439,9 @@ def test_leftover_chains_of_another_config_are_removed():
 def test_ipv6_leftovers_are_cleaned_even_with_ipv6_off():
     cfg = InpodConfig()
     v6 = saved_text(InpodConfig(ipv6=True), IpFamily.V6)
-    plan = plan_inpod_apply(cfg, Backend.IPTABLES, observed(cfg, {IpFamily.V4: saved_text(cfg), IpFamily.V6: v6}))
+    plan = plan_inpod_apply(
+        cfg, Backend.IPTABLES, observed(cfg, {IpFamily.V4: saved_text(cfg), IpFamily.V6: v6})
+    )
     assert plan.action is PlanAction.RECONCILE
     assert ("ip6tables", "-w", "-t", "nat", "-X", "ISTIO_OUTPUT") in [s.argv for s in plan.steps]
     assert not any(s.argv[0] == "ip6tables-restore" for s in plan.steps)
@@ -409,8 +458,9 @@ def test_remove_plan_deletes_jumps_then_flushes_then_deletes_chains():
 
 def test_nft_plan_replaces_existing_tables_atomically():
     cfg = InpodConfig(redirect_dns=False)
-    obs = InpodObservation(nft_tables=frozenset({("inet", "istio-ambient-raw"), ("inet", "istio-ambient-nat"),
-                                                 ("ip", "nat")}))
+    obs = InpodObservation(
+        nft_tables=frozenset({("inet", "istio-ambient-raw"), ("inet", "istio-ambient-nat"), ("ip", "nat")})
+    )
     plan = plan_inpod_apply(cfg, Backend.NFTABLES, obs)
     assert plan.action is PlanAction.RECONCILE
     script = plan.steps[0].input
@@ -419,7 +469,9 @@ def test_nft_plan_replaces_existing_tables_atomically():
     assert "delete table ip nat" not in script
     assert plan_inpod_apply(cfg, Backend.NFTABLES, InpodObservation()).action is PlanAction.CREATE
     removal = plan_inpod_remove(cfg, Backend.NFTABLES, obs)
-    assert removal.steps[0].input == "delete table inet istio-ambient-nat\ndelete table inet istio-ambient-raw\n"
+    assert (
+        removal.steps[0].input == "delete table inet istio-ambient-nat\ndelete table inet istio-ambient-raw\n"
+    )
 
 
 # --- doing ---------------------------------------------------------------------------------------
@@ -429,10 +481,15 @@ def test_execute_tolerates_eexist_and_ignores_unchecked_failures():
     runner = RecordingRunner()
     runner.respond(["ip", "-4", "rule", "add"], returncode=2, stderr="RTNETLINK answers: File exists")
     runner.respond(["iptables"], returncode=1, stderr="No chain/target/match by that name.")
-    plan = RulePlan(backend=Backend.IPTABLES, action=PlanAction.CREATE, reason="test", steps=(
-        Step(argv=("iptables", "-D", "X"), why="x", check=False),
-        Step(argv=tuple(routing_commands(InpodConfig())[0]), why="rule", ok_stderr="File exists"),
-    ))
+    plan = RulePlan(
+        backend=Backend.IPTABLES,
+        action=PlanAction.CREATE,
+        reason="test",
+        steps=(
+            Step(argv=("iptables", "-D", "X"), why="x", check=False),
+            Step(argv=tuple(routing_commands(InpodConfig())[0]), why="rule", ok_stderr="File exists"),
+        ),
+    )
     execute_plan(runner, "pod", plan)
     assert len(runner.calls) == 2 and all(call.netns == "pod" for call in runner.calls)
 
@@ -440,10 +497,16 @@ def test_execute_tolerates_eexist_and_ignores_unchecked_failures():
 def test_execute_raises_on_required_failure_but_still_runs_cleanup():
     runner = RecordingRunner()
     runner.respond(["iptables-restore"], returncode=1, stderr="line 3 failed")
-    plan = RulePlan(backend=Backend.IPTABLES, action=PlanAction.RECONCILE, reason="test",
-                    steps=(Step(argv=("iptables-restore", "--noflush"), input="x", why="apply"),
-                           Step(argv=("ip", "route"), why="never reached")),
-                    finally_steps=(Step(argv=("iptables", "-D", "INPUT"), why="guardrail", check=False),))
+    plan = RulePlan(
+        backend=Backend.IPTABLES,
+        action=PlanAction.RECONCILE,
+        reason="test",
+        steps=(
+            Step(argv=("iptables-restore", "--noflush"), input="x", why="apply"),
+            Step(argv=("ip", "route"), why="never reached"),
+        ),
+        finally_steps=(Step(argv=("iptables", "-D", "INPUT"), why="guardrail", check=False),),
+    )
     with pytest.raises(CommandError) as info:
         execute_plan(runner, None, plan)
     assert "line 3 failed" in str(info.value)

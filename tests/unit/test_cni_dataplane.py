@@ -44,10 +44,29 @@ AMBIENT_NS = {"istio.io/dataplane-mode": "ambient"}
 ENABLEMENT = Enablement(selectors=DEFAULT_ENABLEMENT_SELECTORS, exclude_namespaces=("kube-system",))
 
 
-def pod(name="web", uid="uid-1", ns="demo", ips=("10.0.0.5",), labels=None, annotations=None, phase="Running",
-        **kw) -> WatchedPod:
-    return WatchedPod(info=PodInfo(name=name, namespace=ns, uid=uid, ips=tuple(ips), labels=labels or {},
-                                   annotations=annotations or {}, **kw), service_account="sa-web", phase=phase)
+def pod(
+    name="web",
+    uid="uid-1",
+    ns="demo",
+    ips=("10.0.0.5",),
+    labels=None,
+    annotations=None,
+    phase="Running",
+    **kw,
+) -> WatchedPod:
+    return WatchedPod(
+        info=PodInfo(
+            name=name,
+            namespace=ns,
+            uid=uid,
+            ips=tuple(ips),
+            labels=labels or {},
+            annotations=annotations or {},
+            **kw,
+        ),
+        service_account="sa-web",
+        phase=phase,
+    )
 
 
 def enrolled(p: WatchedPod, value="enabled") -> WatchedPod:
@@ -58,7 +77,12 @@ def enrolled(p: WatchedPod, value="enabled") -> WatchedPod:
 
 
 def test_netns_path_runs_through_nsenter_and_name_through_ip_netns():
-    assert netns_argv(["iptables-save"], "/proc/42/ns/net") == ["nsenter", "--net=/proc/42/ns/net", "--", "iptables-save"]
+    assert netns_argv(["iptables-save"], "/proc/42/ns/net") == [
+        "nsenter",
+        "--net=/proc/42/ns/net",
+        "--",
+        "iptables-save",
+    ]
     assert netns_argv(["iptables-save"], "pod-a") == ["ip", "netns", "exec", "pod-a", "iptables-save"]
     assert netns_argv(["ip", "-j", "addr"], None) == ["ip", "-j", "addr"]
 
@@ -74,7 +98,13 @@ def test_netns_path_runs_through_nsenter_and_name_through_ip_netns():
         (None, pod(), {}, False, PodAction.NONE),
         (None, enrolled(pod()), {}, False, PodAction.REMOVE),  # namespace unlabeled
         (None, pod(), {}, True, PodAction.REMOVE),  # known to us without a mark
-        (None, enrolled(pod(labels={"istio.io/dataplane-mode": "none"})), AMBIENT_NS, False, PodAction.REMOVE),
+        (
+            None,
+            enrolled(pod(labels={"istio.io/dataplane-mode": "none"})),
+            AMBIENT_NS,
+            False,
+            PodAction.REMOVE,
+        ),
         (None, enrolled(pod()), AMBIENT_NS, False, PodAction.NONE),
         (pod(ips=("10.0.0.5",)), enrolled(pod(ips=("10.0.0.6",))), AMBIENT_NS, False, PodAction.UPDATE_IPS),
         (pod(), enrolled(pod(phase="Succeeded", ips=())), AMBIENT_NS, False, PodAction.DELETE),
@@ -85,8 +115,13 @@ def test_netns_path_runs_through_nsenter_and_name_through_ip_netns():
         (None, pod(annotations={"sidecar.istio.io/status": "{}"}), AMBIENT_NS, False, PodAction.NONE),
         (None, pod(ns="kube-system"), AMBIENT_NS, False, PodAction.NONE),
         (None, enrolled(pod(ns="kube-system")), AMBIENT_NS, False, PodAction.REMOVE),  # newly excluded
-        (None, pod(ns="istio-system", labels={"app": "ztunnel", "istio.io/dataplane-mode": "ambient"}), {},
-         False, PodAction.NONE),
+        (
+            None,
+            pod(ns="istio-system", labels={"app": "ztunnel", "istio.io/dataplane-mode": "ambient"}),
+            {},
+            False,
+            PodAction.NONE,
+        ),
     ],
 )
 def test_decide_update(old, new, ns_labels, known, action):
@@ -102,9 +137,16 @@ def test_decide_delete_removes_whatever_may_be_in_the_mesh():
 
 def test_enrolled_snapshot_only_enabled_running_non_ztunnel_pods():
     ztunnel = enrolled(pod(name="zt", uid="z", ns="istio-system", labels={"app": "ztunnel"}))
-    pods = [enrolled(pod(uid="a")), enrolled(pod(uid="b"), "pending"), enrolled(pod(uid="c", phase="Failed")),
-            pod(uid="d"), ztunnel]
-    assert [p.uid for p in enrolled_snapshot(pods, Enablement(selectors=(), system_namespace="istio-system"))] == ["a"]
+    pods = [
+        enrolled(pod(uid="a")),
+        enrolled(pod(uid="b"), "pending"),
+        enrolled(pod(uid="c", phase="Failed")),
+        pod(uid="d"),
+        ztunnel,
+    ]
+    assert [
+        p.uid for p in enrolled_snapshot(pods, Enablement(selectors=(), system_namespace="istio-system"))
+    ] == ["a"]
 
 
 # -- fakes ---------------------------------------------------------------------------------------------
@@ -177,8 +219,11 @@ class FakeLocator:
 
     def find(self, wanted):
         self.asked.append(dict(wanted))
-        return {uid: NetnsCandidate(pid=1, path=self.paths[uid], dev=0, inode=0, starttime=0)
-                for uid in wanted if uid in self.paths}
+        return {
+            uid: NetnsCandidate(pid=1, path=self.paths[uid], dev=0, inode=0, starttime=0)
+            for uid in wanted
+            if uid in self.paths
+        }
 
 
 class OrderedRunner:
@@ -213,14 +258,24 @@ class Harness:
         for path in self.netns.values():
             path.write_text("")
         self.locator = FakeLocator({"uid-1": str(self.netns["a"])})
-        self.dp = MeshDataplane(DataplaneSettings(reconcile_on_start=reconcile), runner=self.runner,
-                                probe_set=self.probe, ztunnel=self.zt, marker=self.marker, locator=self.locator)
+        self.dp = MeshDataplane(
+            DataplaneSettings(reconcile_on_start=reconcile),
+            runner=self.runner,
+            probe_set=self.probe,
+            ztunnel=self.zt,
+            marker=self.marker,
+            locator=self.locator,
+        )
 
     def steps(self) -> list[str]:
         return [entry[0] + ":" + entry[1] for entry in self.log]
 
     def rule_calls(self) -> list[tuple]:
-        return [(c.argv[0], c.netns) for c in self.runner.calls if c.argv[0].startswith(("iptables-restore", "ip"))]
+        return [
+            (c.argv[0], c.netns)
+            for c in self.runner.calls
+            if c.argv[0].startswith(("iptables-restore", "ip"))
+        ]
 
 
 @pytest.fixture
@@ -341,7 +396,10 @@ async def test_rebuild_finds_netns_reconciles_and_syncs_probe_set(h):
     snapshot = {uid: fd for uid, _, fd in h.dp.snapshot()}
     assert snapshot["uid-1"] is not None and snapshot["uid-2"] is None  # add vs keep
     assert any(c.argv[0] == "iptables-restore" and c.netns == str(h.netns["a"]) for c in h.runner.calls)
-    assert h.probe.members == {ipaddress.ip_address("10.0.0.5"): "uid-1", ipaddress.ip_address("10.0.0.6"): "uid-2"}
+    assert h.probe.members == {
+        ipaddress.ip_address("10.0.0.5"): "uid-1",
+        ipaddress.ip_address("10.0.0.6"): "uid-2",
+    }
 
 
 async def test_rebuild_without_reconcile_runs_no_rule_commands(tmp_path):
@@ -361,8 +419,14 @@ async def test_rebuild_with_a_pod_without_ip_does_not_prune(h):
 
 def test_inpod_config_reads_pod_overrides():
     settings = DataplaneSettings(dns_capture=True, ipv6=False, backend=Backend.NFTABLES)
-    cfg = settings.inpod_config(pod(annotations={"ambient.istio.io/dns-capture": "false",
-                                                 "ambient.istio.io/bypass-inbound-capture": "true"}))
+    cfg = settings.inpod_config(
+        pod(
+            annotations={
+                "ambient.istio.io/dns-capture": "false",
+                "ambient.istio.io/bypass-inbound-capture": "true",
+            }
+        )
+    )
     assert cfg.redirect_dns is False and cfg.ingress_mode is True
     assert workload_info(pod()).service_account == "sa-web"
 
@@ -449,9 +513,13 @@ def test_parse_ip_addr_json():
         parse_ip_addr_json("{")
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
-                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
-                    max_leaves=10))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+        max_leaves=10,
+    )
+)
 def test_parse_ip_addr_json_returns_set_or_protocol_error(doc):
     import json
 
@@ -476,9 +544,11 @@ def test_scan_dedupes_by_inode_keeps_oldest_and_skips_excluded(tmp_path):
 
 
 def test_match_pods_requires_the_ip_and_agreeing_cgroup():
-    cands = [NetnsCandidate(pid=1, path="/p/1", dev=1, inode=10, starttime=1, pod_uid="other"),
-             NetnsCandidate(pid=2, path="/p/2", dev=1, inode=11, starttime=2),
-             NetnsCandidate(pid=3, path="/p/3", dev=1, inode=12, starttime=3)]
+    cands = [
+        NetnsCandidate(pid=1, path="/p/1", dev=1, inode=10, starttime=1, pod_uid="other"),
+        NetnsCandidate(pid=2, path="/p/2", dev=1, inode=11, starttime=2),
+        NetnsCandidate(pid=3, path="/p/3", dev=1, inode=12, starttime=3),
+    ]
     addrs = {10: {"10.0.0.5"}, 11: {"10.0.0.9"}, 12: {"10.0.0.5"}}
     found = match_pods(cands, {"u": ["10.0.0.5"], "noip": []}, lambda c: addrs[c.inode])
     assert {uid: c.pid for uid, c in found.items()} == {"u": 3}
@@ -500,8 +570,9 @@ def test_finder_asks_each_namespace_once(tmp_path):
             return {"10.0.0.5"}
 
     probe = Probe()
-    finder = NetnsFinder(probe, proc_root=proc, host_netns_path=str(tmp_path / "none"),
-                         own_netns_path=str(tmp_path / "none"))
+    finder = NetnsFinder(
+        probe, proc_root=proc, host_netns_path=str(tmp_path / "none"), own_netns_path=str(tmp_path / "none")
+    )
     found = finder.find({"u": ["10.0.0.5"], "v": ["10.0.0.6"]})
     assert found["u"].pid == 10 and "v" not in found
     assert probe.asked == [f"{proc}/10/ns/net"]

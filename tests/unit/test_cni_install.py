@@ -140,7 +140,7 @@ def test_launcher_scripts():
     )
     fast = launcher_script("/v/python", sys_path=["/src"])
     assert fast.startswith("#!/bin/sh\nexec /v/python -I -S -c ")
-    assert "sys.path[:0] = [\"/src\"]" in fast
+    assert 'sys.path[:0] = ["/src"]' in fast
 
 
 # -- the Installer on real directories -------------------------------------------------------

@@ -77,7 +77,10 @@ def test_render_insecure_and_redacted():
     insecure = json.loads(
         render_kubeconfig(KubeconfigInputs(server="https://h:6443", token="t", insecure_skip_tls_verify=True))
     )
-    assert insecure["clusters"][0]["cluster"] == {"server": "https://h:6443", "insecure-skip-tls-verify": True}
+    assert insecure["clusters"][0]["cluster"] == {
+        "server": "https://h:6443",
+        "insecure-skip-tls-verify": True,
+    }
     redacted = render_kubeconfig(INPUTS, redact=True).decode()
     assert "tok-1" not in redacted and base64.b64encode(CA_PEM).decode() not in redacted
     assert "tok-1" not in repr(INPUTS)
@@ -114,9 +117,12 @@ def test_inputs_from_service_account(sa, tmp_path):
     assert inputs == INPUTS  # token stripped of its newline
     other_ca = tmp_path / "other.pem"
     other_ca.write_bytes(b"other")
-    assert KubeconfigInputs.from_service_account(
-        host="10.96.0.1", port="443", sa_path=sa, ca_file=str(other_ca)
-    ).ca_data == b"other"
+    assert (
+        KubeconfigInputs.from_service_account(
+            host="10.96.0.1", port="443", sa_path=sa, ca_file=str(other_ca)
+        ).ca_data
+        == b"other"
+    )
     (sa / "ca.crt").unlink()
     insecure = KubeconfigInputs.from_service_account(host="h", port="1", sa_path=sa, skip_tls_verify=True)
     assert (insecure.ca_data, insecure.insecure_skip_tls_verify) == (b"", True)
@@ -177,7 +183,9 @@ class FakeAgentConfig:
 def test_inputs_for_agent(sa, tmp_path):
     assert KubeconfigInputs.for_agent(FakeAgentConfig(k8s_service_account_path=sa)) == INPUTS
     agent_kubeconfig = tmp_path / "agent.kubeconfig"
-    agent_kubeconfig.write_text(render_kubeconfig(KubeconfigInputs(server="https://dev:6443", token="dev")).decode())
+    agent_kubeconfig.write_text(
+        render_kubeconfig(KubeconfigInputs(server="https://dev:6443", token="dev")).decode()
+    )
     assert KubeconfigInputs.for_agent(FakeAgentConfig(kubeconfig=str(agent_kubeconfig))) == KubeconfigInputs(
         server="https://dev:6443", token="dev"
     )
@@ -193,7 +201,11 @@ def test_inputs_for_agent(sa, tmp_path):
     [
         (None, None, KubeconfigPlan(write=True, reason="missing")),
         (b"new", 0o100600, KubeconfigPlan(write=False, reason="up to date")),
-        (b"old", 0o100600, KubeconfigPlan(write=True, reason="content changed (token rotated, CA or server changed)")),
+        (
+            b"old",
+            0o100600,
+            KubeconfigPlan(write=True, reason="content changed (token rotated, CA or server changed)"),
+        ),
         (b"new", 0o100644, KubeconfigPlan(write=True, reason="mode 644, want 600")),
     ],
 )
@@ -209,7 +221,9 @@ def test_writer_writes_once_then_on_rotation_then_removes(sa, tmp_path):
     assert repr(writer) == f"KubeconfigWriter({str(path)!r}: 0 writes, not synced yet)"
     assert writer.sync() is True
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert load_kubeconfig(path) == ApiCredentials(server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM)
+    assert load_kubeconfig(path) == ApiCredentials(
+        server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM
+    )
     inode = os.stat(path).st_ino
     assert writer.sync() is False and os.stat(path).st_ino == inode
     assert repr(writer) == f"KubeconfigWriter({str(path)!r}: 1 writes, up to date)"
@@ -289,7 +303,10 @@ def test_plugin_reads_a_hand_written_yaml_kubeconfig(tmp_path):
         ("[]", "mapping"),
         ('{"contexts": []}', "no current-context"),
         ('{"current-context": "x", "contexts": []}', "no context named 'x'"),
-        ('{"current-context": "x", "contexts": [{"name": "x", "context": {"cluster": "c"}}]}', "no cluster named"),
+        (
+            '{"current-context": "x", "contexts": [{"name": "x", "context": {"cluster": "c"}}]}',
+            "no cluster named",
+        ),
         (
             '{"current-context": "x", "contexts": [{"name": "x", "context": {"cluster": "c"}}],'
             ' "clusters": [{"name": "c", "cluster": {"server": "ftp://h"}}]}',
@@ -320,8 +337,21 @@ json_values = st.recursive(
     max_leaves=20,
 )
 kubeconfig_keys = st.sampled_from(
-    ["current-context", "contexts", "clusters", "users", "name", "context", "cluster", "user", "server",
-     "token", "certificate-authority-data", "insecure-skip-tls-verify", "x"]
+    [
+        "current-context",
+        "contexts",
+        "clusters",
+        "users",
+        "name",
+        "context",
+        "cluster",
+        "user",
+        "server",
+        "token",
+        "certificate-authority-data",
+        "insecure-skip-tls-verify",
+        "x",
+    ]
 )
 kubeconfig_like = st.recursive(
     st.none() | st.booleans() | st.sampled_from(["x", "c", "https://h:1", "ftp://h", "dG9r", ""]),
@@ -373,17 +403,21 @@ def test_pod_and_namespace_from_api_json():
         node_name="node-1",
         ips=("10.0.0.5", "fd00::5"),
     )
-    assert pod_info_from_json({"metadata": {"name": "p", "namespace": "n"}, "status": {"podIP": "10.1.1.1"}}).ips == (
-        "10.1.1.1",
-    )
-    assert pod_info_from_json({"metadata": {"name": "p", "namespace": "n"}, "spec": {"hostNetwork": True}}).host_network
+    assert pod_info_from_json(
+        {"metadata": {"name": "p", "namespace": "n"}, "status": {"podIP": "10.1.1.1"}}
+    ).ips == ("10.1.1.1",)
+    assert pod_info_from_json(
+        {"metadata": {"name": "p", "namespace": "n"}, "spec": {"hostNetwork": True}}
+    ).host_network
     assert namespace_info_from_json({"metadata": {"name": "apps", "labels": {"a": "b"}}}) == NamespaceInfo(
         name="apps", labels={"a": "b"}
     )
 
 
 @settings(max_examples=300, deadline=None)
-@given(json_values | st.fixed_dictionaries({"metadata": json_values, "spec": json_values, "status": json_values}))
+@given(
+    json_values | st.fixed_dictionaries({"metadata": json_values, "spec": json_values, "status": json_values})
+)
 def test_api_json_parsers_return_objects_or_our_error(obj):
     for parse in (pod_info_from_json, namespace_info_from_json):
         try:

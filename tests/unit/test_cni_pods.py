@@ -37,12 +37,20 @@ def pod_doc(name, *, uid=None, node=NODE, labels=None, ip="10.0.0.5", phase="Run
     meta = {"name": name, "namespace": "demo", "labels": labels or {}}
     if uid is not None:
         meta["uid"] = uid
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": {"nodeName": node, "serviceAccountName": "sa", "containers": [{"name": "app"}]},
-            "status": {"phase": phase, "podIP": ip}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"nodeName": node, "serviceAccountName": "sa", "containers": [{"name": "app"}]},
+        "status": {"phase": phase, "podIP": ip},
+    }
 
 
-NS_DOC = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo", "labels": {"istio.io/dataplane-mode": "ambient"}}}
+NS_DOC = {
+    "apiVersion": "v1",
+    "kind": "Namespace",
+    "metadata": {"name": "demo", "labels": {"istio.io/dataplane-mode": "ambient"}},
+}
 
 
 def write(dir_: Path, *docs) -> None:
@@ -54,7 +62,9 @@ def source(tmp_path):
     pods = tmp_path / "pods"
     pods.mkdir()
     write(pods, NS_DOC, pod_doc("a", uid="u-a"), pod_doc("b", uid="u-b", node="node-2"), pod_doc("c"))
-    return DirectoryPodSource(pods, node_name=NODE, state_file=tmp_path / "run" / "state.json", poll_interval_s=0.01)
+    return DirectoryPodSource(
+        pods, node_name=NODE, state_file=tmp_path / "run" / "state.json", poll_interval_s=0.01
+    )
 
 
 async def test_directory_source_lists_this_nodes_pods(source):
@@ -69,12 +79,20 @@ async def test_directory_source_lists_this_nodes_pods(source):
 
 async def test_directory_source_reports_changes_with_old_and_new(source, tmp_path):
     await source.start()
-    write(tmp_path / "pods", {**NS_DOC, "metadata": {"name": "demo", "labels": {}}},
-          pod_doc("a", uid="u-a", labels={"x": "y"}), pod_doc("d", uid="u-d"))
+    write(
+        tmp_path / "pods",
+        {**NS_DOC, "metadata": {"name": "demo", "labels": {}}},
+        pod_doc("a", uid="u-a", labels={"x": "y"}),
+        pod_doc("d", uid="u-d"),
+    )
     events = await source.poll_once()
     kinds = {(type(e).__name__, e.type) for e in events}
-    assert kinds == {("NamespaceEvent", EventType.UPDATED), ("PodEvent", EventType.UPDATED),
-                     ("PodEvent", EventType.DELETED), ("PodEvent", EventType.ADDED)}
+    assert kinds == {
+        ("NamespaceEvent", EventType.UPDATED),
+        ("PodEvent", EventType.UPDATED),
+        ("PodEvent", EventType.DELETED),
+        ("PodEvent", EventType.ADDED),
+    }
     updated = next(e for e in events if isinstance(e, PodEvent) and e.type is EventType.UPDATED)
     assert updated.old.labels == {} and updated.new.labels == {"x": "y"}
     deleted = next(e for e in events if isinstance(e, PodEvent) and e.type is EventType.DELETED)
@@ -137,8 +155,15 @@ async def test_missing_directory_is_a_pod_source_error(tmp_path):
 
 async def test_agent_upgrading_means_the_daemonset_is_in_the_store(source, tmp_path):
     assert not await source.agent_upgrading("istio-system")
-    (tmp_path / "pods" / "ds.yaml").write_text(yaml.safe_dump(
-        {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "istio-cni-node", "namespace": "istio-system"}}))
+    (tmp_path / "pods" / "ds.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": "istio-cni-node", "namespace": "istio-system"},
+            }
+        )
+    )
     assert await source.agent_upgrading("istio-system")
     assert not await source.agent_upgrading("other")
 
@@ -154,31 +179,76 @@ def test_corrupt_state_file_is_reported(tmp_path):
 
 def test_diff_objects():
     assert diff_objects({"a": 1, "b": 2}, {"b": 3, "c": 4}) == [
-        (EventType.DELETED, 1, None), (EventType.UPDATED, 2, 3), (EventType.ADDED, None, 4)]
+        (EventType.DELETED, 1, None),
+        (EventType.UPDATED, 2, 3),
+        (EventType.ADDED, None, 4),
+    ]
 
 
 def test_pod_from_json_reads_what_the_agent_needs():
-    obj = {"metadata": {"name": "w", "namespace": "n", "uid": "u", "resourceVersion": "7",
-                        "labels": {"a": "b"}, "annotations": {ANNOTATION_REDIRECTION: "enabled"},
-                        "deletionTimestamp": "2024-01-01T00:00:00Z"},
-           "spec": {"nodeName": NODE, "serviceAccountName": "sa", "hostNetwork": True,
-                    "containers": [{"name": "app"}, {"name": "istio-proxy"}], "initContainers": [{"name": "init"}]},
-           "status": {"phase": "Succeeded", "podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}]}}
+    obj = {
+        "metadata": {
+            "name": "w",
+            "namespace": "n",
+            "uid": "u",
+            "resourceVersion": "7",
+            "labels": {"a": "b"},
+            "annotations": {ANNOTATION_REDIRECTION: "enabled"},
+            "deletionTimestamp": "2024-01-01T00:00:00Z",
+        },
+        "spec": {
+            "nodeName": NODE,
+            "serviceAccountName": "sa",
+            "hostNetwork": True,
+            "containers": [{"name": "app"}, {"name": "istio-proxy"}],
+            "initContainers": [{"name": "init"}],
+        },
+        "status": {
+            "phase": "Succeeded",
+            "podIP": "10.0.0.1",
+            "podIPs": [{"ip": "10.0.0.1"}, {"ip": "fd00::1"}],
+        },
+    }
     pod = pod_from_json(obj)
     assert pod.ips == ("10.0.0.1", "fd00::1") and pod.resource_version == "7"
     assert pod.info.host_network and pod.info.containers == ("app", "istio-proxy")
     assert pod.redirection == "enabled" and pod.terminated and pod.deleting
-    assert pod_from_json({"metadata": {"name": "w", "namespace": "n", "uid": "u"}, "status": {"podIP": "10.0.0.2"}}).ips == ("10.0.0.2",)
+    assert pod_from_json(
+        {"metadata": {"name": "w", "namespace": "n", "uid": "u"}, "status": {"podIP": "10.0.0.2"}}
+    ).ips == ("10.0.0.2",)
     with pytest.raises(ProtocolError):
         pod_from_json({"metadata": {"name": "w"}})
 
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
-        st.sampled_from(["metadata", "spec", "status", "name", "namespace", "uid", "labels", "podIPs", "ip",
-                         "podIP", "containers", "phase", "annotations", "nodeName"]), kids, max_size=4),
-    max_leaves=20)
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "metadata",
+                    "spec",
+                    "status",
+                    "name",
+                    "namespace",
+                    "uid",
+                    "labels",
+                    "podIPs",
+                    "ip",
+                    "podIP",
+                    "containers",
+                    "phase",
+                    "annotations",
+                    "nodeName",
+                ]
+            ),
+            kids,
+            max_size=4,
+        )
+    ),
+    max_leaves=20,
+)
 
 
 @given(json_values)
@@ -212,12 +282,26 @@ def test_chunk_decoder_returns_bytes_or_protocol_error(data):
 
 def test_kubeconfig_token_and_ca(tmp_path):
     ca = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "ctx",
-        "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
-        "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443/",
-                                              "certificate-authority-data": base64.b64encode(ca).decode()}}],
-        "users": [{"name": "u", "user": {"token": "secret"}}]}))
+    (tmp_path / "kubeconfig").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "ctx",
+                "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": "https://10.0.0.1:6443/",
+                            "certificate-authority-data": base64.b64encode(ca).decode(),
+                        },
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "secret"}}],
+            }
+        )
+    )
     access = KubeAccess.from_kubeconfig(tmp_path / "kubeconfig")
     assert access.server == "https://10.0.0.1:6443" and access.bearer() == "secret" and access.ca_data == ca
     assert "secret" not in repr(access)

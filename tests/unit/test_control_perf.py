@@ -71,10 +71,14 @@ def test_decode_matches_the_pure_python_loader_exactly(text: str) -> None:
     assert _decoded(text) == _reference(text)
 
 
-_SCALARS = st.one_of(st.text(max_size=12), st.integers(), st.booleans(), st.none(), st.datetimes(), st.dates())
+_SCALARS = st.one_of(
+    st.text(max_size=12), st.integers(), st.booleans(), st.none(), st.datetimes(), st.dates()
+)
 _DOCS = st.recursive(
     _SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=10,
 )
 
@@ -241,7 +245,9 @@ def test_watcher_cache_keeps_duplicates_and_errors_as_a_full_reload_does(tmp_pat
     change = watcher.poll()
     assert parse.files == ["a.yaml", "b.yaml", "b.yaml"]
     assert change is not None and change.result == load_directory(tmp_path)
-    assert [e.message for e in change.result.errors] == ["duplicate of the object in a.yaml; the first one is kept"]
+    assert [e.message for e in change.result.errors] == [
+        "duplicate of the object in a.yaml; the first one is kept"
+    ]
 
 
 # -- translation indexes ----------------------------------------------------------------------------
@@ -361,15 +367,14 @@ def test_build_on_previous_reuses_unchanged_entries_and_equals_a_fresh_build() -
 
     assert second == Snapshot.build(version="2", addresses=addresses, authorizations=authorizations)
     reused = {
-        (t, name)
-        for t in (A, AUTH)
-        for name, entry in second.of(t).items()
-        if first.of(t).get(name) is entry
+        (t, name) for t in (A, AUTH) for name, entry in second.of(t).items() if first.of(t).get(name) is entry
     }
     assert reused == {(A, "Kubernetes//Pod/default/a"), (AUTH, "default/allow")}
     b_before, b_after = first.of(A)["Kubernetes//Pod/default/b"], second.of(A)["Kubernetes//Pod/default/b"]
     assert b_after.version != b_before.version and b_after.digest != b_before.digest
-    assert second.of(A)["Kubernetes//Pod/default/a"].version == first.of(A)["Kubernetes//Pod/default/a"].version
+    assert (
+        second.of(A)["Kubernetes//Pod/default/a"].version == first.of(A)["Kubernetes//Pod/default/a"].version
+    )
     assert second.resolve(A, "/10.0.0.1") == ("Kubernetes//Pod/default/a",)
     assert second.resolve(A, "/10.0.0.3") == ()
 
@@ -381,7 +386,9 @@ def test_build_on_previous_repacks_when_aliases_change() -> None:
     second = Snapshot.build(
         version="2", addresses=addresses, authorizations=authorizations, aliases=explicit, previous=first
     )
-    assert second == Snapshot.build(version="2", addresses=addresses, authorizations=authorizations, aliases=explicit)
+    assert second == Snapshot.build(
+        version="2", addresses=addresses, authorizations=authorizations, aliases=explicit
+    )
     assert second.of(A)["Kubernetes//Pod/default/a"].aliases == ("lookup-key",)
     assert second.of(A)["Kubernetes//Pod/default/b"].aliases == ()
     assert not second.derived_aliases

@@ -52,21 +52,40 @@ def kube_fqdn(name: str, ns: str) -> str:
     return f"{name}.{ns}.svc.cluster.local"
 
 
-def svc(hostname: str, ns: str = NS1, vips: tuple[tuple[str, str], ...] = (), *, name: str | None = None,
-        canonical: bool = False, ip_families: IpFamilies = IpFamilies.AUTOMATIC,
-        visibility: Visibility = Visibility.PUBLIC) -> Service:
+def svc(
+    hostname: str,
+    ns: str = NS1,
+    vips: tuple[tuple[str, str], ...] = (),
+    *,
+    name: str | None = None,
+    canonical: bool = False,
+    ip_families: IpFamilies = IpFamilies.AUTOMATIC,
+    visibility: Visibility = Visibility.PUBLIC,
+) -> Service:
     return Service(
-        name=name or hostname.split(".")[0], namespace=ns, hostname=hostname,
+        name=name or hostname.split(".")[0],
+        namespace=ns,
+        hostname=hostname,
         vips=tuple(NetworkAddress(network=nw, address=ip_address(ip)) for nw, ip in vips),
-        ports={80: 80}, canonical=canonical, ip_families=ip_families, visibility=visibility,
+        ports={80: 80},
+        canonical=canonical,
+        ip_families=ip_families,
+        visibility=visibility,
     )
 
 
-def workload(name: str, ns: str, ips: tuple[str, ...], services: tuple[str, ...] = (), network: str = NW1,
-             **kw) -> Workload:
-    return Workload(uid=name, name=name, namespace=ns, network=network,
-                    workload_ips=tuple(ip_address(ip) for ip in ips),
-                    services={key: {80: 80} for key in services}, **kw)
+def workload(
+    name: str, ns: str, ips: tuple[str, ...], services: tuple[str, ...] = (), network: str = NW1, **kw
+) -> Workload:
+    return Workload(
+        uid=name,
+        name=name,
+        namespace=ns,
+        network=network,
+        workload_ips=tuple(ip_address(ip) for ip in ips),
+        services={key: {80: 80} for key in services},
+        **kw,
+    )
 
 
 SERVICES = [
@@ -83,13 +102,21 @@ SERVICES = [
     svc("canonical.svc", NS3, ((NW1, "10.10.10.141"),), canonical=True),
     svc("canonical.with.local", NS1, ((NW1, "10.10.10.150"),)),
     svc("canonical.with.local", NS2, ((NW1, "10.10.10.151"),), canonical=True),
-    svc("details.ns2.svc.cluster.remote", NS2,
-        ((NW1, "11.11.11.11"), (NW1, "12.12.12.12"), (NW1, "13.13.13.13"), (NW1, "14.14.14.14")), name="details"),
+    svc(
+        "details.ns2.svc.cluster.remote",
+        NS2,
+        ((NW1, "11.11.11.11"), (NW1, "12.12.12.12"), (NW1, "13.13.13.13"), (NW1, "14.14.14.14")),
+        name="details",
+    ),
     # IPv4-only, IPv6-only, dual stack.
     svc("ipv4.localhost", vips=((NW1, "2.2.2.2"),)),
     svc("ipv6.localhost", vips=((NW1, "2001:db8::ff00:42:8329"),)),
     svc("dual.localhost", vips=((NW1, "2.2.2.2"), (NW1, "2001:db8::ff00:42:8329"))),
-    svc("v4only-family.localhost", vips=((NW1, "2.2.2.3"), (NW1, "2001:db8::3")), ip_families=IpFamilies.IPV4_ONLY),
+    svc(
+        "v4only-family.localhost",
+        vips=((NW1, "2.2.2.3"), (NW1, "2001:db8::3")),
+        ip_families=IpFamilies.IPV4_ONLY,
+    ),
     # Wildcards.
     svc("*.wildcard", vips=((NW1, "10.10.10.10"),)),
     svc("*.b.wildcard", vips=((NW1, "11.11.11.11"),)),
@@ -109,13 +136,28 @@ SERVICES = [
 CLIENT = workload("client", NS1, ("10.0.0.1",), canonical_name="client-app", canonical_revision="v1")
 WORKLOADS = [
     CLIENT,
-    workload("pod-0", NS1, ("30.30.30.30", "2001:db8::30"), (f"{NS1}/{kube_fqdn('headless', NS1)}",),
-             hostname="headless.pod0.ns1.svc.cluster.local"),
-    workload("headless1", NS1, ("31.31.31.31", "2001:db8::31"), (f"{NS1}/{kube_fqdn('headless', NS1)}",),
-             hostname="headless.pod1.ns1.svc.cluster.local"),
+    workload(
+        "pod-0",
+        NS1,
+        ("30.30.30.30", "2001:db8::30"),
+        (f"{NS1}/{kube_fqdn('headless', NS1)}",),
+        hostname="headless.pod0.ns1.svc.cluster.local",
+    ),
+    workload(
+        "headless1",
+        NS1,
+        ("31.31.31.31", "2001:db8::31"),
+        (f"{NS1}/{kube_fqdn('headless', NS1)}",),
+        hostname="headless.pod1.ns1.svc.cluster.local",
+    ),
     workload("headless-external", NS1, ("32.32.32.32", "2001:db8::32"), (f"{NS1}/headless.example.com",)),
-    workload("headless2", NS1, ("33.33.33.33", "2001:db8::33"), (f"{NS1}/{kube_fqdn('headless-ipv6', NS1)}",),
-             hostname="headless2.pod2.ns1.svc.cluster.local"),
+    workload(
+        "headless2",
+        NS1,
+        ("33.33.33.33", "2001:db8::33"),
+        (f"{NS1}/{kube_fqdn('headless-ipv6', NS1)}",),
+        hostname="headless2.pod2.ns1.svc.cluster.local",
+    ),
 ]
 
 SETTINGS = DnsSettings(prefered_service_namespace=PREFERRED)
@@ -135,8 +177,15 @@ def query(host: str, qtype: str = "A", **kw) -> DnsRequest:
     return DnsRequest(message=dns.message.make_query(host, qtype, **kw))
 
 
-def ask(host: str, qtype: str = "A", *, client: Workload | None = CLIENT, settings: DnsSettings = SETTINGS,
-        view=VIEW, rng: random.Random | None = None):
+def ask(
+    host: str,
+    qtype: str = "A",
+    *,
+    client: Workload | None = CLIENT,
+    settings: DnsSettings = SETTINGS,
+    view=VIEW,
+    rng: random.Random | None = None,
+):
     return decide(query(host, qtype), client, view, settings, rng or random.Random(0))
 
 
@@ -146,7 +195,12 @@ def records(response: dns.message.Message) -> list[str]:
     out = []
     for rrset in response.answer:
         for rdata in rrset:
-            out.append((order[rrset.rdtype], f"{rrset.name} {rrset.ttl} {dns.rdatatype.to_text(rrset.rdtype)} {rdata}"))
+            out.append(
+                (
+                    order[rrset.rdtype],
+                    f"{rrset.name} {rrset.ttl} {dns.rdatatype.to_text(rrset.rdtype)} {rdata}",
+                )
+            )
     return [text for _, text in sorted(out)]
 
 
@@ -169,71 +223,171 @@ LOOKUP_CASES = [
     ("unsupported record type is forwarded", "productpage.ns1.", "NS", FORWARD),
     ("SRV is forwarded even for a known service", kube_fqdn("productpage", NS1), "SRV", FORWARD),
     ("non-k8s host in the mesh", "www.google.com", "A", [a("www.google.com.", "1.1.1.1")]),
-    ("non-k8s host with a search domain: CNAME + A", "www.google.com.ns1.svc.cluster.local.", "A",
-     [cname("www.google.com.ns1.svc.cluster.local.", "www.google.com."), a("www.google.com.", "1.1.1.1")]),
+    (
+        "non-k8s host with a search domain: CNAME + A",
+        "www.google.com.ns1.svc.cluster.local.",
+        "A",
+        [cname("www.google.com.ns1.svc.cluster.local.", "www.google.com."), a("www.google.com.", "1.1.1.1")],
+    ),
     ("non-k8s host not in the mesh is forwarded", "www.bing.com", "A", FORWARD),
-    ("k8s fqdn", "productpage.ns1.svc.cluster.local.", "A", [a("productpage.ns1.svc.cluster.local.", "9.9.9.9")]),
+    (
+        "k8s fqdn",
+        "productpage.ns1.svc.cluster.local.",
+        "A",
+        [a("productpage.ns1.svc.cluster.local.", "9.9.9.9")],
+    ),
     ("k8s name.namespace", "productpage.ns1.", "A", [a("productpage.ns1.", "9.9.9.9")]),
     ("k8s short name in the client's namespace", "productpage.", "A", [a("productpage.", "9.9.9.9")]),
     ("k8s name.namespace.svc", "productpage.ns1.svc.", "A", [a("productpage.ns1.svc.", "9.9.9.9")]),
-    ("k8s name.namespace with a search domain: CNAME + A", "productpage.ns1.ns1.svc.cluster.local.", "A",
-     [cname("productpage.ns1.ns1.svc.cluster.local.", "productpage.ns1."), a("productpage.ns1.", "9.9.9.9")]),
-    ("AAAA of an IPv4-only service after search-domain stripping: empty", "productpage.ns1.ns1.svc.cluster.local.",
-     "AAAA", []),
+    (
+        "k8s name.namespace with a search domain: CNAME + A",
+        "productpage.ns1.ns1.svc.cluster.local.",
+        "A",
+        [
+            cname("productpage.ns1.ns1.svc.cluster.local.", "productpage.ns1."),
+            a("productpage.ns1.", "9.9.9.9"),
+        ],
+    ),
+    (
+        "AAAA of an IPv4-only service after search-domain stripping: empty",
+        "productpage.ns1.ns1.svc.cluster.local.",
+        "AAAA",
+        [],
+    ),
     ("other namespace: name.namespace", "example.ns2.", "A", [a("example.ns2.", "10.10.10.10")]),
-    ("other namespace: fqdn", "example.ns2.svc.cluster.local.", "A",
-     [a("example.ns2.svc.cluster.local.", "10.10.10.10")]),
+    (
+        "other namespace: fqdn",
+        "example.ns2.svc.cluster.local.",
+        "A",
+        [a("example.ns2.svc.cluster.local.", "10.10.10.10")],
+    ),
     ("other namespace: name.namespace.svc", "example.ns2.svc.", "A", [a("example.ns2.svc.", "10.10.10.10")]),
     ("other namespace: short name is forwarded", "example.", "A", FORWARD),
-    ("remote cluster domain, fqdn", "details.ns2.svc.cluster.remote.", "A",
-     [a("details.ns2.svc.cluster.remote.", ip) for ip in ("11.11.11.11", "12.12.12.12", "13.13.13.13",
-                                                           "14.14.14.14")]),
+    (
+        "remote cluster domain, fqdn",
+        "details.ns2.svc.cluster.remote.",
+        "A",
+        [
+            a("details.ns2.svc.cluster.remote.", ip)
+            for ip in ("11.11.11.11", "12.12.12.12", "13.13.13.13", "14.14.14.14")
+        ],
+    ),
     ("remote cluster domain, name.namespace is forwarded", "details.ns2.", "A", FORWARD),
     ("A query returns A records only", "dual.localhost.", "A", [a("dual.localhost.", "2.2.2.2")]),
-    ("AAAA query returns AAAA records only", "dual.localhost.", "AAAA",
-     [aaaa("dual.localhost.", "2001:db8::ff00:42:8329")]),
+    (
+        "AAAA query returns AAAA records only",
+        "dual.localhost.",
+        "AAAA",
+        [aaaa("dual.localhost.", "2001:db8::ff00:42:8329")],
+    ),
     ("only AAAA records exist for an A query: empty, not NXDOMAIN", "ipv6.localhost.", "A", []),
     ("only A records exist for an AAAA query: empty, not NXDOMAIN", "ipv4.localhost.", "AAAA", []),
     ("ipFamilies IPv4 hides the service's IPv6 VIP", "v4only-family.localhost.", "AAAA", []),
-    ("ipFamilies IPv4 still answers A", "v4only-family.localhost.", "A", [a("v4only-family.localhost.", "2.2.2.3")]),
+    (
+        "ipFamilies IPv4 still answers A",
+        "v4only-family.localhost.",
+        "A",
+        [a("v4only-family.localhost.", "2.2.2.3")],
+    ),
     ("wildcard", "foo.wildcard.", "A", [a("foo.wildcard.", "10.10.10.10")]),
     ("the more specific wildcard wins", "a.b.wildcard.", "A", [a("a.b.wildcard.", "11.11.11.11")]),
-    ("wildcard with a domain", "foo.svc.mesh.company.net.", "A", [a("foo.svc.mesh.company.net.", "10.1.2.3")]),
-    ("wildcard covering a namespace label", "foo.foons.svc.mesh.company.net.", "A",
-     [a("foo.foons.svc.mesh.company.net.", "10.1.2.3")]),
-    ("wildcard with a search domain: no CNAME", "foo.svc.mesh.company.net.ns1.svc.cluster.local.", "A",
-     [a("foo.svc.mesh.company.net.ns1.svc.cluster.local.", "10.1.2.3")]),
+    (
+        "wildcard with a domain",
+        "foo.svc.mesh.company.net.",
+        "A",
+        [a("foo.svc.mesh.company.net.", "10.1.2.3")],
+    ),
+    (
+        "wildcard covering a namespace label",
+        "foo.foons.svc.mesh.company.net.",
+        "A",
+        [a("foo.foons.svc.mesh.company.net.", "10.1.2.3")],
+    ),
+    (
+        "wildcard with a search domain: no CNAME",
+        "foo.svc.mesh.company.net.ns1.svc.cluster.local.",
+        "A",
+        [a("foo.svc.mesh.company.net.ns1.svc.cluster.local.", "10.1.2.3")],
+    ),
     ("no VIP on the client's network: empty", "nw2-only.ns1.svc.cluster.local.", "A", []),
-    ("only the VIP on the client's network", "both-networks.ns1.svc.cluster.local.", "A",
-     [a("both-networks.ns1.svc.cluster.local.", "21.21.21.21")]),
-    ("headless service: endpoint IPs for A", "headless.ns1.svc.cluster.local.", "A",
-     [a("headless.ns1.svc.cluster.local.", "30.30.30.30"), a("headless.ns1.svc.cluster.local.", "31.31.31.31")]),
-    ("headless service: endpoint IPs for AAAA", "headless.ns1.svc.cluster.local.", "AAAA",
-     [aaaa("headless.ns1.svc.cluster.local.", "2001:db8::30"),
-      aaaa("headless.ns1.svc.cluster.local.", "2001:db8::31")]),
+    (
+        "only the VIP on the client's network",
+        "both-networks.ns1.svc.cluster.local.",
+        "A",
+        [a("both-networks.ns1.svc.cluster.local.", "21.21.21.21")],
+    ),
+    (
+        "headless service: endpoint IPs for A",
+        "headless.ns1.svc.cluster.local.",
+        "A",
+        [
+            a("headless.ns1.svc.cluster.local.", "30.30.30.30"),
+            a("headless.ns1.svc.cluster.local.", "31.31.31.31"),
+        ],
+    ),
+    (
+        "headless service: endpoint IPs for AAAA",
+        "headless.ns1.svc.cluster.local.",
+        "AAAA",
+        [
+            aaaa("headless.ns1.svc.cluster.local.", "2001:db8::30"),
+            aaaa("headless.ns1.svc.cluster.local.", "2001:db8::31"),
+        ],
+    ),
     ("headless short name", "headless.", "A", [a("headless.", "30.30.30.30"), a("headless.", "31.31.31.31")]),
-    ("IPv6-only headless service answers AAAA", "headless-ipv6.ns1.svc.cluster.local.", "AAAA",
-     [aaaa("headless-ipv6.ns1.svc.cluster.local.", "2001:db8::33")]),
+    (
+        "IPv6-only headless service answers AAAA",
+        "headless-ipv6.ns1.svc.cluster.local.",
+        "AAAA",
+        [aaaa("headless-ipv6.ns1.svc.cluster.local.", "2001:db8::33")],
+    ),
     ("IPv6-only headless service: A is empty", "headless-ipv6.ns1.svc.cluster.local.", "A", []),
-    ("pod hostname of a headless service is not served (fqdn)", "headless.pod0.ns1.svc.cluster.local.", "A",
-     FORWARD),
+    (
+        "pod hostname of a headless service is not served (fqdn)",
+        "headless.pod0.ns1.svc.cluster.local.",
+        "A",
+        FORWARD,
+    ),
     ("pod hostname of a headless service is not served (name.sub.ns)", "headless.pod0.ns1.", "A", FORWARD),
-    ("external service without VIPs is forwarded (no endpoints)", "headless-no-endpoints.example.com", "A", FORWARD),
+    (
+        "external service without VIPs is forwarded (no endpoints)",
+        "headless-no-endpoints.example.com",
+        "A",
+        FORWARD,
+    ),
     ("external service without VIPs is forwarded", "headless.example.com", "A", FORWARD),
-    ("preferred namespace when the client's has none", "preferred.io.", "A", [a("preferred.io.", "10.10.10.211")]),
+    (
+        "preferred namespace when the client's has none",
+        "preferred.io.",
+        "A",
+        [a("preferred.io.", "10.10.10.211")],
+    ),
     ("the client's namespace first", "everywhere.io.", "A", [a("everywhere.io.", "10.10.10.112")]),
     ("canonical before an arbitrary namespace", "canonical.svc", "A", [a("canonical.svc.", "10.10.10.141")]),
-    ("the client's namespace before canonical", "canonical.with.local", "A",
-     [a("canonical.with.local.", "10.10.10.150")]),
-    ("a service visible only in its namespace is not ours to answer", "private.ns2.svc.cluster.local.", "A",
-     FORWARD),
-    ("names are case-insensitive; the owner is spelled as asked", "ProductPage.NS1.", "A",
-     [a("ProductPage.NS1.", "9.9.9.9")]),
+    (
+        "the client's namespace before canonical",
+        "canonical.with.local",
+        "A",
+        [a("canonical.with.local.", "10.10.10.150")],
+    ),
+    (
+        "a service visible only in its namespace is not ours to answer",
+        "private.ns2.svc.cluster.local.",
+        "A",
+        FORWARD,
+    ),
+    (
+        "names are case-insensitive; the owner is spelled as asked",
+        "ProductPage.NS1.",
+        "A",
+        [a("ProductPage.NS1.", "9.9.9.9")],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("host", "qtype", "expected"), [c[1:] for c in LOOKUP_CASES],
-                         ids=[c[0] for c in LOOKUP_CASES])
+@pytest.mark.parametrize(
+    ("host", "qtype", "expected"), [c[1:] for c in LOOKUP_CASES], ids=[c[0] for c in LOOKUP_CASES]
+)
 def test_lookup(host: str, qtype: str, expected) -> None:
     decision = ask(host, qtype)
     if expected == FORWARD:
@@ -297,7 +451,9 @@ def test_dedicated_mode_uses_its_static_search_list() -> None:
     decision = ask("productpage.ns1.corp.example.", settings=settings)
     assert isinstance(decision, LocalAnswer)
     assert records(decision.response) == [
-        cname("productpage.ns1.corp.example.", "productpage.ns1."), a("productpage.ns1.", "9.9.9.9")]
+        cname("productpage.ns1.corp.example.", "productpage.ns1."),
+        a("productpage.ns1.", "9.9.9.9"),
+    ]
     # The per-pod list is not synthesised in dedicated mode.
     assert isinstance(ask("productpage.ns1.ns1.svc.cluster.local.", settings=settings), Forward)
     assert isinstance(ask("www.google.com.ns1.svc.cluster.local.", settings=settings), Forward)
@@ -311,7 +467,12 @@ class ReversingRng(random.Random):
 def test_addresses_are_shuffled_with_the_injected_rng() -> None:
     decision = ask("details.ns2.svc.cluster.remote.", rng=ReversingRng())
     assert isinstance(decision, LocalAnswer)
-    assert [str(ip) for ip in decision.addresses] == ["14.14.14.14", "13.13.13.13", "12.12.12.12", "11.11.11.11"]
+    assert [str(ip) for ip in decision.addresses] == [
+        "14.14.14.14",
+        "13.13.13.13",
+        "12.12.12.12",
+        "11.11.11.11",
+    ]
     assert [r.to_text() for r in decision.response.answer[0]] == [str(ip) for ip in decision.addresses]
 
 
@@ -390,17 +551,20 @@ def labels(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(".") if x)
 
 
-@pytest.mark.parametrize(("host", "expected"), [
-    ("name", ["name.ns1.svc.cluster.local"]),
-    ("name.ns2", ["name.ns2.svc.cluster.local", "name.ns2.ns1.svc.cluster.local"]),
-    ("name.ns2.svc", ["name.ns2.svc.cluster.local", "name.ns2.svc.svc.cluster.local"]),
-    ("name.ns2.not-svc", ["name.ns2.not-svc.svc.cluster.local"]),
-    ("pod.sub-domain.ns.svc", ["pod.sub-domain.ns.svc.cluster.local"]),
-    ("pod.sub-domain.ns.not-svc", []),
-    ("name.ns2.svc.cluster", []),
-    ("name.ns2.svc.cluster.local", []),
-    ("www.google.com", ["www.google.com.svc.cluster.local"]),
-])
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        ("name", ["name.ns1.svc.cluster.local"]),
+        ("name.ns2", ["name.ns2.svc.cluster.local", "name.ns2.ns1.svc.cluster.local"]),
+        ("name.ns2.svc", ["name.ns2.svc.cluster.local", "name.ns2.svc.svc.cluster.local"]),
+        ("name.ns2.not-svc", ["name.ns2.not-svc.svc.cluster.local"]),
+        ("pod.sub-domain.ns.svc", ["pod.sub-domain.ns.svc.cluster.local"]),
+        ("pod.sub-domain.ns.not-svc", []),
+        ("name.ns2.svc.cluster", []),
+        ("name.ns2.svc.cluster.local", []),
+        ("www.google.com", ["www.google.com.svc.cluster.local"]),
+    ],
+)
 def test_kube_fqdns(host: str, expected: list[str]) -> None:
     assert [".".join(x) for x in kube_fqdns(labels(host), "ns1", "cluster.local")] == expected
 
@@ -408,7 +572,12 @@ def test_kube_fqdns(host: str, expected: list[str]) -> None:
 def test_wildcards() -> None:
     assert wildcards(("svc1",)) == [("svc1",)]
     assert [".".join(x) for x in wildcards(labels("svc1.ns1.svc.cluster.local"))] == [
-        "svc1.ns1.svc.cluster.local", "*.ns1.svc.cluster.local", "*.svc.cluster.local", "*.cluster.local", "*.local"]
+        "svc1.ns1.svc.cluster.local",
+        "*.ns1.svc.cluster.local",
+        "*.svc.cluster.local",
+        "*.cluster.local",
+        "*.local",
+    ]
 
 
 def test_aliases_of_a_name_with_a_search_domain() -> None:

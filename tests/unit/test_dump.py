@@ -177,8 +177,11 @@ def certificate_states() -> list[CertificateState]:
     return [
         CertificateState(identity=Identity("cluster.local", "shop", "web"), state="Initializing", cert=None),
         CertificateState(identity=ready, state="Available", cert=ca.issue(ready, 3600, now=NOW)),
-        CertificateState(identity=Identity("cluster.local", "shop", "gone"),
-                         state="Unavailable: the identity is no longer needed", cert=None),
+        CertificateState(
+            identity=Identity("cluster.local", "shop", "gone"),
+            state="Unavailable: the identity is no longer needed",
+            cert=None,
+        ),
     ]
 
 
@@ -195,8 +198,13 @@ def stable_certificates(entries: list[dict]) -> list[dict]:
 def full_dump() -> dict:
     state = state_from(LOCAL_CONFIG)
     served = next(w for w in state.workloads if w.name == "cart-7f9c")
-    connection = {"direction": "inbound", "src": "10.0.1.11:40000", "originalDst": "10.0.1.10:15008",
-                  "actualDst": "10.0.1.10:8080", "protocol": "HBONE"}
+    connection = {
+        "direction": "inbound",
+        "src": "10.0.1.11:40000",
+        "originalDst": "10.0.1.10:15008",
+        "actualDst": "10.0.1.10:8080",
+        "protocol": "HBONE",
+    }
     return {
         "workloads": dump_workloads(state),
         "services": dump_services(state),
@@ -214,7 +222,9 @@ def test_config_dump_matches_golden() -> None:
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(got)
     want = GOLDEN.read_text()
-    assert got == want, "config_dump changed; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    assert got == want, (
+        "config_dump changed; if intended, regenerate with UPDATE_GOLDEN=1 and review the diff"
+    )
 
 
 def test_dump_is_plain_json() -> None:
@@ -228,8 +238,17 @@ def test_dump_is_plain_json() -> None:
 def test_workload_omits_empty_fields_as_serde_does() -> None:
     out = dump_workload(Workload(uid="", namespace="ns"))
     # Always printed: workloadIps, protocol, networkMode, name, namespace, status, clusterId, capacity.
-    assert out == {"workloadIps": [], "protocol": "TCP", "networkMode": "Standard", "name": "", "namespace": "ns",
-                   "workloadType": "deployment", "status": "Healthy", "clusterId": "", "capacity": 1}
+    assert out == {
+        "workloadIps": [],
+        "protocol": "TCP",
+        "networkMode": "Standard",
+        "name": "",
+        "namespace": "ns",
+        "workloadType": "deployment",
+        "status": "Healthy",
+        "clusterId": "",
+        "capacity": 1,
+    }
     assert list(out)[:3] == ["workloadIps", "protocol", "networkMode"]
 
 
@@ -248,7 +267,10 @@ def test_service_endpoints_and_ports_are_string_keyed_and_sorted() -> None:
     # AllowAll keeps the unhealthy web endpoint; the explicit endpoint from the YAML is kept too.
     assert list(cart["endpoints"]) == sorted(cart["endpoints"])
     assert cart["endpoints"]["cluster1//v1/Pod/shop/web-1a2b"] == {
-        "workloadUid": "cluster1//v1/Pod/shop/web-1a2b", "port": {"80": 8081}, "status": "Unhealthy"}
+        "workloadUid": "cluster1//v1/Pod/shop/web-1a2b",
+        "port": {"80": 8081},
+        "status": "Unhealthy",
+    }
     assert cart["ipFamilies"] == "Dual"
 
 
@@ -260,16 +282,27 @@ def test_unhealthy_endpoint_dropped_without_allow_all() -> None:
 
 def test_staged_services_hold_endpoints_of_unknown_services() -> None:
     staged = dump_staged_services(state_from(LOCAL_CONFIG))
-    assert staged == {"shop/not-yet.shop.svc.cluster.local": {"cluster1//v1/Pod/shop/cart-7f9c": {
-        "workloadUid": "cluster1//v1/Pod/shop/cart-7f9c", "port": {"9000": 9001}, "status": "Healthy"}}}
+    assert staged == {
+        "shop/not-yet.shop.svc.cluster.local": {
+            "cluster1//v1/Pod/shop/cart-7f9c": {
+                "workloadUid": "cluster1//v1/Pod/shop/cart-7f9c",
+                "port": {"9000": 9001},
+                "status": "Healthy",
+            }
+        }
+    }
 
 
 def test_policies_keyed_and_matches_skip_empty_lists() -> None:
     policies = dump_policies(state_from(LOCAL_CONFIG))
     assert list(policies) == ["/allow-all-from-mesh", "shop/no-debug-port", "shop/only-frontend"]
     deny = policies["shop/no-debug-port"]
-    assert deny["rules"][0][0][0]["namespaces"] == [{"Exact": "shop"}, {"Prefix": "team-"}, {"Suffix": "-dev"},
-                                                    {"Presence": []}]
+    assert deny["rules"][0][0][0]["namespaces"] == [
+        {"Exact": "shop"},
+        {"Prefix": "team-"},
+        {"Suffix": "-dev"},
+        {"Presence": []},
+    ]
     assert deny["rules"][1] == []
     assert set(deny["rules"][0][0][0]) == {"namespaces", "notNamespaces", "destinationPorts"}
     assert policies["shop/only-frontend"]["rules"][0][1][0]["sourceIps"] == ["10.0.0.0/8", "fd00::1/128"]
@@ -279,8 +312,13 @@ def test_static_config_keeps_the_port_maps() -> None:
     static = dump_local_config(parse_local_config(LOCAL_CONFIG, "test"))
     assert static["workloads"][0]["services"] == {
         "shop/cart.shop.svc.cluster.local": {"80": 8080, "443": 8443},
-        "shop/not-yet.shop.svc.cluster.local": {"9000": 9001}}
-    assert [p["name"] for p in static["policies"]] == ["allow-all-from-mesh", "only-frontend", "no-debug-port"]
+        "shop/not-yet.shop.svc.cluster.local": {"9000": 9001},
+    }
+    assert [p["name"] for p in static["policies"]] == [
+        "allow-all-from-mesh",
+        "only-frontend",
+        "no-debug-port",
+    ]
 
 
 def test_static_config_reread_from_file_or_null(tmp_path: Path) -> None:
@@ -301,8 +339,9 @@ def test_certificate_dump_decimal_serial_and_rfc3339() -> None:
     assert cert["serialNumber"] == str(root.serial_number)
     assert base64.b64decode(cert["pem"]) == ca.root_pem
     assert cert["validFrom"].endswith("Z") and "." not in cert["validFrom"]
-    assert datetime.strptime(cert["expirationTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC) == \
-        root.not_valid_after_utc.replace(microsecond=0)
+    assert datetime.strptime(cert["expirationTime"], "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=UTC
+    ) == root.not_valid_after_utc.replace(microsecond=0)
 
 
 def test_certificates_only_show_chains_when_available() -> None:
@@ -325,9 +364,16 @@ def test_workload_state_up_pending_and_absent() -> None:
     served = Workload(uid="u1", name="cart", namespace="shop", service_account="cart")
     conn = {"direction": "outbound", "src": "a", "originalDst": "b", "actualDst": "c", "protocol": "TCP"}
     up = dump_workload_state(served=served, info=SERVED, inbound=[], outbound=[conn])
-    assert up == {"u1": {"state": "Up", "info": {"name": "cart", "namespace": "shop", "serviceAccount": "cart"},
-                         "connections": {"inbound": [], "outbound": [
-                             {"src": "a", "originalDst": "b", "actualDst": "c", "protocol": "TCP"}]}}}
+    assert up == {
+        "u1": {
+            "state": "Up",
+            "info": {"name": "cart", "namespace": "shop", "serviceAccount": "cart"},
+            "connections": {
+                "inbound": [],
+                "outbound": [{"src": "a", "originalDst": "b", "actualDst": "c", "protocol": "TCP"}],
+            },
+        }
+    }
     pending = dump_workload_state(served=None, info=SERVED, inbound=[], outbound=[])
     assert pending["shop/cart-7f9c/cart"]["state"] == "Pending"
     assert dump_workload_state(served=None, info=None, inbound=[], outbound=[]) == {}

@@ -81,7 +81,9 @@ class RecordingEndpoint(Endpoint):
 
 
 def peer(client_side: bool) -> h2.connection.H2Connection:
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=client_side, header_encoding="utf-8"))
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=client_side, header_encoding="utf-8")
+    )
     conn.initiate_connection()
     return conn
 
@@ -111,7 +113,11 @@ async def test_client_settings_and_connection_window_match_ztunnel():
     server = peer(client_side=False)
     events = exchange(ours, transport, server)
     settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)).changed_settings
-    assert settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE].new_value == STREAM_WINDOW_BYTES == 4 * 1024 * 1024
+    assert (
+        settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE].new_value
+        == STREAM_WINDOW_BYTES
+        == 4 * 1024 * 1024
+    )
     assert settings[h2.settings.SettingCodes.MAX_FRAME_SIZE].new_value == MAX_FRAME_BYTES == 1024 * 1024
     assert settings[h2.settings.SettingCodes.ENABLE_PUSH].new_value == 0
     assert settings[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE].new_value == 16 * 1024
@@ -128,7 +134,9 @@ async def test_server_advertises_200_streams_and_64k_header_list():
     ours.data_received(client.data_to_send())
     events = client.receive_data(transport.take())
     settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)).changed_settings
-    assert settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == SERVER_MAX_CONCURRENT_STREAMS
+    assert (
+        settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == SERVER_MAX_CONCURRENT_STREAMS
+    )
     assert settings[h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE].new_value == 64 * 1024
     ours._cancel_timers()
 
@@ -139,7 +147,9 @@ async def test_connect_request_carries_only_method_and_authority_pseudo_headers(
     ours.connection_made(transport)
     server = peer(client_side=False)
     exchange(ours, transport, server)
-    opening = asyncio.ensure_future(ours.open_stream("[fd00::3]:8080", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-00")]))
+    opening = asyncio.ensure_future(
+        ours.open_stream("[fd00::3]:8080", [("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-00")])
+    )
     await asyncio.sleep(0)
     events = exchange(ours, transport, server)
     request = next(e for e in events if isinstance(e, h2.events.RequestReceived))

@@ -65,8 +65,19 @@ def test_baggage_workload_type_key(workload_type: WorkloadType, key: str) -> Non
 def test_baggage_omits_empty_values() -> None:
     minimal = workload(cluster_id="", workload_name="", canonical_revision="", locality=Locality())
     assert baggage_for(minimal) == "k8s.namespace.name=default,service.name=app-svc"
-    assert baggage_for(workload(namespace="", cluster_id="", workload_name="", canonical_name="",
-                                canonical_revision="", locality=Locality())) == ""
+    assert (
+        baggage_for(
+            workload(
+                namespace="",
+                cluster_id="",
+                workload_name="",
+                canonical_name="",
+                canonical_revision="",
+                locality=Locality(),
+            )
+        )
+        == ""
+    )
 
 
 def test_parse_baggage_full() -> None:
@@ -113,7 +124,15 @@ def test_parse_baggage_nothing() -> None:
 def test_parse_baggage_never_raises(values: list[str]) -> None:
     parsed = parse_baggage(values)
     assert isinstance(parsed, Baggage)
-    for name in ("cluster_id", "namespace", "workload_name", "service_name", "service_version", "region", "zone"):
+    for name in (
+        "cluster_id",
+        "namespace",
+        "workload_name",
+        "service_name",
+        "service_version",
+        "region",
+        "zone",
+    ):
         value = getattr(parsed, name)
         assert value == value.strip() and "," not in value
 
@@ -122,17 +141,34 @@ label = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-.", max_size=20)
 
 
 @given(
-    cluster=label, namespace=label, name=label, kind=st.sampled_from(list(WorkloadType)),
-    service=label, version=label, region=label, zone=label,
+    cluster=label,
+    namespace=label,
+    name=label,
+    kind=st.sampled_from(list(WorkloadType)),
+    service=label,
+    version=label,
+    region=label,
+    zone=label,
 )
 def test_baggage_round_trip(cluster, namespace, name, kind, service, version, region, zone) -> None:
     w = workload(
-        cluster_id=cluster, namespace=namespace, workload_name=name, workload_type=kind,
-        canonical_name=service, canonical_revision=version, locality=Locality(region=region, zone=zone),
+        cluster_id=cluster,
+        namespace=namespace,
+        workload_name=name,
+        workload_type=kind,
+        canonical_name=service,
+        canonical_revision=version,
+        locality=Locality(region=region, zone=zone),
     )
     assert parse_baggage([baggage_for(w)]) == Baggage(
-        cluster_id=cluster, namespace=namespace, workload_name=name, workload_type=kind if name else None,
-        service_name=service, service_version=version, region=region, zone=zone,
+        cluster_id=cluster,
+        namespace=namespace,
+        workload_name=name,
+        workload_type=kind if name else None,
+        service_name=service,
+        service_version=version,
+        region=region,
+        zone=zone,
     )
 
 

@@ -31,11 +31,18 @@ def _pem(cert: x509.Certificate) -> bytes:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _make_ca_cert(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None, issuer_key: ec.EllipticCurvePrivateKey, *, ca: bool = True
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Certificate | None,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = True,
 ) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     return (
@@ -51,7 +58,9 @@ def _make_ca_cert(
     )
 
 
-def _plugged_in_dir(tmp_path: Path, *, chain_with_root: bool = False) -> tuple[Path, x509.Certificate, x509.Certificate]:
+def _plugged_in_dir(
+    tmp_path: Path, *, chain_with_root: bool = False
+) -> tuple[Path, x509.Certificate, x509.Certificate]:
     """root -> intermediate, laid out as Istio's cacerts secret."""
     root_key, int_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     root = _make_ca_cert("Root CA", root_key, None, root_key)
@@ -156,7 +165,12 @@ def test_sign_csr_refuses_when_the_signer_is_not_valid(ca: CertificateAuthority)
 def test_sign_csr_on_arbitrary_bytes_raises_certificate_error(data: bytes) -> None:
     ca = _shared_ca()
     with pytest.raises(CertificateError):
-        ca.sign_csr(b"-----BEGIN CERTIFICATE REQUEST-----\n" + data + b"\n-----END CERTIFICATE REQUEST-----\n", ALICE, 60, now=NOW)
+        ca.sign_csr(
+            b"-----BEGIN CERTIFICATE REQUEST-----\n" + data + b"\n-----END CERTIFICATE REQUEST-----\n",
+            ALICE,
+            60,
+            now=NOW,
+        )
 
 
 _CA_CACHE: list[CertificateAuthority] = []
@@ -181,7 +195,10 @@ def test_insecure_test_ca_is_the_shipped_fixed_root() -> None:
 
     assert first.root_pem == second.root_pem  # the same root in every process
     (root,) = load_pem_certificates(first.root_pem)
-    assert root.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value == "ambient-mesh insecure test CA"
+    assert (
+        root.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+        == "ambient-mesh insecure test CA"
+    )
     assert root.not_valid_before_utc == datetime(2025, 1, 1, tzinfo=UTC)
     assert root.not_valid_after_utc == datetime(2045, 1, 1, tzinfo=UTC)
     cert = first.issue(ALICE, 60, now=NOW)
@@ -241,7 +258,9 @@ def test_plugged_in_key_of_another_cert_names_the_key_file(tmp_path: Path) -> No
     path, _, _ = _plugged_in_dir(tmp_path)
     (path / "ca-key.pem").write_bytes(_key_pem(ec.generate_private_key(ec.SECP256R1())))
 
-    with pytest.raises(ConfigError, match=r"ca-key.pem: the key does not belong to the certificate in ca-cert.pem"):
+    with pytest.raises(
+        ConfigError, match=r"ca-key.pem: the key does not belong to the certificate in ca-cert.pem"
+    ):
         CertificateAuthority.from_plugged_in_dir(path)
 
 
@@ -258,7 +277,9 @@ def test_plugged_in_signing_cert_from_another_root_names_ca_cert(tmp_path: Path)
     other_key = ec.generate_private_key(ec.SECP256R1())
     (path / "root-cert.pem").write_bytes(_pem(_make_ca_cert("Other Root", other_key, None, other_key)))
 
-    with pytest.raises(ConfigError, match=r"ca-cert.pem: .*does not chain to the trusted root.*root-cert.pem"):
+    with pytest.raises(
+        ConfigError, match=r"ca-cert.pem: .*does not chain to the trusted root.*root-cert.pem"
+    ):
         CertificateAuthority.from_plugged_in_dir(path)
 
 
@@ -282,7 +303,9 @@ def test_plugged_in_chain_must_start_with_the_signing_cert(tmp_path: Path) -> No
     path, root, _ = _plugged_in_dir(tmp_path)
     (path / "cert-chain.pem").write_bytes(_pem(root))
 
-    with pytest.raises(ConfigError, match=r"cert-chain.pem: the first certificate must be the one in ca-cert.pem"):
+    with pytest.raises(
+        ConfigError, match=r"cert-chain.pem: the first certificate must be the one in ca-cert.pem"
+    ):
         CertificateAuthority.from_plugged_in_dir(path)
 
 

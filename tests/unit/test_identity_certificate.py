@@ -156,7 +156,10 @@ def test_from_ca_response_rejects_a_leaf_for_another_identity(ca: CertificateAut
     key_pem, csr_pem = generate_csr(ALICE)
     chain = ca.sign_csr(csr_pem, BOB, 3600, now=NOW)
 
-    with pytest.raises(CertificateError, match=r"issued a certificate for spiffe://cluster.local/ns/default/sa/bob, but .*alice was requested"):
+    with pytest.raises(
+        CertificateError,
+        match=r"issued a certificate for spiffe://cluster.local/ns/default/sa/bob, but .*alice was requested",
+    ):
         WorkloadCertificate.from_ca_response(ALICE, key_pem, chain)
 
 

@@ -344,7 +344,9 @@ async def test_failed_refresh_backs_off_and_keeps_serving_the_old_cert(
 
     # Once the old certificate expires, callers get the failure.
     clock.now = old.not_after.timestamp()
-    with pytest.raises(IdentityError, match=r"could not fetch a certificate for .*alice: istiod:15012 unreachable") as info:
+    with pytest.raises(
+        IdentityError, match=r"could not fetch a certificate for .*alice: istiod:15012 unreachable"
+    ) as info:
         await manager.fetch_certificate(ALICE)
     assert "is the CA reachable?" in str(info.value)
     assert isinstance(info.value.__cause__, ConnectionError)

@@ -161,7 +161,10 @@ def test_verify_client_identity_returns_the_first_spiffe_id() -> None:
 def test_verify_client_identity_refuses_another_trust_domain(ca: CertificateAuthority) -> None:
     peer = FakeSslObject(_der(ca.issue(EVE, 3600, now=NOW)))
 
-    with pytest.raises(CertificateError, match=r"client identity \[spiffe://other.domain/.*\] is not in trust domain 'cluster.local'"):
+    with pytest.raises(
+        CertificateError,
+        match=r"client identity \[spiffe://other.domain/.*\] is not in trust domain 'cluster.local'",
+    ):
         verify_client_identity(peer, "cluster.local")
 
 

@@ -25,21 +25,42 @@ class RecordingSecretManager:
 
 
 def workload(name: str, sa: str, node: str, protocol=TunnelProtocol.HBONE, ip: str = "10.0.0.1") -> Workload:
-    return Workload(uid=f"c//Pod/ns/{name}", name=name, namespace="ns", service_account=sa, node=node,
-                    protocol=protocol, workload_ips=(ipaddress.ip_address(ip),))
+    return Workload(
+        uid=f"c//Pod/ns/{name}",
+        name=name,
+        namespace="ns",
+        service_account=sa,
+        node=node,
+        protocol=protocol,
+        workload_ips=(ipaddress.ip_address(ip),),
+    )
 
 
 def test_prefetch_local_hbone_identities_and_forget_when_the_last_one_leaves():
-    config = ZtunnelConfig.from_env({"PROXY_MODE": "shared", "NODE_NAME": "node-1", "XDS_ADDRESS": "",
-                                     "FAKE_CA": "true", "ISTIO_META_DNS_CAPTURE": "false"})
+    config = ZtunnelConfig.from_env(
+        {
+            "PROXY_MODE": "shared",
+            "NODE_NAME": "node-1",
+            "XDS_ADDRESS": "",
+            "FAKE_CA": "true",
+            "ISTIO_META_DNS_CAPTURE": "false",
+        }
+    )
     state = ProxyState()
     secrets = RecordingSecretManager()
-    manager = InpodManager(config=config, state=state, cert_manager=secrets, tls=TlsContextCache(),
-                           metrics=Metrics(process_metrics=False))
+    manager = InpodManager(
+        config=config,
+        state=state,
+        cert_manager=secrets,
+        tls=TlsContextCache(),
+        metrics=Metrics(process_metrics=False),
+    )
     a1 = workload("a-1", "a", "node-1", ip="10.0.0.1")
     a2 = workload("a-2", "a", "node-1", ip="10.0.0.2")
     b = workload("b-1", "b", "node-2", ip="10.0.0.3")  # another node: not ours to prefetch
-    tcp = workload("t-1", "t", "node-1", protocol=TunnelProtocol.TCP, ip="10.0.0.4")  # no mTLS: nothing to fetch
+    tcp = workload(
+        "t-1", "t", "node-1", protocol=TunnelProtocol.TCP, ip="10.0.0.4"
+    )  # no mTLS: nothing to fetch
     for w in (a1, a2, b, tcp):
         state.insert_workload(w)
     ident_a = Identity("cluster.local", "ns", "a")

@@ -31,7 +31,9 @@ WAIT_S = 5.0
 class FakeProxy:
     """What InpodManager needs of a pod's WorkloadProxy, recording what was done to it."""
 
-    def __init__(self, name: str, netns: NetnsHandle, *, fail: bool, drain_gate: asyncio.Event | None) -> None:
+    def __init__(
+        self, name: str, netns: NetnsHandle, *, fail: bool, drain_gate: asyncio.Event | None
+    ) -> None:
         self.name = name
         self.netns = netns
         self.fail = fail
@@ -87,20 +89,35 @@ def sample(metrics: Metrics, name: str) -> float | None:
 
 def counts(metrics: Metrics) -> tuple[float | None, ...]:
     """(active, pending, started, stopped) as /metrics would show them."""
-    return (sample(metrics, "workload_manager_active_proxy_count"),
-            sample(metrics, "workload_manager_pending_proxy_count"),
-            sample(metrics, "workload_manager_proxies_started_total"),
-            sample(metrics, "workload_manager_proxies_stopped_total"))
+    return (
+        sample(metrics, "workload_manager_active_proxy_count"),
+        sample(metrics, "workload_manager_pending_proxy_count"),
+        sample(metrics, "workload_manager_proxies_started_total"),
+        sample(metrics, "workload_manager_proxies_stopped_total"),
+    )
 
 
 @pytest.fixture
 def setup(tmp_path):
-    config = ZtunnelConfig.from_env({"PROXY_MODE": "shared", "NODE_NAME": "node-1", "XDS_ADDRESS": "",
-                                     "FAKE_CA": "true", "ISTIO_META_DNS_CAPTURE": "false"})
+    config = ZtunnelConfig.from_env(
+        {
+            "PROXY_MODE": "shared",
+            "NODE_NAME": "node-1",
+            "XDS_ADDRESS": "",
+            "FAKE_CA": "true",
+            "ISTIO_META_DNS_CAPTURE": "false",
+        }
+    )
     metrics = Metrics(process_metrics=False)
     factory = FakeProxyFactory()
-    manager = InpodManager(config=config, state=ProxyState(), cert_manager=NoSecrets(), tls=TlsContextCache(),
-                           metrics=metrics, proxy_factory=factory)
+    manager = InpodManager(
+        config=config,
+        state=ProxyState(),
+        cert_manager=NoSecrets(),
+        tls=TlsContextCache(),
+        metrics=metrics,
+        proxy_factory=factory,
+    )
     opened: list[int] = []
 
     def netns_fd(name: str) -> int:
@@ -139,7 +156,10 @@ async def test_started_stopped_and_active(setup):
     assert counts(metrics) == (0, 0, 2, 2)
     assert factory.built[0].events == ["start", "drain 0"]
     assert factory.built[1].events == ["start", f"drain {config.termination_deadline_s:g}"]
-    assert repr(metrics.workload_manager) == "<WorkloadManagerMetrics: 0 active, 0 pending, 2 started, 2 stopped>"
+    assert (
+        repr(metrics.workload_manager)
+        == "<WorkloadManagerMetrics: 0 active, 0 pending, 2 started, 2 stopped>"
+    )
 
 
 async def test_a_draining_proxy_is_no_longer_active_but_not_yet_stopped(setup):
@@ -189,8 +209,9 @@ async def test_pending_gauge_follows_the_retry_queue(setup, sock_path):
     await server.start()
     # A long retry interval: the pending pod stays pending until the test lets the clock move.
     now = [0.0]
-    client = ZdsClient(sock_path, manager, retry_interval_s=3600.0, max_backoff_s=0.05, clock=lambda: now[0],
-                       metrics=metrics)
+    client = ZdsClient(
+        sock_path, manager, retry_interval_s=3600.0, max_backoff_s=0.05, clock=lambda: now[0], metrics=metrics
+    )
     client.start()
     try:
         async with asyncio.timeout(WAIT_S):

@@ -130,7 +130,9 @@ metadata: {name: nokind}
     _write(tmp_path, "ignored.txt", "kind: Pod")
     result = load_directory(tmp_path)
     assert result.objects == ()
-    assert result.notes == ("misc.yml: Deployment default/d (apps/v1): kind not used by the control plane, ignored",)
+    assert result.notes == (
+        "misc.yml: Deployment default/d (apps/v1): kind not used by the control plane, ignored",
+    )
     assert [str(e) for e in result.errors] == [
         "misc.yml: document 2: kind: missing",
         "misc.yml: document 3: expected a mapping",
@@ -179,7 +181,9 @@ status: {podIPs: [{ip: 10.0.0.1}, {ip: "fd00::1"}], podIP: 10.0.0.1, conditions:
 
 
 def test_store_indexes_and_repr() -> None:
-    store = parse_documents(POD_OK + "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: default}\n", "x").store
+    store = parse_documents(
+        POD_OK + "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: default}\n", "x"
+    ).store
     assert repr(store) == "KubeStore(1 Namespace, 1 Pod)"
     assert store.namespace("default") is not None and store.node("none") is None
     assert len(store) == 2 and KubeStore().all() == ()
@@ -194,8 +198,18 @@ _values = st.recursive(
     max_leaves=12,
 )
 _kinds = st.sampled_from(
-    ["Pod", "Service", "Namespace", "AuthorizationPolicy", "PeerAuthentication", "ServiceEntry",
-     "WorkloadEntry", "Gateway", "Node", "Widget"]
+    [
+        "Pod",
+        "Service",
+        "Namespace",
+        "AuthorizationPolicy",
+        "PeerAuthentication",
+        "ServiceEntry",
+        "WorkloadEntry",
+        "Gateway",
+        "Node",
+        "Widget",
+    ]
 )
 _api = st.sampled_from(
     ["v1", "security.istio.io/v1", "networking.istio.io/v1", "gateway.networking.k8s.io/v1", "x/v1"]
@@ -302,7 +316,9 @@ async def test_watcher_touch_without_change_is_silent_and_async_callback_awaited
 
 async def test_watcher_real_interval_bounded_wait(tmp_path: Path) -> None:
     got = asyncio.Event()
-    watcher = DirectoryWatcher(tmp_path, lambda change: got.set() if change.added else None, poll_interval_s=0.01)
+    watcher = DirectoryWatcher(
+        tmp_path, lambda change: got.set() if change.added else None, poll_interval_s=0.01
+    )
     task = asyncio.create_task(watcher.run())
     try:
         await asyncio.sleep(0)

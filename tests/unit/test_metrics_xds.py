@@ -20,7 +20,9 @@ AUTHORIZATION = "type.googleapis.com/istio.security.Authorization"
 def families(metrics: Metrics, accept: str = "text/plain") -> dict[str, list[tuple[str, dict, float]]]:
     body, _ = metrics.render(accept)
     text = body.decode()
-    return {f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+    return {
+        f.name: [(s.name, s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)
+    }
 
 
 def test_termination_reason_names_every_stream_end_as_ztunnel_does():
@@ -85,10 +87,14 @@ def test_unknown_reason_and_negative_size_are_refused():
 
 def test_resource_bytes_counts_payloads_only():
     response = discovery_pb2.DeltaDiscoveryResponse(
-        type_url=ADDRESS, nonce="n-1", system_version_info="a-long-version-string",
+        type_url=ADDRESS,
+        nonce="n-1",
+        system_version_info="a-long-version-string",
         removed_resources=["ns/removed-one"],
         resources=[
-            discovery_pb2.Resource(name="a", version="v1", resource=any_pb2.Any(type_url=ADDRESS, value=b"x" * 10)),
+            discovery_pb2.Resource(
+                name="a", version="v1", resource=any_pb2.Any(type_url=ADDRESS, value=b"x" * 10)
+            ),
             discovery_pb2.Resource(name="no-payload", version="v1"),
             discovery_pb2.Resource(name="b", resource=any_pb2.Any(type_url=ADDRESS, value=b"y" * 5)),
         ],
@@ -98,9 +104,12 @@ def test_resource_bytes_counts_payloads_only():
 
 @given(st.lists(st.one_of(st.none(), st.binary(max_size=64)), max_size=8))
 def test_resource_bytes_is_the_sum_of_payload_lengths(payloads):
-    resources = [discovery_pb2.Resource(name=f"r{i}") if p is None else
-                 discovery_pb2.Resource(name=f"r{i}", resource=any_pb2.Any(type_url=ADDRESS, value=p))
-                 for i, p in enumerate(payloads)]
+    resources = [
+        discovery_pb2.Resource(name=f"r{i}")
+        if p is None
+        else discovery_pb2.Resource(name=f"r{i}", resource=any_pb2.Any(type_url=ADDRESS, value=p))
+        for i, p in enumerate(payloads)
+    ]
     response = discovery_pb2.DeltaDiscoveryResponse(type_url=ADDRESS, resources=resources)
     assert resource_bytes(response) == sum(len(p) for p in payloads if p is not None)
 

@@ -19,7 +19,11 @@ authority_text = st.one_of(
     st.text(alphabet=authority_alphabet, max_size=60),
     st.builds(
         lambda host, port: f"{host}:{port}",
-        st.one_of(st.ip_addresses(v=4).map(str), st.ip_addresses(v=6).map(lambda ip: f"[{ip}]"), st.text(max_size=20)),
+        st.one_of(
+            st.ip_addresses(v=4).map(str),
+            st.ip_addresses(v=6).map(lambda ip: f"[{ip}]"),
+            st.text(max_size=20),
+        ),
         st.one_of(st.integers(min_value=-5, max_value=200000).map(str), st.text(max_size=6)),
     ),
 )
@@ -88,8 +92,21 @@ def test_socket_addrs_of_both_families_sort(addrs: list[SocketAddr]) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["::1:80", "1.2.3.4", "1.2.3.4:", ":80", "[::1]", "[::1]80", "[::1:80", "1.2.3.4:65536", "1.2.3.4:-1",
-     "1.2.3.4:\u0661", "1.2.3.4:+80", "name.example:80", "1.2.3.4:123456"],
+    [
+        "::1:80",
+        "1.2.3.4",
+        "1.2.3.4:",
+        ":80",
+        "[::1]",
+        "[::1]80",
+        "[::1:80",
+        "1.2.3.4:65536",
+        "1.2.3.4:-1",
+        "1.2.3.4:\u0661",
+        "1.2.3.4:+80",
+        "name.example:80",
+        "1.2.3.4:123456",
+    ],
 )
 def test_socket_addr_parse_rejects(text: str) -> None:
     with pytest.raises(ProtocolError):
@@ -106,11 +123,16 @@ def test_split_host_port_keeps_hostnames() -> None:
 segment = st.text(min_size=1, max_size=20).filter(lambda s: "/" not in s)
 spiffe_text = st.one_of(
     st.text(max_size=60),
-    st.builds(lambda rest: "spiffe://" + rest, st.text(alphabet=st.sampled_from(list("ab/nsa.-%")), max_size=40)),
+    st.builds(
+        lambda rest: "spiffe://" + rest, st.text(alphabet=st.sampled_from(list("ab/nsa.-%")), max_size=40)
+    ),
     st.builds(
         lambda td, ns, sa, a, b: f"spiffe://{td}/{a}/{ns}/{b}/{sa}",
-        st.text(max_size=10), st.text(max_size=10), st.text(max_size=10),
-        st.sampled_from(["ns", "sa", "NS", ""]), st.sampled_from(["sa", "ns", "SA", ""]),
+        st.text(max_size=10),
+        st.text(max_size=10),
+        st.text(max_size=10),
+        st.sampled_from(["ns", "sa", "NS", ""]),
+        st.sampled_from(["sa", "ns", "SA", ""]),
     ),
 )
 

@@ -21,8 +21,9 @@ SIG = bytes([0x0D, 0x0A, 0x0D, 0x0A, 0x00, 0x0D, 0x0A, 0x51, 0x55, 0x49, 0x54, 0
 
 def test_ipv4_with_identity_tlv_byte_for_byte():
     identity = b"spiffe://cluster.local/ns/a/sa/b"
-    header = encode_v2(SocketAddr.parse("10.0.0.1:40000"), SocketAddr.parse("10.0.0.2:8080"),
-                       [(TLV_PEER_IDENTITY, identity)])
+    header = encode_v2(
+        SocketAddr.parse("10.0.0.1:40000"), SocketAddr.parse("10.0.0.2:8080"), [(TLV_PEER_IDENTITY, identity)]
+    )
     tlv = bytes([0xD0]) + len(identity).to_bytes(2, "big") + identity
     body = bytes([10, 0, 0, 1, 10, 0, 0, 2]) + (40000).to_bytes(2, "big") + (8080).to_bytes(2, "big") + tlv
     assert header == SIG + bytes([0x21, 0x11]) + len(body).to_bytes(2, "big") + body
@@ -37,7 +38,9 @@ def test_ipv6_and_mixed_families():
 
 
 def test_round_trip_and_incomplete_input():
-    header = encode_v2(SocketAddr.parse("1.2.3.4:5"), SocketAddr.parse("6.7.8.9:10"), [(0xD0, b"x"), (0xD1, b"")])
+    header = encode_v2(
+        SocketAddr.parse("1.2.3.4:5"), SocketAddr.parse("6.7.8.9:10"), [(0xD0, b"x"), (0xD1, b"")]
+    )
     parsed, used = decode_v2(header + b"payload")
     assert used == len(header)
     assert parsed.tlv(0xD0) == b"x" and parsed.tlv(0xD1) == b"" and parsed.tlv(0xD2) is None
@@ -58,8 +61,13 @@ def test_decoder_returns_or_raises_protocol_error(data):
         pass
 
 
-@given(st.ip_addresses(), st.integers(0, 65535), st.ip_addresses(), st.integers(0, 65535),
-       st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=40)), max_size=4))
+@given(
+    st.ip_addresses(),
+    st.integers(0, 65535),
+    st.ip_addresses(),
+    st.integers(0, 65535),
+    st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=40)), max_size=4),
+)
 def test_any_header_round_trips(src, sport, dst, dport, tlvs):
     parsed, _ = decode_v2(encode_v2(SocketAddr(src, sport), SocketAddr(dst, dport), tlvs))
     assert parsed.tlvs == tuple(tlvs)

@@ -62,11 +62,17 @@ class Target:
 PEER = Identity("cluster.local", "a", "x")
 
 
-def conn(identity: Identity | None = PEER, src: str = "10.0.0.1", dst: str = "10.0.0.2", port: int = 80) -> RbacConnection:
-    return RbacConnection(src_identity=identity, src_ip=ip_address(src), dst_ip=ip_address(dst), dst_port=port)
+def conn(
+    identity: Identity | None = PEER, src: str = "10.0.0.1", dst: str = "10.0.0.2", port: int = 80
+) -> RbacConnection:
+    return RbacConnection(
+        src_identity=identity, src_ip=ip_address(src), dst_ip=ip_address(dst), dst_port=port
+    )
 
 
-def policy(*rs: Rule, name: str = "p", scope: Scope = Scope.GLOBAL, action: Action = Action.ALLOW) -> Authorization:
+def policy(
+    *rs: Rule, name: str = "p", scope: Scope = Scope.GLOBAL, action: Action = Action.ALLOW
+) -> Authorization:
     return Authorization(name=name, namespace="a", scope=scope, action=action, rules=rs)
 
 
@@ -86,12 +92,17 @@ def keys_for(p: Authorization, c: RbacConnection) -> tuple[tuple[RuleFilter, ...
 # -- keys are exact for single entries ---------------------------------------------------------------
 
 single_entries = st.one_of(
-    st.tuples(st.sampled_from(["principals", "not_principals", "namespaces", "not_namespaces"]), string_matches),
+    st.tuples(
+        st.sampled_from(["principals", "not_principals", "namespaces", "not_namespaces"]), string_matches
+    ),
     st.tuples(st.sampled_from(["service_accounts", "not_service_accounts"]), account_matches),
     st.tuples(
-        st.sampled_from(["source_ips", "not_source_ips", "destination_ips", "not_destination_ips"]), networks()
+        st.sampled_from(["source_ips", "not_source_ips", "destination_ips", "not_destination_ips"]),
+        networks(),
     ),
-    st.tuples(st.sampled_from(["destination_ports", "not_destination_ports"]), st.sampled_from([80, 8080, 9090])),
+    st.tuples(
+        st.sampled_from(["destination_ports", "not_destination_ports"]), st.sampled_from([80, 8080, 9090])
+    ),
 )
 
 
@@ -144,7 +155,9 @@ def test_filter_shapes() -> None:
     (f,), _ = rule_filters(strict_mtls_policy())
     assert f.guard == frozenset({ALWAYS_KEY}) and len(f.exclusion) == 1
     # Exclusion of a clause is what excludes every one of its Matches.
-    two = Rule(clauses=(Clause(matches=(Match(not_destination_ports=(80, 81)), Match(not_destination_ports=(80,)))),))
+    two = Rule(
+        clauses=(Clause(matches=(Match(not_destination_ports=(80, 81)), Match(not_destination_ports=(80,)))),)
+    )
     (f,), _ = rule_filters(policy(two))
     assert f.exclusion == frozenset({(11, 80)})
     # Zero rules, and a rule whose clause has only empty Matches: nothing to file.
@@ -180,7 +193,9 @@ def test_pruned_check_agrees_with_reference(
 
 @settings(max_examples=100)
 @given(st.lists(st.tuples(st.booleans(), policy_sets(max_size=2)), max_size=12), connections)
-def test_buckets_follow_inserts_and_removes(ops: list[tuple[bool, list[Authorization]]], c: RbacConnection) -> None:
+def test_buckets_follow_inserts_and_removes(
+    ops: list[tuple[bool, list[Authorization]]], c: RbacConnection
+) -> None:
     index = PolicyIndex(min_indexed=0)
     mirror: dict[str, Authorization] = {}
     for remove, batch in ops:
@@ -195,8 +210,11 @@ def test_buckets_follow_inserts_and_removes(ops: list[tuple[bool, list[Authoriza
             got, want = index.check(wl, c), evaluate(policies_for(mirror, wl), c)
             # After removals and re-inserts the index may list equal policies in another order,
             # so when several could decide, a different one may be named; the verdict is the same.
-            assert (got.allowed, sorted(got.dry_run_matches), got.policy is None) == \
-                (want.allowed, sorted(want.dry_run_matches), want.policy is None)
+            assert (got.allowed, sorted(got.dry_run_matches), got.policy is None) == (
+                want.allowed,
+                sorted(want.dry_run_matches),
+                want.policy is None,
+            )
             if got.policy is not None:
                 assert got.policy in mirror and mirror[got.policy].action == mirror[want.policy].action
     for key in list(mirror):
@@ -229,7 +247,9 @@ def test_many_global_policies_prune_to_the_ones_that_can_match(min_indexed: int)
     index = PolicyIndex([*misses, hit], min_indexed=min_indexed)
     wl = Target(namespace="a")
     candidates, any_allow = index.candidates(wl, conn())
-    assert [p.key for p in candidates] == (["a/hit"] if min_indexed <= 41 else [p.key for p in [*misses, hit]])
+    assert [p.key for p in candidates] == (
+        ["a/hit"] if min_indexed <= 41 else [p.key for p in [*misses, hit]]
+    )
     assert any_allow
     assert index.check(wl, conn()).reason == "allowed by: a/hit"
     # On another port the IP rule is no longer excluded: every policy is a candidate again.
@@ -246,13 +266,16 @@ def test_rule_filter_admits() -> None:
     assert not RuleFilter(guard=frozenset({(11, 81)})).admits({ALWAYS_KEY, (11, 80)})
 
 
-
 # -- generated matchers ----------------------------------------------------------------------------------
 
 
 def test_policies_of_one_shape_share_their_code_and_differ_in_constants() -> None:
-    a = CompiledPolicy(policy(one(Match(principals=(StringMatch.exact("cluster.local/ns/a/sa/x"),))), name="a"))
-    b = CompiledPolicy(policy(one(Match(principals=(StringMatch.exact("cluster.local/ns/b/sa/y"),))), name="b"))
+    a = CompiledPolicy(
+        policy(one(Match(principals=(StringMatch.exact("cluster.local/ns/a/sa/x"),))), name="a")
+    )
+    b = CompiledPolicy(
+        policy(one(Match(principals=(StringMatch.exact("cluster.local/ns/b/sa/y"),))), name="b")
+    )
     assert a._matches.__code__ is b._matches.__code__
     assert a._matches.__defaults__ == ("cluster.local/ns/a/sa/x",)
     assert a.matches(conn()) and not b.matches(conn())

@@ -273,7 +273,11 @@ def feed(hs: Socks5Handshake, pieces: list[bytes]) -> ConnectRequest | None:
 
 FAILURE_OUTPUTS = {b"", b"\x05\xff"} | {
     METHOD_SELECTED + encode_reply(code)
-    for code in (ReplyCode.GENERAL_FAILURE, ReplyCode.COMMAND_NOT_SUPPORTED, ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED)
+    for code in (
+        ReplyCode.GENERAL_FAILURE,
+        ReplyCode.COMMAND_NOT_SUPPORTED,
+        ReplyCode.ADDRESS_TYPE_NOT_SUPPORTED,
+    )
 }
 
 # Random bytes rarely get past the first byte, so half the inputs start like a real client.

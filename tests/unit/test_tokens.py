@@ -42,8 +42,12 @@ def unb64(part: str) -> bytes:
 
 def node_token(**overrides: object) -> str:
     args: dict[str, object] = dict(
-        namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-x1", pod_uid="uid-1",
-        node="node-1", now=NOW,
+        namespace="istio-system",
+        service_account="ztunnel",
+        pod_name="ztunnel-x1",
+        pod_uid="uid-1",
+        node="node-1",
+        now=NOW,
     )
     args.update(overrides)
     return ISSUER.mint(**args)  # type: ignore[arg-type]
@@ -91,7 +95,11 @@ def test_mint_writes_kubernetes_projected_token_claims() -> None:
 def test_verify_returns_the_caller() -> None:
     caller = VERIFIER.verify(node_token(), NOW + 10)
     assert caller == Caller(
-        namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-x1", pod_uid="uid-1", node="node-1"
+        namespace="istio-system",
+        service_account="ztunnel",
+        pod_name="ztunnel-x1",
+        pod_uid="uid-1",
+        node="node-1",
     )
     assert caller.identity("example.org") == Identity("example.org", "istio-system", "ztunnel")
     assert caller.account == "istio-system/ztunnel"
@@ -101,7 +109,9 @@ def test_verify_returns_the_caller() -> None:
 def test_unbound_token_has_no_pod_or_node() -> None:
     caller = VERIFIER.verify(ISSUER.mint(namespace="ns1", service_account="sa1", now=NOW), NOW)
     assert (caller.pod_name, caller.pod_uid, caller.node) == (None, None, None)
-    assert "pod" not in claims_of(ISSUER.mint(namespace="ns1", service_account="sa1", now=NOW))["kubernetes.io"]
+    assert (
+        "pod" not in claims_of(ISSUER.mint(namespace="ns1", service_account="sa1", now=NOW))["kubernetes.io"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -123,7 +133,10 @@ def test_mint_refuses_what_verify_would_refuse(overrides: dict[str, object]) -> 
 def test_issuer_round_trips_through_pem_and_rejects_other_curves() -> None:
     again = TokenIssuer.from_pem(ISSUER.private_key_pem())
     assert again.kid == ISSUER.kid
-    assert VERIFIER.verify(again.mint(namespace="ns1", service_account="sa1", now=NOW), NOW).service_account == "sa1"
+    assert (
+        VERIFIER.verify(again.mint(namespace="ns1", service_account="sa1", now=NOW), NOW).service_account
+        == "sa1"
+    )
     with pytest.raises(ConfigError):
         TokenIssuer(ec.generate_private_key(ec.SECP384R1()))
     with pytest.raises(ConfigError):

@@ -51,7 +51,14 @@ def test_golden(case: str) -> None:
 
 
 def test_every_case_is_covered() -> None:
-    assert set(CASES) >= {"workloads", "services", "waypoints", "serviceentry", "authorization", "peerauthentication"}
+    assert set(CASES) >= {
+        "workloads",
+        "services",
+        "waypoints",
+        "serviceentry",
+        "authorization",
+        "peerauthentication",
+    }
 
 
 # Spot checks on the wire objects themselves, so the golden files are not the only guard.
@@ -69,7 +76,11 @@ def test_workload_fields_follow_istiod() -> None:
     assert (web.canonical_name, web.canonical_revision) == ("web", "v2")
     assert web.addresses == [ipaddress.ip_address("10.0.0.5").packed]
     assert web.trust_domain == "" and web.cluster_id == "Kubernetes"
-    assert (web.locality.region, web.locality.zone, web.locality.subzone) == ("eu-west", "eu-west-1a", "rack-3")
+    assert (web.locality.region, web.locality.zone, web.locality.subzone) == (
+        "eu-west",
+        "eu-west-1a",
+        "rack-3",
+    )
     assert t.addresses["Kubernetes//Pod/ambient-ns/optout"].workload.tunnel_protocol == wl.NONE
     assert t.addresses["Kubernetes//Pod/ambient-ns/sidecar"].workload.tunnel_protocol == wl.NONE
     hostnet = t.addresses["Kubernetes//Pod/ambient-ns/hostnet"].workload
@@ -103,7 +114,9 @@ def test_waypoint_attachment() -> None:
     assert not t.addresses["app-ns/svc-opt-out.app-ns.svc.cluster.local"].service.HasField("waypoint")
     assert not t.addresses["app-ns/waypoint.app-ns.svc.cluster.local"].service.HasField("waypoint")
     own = t.addresses["app-ns/svc-own.app-ns.svc.cluster.local"].service
-    assert own.waypoint.address.address == ipaddress.ip_address("10.96.1.2").packed and own.ingress_use_waypoint
+    assert (
+        own.waypoint.address.address == ipaddress.ip_address("10.96.1.2").packed and own.ingress_use_waypoint
+    )
     assert not t.addresses["Kubernetes//Pod/app-ns/a-1"].workload.HasField("waypoint")
     assert t.addresses["Kubernetes//Pod/app-ns/b-1"].workload.HasField("waypoint")
     assert t.addresses["Kubernetes//Pod/other-ns/c-1"].workload.HasField("waypoint")
@@ -127,7 +140,11 @@ def test_authorization_rules() -> None:
     for absent in ("audit", "custom", "for-waypoint", "trial"):
         assert f"bank/{absent}" not in auth
     ledger = t.addresses["Kubernetes//Pod/bank/ledger-0"].workload
-    assert list(ledger.authorization_policies) == ["bank/ledger-allow", "bank/ledger-deny", "istio-system/core-ports"]
+    assert list(ledger.authorization_policies) == [
+        "bank/ledger-allow",
+        "bank/ledger-deny",
+        "istio-system/core-ports",
+    ]
     sa = auth["bank/ns-allow"].rules[0].clauses[1].matches[1].service_accounts
     assert [(m.namespace, m.serviceAccount) for m in sa] == [("ops", "deployer"), ("bank", "auditor")]
     assert any("AUDIT" in n for n in t.notes) and any("dry-run" in n for n in t.notes)
@@ -167,6 +184,7 @@ def test_settings_change_names_and_trust_domain() -> None:
 def test_translation_is_deterministic() -> None:
     """Translating the same objects twice gives byte-identical resources, so the ADS server's
     content hashes (ads_state) only change when the content does."""
+
     def wire(addresses):
         return {name: pb.SerializeToString(deterministic=True) for name, pb in addresses.items()}
 

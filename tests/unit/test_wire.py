@@ -210,7 +210,9 @@ def test_types_that_are_easy_to_get_wrong() -> None:
     assert field(wl.NetworkAddress, "length").has_presence
     assert not field(wl.Workload, "uid").has_presence
     assert field(auth.StringMatch, "presence").message_type.full_name == "google.protobuf.Empty"
-    assert field(ca_pb2.IstioCertificateRequest, "metadata").message_type.full_name == "google.protobuf.Struct"
+    assert (
+        field(ca_pb2.IstioCertificateRequest, "metadata").message_type.full_name == "google.protobuf.Struct"
+    )
     assert field(ca_pb2.IstioCertificateRequest, "validity_duration").type == FieldDescriptor.TYPE_INT64
     assert field(wl.Workload, "services").message_type.GetOptions().map_entry
     assert field(wl.Workload, "addresses").type == FieldDescriptor.TYPE_BYTES
@@ -232,7 +234,15 @@ def test_types_that_are_easy_to_get_wrong() -> None:
         (wl.ApplicationTunnel.Protocol, {"NONE": 0, "PROXY": 1}),
         (
             wl.LoadBalancing.Scope,
-            {"UNSPECIFIED_SCOPE": 0, "REGION": 1, "ZONE": 2, "SUBZONE": 3, "NODE": 4, "CLUSTER": 5, "NETWORK": 6},
+            {
+                "UNSPECIFIED_SCOPE": 0,
+                "REGION": 1,
+                "ZONE": 2,
+                "SUBZONE": 3,
+                "NODE": 4,
+                "CLUSTER": 5,
+                "NETWORK": 6,
+            },
         ),
         (wl.LoadBalancing.Mode, {"UNSPECIFIED_MODE": 0, "STRICT": 1, "FAILOVER": 2, "PASSTHROUGH": 3}),
         (wl.LoadBalancing.HealthPolicy, {"ONLY_HEALTHY": 0, "ALLOW_ALL": 1}),
@@ -264,7 +274,9 @@ def full_address() -> wl.Address:
         trust_domain="cluster.local",
         service_account="app",
         waypoint=wl.GatewayAddress(
-            hostname=wl.NamespacedHostname(namespace="default", hostname="waypoint.default.svc.cluster.local"),
+            hostname=wl.NamespacedHostname(
+                namespace="default", hostname="waypoint.default.svc.cluster.local"
+            ),
             hbone_mtls_port=15008,
         ),
         network_gateway=gateway,
@@ -352,9 +364,12 @@ def test_decode_hand_built_workload() -> None:
     uid = b"Kubernetes//Pod/ns1/pod-a"
     workload_bytes = (
         # uid = 20: (20 << 3 | 2) = 162 needs two varint bytes
-        b"\xa2\x01" + bytes([len(uid)]) + uid
+        b"\xa2\x01"
+        + bytes([len(uid)])
+        + uid
         # addresses = 3
-        + b"\x1a\x04" + bytes([10, 0, 0, 7])
+        + b"\x1a\x04"
+        + bytes([10, 0, 0, 7])
         # capacity = 27, a UInt32Value whose field 1 holds 3
         + b"\xda\x01\x02\x08\x03"
     )
@@ -380,14 +395,18 @@ def test_decode_hand_built_service_address_with_zero_length_prefix() -> None:
 def test_decode_hand_built_authorization() -> None:
     service_account = length_delimited(1, b"ns1") + length_delimited(2, b"sa1")
     string_match = length_delimited(4, b"")  # presence: an empty google.protobuf.Empty
-    match = length_delimited(11, service_account) + length_delimited(4, string_match) + tag(9, 0) + varint(8080)
+    match = (
+        length_delimited(11, service_account) + length_delimited(4, string_match) + tag(9, 0) + varint(8080)
+    )
     clause = length_delimited(2, match)
     rule = length_delimited(1, clause)
     policy = (
         length_delimited(1, b"allow")
         + length_delimited(2, b"ns1")
-        + tag(3, 0) + varint(2)
-        + tag(4, 0) + varint(1)
+        + tag(3, 0)
+        + varint(2)
+        + tag(4, 0)
+        + varint(1)
         + length_delimited(5, rule)
     )
     decoded = auth.Authorization.FromString(policy)
@@ -419,5 +438,10 @@ def test_encode_ca_request_matches_hand_built_bytes() -> None:
     request.metadata["ImpersonatedIdentity"] = "spiffe://cluster.local/ns/a/sa/b"
     value = length_delimited(3, b"spiffe://cluster.local/ns/a/sa/b")  # Value.string_value = 3
     entry = length_delimited(1, b"ImpersonatedIdentity") + length_delimited(2, value)
-    expected = length_delimited(1, b"PEM") + tag(3, 0) + varint(86400) + length_delimited(4, length_delimited(1, entry))
+    expected = (
+        length_delimited(1, b"PEM")
+        + tag(3, 0)
+        + varint(86400)
+        + length_delimited(4, length_delimited(1, entry))
+    )
     assert request.SerializeToString(deterministic=True) == expected

@@ -38,7 +38,9 @@ ENV = {
 
 
 def config(**extra: str) -> ZtunnelConfig:
-    return ZtunnelConfig.from_env({**ENV, **extra}, ipv6_disabled_on_lo=lambda: False, path_exists=lambda _: False)
+    return ZtunnelConfig.from_env(
+        {**ENV, **extra}, ipv6_disabled_on_lo=lambda: False, path_exists=lambda _: False
+    )
 
 
 def session(on_demand: bool = False) -> XdsSession:
@@ -55,7 +57,9 @@ def workload_resource(uid: str, version: str = "v1", *, addresses=(b"\x0a\x00\x0
 def service_resource(ns: str, host: str, version: str = "s1", aliases=()):
     payload = any_pb2.Any()
     payload.Pack(W.Address(service=W.Service(name=host.split(".")[0], namespace=ns, hostname=host)))
-    return discovery_pb2.Resource(name=f"{ns}/{host}", version=version, resource=payload, aliases=list(aliases))
+    return discovery_pb2.Resource(
+        name=f"{ns}/{host}", version=version, resource=payload, aliases=list(aliases)
+    )
 
 
 def policy_resource(name: str, ns: str = "ns", **kwargs):
@@ -84,10 +88,16 @@ def test_node_id_and_metadata() -> None:
 
 
 def test_node_defaults_when_env_is_empty() -> None:
-    node = build_node(ZtunnelConfig.from_env({}, ipv6_disabled_on_lo=lambda: False, path_exists=lambda _: False))
+    node = build_node(
+        ZtunnelConfig.from_env({}, ipv6_disabled_on_lo=lambda: False, path_exists=lambda _: False)
+    )
     assert node.id == "ztunnel~1.1.1.1~.~.svc.cluster.local"
     assert json_format.MessageToDict(node.metadata) == {
-        "NAME": "", "NAMESPACE": "", "INSTANCE_IPS": "1.1.1.1", "NODE_NAME": ""}
+        "NAME": "",
+        "NAMESPACE": "",
+        "INSTANCE_IPS": "1.1.1.1",
+        "NODE_NAME": "",
+    }
 
 
 # ---------------------------------------------------------------------- initial requests
@@ -98,14 +108,19 @@ def test_initial_requests_wildcard() -> None:
     node = build_node(config())
     address, authz = s.initial_requests()
     assert address.SerializeToString(deterministic=True) == Request(
-        node=node, type_url=ADDRESS).SerializeToString(deterministic=True)
+        node=node, type_url=ADDRESS
+    ).SerializeToString(deterministic=True)
     assert authz.SerializeToString(deterministic=True) == Request(
-        node=node, type_url=AUTHZ).SerializeToString(deterministic=True)
+        node=node, type_url=AUTHZ
+    ).SerializeToString(deterministic=True)
 
 
 def test_initial_requests_on_demand_subscribe_and_unsubscribe_the_wildcard() -> None:
     address, authz = session(on_demand=True).initial_requests()
-    assert (list(address.resource_names_subscribe), list(address.resource_names_unsubscribe)) == (["*"], ["*"])
+    assert (list(address.resource_names_subscribe), list(address.resource_names_unsubscribe)) == (
+        ["*"],
+        ["*"],
+    )
     assert address.type_url == ADDRESS and address.HasField("node")
     assert (list(authz.resource_names_subscribe), list(authz.resource_names_unsubscribe)) == ([], [])
 
@@ -116,7 +131,10 @@ def test_initial_requests_on_demand_subscribe_and_unsubscribe_the_wildcard() -> 
 def test_ack_is_type_and_nonce_only() -> None:
     s = session()
     outcome = s.handle_response(Response(type_url=ADDRESS, nonce="n1", resources=[workload_resource("w1")]))
-    assert outcome.reply.SerializeToString() == Request(type_url=ADDRESS, response_nonce="n1").SerializeToString()
+    assert (
+        outcome.reply.SerializeToString()
+        == Request(type_url=ADDRESS, response_nonce="n1").SerializeToString()
+    )
     assert not outcome.nack
     (added,) = outcome.push.added
     assert (added.name, added.version) == ("w1", "v1") and isinstance(added.resource, Workload)
@@ -125,20 +143,27 @@ def test_ack_is_type_and_nonce_only() -> None:
 
 def test_nack_keeps_good_resources_and_does_not_record_rejected_versions() -> None:
     s = session()
-    response = Response(type_url=ADDRESS, nonce="n2", resources=[
-        workload_resource("good", "g1"),
-        workload_resource("bad", "b1", addresses=[b"\x01\x02\x03"]),
-        service_resource("ns", "svc.ns.svc.cluster.local"),
-        discovery_pb2.Resource(name="empty", version="e1"),
-    ])
+    response = Response(
+        type_url=ADDRESS,
+        nonce="n2",
+        resources=[
+            workload_resource("good", "g1"),
+            workload_resource("bad", "b1", addresses=[b"\x01\x02\x03"]),
+            service_resource("ns", "svc.ns.svc.cluster.local"),
+            discovery_pb2.Resource(name="empty", version="e1"),
+        ],
+    )
     outcome = s.handle_response(response)
     assert outcome.nack
     assert outcome.reply.type_url == ADDRESS and outcome.reply.response_nonce == "n2"
     assert outcome.reply.error_detail.code == 0
     assert outcome.reply.error_detail.message == (
-        "bad: addresses: an IP address must be 4 or 16 bytes, got 3; empty: XDS payload without resource")
+        "bad: addresses: an IP address must be 4 or 16 bytes, got 3; empty: XDS payload without resource"
+    )
     assert [(a.name, type(a.resource)) for a in outcome.push.added] == [
-        ("good", Workload), ("ns/svc.ns.svc.cluster.local", Service)]
+        ("good", Workload),
+        ("ns/svc.ns.svc.cluster.local", Service),
+    ]
     assert [r.name for r in outcome.push.rejected] == ["bad", "empty"]
     assert s.known[ADDRESS] == {"good": "g1", "ns/svc.ns.svc.cluster.local": "s1"}
     # Only accepted names and versions go into the resume map of the next stream.
@@ -149,14 +174,17 @@ def test_nack_keeps_good_resources_and_does_not_record_rejected_versions() -> No
 def test_a_rejected_update_forgets_the_old_version() -> None:
     s = session()
     s.handle_response(Response(type_url=ADDRESS, nonce="a", resources=[workload_resource("w", "v1")]))
-    s.handle_response(Response(type_url=ADDRESS, nonce="b", resources=[
-        workload_resource("w", "v2", addresses=[b""])]))
+    s.handle_response(
+        Response(type_url=ADDRESS, nonce="b", resources=[workload_resource("w", "v2", addresses=[b""])])
+    )
     assert "w" not in s.known[ADDRESS]
 
 
 def test_removals_drop_known_names_and_unknown_removals_are_fine() -> None:
     s = session()
-    s.handle_response(Response(type_url=AUTHZ, nonce="a", resources=[policy_resource("p1"), policy_resource("p2")]))
+    s.handle_response(
+        Response(type_url=AUTHZ, nonce="a", resources=[policy_resource("p1"), policy_resource("p2")])
+    )
     outcome = s.handle_response(Response(type_url=AUTHZ, nonce="b", removed_resources=["ns/p1", "ns/never"]))
     assert not outcome.nack and outcome.push.removed == ("ns/p1", "ns/never")
     assert s.known[AUTHZ] == {"ns/p2": ""}
@@ -166,16 +194,26 @@ def test_removals_drop_known_names_and_unknown_removals_are_fine() -> None:
 
 def test_authorization_push_decodes_policies_and_rejects_unknown_action() -> None:
     s = session()
-    outcome = s.handle_response(Response(type_url=AUTHZ, nonce="a", resources=[
-        policy_resource("ok", action=A.DENY), policy_resource("odd", action=7)]))
+    outcome = s.handle_response(
+        Response(
+            type_url=AUTHZ,
+            nonce="a",
+            resources=[policy_resource("ok", action=A.DENY), policy_resource("odd", action=7)],
+        )
+    )
     assert isinstance(outcome.push.added[0].resource, Authorization)
     assert outcome.reply.error_detail.message == "ns/odd: unknown action value 7"
 
 
 def test_unknown_type_is_acked_and_ignored() -> None:
     s = session()
-    outcome = s.handle_response(Response(type_url="type.googleapis.com/istio.v1.Other", nonce="z",
-                                         resources=[discovery_pb2.Resource(name="x")]))
+    outcome = s.handle_response(
+        Response(
+            type_url="type.googleapis.com/istio.v1.Other",
+            nonce="z",
+            resources=[discovery_pb2.Resource(name="x")],
+        )
+    )
     assert not outcome.nack and not outcome.push.known_type
     assert outcome.push.added == () and outcome.reply.response_nonce == "z"
 
@@ -208,13 +246,18 @@ def test_on_demand_readiness_waits_for_authorization_only() -> None:
 def test_demand_request_and_alias_correlation() -> None:
     s = session(on_demand=True)
     request = s.demand("/10.0.0.1")
-    assert request.SerializeToString() == Request(
-        type_url=ADDRESS, resource_names_subscribe=["/10.0.0.1"]).SerializeToString()
+    assert (
+        request.SerializeToString()
+        == Request(type_url=ADDRESS, resource_names_subscribe=["/10.0.0.1"]).SerializeToString()
+    )
     assert s.demand("/10.0.0.1") is None  # already waiting: no second subscription
     assert s.known[ADDRESS] == {"/10.0.0.1": ""}
     # istiod names the answer by its uid and lists the requested key among the aliases.
-    outcome = s.handle_response(Response(type_url=ADDRESS, nonce="n", resources=[
-        workload_resource("c//Pod/ns/a", aliases=["/10.0.0.1"])]))
+    outcome = s.handle_response(
+        Response(
+            type_url=ADDRESS, nonce="n", resources=[workload_resource("c//Pod/ns/a", aliases=["/10.0.0.1"])]
+        )
+    )
     assert outcome.answered == ("/10.0.0.1",)
     assert s.pending == {}
     assert s.known[ADDRESS] == {"/10.0.0.1": "", "c//Pod/ns/a": "v1"}
@@ -224,9 +267,14 @@ def test_demand_answered_by_name_or_by_removal() -> None:
     s = session(on_demand=True)
     s.demand("ns/svc.ns.svc.cluster.local")
     s.demand("/10.9.9.9")
-    outcome = s.handle_response(Response(type_url=ADDRESS, nonce="n",
-                                         resources=[service_resource("ns", "svc.ns.svc.cluster.local")],
-                                         removed_resources=["/10.9.9.9"]))
+    outcome = s.handle_response(
+        Response(
+            type_url=ADDRESS,
+            nonce="n",
+            resources=[service_resource("ns", "svc.ns.svc.cluster.local")],
+            removed_resources=["/10.9.9.9"],
+        )
+    )
     assert set(outcome.answered) == {"ns/svc.ns.svc.cluster.local", "/10.9.9.9"}
     assert "/10.9.9.9" not in s.known[ADDRESS]
 
@@ -248,8 +296,10 @@ def test_repr_says_what_it_holds() -> None:
     s = session(on_demand=True)
     s.demand("/10.0.0.1")
     s.handle_response(Response(type_url=AUTHZ, nonce="1", resources=[policy_resource("p")]))
-    assert repr(s) == ("<XdsSession on-demand: 1 Address, 1 Authorization known, 1 pending on-demand, "
-                       "1 responses (0 NACKed), ready>")
+    assert repr(s) == (
+        "<XdsSession on-demand: 1 Address, 1 Authorization known, 1 pending on-demand, "
+        "1 responses (0 NACKed), ready>"
+    )
 
 
 # ------------------------------------------------------------------------------ backoff

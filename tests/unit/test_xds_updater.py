@@ -18,13 +18,24 @@ SVC = "ns/echo.ns.svc.cluster.local"
 
 
 def wl(uid: str, ip: str, *, services: dict | None = None, status=WorkloadStatus.HEALTHY) -> Workload:
-    return Workload(uid=uid, name=uid.rsplit("/", 1)[-1], namespace="ns",
-                    workload_ips=(ipaddress.ip_address(ip),), services=services or {}, status=status)
+    return Workload(
+        uid=uid,
+        name=uid.rsplit("/", 1)[-1],
+        namespace="ns",
+        workload_ips=(ipaddress.ip_address(ip),),
+        services=services or {},
+        status=status,
+    )
 
 
 def svc(vip: str = "10.96.0.1") -> Service:
-    return Service(name="echo", namespace="ns", hostname="echo.ns.svc.cluster.local",
-                   vips=(NetworkAddress(network="", address=ipaddress.ip_address(vip)),), ports={80: 8080})
+    return Service(
+        name="echo",
+        namespace="ns",
+        hostname="echo.ns.svc.cluster.local",
+        vips=(NetworkAddress(network="", address=ipaddress.ip_address(vip)),),
+        ports={80: 8080},
+    )
 
 
 def address_push(*resources, removed=(), rejected=()) -> Push:
@@ -33,8 +44,12 @@ def address_push(*resources, removed=(), rejected=()) -> Push:
 
 
 def policy_push(*policies, removed=(), rejected=()) -> Push:
-    return Push(type_url=AUTHZ, added=tuple(Added(p.key, "", p) for p in policies),
-                removed=tuple(removed), rejected=tuple(rejected))
+    return Push(
+        type_url=AUTHZ,
+        added=tuple(Added(p.key, "", p) for p in policies),
+        removed=tuple(removed),
+        rejected=tuple(rejected),
+    )
 
 
 def recording(state: ProxyState) -> list[int]:
@@ -47,7 +62,9 @@ def test_address_push_inserts_workloads_and_services_with_one_notification() -> 
     state = ProxyState()
     versions = recording(state)
     updater = StateUpdater(state)
-    summary = updater.apply_push(address_push(svc(), wl("c//Pod/ns/a", "10.0.0.1", services={SVC: {80: 8080}})))
+    summary = updater.apply_push(
+        address_push(svc(), wl("c//Pod/ns/a", "10.0.0.1", services={SVC: {80: 8080}}))
+    )
     assert str(summary) == "Address: 1 workloads, 1 services, 0 policies, 0 removed"
     assert versions == [1]
     assert state.workloads.find_address("", ipaddress.ip_address("10.0.0.1")).uid == "c//Pod/ns/a"
@@ -105,7 +122,9 @@ def test_policy_listeners_hear_authorization_pushes_only() -> None:
     assert calls == ["policy"] and state.policies == {"ns/deny": deny}
     assert str(summary) == "Authorization: 0 workloads, 0 services, 1 policies, 0 removed"
     # Partly rejected: the good part changed something, so live connections are re-checked.
-    updater.apply_push(policy_push(Authorization(name="b", namespace="ns"), rejected=[Rejected("ns/x", "bad")]))
+    updater.apply_push(
+        policy_push(Authorization(name="b", namespace="ns"), rejected=[Rejected("ns/x", "bad")])
+    )
     assert calls == ["policy"] * 2
     # Wholly rejected: nothing changed, nobody is told.
     updater.apply_push(policy_push(rejected=[Rejected("ns/x", "bad")]))
@@ -136,8 +155,10 @@ def test_ten_thousand_endpoints_of_one_service_in_one_push() -> None:
     versions = recording(state)
     updater = StateUpdater(state)
     n = 10_000
-    workloads = [wl(f"c//Pod/ns/p{i}", str(ipaddress.IPv4Address(0x0A000000 + i)), services={SVC: {80: 8080}})
-                 for i in range(n)]
+    workloads = [
+        wl(f"c//Pod/ns/p{i}", str(ipaddress.IPv4Address(0x0A000000 + i)), services={SVC: {80: 8080}})
+        for i in range(n)
+    ]
     summary = updater.apply_push(address_push(*workloads, svc()))
     assert (summary.workloads, summary.services) == (n, 1)
     assert len(state.services.get(SVC).endpoints) == n
@@ -195,5 +216,7 @@ def test_repr() -> None:
     updater = StateUpdater(ProxyState())
     updater.add_policy_listener(lambda: None)
     updater.apply_push(address_push(svc()))
-    assert repr(updater) == ("<StateUpdater: 1 pushes applied, 1 policy listeners, "
-                             "<ProxyState v1: 0 workloads, 1 services, 0 policies>>")
+    assert repr(updater) == (
+        "<StateUpdater: 1 pushes applied, 1 policy listeners, "
+        "<ProxyState v1: 0 workloads, 1 services, 0 policies>>"
+    )

@@ -108,7 +108,10 @@ def test_snapshot_drops_pods_not_mentioned_on_the_new_connection():
     assert s.connected() == [SendHello()]
     assert s.receive(add("a", 20), netns_id=NS_A) == [CloseFd(fd=20), SendAck()]
     assert s.receive(SnapshotSent()) == [
-        Reconcile(keep=frozenset({"a"}), stop=("b",)), StopProxy(uid="b", graceful=False), SendAck()]
+        Reconcile(keep=frozenset({"a"}), stop=("b",)),
+        StopProxy(uid="b", graceful=False),
+        SendAck(),
+    ]
     assert s.running.keys() == {"a"}
 
 
@@ -133,8 +136,10 @@ def test_del_during_snapshot_forgets_the_mention_and_stops():
 def test_keep_after_snapshot_is_a_protocol_error():
     s = steady_with()
     commands = s.receive(Keep(uid="a"))
-    assert commands == [SendAck(error="pod keep received after snapshot"),
-                        Disconnect(reason="pod keep received after snapshot")]
+    assert commands == [
+        SendAck(error="pod keep received after snapshot"),
+        Disconnect(reason="pod keep received after snapshot"),
+    ]
     assert s.phase is ClientPhase.CLOSED and not s.ready
     s.disconnected()
     assert s.connected() == [SendHello()]  # and we reconnect
@@ -148,8 +153,10 @@ def test_second_snapshot_is_a_protocol_error():
 def test_undecodable_datagram_nacks_and_disconnects():
     s = steady_with()
     commands = s.receive_invalid(ZdsProtocolError("AddWorkload without a netns fd"))
-    assert commands == [SendAck(error="failure to read message: AddWorkload without a netns fd"),
-                        Disconnect(reason="failure to read message: AddWorkload without a netns fd")]
+    assert commands == [
+        SendAck(error="failure to read message: AddWorkload without a netns fd"),
+        Disconnect(reason="failure to read message: AddWorkload without a netns fd"),
+    ]
 
 
 def test_start_failure_nacks_keeps_connection_and_retries():

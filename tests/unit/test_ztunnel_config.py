@@ -73,17 +73,34 @@ def test_policy_rows_sorted(dump: dict) -> None:
         ("shop", "no-debug-port", "Deny", "Namespace"),
         ("shop", "only-frontend", "Allow", "WorkloadSelector"),
     )
-    assert [r[1] for r in policy_table(dump, Filters(namespace="SHOP")).rows] == ["no-debug-port", "only-frontend"]
+    assert [r[1] for r in policy_table(dump, Filters(namespace="SHOP")).rows] == [
+        "no-debug-port",
+        "only-frontend",
+    ]
 
 
 def test_certificate_rows(dump: dict) -> None:
     table = certificate_table(dump, NOW)
-    assert table.headers == ("CERTIFICATE NAME", "TYPE", "STATUS", "VALID CERT", "SERIAL NUMBER", "NOT AFTER",
-                             "NOT BEFORE")
+    assert table.headers == (
+        "CERTIFICATE NAME",
+        "TYPE",
+        "STATUS",
+        "VALID CERT",
+        "SERIAL NUMBER",
+        "NOT AFTER",
+        "NOT BEFORE",
+    )
     leaf, root, gone, web = table.rows
     # The golden leaf has a masked serial and expired in January; the test root is valid until 2045.
-    assert leaf == ("spiffe://cluster.local/ns/shop/sa/cart", "Leaf", "Available", "false", "NA",
-                    "2025-01-02T04:04:05Z", "2025-01-02T03:04:05Z")
+    assert leaf == (
+        "spiffe://cluster.local/ns/shop/sa/cart",
+        "Leaf",
+        "Available",
+        "false",
+        "NA",
+        "2025-01-02T04:04:05Z",
+        "2025-01-02T03:04:05Z",
+    )
     assert root[1:4] == ("Root", "Available", "true")
     assert root[4] == format(int(dump["certificates"][0]["rootCerts"][0]["serialNumber"]), "x")
     assert gone == ("spiffe://cluster.local/ns/shop/sa/gone", "NA", "Unavailable", "false", "NA", "NA", "NA")
@@ -91,12 +108,19 @@ def test_certificate_rows(dump: dict) -> None:
 
 
 def test_certificate_rows_legacy_chain_and_intermediates() -> None:
-    cert = {"serialNumber": "255", "validFrom": "2025-01-01T00:00:00Z", "expirationTime": "2026-01-01T00:00:00Z"}
+    cert = {
+        "serialNumber": "255",
+        "validFrom": "2025-01-01T00:00:00Z",
+        "expirationTime": "2026-01-01T00:00:00Z",
+    }
     legacy = {"certificates": [{"identity": "id", "state": "Available", "certChain": [cert, cert, cert]}]}
     assert [r[1] for r in certificate_table(legacy, NOW).rows] == ["Leaf", "Intermediate", "Root"]
     assert certificate_table(legacy, NOW).rows[0][3:5] == ("true", "ff")
-    modern = {"certificates": [{"identity": "id", "state": "Available", "certChain": [cert, cert],
-                                "rootCerts": [cert]}]}
+    modern = {
+        "certificates": [
+            {"identity": "id", "state": "Available", "certChain": [cert, cert], "rootCerts": [cert]}
+        ]
+    }
     assert [r[1] for r in certificate_table(modern, NOW).rows] == ["Leaf", "Intermediate", "Root"]
 
 
@@ -109,9 +133,18 @@ def test_gateway_name() -> None:
 
 
 def test_older_dump_shapes_keyed_by_address() -> None:
-    old = {"workloads": {"/10.0.0.1": {"name": "a", "namespace": "ns", "workloadIps": ["10.0.0.1"],
-                                       "protocol": "TCP", "node": "n"}},
-           "services": {"/10.96.0.1": {"name": "s", "namespace": "ns", "vips": ["/10.96.0.1"], "endpoints": {}}}}
+    old = {
+        "workloads": {
+            "/10.0.0.1": {
+                "name": "a",
+                "namespace": "ns",
+                "workloadIps": ["10.0.0.1"],
+                "protocol": "TCP",
+                "node": "n",
+            }
+        },
+        "services": {"/10.96.0.1": {"name": "s", "namespace": "ns", "vips": ["/10.96.0.1"], "endpoints": {}}},
+    }
     assert workload_table(old).rows == (("ns", "a", "10.0.0.1", "n", "None", "TCP"),)
     assert service_table(old).rows == (("ns", "s", "10.96.0.1", "None", "0/0"),)
 
@@ -123,8 +156,12 @@ def test_table_output_uses_rich_and_shows_every_view(dump: dict) -> None:
     for header in ("POD NAME", "SERVICE VIP", "POLICY NAME", "CERTIFICATE NAME", "NOT BEFORE"):
         assert header in text
     assert "spiffe://cluster.local/ns/shop/sa/cart" in text  # not cut: the console is as wide as the rows
-    assert [t.title for t in tables("all", dump, Filters(), NOW)] == ["workloads", "services", "policies",
-                                                                      "certificates"]
+    assert [t.title for t in tables("all", dump, Filters(), NOW)] == [
+        "workloads",
+        "services",
+        "policies",
+        "certificates",
+    ]
 
 
 def test_json_and_yaml_outputs_select_and_filter(dump: dict) -> None:
@@ -163,8 +200,25 @@ def test_fetch_errors_say_what_to_check() -> None:
 
 
 def test_cli_parses_the_subcommand() -> None:
-    args = build_parser().parse_args(["ztunnel-config", "workloads", "--admin", "127.0.0.1:15000", "-o", "json",
-                                      "--namespace", "shop", "--node", "node-a"])
+    args = build_parser().parse_args(
+        [
+            "ztunnel-config",
+            "workloads",
+            "--admin",
+            "127.0.0.1:15000",
+            "-o",
+            "json",
+            "--namespace",
+            "shop",
+            "--node",
+            "node-a",
+        ]
+    )
     assert (args.kind, args.admin, args.output, args.namespace, args.node) == (
-        "workloads", "127.0.0.1:15000", "json", "shop", "node-a")
+        "workloads",
+        "127.0.0.1:15000",
+        "json",
+        "shop",
+        "node-a",
+    )
     assert args.func.__name__ == "cmd_ztunnel_config"
