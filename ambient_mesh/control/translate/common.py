@@ -1,0 +1,151 @@
+"""Settings and small helpers every part of the translation shares.
+
+Counterpart of istiod's pilot/pkg/serviceregistry/kube/controller/ambient/helpers.go (and the
+MeshConfig fields ambient reads): IP and locality conversion, protocol names, canonical service
+labels, label selection.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ...wire.istio.workload import workload_pb2 as wl
+from ..kube import LABEL_TOPOLOGY_REGION, LABEL_TOPOLOGY_SUBZONE, LABEL_TOPOLOGY_ZONE
+
+HBONE_MTLS_PORT = 15008
+
+ANNOTATION_REDIRECTION = "ambient.istio.io/redirection"
+ANNOTATION_SIDECAR_STATUS = "sidecar.istio.io/status"
+ANNOTATION_DRY_RUN = "istio.io/dry-run"
+ANNOTATION_TRAFFIC_DISTRIBUTION = "networking.istio.io/traffic-distribution"
+ANNOTATION_INBOUND_BINDING = "ambient.istio.io/waypoint-inbound-binding"
+ANNOTATION_AUTO_REGISTRATION_GROUP = "istio.io/autoRegistrationGroup"
+LABEL_TUNNEL = "networking.istio.io/tunnel"
+LABEL_WORKLOAD_NAME = "service.istio.io/workload-name"
+LABEL_GATEWAY_MANAGED = "gateway.istio.io/managed"
+LABEL_INGRESS_USE_WAYPOINT = "istio.io/ingress-use-waypoint"
+MANAGED_BY_MESH_CONTROLLERS = ("istio.io-mesh-controller", "istio.io-eastwest-controller")
+
+CANONICAL_NAME_LABELS = ("service.istio.io/canonical-name", "app.kubernetes.io/name", "app")
+CANONICAL_REVISION_LABELS = ("service.istio.io/canonical-revision", "app.kubernetes.io/version", "version")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshSettings:
+    trust_domain: str = "cluster.local"
+    cluster_id: str = "Kubernetes"
+    root_namespace: str = "istio-system"
+    network: str = ""
+    domain_suffix: str = "cluster.local"
+    # istiod's ENABLE_WDS_DRY_RUN_AUTHZ_POLICY: without it, dry-run policies are not sent at all.
+    enable_wds_dry_run: bool = False
+
+
+def ip_bytes(text: str) -> bytes:
+    return ipaddress.ip_address(text).packed
+
+
+def wire_trust_domain(settings: MeshSettings) -> str:
+    # istiod leaves the default trust domain out to keep resources small; ztunnel fills it back in.
+    return "" if settings.trust_domain == "cluster.local" else settings.trust_domain
+
+
+def _lookup(labels: Mapping[str, str], keys: tuple[str, ...]) -> str | None:
+    for key in keys:
+        if key in labels:
+            return labels[key]
+    return None
+
+
+def canonical_service(labels: Mapping[str, str], workload_name: str) -> tuple[str, str]:
+    name = _lookup(labels, CANONICAL_NAME_LABELS)
+    revision = _lookup(labels, CANONICAL_REVISION_LABELS)
+    return (name if name is not None else workload_name, revision if revision is not None else "latest")
+
+
+_ISTIO_PROTOCOLS = frozenset(
+    {
+        "tcp",
+        "udp",
+        "grpc",
+        "grpc-web",
+        "http",
+        "http_proxy",
+        "http2",
+        "https",
+        "tls",
+        "mongo",
+        "redis",
+        "mysql",
+    }
+)
+_APP_PROTOCOLS = {
+    "http": wl.HTTP11,
+    "http2": wl.HTTP2,
+    "grpc": wl.GRPC,
+    "tls": wl.TLS,
+    "https": wl.TLS,
+    "tcp": wl.TCP,
+}
+# Ports where protocol sniffing would break the application: TCP unless declared otherwise.
+_WELL_KNOWN_TCP_PORTS = frozenset({25, 53, 3306, 27017})
+
+
+def _istio_protocol(name: str) -> str | None:
+    """Istio's protocol for a port name prefix or appProtocol value; None when unsupported."""
+    lowered = name.lower()
+    if lowered.startswith("grpc-web"):
+        return "grpc-web"
+    if lowered == "kubernetes.io/h2c":
+        return "http2"
+    prefix = lowered.split("-", 1)[0]
+    return prefix if prefix in _ISTIO_PROTOCOLS else None
+
+
+def app_protocol(name: str) -> int:
+    """The wire AppProtocol of a ServiceEntry port's protocol name."""
+    proto = _istio_protocol(name)
+    return _APP_PROTOCOLS.get(proto, wl.UNKNOWN) if proto is not None else wl.UNKNOWN
+
+
+def kube_app_protocol(port: int, name: str, protocol: str, app_protocol: str | None) -> int:
+    """The wire AppProtocol of a Kubernetes Service port (appProtocol, else the name's prefix)."""
+    if protocol == "UDP":
+        return wl.UNKNOWN
+    proto = _istio_protocol(app_protocol if app_protocol is not None else name)
+    if proto is None:
+        return wl.TCP if port in _WELL_KNOWN_TCP_PORTS else wl.UNKNOWN
+    return _APP_PROTOCOLS.get(proto, wl.UNKNOWN)
+
+
+def network_address(text: str, network: str, *, allow_cidr: bool) -> wl.NetworkAddress:
+    if allow_cidr and "/" in text:
+        net = ipaddress.ip_network(text, strict=False)
+        addr = wl.NetworkAddress(network=network, address=net.network_address.packed)
+        if net.prefixlen != net.max_prefixlen:
+            addr.length = net.prefixlen
+        return addr
+    return wl.NetworkAddress(network=network, address=ip_bytes(text))
+
+
+def locality_from_labels(labels: Mapping[str, str]) -> wl.Locality | None:
+    region = labels.get(LABEL_TOPOLOGY_REGION, "")
+    zone = labels.get(LABEL_TOPOLOGY_ZONE, "")
+    subzone = labels.get(LABEL_TOPOLOGY_SUBZONE, "")
+    if not (region or zone or subzone):
+        return None
+    return wl.Locality(region=region, zone=zone, subzone=subzone)
+
+
+def locality_from_string(text: str) -> wl.Locality | None:
+    parts = (text.split("/") + ["", "", ""])[:3]
+    if not any(parts):
+        return None
+    return wl.Locality(region=parts[0], zone=parts[1], subzone=parts[2])
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """A non-empty selector that is a subset of labels (an empty one selects nothing here)."""
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
