@@ -28,9 +28,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ..errors import ConfigError
+from ..kube.kubeconfig import KubeconfigError as KubeAccessError
+from ..kube.kubeconfig import KubeCredentials, in_cluster, load_kubeconfig, server_url
 from .install import InstallError, atomic_write
 from .podinfo import PLUGIN_KUBECONFIG_NAME
 
@@ -52,6 +53,7 @@ __all__ = [
     "KubeconfigInputs",
     "KubeconfigPlan",
     "KubeconfigWriter",
+    "agent_credentials",
     "plan_write",
     "render_kubeconfig",
     "server_url",
@@ -61,25 +63,6 @@ __all__ = [
 class KubeconfigError(InstallError):
     """The plugin's kubeconfig cannot be rendered or written (istio-cni counts these installs
     as CREATE_KUBECONFIG_FAILURE)."""
-
-
-def server_url(protocol: str, host: str, port: str) -> str:
-    """`protocol://host:port`, with an IPv6 host in brackets (Go's net.JoinHostPort)."""
-    host = host.strip("[]")
-    bracketed = f"[{host}]" if ":" in host else host
-    return f"{protocol or 'https'}://{bracketed}:{port}"
-
-
-class _Access(Protocol):
-    """What the agent's own API access (pods.KubeAccess) offers; kept structural so this module
-    does not import the agent's asyncio client."""
-
-    server: str
-    ca_data: bytes
-    insecure_skip_tls_verify: bool
-    client_cert_data: bytes
-
-    def bearer(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,41 +79,17 @@ class KubeconfigInputs:
         return f"KubeconfigInputs({self.server}, {ca}, token={'yes' if self.token else 'no'})"
 
     @classmethod
-    def from_service_account(
-        cls,
-        *,
-        host: str,
-        port: str,
-        protocol: str = "https",
-        sa_path: str | Path,
-        ca_file: str = "",
-        skip_tls_verify: bool = False,
-    ) -> KubeconfigInputs:
+    def from_service_account(cls, **settings: Any) -> KubeconfigInputs:
         """istio-cni's inputs: KUBERNETES_SERVICE_HOST/PORT/PROTOCOL, the token and `ca.crt`
-        of the mounted service account (or KUBE_CA_FILE), SKIP_TLS_VERIFY."""
-        if not host:
-            raise KubeconfigError(
-                "KUBERNETES_SERVICE_HOST not set", hint="is the node agent running in a pod?"
-            )
-        if not port:
-            raise KubeconfigError(
-                "KUBERNETES_SERVICE_PORT not set", hint="is the node agent running in a pod?"
-            )
-        sa = Path(sa_path)
-        ca = b""
-        if not skip_tls_verify:
-            ca_path = Path(ca_file) if ca_file else sa / "ca.crt"
-            ca = _read(ca_path, "cluster CA")
-        token = _read(sa / "token", "service-account token").decode("utf-8", "replace").strip()
-        return cls(
-            server=server_url(protocol, host, port),
-            token=token,
-            ca_data=ca,
-            insecure_skip_tls_verify=skip_tls_verify,
-        )
+        of the mounted service account (or KUBE_CA_FILE), SKIP_TLS_VERIFY; `settings` are
+        kube.kubeconfig.in_cluster's arguments."""
+        try:
+            return cls.from_access(in_cluster(**settings))
+        except KubeAccessError as exc:
+            raise KubeconfigError(exc.message, hint=exc.hint) from None
 
     @classmethod
-    def from_access(cls, access: _Access) -> KubeconfigInputs:
+    def from_access(cls, access: KubeCredentials) -> KubeconfigInputs:
         """The agent's own credentials when it runs from a KUBECONFIG (outside a pod)."""
         if access.client_cert_data:
             raise KubeconfigError(
@@ -150,30 +109,27 @@ class KubeconfigInputs:
 
     @classmethod
     def for_agent(cls, cfg: Any) -> KubeconfigInputs:
-        """From the agent's config (AgentConfig): its KUBECONFIG when set, else the in-cluster
-        service account, as the agent itself reaches the API server."""
-        if cfg.kubeconfig:
-            from .pods import KubeAccess  # the agent's client; imports asyncio
-
-            try:
-                return cls.from_access(KubeAccess.from_kubeconfig(cfg.kubeconfig))
-            except ConfigError as exc:
-                raise KubeconfigError(str(exc)) from None
-        return cls.from_service_account(
-            host=cfg.k8s_service_host,
-            port=cfg.k8s_service_port,
-            protocol=cfg.k8s_service_protocol,
-            sa_path=cfg.k8s_service_account_path,
-            ca_file=cfg.kube_ca_file,
-            skip_tls_verify=cfg.skip_tls_verify,
-        )
+        """From the agent's config (AgentConfig), with the agent's own credentials."""
+        try:
+            return cls.from_access(agent_credentials(cfg))
+        except KubeAccessError as exc:
+            where = "KUBECONFIG: " if cfg.kubeconfig else ""
+            raise KubeconfigError(f"{where}{exc.message}", hint=exc.hint) from None
 
 
-def _read(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise KubeconfigError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+def agent_credentials(cfg: Any) -> KubeCredentials:
+    """How the agent reaches the API server (AgentConfig): its KUBECONFIG when set, else the
+    in-cluster service account. Raises kube.kubeconfig.KubeconfigError."""
+    if cfg.kubeconfig:
+        return load_kubeconfig(cfg.kubeconfig)
+    return in_cluster(
+        host=cfg.k8s_service_host,
+        port=cfg.k8s_service_port,
+        protocol=cfg.k8s_service_protocol,
+        sa_path=cfg.k8s_service_account_path,
+        ca_file=cfg.kube_ca_file,
+        skip_tls_verify=cfg.skip_tls_verify,
+    )
 
 
 def kubeconfig_document(inputs: KubeconfigInputs, *, redact: bool = False) -> dict[str, Any]:

@@ -14,7 +14,6 @@ and decides what "absent" means on the former.
 
 from __future__ import annotations
 
-import base64
 import json
 import socket
 import time
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlsplit
 
 from ..errors import AmbientError, ProtocolError
+from ..kube.kubeconfig import KubeconfigError, KubeCredentials, load_kubeconfig
 
 if TYPE_CHECKING:
     from ..control.kube import KubeStore
@@ -137,29 +137,15 @@ class DirectoryPodLookup:
 # istio-cni's plugin builds a client-go client from a kubeconfig the node agent keeps in its run
 # dir and GETs the pod and its namespace. A client library would cost the plugin more start-up
 # time than the whole lookup takes, so this is two HTTP/1.1 GETs over one `ssl` socket each, with
-# the bearer token and CA from the kubeconfig. Nothing here imports asyncio; `ssl` and YAML are
-# imported only when a lookup actually happens (and YAML only for a hand-written kubeconfig: the
-# agent writes JSON, which is YAML too).
+# the bearer token and CA from the kubeconfig (read by kube.kubeconfig, the agent's and control
+# plane's reader too). Nothing here imports asyncio; `ssl` and YAML are imported only when a lookup
+# actually happens (and YAML only for a hand-written kubeconfig: the agent writes JSON, which is
+# YAML too).
 
 PLUGIN_KUBECONFIG_NAME = "istio-cni-kubeconfig"
 # istio-cni's plugin has no timeout of its own beyond client-go's; a kubelet sandbox ADD is
 # bounded anyway, and 5 s matches the plugin's other call (the agent POST).
 API_LOOKUP_TIMEOUT_S = 5.0
-MAX_KUBECONFIG_BYTES = 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ApiCredentials:
-    """How the plugin reaches the API server: the current context of a kubeconfig."""
-
-    server: str
-    token: str = ""
-    ca_data: bytes = b""  # PEM
-    insecure_skip_tls_verify: bool = False
-
-    def __repr__(self) -> str:
-        # Never the token: this repr ends up in logs.
-        return f"ApiCredentials({self.server}, token={'yes' if self.token else 'no'})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,114 +154,22 @@ class ApiReply:
     body: bytes = b""
 
 
-def _kubeconfig_document(text: str) -> Any:
+def load_plugin_kubeconfig(path: str | Path) -> KubeCredentials:
+    """The plugin's kubeconfig (kube.kubeconfig), every failure a PodLookupError: the plugin then
+    fails closed, since it cannot tell whether the pod is ambient."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        pass
-    try:
-        import yaml  # a kubeconfig written by hand, not by the agent
-
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        return yaml.load(text, Loader=loader)
-    except Exception as exc:  # YAMLError, and recursion on hostile nesting
-        raise PodLookupError(f"kubeconfig is neither JSON nor YAML: {type(exc).__name__}") from None
-
-
-def parse_kubeconfig(text: str, *, base_dir: str | Path = ".") -> ApiCredentials:
-    """The current context's server, token and CA from a kubeconfig document.
-
-    Relative `certificate-authority` / `tokenFile` paths are relative to `base_dir` (the
-    kubeconfig's directory, as client-go resolves them). Anything unusable raises PodLookupError:
-    the plugin then fails closed, since it cannot tell whether the pod is ambient.
-    """
-    doc = _kubeconfig_document(text)
-    if not isinstance(doc, dict):
-        raise PodLookupError("kubeconfig: expected a mapping at the top level")
-
-    def entries(section: str) -> list[dict[str, Any]]:
-        items = doc.get(section)
-        if items is None:
-            return []
-        if not isinstance(items, list):
-            raise PodLookupError(f"kubeconfig: {section} is not a list")
-        return [item for item in items if isinstance(item, dict)]
-
-    def named(section: str, name: Any) -> dict[str, Any]:
-        for item in entries(section):
-            if item.get("name") == name:
-                inner = item.get(section[:-1])
-                if not isinstance(inner, dict):
-                    raise PodLookupError(f"kubeconfig: {section[:-1]} {name!r} has no {section[:-1]} object")
-                return inner
-        raise PodLookupError(f"kubeconfig: no {section[:-1]} named {name!r}")
-
-    current = doc.get("current-context")
-    if not current:
-        contexts = entries("contexts")
-        if len(contexts) != 1:
-            raise PodLookupError("kubeconfig: no current-context")
-        current = contexts[0].get("name")
-    context = named("contexts", current)
-    cluster = named("clusters", context.get("cluster"))
-    user = named("users", context["user"]) if context.get("user") else {}
-    server = cluster.get("server")
-    if not isinstance(server, str) or not server.startswith(("https://", "http://")):
-        raise PodLookupError(f"kubeconfig: cluster server {server!r} is not an http(s) URL")
-    base = Path(base_dir)
-
-    def text_field(item: dict[str, Any], key: str) -> str:
-        value = item.get(key)
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise PodLookupError(f"kubeconfig: {key} is not a string")
-        return value
-
-    def read(path: str, what: str) -> bytes:
-        file = Path(path)
-        try:
-            return (file if file.is_absolute() else base / file).read_bytes()
-        except (OSError, ValueError) as exc:
-            raise PodLookupError(f"kubeconfig: cannot read {what} {path}: {exc}") from None
-
-    ca_data = b""
-    if text_field(cluster, "certificate-authority-data"):
-        try:
-            ca_data = base64.b64decode(text_field(cluster, "certificate-authority-data"), validate=True)
-        except ValueError:
-            raise PodLookupError("kubeconfig: certificate-authority-data is not base64") from None
-    elif text_field(cluster, "certificate-authority"):
-        ca_data = read(text_field(cluster, "certificate-authority"), "certificate-authority")
-    token = text_field(user, "token")
-    if not token and text_field(user, "tokenFile"):
-        token = read(text_field(user, "tokenFile"), "tokenFile").decode("utf-8", "replace")
-    token = token.strip()
-    if any(c in token for c in "\r\n\0"):
-        raise PodLookupError("kubeconfig: token contains a line break")
-    return ApiCredentials(
-        server=server.rstrip("/"),
-        token=token,
-        ca_data=ca_data,
-        insecure_skip_tls_verify=cluster.get("insecure-skip-tls-verify") is True,
-    )
-
-
-def load_kubeconfig(path: str | Path) -> ApiCredentials:
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            data = f.read(MAX_KUBECONFIG_BYTES + 1)
-    except FileNotFoundError:
+        credentials = load_kubeconfig(
+            path,
+            missing_hint="the node agent (ambient cni-agent) writes it at start: is it running on this node?",
+        )
+    except KubeconfigError as exc:
+        raise PodLookupError(exc.message, hint=exc.hint) from None
+    if credentials.client_cert_data:
         raise PodLookupError(
-            f"kubeconfig {path} does not exist",
-            hint="the node agent (ambient cni-agent) writes it at start: is it running on this node?",
-        ) from None
-    except OSError as exc:
-        raise PodLookupError(f"cannot read kubeconfig {path}: {exc}") from None
-    if len(data) > MAX_KUBECONFIG_BYTES:
-        raise PodLookupError(f"kubeconfig {path} is larger than {MAX_KUBECONFIG_BYTES} bytes")
-    return parse_kubeconfig(data.decode("utf-8", "replace"), base_dir=path.parent)
+            f"kubeconfig {path}: the plugin authenticates with a bearer token only, not a client certificate",
+            hint="the node agent writes a token kubeconfig; is `kubernetes.kubeconfig` in the CNI config another one?",
+        )
+    return credentials
 
 
 def _string_map(raw: Any) -> dict[str, str]:
@@ -362,7 +256,7 @@ class HttpsApiTransport:
 
     __slots__ = ("credentials", "host", "port", "base_path", "_tls", "_ssl_context")
 
-    def __init__(self, credentials: ApiCredentials) -> None:
+    def __init__(self, credentials: KubeCredentials) -> None:
         self.credentials = credentials
         parts = urlsplit(credentials.server)
         try:
@@ -416,9 +310,11 @@ class HttpsApiTransport:
         bracketed = f"[{self.host}]" if ":" in self.host else self.host
         default_port = 443 if self._tls else 80
         host_header = bracketed if self.port == default_port else f"{bracketed}:{self.port}"
-        request = render_api_get(
-            host_header=host_header, path=self.base_path + path, token=self.credentials.token
-        )
+        try:
+            token = self.credentials.bearer()
+        except KubeconfigError as exc:
+            raise PodLookupError(exc.message, hint=exc.hint) from None
+        request = render_api_get(host_header=host_header, path=self.base_path + path, token=token)
         with socket.create_connection((self.host, self.port), timeout=remaining()) as raw:
             sock = raw
             if self._tls:
@@ -439,7 +335,7 @@ class HttpsApiTransport:
                     sock.close()
 
 
-TransportFactory = Callable[[ApiCredentials], ApiTransport]
+TransportFactory = Callable[[KubeCredentials], ApiTransport]
 
 
 class KubeApiPodLookup:
@@ -472,7 +368,7 @@ class KubeApiPodLookup:
 
     def _get(self, path: str, what: str) -> Any:
         if self._transport is None:
-            self._transport = self._transport_factory(load_kubeconfig(self.kubeconfig_path))
+            self._transport = self._transport_factory(load_plugin_kubeconfig(self.kubeconfig_path))
         self.requests += 1
         try:
             reply = self._transport.get(path, timeout_s=self.timeout_s)

@@ -6,10 +6,10 @@ on the `pods/status` subresource, reference/istio-cni.md 5.2-5.4).
 
 `PodSource` is the one small interface; two implementations:
 
-- `KubeApiPodSource`: the Kubernetes REST API. List, then watch from the list's
-  resourceVersion (JSON lines); a 410 Gone relists and reports the difference. Credentials from
-  the in-cluster service account or a kubeconfig (`KubeAccess`). Plain asyncio streams: no
-  client library is needed for four endpoints.
+- `KubeApiPodSource`: the Kubernetes REST API through kube/ (lightkube): a kube.Reflector per
+  kind lists, then watches from the list's resourceVersion; a relist after 410 Gone is diffed
+  against the cache and reported as events. Credentials from the in-cluster service account or a
+  kubeconfig (kube.kubeconfig).
 - `DirectoryPodSource`: the embedded control plane's YAML directory (control/kube.py), polled
   by `DirectoryWatcher`. Those files are the operator's, so the enrollment mark lives in a
   state file in the agent's run dir and is overlaid on the pods as the annotation would be.
@@ -22,25 +22,25 @@ blanks a terminated pod's IP, kubernetes#125370).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import enum
 import json
 import logging
 import os
-import ssl
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import quote, urlencode, urlsplit
 
 import yaml
 
 from ..errors import ConfigError, ProtocolError
-from .plugin import parse_http_response
+from ..kube.client import DAEMONSETS, NAMESPACES, PODS, KubeApiError, KubeClient, WatchEvent
+from ..kube.kubeconfig import KubeconfigError, KubeCredentials
+from ..kube.reflector import Reflector
+from .kubeconfig import agent_credentials
 from .podinfo import NamespaceInfo, PodInfo, PodLookupError, namespace_info_from_json, pod_info_from_json
 
 log = logging.getLogger("ambient_mesh.cni-agent")
@@ -50,12 +50,6 @@ REDIRECTION_ENABLED = "enabled"
 REDIRECTION_PENDING = "pending"
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 AGENT_DAEMONSET_NAME = "istio-cni-node"
-
-API_TIMEOUT_S = 10.0
-WATCH_TIMEOUT_S = 300  # the server ends a watch after this; we then re-watch from the last version
-WATCH_RETRY_INITIAL_S = 0.1
-WATCH_RETRY_MAX_S = 5.0
-MAX_WATCH_LINE_BYTES = 16 * 1024 * 1024
 
 
 class PodSourceError(PodLookupError):
@@ -517,426 +511,121 @@ def namespace_from_json(obj: Any) -> NamespaceInfo:
     return namespace_info_from_json(obj)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KubeAccess:
-    """How to reach the API server: base URL, bearer token, TLS material."""
-
-    server: str
-    token: str = ""
-    ca_data: bytes = b""  # PEM
-    insecure_skip_tls_verify: bool = False
-    client_cert_data: bytes = b""
-    client_key_data: bytes = b""
-    token_file: str = ""  # re-read on each request: service-account tokens rotate
-
-    def __repr__(self) -> str:
-        return f"KubeAccess({self.server}, token={'yes' if self.token or self.token_file else 'no'})"
-
-    @classmethod
-    def in_cluster(
-        cls,
-        *,
-        host: str,
-        port: str,
-        protocol: str = "https",
-        sa_path: str | Path,
-        ca_file: str = "",
-        skip_tls_verify: bool = False,
-    ) -> KubeAccess:
-        if not host:
-            raise ConfigError(
-                "KUBERNETES_SERVICE_HOST",
-                "not set: not running in a cluster",
-                hint="set POD_SOURCE_DIRECTORY or KUBECONFIG outside a cluster",
-            )
-        sa = Path(sa_path)
-        ca = b""
-        if not skip_tls_verify and protocol == "https":
-            ca_path = Path(ca_file) if ca_file else sa / "ca.crt"
-            try:
-                ca = ca_path.read_bytes()
-            except OSError as exc:
-                raise ConfigError("KUBE_CA_FILE", f"cannot read {ca_path}: {exc}") from None
-        bracketed = f"[{host}]" if ":" in host else host
-        return cls(
-            server=f"{protocol}://{bracketed}:{port or 443}",
-            ca_data=ca,
-            insecure_skip_tls_verify=skip_tls_verify,
-            token_file=str(sa / "token"),
-        )
-
-    @classmethod
-    def from_kubeconfig(cls, path: str | Path) -> KubeAccess:
-        """The current context's cluster and user (token, token file or client certificate)."""
-        try:
-            doc = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError("KUBECONFIG", f"cannot read {path}: {exc}") from None
-        if not isinstance(doc, dict):
-            raise ConfigError("KUBECONFIG", f"{path} is not a kubeconfig")
-
-        def named(section: str, name: str) -> dict[str, Any]:
-            for item in doc.get(section) or []:
-                if isinstance(item, dict) and item.get("name") == name:
-                    inner = item.get(section[:-1])
-                    return inner if isinstance(inner, dict) else {}
-            raise ConfigError("KUBECONFIG", f"{path}: no {section[:-1]} named {name!r}")
-
-        current = doc.get("current-context")
-        contexts = [c for c in doc.get("contexts") or [] if isinstance(c, dict)]
-        if not current and len(contexts) == 1:
-            current = contexts[0].get("name")
-        context = named("contexts", current) if current else {}
-        cluster = named("clusters", context.get("cluster", ""))
-        user = named("users", context["user"]) if context.get("user") else {}
-        base = Path(path).parent
-
-        def data(item: dict[str, Any], key: str) -> bytes:
-            if item.get(f"{key}-data"):
-                return base64.b64decode(item[f"{key}-data"])
-            if item.get(key):
-                file = Path(item[key])
-                return (file if file.is_absolute() else base / file).read_bytes()
-            return b""
-
-        if not isinstance(cluster.get("server"), str):
-            raise ConfigError("KUBECONFIG", f"{path}: cluster has no server")
-        try:
-            return cls(
-                server=cluster["server"].rstrip("/"),
-                token=str(user.get("token") or ""),
-                token_file=str(user.get("tokenFile") or ""),
-                ca_data=data(cluster, "certificate-authority"),
-                insecure_skip_tls_verify=bool(cluster.get("insecure-skip-tls-verify")),
-                client_cert_data=data(user, "client-certificate"),
-                client_key_data=data(user, "client-key"),
-            )
-        except (OSError, ValueError) as exc:
-            raise ConfigError("KUBECONFIG", f"{path}: {exc}") from None
-
-    def bearer(self) -> str:
-        if self.token_file:
-            with contextlib.suppress(OSError):
-                return Path(self.token_file).read_text().strip()
-        return self.token
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if not self.server.startswith("https://"):
-            return None
-        ctx = ssl.create_default_context()
-        if self.insecure_skip_tls_verify:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        elif self.ca_data:
-            ctx = ssl.create_default_context(cadata=self.ca_data.decode())
-        if self.client_cert_data and self.client_key_data:
-            with tempfile.TemporaryDirectory() as tmp:
-                cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
-                cert.write_bytes(self.client_cert_data)
-                key.write_bytes(self.client_key_data)
-                ctx.load_cert_chain(cert, key)
-        return ctx
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ApiResponse:
-    status: int
-    body: bytes = b""
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError as exc:
-            raise ProtocolError(f"API server sent invalid JSON: {exc}") from None
-
-
-class ChunkDecoder:
-    """Incremental HTTP/1.1 chunked transfer decoding (watch responses never end by length)."""
-
-    __slots__ = ("_buf", "done")
-
-    def __init__(self) -> None:
-        self._buf = b""
-        self.done = False
-
-    def feed(self, data: bytes) -> bytes:
-        self._buf += data
-        out = bytearray()
-        while not self.done:
-            line_end = self._buf.find(b"\r\n")
-            if line_end < 0:
-                if len(self._buf) > 64:
-                    raise ProtocolError("chunk size line too long")
-                break
-            size_text = self._buf[:line_end].split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise ProtocolError(f"bad chunk size {size_text[:20]!r}") from None
-            if size == 0:
-                self.done = True
-                break
-            if len(self._buf) < line_end + 2 + size + 2:
-                break
-            start = line_end + 2
-            out += self._buf[start : start + size]
-            self._buf = self._buf[start + size + 2 :]
-        return bytes(out)
-
-
-class KubeClient:
-    """Just enough of the Kubernetes REST API: GET, PATCH, and streaming watches.
-
-    One connection per request (`Connection: close`): the agent makes a handful of calls per pod
-    event, and keeping connections alive would add state for no measurable gain.
-    """
-
-    def __init__(self, access: KubeAccess, *, timeout_s: float = API_TIMEOUT_S) -> None:
-        self.access = access
-        self.timeout_s = timeout_s
-        parts = urlsplit(access.server)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError("server", f"{access.server!r} is not an http(s) URL")
-        self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.base_path = parts.path.rstrip("/")
-        self._ssl = access.ssl_context()
-        self.requests = 0
-
-    def __repr__(self) -> str:
-        return f"KubeClient({self.access.server}, {self.requests} requests)"
-
-    async def _open(
-        self, method: str, path: str, body: bytes | None, content_type: str, accept: str = "application/json"
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        self.requests += 1
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(
-                self.host, self.port, ssl=self._ssl, server_hostname=self.host if self._ssl else None
-            ),
-            self.timeout_s,
-        )
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        head = [
-            f"{method} {self.base_path}{path} HTTP/1.1",
-            f"Host: {host}:{self.port}",
-            "User-Agent: ambient-mesh-cni-agent",
-            f"Accept: {accept}",
-            "Connection: close",
-        ]
-        token = self.access.bearer()
-        if token:
-            head.append(f"Authorization: Bearer {token}")
-        if body is not None:
-            head += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
-        await writer.drain()
-        return reader, writer
-
-    async def request(
-        self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json"
-    ) -> ApiResponse:
-        try:
-            reader, writer = await self._open(method, path, body, content_type)
-        except (OSError, TimeoutError) as exc:
-            raise PodSourceError(f"API server {self.access.server} unreachable: {exc}") from None
-        try:
-            data = b""
-            async with asyncio.timeout(self.timeout_s):
-                while True:
-                    chunk = await reader.read(65536)
-                    data += chunk
-                    parsed = parse_http_response(data, eof=not chunk)
-                    if parsed is not None:
-                        return ApiResponse(status=parsed.status, body=parsed.body)
-        except (OSError, TimeoutError) as exc:
-            raise PodSourceError(f"{method} {path}: {exc or type(exc).__name__}") from None
-        finally:
-            writer.close()
-
-    async def get_json(self, path: str) -> Any:
-        response = await self.request("GET", path)
-        if response.status != 200:
-            raise PodSourceError(f"GET {path}: HTTP {response.status}: {response.body[:300]!r}")
-        return response.json()
-
-    async def watch(self, path: str) -> AsyncIterator[Any]:
-        """Each JSON line of a watch response, until the server ends it."""
-        try:
-            reader, writer = await self._open("GET", path, None, "")
-        except (OSError, TimeoutError) as exc:
-            raise PodSourceError(f"API server {self.access.server} unreachable: {exc}") from None
-        try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = await asyncio.wait_for(reader.read(4096), self.timeout_s)
-                if not chunk:
-                    raise PodSourceError(f"watch {path}: connection closed before the headers")
-                head += chunk
-            head, _, rest = head.partition(b"\r\n\r\n")
-            status_line = head.split(b"\r\n", 1)[0].split(b" ")
-            if len(status_line) < 2 or status_line[1] != b"200":
-                body = rest + await asyncio.wait_for(reader.read(65536), self.timeout_s)
-                raise PodSourceError(
-                    f"watch {path}: {b' '.join(status_line[1:]).decode(errors='replace')}: {body[:300]!r}"
-                )
-            chunked = b"transfer-encoding: chunked" in head.lower()
-            decoder = ChunkDecoder() if chunked else None
-            pending = b""
-            data = rest
-            while True:
-                pending += decoder.feed(data) if decoder is not None else data
-                while (nl := pending.find(b"\n")) >= 0:
-                    line, pending = pending[:nl].strip(), pending[nl + 1 :]
-                    if line:
-                        try:
-                            yield json.loads(line)
-                        except ValueError as exc:
-                            raise ProtocolError(f"watch {path}: bad JSON line: {exc}") from None
-                if len(pending) > MAX_WATCH_LINE_BYTES:
-                    raise ProtocolError(f"watch {path}: line longer than {MAX_WATCH_LINE_BYTES} bytes")
-                if decoder is not None and decoder.done:
-                    return
-                data = await reader.read(65536)
-                if not data:
-                    return
-        finally:
-            writer.close()
-
-
-class _Gone(Exception):
-    """The watch's resourceVersion is too old (410): relist."""
+def credentials_for_agent(cfg: Any) -> KubeCredentials:
+    """The agent's own API access (kubeconfig.agent_credentials), errors as ConfigError."""
+    try:
+        return agent_credentials(cfg)
+    except KubeconfigError as exc:
+        raise ConfigError(
+            "KUBECONFIG" if cfg.kubeconfig else "KUBERNETES_SERVICE_HOST",
+            exc.message,
+            hint=exc.hint or "outside a cluster set POD_SOURCE_DIRECTORY or KUBECONFIG",
+        ) from None
 
 
 class KubeApiPodSource(_CachedSource):
-    """This node's pods (field selector spec.nodeName) and all namespaces from the API server."""
+    """This node's pods (field selector spec.nodeName) and all namespaces from the API server,
+    each kept by a kube.Reflector (list, watch, bookmarks, relist on 410 Gone)."""
 
     def __init__(
         self, client: KubeClient, *, node_name: str, sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
     ) -> None:
         super().__init__(node_name)
         self.client = client
-        self._sleep = sleep
-        self._versions = {"pods": "", "namespaces": ""}
-        self.relists = 0
+        self._on_event: OnEvent | None = None
+        self._pods_reflector = Reflector(
+            client,
+            PODS,
+            fields={"spec.nodeName": node_name} if node_name else None,
+            on_replace=self._replace_pods,
+            on_event=self._pod_event,
+            sleep=sleep,
+        )
+        self._namespaces_reflector = Reflector(
+            client,
+            NAMESPACES,
+            on_replace=self._replace_namespaces,
+            on_event=self._namespace_event,
+            sleep=sleep,
+        )
 
     def __repr__(self) -> str:
         return (
-            f"KubeApiPodSource({self.client.access.server}, node {self.node_name!r}: {len(self._pods)} pods, "
-            f"{len(self._namespaces)} namespaces, rv pods={self._versions['pods'] or '-'}, "
+            f"KubeApiPodSource({self.client.credentials.server}, node {self.node_name!r}: {len(self._pods)} pods, "
+            f"{len(self._namespaces)} namespaces, rv pods={self._pods_reflector.resource_version or '-'}, "
             f"{self.relists} relists, {self.events} events)"
         )
 
-    def _pods_path(self, **params: str) -> str:
-        query = {"fieldSelector": f"spec.nodeName={self.node_name}"} if self.node_name else {}
-        query.update(params)
-        return "/api/v1/pods?" + urlencode(query) if query else "/api/v1/pods"
+    @property
+    def relists(self) -> int:
+        return self._pods_reflector.relists + self._namespaces_reflector.relists
 
-    @staticmethod
-    def _namespaces_path(**params: str) -> str:
-        return "/api/v1/namespaces" + ("?" + urlencode(params) if params else "")
+    async def _deliver(self, events: list[SourceEvent]) -> None:
+        # Before run() (the first list in start()) there is nobody to tell: start() only syncs.
+        if self._on_event is None:
+            return
+        self.events += len(events)
+        for event in events:
+            await self._on_event(event)
 
-    async def _list(self) -> list[SourceEvent]:
-        pods_doc = await self.client.get_json(self._pods_path())
-        ns_doc = await self.client.get_json(self._namespaces_path())
-        pods: dict[tuple[str, str], WatchedPod] = {}
-        for item in pods_doc.get("items") or []:
-            pod = pod_from_json(item)
-            pods[pod.key] = pod
-        namespaces = {ns.name: ns for ns in map(namespace_from_json, ns_doc.get("items") or [])}
-        self._versions["pods"] = str((pods_doc.get("metadata") or {}).get("resourceVersion") or "")
-        self._versions["namespaces"] = str((ns_doc.get("metadata") or {}).get("resourceVersion") or "")
-        return self._replace_all(pods, namespaces)
+    async def _replace_pods(self, items: list[dict[str, Any]]) -> None:
+        pods = {pod.key: pod for pod in map(pod_from_json, items)}
+        await self._deliver(self._replace_all(pods, self._namespaces))
+
+    async def _replace_namespaces(self, items: list[dict[str, Any]]) -> None:
+        namespaces = {ns.name: ns for ns in map(namespace_from_json, items)}
+        await self._deliver(self._replace_all(self._pods, namespaces))
+
+    async def _pod_event(self, event: WatchEvent) -> None:
+        change = self._put_pod(pod_from_json(event.object), event.type == "DELETED")
+        await self._deliver([change] if change is not None else [])
+
+    async def _namespace_event(self, event: WatchEvent) -> None:
+        change = self._put_namespace(namespace_from_json(event.object), event.type == "DELETED")
+        await self._deliver([change] if change is not None else [])
 
     async def start(self) -> None:
-        await self._list()
-
-    async def _watch_once(self, kind: str, on_event: OnEvent) -> None:
-        params = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_TIMEOUT_S)}
-        if self._versions[kind]:
-            params["resourceVersion"] = self._versions[kind]
-        path = self._pods_path(**params) if kind == "pods" else self._namespaces_path(**params)
-        async for line in self.client.watch(path):
-            if not isinstance(line, dict):
-                raise ProtocolError("watch event is not an object")
-            kind_of_event, obj = line.get("type"), line.get("object")
-            if kind_of_event == "ERROR":
-                code = obj.get("code") if isinstance(obj, dict) else None
-                if code == 410:
-                    raise _Gone()
-                raise PodSourceError(f"watch {kind}: error event {obj!r}")
-            version = (obj.get("metadata") or {}).get("resourceVersion") if isinstance(obj, dict) else None
-            if isinstance(version, str) and version:
-                self._versions[kind] = version
-            if kind_of_event == "BOOKMARK":
-                continue
-            if kind_of_event not in ("ADDED", "MODIFIED", "DELETED"):
-                raise ProtocolError(f"watch {kind}: unknown event type {kind_of_event!r}")
-            deleted = kind_of_event == "DELETED"
-            event: SourceEvent | None = (
-                self._put_pod(pod_from_json(obj), deleted)
-                if kind == "pods"
-                else self._put_namespace(namespace_from_json(obj), deleted)
-            )
-            if event is not None:
-                self.events += 1
-                await on_event(event)
-
-    async def _watch_forever(self, kind: str, on_event: OnEvent) -> None:
-        backoff = WATCH_RETRY_INITIAL_S
-        while True:
-            try:
-                await self._watch_once(kind, on_event)
-                backoff = WATCH_RETRY_INITIAL_S
-                continue  # the server ended the watch normally: resume from the last version
-            except _Gone:
-                log.info("watch of %s expired (410 Gone); relisting", kind)
-                self.relists += 1
-                try:
-                    events = await self._list()
-                except (PodSourceError, ProtocolError) as exc:
-                    log.warning("relist failed: %s", exc)
-                else:
-                    self.events += len(events)
-                    for event in events:
-                        await on_event(event)
-                    continue
-            except (PodSourceError, ProtocolError) as exc:
-                log.warning("watch of %s failed: %s; retrying in %.1fs", kind, exc, backoff)
-            await self._sleep(backoff)
-            backoff = min(backoff * 2, WATCH_RETRY_MAX_S)
+        try:
+            await self._namespaces_reflector.list()
+            await self._pods_reflector.list()
+        except KubeApiError as exc:
+            raise PodSourceError(str(exc)) from None
 
     async def run(self, on_event: OnEvent) -> None:
-        # One consumer for both streams keeps events in the order they were received.
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._watch_forever("namespaces", on_event))
-            group.create_task(self._watch_forever("pods", on_event))
+        # Both reflectors call one consumer, each awaiting it: events keep their arrival order.
+        self._on_event = on_event
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._namespaces_reflector.run())
+                group.create_task(self._pods_reflector.run())
+        finally:
+            self._on_event = None
 
     async def fetch_pod(self, namespace: str, name: str) -> WatchedPod | None:
-        response = await self.client.request(
-            "GET", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}"
-        )
-        if response.status == 404:
+        try:
+            obj = await self.client.get(PODS, namespace, name)
+        except KubeApiError as exc:
+            raise PodSourceError(str(exc)) from None
+        if obj is None:
             return None
-        if response.status != 200:
-            raise PodSourceError(f"GET pod {namespace}/{name}: HTTP {response.status}")
-        pod = pod_from_json(response.json())
-        event = self._put_pod(pod)
+        event = self._put_pod(pod_from_json(obj))
         if event is not None:
             self.events += 1
         return self.pod(namespace, name)
 
     async def _patch(self, pod: WatchedPod, value: str | None) -> None:
         # The pods/status subresource: istio-cni's RBAC grants patch there, not on pods.
-        body = json.dumps({"metadata": {"annotations": {ANNOTATION_REDIRECTION: value}}}).encode()
-        path = f"/api/v1/namespaces/{quote(pod.namespace)}/pods/{quote(pod.name)}/status"
-        response = await self.client.request("PATCH", path, body, "application/merge-patch+json")
-        if response.status == 404 and value is None:
-            return  # gone already: nothing to unmark
-        if response.status != 200:
-            raise PodSourceError(f"PATCH {path}: HTTP {response.status}: {response.body[:300]!r}")
+        patch = {"metadata": {"annotations": {ANNOTATION_REDIRECTION: value}}}
+        try:
+            obj = await self.client.patch_merge(PODS, pod.namespace, pod.name, patch, subresource="status")
+        except KubeApiError as exc:
+            raise PodSourceError(str(exc)) from None
+        if obj is None:
+            if value is None:
+                return  # gone already: nothing to unmark
+            raise PodSourceError(f"cannot mark pod {pod}: it no longer exists")
         with contextlib.suppress(ProtocolError):
-            self._put_pod(pod_from_json(response.json()))
+            self._put_pod(pod_from_json(obj))
 
     async def mark_enrolled(self, pod: WatchedPod, value: str = REDIRECTION_ENABLED) -> None:
         await self._patch(pod, value)
@@ -945,23 +634,16 @@ class KubeApiPodSource(_CachedSource):
         await self._patch(pod, None)
 
     async def agent_upgrading(self, pod_namespace: str) -> bool:
-        path = f"/apis/apps/v1/namespaces/{quote(pod_namespace)}/daemonsets/{AGENT_DAEMONSET_NAME}"
         try:
-            response = await self.client.request("GET", path)
-        except PodSourceError as exc:
+            doc = await self.client.get(DAEMONSETS, pod_namespace, AGENT_DAEMONSET_NAME)
+        except KubeApiError as exc:
             log.warning("safe-upgrade check failed (%s): treating shutdown as final", exc)
             return False
-        if response.status != 200:
-            return False
-        try:
-            doc = response.json()
-        except ProtocolError:
-            return False
-        meta = doc.get("metadata") if isinstance(doc, dict) else None
+        meta = doc.get("metadata") if doc is not None else None
         return isinstance(meta, dict) and not meta.get("deletionTimestamp")
 
     async def close(self) -> None:
-        return None
+        await self.client.close()
 
 
 def build_pod_source(cfg: Any) -> PodSource:
@@ -973,18 +655,7 @@ def build_pod_source(cfg: Any) -> PodSource:
             state_file=cfg.enrollment_state_file,
             poll_interval_s=cfg.pod_source_poll_interval_s,
         )
-    if cfg.kubeconfig:
-        access = KubeAccess.from_kubeconfig(cfg.kubeconfig)
-    else:
-        access = KubeAccess.in_cluster(
-            host=cfg.k8s_service_host,
-            port=cfg.k8s_service_port,
-            protocol=cfg.k8s_service_protocol,
-            sa_path=cfg.k8s_service_account_path,
-            ca_file=cfg.kube_ca_file,
-            skip_tls_verify=cfg.skip_tls_verify,
-        )
-    return KubeApiPodSource(KubeClient(access), node_name=cfg.node_name)
+    return KubeApiPodSource(KubeClient(credentials_for_agent(cfg)), node_name=cfg.node_name)
 
 
 __all__ = [
@@ -994,9 +665,7 @@ __all__ = [
     "DirectoryPodSource",
     "EnrollmentState",
     "EventType",
-    "KubeAccess",
     "KubeApiPodSource",
-    "KubeClient",
     "NamespaceEvent",
     "PodEvent",
     "PodSource",
@@ -1004,6 +673,7 @@ __all__ = [
     "SourceEvent",
     "WatchedPod",
     "build_pod_source",
+    "credentials_for_agent",
     "diff_objects",
     "namespace_from_json",
     "pod_from_json",

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..kube.labels import LabelSelector  # only matchLabels is parsed: these kinds have no expressions
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,6 @@ class ObjectMeta:
     deletion_timestamp: str = ""
     generate_name: str = ""
     owner_references: tuple[OwnerReference, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LabelSelector:
-    """`matchLabels` only: Istio's selectors for these kinds have no expressions."""
-
-    match_labels: Mapping[str, str] = field(default_factory=dict)
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return all(labels.get(k) == v for k, v in self.match_labels.items())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,7 +7,6 @@ sockets records whether the pod was handed over. Every failure must fail the ADD
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import ipaddress
 import json
@@ -16,7 +15,6 @@ import ssl
 import sys
 import tempfile
 from pathlib import Path
-from urllib.parse import unquote
 
 import pytest
 from cryptography import x509
@@ -24,11 +22,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ambient_mesh.admin import parse_request
 from ambient_mesh.cni.cniconf import ErrorCode
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.kubeconfig import KubeconfigInputs, KubeconfigWriter
 from ambient_mesh.cni.podinfo import PLUGIN_KUBECONFIG_NAME
+
+from .kube_fake import FakeApiServer
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 PREV = {
@@ -78,72 +77,12 @@ def namespace(name: str, labels: dict | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
 
 
-class FakeKubeApi:
-    """GET /api/v1/namespaces/<ns> and /api/v1/namespaces/<ns>/pods/<name>, bearer auth."""
-
-    def __init__(self, cert_pem: bytes, key_pem: bytes, directory: Path, token: str) -> None:
-        (directory / "api.crt").write_bytes(cert_pem)
-        (directory / "api.key").write_bytes(key_pem)
-        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.tls.load_cert_chain(directory / "api.crt", directory / "api.key")
-        self.token = token
-        self.objects: dict[str, dict] = {}
-        self.requests: list[tuple[str, str, str | None]] = []  # method, path, authorization
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    def add(self, obj: dict) -> None:
-        meta = obj["metadata"]
-        if obj["kind"] == "Namespace":
-            self.objects[f"/api/v1/namespaces/{meta['name']}"] = obj
-        else:
-            self.objects[f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"] = obj
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 2)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            data = b""
-            while (parsed := parse_request(data)) is None:
-                chunk = await reader.read(65536)
-                if not chunk:
-                    return
-                data += chunk
-            request = parsed[0]
-            auth = request.header("authorization")
-            self.requests.append((request.method, unquote(request.path), auth))
-            if auth != f"Bearer {self.token}":
-                status, body = 401, {"kind": "Status", "code": 401, "reason": "Unauthorized"}
-            elif request.method != "GET":
-                status, body = 405, {"kind": "Status", "code": 405}
-            elif unquote(request.path) in self.objects:
-                status, body = 200, self.objects[unquote(request.path)]
-            else:
-                status, body = 404, {"kind": "Status", "code": 404, "reason": "NotFound"}
-            payload = json.dumps(body).encode()
-            writer.write(
-                f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                + payload
-            )
-            await writer.drain()
-        except (ConnectionError, ssl.SSLError):
-            pass  # a client that rejected our certificate
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    def gets(self) -> list[str]:
-        return [path for method, path, _ in self.requests if method == "GET"]
+def api_tls(cert_pem: bytes, key_pem: bytes, directory: Path) -> ssl.SSLContext:
+    (directory / "api.crt").write_bytes(cert_pem)
+    (directory / "api.key").write_bytes(key_pem)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(directory / "api.crt", directory / "api.key")
+    return tls
 
 
 class FakeAgent:
@@ -222,7 +161,7 @@ async def run_plugin(environ: dict[str, str], data: bytes) -> tuple[int, dict, b
 class Node:
     """One node's worth of files: the agent's service account and run dir."""
 
-    def __init__(self, root: Path, api: FakeKubeApi, ca_pem: bytes, token: str) -> None:
+    def __init__(self, root: Path, api: FakeApiServer, ca_pem: bytes, token: str) -> None:
         self.run_dir = root / "run"
         self.run_dir.mkdir()
         self.sa = root / "serviceaccount"
@@ -242,12 +181,12 @@ async def world():
     # Short path: unix socket paths are limited to 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="cnik-", dir="/tmp"))
     cert, key = self_signed("kube-apiserver")
-    api = FakeKubeApi(cert, key, root, token="tok-1")
-    api.add(namespace("apps", AMBIENT))
-    api.add(namespace("plain"))
-    api.add(pod("web-0", "apps"))
-    api.add(pod("opt-out", "apps", {"istio.io/dataplane-mode": "none"}))
-    api.add(pod("db-0", "plain"))
+    api = FakeApiServer("tok-1", tls=api_tls(cert, key, root))
+    await api.put(namespace("apps", AMBIENT))
+    await api.put(namespace("plain"))
+    await api.put(pod("web-0", "apps"))
+    await api.put(pod("opt-out", "apps", {"istio.io/dataplane-mode": "none"}))
+    await api.put(pod("db-0", "plain"))
     await api.start()
     node = Node(root, api, cert, "tok-1")
     node.writer.sync()
@@ -266,7 +205,7 @@ async def test_ambient_pod_is_looked_up_and_handed_to_the_agent(world):
     code, out, err = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, out, err) == (0, PREV, b"")
     assert api.gets() == ["/api/v1/namespaces/apps", "/api/v1/namespaces/apps/pods/web-0"]
-    assert {auth for _, _, auth in api.requests} == {"Bearer tok-1"}
+    assert set(api.authorizations) == {"Bearer tok-1"}
     [add] = agent.adds()
     assert (add["PodName"], add["PodNamespace"], add["Netns"]) == ("web-0", "apps", "/var/run/netns/cni-1")
     assert add["IPs"][0]["Address"]["IP"] == "10.244.1.5"

@@ -1,32 +1,31 @@
-"""The pod-source contract, run against both implementations: `KubeApiPodSource` talking to a tiny
-fake Kubernetes API server (list, watch as JSON lines over chunked HTTP, GET, PATCH on pods/status,
-410 Gone, bearer auth), and `DirectoryPodSource` over a YAML directory."""
+"""The pod-source contract, run against both implementations: `KubeApiPodSource` talking to the
+fake Kubernetes API server of kube_fake.py (list, watch as JSON lines over chunked HTTP with
+bookmarks, GET, PATCH on pods/status, 410 Gone, bearer auth), and `DirectoryPodSource` over a YAML
+directory."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 import yaml
 
-from ambient_mesh.admin import parse_request
 from ambient_mesh.cni.pods import (
     DirectoryPodSource,
     EventType,
-    KubeAccess,
     KubeApiPodSource,
-    KubeClient,
     NamespaceEvent,
     PodEvent,
     PodSourceError,
 )
+from ambient_mesh.kube.client import KubeClient
+from ambient_mesh.kube.kubeconfig import KubeCredentials
+
+from .kube_fake import TOKEN, FakeApiServer
 
 NODE = "node-1"
-TOKEN = "sekret"
 WAIT_S = 5.0
 
 
@@ -50,148 +49,6 @@ def ns_obj(labels: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo", "labels": labels}}
 
 
-class FakeApiServer:
-    """Pods and namespaces with resource versions, watchers fed from one event log."""
-
-    def __init__(self) -> None:
-        self.rv = 100
-        self.objects: dict[tuple[str, str, str], dict] = {}  # (kind, ns, name)
-        self.log: list[tuple[int, str, str, dict]] = []  # (rv, kind, type, object)
-        self.compacted_before = 0  # watches from an older version get 410
-        self.daemonset = False
-        self.requests: list[tuple[str, str, str]] = []  # method, path, content-type
-        self.changed = asyncio.Condition()
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self.watchers = 0
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.wait_closed(), 1)
-
-    async def put(self, obj: dict, *, delete: bool = False) -> None:
-        kind = obj["kind"]
-        key = (kind, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
-        self.rv += 1
-        obj = json.loads(json.dumps(obj))
-        obj["metadata"]["resourceVersion"] = str(self.rv)
-        existed = key in self.objects
-        if delete:
-            self.objects.pop(key, None)
-            kind_of_event = "DELETED"
-        else:
-            self.objects[key] = obj
-            kind_of_event = "MODIFIED" if existed else "ADDED"
-        self.log.append((self.rv, kind, kind_of_event, obj))
-        async with self.changed:
-            self.changed.notify_all()
-
-    def _list(self, kind: str, node: str | None) -> dict:
-        items = [
-            o
-            for (k, _, _), o in sorted(self.objects.items())
-            if k == kind and (node is None or o["spec"].get("nodeName") == node)
-        ]
-        return {"kind": f"{kind}List", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            data = b""
-            while (parsed := parse_request(data)) is None:
-                chunk = await reader.read(65536)
-                if not chunk:
-                    return
-                data += chunk
-            request = parsed[0]
-            self.requests.append((request.method, request.target, request.header("content-type") or ""))
-            if request.header("authorization") != f"Bearer {TOKEN}":
-                await self._reply(writer, 401, {"kind": "Status", "code": 401})
-                return
-            url = urlsplit(request.target)
-            query = {k: v[0] for k, v in parse_qs(url.query).items()}
-            parts = [unquote(p) for p in url.path.strip("/").split("/")]
-            node = query.get("fieldSelector", "").removeprefix("spec.nodeName=") or None
-            if parts == ["api", "v1", "pods"] or parts == ["api", "v1", "namespaces"]:
-                kind = "Pod" if parts[-1] == "pods" else "Namespace"
-                if query.get("watch") == "1":
-                    await self._watch(writer, kind, node, int(query.get("resourceVersion") or 0))
-                else:
-                    await self._reply(writer, 200, self._list(kind, node))
-            elif parts[:3] == ["api", "v1", "namespaces"] and len(parts) >= 6 and parts[4] == "pods":
-                key = ("Pod", parts[3], parts[5])
-                if key not in self.objects:
-                    await self._reply(writer, 404, {"kind": "Status", "code": 404})
-                elif request.method == "PATCH" and parts[6:] == ["status"]:
-                    patch = json.loads(request.body)
-                    obj = json.loads(json.dumps(self.objects[key]))
-                    annotations = obj["metadata"].setdefault("annotations", {})
-                    for k, v in patch["metadata"]["annotations"].items():
-                        if v is None:
-                            annotations.pop(k, None)
-                        else:
-                            annotations[k] = v
-                    await self.put(obj)
-                    await self._reply(writer, 200, self.objects[key])
-                else:
-                    await self._reply(writer, 200, self.objects[key])
-            elif parts[:2] == ["apis", "apps"] and parts[-1] == "istio-cni-node":
-                await self._reply(
-                    writer,
-                    200 if self.daemonset else 404,
-                    {"kind": "DaemonSet", "metadata": {"name": "istio-cni-node"}},
-                )
-            else:
-                await self._reply(writer, 404, {"kind": "Status", "code": 404})
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    @staticmethod
-    async def _reply(writer: asyncio.StreamWriter, status: int, doc: dict) -> None:
-        body = json.dumps(doc).encode()
-        writer.write(
-            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Connection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-
-    async def _watch(self, writer: asyncio.StreamWriter, kind: str, node: str | None, since: int) -> None:
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-        )
-
-        def send(doc: dict) -> None:
-            line = json.dumps(doc).encode() + b"\n"
-            writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-
-        if since < self.compacted_before:
-            send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}})
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-            return
-        self.watchers += 1
-        sent = since
-        try:
-            while True:
-                for rv, k, kind_of_event, obj in self.log:
-                    if rv > sent and k == kind and (node is None or obj["spec"].get("nodeName") == node):
-                        send({"type": kind_of_event, "object": obj})
-                    sent = max(sent, rv)
-                await writer.drain()
-                async with self.changed:
-                    await self.changed.wait_for(lambda s=sent: self.rv > s)
-        finally:
-            self.watchers -= 1
-
-
 # -- the two worlds the contract runs in ----------------------------------------------------------
 
 
@@ -199,7 +56,7 @@ class ApiWorld:
     def __init__(self, server: FakeApiServer) -> None:
         self.server = server
         self.source = KubeApiPodSource(
-            KubeClient(KubeAccess(server=f"http://127.0.0.1:{server.port}", token=TOKEN)), node_name=NODE
+            KubeClient(KubeCredentials(server=f"http://127.0.0.1:{server.port}", token=TOKEN)), node_name=NODE
         )
 
     async def set_namespace(self, labels: dict) -> None:
@@ -352,7 +209,7 @@ async def test_mark_patches_pod_status_with_a_merge_patch(api_server):
     await world.set_pod(pod_obj("a"))
     await world.source.start()
     await world.source.mark_enrolled(world.source.pod("demo", "a"))
-    patches = [r for r in api_server.requests if r[0] == "PATCH"]
+    patches = [r[:3] for r in api_server.requests if r[0] == "PATCH"]
     assert patches == [("PATCH", "/api/v1/namespaces/demo/pods/a/status", "application/merge-patch+json")]
     stored = api_server.objects[("Pod", "demo", "a")]
     assert stored["metadata"]["annotations"] == {"ambient.istio.io/redirection": "enabled"}
@@ -365,14 +222,14 @@ async def test_watch_resumes_from_the_list_version_with_a_node_field_selector(ap
     async with watching(world.source) as seen:
         await world.set_pod(pod_obj("b"))
         await seen.wait_for(lambda e: isinstance(e, PodEvent) and e.pod.name == "b")
-    watches = [
-        target for method, target, _ in api_server.requests if "watch=1" in target and "/pods" in target
-    ]
+    watches = api_server.watches("pods")
     assert watches and f"resourceVersion={api_server.rv - 1}" in watches[0]
     assert "fieldSelector=spec.nodeName%3Dnode-1" in watches[0]
 
 
-async def test_expired_watch_relists_and_reports_the_difference(api_server):
+@pytest.mark.parametrize("as_http_status", [False, True], ids=["error-event", "http-410"])
+async def test_expired_watch_relists_and_reports_the_difference(api_server, as_http_status):
+    api_server.gone_as_http_status = as_http_status
     world = ApiWorld(api_server)
     await world.set_pod(pod_obj("a"))
     await world.set_pod(pod_obj("b"))
@@ -386,11 +243,31 @@ async def test_expired_watch_relists_and_reports_the_difference(api_server):
         await seen.wait_for(lambda e: isinstance(e, PodEvent) and e.type is EventType.DELETED)
     assert world.source.relists >= 1
     assert sorted(p.name for p in world.source.pods()) == ["a", "c"]
+    assert "410 Gone" in repr(world.source._pods_reflector)
+
+
+async def test_bookmarks_move_the_watch_version_past_unrelated_changes(api_server):
+    world = ApiWorld(api_server)
+    await world.set_pod(pod_obj("a"))
+    await world.source.start()
+    listed_at = api_server.rv
+    async with watching(world.source) as seen:
+        # Pods on another node are filtered out by the field selector: this watch sees none of
+        # them, only the bookmarks that carry their resourceVersions.
+        for i in range(3):
+            await world.set_pod(pod_obj(f"far-{i}", node="node-9"))
+        async with asyncio.timeout(WAIT_S):
+            while world.source._pods_reflector.resource_version != str(api_server.rv):
+                await asyncio.sleep(0.01)
+        assert not seen.events
+    reflector = world.source._pods_reflector
+    assert reflector.bookmarks >= 1 and int(reflector.resource_version) > listed_at
+    assert all("allowWatchBookmarks=true" in w for w in api_server.watches("pods"))
 
 
 async def test_wrong_token_is_a_pod_source_error(api_server):
     source = KubeApiPodSource(
-        KubeClient(KubeAccess(server=f"http://127.0.0.1:{api_server.port}", token="bad")), node_name=NODE
+        KubeClient(KubeCredentials(server=f"http://127.0.0.1:{api_server.port}", token="bad")), node_name=NODE
     )
     with pytest.raises(PodSourceError, match="401"):
         await source.start()
@@ -398,7 +275,7 @@ async def test_wrong_token_is_a_pod_source_error(api_server):
 
 async def test_unreachable_api_server_is_a_pod_source_error():
     source = KubeApiPodSource(
-        KubeClient(KubeAccess(server="http://127.0.0.1:1", token=TOKEN), timeout_s=1), node_name=NODE
+        KubeClient(KubeCredentials(server="http://127.0.0.1:1", token=TOKEN), timeout_s=1), node_name=NODE
     )
     with pytest.raises(PodSourceError):
         await source.start()
@@ -407,6 +284,14 @@ async def test_unreachable_api_server_is_a_pod_source_error():
 async def test_agent_upgrading_asks_for_the_daemonset(api_server):
     world = ApiWorld(api_server)
     assert not await world.source.agent_upgrading("istio-system")
-    api_server.daemonset = True
+    daemonset = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "istio-cni-node", "namespace": "istio-system"},
+    }
+    await api_server.put(daemonset)
     assert await world.source.agent_upgrading("istio-system")
+    daemonset["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    await api_server.put(daemonset)
+    assert not await world.source.agent_upgrading("istio-system")
     assert repr(world.source).startswith("KubeApiPodSource(http://127.0.0.1")

@@ -28,18 +28,20 @@ from ambient_mesh.cni.kubeconfig import (
 from ambient_mesh.cni.plugin import default_lookup
 from ambient_mesh.cni.podinfo import (
     PLUGIN_KUBECONFIG_NAME,
-    ApiCredentials,
     ApiReply,
     DirectoryPodLookup,
     KubeApiPodLookup,
     NamespaceInfo,
     PodInfo,
     PodLookupError,
-    load_kubeconfig,
+    load_plugin_kubeconfig,
     namespace_info_from_json,
-    parse_kubeconfig,
     pod_info_from_json,
 )
+from ambient_mesh.cni.pods import credentials_for_agent
+from ambient_mesh.errors import ConfigError
+from ambient_mesh.kube.kubeconfig import KubeconfigError as KubeAccessError
+from ambient_mesh.kube.kubeconfig import KubeCredentials, load_kubeconfig, parse_kubeconfig
 
 CA_PEM = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 INPUTS = KubeconfigInputs(server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM)
@@ -143,7 +145,7 @@ def test_inputs_errors(sa, kwargs, message):
 
 def test_inputs_without_token(sa):
     (sa / "token").unlink()
-    with pytest.raises(KubeconfigError, match="service-account token"):
+    with pytest.raises(KubeconfigError, match="cannot read the token file"):
         KubeconfigInputs.from_service_account(host="h", port="443", sa_path=sa)
 
 
@@ -193,6 +195,52 @@ def test_inputs_for_agent(sa, tmp_path):
         KubeconfigInputs.for_agent(FakeAgentConfig(kubeconfig=str(tmp_path / "missing")))
 
 
+def test_agent_credentials_from_its_kubeconfig(tmp_path):
+    ca = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    (tmp_path / "kubeconfig").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "ctx",
+                "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": "https://10.0.0.1:6443/",
+                            "certificate-authority-data": base64.b64encode(ca).decode(),
+                        },
+                    }
+                ],
+                "users": [{"name": "u", "user": {"token": "secret"}}],
+            }
+        )
+    )
+    access = credentials_for_agent(FakeAgentConfig(kubeconfig=str(tmp_path / "kubeconfig")))
+    assert access.server == "https://10.0.0.1:6443" and access.bearer() == "secret" and access.ca_data == ca
+    assert "secret" not in repr(access)
+
+
+def test_agent_kubeconfig_errors_name_kubeconfig(tmp_path):
+    (tmp_path / "k").write_text("current-context: x\ncontexts: []\n")
+    with pytest.raises(ConfigError) as info:
+        credentials_for_agent(FakeAgentConfig(kubeconfig=str(tmp_path / "k")))
+    assert info.value.source == "KUBECONFIG"
+
+
+def test_agent_in_cluster_reads_rotating_token(tmp_path):
+    (tmp_path / "ca.crt").write_text("x")
+    (tmp_path / "token").write_text("t1\n")
+    access = credentials_for_agent(FakeAgentConfig(k8s_service_account_path=tmp_path))
+    assert access.server == "https://10.96.0.1:443" and access.bearer() == "t1"
+    (tmp_path / "token").write_text("t2")
+    assert access.bearer() == "t2"
+    with pytest.raises(ConfigError) as info:
+        credentials_for_agent(FakeAgentConfig(k8s_service_host="", k8s_service_account_path=tmp_path))
+    assert info.value.source == "KUBERNETES_SERVICE_HOST"
+
+
 # -- when to write ------------------------------------------------------------------------------------
 
 
@@ -221,7 +269,7 @@ def test_writer_writes_once_then_on_rotation_then_removes(sa, tmp_path):
     assert repr(writer) == f"KubeconfigWriter({str(path)!r}: 0 writes, not synced yet)"
     assert writer.sync() is True
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert load_kubeconfig(path) == ApiCredentials(
+    assert load_kubeconfig(path) == KubeCredentials(
         server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM
     )
     inode = os.stat(path).st_ino
@@ -292,9 +340,11 @@ def test_plugin_reads_a_hand_written_yaml_kubeconfig(tmp_path):
     (tmp_path / "ca.pem").write_bytes(CA_PEM)
     (tmp_path / "token").write_text("file-token\n")
     (tmp_path / "kc").write_text(ISTIO_STYLE_YAML)
-    assert load_kubeconfig(tmp_path / "kc") == ApiCredentials(
-        server="https://[fd00::1]:6443/prefix", token="file-token", ca_data=CA_PEM
+    creds = load_kubeconfig(tmp_path / "kc")
+    assert creds == KubeCredentials(
+        server="https://[fd00::1]:6443/prefix", token_file=str(tmp_path / "token"), ca_data=CA_PEM
     )
+    assert creds.bearer() == "file-token"
 
 
 @pytest.mark.parametrize(
@@ -321,13 +371,13 @@ def test_plugin_reads_a_hand_written_yaml_kubeconfig(tmp_path):
     ],
 )
 def test_bad_kubeconfigs(doc, message):
-    with pytest.raises(PodLookupError, match=message):
+    with pytest.raises(KubeAccessError, match=message):
         parse_kubeconfig(doc)
 
 
 def test_missing_kubeconfig_says_who_writes_it(tmp_path):
     with pytest.raises(PodLookupError) as err:
-        load_kubeconfig(tmp_path / PLUGIN_KUBECONFIG_NAME)
+        load_plugin_kubeconfig(tmp_path / PLUGIN_KUBECONFIG_NAME)
     assert "does not exist" in str(err.value) and "node agent" in (err.value.hint or "")
 
 
@@ -365,7 +415,7 @@ kubeconfig_like = st.recursive(
 def test_parse_kubeconfig_returns_credentials_or_our_error(text):
     try:
         creds = parse_kubeconfig(text, base_dir="/nonexistent")
-    except PodLookupError:
+    except KubeAccessError:
         return
     assert creds.server.startswith(("https://", "http://")) and "\n" not in creds.token
 
@@ -434,7 +484,7 @@ class FakeApi:
         self.replies = replies or {}
         self.error = error
         self.paths: list[tuple[str, float]] = []
-        self.credentials: ApiCredentials | None = None
+        self.credentials: KubeCredentials | None = None
 
     def factory(self, credentials):
         self.credentials = credentials
@@ -471,7 +521,7 @@ def test_lookup_gets_pod_and_namespace(kubeconfig):
     assert lookup.get_pod("apps", "web-0").containers == ("app", "istio-proxy")
     assert lookup.get_pod("apps", "gone") is None
     assert lookup.get_namespace("a/b") is None
-    assert api.credentials == ApiCredentials(server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM)
+    assert api.credentials == KubeCredentials(server="https://10.96.0.1:443", token="tok-1", ca_data=CA_PEM)
     assert [p for p, _ in api.paths][-1] == "/api/v1/namespaces/a%2Fb"
     assert {t for _, t in api.paths} == {5.0}
     assert repr(lookup) == f"KubeApiPodLookup({str(kubeconfig)!r}: FakeApi, 4 requests)"

@@ -1,10 +1,9 @@
 """Pod sources: the YAML-directory source end to end (it is local files), and the pure parts of the
-Kubernetes API source (object conversion, chunked decoding, kubeconfig). The API source's
+Kubernetes API source (object conversion, the agent's credentials). The API source's
 list/watch/patch run against a fake API server in tests/integration/test_kube_api_source.py."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -15,11 +14,9 @@ from hypothesis import strategies as st
 
 from ambient_mesh.cni.pods import (
     ANNOTATION_REDIRECTION,
-    ChunkDecoder,
     DirectoryPodSource,
     EnrollmentState,
     EventType,
-    KubeAccess,
     NamespaceEvent,
     PodEvent,
     PodSourceError,
@@ -28,7 +25,7 @@ from ambient_mesh.cni.pods import (
     pod_from_json,
     synthesized_uid,
 )
-from ambient_mesh.errors import ConfigError, ProtocolError
+from ambient_mesh.errors import ProtocolError
 
 NODE = "node-1"
 
@@ -258,68 +255,3 @@ def test_pod_and_namespace_parsers_return_value_or_protocol_error(doc):
             parse(doc)
         except ProtocolError:
             pass
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def test_chunk_decoder_across_arbitrary_splits():
-    stream = chunk(b'{"type":"ADDED"}\n') + chunk(b'{"type":') + chunk(b'"DELETED"}\n') + b"0\r\n\r\n"
-    for split in range(1, len(stream)):
-        dec = ChunkDecoder()
-        out = dec.feed(stream[:split]) + dec.feed(stream[split:])
-        assert out == b'{"type":"ADDED"}\n{"type":"DELETED"}\n' and dec.done
-
-
-@given(st.binary(max_size=200))
-def test_chunk_decoder_returns_bytes_or_protocol_error(data):
-    try:
-        assert isinstance(ChunkDecoder().feed(data), bytes)
-    except ProtocolError:
-        pass
-
-
-def test_kubeconfig_token_and_ca(tmp_path):
-    ca = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
-    (tmp_path / "kubeconfig").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "ctx",
-                "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
-                "clusters": [
-                    {
-                        "name": "c",
-                        "cluster": {
-                            "server": "https://10.0.0.1:6443/",
-                            "certificate-authority-data": base64.b64encode(ca).decode(),
-                        },
-                    }
-                ],
-                "users": [{"name": "u", "user": {"token": "secret"}}],
-            }
-        )
-    )
-    access = KubeAccess.from_kubeconfig(tmp_path / "kubeconfig")
-    assert access.server == "https://10.0.0.1:6443" and access.bearer() == "secret" and access.ca_data == ca
-    assert "secret" not in repr(access)
-
-
-def test_kubeconfig_errors_name_kubeconfig(tmp_path):
-    (tmp_path / "k").write_text("current-context: x\ncontexts: []\n")
-    with pytest.raises(ConfigError) as info:
-        KubeAccess.from_kubeconfig(tmp_path / "k")
-    assert info.value.source == "KUBECONFIG"
-
-
-def test_in_cluster_reads_rotating_token(tmp_path):
-    (tmp_path / "ca.crt").write_text("x")
-    (tmp_path / "token").write_text("t1\n")
-    access = KubeAccess.in_cluster(host="10.96.0.1", port="443", sa_path=tmp_path)
-    assert access.server == "https://10.96.0.1:443" and access.bearer() == "t1"
-    (tmp_path / "token").write_text("t2")
-    assert access.bearer() == "t2"
-    with pytest.raises(ConfigError):
-        KubeAccess.in_cluster(host="", port="", sa_path=tmp_path)

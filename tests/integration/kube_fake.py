@@ -1,0 +1,264 @@
+"""An in-process fake Kubernetes API server for the kube/ client, the node agent and the control plane.
+
+What it speaks, over HTTP/1.1 on loopback (one request per connection): bearer-token auth (401
+otherwise); list of any kind, cluster-wide or in a namespace, with `fieldSelector=spec.nodeName=`
+and the list's resourceVersion; watch as chunked JSON lines from a resourceVersion, with BOOKMARK
+events when asked (`allowWatchBookmarks`), and 410 Gone for a version older than the compaction
+point (as an ERROR event, or as the watch response's status with `gone_as_http_status`); GET;
+merge PATCH on `pods/status`; POST of TokenReviews answered from `token_reviews`. Plain HTTP, or
+TLS with the given server context. Every request is
+recorded as (method, target, content-type, body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ambient_mesh.admin import parse_request
+
+TOKEN = "sekret"
+
+# plural -> kind for every kind the tests use (the API server's discovery, in short).
+KINDS = {
+    "pods": "Pod",
+    "namespaces": "Namespace",
+    "services": "Service",
+    "serviceaccounts": "ServiceAccount",
+    "nodes": "Node",
+    "daemonsets": "DaemonSet",
+    "authorizationpolicies": "AuthorizationPolicy",
+    "peerauthentications": "PeerAuthentication",
+    "serviceentries": "ServiceEntry",
+    "workloadentries": "WorkloadEntry",
+    "gateways": "Gateway",
+}
+
+
+def _copy(doc: dict) -> dict:
+    return json.loads(json.dumps(doc))
+
+
+class FakeApiServer:
+    """Objects with resource versions; watchers fed from one event log."""
+
+    def __init__(self, token: str = TOKEN, *, tls: ssl.SSLContext | None = None) -> None:
+        self.token = token
+        self.tls = tls
+        self.rv = 100
+        self.objects: dict[tuple[str, str, str], dict] = {}  # (kind, namespace, name)
+        self.log: list[tuple[int, str, str, dict]] = []  # (rv, kind, type, object)
+        self.compacted_before = 0  # watches from an older version get 410
+        self.gone_as_http_status = False
+        self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
+        self.requests: list[tuple[str, str, str, bytes]] = []
+        self.authorizations: list[str | None] = []
+        self.changed = asyncio.Condition()
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.watchers = 0
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.tls)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 1)
+
+    async def put(self, obj: dict, *, delete: bool = False) -> dict:
+        kind = obj["kind"]
+        key = (kind, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+        self.rv += 1
+        obj = _copy(obj)
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        existed = key in self.objects
+        if delete:
+            self.objects.pop(key, None)
+            kind_of_event = "DELETED"
+        else:
+            self.objects[key] = obj
+            kind_of_event = "MODIFIED" if existed else "ADDED"
+        self.log.append((self.rv, kind, kind_of_event, obj))
+        async with self.changed:
+            self.changed.notify_all()
+        return obj
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        await self.put(self.objects[(kind, namespace, name)], delete=True)
+
+    def gets(self) -> list[str]:
+        return [unquote(urlsplit(t).path) for m, t, _, _ in self.requests if m == "GET"]
+
+    def watches(self, plural: str) -> list[str]:
+        return [t for m, t, _, _ in self.requests if "watch=true" in t and urlsplit(t).path.endswith(plural)]
+
+    @staticmethod
+    def _matches(obj: dict, namespace: str | None, node: str | None) -> bool:
+        if namespace is not None and obj["metadata"].get("namespace", "") != namespace:
+            return False
+        return node is None or obj.get("spec", {}).get("nodeName") == node
+
+    def _list(self, kind: str, namespace: str | None, node: str | None) -> dict:
+        items = []
+        for (k, _, _), obj in sorted(self.objects.items()):
+            if k == kind and self._matches(obj, namespace, node):
+                item = _copy(obj)
+                # Like the real server: list items carry neither kind nor apiVersion.
+                item.pop("kind", None)
+                item.pop("apiVersion", None)
+                items.append(item)
+        return {"kind": f"{kind}List", "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            data = b""
+            while (parsed := parse_request(data)) is None:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    return
+                data += chunk
+            request = parsed[0]
+            self.requests.append(
+                (request.method, request.target, request.header("content-type") or "", request.body)
+            )
+            self.authorizations.append(request.header("authorization"))
+            if request.header("authorization") != f"Bearer {self.token}":
+                await self._reply(writer, 401, {"kind": "Status", "code": 401, "message": "Unauthorized"})
+                return
+            await self._route(request, writer)
+        except (ConnectionError, ssl.SSLError, asyncio.CancelledError):
+            pass  # ssl.SSLError: a client that rejected our certificate
+        finally:
+            writer.close()
+
+    async def _route(self, request, writer: asyncio.StreamWriter) -> None:
+        url = urlsplit(request.target)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        parts = [unquote(p) for p in url.path.strip("/").split("/")]
+        # /api/v1/... or /apis/<group>/<version>/...
+        rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+        namespace = None
+        if len(rest) >= 3 and rest[0] == "namespaces" and rest[2] in KINDS:
+            namespace, rest = rest[1], rest[2:]
+        if rest[:1] == ["tokenreviews"] and request.method == "POST":
+            await self._token_review(writer, json.loads(request.body))
+            return
+        if not rest or rest[0] not in KINDS:
+            await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "no such path"})
+            return
+        kind = KINDS[rest[0]]
+        node = query.get("fieldSelector", "").removeprefix("spec.nodeName=") or None
+        if len(rest) == 1:
+            if query.get("watch") in ("1", "true"):
+                await self._watch(
+                    writer,
+                    kind,
+                    namespace,
+                    node,
+                    int(query.get("resourceVersion") or 0),
+                    bookmarks=query.get("allowWatchBookmarks") == "true",
+                )
+            else:
+                await self._reply(writer, 200, self._list(kind, namespace, node))
+            return
+        key = (kind, namespace or "", rest[1])
+        if key not in self.objects:
+            await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "not found"})
+        elif request.method == "PATCH" and rest[2:] == ["status"]:
+            patch = json.loads(request.body)
+            obj = _copy(self.objects[key])
+            annotations = obj["metadata"].setdefault("annotations", {})
+            for k, v in patch["metadata"]["annotations"].items():
+                if v is None:
+                    annotations.pop(k, None)
+                else:
+                    annotations[k] = v
+            await self._reply(writer, 200, await self.put(obj))
+        else:
+            await self._reply(writer, 200, self.objects[key])
+
+    async def _token_review(self, writer: asyncio.StreamWriter, review: dict) -> None:
+        token = review.get("spec", {}).get("token", "")
+        audiences = review.get("spec", {}).get("audiences")
+        status = _copy(
+            self.token_reviews.get(token, {"authenticated": False, "error": "invalid bearer token"})
+        )
+        # The real authenticator answers the audiences the token is valid for among those asked.
+        if status.get("authenticated") and audiences is not None:
+            valid = [a for a in status.get("audiences", []) if a in audiences]
+            if not valid:
+                status = {"authenticated": False, "error": "token audiences are invalid"}
+            else:
+                status["audiences"] = valid
+        answer = {"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1", "spec": review["spec"]}
+        answer["status"] = status
+        await self._reply(writer, 201, answer)
+
+    @staticmethod
+    async def _reply(writer: asyncio.StreamWriter, status: int, doc: dict) -> None:
+        body = json.dumps(doc).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+
+    async def _watch(
+        self,
+        writer: asyncio.StreamWriter,
+        kind: str,
+        namespace: str | None,
+        node: str | None,
+        since: int,
+        *,
+        bookmarks: bool,
+    ) -> None:
+        if since < self.compacted_before and self.gone_as_http_status:
+            await self._reply(
+                writer, 410, {"kind": "Status", "code": 410, "reason": "Expired", "message": "gone"}
+            )
+            return
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+
+        def send(doc: dict) -> None:
+            line = json.dumps(doc).encode() + b"\n"
+            writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+
+        if since < self.compacted_before:
+            send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}})
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return
+        self.watchers += 1
+        sent = since
+        try:
+            while True:
+                for rv, k, kind_of_event, obj in self.log:
+                    if rv > sent and k == kind and self._matches(obj, namespace, node):
+                        send({"type": kind_of_event, "object": obj})
+                    sent = max(sent, rv)
+                if bookmarks:
+                    send(
+                        {
+                            "type": "BOOKMARK",
+                            "object": {"kind": kind, "metadata": {"resourceVersion": str(sent)}},
+                        }
+                    )
+                await writer.drain()
+                async with self.changed:
+                    await self.changed.wait_for(lambda s=sent: self.rv > s)
+        finally:
+            self.watchers -= 1
