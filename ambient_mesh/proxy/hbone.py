@@ -1,17 +1,22 @@
-"""HBONE: HTTP/2 CONNECT streams over a mutual-TLS connection (port 15008).
+"""HBONE: HTTP/2 CONNECT streams over a mutual-TLS connection (port 15008), the asyncio shell.
 
-Counterparts: ztunnel src/proxy/h2.rs, h2/client.rs, h2/server.rs. The HTTP/2 state machine is
-python-hyper `h2` (sans-IO); this module is the thin asyncio shell around it: one
-`HboneConnection` per TLS connection (client or server side), one `HboneStream` per proxied TCP
-connection. Streams are relay endpoints (see relay.py), so bytes flow from a socket callback
-straight into `h2.send_data` and out of `DATA` events straight into the peer socket.
+Counterparts: ztunnel src/proxy/h2.rs, h2/client.rs, h2/server.rs. The HTTP/2 protocol is the
+sans-IO core in proxy/http2/ (frames, flow control, GOAWAY, flood budgets); this module only
+moves bytes and time in and events out: one `HboneConnection` (an asyncio Protocol) per TLS
+connection, client or server side, with one read path (`data_received` -> `core.receive` ->
+dispatch), one write path (`flush`: `core.data_to_send` -> transport, not while the transport
+is paused, which is the backpressure), and one timer at `core.next_deadline()`. One
+`HboneStream` per proxied TCP connection; streams are relay endpoints (relay.py), so bytes go
+from a socket callback straight into `core.send_data` and out of DATA events straight into the
+peer socket.
 
-Settings and flow control follow ztunnel (reference/ztunnel.md section 11): stream window
-4 MiB, connection window 16 MiB, max frame 1 MiB, push disabled, header lists 16 KiB (client)
-and 64 KiB (server), 200 concurrent streams on the server side, PING every 10 s and the
-connection dropped after 20 s without an answer. Received bytes are acknowledged (window
-credit returned to the sender) only while the socket we forward them to can take more: a slow
-reader closes the window instead of growing our buffers.
+Settings follow ztunnel (reference/ztunnel.md section 11): stream window 4 MiB, connection
+window 16 MiB, max frame 1 MiB, push disabled, header lists 16 KiB (client) and 64 KiB
+(server), 200 concurrent streams on the server side, PING every 10 s and the connection
+dropped after 20 s without an answer. Received bytes are acknowledged (window credit returned
+to the sender) only while the socket we forward them to can take more: a slow reader closes
+the window instead of growing our buffers. A stream the peer resets before we answered it
+cancels what `on_request` started for it (the app connect).
 """
 
 from __future__ import annotations
@@ -19,19 +24,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-import hyperframe.frame
-
 from ..errors import AmbientError
+from . import http2
+from .http2 import events as ev
+from .http2.connection import Http2Error, StreamClosedError
+from .http2.frames import ErrorCode
 from .relay import Endpoint
 
 log = logging.getLogger("ambient_mesh.hbone")
@@ -44,20 +44,6 @@ SERVER_MAX_HEADER_LIST_BYTES = 64 * 1024
 SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
-DEFAULT_WINDOW_BYTES = 65535
-
-
-def _data_frame_body_repr(self: hyperframe.frame.DataFrame) -> str:
-    # h2 4.4.1 formats repr(frame) for its trace log on every received frame, and hyperframe
-    # hex-encodes the whole DATA payload to print only its first 10 bytes
-    # (reference/performance.md B4.2: 2.4x-45x slower receive). Same text, first bytes only.
-    data = bytes(self.data[:11])
-    if self.flags and "PADDED" in self.flags:
-        return hyperframe.frame._raw_data_repr(self.serialize_body()[:11])
-    return hyperframe.frame._raw_data_repr(data)
-
-
-hyperframe.frame.DataFrame._body_repr = _data_frame_body_repr
 
 
 class HboneError(AmbientError):
@@ -74,6 +60,10 @@ class HboneError(AmbientError):
         super().__init__(message, hint=hint)
         self.response_flag = response_flag
         self.status = status
+
+
+class HboneStreamRefused(HboneError):
+    """The peer never processed the stream (GOAWAY below its id, REFUSED_STREAM): safe to retry."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,14 +115,7 @@ class StreamState(enum.Enum):
     CLOSED = "closed"
 
 
-def _decode_headers(raw) -> tuple[tuple[str, str], ...]:
-    return tuple(
-        (
-            k.decode("latin-1") if isinstance(k, bytes) else k,
-            v.decode("latin-1") if isinstance(v, bytes) else v,
-        )
-        for k, v in raw
-    )
+_ORDERLY_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
 
 
 class HboneStream(Endpoint):
@@ -153,6 +136,7 @@ class HboneStream(Endpoint):
         "_held",
         "_held_end",
         "_reset",
+        "_cancel",
         "relay",
     )
 
@@ -169,9 +153,10 @@ class HboneStream(Endpoint):
         self._unacked = 0  # received bytes whose window credit is held back
         self._ack_paused = False
         self._blocked = False  # we told the relay to stop feeding us
-        self._held: list[bytes] = []  # DATA received before a relay is attached
+        self._held: list[tuple[bytes, int]] = []  # DATA received before a relay is attached
         self._held_end = False
         self._reset: int | None = None
+        self._cancel = None  # what on_request started (the app connect): cancelled on an early reset
 
     def __repr__(self) -> str:
         return f"HboneStream(id={self.stream_id}, {self.state.value}, pending={len(self._pending)}B)"
@@ -189,6 +174,7 @@ class HboneStream(Endpoint):
     # Relay-facing verbs ----------------------------------------------------------------
     def attach(self, relay) -> None:
         self.relay = relay
+        self._cancel = None
         held, self._held = self._held, []
         for chunk, flow in held:
             relay.data_from(self, chunk)
@@ -215,8 +201,8 @@ class HboneStream(Endpoint):
 
     def abort(self) -> None:
         if self._reset is None and not (self._end_sent and self._remote_ended):
-            self._reset = h2.errors.ErrorCodes.CANCEL
-            self.conn.reset_stream(self.stream_id, h2.errors.ErrorCodes.CANCEL)
+            self._reset = ErrorCode.CANCEL
+            self.conn.reset_stream(self.stream_id, ErrorCode.CANCEL)
 
     def pause_reading(self) -> None:
         self._ack_paused = True
@@ -226,7 +212,7 @@ class HboneStream(Endpoint):
             self._ack_paused = False
             if self._unacked:
                 n, self._unacked = self._unacked, 0
-                self.conn.acknowledge(self.stream_id, n)
+                self.conn.core.acknowledge(self.stream_id, n)
                 self.conn.flush()
 
     def close(self) -> None:
@@ -239,15 +225,15 @@ class HboneStream(Endpoint):
         if self._ack_paused:
             self._unacked += flow
         else:
-            self.conn.acknowledge(self.stream_id, flow)
+            self.conn.core.acknowledge(self.stream_id, flow)
 
-    def on_data(self, data: bytes, flow: int) -> None:
+    def on_data(self, data: bytes) -> None:
         relay = self.relay
         if relay is None:
-            self._held.append((data, flow))  # credit is returned when a relay takes them
+            self._held.append((data, len(data)))  # credit is returned when a relay takes them
             return
         relay.data_from(self, data)
-        self._credit(flow)
+        self._credit(len(data))
 
     def on_end(self) -> None:
         self._remote_ended = True
@@ -256,22 +242,31 @@ class HboneStream(Endpoint):
         else:
             self.relay.eof_from(self)
 
-    def on_reset(self, code: int) -> None:
+    def on_reset(self, code: int, answered: bool, refused: bool = False) -> None:
         self._reset = code
-        self.fail_response(HboneError(f"stream reset by peer (code {code})"))
+        if refused:
+            self.fail_response(
+                HboneStreamRefused("stream refused by the peer's GOAWAY before it was processed")
+            )
+        else:
+            self.fail_response(HboneError(f"stream reset by peer ({http2.frames.error_name(code)})"))
+        if not answered and self._cancel is not None:
+            # Reset before we answered (rapid reset, or an impatient client): stop the app connect.
+            cancel, self._cancel = self._cancel, None
+            cancel.cancel()
         relay = self.relay
         if relay is None:
             return
         # RST_STREAM NO_ERROR / CANCEL is an orderly end (reference 3.6): EOF to the socket,
         # and since a reset stream carries nothing more either way, the relay is finished.
-        if code in (h2.errors.ErrorCodes.NO_ERROR, h2.errors.ErrorCodes.CANCEL):
+        if code in _ORDERLY_RESETS:
             if not self._remote_ended:
                 self._remote_ended = True
                 relay.eof_from(self)
             if not relay.done.done():
                 relay.finish()
         elif not relay.done.done():
-            relay.failed(self, HboneError(f"stream reset by peer (code {code})"))
+            relay.failed(self, HboneError(f"stream reset by peer ({http2.frames.error_name(code)})"))
 
     def fail_response(self, exc: BaseException) -> None:
         """Wake a client waiting for the CONNECT answer; silent when nobody waits (server side)."""
@@ -293,7 +288,8 @@ class HboneConnection(asyncio.Protocol):
     """One HTTP/2 connection over TLS carrying CONNECT streams; client or server side.
 
     The server side calls `on_request(stream)` for each new CONNECT stream; the handler must
-    answer with `respond(stream, status, headers)`.
+    answer with `respond(stream, status, headers)`. If it returns something with `cancel()` (the
+    task serving the stream), that is cancelled when the peer resets the stream unanswered.
     """
 
     def __init__(
@@ -301,7 +297,7 @@ class HboneConnection(asyncio.Protocol):
         *,
         client_side: bool,
         settings: HboneSettings = DEFAULT_SETTINGS,
-        on_request: Callable[[HboneStream], None] | None = None,
+        on_request: Callable[[HboneStream], object] | None = None,
         on_closed: Callable[[HboneConnection], None] | None = None,
         on_connected: Callable[[HboneConnection], None] | None = None,
         max_concurrent_streams: int = SERVER_MAX_CONCURRENT_STREAMS,
@@ -313,32 +309,29 @@ class HboneConnection(asyncio.Protocol):
         self.on_closed = on_closed
         self.on_connected = on_connected
         self.peer_identity = None  # set by on_connected from the peer's certificate
-        config = h2.config.H2Configuration(
-            client_side=client_side, header_encoding=None, validate_inbound_headers=True
+        self.core = http2.Connection(
+            http2.CoreSettings(
+                client_side=client_side,
+                stream_window_bytes=settings.stream_window_bytes,
+                connection_window_bytes=settings.connection_window_bytes,
+                max_frame_bytes=settings.max_frame_bytes,
+                max_header_list_bytes=CLIENT_MAX_HEADER_LIST_BYTES
+                if client_side
+                else SERVER_MAX_HEADER_LIST_BYTES,
+                max_concurrent_streams=None if client_side else max_concurrent_streams,
+                ping_interval_s=settings.ping_interval_s,
+                ping_timeout_s=settings.ping_timeout_s,
+            ),
+            now=self.loop.time(),
         )
-        self.h2 = h2.connection.H2Connection(config=config)
-        local = {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: settings.stream_window_bytes,
-            h2.settings.SettingCodes.MAX_FRAME_SIZE: settings.max_frame_bytes,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: CLIENT_MAX_HEADER_LIST_BYTES
-            if client_side
-            else SERVER_MAX_HEADER_LIST_BYTES,
-        }
-        if not client_side:
-            local[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] = max_concurrent_streams
-        # Set before initiate_connection() so the first SETTINGS frame carries them; h2 reads
-        # the inbound frame limit once at construction, so it is updated alongside.
-        self.h2.local_settings = h2.settings.Settings(client=client_side, initial_values=local)
-        self.h2.max_inbound_frame_size = settings.max_frame_bytes
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, HboneStream] = {}
         self.closed: asyncio.Future[None] = self.loop.create_future()
-        self.goaway_received = False
+        self.goaway_received = False  # a GOAWAY went either way: no new streams
         self._write_paused = False
         self._blocked_streams: set[HboneStream] = set()
-        self._ping_timer: asyncio.TimerHandle | None = None
-        self._ping_deadline: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self._error: BaseException | None = None
         self.last_used = self.loop.time()
         self.total_streams = 0
@@ -359,81 +352,85 @@ class HboneConnection(asyncio.Protocol):
                 self._error = e
                 transport.abort()
                 return
-        self.h2.initiate_connection()
-        extra = self.settings.connection_window_bytes - DEFAULT_WINDOW_BYTES
-        if extra > 0:
-            self.h2.increment_flow_control_window(extra)
+        self.core.initiate(self.loop.time())
         self.flush()
-        self._schedule_ping()
+        self._arm_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._error is not None:
             return
-        try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as e:
-            log.debug("HTTP/2 protocol error from peer: %s", e)
-            self.flush()
-            self._fail(HboneError(f"HTTP/2 protocol error: {e}", response_flag="H2_HANDSHAKE_FAILURE"))
-            return
-        for event in events:
-            self._dispatch(event)
+        events = self.core.receive(data, self.loop.time())
+        if events:
+            self._dispatch(events)
         self.flush()
+        if self.core.next_deadline() != self._timer_at:
+            self._arm_timer()
 
-    def _dispatch(self, event) -> None:
-        t = type(event)
-        if t is h2.events.DataReceived:
-            stream = self.streams.get(event.stream_id)
-            if stream is None:
-                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                return
-            stream.on_data(event.data, event.flow_controlled_length)
-            if event.stream_ended is not None:
-                stream.on_end()
-        elif t is h2.events.WindowUpdated:
-            if event.stream_id == 0:
-                self._pump_all()
-            else:
-                stream = self.streams.get(event.stream_id)
+    def _dispatch(self, events: list) -> None:
+        streams = self.streams
+        for event in events:
+            t = type(event)
+            if t is ev.DataReceived:
+                stream = streams.get(event.stream_id)
+                if stream is None:
+                    self.core.acknowledge(event.stream_id, len(event.data))
+                else:
+                    stream.on_data(event.data)
+            elif t is ev.WindowUpdated:
+                if event.stream_id == 0:
+                    self._pump_all()
+                else:
+                    stream = streams.get(event.stream_id)
+                    if stream is not None:
+                        self.pump(stream)
+            elif t is ev.StreamEnded:
+                stream = streams.get(event.stream_id)
                 if stream is not None:
-                    self.pump(stream)
-        elif t is h2.events.RequestReceived:
-            self._on_request(event)
-        elif t is h2.events.ResponseReceived:
-            stream = self.streams.get(event.stream_id)
-            if stream is not None and not stream.response.done():
-                headers = _decode_headers(event.headers)
-                status = next((int(v) for k, v in headers if k == ":status"), 0)
-                stream.response.set_result(ConnectResponse(status, headers))
-            if event.stream_ended is not None and stream is not None:
-                stream.on_end()
-        elif t is h2.events.StreamEnded:
-            stream = self.streams.get(event.stream_id)
-            if stream is not None:
-                stream.on_end()
-        elif t is h2.events.StreamReset:
-            stream = self.streams.pop(event.stream_id, None)
-            if stream is not None:
-                self._blocked_streams.discard(stream)
-                stream.on_reset(event.error_code)
-        elif t is h2.events.RemoteSettingsChanged:
-            if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in event.changed_settings:
-                self._pump_all()
-        elif t is h2.events.PingAckReceived:
-            if self._ping_deadline is not None:
-                self._ping_deadline.cancel()
-                self._ping_deadline = None
-        elif t is h2.events.ConnectionTerminated:
-            self.goaway_received = True
-            last = event.last_stream_id if event.last_stream_id is not None else 0
-            for sid, stream in list(self.streams.items()):
-                # Streams the peer never processed will not be answered (RFC 9113 6.8).
-                if self.client_side and sid > last:
-                    stream.fail_response(
-                        HboneError("connection closed by GOAWAY before the stream was accepted")
-                    )
-            if not self.streams:
-                self._close_transport()
+                    stream.on_end()
+                    if stream._end_sent:
+                        self._forget(stream)
+            elif t is ev.RequestReceived:
+                self._on_request(event)
+            elif t is ev.ResponseReceived:
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    if not stream.response.done():
+                        stream.response.set_result(ConnectResponse(event.status, event.headers))
+                    if event.end_stream:
+                        stream.on_end()
+            elif t is ev.StreamReset:
+                stream = streams.pop(event.stream_id, None)
+                if stream is not None:
+                    self._blocked_streams.discard(stream)
+                    stream.on_reset(event.error_code, event.answered, event.refused)
+            elif t is ev.RequestRefused:
+                log.info("HBONE request on stream %d refused: %s", event.stream_id, event.reason)
+            elif t is ev.GoawayReceived:
+                self.goaway_received = True
+                log.debug(
+                    "GOAWAY from peer: last stream %d, %s",
+                    event.last_stream_id,
+                    http2.frames.error_name(event.error_code),
+                )
+            elif t is ev.ConnectionTerminated:
+                self._terminated(event)
+
+    def _terminated(self, event: ev.ConnectionTerminated) -> None:
+        transport = self.transport
+        if transport is None:
+            return
+        if event.clean:
+            self.flush()
+            transport.close()
+            return
+        if self._error is None:
+            flag = "CONNECT" if event.error_code == ErrorCode.NO_ERROR else "H2_HANDSHAKE_FAILURE"
+            self._error = HboneError(f"HTTP/2 connection ended: {event.reason}", response_flag=flag)
+        log.debug("HBONE connection terminated: %s", event.reason)
+        out = self.core.data_to_send()  # the GOAWAY, written even while paused: then abort
+        if out and not transport.is_closing():
+            transport.writelines(out)
+        transport.abort()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -442,6 +439,7 @@ class HboneConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.flush()
         self._pump_all()
         for stream in list(self.streams.values()):
             if stream not in self._blocked_streams:
@@ -449,12 +447,16 @@ class HboneConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        self.core.close()
         err = self._error or exc or HboneError("HBONE connection closed")
         for stream in list(self.streams.values()):
             stream.fail_response(HboneError(f"HBONE connection lost: {err}"))
+            if stream._cancel is not None and stream.relay is None:
+                stream._cancel.cancel()  # nobody will read an answer
             if stream.relay is not None and not stream.relay.done.done():
                 stream.relay.failed(stream, err if isinstance(err, BaseException) else HboneError(str(err)))
         self.streams.clear()
+        self._blocked_streams.clear()
         if not self.closed.done():
             self.closed.set_result(None)
         if self.on_closed is not None:
@@ -462,49 +464,53 @@ class HboneConnection(asyncio.Protocol):
 
     # Sending ---------------------------------------------------------------------------
     def flush(self) -> None:
-        data = self.h2.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        """Dispatch events that API calls caused, then write what the core has queued."""
+        core = self.core
+        if core.has_events:
+            self._dispatch(core.take_events())
+        if self._write_paused:
+            return  # backpressure: the core holds (and bounds) what waits
+        out = core.data_to_send()
+        if out:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                if len(out) == 1:
+                    transport.write(out[0])
+                else:
+                    transport.writelines(out)
 
     def pump(self, stream: HboneStream, data: bytes = b"") -> None:
         """Move bytes into DATA frames as far as the windows allow; the rest waits in `_pending`.
 
         `data` is a fresh chunk from the socket when nothing is pending: in the common case
-        (window open, chunk below the frame size) it becomes a frame without being copied.
-        Copies were most of the outbound proxy's CPU (bench/README.md, HBONE profile).
+        (window open) it becomes a frame without being copied. Copies were most of the
+        outbound proxy's CPU (bench/README.md, HBONE profile).
         """
         pending = stream._pending
         if self._write_paused or stream._reset is not None or stream.stream_id not in self.streams:
             if data:
                 pending += data
             return
-        h2c = self.h2
+        core = self.core
         sid = stream.stream_id
         try:
             if data:
-                view = memoryview(data)
-                offset, size = 0, len(data)
-                while offset < size:
-                    n = min(h2c.local_flow_control_window(sid), h2c.max_outbound_frame_size, size - offset)
-                    if n <= 0:
-                        break
-                    h2c.send_data(sid, data if n == size else view[offset : offset + n])
-                    offset += n
-                if offset < size:
-                    pending += view[offset:]
-                view.release()
+                n = core.send_data(sid, data)
+                if n < len(data):
+                    pending += memoryview(data)[n:]
             while pending:
-                window = h2c.local_flow_control_window(sid)
-                if window <= 0:
+                n = min(core.send_window(sid), len(pending))
+                if n <= 0:
                     break
-                n = min(window, h2c.max_outbound_frame_size, len(pending))
-                h2c.send_data(sid, bytes(pending[:n]))
+                with memoryview(pending) as view:
+                    chunk = view[:n].tobytes()
+                core.send_data(sid, chunk)
                 del pending[:n]
             if not pending and stream._eof_pending and not stream._end_sent:
-                h2c.end_stream(sid)
+                core.end_stream(sid)
                 stream._end_sent = True
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError) as e:
-            stream._pending.clear()
+        except StreamClosedError as e:
+            pending.clear()
             if stream.relay is not None and not stream.relay.done.done():
                 stream.relay.failed(stream, HboneError(f"HBONE stream {sid} closed: {e}"))
             return
@@ -522,22 +528,12 @@ class HboneConnection(asyncio.Protocol):
         for stream in list(self._blocked_streams) or list(self.streams.values()):
             self.pump(stream)
 
-    def acknowledge(self, stream_id: int, n: int) -> None:
-        try:
-            self.h2.acknowledge_received_data(n, stream_id)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            pass  # stream already gone: its window no longer matters
-
     def reset_stream(self, stream_id: int, code: int) -> None:
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
             self._blocked_streams.discard(stream)
-        try:
-            self.h2.reset_stream(stream_id, code)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            pass
+        self.core.reset_stream(stream_id, code)
         self.flush()
-        self._maybe_close_idle()
 
     def stream_closed(self, stream: HboneStream) -> None:
         if stream._end_sent and stream._remote_ended:
@@ -547,11 +543,6 @@ class HboneConnection(asyncio.Protocol):
         if self.streams.pop(stream.stream_id, None) is not None:
             self._blocked_streams.discard(stream)
             self.last_used = self.loop.time()
-            self._maybe_close_idle()
-
-    def _maybe_close_idle(self) -> None:
-        if not self.streams and self.goaway_received:
-            self._close_transport()
 
     @property
     def error(self) -> BaseException | None:
@@ -565,14 +556,16 @@ class HboneConnection(asyncio.Protocol):
 
     @property
     def max_streams(self) -> int:
-        return self.h2.remote_settings.max_concurrent_streams
+        return self.core.peer_max_concurrent_streams
 
     @property
     def usable(self) -> bool:
-        """Can carry a new stream: not closing, no GOAWAY."""
+        """Can carry a new stream: not closing, no GOAWAY either way."""
         return (
             not self.closed.done()
             and not self.goaway_received
+            and not self.core.draining
+            and self.core.terminated is None
             and self.transport is not None
             and not self.transport.is_closing()
         )
@@ -583,112 +576,92 @@ class HboneConnection(asyncio.Protocol):
         """Send a CONNECT and wait for the response headers. Non-200 is returned, not raised."""
         if not self.usable:
             raise HboneError("HBONE connection is closing", response_flag="CONNECT")
-        sid = self.h2.get_next_available_stream_id()
-        stream = HboneStream(self, sid)
-        self.streams[sid] = stream
-        self.total_streams += 1
         request = [(b":method", b"CONNECT"), (b":authority", authority.encode())]
         request += [(k.encode(), v.encode()) for k, v in headers]
         try:
-            self.h2.send_headers(sid, request, end_stream=False)
-        except h2.exceptions.ProtocolError as e:
-            self.streams.pop(sid, None)
+            sid = self.core.send_request(request)
+        except Http2Error as e:
             raise HboneError(f"cannot open HBONE stream: {e}") from None
+        stream = HboneStream(self, sid)
+        self.streams[sid] = stream
+        self.total_streams += 1
         self.flush()
         response = await stream.response
         if response.status != 200:
-            self.streams.pop(sid, None)
-            self._maybe_close_idle()
+            # Nothing will be carried: release the stream on both sides.
+            self.reset_stream(sid, ErrorCode.CANCEL)
         return stream, response
 
     # Server side -----------------------------------------------------------------------
-    def _on_request(self, event: h2.events.RequestReceived) -> None:
+    def _on_request(self, event: ev.RequestReceived) -> None:
         stream = HboneStream(self, event.stream_id)
-        headers = _decode_headers(event.headers)
-        method = next((v for k, v in headers if k == ":method"), "")
-        authority = next((v for k, v in headers if k == ":authority"), "")
-        stream.request = ConnectRequest(
-            method, authority, tuple((k, v) for k, v in headers if not k.startswith(":"))
-        )
+        stream.request = ConnectRequest("CONNECT", event.authority, event.headers)
         self.streams[event.stream_id] = stream
         self.total_streams += 1
-        if event.stream_ended is not None:
+        if event.end_stream:
             stream.on_end()
         if self.on_request is None:
             self.respond(stream, 503)
             return
-        self.on_request(stream)
+        started = self.on_request(stream)
+        if started is not None and hasattr(started, "cancel") and stream.relay is None:
+            stream._cancel = started
 
     def respond(self, stream: HboneStream, status: int, headers: list[tuple[str, str]] = ()) -> None:
         """Answer a CONNECT. Non-200 answers end the stream."""
         if stream.stream_id not in self.streams:
             return
-        end = status != 200
+        stream._cancel = None
         try:
-            self.h2.send_headers(
-                stream.stream_id,
-                [(b":status", str(status).encode())] + [(k.encode(), v.encode()) for k, v in headers],
-                end_stream=end,
-            )
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self.core.send_response(stream.stream_id, status, [(k.encode(), v.encode()) for k, v in headers])
+        except StreamClosedError:
             self.streams.pop(stream.stream_id, None)
             return
-        if end:
+        if status != 200:
+            # The core ended the stream (and reset what we will not read): nothing more here.
             stream._end_sent = True
-            if stream._remote_ended:
-                self._forget(stream)
-            else:
-                # Nothing more will be read from this stream: reset it so its window frees up.
-                self.reset_stream(stream.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            self._forget(stream)
         self.flush()
 
     def drain(self) -> None:
-        """Graceful shutdown: GOAWAY now, close once the open streams finish."""
+        """Graceful shutdown: GOAWAY now; open streams carry on both ways until they end (RFC 9113
+        6.8); the connection closes once none is left (or the caller's deadline aborts it)."""
         if self.closed.done():
             return
         self.goaway_received = True  # no new streams on our side either
-        try:
-            self.h2.close_connection()
-        except h2.exceptions.ProtocolError:
-            pass
+        self.core.start_drain(self.loop.time())
         self.flush()
-        self._maybe_close_idle()
+        self._arm_timer()
 
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
 
-    # Keepalive -------------------------------------------------------------------------
-    def _schedule_ping(self) -> None:
-        if self.settings.ping_interval_s > 0:
-            self._ping_timer = self.loop.call_later(self.settings.ping_interval_s, self._send_ping)
+    # Timers (keepalive PING, drain) -----------------------------------------------------
+    def _arm_timer(self) -> None:
+        deadline = self.core.next_deadline()
+        if deadline == self._timer_at and self._timer is not None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self.loop.call_at(deadline, self._on_timer)
 
-    def _send_ping(self) -> None:
-        if self.closed.done() or self.transport is None or self.transport.is_closing():
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        if self.closed.done():
             return
-        try:
-            self.h2.ping(os.urandom(8))
-        except h2.exceptions.ProtocolError:
-            return
+        events = self.core.handle_timeout(self.loop.time())
+        if events:
+            self._dispatch(events)
         self.flush()
-        if self._ping_deadline is None:
-            self._ping_deadline = self.loop.call_later(self.settings.ping_timeout_s, self._ping_timed_out)
-        self._schedule_ping()
-
-    def _ping_timed_out(self) -> None:
-        self._fail(HboneError(f"no PING answer within {self.settings.ping_timeout_s:g}s"))
+        self._arm_timer()
 
     def _cancel_timers(self) -> None:
-        for timer in (self._ping_timer, self._ping_deadline):
-            if timer is not None:
-                timer.cancel()
-        self._ping_timer = self._ping_deadline = None
-
-    def _fail(self, exc: BaseException) -> None:
-        self._error = exc
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _close_transport(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None

@@ -150,8 +150,9 @@ class InboundProxy:
 
     def _on_request(
         self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
-    ) -> None:
-        self.pi.connections.spawn(self.serve_stream(stream, local, peer, workload))
+    ) -> asyncio.Task:
+        # Returned to the HBONE shell, which cancels it if the peer resets the stream unanswered.
+        return self.pi.connections.spawn(self.serve_stream(stream, local, peer, workload))
 
     def decide(
         self, stream: HboneStream, local: SocketAddr, workload: Workload
@@ -327,7 +328,11 @@ class InboundProxy:
         try:
             async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
                 sock = await pi.connect(address, connect_from)
-            upstream = await wrap_socket(sock)
+            try:
+                upstream = await wrap_socket(sock)
+            except BaseException:
+                sock.close()  # cancelled (stream reset by the client) or failed: no fd left behind
+                raise
         except (OSError, TimeoutError) as e:
             reason = f"connect to {address} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
             result.fail(reason, "CONNECT")

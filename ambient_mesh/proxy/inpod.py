@@ -16,6 +16,7 @@ listeners are up, `..._stopped_total` when its drain has finished, and the activ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -156,8 +157,9 @@ class InpodManager:
         )
 
     async def stop_all(self, graceful: bool = True) -> None:
-        for uid in list(self.pods):
-            await self.stop_proxy(uid, graceful)
+        # Every pod drains at once, within one CONNECTION_TERMINATION_DEADLINE (as ztunnel does),
+        # not one deadline after another.
+        await asyncio.gather(*(self.stop_proxy(uid, graceful) for uid in list(self.pods)))
         self._unsubscribe()
 
     def sync_certificates(self) -> None:

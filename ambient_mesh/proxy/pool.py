@@ -5,7 +5,9 @@ destination identities, destination socket address, source IP); a key has at mos
 connection being established at a time (other callers wait for it), a connection is reused
 while it has fewer open streams than min(POOL_MAX_STREAMS_PER_CONNECTION, the peer's
 SETTINGS_MAX_CONCURRENT_STREAMS), a further connection is opened when every one is full,
-connections that got GOAWAY or closed are dropped, and connections unused for
+connections that got GOAWAY or closed are dropped (never a new stream on them: the next caller
+gets a fresh connection), a stream the peer's GOAWAY refused before processing it is retried
+once on another connection (RFC 9113 8.7), and connections unused for
 POOL_UNUSED_RELEASE_TIMEOUT are closed.
 """
 
@@ -19,7 +21,15 @@ from dataclasses import dataclass
 
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
-from .hbone import DEFAULT_SETTINGS, ConnectResponse, HboneConnection, HboneError, HboneSettings, HboneStream
+from .hbone import (
+    DEFAULT_SETTINGS,
+    ConnectResponse,
+    HboneConnection,
+    HboneError,
+    HboneSettings,
+    HboneStream,
+    HboneStreamRefused,
+)
 
 log = logging.getLogger("ambient_mesh.pool")
 
@@ -99,6 +109,17 @@ class HbonePool:
         self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]
     ) -> tuple[HboneStream, ConnectResponse]:
         """A CONNECT stream to `key.dst` on a pooled connection (a new one when all are full)."""
+        try:
+            return await self._open_stream(key, authority, headers)
+        except HboneStreamRefused:
+            # The connection got GOAWAY before the peer saw our stream: it is out of the pool
+            # now (not `usable`), and the request was never processed, so one retry is safe.
+            log.debug("HBONE stream to %s refused by GOAWAY; retrying on another connection", key)
+            return await self._open_stream(key, authority, headers)
+
+    async def _open_stream(
+        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]
+    ) -> tuple[HboneStream, ConnectResponse]:
         while True:
             conn = self._ready_connection(key)
             if conn is not None:

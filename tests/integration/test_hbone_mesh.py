@@ -270,29 +270,22 @@ async def test_status_codes_of_the_hbone_server():
 
 
 async def test_non_connect_method_gets_400():
-    import h2.events
+    from ambient_mesh.proxy.hbone import HboneStream
 
     async with running_mesh():
         conn = await raw_hbone(client_context(issue(CLIENT_ID)))
-        sid = conn.h2.get_next_available_stream_id()
-        from ambient_mesh.proxy.hbone import HboneStream
-
+        request = [
+            (b":method", b"GET"),
+            (b":scheme", b"https"),
+            (b":path", b"/"),
+            (b":authority", f"{SERVER_IP}:{ECHO_PORT}".encode()),
+        ]
+        sid = conn.core.send_request(request, end_stream=True)  # a legal HTTP/2 request, not CONNECT
         stream = HboneStream(conn, sid)
         conn.streams[sid] = stream
-        conn.h2.send_headers(
-            sid,
-            [
-                (":method", "GET"),
-                (":scheme", "https"),
-                (":path", "/"),
-                (":authority", f"{SERVER_IP}:{ECHO_PORT}"),
-            ],
-            end_stream=True,
-        )
         conn.flush()
         response = await asyncio.wait_for(stream.response, 10)
         assert response.status == 400
-        assert h2.events  # the import above is the point: h2 validated our GET as legal HTTP/2
 
 
 @pytest.mark.parametrize("case", ["other-trust-domain", "no-client-cert", "other-root"])
@@ -329,6 +322,30 @@ async def test_drain_waits_for_open_connections_then_closes():
         await asyncio.wait_for(drain, 5)
         assert await asyncio.wait_for(reader.read(), 5) == b""  # forced closed at the deadline
         writer.close()
+
+
+async def test_server_proxy_drain_lets_a_live_tunnel_finish_after_goaway():
+    """SIGTERM / quitquitquit on the server proxy: GOAWAY to the client proxy, but the open tunnel
+    keeps carrying data both ways until it ends, and the drain ends with it, before the deadline."""
+    async with running_mesh() as mesh:
+        reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
+        writer.write(b"before drain;")
+        assert await reader.readexactly(13) == b"before drain;"
+        [pooled] = [c for cs in mesh.client.pi.pool._connections.values() for c in cs]
+        drain = asyncio.create_task(mesh.server.drain(10))
+        await wait_for(lambda: pooled.goaway_received)
+        for i in range(10):
+            chunk = f"after goaway {i};".encode()
+            writer.write(chunk)
+            assert await asyncio.wait_for(reader.readexactly(len(chunk)), 5) == chunk
+            await asyncio.sleep(0.02)
+        assert not drain.done()
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await asyncio.wait_for(drain, 5)  # ended with the tunnel, well before the 10 s deadline
+        await wait_for(lambda: pooled.closed.done())  # the client side closed it too, cleanly
+        assert pooled.error is None
 
 
 async def test_relay_repr_and_counts():

@@ -1,0 +1,149 @@
+"""HPACK (RFC 7541) header blocks: a decoder linear in the block size, and the encoder.
+
+Counterpart: the `hpack` library's Decoder, whose `decode` copies the rest of the block
+(`memoryview.tobytes()`) for every literal it meets, so a block of n bytes costs O(n^2): with
+1 MiB frames and CONTINUATION a 16 MiB block froze the event loop for 21 s (issue 8). This
+decoder walks the block once with an integer offset and copies only the names and values it
+returns. The tables (static + dynamic, eviction) and the Huffman code are the library's
+(`hpack.table.HeaderTable`, `hpack.huffman_table.decode_huffman`); encoding uses
+`hpack.Encoder` unchanged (we only ever encode our own small header lists).
+
+The caller bounds the block's size before it gets here (connection.py); this module bounds the
+decoded header list (RFC 9113 6.5.2 SETTINGS_MAX_HEADER_LIST_SIZE, counted as RFC 7541 4.1
+entry sizes: name + value + 32) and stops at the first field that passes it.
+"""
+
+from __future__ import annotations
+
+import hpack
+from hpack.huffman_table import decode_huffman
+from hpack.table import HeaderTable
+
+from ...errors import ProtocolError
+
+# RFC 7541 4.1: every entry costs its name, its value and 32 octets of overhead.
+ENTRY_OVERHEAD_BYTES = 32
+# RFC 9113 6.5.2: SETTINGS_HEADER_TABLE_SIZE default; we never advertise another value.
+DEFAULT_TABLE_BYTES = 4096
+# Integers wider than this many continuation octets are refused (RFC 7541 5.1 lets us choose).
+MAX_INTEGER_OCTETS = 5
+
+
+class HpackError(ProtocolError):
+    """A header block that does not decode (RFC 9113 4.3: a connection error, COMPRESSION_ERROR)."""
+
+
+class HeaderListTooLarge(HpackError):
+    """The decoded list passes the SETTINGS_MAX_HEADER_LIST_SIZE we advertised."""
+
+
+class BlockDecoder:
+    """Decodes complete header blocks for one connection (the dynamic table is shared)."""
+
+    __slots__ = ("table", "max_table_bytes", "max_list_bytes")
+
+    def __init__(self, *, max_list_bytes: int, max_table_bytes: int = DEFAULT_TABLE_BYTES) -> None:
+        self.table = HeaderTable()
+        self.table.maxsize = max_table_bytes
+        self.max_table_bytes = max_table_bytes
+        self.max_list_bytes = max_list_bytes
+
+    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The header list of `block`, in order. Raises HpackError (or HeaderListTooLarge)."""
+        try:
+            return self._decode(block)
+        except HpackError:
+            raise
+        except (hpack.HPACKError, IndexError, ValueError) as e:
+            raise HpackError(f"HPACK header block does not decode: {e}") from None
+
+    def _decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        table = self.table
+        headers: list[tuple[bytes, bytes]] = []
+        list_bytes = 0
+        pos = 0
+        end = len(data)
+        while pos < end:
+            first = data[pos]
+            if first & 0x80:  # 6.1 indexed field
+                index, pos = self._integer(data, pos, 7)
+                if index == 0:
+                    raise HpackError("HPACK indexed field with index 0")
+                name, value = table.get_by_index(index)
+            elif first & 0x40:  # 6.2.1 literal with incremental indexing
+                name, value, pos = self._literal(data, pos, 6)
+                table.add(name, value)
+            elif first & 0x20:  # 6.3 dynamic table size update
+                if headers:
+                    raise HpackError("HPACK table size update after the first field (RFC 7541 4.2)")
+                size, pos = self._integer(data, pos, 5)
+                if size > self.max_table_bytes:
+                    raise HpackError(f"HPACK table size {size} above the {self.max_table_bytes} allowed")
+                table.maxsize = size
+                continue
+            else:  # 6.2.2 / 6.2.3 literal without indexing / never indexed
+                name, value, pos = self._literal(data, pos, 4)
+            list_bytes += len(name) + len(value) + ENTRY_OVERHEAD_BYTES
+            if list_bytes > self.max_list_bytes:
+                raise HeaderListTooLarge(
+                    f"header list larger than the {self.max_list_bytes} bytes advertised "
+                    "(SETTINGS_MAX_HEADER_LIST_SIZE)"
+                )
+            headers.append((name, value))
+        return headers
+
+    @staticmethod
+    def _integer(data: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
+        """RFC 7541 5.1; returns (value, position after it)."""
+        mask = (1 << prefix_bits) - 1
+        value = data[pos] & mask
+        pos += 1
+        if value < mask:
+            return value, pos
+        shift = 0
+        for _ in range(MAX_INTEGER_OCTETS):
+            if pos >= len(data):
+                raise HpackError("HPACK integer truncated")
+            octet = data[pos]
+            pos += 1
+            value += (octet & 0x7F) << shift
+            if not octet & 0x80:
+                return value, pos
+            shift += 7
+        raise HpackError(f"HPACK integer longer than {MAX_INTEGER_OCTETS} continuation octets")
+
+    def _string(self, data: bytes, pos: int) -> tuple[bytes, int]:
+        """RFC 7541 5.2; one copy of just this string."""
+        if pos >= len(data):
+            raise HpackError("HPACK string truncated")
+        huffman = data[pos] & 0x80
+        length, pos = self._integer(data, pos, 7)
+        stop = pos + length
+        if stop > len(data):
+            raise HpackError("HPACK string longer than the header block")
+        raw = data[pos:stop]
+        return (decode_huffman(raw) if huffman else raw), stop
+
+    def _literal(self, data: bytes, pos: int, prefix_bits: int) -> tuple[bytes, bytes, int]:
+        index, pos = self._integer(data, pos, prefix_bits)
+        if index:
+            name = self.table.get_by_index(index)[0]
+        else:
+            name, pos = self._string(data, pos)
+        value, pos = self._string(data, pos)
+        return name, value, pos
+
+
+class BlockEncoder:
+    """Encodes our own header lists; the peer's SETTINGS_HEADER_TABLE_SIZE is applied."""
+
+    __slots__ = ("_encoder",)
+
+    def __init__(self) -> None:
+        self._encoder = hpack.Encoder()
+
+    def set_table_size(self, size: int) -> None:
+        self._encoder.header_table_size = min(size, DEFAULT_TABLE_BYTES)
+
+    def encode(self, headers: list[tuple[bytes, bytes]]) -> bytes:
+        return self._encoder.encode(headers)
