@@ -233,5 +233,45 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+# -- the entry points Istio's Helm charts call (so our image drops into them with --set alone) --
+
+# Where istio-cni's `install-cni` container finds the node's directories: the chart mounts the
+# host's CNI config and bin dirs and /proc under /host (reference/istio-cni.md 1.2, 1.6, 1.7).
+INSTALL_CNI_DEFAULTS = {
+    "HOST_PREFIX": "/host",
+    "MOUNTED_CNI_NET_DIR": "/host/etc/cni/net.d",
+    "CNI_BIN_DIR": "/host/opt/cni/bin",
+}
+ZTUNNEL_USAGE = "usage: ztunnel proxy [ztunnel] | ztunnel version | ztunnel help"
+
+
+def ztunnel_main(argv: list[str] | None = None) -> int:
+    """`ztunnel`: the binary name and arguments of Istio's ztunnel image. The chart runs
+    `ztunnel proxy ztunnel`; `proxy` alone means the same, `version` prints ours."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["proxy"], ["proxy", "ztunnel"]):
+        return main(["ztunnel"])
+    if argv == ["version"]:
+        from . import __version__
+
+        print(f"ambient-mesh {__version__} (ztunnel-compatible node proxy)")
+        return 0
+    if argv in ([], ["help"], ["--help"], ["-h"]):
+        print(ZTUNNEL_USAGE)
+        return 0 if argv else 2
+    # ztunnel's other proxy types (`proxy sidecar`, `proxy router`) are not ambient's node proxy.
+    print(f"ztunnel: unsupported arguments {' '.join(argv)!r}; {ZTUNNEL_USAGE}", file=sys.stderr)
+    return 2
+
+
+def install_cni_main(argv: list[str] | None = None) -> int:
+    """`install-cni`: the command of istio-cni's chart. The node agent with the container's
+    defaults (host paths under /host); the chart's env and `--log_output_level` flags as they are."""
+    argv = sys.argv[1:] if argv is None else argv
+    for name, value in INSTALL_CNI_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return main(["cni-agent", *argv])
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,7 +51,15 @@ from .agent_config import AgentConfig, load
 from .cni_server import CniAddHandler, CniPluginServer
 from .dataplane import DataplaneSettings, MeshDataplane, ThreadBoundProbeSet
 from .informer import Enablement, Informer
-from .install import Installer, InstallError, PluginInstall, launcher_script, plugin_entry, watch
+from .install import (
+    Installer,
+    InstallError,
+    PluginInstall,
+    launcher_script,
+    packaged_plugin,
+    plugin_entry,
+    watch,
+)
 from .kubeconfig import KubeconfigError, KubeconfigInputs, KubeconfigWriter
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
 from .podinfo import PLUGIN_KUBECONFIG_NAME
@@ -426,6 +434,7 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
             cni_bin_dir=cfg.cni_bin_dir,
             entry=entry,
             launcher=launcher_script(),
+            bundle=packaged_plugin(),
             cni_conf_name=cfg.cni_conf_name,
             conf_group_read=cfg.cni_conf_group_read,
         )

@@ -12,16 +12,26 @@ unchanged file is not rewritten (a rewrite is itself a change that watchers reac
 The JSON transformations are pure functions over dicts; `Installer` is the thin I/O around them.
 On a normal shutdown our entry and executable are removed; on an upgrade shutdown they stay, so
 new pods keep failing closed until the new agent is up instead of starting outside the mesh.
+
+The executable is one of two things. In a container image (deploy/Containerfile) it is the frozen
+plugin bundle (scripts/cluster/plugin.sh: PyInstaller onedir, its own interpreter inside), which
+needs no Python on the node: the bundle directory is copied into the bin dir as
+`.istio-cni-<digest>/` and `istio-cni` becomes a symlink into it, switched by rename, so the
+runtime runs either the old or the new plugin, never half of one (istio-cni copies its Go binary
+the same way, file by file). Run straight from a checkout (the lab, tests) it is a shell launcher
+that execs this interpreter on the plugin module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -45,6 +55,13 @@ EXECUTABLE_MODE = 0o755
 DEFAULT_WATCH_INTERVAL_S = 2.0
 # Repairs in this many consecutive rounds mean something keeps rewriting the config.
 REWRITE_LOOP_ROUNDS = 3
+# Where the image keeps the frozen plugin bundle (deploy/Containerfile); without it, the launcher.
+PACKAGED_PLUGIN_DIR = Path("/opt/ambient-mesh/cni-plugin")
+BUNDLE_PREFIX = "."
+# A bundle larger than this is not a plugin bundle (ours is about 16 MB): refuse to copy it.
+MAX_BUNDLE_BYTES = 256 * 1024 * 1024
+MAX_BUNDLE_FILES = 4096
+BUNDLE_DIGEST_CHARS = 16
 
 
 class InstallError(AmbientError):
@@ -115,6 +132,59 @@ def fast_sys_path() -> list[str]:
         str(Path(yaml.__file__).resolve().parent.parent),
     ]
     return list(dict.fromkeys(roots))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PluginBundle:
+    """A frozen plugin directory (its executable is `<source>/<executable_name>`) and the digest
+    of its contents, which names the copy in the bin dir."""
+
+    source: Path
+    digest: str
+    executable_name: str = PLUGIN_TYPE
+
+    @classmethod
+    def load(cls, source: Path, executable_name: str = PLUGIN_TYPE) -> PluginBundle:
+        """Hash `source` (names, modes, contents); InstallError when it is not a usable bundle."""
+        if not os.access(source / executable_name, os.X_OK):
+            raise InstallError(
+                f"plugin bundle {source} has no executable {executable_name}",
+                hint="the image builds it with scripts/cluster/plugin.sh",
+            )
+        digest = hashlib.sha256()
+        total = files = 0
+        for path in sorted(p for p in source.rglob("*") if not p.is_dir()):
+            files += 1
+            if path.is_symlink() or not path.is_file():
+                raise InstallError(f"plugin bundle {source} holds {path}, which is not a plain file")
+            size = path.stat().st_size
+            total += size
+            if files > MAX_BUNDLE_FILES or total > MAX_BUNDLE_BYTES:
+                raise InstallError(
+                    f"plugin bundle {source} exceeds {MAX_BUNDLE_FILES} files or {MAX_BUNDLE_BYTES} bytes"
+                )
+            rel = path.relative_to(source).as_posix()
+            digest.update(f"{rel}\0{path.stat().st_mode & 0o777:o}\0{size}\0".encode())
+            with path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+        return cls(
+            source=source, digest=digest.hexdigest()[:BUNDLE_DIGEST_CHARS], executable_name=executable_name
+        )
+
+    @property
+    def dir_name(self) -> str:
+        return f"{BUNDLE_PREFIX}{self.executable_name}-{self.digest}"
+
+    @property
+    def link_target(self) -> str:
+        """The symlink's relative target, so the bin dir can be mounted anywhere (`/host/opt/cni/bin`)."""
+        return f"{self.dir_name}/{self.executable_name}"
+
+
+def packaged_plugin(source: Path = PACKAGED_PLUGIN_DIR) -> PluginBundle | None:
+    """The image's frozen plugin, or None outside an image (the launcher is used then)."""
+    return PluginBundle.load(source) if source.is_dir() else None
 
 
 def _plugins(config: Mapping[str, Any]) -> list[Any] | None:
@@ -234,6 +304,8 @@ class PluginInstall:
     cni_bin_dir: Path
     entry: Mapping[str, Any] = field(default_factory=plugin_entry)
     launcher: str = field(default_factory=launcher_script)
+    # When set, this frozen bundle is installed instead of the launcher.
+    bundle: PluginBundle | None = None
     cni_conf_name: str = ""
     executable_name: str = PLUGIN_TYPE
     # CNI_CONF_GROUP_READ: mode of a config file we create (an existing file keeps its mode).
@@ -290,8 +362,59 @@ class Installer:
             )
         return name
 
+    def _bundle_copies(self) -> list[Path]:
+        bundle = self.spec.bundle
+        assert bundle is not None
+        prefix = f"{BUNDLE_PREFIX}{bundle.executable_name}-"
+        try:
+            return sorted(p for p in self.spec.cni_bin_dir.iterdir() if p.name.startswith(prefix))
+        except OSError:
+            return []
+
+    def _install_bundle(self, bundle: PluginBundle) -> bool:
+        target = self.spec.executable_path
+        previous = ""
+        with contextlib.suppress(OSError):
+            previous = os.readlink(target)
+        if previous == bundle.link_target and os.access(target, os.X_OK):
+            return False
+        copy = self.spec.cni_bin_dir / bundle.dir_name
+        for stale in self._bundle_copies():
+            if ".tmp." in stale.name:  # an interrupted copy
+                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            if not os.access(copy / bundle.executable_name, os.X_OK):
+                tmp = Path(tempfile.mkdtemp(dir=self.spec.cni_bin_dir, prefix=f"{copy.name}.tmp."))
+                try:
+                    shutil.copytree(bundle.source, tmp, dirs_exist_ok=True)
+                    shutil.rmtree(copy, ignore_errors=True)
+                    os.rename(tmp, copy)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            link_tmp = self.spec.cni_bin_dir / f"{self.spec.executable_name}.tmp.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                link_tmp.unlink()
+            os.symlink(bundle.link_target, link_tmp)
+            os.replace(link_tmp, target)
+        except OSError as exc:
+            raise InstallError(
+                f"cannot install the plugin bundle into {self.spec.cni_bin_dir}: {exc}",
+                hint="a read-only CNI bin dir needs the platform's writable location (GKE: /home/kubernetes/bin)",
+            ) from None
+        # Older copies go, except the one just replaced: a plugin run that started a moment ago
+        # may still be loading its modules from it.
+        keep = {copy.name, previous.split("/", 1)[0]}
+        for old in self._bundle_copies():
+            if old.name not in keep and ".tmp." not in old.name:
+                shutil.rmtree(old, ignore_errors=True)
+        return True
+
     def install_executable(self) -> bool:
-        """Write the launcher into the bin dir; False when it was already there."""
+        """Write the launcher (or the bundle and its symlink) into the bin dir; False when it was
+        already there."""
+        if self.spec.bundle is not None:
+            return self._install_bundle(self.spec.bundle)
         target = self.spec.executable_path
         data = self.spec.launcher.encode("utf-8")
         with contextlib.suppress(OSError):
@@ -350,8 +473,16 @@ class Installer:
     def check_drift(self) -> Drift:
         problems: list[str] = []
         exe = self.spec.executable_path
+        bundle = self.spec.bundle
         try:
-            if exe.read_bytes() != self.spec.launcher.encode("utf-8"):
+            if bundle is not None:
+                exe.lstat()  # missing: reported below
+                link = os.readlink(exe) if exe.is_symlink() else ""
+                if link != bundle.link_target:
+                    problems.append(f"executable {exe} does not point at our bundle {bundle.dir_name}")
+                elif not os.access(exe, os.X_OK):
+                    problems.append(f"executable {exe}: bundle {bundle.dir_name} is missing or incomplete")
+            elif exe.read_bytes() != self.spec.launcher.encode("utf-8"):
                 problems.append(f"executable {exe} differs from ours")
             elif not os.access(exe, os.X_OK):
                 problems.append(f"executable {exe} is not executable")
@@ -407,6 +538,9 @@ class Installer:
             log.info("removed %s plugin entry from %s", PLUGIN_TYPE, path)
         with contextlib.suppress(FileNotFoundError):
             self.spec.executable_path.unlink()
+        if self.spec.bundle is not None:
+            for copy in self._bundle_copies():
+                shutil.rmtree(copy, ignore_errors=True)
         self.config_path = None
 
 
