@@ -27,6 +27,20 @@ if [ -S "$CONTAINERD_SOCK" ]; then
     ctr --address "$CONTAINERD_SOCK" -n k8s.io tasks kill -s KILL "$t" >/dev/null 2>&1
   done
   sleep 1
+  # the next cluster's etcd starts empty: containers of this one would be stale sandboxes there
+  for t in $(ctr --address "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+    ctr --address "$CONTAINERD_SOCK" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1
+  done
+  netns=()
+  for c in $(ctr --address "$CONTAINERD_SOCK" -n k8s.io containers ls -q 2>/dev/null); do
+    # the pod network namespaces containerd made (their names are in the containers' specs)
+    netns+=($(ctr --address "$CONTAINERD_SOCK" -n k8s.io containers info "$c" 2>/dev/null \
+      | grep -o '"/var/run/netns/cni-[0-9a-f-]*"' | tr -d '"'))
+    ctr --address "$CONTAINERD_SOCK" -n k8s.io containers rm "$c" >/dev/null 2>&1
+  done
+  for n in $(printf '%s\n' "${netns[@]}" | sort -u); do
+    ip netns delete "$(basename "$n")" 2>/dev/null
+  done
 fi
 stop containerd
 # shims outlive containerd; these are ours (their -address is our socket)

@@ -80,6 +80,11 @@ net=()
 podman build -q "${net[@]}" --build-arg "BASE_IMAGE=$BASE" -t "$IMAGE:build" "$CTX" >/dev/null
 id=$(podman image inspect --format '{{.Id}}' "$IMAGE:build" | cut -c1-12)
 podman tag "$IMAGE:build" "$IMAGE:$id"
+# the build stage and images of earlier builds would pile up in the cache
+for old in $(podman images --format '{{.Repository}}:{{.Tag}}' "$IMAGE" | grep -v -e ":build$" -e ":$id$"); do
+  podman rmi -f "$old" >/dev/null 2>&1 || true
+done
+podman image prune -f >/dev/null 2>&1 || true
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE:$id")
 log "built $IMAGE:$id in $(( $(date +%s) - t0 ))s, $(( size / 1000000 )) MB"
 echo "$IMAGE:$id"
