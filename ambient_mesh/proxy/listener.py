@@ -1,25 +1,172 @@
 """A TCP listener: bind as ztunnel binds, accept, and run one handler task per connection.
 
+Counterpart: ztunnel src/socket.rs (`Listener`) and the accept loops in src/proxy/*.rs.
+
 Each connection task has a crash barrier: an unexpected exception is logged with the listener's
-name and the socket is closed; CancelledError always propagates. Draining stops accepting
-first; the caller then waits for (or aborts) the connections.
+name and the socket is closed; CancelledError always propagates. Errors the network hands us
+(a client that reset before its handler ran, a peer gone mid-handshake) are not bugs: they are
+one line at debug level, never a traceback. Draining stops accepting first; the caller then
+waits for (or aborts) the connections.
+
+Out of file descriptors (EMFILE, ENFILE) or kernel memory (ENOBUFS, ENOMEM), accept() fails
+while the clients wait in the backlog. The loop then (1) sheds the backlog: it frees one spare
+descriptor it holds for this moment, accepts each waiting client and closes it at once with a
+reset, so clients fail fast instead of hanging until their own timeout (the libev/nginx
+technique); (2) backs off, doubling from ACCEPT_BACKOFF_MIN_S to ACCEPT_BACKOFF_MAX_S; and (3)
+says so in one warning per ACCEPT_ERROR_LOG_INTERVAL_S, with the count of failures and shed
+clients since the previous line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 from ..errors import BindError
 from ..net import SocketAddr
 from .inputs import ConnectionTracker
-from .sockets import SocketFactory, configure_accepted, listen_socket, plain_socket
+from .sockets import KeepaliveSettings, SocketFactory, configure_accepted, listen_socket, plain_socket
 
 log = logging.getLogger("ambient_mesh.proxy.listener")
 
 Handler = Callable[[socket.socket], Awaitable[None]]
+
+ACCEPT_BACKOFF_MIN_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+# Clients shed per failed accept(): the whole backlog (LISTEN_BACKLOG) drains in a few rounds,
+# and one round never holds the event loop for long.
+MAX_SHED_PER_ROUND = 256
+
+# accept() failures that mean "this process or host is out of a resource", not "this client".
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# accept() failures that concern only the one connection being accepted (accept(2): "Linux
+# accept() passes already-pending network errors on the new socket as an error code").
+CLIENT_ERRNOS = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.ECONNRESET,
+        errno.EPROTO,
+        errno.EPERM,
+        errno.ENETDOWN,
+        errno.ENOPROTOOPT,
+        errno.EHOSTDOWN,
+        errno.ENONET,
+        errno.EHOSTUNREACH,
+        errno.EOPNOTSUPP,
+        errno.ENETUNREACH,
+        errno.ETIMEDOUT,
+        errno.EAGAIN,
+    }
+)
+# What a client that went away does to a handler: a network event, not a proxy bug.
+PEER_GONE_ERRNOS = frozenset(
+    {errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EBADF}
+)
+
+
+class SpareDescriptor:
+    """One file descriptor held in reserve, so a listener out of descriptors can still accept
+    (and then close) the clients waiting in its backlog.
+
+    One per process: descriptors are a per-process resource, and the event loop runs one
+    accept at a time, so one spare serves every listener (shared mode has hundreds).
+    """
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self.reserve()
+
+    def reserve(self) -> bool:
+        if self._fd is None:
+            try:
+                self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+        return True
+
+    def release(self) -> bool:
+        if self._fd is None:
+            return False
+        os.close(self._fd)
+        self._fd = None
+        return True
+
+    def __repr__(self) -> str:
+        return f"SpareDescriptor({'held' if self._fd is not None else 'not held'})"
+
+
+_PROCESS_SPARE: SpareDescriptor | None = None
+
+
+def process_spare() -> SpareDescriptor:
+    global _PROCESS_SPARE
+    if _PROCESS_SPARE is None:
+        _PROCESS_SPARE = SpareDescriptor()
+    return _PROCESS_SPARE
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0): the client learns at once, and we keep no TIME_WAIT."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+class AcceptErrorLog:
+    """At most one warning per interval about failing accepts, with counts since the last one."""
+
+    __slots__ = ("name", "interval_s", "failures", "shed", "_last_logged", "_last_error", "lines")
+
+    def __init__(self, name: str, interval_s: float = ACCEPT_ERROR_LOG_INTERVAL_S) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.failures = 0  # since the last line
+        self.shed = 0  # since the last line
+        self._last_logged: float | None = None
+        self._last_error: OSError | None = None
+        self.lines = 0
+
+    def note(self, error: OSError, shed: int, now: float) -> None:
+        self.failures += 1
+        self.shed += shed
+        self._last_error = error
+        self.flush(now)
+
+    def flush(self, now: float) -> None:
+        """Log the failures counted since the last line, if any and if the interval has passed."""
+        if not self.failures:
+            return
+        if self._last_logged is not None and now - self._last_logged < self.interval_s:
+            return
+        e = self._last_error
+        name = errno.errorcode.get(e.errno, str(e.errno)) if e is not None and e.errno else "error"
+        what = e.strerror if e is not None and e.strerror else str(e)
+        hint = (
+            "raise the file descriptor limit (ulimit -n / LimitNOFILE) or find what holds descriptors"
+            if e is not None and e.errno in (errno.EMFILE, errno.ENFILE)
+            else "the host is short of memory for sockets"
+        )
+        log.warning(
+            "%s listener: accept failed %d times (%s: %s); closed %d waiting clients; backing off (%s)",
+            self.name,
+            self.failures,
+            name,
+            what,
+            self.shed,
+            hint,
+        )
+        self.lines += 1
+        self._last_logged = now
+        self.failures = 0
+        self.shed = 0
 
 
 class Listener:
@@ -34,6 +181,8 @@ class Listener:
         transparent: bool = False,
         reuse_port: bool = False,
         socket_factory: SocketFactory = plain_socket,
+        keepalive: KeepaliveSettings | None = None,
+        spare: SpareDescriptor | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -43,13 +192,19 @@ class Listener:
         self._transparent = transparent
         self._reuse_port = reuse_port
         self._socket_factory = socket_factory
+        self._keepalive = keepalive
+        self._spare = spare
         self._sock: socket.socket | None = None
         self._task: asyncio.Task | None = None
+        self._errors = AcceptErrorLog(name)
         self.accepted = 0
+        self.shed = 0  # clients closed unserved because the process ran out of descriptors
+        self.accept_failures = 0
 
     def __repr__(self) -> str:
         where = self.bound_address if self._sock else self.address
-        return f"Listener({self.name} on {where}, {self.accepted} accepted)"
+        shed = f", {self.shed} shed" if self.shed else ""
+        return f"Listener({self.name} on {where}, {self.accepted} accepted{shed})"
 
     def bind(self) -> None:
         try:
@@ -71,23 +226,62 @@ class Listener:
     def start(self) -> None:
         if self._sock is None:
             self.bind()
+        if self._spare is None:
+            self._spare = process_spare()
         self._task = asyncio.get_running_loop().create_task(self._accept_loop(), name=f"listener {self.name}")
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
+        backoff_s = ACCEPT_BACKOFF_MIN_S
         while True:
             try:
-                conn, _addr = await loop.sock_accept(self._sock)
+                conn, _addr = await loop.sock_accept(sock)
             except OSError as e:
-                if self._sock is None or self._sock.fileno() < 0:
+                if self._sock is None or sock.fileno() < 0:
                     return
-                log.warning("%s listener: accept failed: %s", self.name, e)
-                await asyncio.sleep(0.05)  # EMFILE and friends: do not spin
+                if e.errno in CLIENT_ERRNOS:
+                    log.debug("%s listener: accept: %s (that client only)", self.name, e)
+                    continue
+                self.accept_failures += 1
+                shed = self._shed_backlog(sock) if e.errno in RESOURCE_ERRNOS else 0
+                self.shed += shed
+                self._errors.note(e, shed, loop.time())
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, ACCEPT_BACKOFF_MAX_S)
                 continue
+            backoff_s = ACCEPT_BACKOFF_MIN_S
+            self._errors.flush(loop.time())
             self.accepted += 1
-            configure_accepted(conn, keepalive=None)
+            try:
+                configure_accepted(conn, keepalive=self._keepalive)
+            except OSError as e:
+                # The client reset between accept() and setsockopt(): nothing to serve.
+                log.debug("%s listener: client gone before it was served: %s", self.name, e)
+                conn.close()
+                continue
             self._tracker.spawn(self._guard(conn))
+
+    def _shed_backlog(self, sock: socket.socket) -> int:
+        """Accept and reset the clients we cannot serve, using the spare descriptor."""
+        spare = self._spare
+        if spare is None or not spare.release():
+            if spare is not None:
+                spare.reserve()
+            return 0
+        shed = 0
+        try:
+            while shed < MAX_SHED_PER_ROUND:
+                try:
+                    conn, _addr = sock.accept()
+                except OSError:
+                    break  # backlog empty (EAGAIN), or even the spare's slot was taken
+                _reset(conn)
+                shed += 1
+        finally:
+            spare.reserve()
+        return shed
 
     async def _guard(self, conn: socket.socket) -> None:
         try:
@@ -95,6 +289,16 @@ class Listener:
         except asyncio.CancelledError:
             conn.close()
             raise
+        except OSError as e:
+            # The network, not a bug: a client that reset before or during its handler, or a
+            # process out of descriptors while serving it. One line, no traceback.
+            if e.errno in RESOURCE_ERRNOS:
+                self._errors.note(e, 0, asyncio.get_running_loop().time())
+            elif e.errno in PEER_GONE_ERRNOS:
+                log.debug("%s listener: client gone: %s", self.name, e)
+            else:
+                log.info("%s listener: connection failed: %s", self.name, e)
+            conn.close()
         except Exception:
             log.exception("%s listener: connection handler failed", self.name)
             conn.close()

@@ -1,0 +1,163 @@
+"""The accept loop at the edges: out of file descriptors, and clients gone before their handler.
+
+The descriptor test runs the listener in a subprocess with a low RLIMIT_NOFILE, so the limit
+is real and the test process keeps its own descriptors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+from ambient_mesh.net import SocketAddr
+from ambient_mesh.proxy.inputs import ConnectionTracker
+from ambient_mesh.proxy.listener import AcceptErrorLog, Listener
+
+NOFILE_LIMIT = 64
+CLIENTS = 150  # well past the limit, bounded
+CLIENT_TIMEOUT_S = 8.0
+
+_CHILD = textwrap.dedent(
+    """
+    import asyncio, logging, resource, socket, sys
+    import uvloop
+    from ambient_mesh.net import SocketAddr
+    from ambient_mesh.proxy.inputs import ConnectionTracker
+    from ambient_mesh.proxy.listener import Listener
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE_MAX, NOFILE_MAX))
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG, format="%(levelname)s %(message)s")
+
+    async def handler(conn):
+        # What the proxy's handlers do first: ask who the client is, then hold the connection.
+        conn.getpeername()
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(conn, b"hi")
+        while await loop.sock_recv(conn, 100):
+            pass
+        conn.close()
+
+    async def main():
+        listener = Listener("limits", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+        listener.start()
+        print(listener.bound_address.port, flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)
+        print(repr(listener), file=sys.stderr, flush=True)
+
+    uvloop.run(main())
+    """
+).replace("NOFILE_MAX", str(NOFILE_LIMIT))
+
+
+def _outcome(sock: socket.socket, deadline: float) -> str:
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    try:
+        data = sock.recv(10)
+    except ConnectionResetError:
+        return "closed"
+    except TimeoutError:
+        return "hung"
+    return "served" if data == b"hi" else "closed"
+
+
+def test_out_of_descriptors_sheds_clients_with_one_log_line_and_recovers():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    clients: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        for _ in range(CLIENTS):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S  # one bound for all clients together
+        outcomes = [_outcome(c, deadline) for c in clients]
+        assert outcomes.count("hung") == 0, outcomes
+        served = outcomes.count("served")
+        assert 0 < served < NOFILE_LIMIT
+        assert outcomes.count("closed") == CLIENTS - served
+        # Free the descriptors: the listener serves again.
+        for c in clients:
+            c.close()
+        clients.clear()
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        late = "none"
+        while late != "served" and time.monotonic() < deadline:
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            late = _outcome(clients[-1], deadline)
+        assert late == "served"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        _out, err = child.communicate(timeout=20)
+    finally:
+        for c in clients:
+            c.close()
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    warnings = [line for line in err.splitlines() if "accept failed" in line]
+    assert 1 <= len(warnings) <= 2, err
+    assert "EMFILE" in warnings[0] and "closed" in warnings[0] and "ulimit" in warnings[0]
+    assert "Traceback" not in err, err
+    assert "shed" in err.splitlines()[-1]  # the listener's repr counts shed clients
+
+
+async def test_client_reset_before_its_handler_runs_is_one_debug_line(caplog):
+    seen: list[str] = []
+
+    async def handler(conn: socket.socket) -> None:
+        conn.getpeername()  # ENOTCONN for a client that already reset
+        seen.append("served")
+
+    listener = Listener("reset", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    listener.bind()  # bound and listening, but not accepting yet
+    port = listener.bound_address.port
+    for _ in range(3):
+        c = socket.create_connection(("127.0.0.1", port))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()  # RST while the connection waits in the backlog
+    caplog.set_level(logging.DEBUG, logger="ambient_mesh.proxy.listener")
+    listener.start()
+    try:
+        for _ in range(100):
+            if listener.accepted >= 3 and not listener._tracker.tasks:
+                break
+            await asyncio.sleep(0.01)
+        good = socket.create_connection(("127.0.0.1", port))
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        good.close()
+    finally:
+        listener.close()
+    assert seen == ["served"]  # the listener still serves after the resets
+    records = [r for r in caplog.records if r.name == "ambient_mesh.proxy.listener"]
+    assert not [r for r in records if r.exc_info or r.levelno >= logging.WARNING], records
+    assert [r for r in records if "client gone" in r.getMessage()]
+
+
+def test_accept_error_log_says_one_line_per_interval_with_counts(caplog):
+    caplog.set_level(logging.WARNING, logger="ambient_mesh.proxy.listener")
+    errors = AcceptErrorLog("x", interval_s=10.0)
+    emfile = OSError(24, "Too many open files")
+    for i in range(1000):
+        errors.note(emfile, 2, now=i * 0.005)  # 1000 failures in 5 s
+    errors.note(emfile, 1, now=11.0)
+    assert errors.lines == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert "accept failed 1 times" in lines[0]
+    assert "accept failed 1000 times" in lines[1] and "closed 1999 waiting clients" in lines[1]
