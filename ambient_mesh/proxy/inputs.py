@@ -67,10 +67,21 @@ class ProxyInputs:
     rng: random.Random = field(default_factory=random.Random)
     transparent: bool = False  # original-source preservation available
     socket_factory: SocketFactory = plain_socket  # in-pod: sockets are created in the pod's netns
+    # The proxy's own ports and addresses, refused as targets (routing step 1): the configured
+    # ones, then what the listeners actually bound (port 0 in tests, a specific IP in dedicated
+    # mode). Set by `set_listener_addresses` once the listeners are bound.
+    illegal_ports: frozenset[int] = frozenset()
+    self_ips: frozenset[IPAddress] = frozenset()
 
     def __post_init__(self) -> None:
         if self.connection_manager is None:
             self.connection_manager = ConnectionManager(self.state)
+        if not self.illegal_ports:
+            self.illegal_ports = self.config.illegal_ports
+
+    def set_listener_addresses(self, addresses: list[SocketAddr]) -> None:
+        self.illegal_ports = self.config.illegal_ports | {a.port for a in addresses}
+        self.self_ips = frozenset(a.ip for a in addresses if not a.ip.is_unspecified)
 
     @property
     def mark(self) -> int | None:

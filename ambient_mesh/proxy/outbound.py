@@ -1,4 +1,5 @@
-"""Outbound: connections the served workload opens, captured on 15001 (or SOCKS5 on 15080).
+"""Outbound: connections the served workload opens, captured on 15001 (or SOCKS5 on 15080,
+whose handshake is `socks5_server`).
 
 Counterpart: ztunnel src/proxy/outbound.rs and socks5.rs. The decision of where a connection
 goes is the pure `routing.build_request`; this module carries the plan out: plain TCP for
@@ -8,28 +9,54 @@ workloads and waypoints.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from ..net import SocketAddr
 from ..state.model import Workload
 from . import headers as hbone_headers
 from .hbone import HboneError
-from .inbound import InboundProxy, InboundRefusal, InboundTarget
+from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
-from .relay import Relay, TcpEndpoint, wrap_socket
+from .relay import Endpoint, Relay, TcpEndpoint, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
 from .sockets import original_destination
-from .socks5 import ConnectRequest as SocksConnect
-from .socks5 import ReplyCode, Socks5Error, Socks5Handshake, encode_reply
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.outbound")
 
-SOCKS5_HANDSHAKE_TIMEOUT_S = 10.0
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboundFailure:
+    """A connection that could not be set up; already counted and logged by `open`."""
+
+    reason: str
+    response_flag: str
+    error: BaseException | None = None
+    self_call: bool = False  # refused because it would reach the proxy itself
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class OutboundUpstream:
+    """A reached upstream, not yet relayed: an endpoint, or (same-node) an admitted inbound."""
+
+    route: Route
+    result: ConnectionResult
+    endpoint: Endpoint | None = None
+    inbound: InboundProxy | None = None
+    admitted: Admitted | None = None
+
+    def abandon(self, reason: str) -> None:
+        """The client left before the relay started: close the upstream and record why."""
+        if self.admitted is not None:
+            self.admitted.upstream.abort()
+            self.admitted.result.fail(reason, "CONNECT")
+        if self.endpoint is not None:
+            self.endpoint.abort()
+        self.result.fail(reason, "CONNECT")
 
 
 class OutboundProxy:
@@ -44,7 +71,7 @@ class OutboundProxy:
     ) -> None:
         self.pi = pi
         # SOCKS5 domain names go through the workload's DNS proxy logic (ztunnel needs DNS on).
-        self._resolve_name = resolve_name
+        self.resolve_name = resolve_name
         self._source = source  # the workload this proxy serves
         # Shared mode: the inbound proxy of a pod this same node proxy serves, for the fast path.
         self._local_inbound = local_inbound
@@ -71,61 +98,15 @@ class OutboundProxy:
         downstream = await wrap_socket(sock)
         await self.proxy_to(downstream, peer, target)
 
-    async def handle_socks5(self, sock: socket.socket) -> None:
-        """SOCKS5 (RFC 1928, no auth, CONNECT): the requested address is the target."""
-        loop = asyncio.get_running_loop()
-        peer = SocketAddr.from_sockaddr(sock.getpeername())
-        hs = Socks5Handshake()
-        try:
-            request = None
-            async with asyncio.timeout(SOCKS5_HANDSHAKE_TIMEOUT_S):
-                while request is None:
-                    data = await loop.sock_recv(sock, 4096)
-                    if not data:
-                        raise Socks5Error("client closed during the SOCKS5 handshake")
-                    event = hs.receive_data(data)
-                    if isinstance(event, SocksConnect):
-                        request = event
-                    out = hs.data_to_send()
-                    if out:
-                        await loop.sock_sendall(sock, out)
-        except (Socks5Error, TimeoutError, OSError) as e:
-            out = hs.data_to_send()
-            if out:
-                try:
-                    await loop.sock_sendall(sock, out)
-                except OSError:
-                    pass
-            log.warning("SOCKS5 handshake from %s failed: %s", peer, e)
-            sock.close()
-            return
-        if not isinstance(request.host, str):
-            target = SocketAddr(request.host, request.port)
-        else:
-            addresses = await self._resolve_name(request.host) if self._resolve_name is not None else []
-            if not addresses:
-                reason = (
-                    "no DNS proxy to resolve names (ISTIO_META_DNS_CAPTURE=false)"
-                    if self._resolve_name is None
-                    else "name did not resolve"
-                )
-                await loop.sock_sendall(sock, encode_reply(ReplyCode.HOST_UNREACHABLE))
-                log.warning("SOCKS5 request for %r refused: %s", request.host, reason)
-                sock.close()
-                return
-            # Prefer the family of the client's own connection, as ztunnel picks by family.
-            addresses.sort(key=lambda ip: ip.version != peer.ip.version)
-            target = SocketAddr(addresses[0], request.port)
-        trailing = hs.trailing_data()
-        await loop.sock_sendall(
-            sock, encode_reply(ReplyCode.SUCCEEDED, SocketAddr.from_sockaddr(sock.getsockname()))
-        )
-        downstream = await wrap_socket(sock)
-        if trailing:
-            downstream._held.insert(0, trailing)
-        await self.proxy_to(downstream, peer, target)
-
     async def proxy_to(self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr) -> None:
+        upstream = await self.open(peer, target)
+        if isinstance(upstream, OutboundFailure):
+            downstream.abort()
+            return
+        await self.carry(upstream, downstream)
+
+    async def open(self, peer: SocketAddr, target: SocketAddr) -> OutboundUpstream | OutboundFailure:
+        """Route `peer -> target` and reach the upstream; a failure is recorded and returned."""
         pi = self.pi
         source: Workload | None = await pi.wait_for_workload(self._source)
         if source is None:
@@ -133,15 +114,15 @@ class OutboundProxy:
             ConnectionResult.failed(
                 pi, src=peer, dst=target, direction="outbound", error="unknown source workload"
             )
-            downstream.abort()
-            return
+            return OutboundFailure(reason="unknown source workload", response_flag="CONNECT")
         route = build_request(
             pi.state,
             source,
             target,
             network=pi.config.network,
             node=pi.config.node_name or "",
-            illegal_ports=pi.config.illegal_ports,
+            illegal_ports=pi.illegal_ports,
+            self_ips=pi.self_ips,
             rng=pi.rng,
         )
         if isinstance(route, RouteRefused):
@@ -154,37 +135,47 @@ class OutboundProxy:
                 source=source,
                 response_flag=route.response_flag,
             )
-            downstream.abort()
-            return
+            return OutboundFailure(
+                reason=route.reason, response_flag=route.response_flag, self_call=route.self_call
+            )
         if route.kind is RouteKind.DIRECT_HBONE and route.same_node and self._local_inbound is not None:
             inbound = self._local_inbound(route.destination_workload)
             if inbound is not None:
-                await self._same_node(inbound, route, downstream, peer)
-                return
+                return await self._same_node(inbound, route, peer)
         result = ConnectionResult.outbound(pi, route, peer)
         try:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
-                upstream = await self._open_hbone(route, peer)
+                endpoint: Endpoint = await self._open_hbone(route, peer)
             else:
                 sock = await pi.connect(
                     route.actual_destination, _source_ip(source, route.actual_destination)
                 )
-                upstream = await wrap_socket(sock)
+                endpoint = await wrap_socket(sock)
         except (HboneError, OSError, TimeoutError) as e:
             flag = getattr(e, "response_flag", "CONNECT")
             result.fail(str(e), flag)
-            downstream.abort()
+            return OutboundFailure(reason=str(e), response_flag=flag, error=e)
+        return OutboundUpstream(route=route, result=result, endpoint=endpoint)
+
+    async def carry(self, upstream: OutboundUpstream, downstream: TcpEndpoint) -> None:
+        """Relay between the client and an upstream `open` reached, until both sides end."""
+        result = upstream.result
+        if upstream.admitted is not None:
+            assert upstream.inbound is not None
+            relay, err = await upstream.inbound.carry(upstream.admitted, downstream, also=result.progress)
+            result.complete(relay, err)
             return
-        relay = Relay(downstream, upstream, on_progress=result.progress)
-        pi.connections.track(relay, result.dump_info())
-        upstream.attach(relay)
+        assert upstream.endpoint is not None
+        relay = Relay(downstream, upstream.endpoint, on_progress=result.progress)
+        self.pi.connections.track(relay, result.dump_info())
+        upstream.endpoint.attach(relay)
         downstream.attach(relay)
         err = await relay.done
         result.complete(relay, err)
 
     async def _same_node(
-        self, inbound: InboundProxy, route: Route, downstream: TcpEndpoint, peer: SocketAddr
-    ) -> None:
+        self, inbound: InboundProxy, route: Route, peer: SocketAddr
+    ) -> OutboundUpstream | OutboundFailure:
         """The same-node fast path: both pods are served by this node proxy, so the destination
         pod's inbound checks run directly, without a TLS connection to ourselves. The source
         identity needs no certificate to prove it: this proxy is the one that would present it.
@@ -205,12 +196,11 @@ class OutboundProxy:
                 authority=str(target),
             )
         if isinstance(admitted, InboundRefusal):
-            result.fail(f"{admitted.reason} (same-node fast path)", admitted.response_flag)
-            downstream.abort()
-            return
+            reason = f"{admitted.reason} (same-node fast path)"
+            result.fail(reason, admitted.response_flag)
+            return OutboundFailure(reason=reason, response_flag=admitted.response_flag)
         self.fast_path_connections += 1
-        relay, err = await inbound.carry(admitted, downstream, also=result.progress)
-        result.complete(relay, err)
+        return OutboundUpstream(route=route, result=result, inbound=inbound, admitted=admitted)
 
     async def _open_hbone(self, route: Route, peer: SocketAddr):
         pi = self.pi

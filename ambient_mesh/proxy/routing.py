@@ -61,6 +61,7 @@ class Route:
 class RouteRefused:
     reason: str
     response_flag: str = RESPONSE_FLAG_CONNECT
+    self_call: bool = False  # the target is the proxy itself (ztunnel's Error::SelfCall)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,11 +80,17 @@ def build_request(
     node: str,
     illegal_ports: frozenset[int],
     rng: random.Random,
+    self_ips: frozenset[IPAddress] = frozenset(),
 ) -> Route | RouteRefused:
-    """Decide how to carry a connection from `source` to the original destination `target`."""
-    # Step 1: a captured connection to loopback on one of our own ports would loop back into us.
-    if target.ip.is_loopback and target.port in illegal_ports:
-        return RouteRefused(reason=f"self call to {target} refused")
+    """Decide how to carry a connection from `source` to the original destination `target`.
+
+    `illegal_ports` are the proxy's own listener ports; `self_ips` the addresses its listeners
+    are bound to (besides the wildcard), which with loopback and the served workload's own
+    addresses are where those ports would reach the proxy itself.
+    """
+    refused = _self_call(source, target, illegal_ports, self_ips)
+    if refused is not None:
+        return refused
 
     service = state.services.find_vip(network, target.ip, source.namespace)
 
@@ -160,6 +167,31 @@ def build_request(
         destination_service=service,
         same_node=same_node,
     )
+
+
+def _self_call(
+    source: Workload, target: SocketAddr, illegal_ports: frozenset[int], self_ips: frozenset[IPAddress]
+) -> RouteRefused | None:
+    """Step 1: connections that would come back into this proxy (loops, trampolines).
+
+    0.0.0.0 and :: name no host: connect() takes them as "this host", so on any port they reach
+    the proxy's own network namespace (0.0.0.0:15008 reached our own HBONE listener). On one of
+    the proxy's listener ports, loopback, the workload's own addresses and the listeners' bound
+    addresses reach the proxy too (reference 1.1, illegal_ports).
+    """
+    ip = target.ip
+    if ip.is_unspecified:
+        return RouteRefused(
+            reason=f"self call to {target} refused: the unspecified address means this host; "
+            "connect to the destination's real address",
+            self_call=True,
+        )
+    if target.port in illegal_ports and (ip.is_loopback or ip in source.workload_ips or ip in self_ips):
+        return RouteRefused(
+            reason=f"self call to {target} refused: port {target.port} there is the proxy's own listener",
+            self_call=True,
+        )
+    return None
 
 
 def _passthrough(source: Workload, target: SocketAddr, *, service: Service | None) -> Route:

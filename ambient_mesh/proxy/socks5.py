@@ -9,11 +9,18 @@ writes `data_to_send()` (the failure reply, if the protocol has one) and closes.
 Wire layout (RFC 1928 sections 3, 4, 6):
     greeting  VER=5 NMETHODS METHODS[NMETHODS]          -> VER=5 METHOD
     request   VER=5 CMD RSV ATYP DST.ADDR DST.PORT(be16) -> VER=5 REP RSV=0 ATYP BND.ADDR BND.PORT
+
+Every input gets an answer the client can read: a greeting we cannot accept (wrong version, no
+methods, no "no authentication") gets METHOD X'FF' (section 3, the only refusal a greeting has);
+a request we cannot serve gets a reply with the matching REP code (section 6), and so does a
+client that stalls mid-request (`abort`). Domain names are checked against RFC 1035's limits
+(labels of 1-63 octets, at most 253 characters) before anyone tries to resolve them.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import ipaddress
 from dataclasses import dataclass
 
@@ -30,6 +37,14 @@ ATYP_IPV6 = 0x04
 
 _ADDRESS_BYTES = {ATYP_IPV4: 4, ATYP_IPV6: 16}
 _PORT_BYTES = 2
+
+# RFC 1035 2.3.4: a label is at most 63 octets; a name at most 255 octets on the wire, which
+# is 253 characters written with dots and without the optional trailing dot.
+MAX_DNS_LABEL_BYTES = 63
+MAX_DNS_NAME_CHARS = 253
+# A greeting is at most 257 bytes and a request 262; what a client pipelines behind them is kept
+# for the relay, but only up to this much before we have even connected.
+MAX_BUFFERED_BYTES = 64 * 1024
 
 
 class ReplyCode(enum.IntEnum):
@@ -57,8 +72,9 @@ class Socks5State(enum.Enum):
 class Socks5Error(ProtocolError):
     """The client broke RFC 1928 or asked for something outside ztunnel's subset.
 
-    `reply` is the failure reply already queued in the outbox, or None when the protocol
-    has no reply for this failure (a wrong version byte, a missing "no auth" method).
+    `reply` is the REP code of the failure reply already queued in the outbox, or None when
+    the failure came before a request: then the outbox holds METHOD X'FF' (or nothing, when
+    the client has already closed).
     """
 
     def __init__(self, message: str, *, reply: ReplyCode | None = None) -> None:
@@ -118,6 +134,8 @@ class Socks5Handshake:
         if self.state is Socks5State.CLOSED:
             raise Socks5Error("SOCKS5 handshake already failed")
         self._buffer += data
+        if len(self._buffer) > MAX_BUFFERED_BYTES:
+            raise self.abort(f"client sent more than {MAX_BUFFERED_BYTES} bytes before its connection was up")
         while (handler := self._handlers.get(self.state)) is not None:
             event = handler()
             if event is not None:
@@ -139,6 +157,21 @@ class Socks5Handshake:
         out = bytes(self._buffer)
         self._buffer.clear()
         return out
+
+    def abort(self, reason: str, code: ReplyCode = ReplyCode.GENERAL_FAILURE) -> Socks5Error:
+        """Give up (timeout, overflow, a request we will not serve): queue the refusal this
+        state has, move to CLOSED, and return the error for the shell to log."""
+        if self.state is Socks5State.GREETING:
+            self._outbox += bytes([SOCKS_VERSION, METHOD_NO_ACCEPTABLE])
+            return self._fail(reason)
+        if self.state in (Socks5State.REQUEST, Socks5State.CONNECTING):
+            return self._fail(reason, code)
+        self.state = Socks5State.CLOSED
+        return Socks5Error(reason)
+
+    def client_closed(self) -> Socks5Error:
+        """The client sent EOF mid-handshake: nobody is left to read a reply."""
+        return self._fail(f"client closed during the SOCKS5 handshake ({self.state.value})")
 
     def reply(self, code: ReplyCode, bound: SocketAddr | None = None) -> bytes:
         """Answer the ConnectRequest; the bytes are queued in the outbox and returned."""
@@ -163,6 +196,9 @@ class Socks5Handshake:
         if len(buf) < 2:
             return NeedMoreData()
         if buf[0] != SOCKS_VERSION:
+            # RFC 1928 defines no reply for another version; X'FF' at least tells a SOCKS5-aware
+            # client it was refused, and a SOCKS4 client reads it as "request rejected".
+            self._outbox += bytes([SOCKS_VERSION, METHOD_NO_ACCEPTABLE])
             raise self._fail(f"SOCKS version {buf[0]} in greeting, expected 5")
         end = 2 + buf[1]
         if len(buf) < end:
@@ -227,7 +263,25 @@ class Socks5Handshake:
             raise self._fail(
                 f"SOCKS domain name {name!r} is empty or not printable", ReplyCode.GENERAL_FAILURE
             )
+        problem = dns_name_problem(name)
+        if problem is not None:
+            raise self._fail(f"SOCKS domain name {name[:80]!r}: {problem}", ReplyCode.GENERAL_FAILURE)
         return name
+
+
+def dns_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a DNS name (RFC 1035 2.3.4), or None when it can."""
+    bare = name[:-1] if name.endswith(".") else name
+    if not bare:
+        return "empty name"
+    if len(bare) > MAX_DNS_NAME_CHARS:
+        return f"{len(bare)} characters, more than the {MAX_DNS_NAME_CHARS} a DNS name may have"
+    for label in bare.split("."):
+        if not label:
+            return "empty label (two dots in a row, or a leading dot)"
+        if len(label) > MAX_DNS_LABEL_BYTES:
+            return f"a label of {len(label)} characters, more than the {MAX_DNS_LABEL_BYTES} DNS allows"
+    return None
 
 
 def _format_target(request: ConnectRequest) -> str:
@@ -235,3 +289,27 @@ def _format_target(request: ConnectRequest) -> str:
     if isinstance(host, ipaddress.IPv6Address):
         return f"[{host}]:{request.port}"
     return f"{host}:{request.port}"
+
+
+def reply_for_failure(
+    response_flag: str, error: BaseException | None = None, *, self_call: bool = False
+) -> ReplyCode:
+    """The REP code that tells a client why its CONNECT failed (RFC 1928 section 6).
+
+    A refusal by policy or by the proxy itself (a self call) is "not allowed by ruleset"; a
+    socket error says what the network said; anything else is a general failure.
+    """
+    if self_call or response_flag == "DENY":
+        return ReplyCode.NOT_ALLOWED
+    if isinstance(error, ConnectionRefusedError):
+        return ReplyCode.CONNECTION_REFUSED
+    if isinstance(error, TimeoutError):
+        return ReplyCode.HOST_UNREACHABLE
+    if isinstance(error, OSError):
+        if error.errno == errno.ENETUNREACH:
+            return ReplyCode.NETWORK_UNREACHABLE
+        if error.errno in (errno.EHOSTUNREACH, errno.EHOSTDOWN):
+            return ReplyCode.HOST_UNREACHABLE
+        if error.errno == errno.ECONNREFUSED:
+            return ReplyCode.CONNECTION_REFUSED
+    return ReplyCode.GENERAL_FAILURE

@@ -9,6 +9,7 @@ one per pod, with every socket created inside that pod's namespace.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .listener import Listener
 from .outbound import OutboundProxy
 from .pool import HboneConnector, HbonePool
 from .sockets import SocketFactory, plain_socket
+from .socks5_server import serve_socks5
 
 log = logging.getLogger("ambient_mesh.proxy")
 
@@ -124,7 +126,11 @@ class WorkloadProxy:
         }
         if addresses.socks5 is not None:
             self.listeners["socks5"] = Listener(
-                "socks5", addresses.socks5, self.outbound.handle_socks5, tracker, **common
+                "socks5",
+                addresses.socks5,
+                functools.partial(serve_socks5, outbound=self.outbound),
+                tracker,
+                **common,
             )
 
     def __repr__(self) -> str:
@@ -151,6 +157,7 @@ class WorkloadProxy:
             for listener in self.listeners.values():
                 listener.close()
             raise
+        self.pi.set_listener_addresses([listener.bound_address for listener in self.listeners.values()])
         for listener in self.listeners.values():
             listener.start()
         if self.dns is not None:

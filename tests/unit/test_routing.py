@@ -83,14 +83,24 @@ def make_state(workloads=(), services=()) -> ProxyState:
     return state
 
 
-def route(state: ProxyState, target: str, *, source: Workload = SOURCE, network: str = "", seed: int = 1):
+def route(
+    state: ProxyState,
+    target: str,
+    *,
+    source: Workload = SOURCE,
+    network: str = "",
+    seed: int = 1,
+    illegal_ports: frozenset[int] = ILLEGAL_PORTS,
+    self_ips: frozenset = frozenset(),
+):
     return build_request(
         state,
         source,
         addr(target),
         network=network,
         node=NODE,
-        illegal_ports=ILLEGAL_PORTS,
+        illegal_ports=illegal_ports,
+        self_ips=self_ips,
         rng=random.Random(seed),
     )
 
@@ -115,13 +125,40 @@ def refused(result: Route | RouteRefused) -> RouteRefused:
 @pytest.mark.parametrize("target", ["127.0.0.1:15001", "127.0.0.1:15008", "127.0.0.2:15006", "[::1]:15001"])
 def test_loopback_to_illegal_port_is_refused(target: str) -> None:
     result = refused(route(make_state(), target))
-    assert result.reason == f"self call to {target} refused"
+    assert result.reason.startswith(f"self call to {target} refused: port ")
+    assert result.response_flag == "CONNECT"
+    assert result.self_call
+
+
+def test_illegal_port_only_matters_on_the_proxys_own_addresses() -> None:
+    assert ok(route(make_state(), "10.0.0.1:15001")).kind is RouteKind.PASSTHROUGH
+    assert ok(route(make_state(), "127.0.0.1:8080")).kind is RouteKind.PASSTHROUGH
+
+
+@pytest.mark.parametrize("target", ["0.0.0.0:15008", "0.0.0.0:8080", "[::]:15001", "[::]:80", "0.0.0.0:0"])
+def test_unspecified_address_is_a_self_call_on_any_port(target: str) -> None:
+    # connect() to 0.0.0.0 or :: reaches this host: SOCKS5 to 0.0.0.0:15008 reached our own HBONE
+    # listener before.
+    result = refused(route(make_state(), target))
+    assert result.self_call
+    assert "unspecified address" in result.reason and "real address" in result.reason
     assert result.response_flag == "CONNECT"
 
 
-def test_illegal_port_only_matters_on_loopback() -> None:
-    assert ok(route(make_state(), "10.0.0.1:15001")).kind is RouteKind.PASSTHROUGH
-    assert ok(route(make_state(), "127.0.0.1:8080")).kind is RouteKind.PASSTHROUGH
+def test_the_workloads_own_address_on_a_proxy_port_is_a_self_call() -> None:
+    source = wl("source", "10.1.0.7")
+    result = refused(route(make_state(), "10.1.0.7:15008", source=source))
+    assert result.self_call
+    # Its own address on an application port is just a call to itself.
+    assert ok(route(make_state(), "10.1.0.7:8080", source=source)).kind is RouteKind.PASSTHROUGH
+
+
+def test_listener_addresses_and_ports_are_the_proxys_own() -> None:
+    own_ip = frozenset({ip_address("10.9.9.9")})
+    ports = ILLEGAL_PORTS | {40123}  # a listener bound to port 0 got 40123
+    assert refused(route(make_state(), "10.9.9.9:40123", illegal_ports=ports, self_ips=own_ip)).self_call
+    assert refused(route(make_state(), "127.0.0.1:40123", illegal_ports=ports)).self_call
+    assert ok(route(make_state(), "10.9.9.8:40123", illegal_ports=ports, self_ips=own_ip))
 
 
 # -- direct to a workload -----------------------------------------------------------------------

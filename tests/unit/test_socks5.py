@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from ambient_mesh.errors import AmbientError, ProtocolError
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.socks5 import (
+    MAX_BUFFERED_BYTES,
     ConnectRequest,
     NeedMoreData,
     ReplyCode,
@@ -18,6 +20,7 @@ from ambient_mesh.proxy.socks5 import (
     Socks5Handshake,
     Socks5State,
     encode_reply,
+    reply_for_failure,
 )
 
 GREETING = b"\x05\x01\x00"
@@ -193,13 +196,13 @@ def test_zero_methods_offered() -> None:
 
 
 @pytest.mark.parametrize("data", [b"\x04\x01\x00", b"GET / HTTP/1.1\r\n", b"\x00\x00"])
-def test_wrong_version_in_greeting_sends_nothing(data: bytes) -> None:
+def test_wrong_version_in_greeting_gets_no_acceptable_methods(data: bytes) -> None:
     hs = Socks5Handshake()
     with pytest.raises(Socks5Error) as err:
         hs.receive_data(data)
     assert isinstance(err.value, ProtocolError)
     assert err.value.reply is None
-    assert hs.data_to_send() == b""
+    assert hs.data_to_send() == b"\x05\xff"
     assert hs.state is Socks5State.CLOSED
     assert hs.trailing_data() == b""
 
@@ -240,6 +243,96 @@ def test_bad_domain_names(name: bytes) -> None:
     assert hs.data_to_send() == encode_reply(ReplyCode.GENERAL_FAILURE)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        b"a" * 64 + b".example",  # a label longer than 63
+        b"x" * 255,  # one 255-byte label (it crashed the resolver before)
+        b".".join([b"a" * 63] * 4),  # 255 characters, over the 253 a name may have
+        b"a..b",
+        b".a",
+        b".",
+    ],
+)
+def test_names_dns_cannot_carry_are_refused_before_resolving(name: bytes) -> None:
+    hs = greeted()
+    with pytest.raises(Socks5Error) as err:
+        hs.receive_data(connect_domain(name, 80))
+    assert err.value.reply is ReplyCode.GENERAL_FAILURE
+    assert hs.data_to_send() == encode_reply(ReplyCode.GENERAL_FAILURE)
+
+
+@pytest.mark.parametrize("name", [b"a" * 63 + b".b", b".".join([b"a" * 63] * 3) + b"." + b"a" * 61, b"svc."])
+def test_names_at_the_dns_limits_are_accepted(name: bytes) -> None:
+    hs = greeted()
+    assert hs.receive_data(connect_domain(name, 80)) == ConnectRequest(host=name.decode(), port=80)
+
+
+@pytest.mark.parametrize(
+    ("state_bytes", "expected"),
+    [
+        (b"", b"\x05\xff"),  # stalled in the greeting
+        (b"\x05", b"\x05\xff"),
+        (GREETING, METHOD_SELECTED + encode_reply(ReplyCode.GENERAL_FAILURE)),  # stalled in the request
+        (GREETING + b"\x05\x01\x00\x03\x05ab", METHOD_SELECTED + encode_reply(ReplyCode.GENERAL_FAILURE)),
+    ],
+)
+def test_abort_queues_the_refusal_of_the_current_state(state_bytes: bytes, expected: bytes) -> None:
+    hs = Socks5Handshake()
+    if state_bytes:
+        hs.receive_data(state_bytes)
+    err = hs.abort("timed out")
+    assert isinstance(err, Socks5Error)
+    assert hs.data_to_send() == expected
+    assert hs.state is Socks5State.CLOSED
+
+
+def test_abort_while_connecting_sends_the_given_code() -> None:
+    hs = greeted()
+    hs.receive_data(connect_v4("10.0.0.5", 80))
+    hs.abort("refused", ReplyCode.CONNECTION_REFUSED)
+    assert hs.data_to_send() == encode_reply(ReplyCode.CONNECTION_REFUSED)
+
+
+def test_client_closed_queues_nothing() -> None:
+    hs = greeted()
+    err = hs.client_closed()
+    assert "closed" in err.message
+    assert hs.data_to_send() == b""
+    assert hs.state is Socks5State.CLOSED
+
+
+def test_buffer_is_bounded_before_the_connection_is_up() -> None:
+    hs = greeted()
+    hs.receive_data(connect_v4("10.0.0.5", 80))
+    hs.receive_data(b"x" * MAX_BUFFERED_BYTES)
+    with pytest.raises(Socks5Error):
+        hs.receive_data(b"x" * 100)
+    assert hs.data_to_send() == encode_reply(ReplyCode.GENERAL_FAILURE)
+    assert hs.trailing_data() == b""
+
+
+@pytest.mark.parametrize(
+    ("flag", "error", "self_call", "code"),
+    [
+        (
+            "CONNECT",
+            ConnectionRefusedError(errno.ECONNREFUSED, "refused"),
+            False,
+            ReplyCode.CONNECTION_REFUSED,
+        ),
+        ("CONNECT", OSError(errno.ENETUNREACH, "unreachable"), False, ReplyCode.NETWORK_UNREACHABLE),
+        ("CONNECT", OSError(errno.EHOSTUNREACH, "no route"), False, ReplyCode.HOST_UNREACHABLE),
+        ("NETWORK_POLICY", TimeoutError(), False, ReplyCode.HOST_UNREACHABLE),
+        ("DENY", None, False, ReplyCode.NOT_ALLOWED),
+        ("CONNECT", None, True, ReplyCode.NOT_ALLOWED),
+        ("TLS_FAILURE", None, False, ReplyCode.GENERAL_FAILURE),
+    ],
+)
+def test_reply_for_failure(flag, error, self_call, code) -> None:
+    assert reply_for_failure(flag, error, self_call=self_call) is code
+
+
 def test_error_carries_a_hint() -> None:
     hs = Socks5Handshake()
     with pytest.raises(Socks5Error) as err:
@@ -271,7 +364,8 @@ def feed(hs: Socks5Handshake, pieces: list[bytes]) -> ConnectRequest | None:
     return result
 
 
-FAILURE_OUTPUTS = {b"", b"\x05\xff"} | {
+# Every refused input gets an RFC 1928 answer: X'FF' to a greeting, a REP code to a request.
+FAILURE_OUTPUTS = {b"\x05\xff"} | {
     METHOD_SELECTED + encode_reply(code)
     for code in (
         ReplyCode.GENERAL_FAILURE,
@@ -297,7 +391,7 @@ def test_arbitrary_bytes_give_a_result_or_socks5_error(data: bytes, cuts: list[i
         assert hs.state is Socks5State.CLOSED
         out = hs.data_to_send()
         assert out in FAILURE_OUTPUTS
-        assert out.endswith(encode_reply(err.reply)) if err.reply is not None else out in (b"", b"\x05\xff")
+        assert out.endswith(encode_reply(err.reply)) if err.reply is not None else out == b"\x05\xff"
     else:
         assert hs.state is not Socks5State.CLOSED
         assert (request is not None) == (hs.state is Socks5State.CONNECTING)
@@ -314,7 +408,14 @@ def valid_requests(draw) -> tuple[bytes, ConnectRequest]:
         ip6 = ipaddress.IPv6Address(draw(st.binary(min_size=16, max_size=16)))
         expected = ip6.ipv4_mapped or ip6
         return connect_v6(str(ip6), port), ConnectRequest(host=expected, port=port)
-    name = draw(st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-.", min_size=1, max_size=255))
+    labels = draw(
+        st.lists(
+            st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=63),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    name = ".".join(labels)[:253].rstrip(".")
     return connect_domain(name.encode(), port), ConnectRequest(host=name, port=port)
 
 
