@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from .. import yamlload
 from ..errors import ConfigError
 from ..kube.labels import LabelSelector  # only matchLabels is parsed: these kinds have no expressions
 
@@ -844,13 +845,14 @@ def _libyaml_agrees(text: str) -> bool:
 
 
 def decode_yaml(text: str) -> list[Any]:
-    """Every document of a YAML stream, as `yaml.safe_load_all` returns them (same errors too)."""
-    if _CSafeLoader is not None and _libyaml_agrees(text):
+    """Every document of a YAML stream, as `yaml.safe_load_all` returns them (same errors too),
+    with aliases bounded by `yamlload` (libyaml is not, so it only gets alias-free text)."""
+    if _CSafeLoader is not None and _libyaml_agrees(text) and not yamlload.may_have_aliases(text):
         try:
             return list(yaml.load_all(text, Loader=_CSafeLoader))
         except (yaml.YAMLError, UnicodeError):
             pass  # decoded again below, so the error (or the result) is PyYAML's own
-    return list(yaml.load_all(text, Loader=yaml.SafeLoader))
+    return yamlload.load_all(text)
 
 
 def parse_documents(text: str, file: str) -> LoadResult:

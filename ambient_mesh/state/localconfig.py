@@ -2,7 +2,8 @@
 
 Counterpart: ztunnel src/xds.rs (`LocalConfig`, `LocalWorkload`). The YAML is ztunnel's
 (reference/ztunnel.md section 2.3): camelCase keys, unknown keys rejected. We walk the composed
-YAML nodes rather than loaded Python objects so that every error can name `file:line:column`.
+YAML nodes rather than loaded Python objects so that every error can name `file:line:column`;
+`yamlload` composes them with aliases bounded (a 1.9 KB file expanded to 943 MiB before).
 
 As in ztunnel, no xDS defaults are applied to the stored strings (an empty `serviceAccount`
 stays empty); `Workload.identity` applies Istio's defaults when an identity is needed.
@@ -21,6 +22,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from .. import yamlload
 from ..errors import ConfigError
 from ..net import IPAddress, ip_address
 from ..rbac import (
@@ -103,7 +105,7 @@ class _Parser:
 
     def document(self, text: str) -> LocalConfig:
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = yamlload.compose(text)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             where = f"{self.source}:{mark.line + 1}:{mark.column + 1}" if mark else self.source

@@ -68,7 +68,12 @@ _PIECES = [*"ab:- \n\t\r'\"[]{},#&*!|>?%@`\\.0123x<=~"] + [
 @settings(max_examples=400)
 @given(st.lists(st.sampled_from(_PIECES), max_size=40).map("".join))
 def test_decode_matches_the_pure_python_loader_exactly(text: str) -> None:
-    assert _decoded(text) == _reference(text)
+    decoded = _decoded(text)
+    if decoded[0] == "AliasLimitError":
+        # The one intended difference: a recursive alias (`&a [*a]`) is refused (yamlload).
+        assert "recursive alias" in decoded[1]
+        return
+    assert decoded == _reference(text)
 
 
 _SCALARS = st.one_of(

@@ -715,5 +715,6 @@ def test_deeply_nested_yaml_is_a_config_error(text: str) -> None:
 
 def test_recursive_alias_is_a_config_error_not_a_hang() -> None:
     err = parse_error("workloads:\n- &w {namespace: a, workloadIps: [], locality: *w}\n")
-    # The alias points back at the workload mapping, which is not a locality.
-    assert "unknown key 'namespace' in locality" in err.message
+    # The alias points back at the workload mapping it is inside: refused where it stands.
+    assert err.source == "test.yaml:2:48"  # the `*w`
+    assert "recursive alias" in err.message and "*w" in err.message
