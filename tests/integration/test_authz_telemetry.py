@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 from datetime import UTC, datetime
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ambient_mesh.identity.ca import CertificateAuthority
@@ -108,12 +109,10 @@ async def test_metrics_on_both_reporters_have_exact_labels_and_bytes():
 
 async def test_failed_connect_is_counted_with_connect_flag():
     async with running_mesh(echo=False) as mesh:
-        reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)  # nothing listens on 8080
-        try:
-            assert await asyncio.wait_for(reader.read(), 10) == b""
-        except ConnectionResetError:
-            pass
-        writer.close()
+        # Nothing listens on 8080: the server proxy answers 503, so SOCKS5 replies a failure
+        # (REP 1) instead of "succeeded" (the reply waits for the upstream).
+        with pytest.raises(ConnectionRefusedError, match="SOCKS5 reply 1"):
+            await mesh.socks_connect(SERVER_IP, ECHO_PORT)
         await wait_for(lambda: samples(mesh.server, "istio_tcp_connections_failed_total"))
         failed = samples(mesh.server, "istio_tcp_connections_failed_total")
         assert [labels["response_flags"] for labels, _ in failed] == ["CONNECT"]
@@ -141,14 +140,10 @@ async def test_denied_by_policy_gets_401_and_deny_flag():
         assert [(labels["response_flags"], labels["source_principal"]) for labels, _ in failed] == [
             ("DENY", CLIENT_PRINCIPAL)
         ]
-        # through the client proxy the connection is refused too, and the client sees it fail
-        reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
-        writer.write(b"let me in")
-        try:
-            assert await asyncio.wait_for(reader.read(), 10) == b""
-        except ConnectionResetError:
-            pass
-        writer.close()
+        # through the client proxy the connection is refused too, and the client sees it fail:
+        # SOCKS5 REP 2, "not allowed by ruleset"
+        with pytest.raises(ConnectionRefusedError, match="SOCKS5 reply 2"):
+            await mesh.socks_connect(SERVER_IP, ECHO_PORT)
         await wait_for(lambda: samples(mesh.client, "istio_tcp_connections_failed_total"))
         assert [
             labels["response_flags"]
