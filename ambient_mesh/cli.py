@@ -92,11 +92,24 @@ def cmd_control(args: argparse.Namespace) -> int:
     from .logs import configure_logging
     from .net import SocketAddr
 
-    if not args.dir:
-        raise AmbientError("ambient control needs --dir: the directory of Kubernetes YAML files to serve")
+    kube = None
+    if args.kube or args.kubeconfig:
+        from .kube.kubeconfig import KubeconfigError, credentials
+
+        if args.dir:
+            raise AmbientError("ambient control reads either --dir or the API server (--kube), not both")
+        try:
+            kube = credentials(args.kubeconfig or "")
+        except KubeconfigError as exc:
+            raise AmbientError(f"--kube: {exc.message}", hint=exc.hint) from None
+    elif not args.dir:
+        raise AmbientError(
+            "ambient control needs a source: --kube (the API server) or --dir (a directory of YAML files)"
+        )
     configure_logging("plain", args.log_level)
     config = ControlPlaneConfig(
-        directory=Path(args.dir),
+        directory=Path(args.dir) if args.dir else None,
+        kube=kube,
         state_dir=state_dir,
         listen=SocketAddr.parse(args.listen),
         plaintext_listen=SocketAddr.parse(args.plaintext_listen) if args.plaintext_listen else None,
@@ -136,9 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show the proxies' logs")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
-        "control", help="the embedded control plane: xDS and CA for node proxies, from YAML files"
+        "control", help="the embedded control plane: xDS and CA for node proxies (API server or YAML files)"
     )
     p.add_argument("--dir", help="directory of Kubernetes YAML files (watched for changes)")
+    p.add_argument(
+        "--kube",
+        action="store_true",
+        help="read the Kubernetes API server: in-cluster service account, or --kubeconfig / KUBECONFIG",
+    )
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for --kube (implies --kube)")
     p.add_argument(
         "--state-dir",
         default="./var/ambient-control",

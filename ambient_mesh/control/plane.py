@@ -1,7 +1,8 @@
 """`ambient control`: the embedded control plane program.
 
-Counterpart: the part of istiod that ambient needs. It reads Kubernetes objects from a
-directory of YAML files (watched for changes), translates them into `istio.workload.Address` and
+Counterpart: the part of istiod that ambient needs. It reads Kubernetes objects from the API
+server (`--kube`) or from a directory of YAML files (`--dir`, watched for changes; sources.py),
+translates them into `istio.workload.Address` and
 `istio.security.Authorization` resources, serves them over delta ADS, and signs workload
 certificates (IstioCertificateService), both on one TLS port (15012) whose certificate chains to
 the mesh root that proxies are given. Callers authenticate with JWTs this control plane signs
@@ -33,10 +34,13 @@ from ..identity.grpc_tls import (
     serving_certificate,
 )
 from ..identity.spiffe import Identity
+from ..kube.client import KubeClient
+from ..kube.kubeconfig import KubeCredentials
 from ..net import SocketAddr
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import CaServer, Refusal, bearer_token, check_cluster_id
-from .kube import DirectoryChange, DirectoryWatcher, KubeStore
+from .kube import KubeStore
+from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokens import AuthenticationError, TokenIssuer, load_or_create_issuer
 from .translate import MeshSettings, Translation, translate
 
@@ -52,14 +56,29 @@ ROOT_CERT_FILE = "root-cert.pem"
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlPlaneConfig:
-    directory: Path
     state_dir: Path
+    # Exactly one source: a YAML directory (`--dir`), or the API server (`--kube`).
+    directory: Path | None = None
+    kube: KubeCredentials | None = None
     listen: SocketAddr = SocketAddr.parse(DEFAULT_LISTEN)
     plaintext_listen: SocketAddr | None = None  # istiod's 15010, for tests and trusted networks
     root_ca_dir: Path | None = None
     mesh: MeshSettings = field(default_factory=MeshSettings)
     trusted_node_accounts: frozenset[str] = frozenset({"istio-system/ztunnel"})
     poll_interval_s: float = POLL_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        if (self.directory is None) == (self.kube is None):
+            raise ConfigError(
+                "--dir/--kube", "give exactly one source: a YAML directory (--dir) or the API server (--kube)"
+            )
+
+
+def build_source(config: ControlPlaneConfig) -> ConfigSource:
+    if config.kube is not None:
+        return KubeApiSource(KubeClient(config.kube, user_agent="ambient-control"))
+    assert config.directory is not None
+    return DirectorySource(config.directory, config.poll_interval_s)
 
 
 def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
@@ -129,7 +148,7 @@ class ControlPlane:
             trusted_node_accounts=self.config.trusted_node_accounts,
             cluster_id=mesh.cluster_id,
         )
-        self.watcher = DirectoryWatcher(self.config.directory, self._on_change, self.config.poll_interval_s)
+        self.source = build_source(self.config)
         self.server: grpc.aio.Server | None = None
         self.bound: dict[str, SocketAddr] = {}
         self._watch_task: asyncio.Task | None = None
@@ -140,7 +159,7 @@ class ControlPlane:
         counts = (
             f"{len(t.addresses)} addresses, {len(t.authorizations)} authorizations" if t else "nothing loaded"
         )
-        return f"ControlPlane({self.config.directory}: {counts}; {self.ads!r})"
+        return f"ControlPlane({self.source.location}: {counts}; {self.ads!r})"
 
     # Authentication of xDS callers ------------------------------------------------------
     def _authenticate(self, metadata):
@@ -158,8 +177,8 @@ class ControlPlane:
         return Authenticated(identities=(str(caller.identity(self.config.mesh.trust_domain)),))
 
     # Configuration updates --------------------------------------------------------------
-    def _on_change(self, change: DirectoryChange) -> None:
-        self.apply(change.store, [str(e) for e in change.result.errors], change.summary())
+    def _on_change(self, change: SourceChange) -> None:
+        self.apply(change.store, [str(e) for e in change.errors], change.summary)
 
     def apply(self, store: KubeStore, errors: Iterable[str] = (), summary: str = "") -> None:
         self.load_errors = list(errors)
@@ -173,7 +192,7 @@ class ControlPlane:
         queued = self.ads.update(translation.addresses, translation.authorizations)
         log.info(
             "loaded %s: %d workload/service addresses, %d authorizations; %s; %d pushes queued",
-            self.config.directory,
+            self.source.location,
             len(translation.addresses),
             len(translation.authorizations),
             summary or "initial load",
@@ -209,13 +228,14 @@ class ControlPlane:
                 raise ConfigError("--plaintext-listen", f"cannot bind {self.config.plaintext_listen}")
             self.bound["plaintext"] = SocketAddr(self.config.plaintext_listen.ip, port)
         await self.server.start()
-        first = self.watcher.poll()
-        if first is not None:
-            self._on_change(first)
-        else:
-            self.apply(KubeStore(()))
+        try:
+            self._on_change(await self.source.first())
+        except BaseException:
+            await self.server.stop(0)
+            await self.source.close()
+            raise
         self._watch_task = asyncio.get_running_loop().create_task(
-            self.watcher.run(), name="directory watcher"
+            self.source.run(self._on_change), name=f"source {self.source.location}"
         )
 
     async def stop(self, grace_s: float = 1.0) -> None:
@@ -227,6 +247,7 @@ class ControlPlane:
                 pass
         if self.server is not None:
             await self.server.stop(grace_s)
+        await self.source.close()
 
 
 def build(config: ControlPlaneConfig) -> ControlPlane:
@@ -289,7 +310,7 @@ def status_table(plane: ControlPlane):
 def loaded_table(plane: ControlPlane):
     from rich.table import Table
 
-    table = Table(title=f"loaded from {plane.config.directory}", title_justify="left")
+    table = Table(title=f"loaded from {plane.source.location}", title_justify="left")
     for header in ("RESOURCE", "COUNT"):
         table.add_column(header)
     t = plane.translation

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ __all__ = [
     "DEFAULT_SERVICE_ACCOUNT_PATH",
     "KubeCredentials",
     "KubeconfigError",
+    "credentials",
     "in_cluster",
     "load_kubeconfig",
     "parse_kubeconfig",
@@ -252,4 +255,16 @@ def in_cluster(
         token_file=str(sa / "token"),
         ca_data=ca,
         insecure_skip_tls_verify=skip_tls_verify,
+    )
+
+
+def credentials(kubeconfig: str | Path = "", environ: Mapping[str, str] | None = None) -> KubeCredentials:
+    """client-go's usual choice: the kubeconfig given (a flag, else KUBECONFIG), else the
+    in-cluster service account."""
+    env = os.environ if environ is None else environ
+    path = kubeconfig or env.get("KUBECONFIG", "")
+    if path:
+        return load_kubeconfig(path)
+    return in_cluster(
+        host=env.get("KUBERNETES_SERVICE_HOST", ""), port=env.get("KUBERNETES_SERVICE_PORT", "")
     )

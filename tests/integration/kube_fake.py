@@ -54,6 +54,7 @@ class FakeApiServer:
         self.compacted_before = 0  # watches from an older version get 410
         self.gone_as_http_status = False
         self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
+        self.unserved: set[str] = set()  # plurals answered 404, as for a CRD not installed
         self.requests: list[tuple[str, str, str, bytes]] = []
         self.authorizations: list[str | None] = []
         self.changed = asyncio.Condition()
@@ -153,7 +154,7 @@ class FakeApiServer:
         if rest[:1] == ["tokenreviews"] and request.method == "POST":
             await self._token_review(writer, json.loads(request.body))
             return
-        if not rest or rest[0] not in KINDS:
+        if not rest or rest[0] not in KINDS or rest[0] in self.unserved:
             await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "no such path"})
             return
         kind = KINDS[rest[0]]

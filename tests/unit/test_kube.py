@@ -23,6 +23,7 @@ from ambient_mesh.kube.client import (
 from ambient_mesh.kube.kubeconfig import (
     KubeconfigError,
     KubeCredentials,
+    credentials,
     in_cluster,
     load_kubeconfig,
     parse_kubeconfig,
@@ -189,3 +190,12 @@ def test_resource_paths():
     ap = Resource("security.istio.io", "v1", "AuthorizationPolicy", "authorizationpolicies")
     assert ap.api_version == "security.istio.io/v1" and str(ap) == "authorizationpolicies.security.istio.io"
     assert ap.path("ns") == "/apis/security.istio.io/v1/namespaces/ns/authorizationpolicies"
+
+
+def test_credentials_choose_the_kubeconfig_then_the_service_account(tmp_path):
+    (tmp_path / "config").write_text(kubeconfig({"token": "t"}))
+    assert credentials(tmp_path / "config", environ={}).server == "https://api:6443"
+    env = {"KUBECONFIG": str(tmp_path / "config"), "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+    assert credentials("", environ=env).token == "t"
+    with pytest.raises(KubeconfigError, match="KUBERNETES_SERVICE_HOST not set"):
+        credentials("", environ={})
