@@ -15,14 +15,21 @@ ambient-mesh extensions (ztunnel has no variables for its listener addresses):
 - `ROOT_CA_DIR`: an Istio plugged-in CA directory (ca-cert.pem, ca-key.pem, root-cert.pem,
   cert-chain.pem) for the embedded CA.
 
-Not read (ztunnel features we do not have): ZTUNNEL_WORKER_THREADS and the CPU-limit variables,
-PROXY_CONFIG and the mesh config file, COMPLIANCE_POLICY.
+Not supported (ztunnel features we do not have): ZTUNNEL_WORKER_THREADS and the CPU-limit
+variables, PROXY_CONFIG and the mesh config file, COMPLIANCE_POLICY. `log_startup` names every
+one that is set in one warning at start, then logs the effective configuration as YAML, as
+ztunnel logs its config at start.
+
+Values are read with env.py's `EnvReader`, the one reader (and one Go duration grammar) the node
+agent's configuration uses too; `from_env` reads ztunnel's variables in sections, one function
+per group.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -30,9 +37,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+import yaml
+
+from .env import EnvReader, format_duration
+from .env import parse_duration as parse_duration  # re-exported: callers parse durations here
 from .errors import ConfigError, ProtocolError
 from .logs import parse_level_spec
 from .net import IPAddress, SocketAddr, ip_address
+
+log = logging.getLogger("ambient_mesh.config")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -82,8 +95,6 @@ ISTIO_META_PREFIX = "ISTIO_META_"
 ISTIO_METAJSON_PREFIX = "ISTIO_METAJSON_"
 XDS_HEADER_PREFIX = "XDS_HEADER_"
 CA_HEADER_PREFIX = "CA_HEADER_"
-
-_BOOL_FORMS = "true, false, 1 or 0"
 
 
 class ProxyMode(enum.Enum):
@@ -147,132 +158,7 @@ def read_ipv6_disabled_on_lo() -> bool:
         return True
 
 
-# --- value parsers ----------------------------------------------------------------------------
-
-_DURATION_UNITS_S = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "\u00b5s": 1e-6,
-    "\u03bcs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
-_DURATION_FORMS = "a Go duration such as 24h, 90m, 10s, 1h30m or 500ms"
-
-
-def parse_duration(text: str) -> float:
-    """Parse a Go-style duration (`1h30m`, `10s`, `1.5h`, `0`) into seconds.
-
-    Raises ValueError; negative durations are refused because nothing here can use one.
-    """
-    s = text.strip()
-    if s == "0":
-        return 0.0
-    if not s:
-        raise ValueError("empty duration")
-    total = 0.0
-    pos = 0
-    while pos < len(s):
-        m = _DURATION_PART.match(s, pos)
-        if m is None:
-            raise ValueError(f"{text!r} is not a duration")
-        total += float(m.group(1)) * _DURATION_UNITS_S[m.group(2)]
-        pos = m.end()
-    return total
-
-
-def format_duration(seconds: float) -> str:
-    """The shortest Go-style spelling of a duration: 86400 -> `24h`, 5400 -> `1h30m`, 0.5 -> `500ms`."""
-    if seconds == 0:
-        return "0s"
-    if seconds < 1:
-        ms = seconds * 1000
-        return f"{ms:g}ms"
-    whole = int(seconds)
-    frac = seconds - whole
-    hours, rest = divmod(whole, 3600)
-    minutes, secs = divmod(rest, 60)
-    out = ""
-    if hours:
-        out += f"{hours}h"
-    if minutes:
-        out += f"{minutes}m"
-    if secs or frac:
-        out += f"{secs + frac:g}s"
-    return out
-
-
-class _Env:
-    """Reads typed values out of the environment; each error names its variable."""
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def raw(self, name: str) -> str | None:
-        return self.env.get(name)
-
-    def string(self, name: str, default: str | None = None) -> str | None:
-        value = self.env.get(name)
-        return default if value is None or value == "" else value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.env.get(name)
-        if value is None or value == "":
-            return default
-        return self.parse_bool(name, value)
-
-    @staticmethod
-    def parse_bool(name: str, value: str) -> bool:
-        lowered = value.strip().lower()
-        if lowered in ("true", "1"):
-            return True
-        if lowered in ("false", "0"):
-            return False
-        raise ConfigError(name, f"{value!r} is not a boolean; use {_BOOL_FORMS}")
-
-    def optional_boolean(self, name: str) -> bool | None:
-        value = self.env.get(name)
-        if value is None or value == "":
-            return None
-        return self.parse_bool(name, value)
-
-    def integer(self, name: str, default: int | None, *, minimum: int, maximum: int) -> int | None:
-        value = self.env.get(name)
-        if value is None or value == "":
-            return default
-        text = value.strip()
-        if not text.isascii() or not text.isdigit():
-            raise ConfigError(name, f"{value!r} is not a whole number; use {minimum}-{maximum}")
-        number = int(text)
-        if not minimum <= number <= maximum:
-            raise ConfigError(name, f"{number} is out of range; use {minimum}-{maximum}")
-        return number
-
-    def duration(self, name: str, default: float | None, *, allow_zero: bool = False) -> float | None:
-        value = self.env.get(name)
-        if value is None or value == "":
-            return default
-        try:
-            seconds = parse_duration(value)
-        except ValueError:
-            raise ConfigError(name, f"{value!r} is not a duration; use {_DURATION_FORMS}") from None
-        if seconds == 0 and not allow_zero:
-            raise ConfigError(name, f"{value!r} must be longer than zero; use {_DURATION_FORMS}")
-        return seconds
-
-    def address(self, name: str, default: SocketAddr) -> SocketAddr:
-        value = self.env.get(name)
-        if value is None or value == "":
-            return default
-        try:
-            return SocketAddr.parse(value.strip())
-        except ProtocolError as e:
-            raise ConfigError(
-                name, f"{e.message}; use ip:port or [ipv6]:port (port 0 picks a free port)"
-            ) from None
+# --- value parsers: env.py (EnvReader, one duration grammar shared with the node agent) -------
 
 
 def _normalize_url(name: str, value: str) -> str:
@@ -289,7 +175,7 @@ def _normalize_url(name: str, value: str) -> str:
     return url
 
 
-def _root_cert(env: _Env, name: str, path_exists: Callable[[str], bool]) -> RootCert:
+def _root_cert(env: EnvReader, name: str, path_exists: Callable[[str], bool]) -> RootCert:
     value = env.string(name)
     if value is None:
         return RootCert(kind=RootCertKind.FILE, value=DEFAULT_ROOT_CERT_PATH)
@@ -306,7 +192,7 @@ def _root_cert(env: _Env, name: str, path_exists: Callable[[str], bool]) -> Root
     return RootCert(kind=RootCertKind.STATIC, value=value)
 
 
-def _auth_token(env: _Env, path_exists: Callable[[str], bool]) -> AuthToken:
+def _auth_token(env: EnvReader, path_exists: Callable[[str], bool]) -> AuthToken:
     value = env.string("AUTH_TOKEN")
     if value is None:
         if path_exists(DEFAULT_TOKEN_PATH):
@@ -342,11 +228,11 @@ def _workload_info(value: str) -> ProxyWorkloadInfo:
     return ProxyWorkloadInfo(namespace=parts[0], name=parts[1], service_account=parts[2])
 
 
-def _termination_deadline(env: _Env) -> float:
-    deadline = env.duration("CONNECTION_TERMINATION_DEADLINE", None, allow_zero=True)
+def _termination_deadline(env: EnvReader) -> float:
+    deadline = env.optional_duration("CONNECTION_TERMINATION_DEADLINE", allow_zero=True)
     if deadline is not None:
         return deadline
-    grace = env.integer("TERMINATION_GRACE_PERIOD_SECONDS", None, minimum=0, maximum=MAX_U32)
+    grace = env.optional_integer("TERMINATION_GRACE_PERIOD_SECONDS", minimum=0, maximum=MAX_U32)
     if grace is None:
         return DEFAULT_TERMINATION_DEADLINE_S
     # Leave the kubelet some of the grace period to deliver SIGKILL after we give up (ztunnel's
@@ -514,191 +400,302 @@ class ZtunnelConfig:
         """Build the config from `env` (normally os.environ); raise ConfigError on any bad value.
 
         The two callables are the only reads outside `env`: whether the kernel has IPv6 off on
-        loopback, and whether a path names a file (for root certs and the auth token).
+        loopback, and whether a path names a file (for root certs and the auth token). Each
+        section below reads one group of ztunnel's variables (reference 2.1), in its order.
         """
-        e = _Env(env)
-
-        mode_text = e.string("PROXY_MODE", ProxyMode.SHARED.value)
-        try:
-            mode = ProxyMode(mode_text)
-        except ValueError:
-            raise ConfigError(
-                "PROXY_MODE", f"{mode_text!r} is not a proxy mode; use shared or dedicated"
-            ) from None
-        info_text = e.string("PROXY_WORKLOAD_INFO")
-        workload_info = _workload_info(info_text) if info_text is not None else None
-        if mode is ProxyMode.DEDICATED and workload_info is None:
-            raise ConfigError(
-                "PROXY_WORKLOAD_INFO",
-                "dedicated mode needs the workload it serves; set namespace/name/serviceaccount",
-            )
-
-        istio_meta = {
-            k[len(ISTIO_META_PREFIX) :]: v
-            for k, v in sorted(env.items())
-            if k.startswith(ISTIO_META_PREFIX) and len(k) > len(ISTIO_META_PREFIX)
-        }
-        istio_meta_json: dict[str, Any] = {}
-        for k, v in sorted(env.items()):
-            if k.startswith(ISTIO_METAJSON_PREFIX) and len(k) > len(ISTIO_METAJSON_PREFIX):
-                try:
-                    istio_meta_json[k[len(ISTIO_METAJSON_PREFIX) :]] = json.loads(v)
-                except ValueError as err:
-                    raise ConfigError(k, f"not JSON ({err}); use a JSON value") from None
-
-        enable_proxy = e.boolean("ENABLE_PROXY", True)
-        # ztunnel's rule: the DNS proxy is on unless DNS_CAPTURE says something other than true.
-        dns_capture = istio_meta.get("DNS_CAPTURE")
-        dns_proxy_enabled = True if dns_capture is None else dns_capture.strip().lower() == "true"
-        if not enable_proxy and not dns_proxy_enabled:
-            raise ConfigError(
-                "ENABLE_PROXY", "both the proxy and the DNS proxy are disabled; there is nothing to run"
-            )
-
-        in_cluster = bool(e.string("KUBERNETES_SERVICE_HOST"))
-        default_istiod = DEFAULT_CLUSTER_ISTIOD if in_cluster else DEFAULT_LOCAL_ISTIOD
-        xds_raw = e.raw("XDS_ADDRESS")
-        if xds_raw is None:
-            xds_address: str | None = default_istiod
-        elif xds_raw.strip() == "":
-            xds_address = None  # explicitly empty: run from local config only
-        else:
-            xds_address = _normalize_url("XDS_ADDRESS", xds_raw)
-        fake_ca = e.boolean("FAKE_CA", False)
-        ca_text = e.string("CA_ADDRESS")
-        ca_address = None if fake_ca else _normalize_url("CA_ADDRESS", ca_text or default_istiod)
-
-        local_xds_path = e.string("LOCAL_XDS_PATH")
-        local_xds = e.string("LOCAL_XDS")
-        if local_xds_path is not None and local_xds is not None:
-            raise ConfigError("LOCAL_XDS", "cannot be combined with LOCAL_XDS_PATH; set only one of them")
-        xds_on_demand = e.boolean("XDS_ON_DEMAND", False)
-        if xds_on_demand and dns_proxy_enabled:
-            raise ConfigError(
-                "XDS_ON_DEMAND",
-                "on-demand xDS does not work with the DNS proxy; "
-                "set ISTIO_META_DNS_CAPTURE=false or XDS_ON_DEMAND=false",
-            )
-
-        cluster_id = istio_meta.get("CLUSTER_ID") or e.string("CLUSTER_ID", DEFAULT_CLUSTER_ID)
-        instance_ip_text = e.string("INSTANCE_IP", DEFAULT_INSTANCE_IP)
-        try:
-            instance_ip = ip_address(instance_ip_text.strip())
-        except ValueError:
-            raise ConfigError("INSTANCE_IP", f"{instance_ip_text!r} is not an IP address") from None
-
-        packet_mark = e.integer(
-            "PACKET_MARK",
-            DEFAULT_PACKET_MARK if mode is ProxyMode.SHARED else None,
-            minimum=0,
-            maximum=MAX_U32,
-        )
-
-        log_format = (e.string("LOG_FORMAT", "plain") or "plain").strip().lower()
-        if log_format not in ("plain", "json"):
-            raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
-        log_level = e.string("RUST_LOG", "info")
-        try:
-            parse_level_spec(log_level)
-        except ConfigError as err:
-            raise ConfigError("RUST_LOG", err.message.removeprefix("log level: ")) from None
-
-        ipv6_enabled = e.boolean("IPV6_ENABLED", True) and not ipv6_disabled_on_lo()
-        wildcard = "::" if ipv6_enabled else "0.0.0.0"
-        admin_addr = e.address("ADMIN_ADDR", SocketAddr.of("127.0.0.1", ADMIN_PORT))
-        if not admin_addr.ip.is_loopback:
-            raise ConfigError(
-                "ADMIN_ADDR", f"{admin_addr} is not a loopback address; the admin API is local only"
-            )
-
+        e = EnvReader(env)
+        meta = _istio_metadata(env)
+        mode = _proxy_mode(e)
+        features = _features(e, meta.istio_meta)
         return cls(
-            proxy_mode=mode,
-            proxy_workload_info=workload_info,
-            enable_proxy=enable_proxy,
-            dns_proxy_enabled=dns_proxy_enabled,
-            dns_proxy_addr=_dns_proxy_addr(istio_meta.get("DNS_PROXY_ADDR")),
-            xds_address=xds_address,
-            ca_address=ca_address,
-            fake_ca=fake_ca,
-            root_ca_dir=e.string("ROOT_CA_DIR"),
-            local_xds_path=local_xds_path,
-            local_xds=local_xds,
-            xds_on_demand=xds_on_demand,
-            xds_root_ca=_root_cert(e, "XDS_ROOT_CA", path_exists),
-            ca_root_ca=_root_cert(e, "CA_ROOT_CA", path_exists),
-            alt_xds_hostname=e.string("ALT_XDS_HOSTNAME"),
-            alt_ca_hostname=e.string("ALT_CA_HOSTNAME"),
-            xds_headers=_headers(env, XDS_HEADER_PREFIX),
-            ca_headers=_headers(env, CA_HEADER_PREFIX),
-            auth_token=_auth_token(e, path_exists),
-            cluster_id=cluster_id,
-            cluster_domain=e.string("CLUSTER_DOMAIN", DEFAULT_CLUSTER_DOMAIN),
-            trust_domain=e.string("TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
-            pod_name=e.string("POD_NAME"),
-            pod_namespace=e.string("POD_NAMESPACE"),
-            service_account=e.string("SERVICE_ACCOUNT"),
-            instance_ip=instance_ip,
-            node_name=e.string("NODE_NAME"),
-            network=e.string("NETWORK", "") or "",
-            secret_ttl_s=e.duration("SECRET_TTL", DEFAULT_SECRET_TTL_S),
-            pool_max_streams_per_connection=e.integer(
-                "POOL_MAX_STREAMS_PER_CONNECTION",
-                DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION,
-                minimum=1,
-                maximum=MAX_U32,
-            ),
-            pool_unused_release_timeout_s=e.duration(
-                "POOL_UNUSED_RELEASE_TIMEOUT", DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S
-            ),
-            http2_stream_window_size=e.integer(
-                "HTTP2_STREAM_WINDOW_SIZE",
-                DEFAULT_HTTP2_STREAM_WINDOW_BYTES,
-                minimum=1,
-                maximum=MAX_HTTP2_WINDOW_BYTES,
-            ),
-            http2_connection_window_size=e.integer(
-                "HTTP2_CONNECTION_WINDOW_SIZE",
-                DEFAULT_HTTP2_CONNECTION_WINDOW_BYTES,
-                minimum=1,
-                maximum=MAX_HTTP2_WINDOW_BYTES,
-            ),
-            http2_frame_size=e.integer(
-                "HTTP2_FRAME_SIZE",
-                DEFAULT_HTTP2_FRAME_BYTES,
-                minimum=MIN_HTTP2_FRAME_BYTES,
-                maximum=MAX_HTTP2_FRAME_BYTES,
-            ),
-            keepalive_enabled=e.boolean("KEEPALIVE_ENABLED", True),
-            keepalive_time_s=e.duration("KEEPALIVE_TIME", DEFAULT_KEEPALIVE_TIME_S),
-            keepalive_interval_s=e.duration("KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL_S),
-            keepalive_retries=e.integer(
-                "KEEPALIVE_RETRIES", DEFAULT_KEEPALIVE_RETRIES, minimum=0, maximum=MAX_U32
-            ),
-            user_timeout_enabled=e.boolean("USER_TIMEOUT_ENABLED", False),
-            packet_mark=packet_mark,
-            inpod_uds=e.string("INPOD_UDS", DEFAULT_INPOD_UDS),
-            inpod_port_reuse=e.boolean("INPOD_PORT_REUSE", True),
-            enable_orig_src=e.optional_boolean("ENABLE_ORIG_SRC"),
-            ipv6_enabled=ipv6_enabled,
-            termination_deadline_s=_termination_deadline(e),
-            localhost_app_tunnel=e.boolean("LOCALHOST_APP_TUNNEL", True),
-            enable_response_baggage=e.boolean("ENABLE_RESPONSE_BAGGAGE", True),
-            prefered_service_namespace=e.string("PREFERED_SERVICE_NAMESPACE"),
-            socks5_enabled=e.boolean("UNSTABLE_ENABLE_SOCKS5", False),
-            crl_path=e.string("CRL_PATH"),
-            authz_policy_info_logging=e.boolean("AUTHZ_POLICY_INFO_LOGGING", False),
-            tls12_enabled=e.boolean("TLS12_ENABLED", False),
-            log_format=log_format,
-            log_level=log_level,
-            istio_meta=istio_meta,
-            istio_meta_json=istio_meta_json,
-            outbound_addr=e.address("OUTBOUND_ADDR", SocketAddr.of(wildcard, OUTBOUND_PORT)),
-            inbound_addr=e.address("INBOUND_ADDR", SocketAddr.of(wildcard, INBOUND_PORT)),
-            inbound_plaintext_addr=e.address(
-                "INBOUND_PLAINTEXT_ADDR", SocketAddr.of(wildcard, INBOUND_PLAINTEXT_PORT)
-            ),
-            socks5_addr=e.address("SOCKS5_ADDR", SocketAddr.of("127.0.0.1", SOCKS5_PORT)),
-            admin_addr=admin_addr,
-            stats_addr=e.address("STATS_ADDR", SocketAddr.of(wildcard, STATS_PORT)),
-            readiness_addr=e.address("READINESS_ADDR", SocketAddr.of(wildcard, READINESS_PORT)),
+            **mode,
+            **features,
+            **_control_plane(e, env, path_exists, dns_proxy_enabled=features["dns_proxy_enabled"]),
+            **_identity_and_node(e, meta.istio_meta),
+            **_pool_and_http2(e),
+            **_sockets(e, mode["proxy_mode"]),
+            **_behaviour(e),
+            **_logging(e),
+            istio_meta=meta.istio_meta,
+            istio_meta_json=meta.istio_meta_json,
+            **_listeners(e, ipv6_enabled=e.boolean("IPV6_ENABLED", True) and not ipv6_disabled_on_lo()),
         )
+
+
+# --- from_env's sections: each reads one group of variables and returns ZtunnelConfig fields ------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _IstioMetadata:
+    istio_meta: dict[str, str]
+    istio_meta_json: dict[str, Any]
+
+
+def _istio_metadata(env: Mapping[str, str]) -> _IstioMetadata:
+    """ISTIO_META_<KEY> (text) and ISTIO_METAJSON_<KEY> (JSON), prefixes stripped."""
+    istio_meta = {
+        k[len(ISTIO_META_PREFIX) :]: v
+        for k, v in sorted(env.items())
+        if k.startswith(ISTIO_META_PREFIX) and len(k) > len(ISTIO_META_PREFIX)
+    }
+    istio_meta_json: dict[str, Any] = {}
+    for k, v in sorted(env.items()):
+        if k.startswith(ISTIO_METAJSON_PREFIX) and len(k) > len(ISTIO_METAJSON_PREFIX):
+            try:
+                istio_meta_json[k[len(ISTIO_METAJSON_PREFIX) :]] = json.loads(v)
+            except ValueError as err:
+                raise ConfigError(k, f"not JSON ({err}); use a JSON value") from None
+    return _IstioMetadata(istio_meta=istio_meta, istio_meta_json=istio_meta_json)
+
+
+def _proxy_mode(e: EnvReader) -> dict[str, Any]:
+    """PROXY_MODE and, for dedicated mode, the one workload it serves."""
+    mode_text = e.string("PROXY_MODE", ProxyMode.SHARED.value)
+    try:
+        mode = ProxyMode(mode_text)
+    except ValueError:
+        raise ConfigError(
+            "PROXY_MODE", f"{mode_text!r} is not a proxy mode; use shared or dedicated"
+        ) from None
+    info_text = e.string("PROXY_WORKLOAD_INFO")
+    workload_info = _workload_info(info_text) if info_text is not None else None
+    if mode is ProxyMode.DEDICATED and workload_info is None:
+        raise ConfigError(
+            "PROXY_WORKLOAD_INFO",
+            "dedicated mode needs the workload it serves; set namespace/name/serviceaccount",
+        )
+    return {"proxy_mode": mode, "proxy_workload_info": workload_info}
+
+
+def _features(e: EnvReader, istio_meta: Mapping[str, str]) -> dict[str, Any]:
+    """What runs: the proxy (ENABLE_PROXY) and the DNS proxy (ISTIO_META_DNS_CAPTURE)."""
+    enable_proxy = e.boolean("ENABLE_PROXY", True)
+    # ztunnel's rule: the DNS proxy is on unless DNS_CAPTURE says something other than true.
+    dns_capture = istio_meta.get("DNS_CAPTURE")
+    dns_proxy_enabled = True if dns_capture is None else dns_capture.strip().lower() == "true"
+    if not enable_proxy and not dns_proxy_enabled:
+        raise ConfigError(
+            "ENABLE_PROXY", "both the proxy and the DNS proxy are disabled; there is nothing to run"
+        )
+    return {
+        "enable_proxy": enable_proxy,
+        "dns_proxy_enabled": dns_proxy_enabled,
+        "dns_proxy_addr": _dns_proxy_addr(istio_meta.get("DNS_PROXY_ADDR")),
+    }
+
+
+def _control_plane(
+    e: EnvReader, env: Mapping[str, str], path_exists: Callable[[str], bool], *, dns_proxy_enabled: bool
+) -> dict[str, Any]:
+    """Where state and certificates come from: xDS, the CA, local config, their TLS and auth."""
+    in_cluster = bool(e.string("KUBERNETES_SERVICE_HOST"))
+    default_istiod = DEFAULT_CLUSTER_ISTIOD if in_cluster else DEFAULT_LOCAL_ISTIOD
+    xds_raw = e.raw("XDS_ADDRESS")
+    if xds_raw is None:
+        xds_address: str | None = default_istiod
+    elif xds_raw.strip() == "":
+        xds_address = None  # explicitly empty: run from local config only
+    else:
+        xds_address = _normalize_url("XDS_ADDRESS", xds_raw)
+    fake_ca = e.boolean("FAKE_CA", False)
+    ca_text = e.string("CA_ADDRESS")
+    ca_address = None if fake_ca else _normalize_url("CA_ADDRESS", ca_text or default_istiod)
+    local_xds_path = e.string("LOCAL_XDS_PATH")
+    local_xds = e.string("LOCAL_XDS")
+    if local_xds_path is not None and local_xds is not None:
+        raise ConfigError("LOCAL_XDS", "cannot be combined with LOCAL_XDS_PATH; set only one of them")
+    xds_on_demand = e.boolean("XDS_ON_DEMAND", False)
+    if xds_on_demand and dns_proxy_enabled:
+        raise ConfigError(
+            "XDS_ON_DEMAND",
+            "on-demand xDS does not work with the DNS proxy; "
+            "set ISTIO_META_DNS_CAPTURE=false or XDS_ON_DEMAND=false",
+        )
+    return {
+        "xds_address": xds_address,
+        "ca_address": ca_address,
+        "fake_ca": fake_ca,
+        "root_ca_dir": e.string("ROOT_CA_DIR"),
+        "local_xds_path": local_xds_path,
+        "local_xds": local_xds,
+        "xds_on_demand": xds_on_demand,
+        "xds_root_ca": _root_cert(e, "XDS_ROOT_CA", path_exists),
+        "ca_root_ca": _root_cert(e, "CA_ROOT_CA", path_exists),
+        "alt_xds_hostname": e.string("ALT_XDS_HOSTNAME"),
+        "alt_ca_hostname": e.string("ALT_CA_HOSTNAME"),
+        "xds_headers": _headers(env, XDS_HEADER_PREFIX),
+        "ca_headers": _headers(env, CA_HEADER_PREFIX),
+        "auth_token": _auth_token(e, path_exists),
+    }
+
+
+def _identity_and_node(e: EnvReader, istio_meta: Mapping[str, str]) -> dict[str, Any]:
+    """Who this proxy is and where it runs: cluster, trust domain, own pod, node, network."""
+    instance_ip_text = e.string("INSTANCE_IP", DEFAULT_INSTANCE_IP)
+    try:
+        instance_ip = ip_address(instance_ip_text.strip())
+    except ValueError:
+        raise ConfigError("INSTANCE_IP", f"{instance_ip_text!r} is not an IP address") from None
+    return {
+        "cluster_id": istio_meta.get("CLUSTER_ID") or e.string("CLUSTER_ID", DEFAULT_CLUSTER_ID),
+        "cluster_domain": e.string("CLUSTER_DOMAIN", DEFAULT_CLUSTER_DOMAIN),
+        "trust_domain": e.string("TRUST_DOMAIN", DEFAULT_TRUST_DOMAIN),
+        "pod_name": e.string("POD_NAME"),
+        "pod_namespace": e.string("POD_NAMESPACE"),
+        "service_account": e.string("SERVICE_ACCOUNT"),
+        "instance_ip": instance_ip,
+        "node_name": e.string("NODE_NAME"),
+        "network": e.string("NETWORK", "") or "",
+        "secret_ttl_s": e.duration("SECRET_TTL", DEFAULT_SECRET_TTL_S),
+    }
+
+
+def _pool_and_http2(e: EnvReader) -> dict[str, Any]:
+    """The HBONE connection pool and HTTP/2 settings (windows, frame size)."""
+    return {
+        "pool_max_streams_per_connection": e.integer(
+            "POOL_MAX_STREAMS_PER_CONNECTION",
+            DEFAULT_POOL_MAX_STREAMS_PER_CONNECTION,
+            minimum=1,
+            maximum=MAX_U32,
+        ),
+        "pool_unused_release_timeout_s": e.duration(
+            "POOL_UNUSED_RELEASE_TIMEOUT", DEFAULT_POOL_UNUSED_RELEASE_TIMEOUT_S
+        ),
+        "http2_stream_window_size": e.integer(
+            "HTTP2_STREAM_WINDOW_SIZE",
+            DEFAULT_HTTP2_STREAM_WINDOW_BYTES,
+            minimum=1,
+            maximum=MAX_HTTP2_WINDOW_BYTES,
+        ),
+        "http2_connection_window_size": e.integer(
+            "HTTP2_CONNECTION_WINDOW_SIZE",
+            DEFAULT_HTTP2_CONNECTION_WINDOW_BYTES,
+            minimum=1,
+            maximum=MAX_HTTP2_WINDOW_BYTES,
+        ),
+        "http2_frame_size": e.integer(
+            "HTTP2_FRAME_SIZE",
+            DEFAULT_HTTP2_FRAME_BYTES,
+            minimum=MIN_HTTP2_FRAME_BYTES,
+            maximum=MAX_HTTP2_FRAME_BYTES,
+        ),
+    }
+
+
+def _sockets(e: EnvReader, mode: ProxyMode) -> dict[str, Any]:
+    """Options on the proxy's sockets: keepalive, user timeout, mark, port reuse, original source."""
+    return {
+        "keepalive_enabled": e.boolean("KEEPALIVE_ENABLED", True),
+        "keepalive_time_s": e.duration("KEEPALIVE_TIME", DEFAULT_KEEPALIVE_TIME_S),
+        "keepalive_interval_s": e.duration("KEEPALIVE_INTERVAL", DEFAULT_KEEPALIVE_INTERVAL_S),
+        "keepalive_retries": e.integer(
+            "KEEPALIVE_RETRIES", DEFAULT_KEEPALIVE_RETRIES, minimum=0, maximum=MAX_U32
+        ),
+        "user_timeout_enabled": e.boolean("USER_TIMEOUT_ENABLED", False),
+        "packet_mark": (
+            e.integer("PACKET_MARK", DEFAULT_PACKET_MARK, minimum=0, maximum=MAX_U32)
+            if mode is ProxyMode.SHARED
+            else e.optional_integer("PACKET_MARK", minimum=0, maximum=MAX_U32)
+        ),
+        "inpod_uds": e.string("INPOD_UDS", DEFAULT_INPOD_UDS),
+        "inpod_port_reuse": e.boolean("INPOD_PORT_REUSE", True),
+        "enable_orig_src": e.optional_boolean("ENABLE_ORIG_SRC"),
+    }
+
+
+def _behaviour(e: EnvReader) -> dict[str, Any]:
+    """Proxy behaviour switches: drain, tunnels, baggage, SOCKS5, TLS, revocation, authz logging."""
+    return {
+        "termination_deadline_s": _termination_deadline(e),
+        "localhost_app_tunnel": e.boolean("LOCALHOST_APP_TUNNEL", True),
+        "enable_response_baggage": e.boolean("ENABLE_RESPONSE_BAGGAGE", True),
+        "prefered_service_namespace": e.string("PREFERED_SERVICE_NAMESPACE"),
+        "socks5_enabled": e.boolean("UNSTABLE_ENABLE_SOCKS5", False),
+        "crl_path": e.string("CRL_PATH"),
+        "authz_policy_info_logging": e.boolean("AUTHZ_POLICY_INFO_LOGGING", False),
+        "tls12_enabled": e.boolean("TLS12_ENABLED", False),
+    }
+
+
+def _logging(e: EnvReader) -> dict[str, Any]:
+    """LOG_FORMAT and RUST_LOG (validated here, applied by the program)."""
+    log_format = (e.string("LOG_FORMAT", "plain") or "plain").strip().lower()
+    if log_format not in ("plain", "json"):
+        raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
+    log_level = e.string("RUST_LOG", "info")
+    try:
+        parse_level_spec(log_level)
+    except ConfigError as err:
+        raise ConfigError("RUST_LOG", err.message.removeprefix("log level: ")) from None
+    return {"log_format": log_format, "log_level": log_level}
+
+
+def _listeners(e: EnvReader, *, ipv6_enabled: bool) -> dict[str, Any]:
+    """Listener addresses (ours: ztunnel has no variables for them), `[::]` unless IPv6 is off."""
+    wildcard = "::" if ipv6_enabled else "0.0.0.0"
+    admin_addr = e.address("ADMIN_ADDR", SocketAddr.of("127.0.0.1", ADMIN_PORT))
+    if not admin_addr.ip.is_loopback:
+        raise ConfigError(
+            "ADMIN_ADDR", f"{admin_addr} is not a loopback address; the admin API is local only"
+        )
+    return {
+        "ipv6_enabled": ipv6_enabled,
+        "outbound_addr": e.address("OUTBOUND_ADDR", SocketAddr.of(wildcard, OUTBOUND_PORT)),
+        "inbound_addr": e.address("INBOUND_ADDR", SocketAddr.of(wildcard, INBOUND_PORT)),
+        "inbound_plaintext_addr": e.address(
+            "INBOUND_PLAINTEXT_ADDR", SocketAddr.of(wildcard, INBOUND_PLAINTEXT_PORT)
+        ),
+        "socks5_addr": e.address("SOCKS5_ADDR", SocketAddr.of("127.0.0.1", SOCKS5_PORT)),
+        "admin_addr": admin_addr,
+        "stats_addr": e.address("STATS_ADDR", SocketAddr.of(wildcard, STATS_PORT)),
+        "readiness_addr": e.address("READINESS_ADDR", SocketAddr.of(wildcard, READINESS_PORT)),
+    }
+
+
+# --- at start: what we do not support, and the effective configuration (ztunnel logs both) --------
+
+# Istio ztunnel variables (reference 2.1) this proxy does not implement, and what happens instead.
+UNSUPPORTED_VARIABLES: dict[str, str] = {
+    "PROXY_CONFIG": "ProxyConfig overlays (and the mesh config file) are not read",
+    "ZTUNNEL_WORKER_THREADS": "the proxy runs one event loop thread",
+    "ZTUNNEL_CPU_LIMIT": "the proxy runs one event loop thread",
+    "ZTUNNEL_RESOURCE_CPU_LIMIT": "the proxy runs one event loop thread",
+    "ZTUNNEL_RESOURCE_CPU_REQUEST": "the proxy runs one event loop thread",
+    "COMPLIANCE_POLICY": "key exchange is OpenSSL's default set, not restricted",
+}
+MESH_CONFIG_PATH = "./etc/istio/config/mesh"
+_REDACTED = "<redacted>"
+
+
+def unsupported_settings(
+    env: Mapping[str, str], path_exists: Callable[[str], bool] = os.path.exists
+) -> list[str]:
+    """The unsupported variables that are set, and the mesh config file if present, with why."""
+    found = [f"{name} ({why})" for name, why in UNSUPPORTED_VARIABLES.items() if env.get(name)]
+    if path_exists(MESH_CONFIG_PATH):
+        found.append(f"{MESH_CONFIG_PATH} (the mesh config file is not read)")
+    return found
+
+
+def effective_config_yaml(config: ZtunnelConfig) -> str:
+    """The configuration in effect as YAML, as ztunnel logs it at start; header values (they can
+    carry credentials) redacted, as the static token already is."""
+    dump = config.to_dump()
+    for key in ("xdsHeaders", "caHeaders"):
+        dump[key] = dict.fromkeys(dump[key], _REDACTED)
+    dump["unsupported"] = sorted(UNSUPPORTED_VARIABLES)
+    return yaml.safe_dump(dump, sort_keys=True, default_flow_style=False)
+
+
+def log_startup(
+    config: ZtunnelConfig, env: Mapping[str, str], path_exists: Callable[[str], bool] = os.path.exists
+) -> None:
+    """One warning naming every unsupported setting in use, then the effective configuration."""
+    unsupported = unsupported_settings(env, path_exists)
+    if unsupported:
+        log.warning(
+            "these Istio ztunnel settings are not supported and have no effect: %s; unset them",
+            "; ".join(unsupported),
+        )
+    log.info("effective configuration:\n%s", effective_config_yaml(config))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
-from .config import ProxyMode, ZtunnelConfig
+from .config import ProxyMode, ZtunnelConfig, log_startup
 from .dns.resolver import DnsSettings
 from .dns.server import DnsMetrics, DnsServer, ResolvConf, UpstreamForwarder
 from .errors import AmbientError, ConfigError
@@ -27,7 +27,8 @@ from .identity.ca import CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
 from .identity.tls import TlsContextCache
-from .metrics import Metrics
+from .identity.tls_crl import CrlChecker
+from .metrics import Metrics, WithoutCreated
 from .proxy.inpod import InpodManager
 from .proxy.sockets import plain_socket, set_mark
 from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
@@ -115,7 +116,7 @@ class Ztunnel:
         else:
             self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
         self.cert_manager = SecretManager(self.ca_client)
-        self.tls = TlsContextCache()
+        self.tls = TlsContextCache(tls12=config.tls12_enabled, crl=self._crl_checker(config))
         self.workload_proxy: WorkloadProxy | None = None
         self.inpod: InpodManager | None = None
         self.zds: ZdsClient | None = None
@@ -169,6 +170,14 @@ class Ztunnel:
         return f"Ztunnel({self.config.proxy_mode.value}, {self.state!r}, {proxies!r}, {self.readiness!r})"
 
     # The dedicated proxy set, under the names the tests and dumps use ---------------------
+    def _crl_checker(self, config: ZtunnelConfig) -> CrlChecker | None:
+        """CRL_PATH: loaded now (a bad file stops the start), its rejections counted in /metrics."""
+        if not config.crl_path:
+            return None
+        checker = CrlChecker(config.crl_path)
+        self.metrics.register(WithoutCreated((checker.metrics.rejections,)))
+        return checker
+
     @property
     def pi(self):
         if self.workload_proxy is None:
@@ -372,6 +381,7 @@ class Ztunnel:
 
 async def build(env: Mapping[str, str]) -> Ztunnel:
     config = ZtunnelConfig.from_env(env)
+    log_startup(config, env)
     check_supported(config)
     state = ProxyState()
     updater = StateUpdater(state)

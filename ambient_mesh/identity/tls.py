@@ -6,6 +6,12 @@ both sides, mutual certificates verified against the roots of our own CA respons
 hostname check, no SNI, no session resumption; the server accepts only clients with a SPIFFE
 id in its own trust domain, and the client accepts only a server naming an expected identity.
 
+TLS12_ENABLED=true also allows TLS 1.2, with only the ECDHE-ECDSA/ECDHE-RSA AES-GCM suites
+ztunnel adds (reference 6.5); otherwise 1.2 and older are refused on both sides.
+
+CRL_PATH: `TlsContextCache.verify_server` / `verify_client` also check the peer's verified chain
+against the CRLs (identity/tls_crl.py), so both sides of every handshake refuse revoked peers.
+
 Cipher suites: ztunnel allows only TLS13_AES_256_GCM_SHA384 and TLS13_AES_128_GCM_SHA256.
 Python 3.11's `ssl` has no way to set TLS 1.3 suites (`set_ciphers` only governs TLS 1.2 and
 older), so OpenSSL's defaults stay, which add CHACHA20_POLY1305. Both our sides offer
@@ -26,8 +32,14 @@ from typing import Protocol
 from ..errors import CertificateError, ProtocolError
 from .certificate import WorkloadCertificate, spiffe_ids
 from .spiffe import Identity
+from .tls_crl import REPORTER_DESTINATION, REPORTER_SOURCE, CrlChecker
 
 ALPN_H2 = "h2"
+# TLS12_ENABLED's suites (OpenSSL names): ECDHE with ECDSA or RSA, AES-GCM only, as ztunnel.
+TLS12_CIPHERS = (
+    "ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-ECDSA-AES128-GCM-SHA256:"
+    "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-AES128-GCM-SHA256"
+)
 
 # Key material goes through a file only because `ssl` loads keys from paths; RAM-backed
 # /dev/shm keeps it off disk for the microseconds it exists.
@@ -42,14 +54,14 @@ class PeerCertificateSource(Protocol):
     def selected_alpn_protocol(self) -> str | None: ...
 
 
-def server_context(cert: WorkloadCertificate) -> ssl.SSLContext:
+def server_context(cert: WorkloadCertificate, *, tls12: bool = False) -> ssl.SSLContext:
     """The HBONE listener's context: presents `cert`, requires a client cert under its roots."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _configure(ctx, cert)
+    _configure(ctx, cert, tls12)
     return ctx
 
 
-def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
+def client_context(cert: WorkloadCertificate, *, tls12: bool = False) -> ssl.SSLContext:
     """An HBONE client's context: presents the source workload's chain.
 
     Connect with `server_hostname=""` so that no SNI is sent, as ztunnel does.
@@ -58,12 +70,16 @@ def client_context(cert: WorkloadCertificate) -> ssl.SSLContext:
     # The server is identified by its SPIFFE id afterwards (verify_server_identity), never by
     # a DNS name; check_hostname must go off before verify_mode can be set.
     ctx.check_hostname = False
-    _configure(ctx, cert)
+    _configure(ctx, cert, tls12)
     return ctx
 
 
-def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate, tls12: bool = False) -> None:
+    if tls12:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.set_ciphers(TLS12_CIPHERS)  # governs 1.2 only; 1.3 keeps its suites
+    else:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     ctx.set_alpn_protocols([ALPN_H2])
     ctx.verify_mode = ssl.CERT_REQUIRED
@@ -146,13 +162,16 @@ def _names(ids: Collection[Identity]) -> str:
 
 
 class TlsContextCache:
-    """One server and one client context per identity, rebuilt when the certificate renews.
+    """One server and one client context per identity, rebuilt when the certificate renews,
+    and the post-handshake checks with the settings that go with them (TLS12_ENABLED, CRL_PATH).
 
     Building a context parses keys and roots, so connections reuse it; keying on the serial
     means a refreshed certificate gets a fresh context and the old one is dropped with it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, tls12: bool = False, crl: CrlChecker | None = None) -> None:
+        self.tls12 = tls12
+        self.crl = crl
         self._server: dict[Identity, tuple[str, ssl.SSLContext]] = {}
         self._client: dict[Identity, tuple[str, ssl.SSLContext]] = {}
 
@@ -163,10 +182,22 @@ class TlsContextCache:
         return len(self._server) + len(self._client)
 
     def server(self, cert: WorkloadCertificate) -> ssl.SSLContext:
-        return self._get(self._server, cert, server_context)
+        return self._get(self._server, cert, lambda c: server_context(c, tls12=self.tls12))
 
     def client(self, cert: WorkloadCertificate) -> ssl.SSLContext:
-        return self._get(self._client, cert, client_context)
+        return self._get(self._client, cert, lambda c: client_context(c, tls12=self.tls12))
+
+    def verify_server(self, ssl_object: PeerCertificateSource, expected: Collection[Identity]) -> Identity:
+        """Client side: CRL_PATH (if set), then the server's SPIFFE identity."""
+        if self.crl is not None:
+            self.crl.check(ssl_object, REPORTER_SOURCE)
+        return verify_server_identity(ssl_object, expected)
+
+    def verify_client(self, ssl_object: PeerCertificateSource, trust_domain: str) -> Identity:
+        """Server side: CRL_PATH (if set), then the client's SPIFFE identity and trust domain."""
+        if self.crl is not None:
+            self.crl.check(ssl_object, REPORTER_DESTINATION)
+        return verify_client_identity(ssl_object, trust_domain)
 
     def forget(self, identity: Identity) -> None:
         self._server.pop(identity, None)

@@ -44,8 +44,10 @@ class TrackedConnection:
 
 
 class ConnectionManager:
-    def __init__(self, state: ProxyState) -> None:
+    def __init__(self, state: ProxyState, *, info_logging: bool = False) -> None:
         self.state = state
+        # AUTHZ_POLICY_INFO_LOGGING: every decision at info (ztunnel logs them at debug otherwise).
+        self._decision_level = logging.INFO if info_logging else logging.DEBUG
         self._tracked: dict[int, TrackedConnection] = {}
         self._next_id = 0
         self._recheck_scheduled = False
@@ -59,9 +61,18 @@ class ConnectionManager:
         """One authorization check against the current policies (reference 5.3)."""
         decision = self.state.policies.check(workload, conn)
         log_dry_run(decision, conn)
-        level = logging.INFO if not decision.allowed else logging.DEBUG
+        # Denials stay at info whatever the setting, as before; allows follow the setting.
+        level = logging.INFO if not decision.allowed else self._decision_level
         if log.isEnabledFor(level):
-            log.log(level, "%s %s: %s", "allowed" if decision.allowed else "denied", conn, decision.reason)
+            log.log(
+                level,
+                "%s %s to %s: %s (policy %s)",
+                "allowed" if decision.allowed else "denied",
+                conn,
+                workload.uid,
+                decision.reason,
+                decision.policy or "none",
+            )
         return decision
 
     def register(

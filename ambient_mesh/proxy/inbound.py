@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from ..errors import AmbientError, ProtocolError
 from ..identity.spiffe import Identity
-from ..identity.tls import verify_client_identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
@@ -119,7 +118,8 @@ class InboundProxy:
         trust_domain = workload.identity.trust_domain
 
         def check_client(conn: HboneConnection) -> None:
-            conn.peer_identity = verify_client_identity(
+            # CRL_PATH, then the SPIFFE identity and trust domain (TlsContextCache.verify_client).
+            conn.peer_identity = self.pi.tls.verify_client(
                 conn.transport.get_extra_info("ssl_object"), trust_domain
             )
 

@@ -25,7 +25,7 @@ from ..state.store import ProxyState
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
-from .sockets import SocketFactory, new_socket, plain_socket, set_transparent
+from .sockets import KeepaliveSettings, SocketFactory, new_socket, plain_socket, set_transparent
 
 WORKLOAD_WAIT_S = 5.0
 
@@ -72,10 +72,15 @@ class ProxyInputs:
     # mode). Set by `set_listener_addresses` once the listeners are bound.
     illegal_ports: frozenset[int] = frozenset()
     self_ips: frozenset[IPAddress] = frozenset()
+    keepalive: KeepaliveSettings | None = None  # from the config unless given
 
     def __post_init__(self) -> None:
         if self.connection_manager is None:
-            self.connection_manager = ConnectionManager(self.state)
+            self.connection_manager = ConnectionManager(
+                self.state, info_logging=self.config.authz_policy_info_logging
+            )
+        if self.keepalive is None:
+            self.keepalive = KeepaliveSettings.from_config(self.config)
         if not self.illegal_ports:
             self.illegal_ports = self.config.illegal_ports
 
@@ -106,6 +111,7 @@ class ProxyInputs:
                 else:
                     _bind_if_local(sock, src)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.keepalive.apply(sock)
             await asyncio.get_running_loop().sock_connect(sock, dst.sockaddr())
         except BaseException:
             sock.close()

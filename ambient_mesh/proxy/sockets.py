@@ -1,16 +1,19 @@
 """Linux socket options the node proxy needs, in one place.
 
 Counterparts: ztunnel src/socket.rs (orig_dst_addr, set_transparent, set_mark) and
-src/proxy.rs (keepalive). Everything here is a thin, typed wrapper over setsockopt/getsockopt.
+src/proxy.rs (keepalive and user timeout, `KeepaliveSettings`). Everything here is a thin, typed wrapper over setsockopt/getsockopt.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from ..config import ZtunnelConfig
 from ..errors import AmbientError
 from ..net import SocketAddr, ip_address
 
@@ -79,25 +82,64 @@ def configure_accepted(sock: socket.socket, *, keepalive: KeepaliveSettings | No
         keepalive.apply(sock)
 
 
+# Linux's bounds for the keepalive options (net/ipv4/tcp.c: MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL,
+# MAX_TCP_KEEPCNT); a larger value would make setsockopt fail on every connection.
+MAX_TCP_KEEPIDLE_S = 32767
+MAX_TCP_KEEPINTVL_S = 32767
+MAX_TCP_KEEPCNT = 127
+MAX_TCP_USER_TIMEOUT_MS = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KeepaliveSettings:
-    """TCP keepalive on proxied sockets (ztunnel KEEPALIVE_* settings)."""
+    """TCP keepalive and user timeout on the proxy's sockets (ztunnel's KEEPALIVE_* settings).
 
-    __slots__ = ("time_s", "interval_s", "retries", "user_timeout")
+    As ztunnel's socket setup: with KEEPALIVE_ENABLED, SO_KEEPALIVE plus idle time, probe
+    interval and probe count; with USER_TIMEOUT_ENABLED, TCP_USER_TIMEOUT = time + retries x
+    interval, so unacknowledged data gives up when keepalive would have. Applied to every socket
+    the proxy listeners accept and every socket the proxy connects (apps, peers on 15008).
+    The kernel counts keepalive in whole seconds: durations round up, to at least one second.
+    """
 
-    def __init__(self, time_s: int, interval_s: int, retries: int, user_timeout: bool = False) -> None:
-        self.time_s = time_s
-        self.interval_s = interval_s
-        self.retries = retries
-        self.user_timeout = user_timeout
+    enabled: bool = True
+    time_s: float = 180.0
+    interval_s: float = 180.0
+    retries: int = 9
+    user_timeout: bool = False
+
+    @classmethod
+    def from_config(cls, config: ZtunnelConfig) -> KeepaliveSettings:
+        return cls(
+            enabled=config.keepalive_enabled,
+            time_s=config.keepalive_time_s,
+            interval_s=config.keepalive_interval_s,
+            retries=config.keepalive_retries,
+            user_timeout=config.user_timeout_enabled,
+        )
+
+    @property
+    def user_timeout_ms(self) -> int:
+        ms = round((self.time_s + self.retries * self.interval_s) * 1000)
+        return min(ms, MAX_TCP_USER_TIMEOUT_MS)
 
     def apply(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.time_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.interval_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.retries)
+        if self.enabled:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _whole_s(self.time_s, MAX_TCP_KEEPIDLE_S)
+            )
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _whole_s(self.interval_s, MAX_TCP_KEEPINTVL_S)
+            )
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, min(self.retries, MAX_TCP_KEEPCNT))
+            )
         if self.user_timeout:
-            ms = (self.time_s + self.retries * self.interval_s) * 1000
-            sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, ms)
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self.user_timeout_ms)
+
+
+def _whole_s(seconds: float, maximum: int) -> int:
+    return max(1, min(math.ceil(seconds), maximum))
 
 
 SocketFactory = Callable[[int], socket.socket]

@@ -18,7 +18,7 @@ from ..config import ZtunnelConfig
 from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..identity.manager import SecretManager
-from ..identity.tls import TlsContextCache, verify_server_identity
+from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
@@ -94,7 +94,7 @@ class WorkloadProxy:
         self.pi.pool = HbonePool(
             HboneConnector(
                 fetch_client_context=self.pi.client_context,
-                verify_server=verify_server_identity,
+                verify_server=tls.verify_server,  # CRL_PATH, then the SPIFFE identity
                 open_socket=self.pi.connect,
                 settings=settings,
             ),
@@ -107,7 +107,12 @@ class WorkloadProxy:
         self.inbound = InboundProxy(self.pi, self.local_workload, settings)
         self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
         mark, tracker = config.packet_mark, self.pi.connections
-        common = {"mark": mark, "reuse_port": reuse_port, "socket_factory": socket_factory}
+        common = {
+            "mark": mark,
+            "reuse_port": reuse_port,
+            "socket_factory": socket_factory,
+            "keepalive": self.pi.keepalive,
+        }
         self.listeners: dict[str, Listener] = {
             "outbound": Listener(
                 "outbound", addresses.outbound, self.outbound.handle_captured, tracker, **common

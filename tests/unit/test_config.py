@@ -440,3 +440,65 @@ def test_config_is_frozen():
     c = build()
     with pytest.raises(AttributeError):
         c.proxy_mode = ProxyMode.DEDICATED  # type: ignore[misc]
+
+
+# -- at start: unsupported settings named, effective configuration logged ----------------------------
+
+
+def test_unsupported_istio_variables_are_named_in_one_warning(caplog):
+    from ambient_mesh.config import UNSUPPORTED_VARIABLES, log_startup
+
+    env = {
+        "PROXY_CONFIG": "{}",
+        "ZTUNNEL_CPU_LIMIT": "2",
+        "COMPLIANCE_POLICY": "pqc",
+        "ZTUNNEL_WORKER_THREADS": "",
+    }
+    caplog.set_level("INFO", logger="ambient_mesh.config")
+    log_startup(build(env), env, path_exists=lambda p: p == "./etc/istio/config/mesh")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    (line,) = warnings
+    for name in ("PROXY_CONFIG", "ZTUNNEL_CPU_LIMIT", "COMPLIANCE_POLICY", "./etc/istio/config/mesh"):
+        assert name in line
+    assert "ZTUNNEL_WORKER_THREADS" not in line  # set but empty: not in use
+    assert set(UNSUPPORTED_VARIABLES) == {
+        "PROXY_CONFIG",
+        "ZTUNNEL_WORKER_THREADS",
+        "ZTUNNEL_CPU_LIMIT",
+        "ZTUNNEL_RESOURCE_CPU_LIMIT",
+        "ZTUNNEL_RESOURCE_CPU_REQUEST",
+        "COMPLIANCE_POLICY",
+    }
+
+
+def test_no_warning_when_nothing_unsupported_is_set(caplog):
+    from ambient_mesh.config import log_startup
+
+    caplog.set_level("INFO", logger="ambient_mesh.config")
+    log_startup(build({}), {}, path_exists=lambda p: False)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+
+
+def test_effective_configuration_is_logged_as_yaml_without_secrets(caplog):
+    import yaml
+
+    from ambient_mesh.config import log_startup
+
+    env = {
+        "KEEPALIVE_TIME": "1m",
+        "AUTH_TOKEN": "s3cret-token",
+        "XDS_HEADER_AUTHORIZATION": "Bearer s3cret",
+        "CRL_PATH": "/etc/crl.pem",
+        "TLS12_ENABLED": "true",
+    }
+    caplog.set_level("INFO", logger="ambient_mesh.config")
+    log_startup(build(env), env, path_exists=lambda p: False)
+    (message,) = [r.getMessage() for r in caplog.records]
+    head, _, body = message.partition("\n")
+    assert head == "effective configuration:"
+    dumped = yaml.safe_load(body)
+    assert dumped["keepaliveTime"] == "1m" and dumped["crlPath"] == "/etc/crl.pem" and dumped["tls12Enabled"]
+    assert dumped["xdsHeaders"] == {"authorization": "<redacted>"}
+    assert "s3cret" not in message
+    assert "PROXY_CONFIG" in dumped["unsupported"]

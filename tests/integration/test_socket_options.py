@@ -1,0 +1,101 @@
+"""KEEPALIVE_* and USER_TIMEOUT_ENABLED act on the proxy's sockets, as ztunnel sets them: read
+back with getsockopt from the sockets a running proxy accepted and opened."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from ambient_mesh.net import SocketAddr
+from ambient_mesh.proxy.inputs import ConnectionTracker
+from ambient_mesh.proxy.listener import Listener
+from ambient_mesh.proxy.sockets import TCP_USER_TIMEOUT, KeepaliveSettings
+
+from .mesh import TCP_IP, echo_handler, running_mesh
+
+PLAIN_PORT = 8081
+
+
+def options(sock) -> dict[str, int]:
+    return {
+        "keepalive": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        "idle": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        "interval": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        "count": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT),
+        "user_timeout_ms": sock.getsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT),
+        "nodelay": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+    }
+
+
+async def test_listener_applies_keepalive_to_accepted_sockets():
+    seen: list[dict[str, int]] = []
+    done = asyncio.Event()
+
+    async def handler(conn: socket.socket) -> None:
+        seen.append(options(conn))
+        conn.close()
+        done.set()
+
+    keepalive = KeepaliveSettings(enabled=True, time_s=45, interval_s=7, retries=4, user_timeout=True)
+    listener = Listener(
+        "ka", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker(), keepalive=keepalive
+    )
+    listener.start()
+    try:
+        port = listener.bound_address.port
+        with socket.create_connection(("127.0.0.1", port)):
+            await asyncio.wait_for(done.wait(), 5)
+    finally:
+        listener.close()
+    assert seen == [
+        {"keepalive": 1, "idle": 45, "interval": 7, "count": 4, "user_timeout_ms": 73_000, "nodelay": 1}
+    ]
+
+
+async def _relayed_sockets(env: dict[str, str]):
+    """A connection through the client proxy to a plain-TCP workload: its two sockets."""
+    app = await asyncio.start_server(echo_handler, TCP_IP, PLAIN_PORT)
+    try:
+        async with running_mesh(client_env=env) as mesh:
+            reader, writer = await mesh.socks_connect(TCP_IP, PLAIN_PORT)
+            writer.write(b"x")
+            assert await asyncio.wait_for(reader.readexactly(1), 10) == b"x"
+            (relay,) = mesh.client.pi.connections.relays
+            down = options(relay.downstream.transport.get_extra_info("socket"))
+            up = options(relay.upstream.transport.get_extra_info("socket"))
+            writer.close()
+            return down, up
+    finally:
+        app.close()
+        await app.wait_closed()
+
+
+async def test_configured_keepalive_and_user_timeout_on_accepted_and_upstream_sockets():
+    env = {
+        "KEEPALIVE_TIME": "45s",
+        "KEEPALIVE_INTERVAL": "7s",
+        "KEEPALIVE_RETRIES": "4",
+        "USER_TIMEOUT_ENABLED": "true",
+    }
+    down, up = await _relayed_sockets(env)
+    # TCP_USER_TIMEOUT = time + retries * interval (ztunnel's rule): 45 + 4 * 7 = 73 s.
+    expected = {
+        "keepalive": 1,
+        "idle": 45,
+        "interval": 7,
+        "count": 4,
+        "user_timeout_ms": 73_000,
+        "nodelay": 1,
+    }
+    assert down == expected
+    assert up == expected
+
+
+async def test_defaults_are_ztunnels_and_keepalive_can_be_turned_off():
+    down, up = await _relayed_sockets({})
+    # 180 s / 180 s / 9 probes, no user timeout (USER_TIMEOUT_ENABLED defaults to false).
+    for got in (down, up):
+        assert (got["keepalive"], got["idle"], got["interval"], got["count"]) == (1, 180, 180, 9)
+        assert got["user_timeout_ms"] == 0
+    down, up = await _relayed_sockets({"KEEPALIVE_ENABLED": "false"})
+    assert down["keepalive"] == 0 and up["keepalive"] == 0
