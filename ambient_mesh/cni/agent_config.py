@@ -30,6 +30,7 @@ import yaml
 
 from ..capture.hostprobe import PROBE_SET_PREFIX
 from ..capture.inpod import HOST_PROBE_SNAT_IPV4, HOST_PROBE_SNAT_IPV6
+from ..env import ISTIO_CNI_BOOLS, EnvReader
 from ..errors import ConfigError
 from .cniconf import CNI_EVENT_SOCKET_NAME, DEFAULT_CNI_AGENT_RUN_DIR, LOG_SOCKET_NAME, PLUGIN_LOG_LEVELS
 from .enablement import DEFAULT_ENABLEMENT_SELECTORS, EnablementSelector, parse_enablement_selectors
@@ -43,11 +44,10 @@ DEFAULT_HEALTH_PORT = 8000
 DEFAULT_SYSTEM_NAMESPACE = "istio-system"
 DEFAULT_EXCLUDE_NAMESPACES = ("kube-system",)
 DEFAULT_POD_SOURCE_POLL_INTERVAL_S = 1.0
+MAX_POD_SOURCE_POLL_INTERVAL_S = 3600.0
 DEFAULT_KUBECONFIG_MODE = 0o600
 ENROLLMENT_STATE_FILE = "enrolled-pods.json"
 
-_TRUE = frozenset({"1", "t", "true", "y", "yes", "on"})
-_FALSE = frozenset({"0", "f", "false", "n", "no", "off"})
 # Every setting the agent reads; a flag naming anything else is a mistake, not a new setting.
 SETTINGS = frozenset(
     {
@@ -96,66 +96,6 @@ SETTINGS = frozenset(
         "ZTUNNEL_UDS_ADDRESS",
     }
 )
-
-
-class _Env:
-    """Typed reads of one environment mapping; every error names the variable."""
-
-    __slots__ = ("env",)
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def string(self, name: str, default: str = "") -> str:
-        value = self.env.get(name)
-        return default if value is None or value.strip() == "" else value.strip()
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.env.get(name)
-        if value is None or value.strip() == "":
-            return default
-        lowered = value.strip().lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ConfigError(name, f"{value!r} is not a boolean; use true or false")
-
-    def integer(self, name: str, default: int, *, minimum: int, maximum: int, base: int = 10) -> int:
-        value = self.env.get(name)
-        if value is None or value.strip() == "":
-            return default
-        try:
-            number = int(value.strip(), base)
-        except ValueError:
-            raise ConfigError(name, f"{value!r} is not a whole number") from None
-        if not minimum <= number <= maximum:
-            raise ConfigError(name, f"{number} is out of range; use {minimum}-{maximum}")
-        return number
-
-    def seconds(self, name: str, default: float) -> float:
-        value = self.env.get(name)
-        if value is None or value.strip() == "":
-            return default
-        text = value.strip()
-        scale = 1.0
-        for suffix, factor in (("ms", 0.001), ("s", 1.0), ("m", 60.0)):
-            if text.endswith(suffix):
-                text, scale = text[: -len(suffix)], factor
-                break
-        try:
-            number = float(text) * scale
-        except ValueError:
-            raise ConfigError(name, f"{value!r} is not a duration (e.g. 500ms, 2s)") from None
-        if not 0 < number <= 3600:
-            raise ConfigError(name, f"{value!r} is out of range; use more than 0 and at most 1h")
-        return number
-
-    def csv(self, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
-        value = self.env.get(name)
-        if value is None:
-            return default
-        return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
 def istio_level_spec(text: str) -> str:
@@ -295,21 +235,22 @@ class AgentConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, hostname: str | None = None) -> AgentConfig:
         """Build from `env` (normally os.environ); raise ConfigError naming the bad variable."""
-        e = _Env(env)
+        # The one env reader (env.py), with istio-cni's boolean spellings and values trimmed.
+        e = EnvReader(env, bools=ISTIO_CNI_BOOLS, strip=True)
         node_name = (
-            e.string("KUBERNETES_NODE_NAME")
-            or e.string("NODE_NAME")
+            e.text("KUBERNETES_NODE_NAME")
+            or e.text("NODE_NAME")
             or (hostname if hostname is not None else socket.gethostname())
         )
-        plugin_level = e.string("PLUGIN_LOG_LEVEL", "info").lower()
+        plugin_level = e.text("PLUGIN_LOG_LEVEL", "info").lower()
         if plugin_level not in PLUGIN_LOG_LEVELS:
             raise ConfigError(
                 "PLUGIN_LOG_LEVEL", f"{plugin_level!r} is not one of {', '.join(PLUGIN_LOG_LEVELS)}"
             )
-        protocol = e.string("KUBERNETES_SERVICE_PROTOCOL", "https")
+        protocol = e.text("KUBERNETES_SERVICE_PROTOCOL", "https")
         if protocol not in ("http", "https"):
             raise ConfigError("KUBERNETES_SERVICE_PROTOCOL", f"{protocol!r} is not http or https")
-        force = e.string("FORCE_IPTABLES_BINARY")
+        force = e.text("FORCE_IPTABLES_BINARY")
         if force not in ("", "legacy", "nft"):
             raise ConfigError("FORCE_IPTABLES_BINARY", f"{force!r} is not legacy or nft")
         selector_text = env.get("AMBIENT_ENABLEMENT_SELECTOR")
@@ -319,56 +260,58 @@ class AgentConfig:
             else parse_enablement_selector_env(selector_text)
         )
         try:
-            probe4 = ipaddress.IPv4Address(e.string("HOST_PROBE_SNAT_IP", str(HOST_PROBE_SNAT_IPV4)))
+            probe4 = ipaddress.IPv4Address(e.text("HOST_PROBE_SNAT_IP", str(HOST_PROBE_SNAT_IPV4)))
         except ValueError as exc:
             raise ConfigError("HOST_PROBE_SNAT_IP", str(exc)) from None
         if not probe4.is_link_local:
             raise ConfigError("HOST_PROBE_SNAT_IP", f"{probe4} must be a link-local address (169.254/16)")
         try:
-            probe6 = ipaddress.IPv6Address(e.string("HOST_PROBE_SNAT_IPV6", str(HOST_PROBE_SNAT_IPV6)))
+            probe6 = ipaddress.IPv6Address(e.text("HOST_PROBE_SNAT_IPV6", str(HOST_PROBE_SNAT_IPV6)))
         except ValueError as exc:
             raise ConfigError("HOST_PROBE_SNAT_IPV6", str(exc)) from None
-        kubelet_uid_text = e.string("KUBELET_UID")
+        kubelet_uid_text = e.text("KUBELET_UID")
         kubelet_uid = e.integer("KUBELET_UID", 0, minimum=0, maximum=0xFFFFFFFF) if kubelet_uid_text else None
-        host_prefix = e.string("HOST_PREFIX").rstrip("/")
+        host_prefix = e.text("HOST_PREFIX").rstrip("/")
         if host_prefix and not host_prefix.startswith("/"):
             raise ConfigError("HOST_PREFIX", f"{host_prefix!r} must be an absolute path")
-        level = istio_level_spec(e.string("LOG_OUTPUT_LEVEL", "default:info"))
-        run_dir = e.string("CNI_AGENT_RUN_DIR", DEFAULT_CNI_AGENT_RUN_DIR)
+        level = istio_level_spec(e.text("LOG_OUTPUT_LEVEL", "default:info"))
+        run_dir = e.text("CNI_AGENT_RUN_DIR", DEFAULT_CNI_AGENT_RUN_DIR)
         for name in ("CNI_AGENT_RUN_DIR", "MOUNTED_CNI_NET_DIR", "CNI_BIN_DIR", "ZTUNNEL_UDS_ADDRESS"):
-            value = e.string(name)
+            value = e.text(name)
             if value and not value.startswith("/"):
                 raise ConfigError(name, f"{value!r} must be an absolute path")
         return cls(
-            mounted_cni_net_dir=Path(e.string("MOUNTED_CNI_NET_DIR", DEFAULT_MOUNTED_CNI_NET_DIR)),
-            cni_bin_dir=Path(e.string("CNI_BIN_DIR", DEFAULT_CNI_BIN_DIR)),
+            mounted_cni_net_dir=Path(e.text("MOUNTED_CNI_NET_DIR", DEFAULT_MOUNTED_CNI_NET_DIR)),
+            cni_bin_dir=Path(e.text("CNI_BIN_DIR", DEFAULT_CNI_BIN_DIR)),
             cni_agent_run_dir=Path(run_dir),
-            cni_conf_name=e.string("CNI_CONF_NAME"),
+            cni_conf_name=e.text("CNI_CONF_NAME"),
             chained_cni_plugin=e.boolean("CHAINED_CNI_PLUGIN", True),
             cni_conf_group_read=e.boolean("CNI_CONF_GROUP_READ", False),
             kubeconfig_mode=e.integer(
                 "KUBECONFIG_MODE", DEFAULT_KUBECONFIG_MODE, minimum=0, maximum=0o777, base=8
             ),
             plugin_log_level=plugin_level,
-            kube_ca_file=e.string("KUBE_CA_FILE"),
+            kube_ca_file=e.text("KUBE_CA_FILE"),
             skip_tls_verify=e.boolean("SKIP_TLS_VERIFY", False),
             k8s_service_protocol=protocol,
-            k8s_service_host=e.string("KUBERNETES_SERVICE_HOST"),
-            k8s_service_port=e.string("KUBERNETES_SERVICE_PORT"),
-            k8s_service_account_path=Path(e.string("K8S_SERVICE_ACCOUNT_PATH", DEFAULT_SERVICE_ACCOUNT_PATH)),
-            kubeconfig=e.string("KUBECONFIG"),
+            k8s_service_host=e.text("KUBERNETES_SERVICE_HOST"),
+            k8s_service_port=e.text("KUBERNETES_SERVICE_PORT"),
+            k8s_service_account_path=Path(e.text("K8S_SERVICE_ACCOUNT_PATH", DEFAULT_SERVICE_ACCOUNT_PATH)),
+            kubeconfig=e.text("KUBECONFIG"),
             node_name=node_name,
-            pod_name=e.string("POD_NAME"),
-            pod_namespace=e.string("POD_NAMESPACE"),
-            system_namespace=e.string("SYSTEM_NAMESPACE", DEFAULT_SYSTEM_NAMESPACE),
-            revision=e.string("REVISION"),
-            pod_source_directory=e.string("POD_SOURCE_DIRECTORY"),
-            pod_source_poll_interval_s=e.seconds(
-                "POD_SOURCE_POLL_INTERVAL", DEFAULT_POD_SOURCE_POLL_INTERVAL_S
+            pod_name=e.text("POD_NAME"),
+            pod_namespace=e.text("POD_NAMESPACE"),
+            system_namespace=e.text("SYSTEM_NAMESPACE", DEFAULT_SYSTEM_NAMESPACE),
+            revision=e.text("REVISION"),
+            pod_source_directory=e.text("POD_SOURCE_DIRECTORY"),
+            pod_source_poll_interval_s=e.duration(
+                "POD_SOURCE_POLL_INTERVAL",
+                DEFAULT_POD_SOURCE_POLL_INTERVAL_S,
+                maximum_s=MAX_POD_SOURCE_POLL_INTERVAL_S,
             ),
             monitoring_port=e.integer("MONITORING_PORT", DEFAULT_MONITORING_PORT, minimum=-1, maximum=65535),
             health_port=e.integer("HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=-1, maximum=65535),
-            ztunnel_uds_address=Path(e.string("ZTUNNEL_UDS_ADDRESS", DEFAULT_ZTUNNEL_UDS_ADDRESS)),
+            ztunnel_uds_address=Path(e.text("ZTUNNEL_UDS_ADDRESS", DEFAULT_ZTUNNEL_UDS_ADDRESS)),
             ambient_enabled=e.boolean("AMBIENT_ENABLED", False),
             enablement_selectors=selectors,
             exclude_namespaces=e.csv("EXCLUDE_NAMESPACES", DEFAULT_EXCLUDE_NAMESPACES),
@@ -381,7 +324,7 @@ class AgentConfig:
             force_iptables_binary=force,
             host_probe_snat_ip=probe4,
             host_probe_snat_ipv6=probe6,
-            probe_set_prefix=e.string("PROBE_SET_PREFIX", PROBE_SET_PREFIX),
+            probe_set_prefix=e.text("PROBE_SET_PREFIX", PROBE_SET_PREFIX),
             kubelet_uid=kubelet_uid,
             host_prefix=host_prefix,
             log_output_level=level,
