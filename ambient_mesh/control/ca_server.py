@@ -2,23 +2,27 @@
 
 Counterparts: istiod security/pkg/server/ca/server.go (`CreateCertificate`), node_auth.go (who
 may ask for someone else's certificate) and authenticate/kubeauth (bearer token and
-`clusterid`). The decision is pure (`CaServer.decide`, `authorize`); the gRPC servicer only
-reads the call, signs what the decision allows and answers.
+`clusterid`). Authentication is one awaited call (`CaServer.authenticate`: a TokenReview, or our
+own token check); the decision after it is pure (`CaServer.decide`, `authorize`); the gRPC
+servicer only reads the call, signs what the decision allows and answers.
 
 Rules carried over from istiod:
-- the caller is who its service-account token says; without `ImpersonatedIdentity` the
-  certificate is for the caller's own identity, whatever the CSR asks for;
-- impersonation (ztunnel in shared mode asking for the workloads it serves) only for callers
-  listed in CA_TRUSTED_NODE_ACCOUNTS, holding a token bound to a pod that still exists (same
-  UID), and only for an identity some workload on that caller's node runs as;
+- the caller is who its service-account token says (tokenreview.py: a TokenReview with
+  audience `istio-ca` when the control plane reads the API server; tokens.py: the tokens it
+  minted itself with `--dir`); without `ImpersonatedIdentity` the certificate is for the
+  caller's own identity, whatever the CSR asks for;
+- impersonation (ztunnel in shared mode asking for the workloads it serves; node_auth.go) only
+  for callers listed in CA_TRUSTED_NODE_ACCOUNTS, holding a token bound to a pod that still
+  exists with the same UID and service account; the caller's node is that pod's
+  `spec.nodeName`, and the requested identity must be the service account of some pod on that
+  node;
 - a `clusterid` that is neither empty nor ours is refused: we hold no other cluster's view;
 - lifetime <= 0 means the default (24 h), and no lifetime exceeds the maximum (90 days).
 
-Differences, on purpose: istiod answers an impersonation failure with the bare wording
+Difference, on purpose: istiod answers an impersonation failure with the bare wording
 "request impersonation authentication failure" and keeps the detail in its log; we append the
 detail, because the callers are our own node proxies and the operator reading their log is the
-one who must fix it. The caller's node is the `node` claim of the token (which we signed) rather
-than the pod object's `spec.nodeName` that istiod reads, since `NodeIndex` answers by node.
+one who must fix it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from ..errors import CertificateError, IdentityError
 from ..identity.ca import DEFAULT_WORKLOAD_CERT_TTL_S, MAX_WORKLOAD_CERT_TTL_S, CertificateAuthority
 from ..identity.spiffe import Identity
 from ..wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
-from .tokens import AuthenticationError, Caller, TokenVerifier, parse_account
+from .tokenreview import Authenticator
+from .tokens import AuthenticationError, Caller, parse_account
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +59,21 @@ AUTHENTICATE_FAILURE = "request authenticate failure"
 IMPERSONATION_FAILURE = "request impersonation authentication failure"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundPod:
+    """What node authorization needs of the pod a token is bound to."""
+
+    uid: str
+    service_account: str
+    node_name: str
+
+
 class NodeIndex(Protocol):
-    """The control plane's view of pods, by node (istiod: its pod informer and node+sa index)."""
+    """The control plane's view of pods (istiod: its pod lister and node+sa index)."""
+
+    def bound_pod(self, namespace: str, name: str) -> BoundPod | None: ...
 
     def identities_on_node(self, node: str) -> set[Identity]: ...
-
-    def pod_exists(self, namespace: str, name: str, uid: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,10 +162,12 @@ def authorize(
     """Whose certificate `caller` may have: its own, or (node proxies) one running on its node."""
     if requested is None:
         # A pod-bound token whose pod is gone is no longer valid (a TokenReview would say so).
-        if caller.pod_name is not None and not node_index.pod_exists(
-            caller.namespace, caller.pod_name, caller.pod_uid or ""
-        ):
-            return Refusal(reason=f"the token's pod {caller.namespace}/{caller.pod_name} no longer exists")
+        if caller.pod_name is not None:
+            pod = node_index.bound_pod(caller.namespace, caller.pod_name)
+            if pod is None or pod.uid != caller.pod_uid:
+                return Refusal(
+                    reason=f"the token's pod {caller.namespace}/{caller.pod_name} no longer exists"
+                )
         return caller.identity(trust_domain)
 
     def refuse(reason: str) -> Refusal:
@@ -166,15 +182,24 @@ def authorize(
         return refuse(f"{requested} is not in this mesh's trust domain {trust_domain!r}")
     if caller.pod_name is None or caller.pod_uid is None:
         return refuse(f"caller {caller.account} holds a token that is not bound to a pod")
-    if caller.node is None:
-        return refuse(f"caller {caller.account} holds a token that is not bound to a node")
-    if not node_index.pod_exists(caller.namespace, caller.pod_name, caller.pod_uid):
+    pod = node_index.bound_pod(caller.namespace, caller.pod_name)
+    if pod is None:
+        return refuse(f"failed to look up the caller's pod {caller.namespace}/{caller.pod_name}: not found")
+    if pod.uid != caller.pod_uid:
         # A pod re-created under the same name has a new UID; the old token is stale.
         return refuse(
-            f"pod {caller.namespace}/{caller.pod_name} with UID {caller.pod_uid} does not exist (any more)"
+            f"pod {caller.namespace}/{caller.pod_name} found, but its UID {pod.uid} is not the token's "
+            f"{caller.pod_uid}"
         )
-    if requested not in node_index.identities_on_node(caller.node):
-        return refuse(f"no workload running as {requested} on node {caller.node!r}")
+    if pod.service_account != caller.service_account:
+        return refuse(
+            f"pod {caller.namespace}/{caller.pod_name} runs as {pod.service_account}, "
+            f"not the token's {caller.service_account}"
+        )
+    if not pod.node_name:
+        return refuse(f"the caller's pod {caller.namespace}/{caller.pod_name} is not scheduled to a node")
+    if requested not in node_index.identities_on_node(pod.node_name):
+        return refuse(f"no workload running as {requested} on node {pod.node_name!r}")
     return requested
 
 
@@ -187,7 +212,7 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
     def __init__(
         self,
         ca: CertificateAuthority,
-        verifier: TokenVerifier,
+        authenticator: Authenticator,
         *,
         trust_domain: str,
         node_index: NodeIndex,
@@ -198,7 +223,7 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.ca = ca
-        self.verifier = verifier
+        self.authenticator = authenticator
         self.trust_domain = trust_domain
         self.node_index = node_index
         self.trusted_node_accounts = frozenset(trusted_node_accounts)
@@ -218,10 +243,8 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
     def register(self, server: grpc.aio.Server) -> None:
         ca_pb2_grpc.add_IstioCertificateServiceServicer_to_server(self, server)
 
-    def decide(
-        self, call_metadata: Iterable[tuple[str, Any]], request: ca_pb2.IstioCertificateRequest, now: float
-    ) -> Issuance | Refusal:
-        """Everything short of signing: who calls, for which identity, for how long."""
+    async def authenticate(self, call_metadata: Iterable[tuple[str, Any]], now: float) -> Caller | Refusal:
+        """Who calls: the bearer token, checked by the authenticator, for our cluster."""
         call_metadata = list(call_metadata)
         token = bearer_token(call_metadata)
         if isinstance(token, Refusal):
@@ -230,9 +253,12 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         if refusal is not None:
             return refusal
         try:
-            caller = self.verifier.verify(token, now)
+            return await self.authenticator.authenticate(token, now)
         except AuthenticationError as e:
             return Refusal(reason=e.reason)
+
+    def decide(self, caller: Caller, request: ca_pb2.IstioCertificateRequest) -> Issuance | Refusal:
+        """Pure: for which identity the authenticated caller gets a certificate, for how long."""
         requested = requested_identity(
             json_format.MessageToDict(request.metadata) if request.HasField("metadata") else {}
         )
@@ -248,12 +274,19 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         )
         return Issuance(identity=identity, ttl_s=ttl_s, caller=caller)
 
+    async def plan(
+        self, call_metadata: Iterable[tuple[str, Any]], request: ca_pb2.IstioCertificateRequest, now: float
+    ) -> Issuance | Refusal:
+        """Everything short of signing."""
+        caller = await self.authenticate(call_metadata, now)
+        return caller if isinstance(caller, Refusal) else self.decide(caller, request)
+
     async def CreateCertificate(  # noqa: N802 - the generated servicer's method name
         self, request: ca_pb2.IstioCertificateRequest, context: grpc.aio.ServicerContext
     ) -> ca_pb2.IstioCertificateResponse:
         now = self._clock()
         peer = context.peer()
-        plan = self.decide(context.invocation_metadata() or (), request, now)
+        plan = await self.plan(context.invocation_metadata() or (), request, now)
         if isinstance(plan, Refusal):
             self.refused += 1
             log.warning("certificate refused", extra={"fields": {"peer": peer, "reason": plan.message}})

@@ -6,7 +6,8 @@ translates them into `istio.workload.Address` and
 `istio.security.Authorization` resources, serves them over delta ADS, and signs workload
 certificates (IstioCertificateService), both on one TLS port (15012) whose certificate chains to
 the mesh root that proxies are given. Callers authenticate with JWTs this control plane signs
-(`ambient control token`).
+(`ambient control token`) with `--dir`; with `--kube` they send their pods' service-account
+tokens, which the API server reviews (TokenReview).
 
 State kept in `--state-dir`: the CA (Istio's plugged-in layout, created on first start unless
 ROOT_CA_DIR names the operator's), the token signing key, and `root-cert.pem` for proxies.
@@ -38,10 +39,11 @@ from ..kube.client import KubeClient
 from ..kube.kubeconfig import KubeCredentials
 from ..net import SocketAddr
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
-from .ca_server import CaServer, Refusal, bearer_token, check_cluster_id
+from .ca_server import BoundPod, CaServer, Refusal
 from .kube import KubeStore
 from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
-from .tokens import AuthenticationError, TokenIssuer, load_or_create_issuer
+from .tokenreview import Authenticator, TokenReviewAuthenticator
+from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import MeshSettings, Translation, translate
 
 log = logging.getLogger("ambient_mesh.control")
@@ -74,9 +76,9 @@ class ControlPlaneConfig:
             )
 
 
-def build_source(config: ControlPlaneConfig) -> ConfigSource:
-    if config.kube is not None:
-        return KubeApiSource(KubeClient(config.kube, user_agent="ambient-control"))
+def build_source(config: ControlPlaneConfig, client: KubeClient | None) -> ConfigSource:
+    if client is not None:
+        return KubeApiSource(client)
     assert config.directory is not None
     return DirectorySource(config.directory, config.poll_interval_s)
 
@@ -109,22 +111,36 @@ def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
 
 
 class KubeNodeIndex:
-    """The CA's view of which workload identities run on which node (istiod's node authorizer)."""
+    """The CA's view of pods (istiod's node authorizer: a pod lister and a node+sa index),
+    rebuilt from each snapshot so a certificate request costs two dictionary lookups."""
 
     def __init__(self, trust_domain: str) -> None:
         self.trust_domain = trust_domain
-        self.store = KubeStore(())
+        self._pods: dict[tuple[str, str], BoundPod] = {}
+        self._by_node: dict[str, set[Identity]] = {}
+
+    def __repr__(self) -> str:
+        return f"KubeNodeIndex({len(self._pods)} pods on {len(self._by_node)} nodes)"
+
+    def update(self, store: KubeStore) -> None:
+        pods: dict[tuple[str, str], BoundPod] = {}
+        by_node: dict[str, set[Identity]] = {}
+        for p in store.pods:
+            account = p.service_account_name or "default"
+            pods[(p.metadata.namespace, p.metadata.name)] = BoundPod(
+                uid=p.metadata.uid, service_account=account, node_name=p.node_name
+            )
+            if p.node_name:
+                by_node.setdefault(p.node_name, set()).add(
+                    Identity(self.trust_domain, p.metadata.namespace, account)
+                )
+        self._pods, self._by_node = pods, by_node
+
+    def bound_pod(self, namespace: str, name: str) -> BoundPod | None:
+        return self._pods.get((namespace, name))
 
     def identities_on_node(self, node: str) -> set[Identity]:
-        return {
-            Identity(self.trust_domain, p.metadata.namespace, p.service_account_name or "default")
-            for p in self.store.pods
-            if p.node_name == node
-        }
-
-    def pod_exists(self, namespace: str, name: str, uid: str) -> bool:
-        pod = self.store.get("Pod", namespace, name)
-        return pod is not None and pod.metadata.uid == uid
+        return set(self._by_node.get(node, ()))
 
 
 @dataclass(eq=False)
@@ -137,18 +153,29 @@ class ControlPlane:
 
     def __post_init__(self) -> None:
         mesh = self.config.mesh
-        self.verifier = self.issuer.verifier()
+        # With the API server: its objects, and callers' tokens reviewed by it (istiod's
+        # KubeJWTAuthenticator). With a directory (the lab): the tokens we minted ourselves.
+        self.kube_client = (
+            KubeClient(self.config.kube, user_agent="ambient-control")
+            if self.config.kube is not None
+            else None
+        )
+        self.authenticator: Authenticator = (
+            TokenReviewAuthenticator(self.kube_client)
+            if self.kube_client is not None
+            else self.issuer.verifier()
+        )
         self.node_index = KubeNodeIndex(mesh.trust_domain)
         self.ads = AdsServer(authenticate=self._authenticate)
         self.ca_server = CaServer(
             self.ca,
-            self.verifier,
+            self.authenticator,
             trust_domain=mesh.trust_domain,
             node_index=self.node_index,
             trusted_node_accounts=self.config.trusted_node_accounts,
             cluster_id=mesh.cluster_id,
         )
-        self.source = build_source(self.config)
+        self.source = build_source(self.config, self.kube_client)
         self.server: grpc.aio.Server | None = None
         self.bound: dict[str, SocketAddr] = {}
         self._watch_task: asyncio.Task | None = None
@@ -162,18 +189,11 @@ class ControlPlane:
         return f"ControlPlane({self.source.location}: {counts}; {self.ads!r})"
 
     # Authentication of xDS callers ------------------------------------------------------
-    def _authenticate(self, metadata):
+    async def _authenticate(self, metadata):
         items = list(metadata.items()) if hasattr(metadata, "items") else list(metadata)
-        refused = check_cluster_id(items, self.config.mesh.cluster_id)
-        if refused is not None:
-            return Unauthenticated(reason=refused.reason)
-        token = bearer_token(items)
-        if isinstance(token, Refusal):
-            return Unauthenticated(reason=token.reason)
-        try:
-            caller = self.verifier.verify(token, time.time())
-        except AuthenticationError as e:
-            return Unauthenticated(reason=e.reason)
+        caller = await self.ca_server.authenticate(items, time.time())
+        if isinstance(caller, Refusal):
+            return Unauthenticated(reason=caller.reason)
         return Authenticated(identities=(str(caller.identity(self.config.mesh.trust_domain)),))
 
     # Configuration updates --------------------------------------------------------------
@@ -184,7 +204,7 @@ class ControlPlane:
         self.load_errors = list(errors)
         for error in self.load_errors:
             log.warning("skipped: %s", error)
-        self.node_index.store = store
+        self.node_index.update(store)
         translation = translate(store, self.config.mesh)
         for note in translation.notes:
             log.info("note: %s", note)
@@ -231,8 +251,7 @@ class ControlPlane:
         try:
             self._on_change(await self.source.first())
         except BaseException:
-            await self.server.stop(0)
-            await self.source.close()
+            await self.stop(0)
             raise
         self._watch_task = asyncio.get_running_loop().create_task(
             self.source.run(self._on_change), name=f"source {self.source.location}"
@@ -248,6 +267,8 @@ class ControlPlane:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.source.close()
+        if self.kube_client is not None:
+            await self.kube_client.close()
 
 
 def build(config: ControlPlaneConfig) -> ControlPlane:

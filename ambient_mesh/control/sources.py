@@ -307,4 +307,4 @@ class KubeApiSource:
             group.create_task(self._flush(on_change), name="snapshots")
 
     async def close(self) -> None:
-        await self.client.close()
+        return None  # the client is its owner's (the control plane shares it with TokenReview)

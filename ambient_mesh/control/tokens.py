@@ -202,6 +202,10 @@ class TokenVerifier:
     def __repr__(self) -> str:
         return f"TokenVerifier(issuer={self.issuer!r}, audiences={sorted(self.audiences)}, kid={self.kid!r})"
 
+    async def authenticate(self, token: str, now: float) -> Caller:
+        """tokenreview.Authenticator: the self-minted tokens of `--dir` (the lab)."""
+        return self.verify(token, now)
+
     def verify(self, token: str, now: float) -> Caller:
         """The caller a token speaks for, or AuthenticationError saying what is wrong with it."""
         if not isinstance(token, str) or not token:
@@ -290,6 +294,11 @@ class TokenVerifier:
             pod_uid=pod_uid,
             node=node,
         )
+
+
+def is_kubernetes_name(value: object) -> bool:
+    """A namespace, service account, pod or node name as Kubernetes allows it (RFC 1123)."""
+    return isinstance(value, str) and _K8S_NAME.match(value) is not None
 
 
 def parse_account(text: str) -> tuple[str, str]:

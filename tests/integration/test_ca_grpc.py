@@ -19,7 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from ambient_mesh.config import AuthKind, AuthToken, ProxyMode, RootCert, RootCertKind, ZtunnelConfig
-from ambient_mesh.control.ca_server import CaServer
+from ambient_mesh.control.ca_server import BoundPod, CaServer
 from ambient_mesh.control.tokens import TokenIssuer
 from ambient_mesh.errors import CertificateError, IdentityError
 from ambient_mesh.identity import CertificateAuthority, Identity, SecretManager
@@ -37,13 +37,16 @@ ZTUNNEL_POD = ("istio-system", "ztunnel-a", "uid-a")
 @dataclass
 class FakeNodeIndex:
     nodes: dict[str, set[Identity]] = field(default_factory=dict)
-    pods: set[tuple[str, str, str]] = field(default_factory=set)
+    pods: set[tuple[str, str, str]] = field(default_factory=set)  # (namespace, name, uid) on node-1
 
     def identities_on_node(self, node: str) -> set[Identity]:
         return set(self.nodes.get(node, set()))
 
-    def pod_exists(self, namespace: str, name: str, uid: str) -> bool:
-        return (namespace, name, uid) in self.pods
+    def bound_pod(self, namespace: str, name: str) -> BoundPod | None:
+        for ns, pod, uid in self.pods:
+            if (ns, pod) == (namespace, name):
+                return BoundPod(uid=uid, service_account="ztunnel", node_name="node-1")
+        return None
 
 
 @dataclass
@@ -180,7 +183,9 @@ async def test_shared_mode_from_a_stale_pod_is_refused(
     client = client_for(
         clients, control_plane.config(control_plane.ztunnel_token(pod_uid="uid-old")), shared=True
     )
-    with pytest.raises(IdentityError, match="pod istio-system/ztunnel-a with UID uid-old does not exist"):
+    with pytest.raises(
+        IdentityError, match="pod istio-system/ztunnel-a found, but its UID uid-a is not the token.s uid-old"
+    ):
         await client.fetch_certificate(APP)
 
 

@@ -1,21 +1,26 @@
 """The control plane reading the API server (control/sources.KubeApiSource) from kube_fake's fake:
 the same objects as the YAML loader, changes and deletions as snapshots, a malformed object
-skipped with its field named, 410 relists, a CRD that is not installed, and `ambient control`'s
-ControlPlane serving translated workloads from it."""
+skipped with its field named, 410 relists, a CRD that is not installed, `ambient control`'s
+ControlPlane serving translated workloads from it, and its CA authenticating callers with the
+API server's TokenReview and authorizing a node proxy by its pod's node."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ambient_mesh.config import ZtunnelConfig
 from ambient_mesh.control.kube import LoadError, parse_documents
-from ambient_mesh.control.plane import ControlPlaneConfig, build
+from ambient_mesh.control.plane import ControlPlane, ControlPlaneConfig, build
 from ambient_mesh.control.sources import GATEWAYS, KubeApiSource, SourceChange
-from ambient_mesh.errors import ConfigError
+from ambient_mesh.errors import ConfigError, IdentityError
+from ambient_mesh.identity.caclient import GrpcCaClient
+from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.kube.client import KubeClient
 from ambient_mesh.kube.kubeconfig import KubeCredentials
 from ambient_mesh.net import SocketAddr
@@ -120,7 +125,7 @@ async def following(source: KubeApiSource):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await source.close()
+        await source.client.close()
 
 
 async def test_every_kind_is_read_into_the_same_objects_as_from_yaml(api):
@@ -134,7 +139,7 @@ async def test_every_kind_is_read_into_the_same_objects_as_from_yaml(api):
     lists = sorted(t.split("?")[0] for m, t, _, _ in api.requests if "watch" not in t)
     assert "/api/v1/pods" in lists and "/apis/gateway.networking.k8s.io/v1/gateways" in lists
     assert repr(source) == f"KubeApiSource({api.url}: 10 objects, 0 errors, 1 snapshots)"
-    await source.close()
+    await source.client.close()
 
 
 async def test_changes_arrive_as_coalesced_snapshots(api):
@@ -199,10 +204,10 @@ async def test_refused_credentials_stop_the_start_with_the_reason(api):
     source = KubeApiSource(KubeClient(KubeCredentials(server=api.url, token="wrong")))
     with pytest.raises(ConfigError, match="HTTP 401"):
         await source.first()
-    await source.close()
+    await source.client.close()
 
 
-async def test_control_plane_serves_workloads_from_the_api_server(api, tmp_path: Path):
+async def start_plane(api: FakeApiServer, tmp_path: Path) -> ControlPlane:
     config = ControlPlaneConfig(
         kube=KubeCredentials(server=api.url, token=TOKEN),
         state_dir=tmp_path / "state",
@@ -210,6 +215,11 @@ async def test_control_plane_serves_workloads_from_the_api_server(api, tmp_path:
     )
     plane = build(config)
     await plane.start()
+    return plane
+
+
+async def test_control_plane_serves_workloads_from_the_api_server(api, tmp_path: Path):
+    plane = await start_plane(api, tmp_path)
     try:
         assert plane.translation is not None
         assert "Kubernetes//Pod/shop/cart-0" in str(list(plane.translation.addresses))
@@ -228,3 +238,115 @@ def test_exactly_one_source_is_configured(tmp_path: Path):
         ControlPlaneConfig(state_dir=tmp_path)
     with pytest.raises(ConfigError, match="exactly one source"):
         ControlPlaneConfig(state_dir=tmp_path, directory=tmp_path, kube=KubeCredentials(server="https://h"))
+
+
+# -- CSRs authenticated by TokenReview -------------------------------------------------------------
+
+
+def review(namespace: str, account: str, *, pod: str | None = None, uid: str | None = None, aud="istio-ca"):
+    user = {
+        "username": f"system:serviceaccount:{namespace}:{account}",
+        "uid": f"sa-uid-{account}",
+        "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
+    }
+    if pod is not None:
+        user["extra"] = {
+            "authentication.kubernetes.io/pod-name": [pod],
+            "authentication.kubernetes.io/pod-uid": [uid],
+        }
+    return {"authenticated": True, "audiences": [aud], "user": user}
+
+
+def pod_doc(name: str, namespace: str, account: str, node: str, uid: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid},
+        "spec": {"nodeName": node, "serviceAccountName": account, "containers": [{"name": "c"}]},
+        "status": {"phase": "Running", "podIP": "10.1.0.99"},
+    }
+
+
+@pytest.fixture
+async def reviewed_plane(api, tmp_path: Path):
+    await api.put(pod_doc("ztunnel-x", "istio-system", "ztunnel", "node-1", "uid-zt"))
+    await api.put(pod_doc("db-0", "shop", "db", "node-2", "uid-db"))
+    api.token_reviews["zt-token"] = review("istio-system", "ztunnel", pod="ztunnel-x", uid="uid-zt")
+    api.token_reviews["stale-token"] = review("istio-system", "ztunnel", pod="ztunnel-x", uid="uid-gone")
+    api.token_reviews["cart-token"] = review("shop", "cart")
+    api.token_reviews["apiserver-aud"] = review("shop", "cart", aud="https://kubernetes.default.svc")
+    plane = await start_plane(api, tmp_path)
+    clients: list[GrpcCaClient] = []
+
+    def client_with(token: str, *, shared: bool) -> GrpcCaClient:
+        (tmp_path / "token").write_text(token)
+        config = ZtunnelConfig.from_env(
+            {
+                "CA_ADDRESS": f"https://127.0.0.1:{plane.bound['tls'].port}",
+                "CA_ROOT_CA": str(tmp_path / "state" / "root-cert.pem"),
+                "AUTH_TOKEN": str(tmp_path / "token"),
+                "XDS_ADDRESS": "",
+                "ISTIO_META_DNS_CAPTURE": "false",
+            }
+        )
+        clients.append(GrpcCaClient(config, shared_mode=shared))
+        return clients[-1]
+
+    try:
+        yield plane, client_with
+    finally:
+        for client in clients:
+            await client.close()
+        await plane.stop(0)
+
+
+CART = Identity("cluster.local", "shop", "cart")
+DB = Identity("cluster.local", "shop", "db")
+
+
+async def test_a_workload_token_reviewed_by_the_api_server_gets_its_own_certificate(api, reviewed_plane):
+    plane, client_with = reviewed_plane
+    cert = await client_with("cart-token", shared=False).fetch_certificate(CART)
+    assert cert.identity == CART
+    [body] = [b for m, t, _, b in api.requests if t.endswith("/tokenreviews")]
+    sent = json.loads(body)
+    assert sent["kind"] == "TokenReview" and sent["spec"] == {
+        "token": "cart-token",
+        "audiences": ["istio-ca"],
+    }
+    assert "1 reviews, 0 refused" in repr(plane.authenticator)
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [
+        ("unknown-token", "the API server refused the token: invalid bearer token"),
+        ("apiserver-aud", "the API server refused the token: token audiences are invalid"),
+    ],
+)
+async def test_a_token_the_api_server_denies_gets_nothing(reviewed_plane, token, message):
+    _plane, client_with = reviewed_plane
+    with pytest.raises(IdentityError, match=f"request authenticate failure: {message}"):
+        await client_with(token, shared=False).fetch_certificate(CART)
+
+
+async def test_the_node_proxy_may_impersonate_only_workloads_on_its_pods_node(reviewed_plane):
+    _plane, client_with = reviewed_plane
+    ztunnel = client_with("zt-token", shared=True)
+    assert (await ztunnel.fetch_certificate(CART)).identity == CART  # cart-0 runs on node-1
+    with pytest.raises(IdentityError, match=f"no workload running as {DB} on node 'node-1'"):
+        await ztunnel.fetch_certificate(DB)  # db-0 runs on node-2
+    stale = client_with("stale-token", shared=True)
+    with pytest.raises(IdentityError, match="but its UID uid-zt is not the token's uid-gone"):
+        await stale.fetch_certificate(CART)
+    workload = client_with("cart-token", shared=True)
+    with pytest.raises(IdentityError, match="caller shop/cart is not allowed to impersonate"):
+        await workload.fetch_certificate(DB)
+
+
+async def test_xds_callers_are_authenticated_by_token_review_too(reviewed_plane):
+    plane, _client_with = reviewed_plane
+    ok = await plane._authenticate({"authorization": "Bearer zt-token"})
+    assert ok.identities == ("spiffe://cluster.local/ns/istio-system/sa/ztunnel",)
+    refused = await plane._authenticate({"authorization": "Bearer unknown-token"})
+    assert "invalid bearer token" in refused.reason

@@ -268,7 +268,7 @@ status: {phase: Running, podIP: 127.0.0.60}
 """,
     )
     await wait_for(
-        lambda: plane.node_index.pod_exists("istio-system", "ztunnel-a", "uid-zt-a"), what="ztunnel pod"
+        lambda: plane.node_index.bound_pod("istio-system", "ztunnel-a") is not None, what="ztunnel pod"
     )
     token.write_text(
         mint_token(

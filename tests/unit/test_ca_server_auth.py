@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ambient_mesh.control.ca_server import (
     DEFAULT_TRUSTED_NODE_ACCOUNTS,
+    BoundPod,
     CaServer,
     Issuance,
     Refusal,
@@ -40,22 +41,27 @@ class FakeNodeIndex:
     """Pods by node, as the control plane's Kubernetes view would answer; records each question."""
 
     nodes: dict[str, set[Identity]] = field(default_factory=dict)
-    pods: set[tuple[str, str, str]] = field(default_factory=set)
+    pods: dict[tuple[str, str], BoundPod] = field(default_factory=dict)
     asked: list[str] = field(default_factory=list)
 
     def identities_on_node(self, node: str) -> set[Identity]:
         self.asked.append(f"node {node}")
         return set(self.nodes.get(node, set()))
 
-    def pod_exists(self, namespace: str, name: str, uid: str) -> bool:
-        self.asked.append(f"pod {namespace}/{name}/{uid}")
-        return (namespace, name, uid) in self.pods
+    def bound_pod(self, namespace: str, name: str) -> BoundPod | None:
+        self.asked.append(f"pod {namespace}/{name}")
+        return self.pods.get((namespace, name))
 
 
 def index() -> FakeNodeIndex:
     return FakeNodeIndex(
         nodes={"node-1": {APP, Identity(TD, "istio-system", "ztunnel")}, "node-2": {ELSEWHERE}},
-        pods={("istio-system", "ztunnel-a", "uid-a"), ("ns1", "app-1", "uid-app")},
+        pods={
+            ("istio-system", "ztunnel-a"): BoundPod(
+                uid="uid-a", service_account="ztunnel", node_name="node-1"
+            ),
+            ("ns1", "app-1"): BoundPod(uid="uid-app", service_account="app", node_name="node-1"),
+        },
     )
 
 
@@ -85,7 +91,7 @@ def test_own_identity_is_refused_when_the_tokens_pod_is_gone() -> None:
 def test_node_proxy_may_impersonate_a_workload_on_its_node() -> None:
     idx = index()
     assert decide(ZTUNNEL, APP, idx) == APP
-    assert idx.asked == ["pod istio-system/ztunnel-a/uid-a", "node node-1"]
+    assert idx.asked == ["pod istio-system/ztunnel-a", "node node-1"]
 
 
 def refusal(caller: Caller, requested: Identity, idx: FakeNodeIndex | None = None) -> str:
@@ -117,11 +123,22 @@ def test_impersonation_needs_a_pod_bound_token() -> None:
     assert refusal(unbound, APP) == "caller istio-system/ztunnel holds a token that is not bound to a pod"
 
 
-def test_impersonation_needs_a_node_bound_token() -> None:
-    no_node = Caller(
+def test_the_callers_node_is_its_pods_not_the_tokens_claim() -> None:
+    # istiod's node authorizer reads spec.nodeName of the token's pod; a node claim (ours, or
+    # Kubernetes 1.30's) does not move the caller to another node.
+    claims_node_2 = Caller(
+        namespace="istio-system",
+        service_account="ztunnel",
+        pod_name="ztunnel-a",
+        pod_uid="uid-a",
+        node="node-2",
+    )
+    assert decide(claims_node_2, APP) == APP
+    assert refusal(claims_node_2, ELSEWHERE) == f"no workload running as {ELSEWHERE} on node 'node-1'"
+    no_claim = Caller(
         namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-a", pod_uid="uid-a"
     )
-    assert refusal(no_node, APP) == "caller istio-system/ztunnel holds a token that is not bound to a node"
+    assert decide(no_claim, APP) == APP
 
 
 def test_impersonation_from_a_pod_that_no_longer_exists_is_refused() -> None:
@@ -132,7 +149,22 @@ def test_impersonation_from_a_pod_that_no_longer_exists_is_refused() -> None:
         pod_uid="uid-old",
         node="node-1",
     )
-    assert refusal(stale, APP) == "pod istio-system/ztunnel-a with UID uid-old does not exist (any more)"
+    assert (
+        refusal(stale, APP)
+        == "pod istio-system/ztunnel-a found, but its UID uid-a is not the token's uid-old"
+    )
+    gone = Caller(namespace="istio-system", service_account="ztunnel", pod_name="ztunnel-b", pod_uid="uid-b")
+    assert refusal(gone, APP) == "failed to look up the caller's pod istio-system/ztunnel-b: not found"
+
+
+def test_impersonation_from_a_pod_of_another_account_or_unscheduled_is_refused() -> None:
+    idx = index()
+    idx.pods[("istio-system", "ztunnel-a")] = BoundPod(
+        uid="uid-a", service_account="other", node_name="node-1"
+    )
+    assert refusal(ZTUNNEL, APP, idx) == "pod istio-system/ztunnel-a runs as other, not the token's ztunnel"
+    idx.pods[("istio-system", "ztunnel-a")] = BoundPod(uid="uid-a", service_account="ztunnel", node_name="")
+    assert refusal(ZTUNNEL, APP, idx) == "the caller's pod istio-system/ztunnel-a is not scheduled to a node"
 
 
 def test_impersonating_another_trust_domain_is_refused() -> None:
@@ -238,13 +270,13 @@ def ztunnel_metadata(**extra: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}"), *extra.items()]
 
 
-def test_decide_plans_an_impersonated_issuance() -> None:
-    plan = SERVER.decide(ztunnel_metadata(clusterid="Kubernetes"), request(APP, ttl_s=600), NOW)
+async def test_decide_plans_an_impersonated_issuance() -> None:
+    plan = await SERVER.plan(ztunnel_metadata(clusterid="Kubernetes"), request(APP, ttl_s=600), NOW)
     assert plan == Issuance(identity=APP, ttl_s=600, caller=ZTUNNEL)
 
 
-def test_decide_without_impersonation_issues_the_callers_identity_for_the_default_lifetime() -> None:
-    plan = SERVER.decide(ztunnel_metadata(), request(), NOW)
+async def test_decide_without_impersonation_issues_the_callers_identity_for_the_default_lifetime() -> None:
+    plan = await SERVER.plan(ztunnel_metadata(), request(), NOW)
     assert isinstance(plan, Issuance)
     assert (plan.identity, plan.ttl_s) == (Identity(TD, "istio-system", "ztunnel"), 86400)
 
@@ -262,16 +294,16 @@ def test_decide_without_impersonation_issues_the_callers_identity_for_the_defaul
         (ztunnel_metadata(), request(ELSEWHERE), "request impersonation authentication failure: no workload"),
     ],
 )
-def test_decide_refuses_with_a_reason(
+async def test_decide_refuses_with_a_reason(
     metadata: list[tuple[str, str]], req: ca_pb2.IstioCertificateRequest, message: str
 ) -> None:
-    plan = SERVER.decide(metadata, req, NOW)
+    plan = await SERVER.plan(metadata, req, NOW)
     assert isinstance(plan, Refusal)
     assert plan.message.startswith(message)
 
 
-def test_decide_refuses_an_expired_token() -> None:
-    plan = SERVER.decide(ztunnel_metadata(), request(APP), NOW + 3 * 3600)
+async def test_decide_refuses_an_expired_token() -> None:
+    plan = await SERVER.plan(ztunnel_metadata(), request(APP), NOW + 3 * 3600)
     assert isinstance(plan, Refusal) and "expired" in plan.reason
 
 
