@@ -276,23 +276,10 @@ class HttpsApiTransport:
 
     def _context(self) -> Any:
         if self._ssl_context is None:
-            import ssl  # only a plugin run that really asks the API server pays for it
-
-            creds = self.credentials
-            if creds.insecure_skip_tls_verify:
-                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-                ctx.check_hostname = False
-                ctx.verify_mode = ssl.CERT_NONE
-            elif creds.ca_data:
-                try:
-                    ctx = ssl.create_default_context(cadata=creds.ca_data.decode("ascii", "replace"))
-                except (ssl.SSLError, ValueError) as exc:
-                    raise PodLookupError(
-                        f"kubeconfig: certificate-authority is not usable PEM: {exc}"
-                    ) from None
-            else:
-                ctx = ssl.create_default_context()
-            self._ssl_context = ctx
+            try:
+                self._ssl_context = self.credentials.ssl_context()
+            except KubeconfigError as exc:
+                raise PodLookupError(exc.message) from None
         return self._ssl_context
 
     def get(self, path: str, *, timeout_s: float) -> ApiReply:

@@ -18,7 +18,6 @@ or broke protocol), raised once here at the seam.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
@@ -247,30 +246,25 @@ class KubeClient:
         self.credentials = credentials
         self.timeout_s = timeout_s
 
-        def b64(data: bytes) -> str | None:
-            return base64.b64encode(data).decode("ascii") if data else None
-
+        # TLS is ours (KubeCredentials.ssl_context, in memory) rather than lightkube's, which
+        # writes the CA and client key to temporary files: the control plane's container has a
+        # read-only root filesystem.
+        tls = credentials.ssl_context()
         config = KubeConfig.from_one(
-            cluster=Cluster(
-                server=credentials.server,
-                certificate_auth_data=b64(credentials.ca_data),
-                insecure=credentials.insecure_skip_tls_verify,
-            ),
-            user=User(
-                token=credentials.token or None,
-                token_file=credentials.token_file or None,
-                client_cert_data=b64(credentials.client_cert_data),
-                client_key_data=b64(credentials.client_key_data),
-            ),
+            cluster=Cluster(server=credentials.server, insecure=credentials.insecure_skip_tls_verify),
+            user=User(token=credentials.token or None, token_file=credentials.token_file or None),
         ).get()
         timeout = httpx2.Timeout(timeout_s)
-        # trust_env off: the API server is reached directly, never through HTTP(S)_PROXY, and
-        # only the CA the credentials name is trusted.
-        self._api = lightkube.AsyncClient(config=config, timeout=timeout, trust_env=False)
+        # trust_env off: the API server is reached directly, never through HTTP(S)_PROXY.
+        self._api = lightkube.AsyncClient(
+            config=config, timeout=timeout, trust_env=False, transport=httpx2.AsyncHTTPTransport(verify=tls)
+        )
         self._stream = stream_client(
             config,
             ConnectionParams(
-                timeout=httpx2.Timeout(timeout_s, read=WATCH_TIMEOUT_S + WATCH_READ_SLACK_S), trust_env=False
+                timeout=httpx2.Timeout(timeout_s, read=WATCH_TIMEOUT_S + WATCH_READ_SLACK_S),
+                trust_env=False,
+                transport=httpx2.AsyncHTTPTransport(verify=tls),
             ),
         )
         self._stream.headers["User-Agent"] = user_agent

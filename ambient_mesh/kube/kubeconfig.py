@@ -90,6 +90,38 @@ class KubeCredentials:
         _check_token(token)
         return token
 
+    def ssl_context(self) -> Any:
+        """The TLS client context for this server, built in memory: the CA is loaded from its
+        PEM bytes (no temporary file, so a read-only root filesystem is fine); a client
+        certificate, which Python's ssl loads only from files, goes through a private temporary
+        directory that is removed at once. Imports ssl here: the plugin pays for it only when
+        it really connects."""
+        import ssl
+
+        try:
+            if self.insecure_skip_tls_verify:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            elif self.ca_data:
+                ctx = ssl.create_default_context(cadata=self.ca_data.decode("ascii", "replace"))
+            else:
+                ctx = ssl.create_default_context()
+            if self.client_cert_data:
+                import tempfile
+
+                with tempfile.TemporaryDirectory(prefix="ambient-kube-") as tmp:
+                    cert, key = Path(tmp) / "client.crt", Path(tmp) / "client.key"
+                    cert.write_bytes(self.client_cert_data)
+                    key.touch(mode=0o600)
+                    key.write_bytes(self.client_key_data)
+                    ctx.load_cert_chain(cert, key)
+        except (ssl.SSLError, ValueError, OSError) as exc:
+            raise KubeconfigError(
+                f"kubeconfig: the CA or client certificate is not usable PEM: {exc}"
+            ) from None
+        return ctx
+
 
 def _check_token(token: str) -> None:
     # A line break would let the token add HTTP headers of its own.

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
 import json
 import ssl
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from ambient_mesh.admin import parse_request
 
@@ -36,6 +44,39 @@ KINDS = {
     "workloadentries": "WorkloadEntry",
     "gateways": "Gateway",
 }
+
+
+def self_signed(common_name: str) -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM) for 127.0.0.1, the way an API server's serving cert names its IP."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def api_tls(cert_pem: bytes, key_pem: bytes, directory: Path) -> ssl.SSLContext:
+    (directory / "api.crt").write_bytes(cert_pem)
+    (directory / "api.key").write_bytes(key_pem)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(directory / "api.crt", directory / "api.key")
+    return tls
 
 
 def _copy(doc: dict) -> dict:

@@ -7,27 +7,20 @@ sockets records whether the pod was handed over. Every failure must fail the ADD
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import shutil
-import ssl
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from ambient_mesh.cni.cniconf import ErrorCode
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.kubeconfig import KubeconfigInputs, KubeconfigWriter
 from ambient_mesh.cni.podinfo import PLUGIN_KUBECONFIG_NAME
 
-from .kube_fake import FakeApiServer
+from .kube_fake import FakeApiServer, api_tls, self_signed
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 PREV = {
@@ -36,31 +29,6 @@ PREV = {
     "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 0}],
 }
 PLUGIN_TIMEOUT_S = 30
-
-
-def self_signed(common_name: str) -> tuple[bytes, bytes]:
-    """(certificate PEM, key PEM) for 127.0.0.1, the way an API server's serving cert names its IP."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
 def pod(name: str, namespace: str, labels: dict | None = None) -> dict:
@@ -75,14 +43,6 @@ def pod(name: str, namespace: str, labels: dict | None = None) -> dict:
 
 def namespace(name: str, labels: dict | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
-
-
-def api_tls(cert_pem: bytes, key_pem: bytes, directory: Path) -> ssl.SSLContext:
-    (directory / "api.crt").write_bytes(cert_pem)
-    (directory / "api.key").write_bytes(key_pem)
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(directory / "api.crt", directory / "api.key")
-    return tls
 
 
 class FakeAgent:

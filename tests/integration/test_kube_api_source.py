@@ -23,7 +23,7 @@ from ambient_mesh.cni.pods import (
 from ambient_mesh.kube.client import KubeClient
 from ambient_mesh.kube.kubeconfig import KubeCredentials
 
-from .kube_fake import TOKEN, FakeApiServer
+from .kube_fake import TOKEN, FakeApiServer, api_tls, self_signed
 
 NODE = "node-1"
 WAIT_S = 5.0
@@ -295,3 +295,26 @@ async def test_agent_upgrading_asks_for_the_daemonset(api_server):
     await api_server.put(daemonset)
     assert not await world.source.agent_upgrading("istio-system")
     assert repr(world.source).startswith("KubeApiPodSource(http://127.0.0.1")
+
+
+async def test_the_agents_client_trusts_exactly_the_configured_ca_over_tls(tmp_path):
+    cert, key = self_signed("kube-apiserver")
+    server = FakeApiServer(tls=api_tls(cert, key, tmp_path))
+    await server.start()
+    try:
+        await server.put(ns_obj({"istio.io/dataplane-mode": "ambient"}))
+        trusted = KubeApiPodSource(
+            KubeClient(KubeCredentials(server=server.url, token=TOKEN, ca_data=cert)), node_name=NODE
+        )
+        await trusted.start()
+        assert trusted.namespace("demo") is not None
+        await trusted.close()
+        other, _ = self_signed("someone-else")
+        untrusted = KubeApiPodSource(
+            KubeClient(KubeCredentials(server=server.url, token=TOKEN, ca_data=other)), node_name=NODE
+        )
+        with pytest.raises(PodSourceError, match="CERTIFICATE_VERIFY_FAILED"):
+            await untrusted.start()
+        await untrusted.close()
+    finally:
+        await server.stop()

@@ -199,3 +199,12 @@ def test_credentials_choose_the_kubeconfig_then_the_service_account(tmp_path):
     assert credentials("", environ=env).token == "t"
     with pytest.raises(KubeconfigError, match="KUBERNETES_SERVICE_HOST not set"):
         credentials("", environ={})
+
+
+def test_tls_context_is_built_in_memory_and_refuses_bad_pem():
+    ctx = KubeCredentials(server="https://h", insecure_skip_tls_verify=True).ssl_context()
+    assert not ctx.check_hostname
+    with pytest.raises(KubeconfigError, match="not usable PEM"):
+        KubeCredentials(server="https://h", ca_data=b"not a certificate").ssl_context()
+    with pytest.raises(KubeconfigError, match="not usable PEM"):
+        KubeCredentials(server="https://h", client_cert_data=b"x", client_key_data=b"y").ssl_context()
