@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 
@@ -123,15 +124,33 @@ def cmd_control(args: argparse.Namespace) -> int:
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
-    from .lab.lab import main as lab_main
+    from .lab.cli import main as lab_main
 
     return lab_main(args.args)
 
 
 def cmd_cni_agent(args: argparse.Namespace) -> int:
+    if any(a in ("-h", "--help") for a in args.settings):
+        print(agent_help())
+        return 0
     from .cni.agent import main as agent_main
 
     return agent_main(args.settings)
+
+
+def agent_help() -> str:
+    from .envhelp import agent_env_help
+
+    return (
+        "usage: ambient cni-agent [--setting-name=value ...]\n\n"
+        "The CNI node agent (istio-cni's install-cni and node agent). Every setting is an environment\n"
+        "variable, or the same name in kebab-case as a flag (--cni-agent-run-dir=/x); flags win.\n\n"
+        "environment variables (default):\n" + agent_env_help()
+    )
+
+
+class _EnvHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the environment table in the epilog as written."""
 
 
 def cmd_cni_plugin(_args: argparse.Namespace) -> int:
@@ -140,10 +159,27 @@ def cmd_cni_plugin(_args: argparse.Namespace) -> int:
     return plugin_main()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _ztunnel_epilog() -> str:
+    from .envhelp import ztunnel_env_help
+
+    return "environment variables (default):\n" + ztunnel_env_help()
+
+
+def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
+    """The `ambient` parser; with `env_help`, the proxy's help lists its environment variables
+    (that runs the config loader, so only when help is asked for)."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ambient", description="Istio ambient-mode data plane in Python.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ztunnel", help="run the node proxy (configured by ztunnel's environment variables)")
+    parser.add_argument("--version", action="version", version=f"ambient-mesh {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "ztunnel",
+        help="run the node proxy (configured by ztunnel's environment variables)",
+        description="The node proxy, configured as Istio's ztunnel is: by environment variables.",
+        epilog=_ztunnel_epilog() if env_help else None,
+        formatter_class=_EnvHelpFormatter,
+    )
     p.set_defaults(func=cmd_ztunnel)
     p = sub.add_parser("demo", help="two node proxies, a client and a server: one connection over HBONE/mTLS")
     p.add_argument("-v", "--verbose", action="store_true", help="show the proxies' logs")
@@ -189,12 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ttl", type=int, default=24 * 3600, help="lifetime in seconds (default: %(default)s)")
     t.add_argument("--state-dir", default="./var/ambient-control")
     p = sub.add_parser(
-        "lab", help="a multi-node ambient mesh in network namespaces (up|status|exec|down)", add_help=False
+        "lab",
+        help="a multi-node ambient mesh in network namespaces (up, status, apply, logs, down, ...)",
+        add_help=False,
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_lab)
     p = sub.add_parser(
-        "cni-agent", help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)"
+        "cni-agent",
+        help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)",
+        add_help=False,
     )
     p.add_argument(
         "settings", nargs=argparse.REMAINDER, help="--setting=value flags, as istio-cni takes them"
@@ -232,24 +272,28 @@ PASS_THROUGH = {"lab": cmd_lab, "cni-agent": cmd_cni_agent}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASS_THROUGH:
-        rest = argv[1:]
-        namespace = argparse.Namespace(command=argv[0], args=rest, settings=rest)
-        try:
-            return PASS_THROUGH[argv[0]](namespace)
-        except AmbientError as e:
-            print(f"ambient {argv[0]}: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 130
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except AmbientError as e:
-        print(f"ambient {args.command}: {e}", file=sys.stderr)
-        return 1
+        if argv and argv[0] in PASS_THROUGH:
+            rest = argv[1:]
+            namespace = argparse.Namespace(command=argv[0], args=rest, settings=rest)
+            try:
+                return PASS_THROUGH[argv[0]](namespace)
+            except AmbientError as e:
+                print(f"ambient {argv[0]}: {e}", file=sys.stderr)
+                return 1
+        args = build_parser(env_help=any(a in ("-h", "--help") for a in argv)).parse_args(argv)
+        try:
+            return args.func(args)
+        except AmbientError as e:
+            print(f"ambient {args.command}: {e}", file=sys.stderr)
+            return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `ambient lab status | head`: the reader left; say nothing more (and not at exit either).
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 # -- the entry points Istio's Helm charts call (so our image drops into them with --set alone) --

@@ -318,6 +318,15 @@ def selection(kind: str, dump: Dump, filters: Filters) -> Any:
 
 
 def render_tables(items: list[Table], out: IO[str]) -> None:
+    """Rich tables on a terminal; plain, space-aligned lines (no styling, no width limit) into a
+    file or a pipe, so logs and `grep` see whole rows."""
+    isatty = getattr(out, "isatty", None)
+    if not (isatty and isatty()):
+        for index, table in enumerate(items):
+            if index:
+                out.write("\n")
+            out.write(plain_table(table))
+        return
     from rich import box
     from rich.console import Console
     from rich.table import Table as RichTable
@@ -339,6 +348,17 @@ def render_tables(items: list[Table], out: IO[str]) -> None:
         for row in table.rows:
             rich_table.add_row(*row)
         console.print(rich_table)
+
+
+def plain_table(table: Table) -> str:
+    """Columns padded to their widest cell, two spaces apart, as kubectl prints them."""
+    widths = [len(h) for h in table.headers]
+    for row in table.rows:
+        widths = [max(w, len(v)) for w, v in zip(widths, row, strict=False)]
+    lines = []
+    for row in (table.headers, *table.rows):
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)).rstrip())
+    return "\n".join(lines) + "\n"
 
 
 def _wanted_width(items: list[Table]) -> int:

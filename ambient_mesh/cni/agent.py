@@ -45,6 +45,7 @@ from ..admin import HttpServer, Request, Response
 from ..capture.hostprobe import NetlinkIpset, NftProbeSet, ProbeSet
 from ..errors import AmbientError, BindError, ConfigError
 from ..host.commands import CommandRunner, SubprocessRunner
+from ..metrics import WithoutCreated
 from ..net import SocketAddr
 from ..zds.server import ZdsServer
 from .agent_config import AgentConfig, load
@@ -82,32 +83,44 @@ INSTALL_RESULTS = (
 
 
 class AgentMetrics:
-    """istio-cni's metrics (reference 7), in a registry of our own."""
+    """istio-cni's metrics (reference 7), in a registry of our own. Served without
+    prometheus-client's `_created` series, which istio-cni (Go's client) does not export."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.installs = Counter(
-            "istio_cni_installs", "Total number of CNI plugin installs.", ["result"], registry=self.registry
+            "istio_cni_installs", "Total number of CNI plugin installs.", ["result"], registry=None
         )
         self.install_ready = Gauge(
             "istio_cni_install_ready",
             "Whether the CNI plugin is installed (1) or not (0).",
-            registry=self.registry,
+            registry=None,
         )
         self.plugin_requests = Counter(
             "istio_cni_plugin_requests",
             "CNI plugin requests served, by response code.",
             ["response_code"],
-            registry=self.registry,
+            registry=None,
         )
         self.reconcile_events = Counter(
             "nodeagent_reconcile_events",
             "Pod and namespace events the node agent handled.",
             ["type"],
-            registry=self.registry,
+            registry=None,
         )
         self.ztunnel_connected = Gauge(
-            "ztunnel_connected", "Number of node proxies connected over ZDS.", registry=self.registry
+            "ztunnel_connected", "Number of node proxies connected over ZDS.", registry=None
+        )
+        self.registry.register(
+            WithoutCreated(
+                (
+                    self.installs,
+                    self.install_ready,
+                    self.plugin_requests,
+                    self.reconcile_events,
+                    self.ztunnel_connected,
+                )
+            )
         )
 
     def render(self) -> bytes:

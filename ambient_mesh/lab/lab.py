@@ -12,17 +12,20 @@ process, configured as it would be in a cluster:
     per pod        a sandbox (topology.py), CNI ADD through the node's chain (runtime.py), and the
                    echo app (`python -m ambient_mesh.lab.runtime`)
 
-State lives under the lab's state directory: `objects/` (the API server), `control/` (CA, token
-key, root cert), `nodes/<node>/{run,net.d,bin,zt}` (agent run dir, CNI conf and bin dirs, ZDS
-socket), `logs/`, and `lab.json` (what `ambient lab status|exec|down` read from another shell).
+State lives under the lab's state directory, emptied at every start (journal.py): `objects/` (the
+API server), `control/` (CA, token key, root cert), `nodes/<node>/{run,net.d,bin,zt}` (agent run
+dir, CNI conf and bin dirs, ZDS socket), `logs/<component>.log` (one per component, appended
+across restarts), `journal.jsonl` (every namespace and process, recorded before it exists, for
+`ambient lab down` after any crash) and `lab.json` (the layout, pids and restarts that `ambient
+lab status|exec|logs` read from another shell; status.py adds what is live).
 
 `Lab` is a context manager: teardown always stops every process it started and deletes every
-namespace it created, whatever failed on the way.
+namespace it created, whatever failed on the way. `Lab.supervise()` is the DaemonSet controller
+and the kubelet's restart policy: a component that exits is started again with backoff.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
@@ -32,7 +35,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +51,8 @@ from .cluster import (
     PodSpec,
     ServiceSpec,
     agent_daemonset_object,
+    check_name,
     namespace_object,
-    parse_pod_spec,
     pod_object,
     pod_uid,
     remove_object,
@@ -58,8 +61,9 @@ from .cluster import (
     ztunnel_pod_name,
     ztunnel_pod_spec,
 )
+from .journal import Journal, prepare_state_dir, process_start_ticks, sweep
 from .runtime import CniCallError, CniRuntime
-from .topology import NodeNet, PodNet, Topology
+from .topology import MAX_PODS_PER_NODE, NodeNet, PodNet, Topology
 
 CONTROL_PORT = 15012
 APP_PORT = 8080
@@ -79,6 +83,11 @@ LOG_TAIL_CHARS = 3000
 SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
+MAX_LAB_NODES = 32  # each node runs two Python processes (about 60 MB each): more does not fit a laptop
+MAX_LAB_PODS = 256
+RESTART_BACKOFF_FIRST_S = 1.0  # kubelet's CrashLoopBackOff starts at 10 s and doubles to 5 min;
+RESTART_BACKOFF_MAX_S = 30.0  # the lab's components start in about a second, so it is scaled down
+RESTART_BACKOFF_RESET_S = 60.0  # a component that ran this long starts again from the first delay
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 DEFAULT_PODS = ("node-1:demo/client", "node-2:demo/server", "node-1:legacy/plain")
 DEFAULT_AMBIENT_NAMESPACES = ("demo",)
@@ -100,15 +109,45 @@ class LabConfig:
     ready_timeout_s: float = READY_TIMEOUT_S
     python: str = sys.executable
 
+    def validate(self) -> None:
+        """Everything that can be checked before anything starts; raises ConfigError naming it."""
+        validate_layout(self.nodes, self.pods)
+
+
+def validate_layout(nodes: Sequence[str], pods: Sequence[PodSpec]) -> None:
+    if not 1 <= len(nodes) <= MAX_LAB_NODES:
+        raise ConfigError("--nodes", f"{len(nodes)} nodes: the lab runs 1 to {MAX_LAB_NODES}")
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError("nodes", f"node names repeat: {', '.join(nodes)}")
+    for name in nodes:
+        check_name("node", name)
+    if len(pods) > MAX_LAB_PODS:
+        raise ConfigError("pods", f"{len(pods)} pods: the lab runs at most {MAX_LAB_PODS}")
+    seen: set[str] = set()
+    per_node: dict[str, int] = {}
+    for spec in pods:
+        if spec.key in seen:
+            raise ConfigError("pods", f"pod {spec.key} is listed twice")
+        seen.add(spec.key)
+        if spec.node not in nodes:
+            raise ConfigError(
+                "pods", f"pod {spec.key} is on node {spec.node!r}, which is not one of {', '.join(nodes)}"
+            )
+        per_node[spec.node] = per_node.get(spec.node, 0) + 1
+        if per_node[spec.node] > MAX_PODS_PER_NODE:
+            raise ConfigError("pods", f"node {spec.node} has room for {MAX_PODS_PER_NODE} pods")
+
 
 @dataclass(slots=True)
 class Program:
     """One process the lab started: where it runs, its log, and how to find it again."""
 
-    name: str
+    name: str  # the component: control, agent-<node>, ztunnel-<node>, app-<ns>-<pod>
     netns: str
     log: Path
     process: subprocess.Popen
+    started_at: float = 0.0  # monotonic
+    log_start: int = 0  # where this run's output begins in the log (it is appended across restarts)
 
     @property
     def running(self) -> bool:
@@ -233,12 +272,20 @@ class Lab:
         self.objects_dir = self.state_dir / "objects"
         self.control_dir = self.state_dir / "control"
         self.logs_dir = self.state_dir / "logs"
-        self.topology = Topology(runner=self.runner)
+        self.topology = Topology(runner=self.runner, on_create=self._record_netns)
         self.lab_id = self.topology.prefix
         self.nodes: dict[str, LabNode] = {}
         self.pods: dict[str, LabPod] = {}
         self.control: Program | None = None
         self.programs: list[Program] = []
+        self.journal: Journal | None = None
+        self.ready = False
+        # The supervisor: components to keep running, how to start each again, and its backoff.
+        self.restarts: dict[str, int] = {}
+        self._supervised: dict[str, Program] = {}
+        self._restart_fns: dict[str, Callable[[], object]] = {}
+        self._restart_due: dict[str, float] = {}
+        self._restart_delay: dict[str, float] = {}
         self._started = False
 
     def __repr__(self) -> str:
@@ -265,8 +312,16 @@ class Lab:
     def control_address(self) -> str:
         return f"{self.topology.gateway}:{CONTROL_PORT}"
 
-    def start(self) -> None:
+    def _record_netns(self, name: str) -> None:
+        if self.journal is not None:
+            self.journal.netns(name)
+
+    def start(self, *, say: Callable[[str], None] = lambda _line: None) -> None:
+        self.config.validate()  # before anything exists
+        prepare_state_dir(self.state_dir, self.runner, say=say)
         self._started = True
+        self.journal = Journal(self.state_dir)
+        self.journal.lab(os.getpid())
         for d in (self.objects_dir, self.control_dir, self.logs_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.topology.open()
@@ -305,11 +360,14 @@ class Lab:
         for spec in self.config.pods:
             self.add_pod(spec, wait=False)
         self.wait_converged()
+        self.ready = True
         self.write_state()
 
     def stop(self) -> None:
         """Stop every process (all signalled first, so they drain side by side), then delete
-        every namespace. Safe to call more than once."""
+        every namespace; finally sweep what the journal records, in case anything escaped. Safe
+        to call more than once."""
+        self._supervised.clear()
         try:
             for program in self.programs:
                 if program.running:
@@ -323,6 +381,11 @@ class Lab:
         finally:
             self.topology.close()
             self._started = False
+            self.ready = False
+            if self.journal is not None:
+                self.journal.close()
+                self.journal = None
+                sweep(self.state_dir, self.runner)
             with contextlib.suppress(OSError):
                 (self.state_dir / STATE_FILE).unlink()
 
@@ -351,21 +414,87 @@ class Lab:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, netns: str, argv: Sequence[str], env: Mapping[str, str]) -> Program:
+    def _spawn(
+        self,
+        name: str,
+        netns: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        restart: Callable[[], object] | None = None,
+    ) -> Program:
+        """Start one component (its output appended to logs/<name>.log); with `restart`, the
+        supervisor starts it again that way when it exits."""
         log = self.logs_dir / f"{name}.log"
         with open(log, "ab") as out:
+            log_start = out.tell()
+            out.write(f"--- ambient lab: starting {name} at {time.strftime('%H:%M:%S')} ---\n".encode())
+            out.flush()
             process = spawn_in_netns(netns, argv, env=self._env(env), stdout=out, stderr=subprocess.STDOUT)
-        program = Program(name=name, netns=netns, log=log, process=process)
+        if self.journal is not None:
+            self.journal.process(process.pid, name)
+        program = Program(
+            name=name, netns=netns, log=log, process=process, started_at=time.monotonic(), log_start=log_start
+        )
+        old = self._supervised.get(name)
+        if old is not None and old in self.programs and not old.running:
+            self.programs.remove(old)
         self.programs.append(program)
+        self.restarts.setdefault(name, 0)
+        if restart is not None:
+            self._supervised[name] = program
+            self._restart_fns[name] = restart
         return program
 
     def _stop(self, program: Program, grace_s: float) -> int:
+        """A deliberate stop: the supervisor lets it be."""
+        if self._supervised.get(program.name) is program:
+            del self._supervised[program.name]
+        self._restart_due.pop(program.name, None)
         code = stop_process(program.process, grace_s=grace_s)
         with contextlib.suppress(ValueError):
             self.programs.remove(program)
         return code
 
-    def _start_control(self) -> None:
+    def supervise(self, now: float | None = None) -> list[str]:
+        """One pass of the supervisor: a supervised component that exited is started again after
+        a delay that doubles each time (RESTART_BACKOFF_*), as a DaemonSet's pods are by the
+        kubelet. Returns what it did, one line each; lab.json is rewritten when anything changed."""
+        now = time.monotonic() if now is None else now
+        events: list[str] = []
+        for name, program in list(self._supervised.items()):
+            if program.running:
+                if name in self._restart_delay and now - program.started_at >= RESTART_BACKOFF_RESET_S:
+                    del self._restart_delay[name]
+                continue
+            delay = self._restart_delay.get(name, RESTART_BACKOFF_FIRST_S)
+            due = self._restart_due.get(name)
+            if due is None:
+                self._restart_due[name] = now + delay
+                events.append(
+                    f"{name} exited with code {program.process.returncode}; restarting in {delay:.0f}s"
+                )
+                continue
+            if now < due:
+                continue
+            del self._restart_due[name]
+            self._restart_delay[name] = min(delay * 2, RESTART_BACKOFF_MAX_S)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            try:
+                self._restart_fns[name]()
+                events.append(f"{name} restarted (restart {self.restarts[name]})")
+            except (AmbientError, OSError) as e:
+                events.append(f"{name} failed to restart: {e}")
+        if events:
+            self.write_state()
+        return events
+
+    def backoff(self, name: str) -> float | None:
+        """Seconds until the supervisor starts `name` again (None: not waiting to)."""
+        due = self._restart_due.get(name)
+        return None if due is None else max(0.0, due - time.monotonic())
+
+    def _start_control(self, *, wait: bool = True) -> None:
         argv = [
             self.config.python,
             "-m",
@@ -378,8 +507,12 @@ class Lab:
             "--listen",
             self.control_address,
         ]
-        self.control = self._spawn("control", self.topology.network_netns, argv, {})
+        self.control = self._spawn(
+            "control", self.topology.network_netns, argv, {}, restart=lambda: self._start_control(wait=False)
+        )
         control = self.control
+        if not wait:
+            return
         wait_until(
             lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
             timeout_s=self.config.ready_timeout_s,
@@ -421,16 +554,19 @@ class Lab:
         env.update(self.config.agent_env)
         return env
 
-    def start_agent(self, name: str) -> Program:
+    def start_agent(self, name: str, *, wait: bool = True) -> Program:
         node = self.nodes[name]
         node.agent_starts += 1
         node.agent = self._spawn(
-            f"agent-{name}-{node.agent_starts}",
+            f"agent-{name}",
             node.net.netns,
             [self.config.python, "-m", "ambient_mesh.cni.agent"],
             self.agent_env(node),
+            restart=lambda: self.start_agent(name, wait=False),
         )
         agent = node.agent
+        if not wait:
+            return agent
         wait_until(
             lambda: self._agent_ready(node, agent),
             timeout_s=self.config.ready_timeout_s,
@@ -512,10 +648,11 @@ class Lab:
         )
         node.proxy_starts += 1
         node.proxy = self._spawn(
-            f"ztunnel-{name}-{node.proxy_starts}",
+            f"ztunnel-{name}",
             node.net.netns,
             [self.config.python, "-m", "ambient_mesh.cli", "ztunnel"],
             self.proxy_env(node),
+            restart=lambda: self.start_proxy(name),
         )
         return node.proxy
 
@@ -610,13 +747,7 @@ class Lab:
         pod = LabPod(spec=spec, net=net, uid=uid)
         self.pods[spec.key] = pod
         self._cni_add_with_retries(pod)
-        pod.app = self._spawn(
-            f"app-{spec.namespace}-{spec.name}",
-            net.netns,
-            [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port", str(self.config.app_port)],
-            {},
-        )
-        app = pod.app
+        app = self._start_app(pod)
         wait_until(
             lambda: self._listening(net.netns, self.config.app_port, app),
             timeout_s=self.config.ready_timeout_s,
@@ -628,6 +759,16 @@ class Lab:
             self.wait_converged()
         self.write_state()
         return pod
+
+    def _start_app(self, pod: LabPod) -> Program:
+        pod.app = self._spawn(
+            f"app-{pod.spec.namespace}-{pod.spec.name}",
+            pod.net.netns,
+            [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port", str(self.config.app_port)],
+            {},
+            restart=lambda: self._start_app(pod),
+        )
+        return pod.app
 
     def _cni_add_with_retries(self, pod: LabPod) -> None:
         """kubelet's sandbox retry: a failed ADD (the agent not ready, no node proxy connected yet:
@@ -693,12 +834,12 @@ class Lab:
         return http_get(self.nodes[node].net.netns, "127.0.0.1", port, path)
 
     def proxy_log(self, node: str, since: int = 0) -> str:
-        """The current node proxy's output on `node`, from byte offset `since`."""
+        """The current node proxy's output on `node`, from byte offset `since` (or from its start)."""
         proxy = self.nodes[node].proxy
         if proxy is None:
             return ""
         with open(proxy.log, "rb") as f:
-            f.seek(since)
+            f.seek(max(since, proxy.log_start))
             return f.read().decode(errors="replace")
 
     def proxy_log_offset(self, node: str) -> int:
@@ -714,17 +855,22 @@ class Lab:
         text = pod.app.tail(chars=10**7) if pod.app is not None else ""
         return [line.split()[1] for line in text.splitlines() if line.startswith("accepted ")]
 
-    def status(self) -> dict:
-        """A JSON-able view of the whole lab (what `ambient lab status` prints)."""
+    def record(self) -> dict:
+        """The lab's layout, processes and restarts, as lab.json keeps them for other shells
+        (status.py adds what is live: process alive, readiness, enrollment, services)."""
 
         def program(p: Program | None) -> dict | None:
             if p is None:
                 return None
+            backoff = self.backoff(p.name)
             return {
+                "name": p.name,
                 "pid": p.process.pid,
-                "running": p.running,
-                "exit": p.process.returncode,
+                "start": process_start_ticks(p.process.pid),
+                "exit": p.process.poll(),
                 "log": str(p.log),
+                "restarts": self.restarts.get(p.name, 0),
+                "backoff_s": None if backoff is None else round(backoff, 1),
             }
 
         nodes = {}
@@ -734,27 +880,31 @@ class Lab:
                 "address": str(node.net.uplink_ip),
                 "pod_cidr": str(node.net.pod_cidr),
                 "host_address": str(node.net.pod_gateway),
+                "run_dir": str(node.run_dir),
+                "admin": f"127.0.0.1:{ZTUNNEL_ADMIN_PORT}",
+                "stats": f"{node.net.uplink_ip}:{ZTUNNEL_STATS_PORT}",
                 "agent": program(node.agent),
                 "ztunnel": program(node.proxy),
-                "ztunnel_ready": self.proxy_ready(name) if self._started else False,
             }
         pods = {}
         for key, pod in self.pods.items():
-            marks = self.enrollment(pod.spec.node)
             pods[key] = {
+                "namespace": pod.spec.namespace,
+                "name": pod.spec.name,
                 "node": pod.spec.node,
                 "ip": pod.ip,
                 "netns": pod.netns,
                 "uid": pod.uid,
                 "service_account": pod.spec.sa,
-                "ambient": pod.spec.namespace in self.config.ambient_namespaces,
-                "redirection": marks.get(pod.uid, ""),
+                "labels": dict(pod.spec.labels),
                 "app": program(pod.app),
             }
         return {
             "lab": self.lab_id,
             "pid": os.getpid(),
+            "ready": self.ready,
             "state_dir": str(self.state_dir),
+            "objects_dir": str(self.objects_dir),
             "control": {
                 "address": self.control_address,
                 "netns": self.topology.network_netns,
@@ -764,161 +914,14 @@ class Lab:
             "pods": pods,
         }
 
+    def status(self) -> dict:
+        """The live view `ambient lab status` prints (status.py)."""
+        from .status import live_status
+
+        return live_status(self.record(), self.runner)
+
     def write_state(self) -> None:
         path = self.state_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.status(), indent=2))
+        tmp.write_text(json.dumps(self.record(), indent=2))
         os.replace(tmp, path)
-
-
-# --- the command line -------------------------------------------------------------------------------
-
-
-def read_state(state_dir: Path) -> dict:
-    try:
-        return json.loads((state_dir / STATE_FILE).read_text())
-    except FileNotFoundError:
-        raise AmbientError(
-            f"no lab is running with state dir {state_dir}", hint="start one with `ambient lab up`"
-        ) from None
-
-
-def status_text(state: Mapping) -> str:
-    """A compact table of a lab's state (from `Lab.status()` or lab.json)."""
-    lines = [f"lab {state['lab']} (pid {state['pid']}), control plane {state['control']['address']}"]
-    lines.append(f"{'NODE':<10} {'ADDRESS':<14} {'POD CIDR':<16} {'AGENT':<8} {'ZTUNNEL':<8} READY")
-    for name, node in state["nodes"].items():
-
-        def alive(p):
-            return "running" if p and p["running"] else "down"
-
-        lines.append(
-            f"{name:<10} {node['address']:<14} {node['pod_cidr']:<16} {alive(node['agent']):<8} "
-            f"{alive(node['ztunnel']):<8} {'yes' if node['ztunnel_ready'] else 'no'}"
-        )
-    lines.append(f"{'POD':<24} {'NODE':<10} {'IP':<14} {'AMBIENT':<8} REDIRECTION")
-    for key, pod in state["pods"].items():
-        lines.append(
-            f"{key:<24} {pod['node']:<10} {pod['ip']:<14} {'yes' if pod['ambient'] else 'no':<8} "
-            f"{pod['redirection'] or '-'}"
-        )
-    return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ambient lab", description="a multi-node ambient mesh in network namespaces"
-    )
-    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="(default: %(default)s)")
-    sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="start the lab and keep it running until Ctrl-C or `ambient lab down`")
-    up.add_argument("--nodes", type=int, default=2, help="number of nodes (default: %(default)s)")
-    up.add_argument(
-        "--pod",
-        action="append",
-        default=None,
-        metavar="NODE:NS/NAME[@SA][,k=v]",
-        help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})",
-    )
-    up.add_argument(
-        "--ambient-namespace",
-        action="append",
-        default=None,
-        metavar="NS",
-        help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})",
-    )
-    up.add_argument("--nftables", action="store_true", help="the node agents use NATIVE_NFTABLES=true")
-    sub.add_parser("status", help="show the running lab's nodes and pods")
-    sub.add_parser("down", help="stop the running lab (it tears everything down)")
-    ex = sub.add_parser("exec", help="run a command inside a pod's network namespace")
-    ex.add_argument("pod", help="namespace/name")
-    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
-    return parser
-
-
-def _up(args: argparse.Namespace, state_dir: Path, out) -> int:
-    specs = tuple(parse_pod_spec(p) for p in (args.pod or DEFAULT_PODS))
-    nodes = tuple(f"node-{i + 1}" for i in range(args.nodes))
-    config = LabConfig(
-        state_dir=state_dir,
-        nodes=nodes,
-        pods=specs,
-        native_nftables=args.nftables,
-        ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES),
-    )
-    if (state_dir / STATE_FILE).exists():
-        pid = read_state(state_dir).get("pid")
-        if isinstance(pid, int) and _alive(pid):
-            raise AmbientError(
-                f"a lab is already running from {state_dir} (pid {pid})",
-                hint="`ambient lab down`, or pass another --state-dir",
-            )
-    stop = False
-
-    def on_signal(*_):
-        nonlocal stop
-        stop = True
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with Lab(config) as lab:
-            print(status_text(lab.status()), file=out, flush=True)
-            print(
-                f"lab is up; `ambient lab --state-dir {state_dir} exec <ns/pod> -- <cmd>`, "
-                "Ctrl-C or `ambient lab down` to stop",
-                file=out,
-                flush=True,
-            )
-            while not stop:
-                time.sleep(0.2)
-            print("stopping the lab", file=out, flush=True)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def main(argv: Iterable[str] | None = None, *, out=None) -> int:
-    """`ambient lab up|status|down|exec`: the CLI entry the `ambient` command delegates to."""
-    out = out or sys.stdout
-    args = build_parser().parse_args(list(argv) if argv is not None else None)
-    state_dir = Path(args.state_dir).resolve()
-    try:
-        if args.action == "up":
-            return _up(args, state_dir, out)
-        state = read_state(state_dir)
-        if args.action == "status":
-            print(status_text(state), file=out)
-            return 0
-        if args.action == "down":
-            pid = state["pid"]
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-            wait_until(lambda: not _alive(pid), timeout_s=60.0, what=f"the lab (pid {pid}) to stop")
-            return 0
-        command = list(args.command)
-        if command[:1] == ["--"]:
-            command = command[1:]
-        if not command:
-            raise AmbientError("ambient lab exec needs a command after the pod: `-- sh`")
-        pod = state["pods"].get(args.pod)
-        if pod is None:
-            raise AmbientError(f"no pod {args.pod!r} in the lab; pods: {', '.join(state['pods'])}")
-        return subprocess.call(["ip", "netns", "exec", pod["netns"], *command])
-    except AmbientError as e:
-        print(f"ambient lab: {e}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

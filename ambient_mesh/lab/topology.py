@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import AmbientError
@@ -45,6 +46,7 @@ POD_SUPERNET = ipaddress.IPv4Network("10.244.0.0/16")
 FIRST_NODE_HOST = 10
 FIRST_POD_HOST = 10
 MAX_NODES = 200
+MAX_PODS_PER_NODE = 256 - FIRST_POD_HOST - 1  # a /24 per node, hosts from .10, .255 is broadcast
 BRIDGE = "br0"
 POD_BRIDGE = "cni0"
 UPLINK_IFNAME = "eth0"
@@ -128,9 +130,16 @@ def plan_pod(prefix: str, node: NodeNet, pod: str, slot: int) -> PodNet:
 class Topology:
     """The lab's namespaces and links. Use as a context manager: teardown always runs."""
 
-    def __init__(self, *, runner: CommandRunner | None = None, prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        runner: CommandRunner | None = None,
+        prefix: str | None = None,
+        on_create: Callable[[str], None] | None = None,
+    ) -> None:
         self.runner = runner or SubprocessRunner()
         self.prefix = prefix or run_prefix()
+        self.on_create = on_create  # told each namespace's name before it is created (journal.py)
         self.network_netns = f"{self.prefix}net"
         self.nodes: dict[str, NodeNet] = {}
         self.pods: dict[str, PodNet] = {}
@@ -165,6 +174,8 @@ class Topology:
         self.close()
 
     def _create(self, name: str) -> None:
+        if self.on_create is not None:
+            self.on_create(name)
         create_netns(self.runner, name)
         self._namespaces.append(name)
 

@@ -27,7 +27,7 @@ from ambient_mesh.lab.cluster import (
     write_objects,
     ztunnel_pod_spec,
 )
-from ambient_mesh.lab.lab import access_events, parse_log_fields, status_text
+from ambient_mesh.lab.lab import access_events, parse_log_fields
 from ambient_mesh.lab.runtime import chained_entries, find_conflist, plan_cni_call, prev_result
 from ambient_mesh.lab.topology import host_veth_name, plan_node, plan_pod
 
@@ -238,26 +238,3 @@ def test_access_events_from_plain_log_lines():
 def test_parse_log_fields_never_raises(line):
     fields = parse_log_fields(line)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items())
-
-
-def test_status_text_lists_nodes_and_pods():
-    state = {
-        "lab": "am-1-1-",
-        "pid": 7,
-        "control": {"address": "10.250.0.1:15012"},
-        "nodes": {
-            "node-1": {
-                "address": "10.250.0.10",
-                "pod_cidr": "10.244.1.0/24",
-                "agent": {"running": True},
-                "ztunnel": {"running": False},
-                "ztunnel_ready": False,
-            }
-        },
-        "pods": {
-            "demo/client": {"node": "node-1", "ip": "10.244.1.10", "ambient": True, "redirection": "enabled"}
-        },
-    }
-    text = status_text(state)
-    assert "node-1     10.250.0.10" in text and "running  down" in text
-    assert "demo/client" in text and "enabled" in text

@@ -1,0 +1,278 @@
+"""`ambient lab ...`: drive a lab like a small cluster, from any shell.
+
+Counterpart: `kind create/delete cluster` and the kubectl verbs a user needs around an ambient
+mesh (`get`, `apply`, `delete`, `logs`, `exec`). `up` runs in the foreground as the lab's
+supervisor; every other verb works from another shell through the state directory: lab.json
+(layout and pids), journal.jsonl (what `down` must undo) and objects/ (the API server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO
+
+from ..errors import AmbientError, ConfigError
+from ..host.commands import SubprocessRunner
+from ..ztunnel_config import render_tables
+from .cluster import parse_pod_spec
+from .journal import read_journal, sweep
+from .lab import (
+    DEFAULT_AMBIENT_NAMESPACES,
+    DEFAULT_PODS,
+    DEFAULT_STATE_DIR,
+    MAX_LAB_NODES,
+    STATE_FILE,
+    Lab,
+    LabConfig,
+)
+from .status import headline, live_status, status_tables
+
+SUPERVISE_INTERVAL_S = 0.2
+FOLLOW_INTERVAL_S = 0.2
+LOG_READ_BYTES = 1 << 20
+COMPONENTS = ("control", "agent", "ztunnel")
+
+
+def read_record(state_dir: Path) -> dict:
+    try:
+        return json.loads((state_dir / STATE_FILE).read_text())
+    except FileNotFoundError:
+        state = journal_state(state_dir)
+        if state == "running":
+            raise AmbientError(
+                f"the lab in {state_dir} is still starting", hint="try again in a moment"
+            ) from None
+        if state == "crashed":
+            raise AmbientError(
+                f"the lab in {state_dir} stopped before it was ready",
+                hint="`ambient lab down` removes what it left; `ambient lab logs` shows why",
+            ) from None
+        raise AmbientError(
+            f"no lab is running with state dir {state_dir}", hint="start one with `ambient lab up`"
+        ) from None
+    except ValueError as e:
+        raise AmbientError(f"{state_dir / STATE_FILE} is not JSON: {e}") from None
+
+
+def node_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 1 <= value <= MAX_LAB_NODES:
+        raise argparse.ArgumentTypeError(f"{value}: the lab runs 1 to {MAX_LAB_NODES} nodes")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ambient lab",
+        description="a multi-node ambient mesh in network namespaces, driven like a small cluster",
+    )
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR, help="(default: %(default)s)")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="COMMAND")
+    up = sub.add_parser("up", help="start the lab and supervise it until Ctrl-C or `ambient lab down`")
+    up.add_argument(
+        "--nodes",
+        type=node_count,
+        default=2,
+        help=f"number of nodes, 1-{MAX_LAB_NODES} (default: %(default)s)",
+    )
+    up.add_argument(
+        "--pod",
+        action="append",
+        default=None,
+        metavar="NODE:NS/NAME[@SA][,k=v]",
+        help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})",
+    )
+    up.add_argument(
+        "--ambient-namespace",
+        action="append",
+        default=None,
+        metavar="NS",
+        help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})",
+    )
+    up.add_argument("--nftables", action="store_true", help="the node agents use NATIVE_NFTABLES=true")
+    st = sub.add_parser("status", help="what is live: processes, readiness, restarts, pods")
+    st.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    sub.add_parser("down", help="stop the lab and remove everything it created (safe to repeat)")
+    ex = sub.add_parser("exec", help="run a command inside a pod's network namespace")
+    ex.add_argument("pod", help="namespace/name")
+    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    lg = sub.add_parser("logs", help="a component's log: control, agent, ztunnel (with --node) or a pod")
+    lg.add_argument("component", help="control | agent | ztunnel | NAMESPACE/POD")
+    lg.add_argument("--node", default=None, help="the node, for agent and ztunnel (default: the first)")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
+    lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    return parser
+
+
+def _up(args: argparse.Namespace, state_dir: Path, out: IO[str]) -> int:
+    specs = tuple(parse_pod_spec(p) for p in (args.pod or DEFAULT_PODS))
+    config = LabConfig(
+        state_dir=state_dir,
+        nodes=tuple(f"node-{i + 1}" for i in range(args.nodes)),
+        pods=specs,
+        native_nftables=args.nftables,
+        ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES),
+    )
+    config.validate()  # before anything exists
+    stop = False
+
+    def on_signal(*_):
+        nonlocal stop
+        stop = True
+        # A second signal during start-up interrupts it; teardown still runs.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    lab = Lab(config)
+    try:
+        lab.start(say=say)
+        if not stop:
+            render_tables(status_tables(lab.status()), out)
+            say(f"lab is up in {time.monotonic() - started:.1f}s")
+            say(
+                "`ambient lab status`, `ambient lab exec <ns/pod> -- <cmd>`, `ambient lab logs ztunnel "
+                "--node node-1`; Ctrl-C or `ambient lab down` to stop"
+            )
+        while not stop:
+            for event in lab.supervise():
+                say(f"supervisor: {event}")
+            time.sleep(SUPERVISE_INTERVAL_S)
+        say("stopping the lab")
+    finally:
+        lab.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _down(state_dir: Path, out: IO[str]) -> int:
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    report = sweep(state_dir, SubprocessRunner(), say=say)
+    if report is None:
+        say(f"no lab in {state_dir}: nothing to do")
+        return 0
+    with contextlib.suppress(FileNotFoundError):
+        (state_dir / STATE_FILE).unlink()
+    extra = []
+    if report.namespaces:
+        extra.append(f"{len(report.namespaces)} namespaces")
+    if report.processes:
+        extra.append(f"{len(report.processes)} processes")
+    say("lab is down" + (f" (removed what it had left: {', '.join(extra)})" if extra else ""))
+    return 0
+
+
+def log_path(record: Mapping, component: str, node: str | None) -> Path:
+    """Which log file `ambient lab logs COMPONENT [--node N]` means."""
+    logs = Path(record["state_dir"]) / "logs"
+    nodes = list(record["nodes"])
+    if component == "control":
+        return logs / "control.log"
+    if component in ("agent", "ztunnel", "cni", "istio-cni"):
+        name = node or nodes[0]
+        if name not in record["nodes"]:
+            raise AmbientError(f"no node {name!r} in the lab; nodes: {', '.join(nodes)}")
+        return logs / f"{'ztunnel' if component == 'ztunnel' else 'agent'}-{name}.log"
+    if "/" in component:
+        pod = record["pods"].get(component)
+        if pod is None:
+            raise AmbientError(f"no pod {component!r} in the lab; pods: {', '.join(record['pods'])}")
+        return logs / f"app-{pod['namespace']}-{pod['name']}.log"
+    raise AmbientError(
+        f"unknown component {component!r}",
+        hint="use control, agent, ztunnel (with --node NODE) or NAMESPACE/POD",
+    )
+
+
+def _logs(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
+    path = log_path(record, args.component, args.node)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - kept open while following
+    except FileNotFoundError:
+        raise AmbientError(f"{path} does not exist (has the component started?)") from None
+    with f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - LOG_READ_BYTES))
+        text = f.read().decode(errors="replace")
+        if args.tail is not None:
+            text = "".join(text.splitlines(keepends=True)[-args.tail :]) if args.tail > 0 else ""
+        out.write(text)
+        out.flush()
+        while args.follow:
+            chunk = f.read(LOG_READ_BYTES)
+            if chunk:
+                out.write(chunk.decode(errors="replace"))
+                out.flush()
+            else:
+                time.sleep(FOLLOW_INTERVAL_S)
+    return 0
+
+
+def _exec(record: Mapping, args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise AmbientError("ambient lab exec needs a command after the pod: `-- sh`")
+    pod = record["pods"].get(args.pod)
+    if pod is None:
+        raise AmbientError(f"no pod {args.pod!r} in the lab; pods: {', '.join(record['pods'])}")
+    return subprocess.call(["ip", "netns", "exec", pod["netns"], *command])
+
+
+def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> int:
+    """`ambient lab COMMAND`: the CLI entry the `ambient` command delegates to."""
+    out = out or sys.stdout
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    state_dir = Path(args.state_dir).resolve()
+    try:
+        if args.action == "up":
+            return _up(args, state_dir, out)
+        if args.action == "down":
+            return _down(state_dir, out)
+        record = read_record(state_dir)
+        if args.action == "status":
+            status = live_status(record, SubprocessRunner())
+            if args.output == "json":
+                out.write(json.dumps(status, indent=2) + "\n")
+            else:
+                print(headline(status), file=out)
+                render_tables(status_tables(status), out)
+            return 0 if status["running"] else 1
+        if args.action == "logs":
+            return _logs(record, args, out)
+        return _exec(record, args)
+    except (AmbientError, ConfigError) as e:
+        print(f"ambient lab: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def journal_state(state_dir: Path) -> str:
+    """`running`, `crashed` (a journal whose lab process is gone) or `down`."""
+    rec = read_journal(state_dir)
+    if rec is None:
+        return "down"
+    return "running" if rec.lab_alive else "crashed"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""`ambient lab status`: what is live in a lab, from another shell.
+
+Counterpart: `kubectl get pods -o wide` across istio-system and the workload namespaces, plus
+`istioctl ztunnel-config workloads`: lab.json (written by the running lab, lab.py `record()`)
+gives the layout and the pids; this module adds what is true now: whether each process is
+still the one recorded (pid and start time), whether the node agents and node proxies answer
+their readiness endpoints, each pod's enrollment (the node agent's marks), identity and the
+Services selecting it (the objects directory, read with the control plane's parser).
+"""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..control.kube import Namespace, Service, load_directory
+from ..host.commands import CommandRunner
+from ..host.netns import http_get, listening_ports
+from ..ztunnel_config import Table
+from .cluster import LABEL_DATAPLANE_MODE
+from .journal import same_process
+
+AGENT_HEALTH_PORT = 8000  # istio-cni's HEALTH_PORT default, as lab.py configures it
+ZTUNNEL_READINESS_PORT = 15021
+CONTROL_PORT = 15012
+PROBE_TIMEOUT_S = 1.0
+TRUST_DOMAIN = "cluster.local"
+
+
+def _alive(program: Mapping | None) -> bool:
+    return bool(program) and same_process(int(program["pid"]), program.get("start"))
+
+
+def _probe(netns: str, port: int, path: str) -> bool:
+    try:
+        status, _ = http_get(netns, "127.0.0.1", port, path, timeout_s=PROBE_TIMEOUT_S)
+    except (OSError, http.client.HTTPException):
+        return False
+    return status == 200
+
+
+def _marks(run_dir: str) -> dict[str, str]:
+    import json
+
+    try:
+        doc = json.loads((Path(run_dir) / "enrolled-pods.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    pods = doc.get("pods", {}) if isinstance(doc, dict) else {}
+    return {uid: m.get("value", "") for uid, m in pods.items() if isinstance(m, dict)}
+
+
+def _component(program: Mapping | None, *, ready: bool | None) -> dict[str, Any]:
+    alive = _alive(program)
+    state = "running" if alive else "exited"
+    if program and program.get("backoff_s") is not None and not alive:
+        state = "backoff"
+    if program is None:
+        state = "stopped"
+    return {
+        "state": state,
+        "pid": program["pid"] if program else None,
+        "ready": bool(ready) and alive,
+        "restarts": program.get("restarts", 0) if program else 0,
+        "log": program.get("log") if program else None,
+    }
+
+
+def live_status(record: Mapping, runner: CommandRunner) -> dict[str, Any]:
+    """`record` (lab.json) with what is live added."""
+    lab_alive = same_process(int(record["pid"]), None)
+    control = record["control"]
+    control_alive = _alive(control.get("process"))
+    control_ready = lab_alive and control_alive and CONTROL_PORT in listening_ports(runner, control["netns"])
+    nodes = {}
+    for name, node in record["nodes"].items():
+        agent_ready = (
+            lab_alive and _alive(node["agent"]) and _probe(node["netns"], AGENT_HEALTH_PORT, "/readyz")
+        )
+        proxy_ready = (
+            lab_alive
+            and _alive(node["ztunnel"])
+            and _probe(node["netns"], ZTUNNEL_READINESS_PORT, "/healthz/ready")
+        )
+        nodes[name] = {
+            **{k: node[k] for k in ("netns", "address", "pod_cidr", "admin", "stats")},
+            "agent": _component(node["agent"], ready=agent_ready),
+            "ztunnel": _component(node["ztunnel"], ready=proxy_ready),
+        }
+    loaded = load_directory(record["objects_dir"]) if Path(record["objects_dir"]).is_dir() else None
+    services: list[Service] = [o for o in loaded.objects if isinstance(o, Service)] if loaded else []
+    ambient_ns = {
+        o.metadata.name
+        for o in (loaded.objects if loaded else ())
+        if isinstance(o, Namespace) and o.metadata.labels.get(LABEL_DATAPLANE_MODE) == "ambient"
+    }
+    marks = {name: _marks(node["run_dir"]) for name, node in record["nodes"].items()}
+    pods = {}
+    for key, pod in record["pods"].items():
+        labels = pod.get("labels", {})
+        enrolled = marks.get(pod["node"], {}).get(pod["uid"]) == "enabled"
+        selecting = sorted(
+            f"{s.metadata.name}"
+            for s in services
+            if s.metadata.namespace == pod["namespace"]
+            and s.selector
+            and all(labels.get(k) == v for k, v in s.selector.items())
+        )
+        pods[key] = {
+            "node": pod["node"],
+            "ip": pod["ip"],
+            "netns": pod["netns"],
+            "ambient": pod["namespace"] in ambient_ns,
+            "enrolled": enrolled,
+            "identity": (
+                f"spiffe://{TRUST_DOMAIN}/ns/{pod['namespace']}/sa/{pod['service_account']}"
+                if enrolled
+                else ""
+            ),
+            "services": selecting,
+            "app": _component(pod.get("app"), ready=None),
+        }
+    return {
+        "lab": record["lab"],
+        "pid": record["pid"],
+        "running": lab_alive,
+        "ready": bool(record.get("ready")) and lab_alive,
+        "state_dir": record["state_dir"],
+        "control": {
+            "address": control["address"],
+            "netns": control["netns"],
+            **_component(control.get("process"), ready=control_ready),
+        },
+        "nodes": nodes,
+        "pods": pods,
+    }
+
+
+def _cell(component: Mapping) -> str:
+    text = component["state"]
+    if component["state"] == "running" and component["ready"]:
+        text = "ready"
+    if component["restarts"]:
+        text += f" ({component['restarts']} restarts)"
+    return text
+
+
+def status_tables(status: Mapping) -> list[Table]:
+    """The live status as three tables: components, nodes, pods."""
+    components = [
+        (
+            "control",
+            "-",
+            str(status["control"]["pid"] or "-"),
+            _cell(status["control"]),
+            status["control"]["address"],
+        )
+    ]
+    for name, node in status["nodes"].items():
+        components.append(("agent", name, str(node["agent"]["pid"] or "-"), _cell(node["agent"]), "-"))
+        components.append(
+            (
+                "ztunnel",
+                name,
+                str(node["ztunnel"]["pid"] or "-"),
+                _cell(node["ztunnel"]),
+                f"admin {node['admin']} in {node['netns']}",
+            )
+        )
+    pods = []
+    for key, pod in status["pods"].items():
+        pods.append(
+            (
+                key,
+                pod["node"],
+                pod["ip"],
+                "yes" if pod["enrolled"] else "no",
+                pod["identity"] or "-",
+                ",".join(pod["services"]) or "-",
+                _cell(pod["app"]),
+            )
+        )
+    return [
+        Table(
+            title="components",
+            headers=("COMPONENT", "NODE", "PID", "STATE", "ADDRESS"),
+            rows=tuple(components),
+        ),
+        Table(
+            title="nodes",
+            headers=("NODE", "ADDRESS", "POD CIDR", "NETNS"),
+            rows=tuple(
+                (name, n["address"], n["pod_cidr"], n["netns"]) for name, n in status["nodes"].items()
+            ),
+        ),
+        Table(
+            title="pods",
+            headers=("POD", "NODE", "IP", "ENROLLED", "IDENTITY", "SERVICES", "APP"),
+            rows=tuple(pods),
+        ),
+    ]
+
+
+def headline(status: Mapping) -> str:
+    state = "ready" if status["ready"] else ("starting" if status["running"] else "not running")
+    return (
+        f"lab {status['lab']} (pid {status['pid']}, {state}), control plane {status['control']['address']}, "
+        f"state {status['state_dir']}"
+    )

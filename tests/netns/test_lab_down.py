@@ -1,0 +1,176 @@
+"""`ambient lab down` after `up` was killed (SIGKILL: no teardown ran), half way through its
+start and after it was ready: nothing of the lab may remain, no namespace and no process, and
+`down` stays a no-op when repeated. A new `up` on the same state directory starts clean.
+
+Counterpart: kind's "delete cluster" after a crashed "create cluster", and the kubelet's
+start-up cleanup of sandboxes a previous instance left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ambient_mesh.host.netns import list_netns
+from ambient_mesh.lab.journal import read_journal
+
+pytestmark = pytest.mark.timeout(180)
+
+START_TIMEOUT_S = 90.0
+POLL_S = 0.05
+
+
+def lab(state_dir: Path, *args: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ambient_mesh.cli", "lab", "--state-dir", str(state_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def start_up(state_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ambient_mesh.cli",
+            "lab",
+            "--state-dir",
+            str(state_dir),
+            "up",
+            "--nodes",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def wait_for(predicate, what: str, up: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not predicate():
+        assert up.poll() is None, f"`lab up` exited with {up.returncode} before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(POLL_S)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line or environment names `text` (every lab process carries its state
+    directory in one or the other)."""
+    found = []
+    needle = text.encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        for part in ("cmdline", "environ"):
+            try:
+                if needle in (entry / part).read_bytes():
+                    found.append(int(entry.name))
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def assert_nothing_left(runner, state_dir: Path, up_pid: int) -> None:
+    prefix = f"am-{up_pid}-"
+    assert [ns for ns in list_netns(runner) if ns.startswith(prefix)] == []
+    assert processes_mentioning(str(state_dir)) == []
+    assert read_journal(state_dir) is None
+
+
+def kill_and_down(runner, state_dir: Path, up: subprocess.Popen) -> None:
+    rec = read_journal(state_dir)
+    assert rec is not None and rec.namespaces and rec.processes
+    up.send_signal(signal.SIGKILL)
+    up.wait(timeout=10)
+    # Killed without teardown: the namespaces and the components are still there.
+    assert any(ns.startswith(f"am-{up.pid}-") for ns in list_netns(runner))
+    assert processes_mentioning(str(state_dir))
+    first = lab(state_dir, "down")
+    assert first.returncode == 0, first.stderr
+    assert "lab is down (removed what it had left:" in first.stdout, first.stdout
+    assert_nothing_left(runner, state_dir, up.pid)
+    again = lab(state_dir, "down")
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr
+
+
+@pytest.fixture
+def state_dir(tmp_path_factory, runner):
+    path = tmp_path_factory.mktemp("lab-down")
+    yield path
+    lab(path, "down")  # whatever a failed test left
+
+
+def test_down_after_up_was_killed_half_way(runner, state_dir):
+    up = start_up(state_dir)
+    try:
+        # Half way: the control plane runs, the nodes exist, the first node agent is starting.
+        wait_for(
+            lambda: any(
+                name.startswith("agent-") for _, _, name in (read_journal(state_dir) or _empty()).processes
+            ),
+            "the first node agent to start",
+            up,
+        )
+        assert not (state_dir / "lab.json").exists()  # not ready yet
+        kill_and_down(runner, state_dir, up)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, state_dir):
+    (state_dir / ".ambient-lab").write_text("")
+    (state_dir / "objects").mkdir()
+    (state_dir / "objects" / "pod-demo-stale.yaml").write_text("kind: Pod\n")  # from an earlier run
+    up = start_up(state_dir)
+    try:
+        wait_for(
+            lambda: (
+                (state_dir / "lab.json").exists()
+                and json.loads((state_dir / "lab.json").read_text())["ready"]
+            ),
+            "the lab to be ready",
+            up,
+        )
+        assert not (state_dir / "objects" / "pod-demo-stale.yaml").exists()
+        status = lab(state_dir, "status", "-o", "json")
+        assert status.returncode == 0, status.stderr
+        live = json.loads(status.stdout)
+        assert live["ready"] and all(
+            n["ztunnel"]["ready"] and n["agent"]["ready"] for n in live["nodes"].values()
+        )
+        assert live["pods"]["demo/client"]["enrolled"] and not live["pods"]["legacy/plain"]["enrolled"]
+        # The supervisor: a crashed node proxy is started again and status says so.
+        os.kill(live["nodes"]["node-1"]["ztunnel"]["pid"], signal.SIGKILL)
+
+        def restarted() -> bool:
+            now = json.loads(lab(state_dir, "status", "-o", "json").stdout)["nodes"]["node-1"]["ztunnel"]
+            return now["restarts"] == 1 and now["ready"]
+
+        wait_for(restarted, "node-1's node proxy to be restarted and ready", up)
+        text = lab(state_dir, "status").stdout
+        assert "ready (1 restarts)" in text, text
+        kill_and_down(runner, state_dir, up)
+        after = lab(state_dir, "status")
+        assert after.returncode == 1 and "no lab is running" in after.stderr
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _empty():
+    from ambient_mesh.lab.journal import Recorded
+
+    return Recorded()

@@ -1,0 +1,210 @@
+"""The lab's bookkeeping without namespaces: input validation before anything starts, the
+journal `down` works from, the clean state directory, the supervisor's backoff, status tables."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ambient_mesh.errors import AmbientError, ConfigError
+from ambient_mesh.host.commands import RecordingRunner
+from ambient_mesh.lab import cli as lab_cli
+from ambient_mesh.lab.cluster import parse_pod_spec
+from ambient_mesh.lab.journal import (
+    MARKER_FILE,
+    Journal,
+    prepare_state_dir,
+    process_start_ticks,
+    read_journal,
+    same_process,
+)
+from ambient_mesh.lab.lab import MAX_LAB_NODES, RESTART_BACKOFF_FIRST_S, Lab, LabConfig, Program
+from ambient_mesh.lab.status import status_tables
+from ambient_mesh.ztunnel_config import Table, plain_table, render_tables
+
+
+def test_too_many_nodes_is_refused_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        lab_cli.main(["--state-dir", str(tmp_path / "s"), "up", "--nodes", "300"])
+    assert exc.value.code == 2
+    assert f"300: the lab runs 1 to {MAX_LAB_NODES} nodes" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "pods", "message"),
+    [
+        ((), (), "0 nodes"),
+        (("node-1", "node-1"), (), "repeat"),
+        (("node-1",), ("node-2:demo/a",), "not one of node-1"),
+        (("node-1",), ("node-1:demo/a", "node-1:demo/a"), "listed twice"),
+        (("Node_1",), (), "DNS-1123"),
+    ],
+)
+def test_lab_config_is_validated_before_the_state_dir_is_touched(tmp_path, nodes, pods, message):
+    config = LabConfig(state_dir=tmp_path / "s", nodes=nodes, pods=tuple(parse_pod_spec(p) for p in pods))
+    runner = RecordingRunner()
+    with pytest.raises(ConfigError, match=message):
+        Lab(config, runner=runner).start()
+    assert runner.calls == [] and not (tmp_path / "s").exists()
+
+
+def test_journal_records_and_reads_back(tmp_path):
+    j = Journal(tmp_path)
+    j.lab(os.getpid())
+    j.netns("am-1-1-net")
+    j.process(os.getpid(), "control")
+    j.path_created(tmp_path / "etc")
+    j.close()
+    with open(tmp_path / "journal.jsonl", "a") as f:
+        f.write('{"netns": "am-1-1-no')  # cut short by a crash mid-write: skipped
+    rec = read_journal(tmp_path)
+    assert rec.lab_pid == os.getpid() and rec.lab_alive
+    assert rec.namespaces == ["am-1-1-net"]
+    assert rec.processes == [(os.getpid(), process_start_ticks(os.getpid()), "control")]
+    assert rec.paths == [tmp_path / "etc"]
+    assert read_journal(tmp_path / "nothing") is None
+
+
+def test_a_reused_pid_is_not_the_recorded_process():
+    ticks = process_start_ticks(os.getpid())
+    assert same_process(os.getpid(), ticks)
+    assert not same_process(os.getpid(), ticks + 1)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    assert not same_process(int(done.stdout), None)
+
+
+def test_state_dir_is_emptied_only_when_it_is_a_labs(tmp_path):
+    say = []
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not a lab's state directory"):
+        prepare_state_dir(foreign, RecordingRunner(), say=say.append)
+    assert (foreign / "precious.txt").exists()
+    lab_dir = tmp_path / "lab"
+    prepare_state_dir(lab_dir, RecordingRunner(), say=say.append)
+    (lab_dir / "objects").mkdir()
+    (lab_dir / "objects" / "pod-old.yaml").write_text("stale")
+    prepare_state_dir(lab_dir, RecordingRunner(), say=say.append)
+    assert sorted(p.name for p in lab_dir.iterdir()) == [MARKER_FILE]
+
+
+def test_state_dir_of_a_running_lab_is_refused(tmp_path):
+    prepare_state_dir(tmp_path, RecordingRunner(), say=print)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        j = Journal(tmp_path)
+        j.lab(child.pid)
+        j.close()
+        with pytest.raises(AmbientError, match=f"already running .*pid {child.pid}"):
+            prepare_state_dir(tmp_path, RecordingRunner(), say=print)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_supervisor_restarts_with_doubling_backoff(tmp_path):
+    config = LabConfig(state_dir=tmp_path)
+    lab = Lab(config, runner=RecordingRunner())
+    lab.logs_dir.mkdir(parents=True)
+    starts = []
+
+    def start():
+        process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        process.wait()
+        starts.append(process)
+        program = Program(
+            name="ztunnel-node-1", netns="x", log=tmp_path / "log", process=process, started_at=0.0
+        )
+        lab._supervised["ztunnel-node-1"] = program
+        return program
+
+    lab._restart_fns["ztunnel-node-1"] = start
+    start()
+    assert lab.supervise(now=100.0) == [
+        f"ztunnel-node-1 exited with code 3; restarting in {RESTART_BACKOFF_FIRST_S:.0f}s"
+    ]
+    assert lab.supervise(now=100.5) == []  # still backing off
+    assert lab.supervise(now=100.0 + RESTART_BACKOFF_FIRST_S) == ["ztunnel-node-1 restarted (restart 1)"]
+    assert len(starts) == 2 and lab.restarts["ztunnel-node-1"] == 1
+    events = lab.supervise(now=200.0)
+    assert events == [f"ztunnel-node-1 exited with code 3; restarting in {2 * RESTART_BACKOFF_FIRST_S:.0f}s"]
+    record = json.loads((tmp_path / "lab.json").read_text())
+    assert record["nodes"] == {} and record["ready"] is False
+
+
+def test_status_tables_show_state_restarts_and_pods():
+    component = {"state": "running", "pid": 7, "ready": True, "restarts": 2, "log": "x"}
+    status = {
+        "control": {**component, "restarts": 0, "address": "10.250.0.1:15012"},
+        "nodes": {
+            "node-1": {
+                "netns": "am-1-1-node-1",
+                "address": "10.250.0.10",
+                "pod_cidr": "10.244.1.0/24",
+                "admin": "127.0.0.1:15000",
+                "stats": "10.250.0.10:15020",
+                "agent": {**component, "ready": False},
+                "ztunnel": component,
+            }
+        },
+        "pods": {
+            "shop/client": {
+                "node": "node-1",
+                "ip": "10.244.1.10",
+                "enrolled": True,
+                "identity": "spiffe://cluster.local/ns/shop/sa/client",
+                "services": ["echo"],
+                "app": {**component, "restarts": 0},
+            }
+        },
+    }
+    lines = [" ".join(line.split()) for t in status_tables(status) for line in plain_table(t).splitlines()]
+    assert "ztunnel node-1 7 ready (2 restarts) admin 127.0.0.1:15000 in am-1-1-node-1" in lines
+    assert "agent node-1 7 running (2 restarts) -" in lines
+    assert "shop/client node-1 10.244.1.10 yes spiffe://cluster.local/ns/shop/sa/client echo ready" in lines
+
+
+def test_tables_are_plain_lines_in_a_file_and_rich_on_a_terminal():
+    table = Table(title="t", headers=("A", "LONG HEADER"), rows=(("x" * 120, "y"),))
+    buf = io.StringIO()
+    render_tables([table], buf)
+    assert buf.getvalue() == f"A{' ' * 121}LONG HEADER\n{'x' * 120}  y\n"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    render_tables([table], tty)
+    assert "x" * 120 in tty.getvalue() and "\x1b[" in tty.getvalue()  # styled header
+
+
+def test_logs_picks_the_component_file(tmp_path):
+    record = {
+        "state_dir": str(tmp_path),
+        "nodes": {"node-1": {}, "node-2": {}},
+        "pods": {"shop/client": {"namespace": "shop", "name": "client"}},
+    }
+    assert lab_cli.log_path(record, "control", None) == tmp_path / "logs" / "control.log"
+    assert lab_cli.log_path(record, "ztunnel", "node-2") == tmp_path / "logs" / "ztunnel-node-2.log"
+    assert lab_cli.log_path(record, "agent", None) == tmp_path / "logs" / "agent-node-1.log"
+    assert lab_cli.log_path(record, "shop/client", None) == tmp_path / "logs" / "app-shop-client.log"
+    with pytest.raises(AmbientError, match="no node 'node-3'"):
+        lab_cli.log_path(record, "ztunnel", "node-3")
+    with pytest.raises(AmbientError, match="unknown component"):
+        lab_cli.log_path(record, "proxy", None)
+
+
+def test_down_without_a_lab_is_a_no_op(tmp_path):
+    out = io.StringIO()
+    assert lab_cli.main(["--state-dir", str(tmp_path), "down"], out=out) == 0
+    assert "nothing to do" in out.getvalue()
