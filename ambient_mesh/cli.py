@@ -41,7 +41,7 @@ def cmd_ztunnel(_args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return _run(run_demo(verbose=args.verbose))
+    return run_demo(verbose=args.verbose)
 
 
 def cmd_redirect(args: argparse.Namespace) -> int:
@@ -61,10 +61,42 @@ def cmd_redirect(args: argparse.Namespace) -> int:
 
 
 def cmd_ztunnel_config(args: argparse.Namespace) -> int:
-    from .ztunnel_config import Filters, run
+    from .ztunnel_config import DEFAULT_ADMIN, AdminTarget, Filters, lab_target, read_dump_file, run, run_log
 
-    filters = Filters(namespace=args.namespace or "", node=args.node or "", address=args.address or "")
-    return run(args.kind, admin=args.admin, output=args.output, filters=filters, out=sys.stdout)
+    chosen = [x for x in (args.file, args.node, args.admin) if x]
+    if len(chosen) > 1:
+        raise AmbientError("at most one of --file, --node or --admin may be given")
+    target = (
+        lab_target(args.state_dir, args.node)
+        if args.node
+        else AdminTarget(address=args.admin or DEFAULT_ADMIN)
+    )
+    if args.kind in ("log", "o"):
+        if args.file:
+            raise AmbientError("log talks to a running proxy: --file does not apply")
+        return run_log(target, level=args.level, reset=args.reset, out=sys.stdout)
+    filters = Filters(
+        namespace=args.namespace
+        or args.workload_namespace
+        or args.service_namespace
+        or args.policy_namespace
+        or "",
+        node=args.workload_node or "",
+        address=args.address or "",
+        direction=args.direction or "",
+        raw=args.raw,
+    )
+    fetch = (lambda _admin: read_dump_file(args.file)) if args.file else (lambda _admin: target.config_dump())
+    return run(
+        args.kind, admin=target.address, output=args.output, filters=filters, out=sys.stdout, fetch=fetch
+    )
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from .completion import run
+
+    sys.stdout.write(run(args.shell))
+    return 0
 
 
 def cmd_control(args: argparse.Namespace) -> int:
@@ -181,8 +213,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         formatter_class=_EnvHelpFormatter,
     )
     p.set_defaults(func=cmd_ztunnel)
-    p = sub.add_parser("demo", help="two node proxies, a client and a server: one connection over HBONE/mTLS")
-    p.add_argument("-v", "--verbose", action="store_true", help="show the proxies' logs")
+    p = sub.add_parser(
+        "demo",
+        help="a guided tour of the lab: calls over HBONE, who talked to whom, DENY, STRICT (root)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="show the node proxies' logs at the end")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "control", help="the embedded control plane: xDS and CA for node proxies (API server or YAML files)"
@@ -252,16 +287,44 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--mark", type=int, default=1337, help="packet mark of the proxy's own sockets")
     p.set_defaults(func=cmd_redirect)
     p = sub.add_parser(
-        "ztunnel-config",
-        help="show a running node proxy's workloads, services, policies or "
-        "certificates (like istioctl ztunnel-config)",
+        "completion", help="print a shell completion script: source <(ambient completion bash)"
     )
-    p.add_argument("kind", choices=["workloads", "services", "policies", "certificates", "all"])
-    p.add_argument("--admin", default="127.0.0.1:15000", help="the proxy's admin address (ADMIN_ADDR)")
-    p.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    p.add_argument("shell", choices=["bash"])
+    p.set_defaults(func=cmd_completion)
+    from .ztunnel_config import DEFAULT_ADMIN, KIND_ALIASES
+
+    p = sub.add_parser(
+        "ztunnel-config",
+        aliases=["zc"],
+        help="a running node proxy's workloads, services, policies, certificates, connections or log "
+        "levels (like istioctl ztunnel-config)",
+    )
+    p.add_argument(
+        "kind",
+        choices=sorted({*KIND_ALIASES, "log", "o"}),
+        metavar="KIND",
+        help="workload (w), service (svc, s), policy (pol, p), certificate (cert, certs), connections (cons), "
+        "all, log (o)",
+    )
+    p.add_argument("--admin", default=None, help=f"the proxy's admin address (default {DEFAULT_ADMIN})")
+    p.add_argument("--node", default=None, help="the node proxy of this lab node (by node name)")
+    p.add_argument(
+        "--state-dir", default="/tmp/ambient-lab", help="the lab's, for --node (default: %(default)s)"
+    )
+    p.add_argument("-f", "--file", default=None, help="a saved /config_dump JSON file (- for stdin)")
+    p.add_argument("-o", "--output", choices=["short", "table", "json", "yaml"], default="short")
     p.add_argument("-n", "--namespace", default=None, help="only this namespace")
-    p.add_argument("--node", default=None, help="workloads: only those on this node")
+    p.add_argument("--workload-namespace", default=None, help="workloads, connections: only this namespace")
+    p.add_argument("--service-namespace", default=None, help="services: only this namespace")
+    p.add_argument("--policy-namespace", default=None, help="policies: only this namespace")
+    p.add_argument("--workload-node", default=None, help="workloads: only those on this node")
     p.add_argument("--address", default=None, help="workloads: only the one with this IP")
+    p.add_argument(
+        "--direction", choices=["inbound", "outbound"], default=None, help="connections: one direction"
+    )
+    p.add_argument("--raw", action="store_true", help="connections: addresses instead of names")
+    p.add_argument("--level", default=None, help="log: [<scope>:]<level>,... to set (trace ... off)")
+    p.add_argument("-r", "--reset", action="store_true", help="log: back to info")
     p.set_defaults(func=cmd_ztunnel_config)
     return parser
 

@@ -26,8 +26,18 @@ from .net import split_host_port
 
 DEFAULT_ADMIN = "127.0.0.1:15000"
 FETCH_TIMEOUT_S = 5.0
-KINDS = ("workloads", "services", "policies", "certificates", "all")
-OUTPUTS = ("table", "json", "yaml")
+KINDS = ("workloads", "services", "policies", "certificates", "all", "connections")
+OUTPUTS = ("short", "table", "json", "yaml")  # istioctl's `short` summary; `table` is the same
+# istioctl ztunnel-config's sub-commands and their aliases (`log` is handled by the CLI).
+KIND_ALIASES = {
+    **{a: "workloads" for a in ("workload", "workloads", "w")},
+    **{a: "services" for a in ("service", "services", "svc", "s")},
+    **{a: "policies" for a in ("policy", "policies", "pol", "p")},
+    **{a: "certificates" for a in ("certificate", "certificates", "certs", "cert")},
+    **{a: "connections" for a in ("connections", "cons")},
+    "all": "all",
+}
+MAX_DUMP_FILE_BYTES = 64 * 1024 * 1024  # a dump of a large node is a few MB
 
 Dump = dict[str, Any]
 Row = tuple[str, ...]
@@ -47,8 +57,10 @@ class Filters:
     """istioctl's `--namespace`, and `--node` / `--address` for workloads; empty means any."""
 
     namespace: str = ""
-    node: str = ""
+    node: str = ""  # workloads on this node (istioctl's --workload-node)
     address: str = ""
+    direction: str = ""  # connections: inbound or outbound
+    raw: bool = False  # connections: addresses, not names
 
 
 # -- fetching ------------------------------------------------------------------------------------
@@ -280,7 +292,98 @@ def _cert_row(identity: str, kind: str, state: str, cert: Dump, now: datetime) -
     )
 
 
+def _names_by_ip(dump: Dump) -> dict[str, str]:
+    names = {}
+    for w in _workloads(dump):
+        for ip in w.get("workloadIps") or []:
+            names[str(ip)] = f"{w.get('name', '')}.{w.get('namespace', '')}"
+    for svc in _services(dump):
+        for vip in svc.get("vips") or []:
+            names[str(vip).partition("/")[2] or str(vip)] = str(svc.get("hostname", ""))
+    return names
+
+
+def _addr(address: str, names: dict[str, str], raw: bool) -> str:
+    if raw or not address:
+        return address
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return f"{names[host]}:{port}" if host in names else address
+
+
+def connection_table(dump: Dump, filters: Filters = Filters()) -> Table:
+    """istioctl's connections summary: every proxied pod's open connections, by direction."""
+    names = _names_by_ip(dump)
+    states = [v for v in (dump.get("workloadState") or {}).values() if isinstance(v, dict)]
+    states.sort(
+        key=lambda v: (str(v.get("info", {}).get("namespace", "")), str(v.get("info", {}).get("name", "")))
+    )
+    rows = []
+    for state in states:
+        info = state.get("info") or {}
+        if filters.namespace and not _same(str(info.get("namespace", "")), filters.namespace):
+            continue
+        name = f"{info.get('name', '')}.{info.get('namespace', '')}"
+        conns = state.get("connections") or {}
+        if filters.direction != "outbound":
+            for c in conns.get("inbound") or []:
+                rows.append(
+                    (
+                        name,
+                        "Inbound",
+                        _addr(str(c.get("actualDst", c.get("originalDst", ""))), names, filters.raw),
+                        _addr(str(c.get("src", "")), names, filters.raw),
+                        "",
+                        str(c.get("protocol", "")),
+                    )
+                )
+        if filters.direction != "inbound":
+            for c in conns.get("outbound") or []:
+                rows.append(
+                    (
+                        name,
+                        "Outbound",
+                        _addr(str(c.get("src", "")), names, filters.raw),
+                        _addr(str(c.get("actualDst", "")), names, filters.raw),
+                        _addr(str(c.get("originalDst", "")), names, filters.raw),
+                        str(c.get("protocol", "")),
+                    )
+                )
+    return Table(
+        title="connections",
+        headers=("WORKLOAD", "DIRECTION", "LOCAL", "REMOTE", "REMOTE TARGET", "PROTOCOL"),
+        rows=tuple(rows),
+    )
+
+
+def read_dump_file(path: str, stdin: IO[str] | None = None) -> Dump:
+    """istioctl's `--file`: a saved /config_dump (`-` reads standard input)."""
+    import sys
+
+    try:
+        if path == "-":
+            text = (stdin or sys.stdin).read(MAX_DUMP_FILE_BYTES + 1)
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(MAX_DUMP_FILE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as err:
+        raise AmbientError(f"--file {path}: cannot read: {err}") from None
+    if len(text) > MAX_DUMP_FILE_BYTES:
+        raise AmbientError(f"--file {path}: larger than {MAX_DUMP_FILE_BYTES} bytes")
+    try:
+        dump = json.loads(text)
+    except ValueError as err:
+        raise AmbientError(
+            f"--file {path}: not JSON: {err}", hint="save it with curl localhost:15000/config_dump"
+        ) from None
+    if not isinstance(dump, dict):
+        raise AmbientError(f"--file {path}: JSON that is not an object")
+    return dump
+
+
 def tables(kind: str, dump: Dump, filters: Filters, now: datetime) -> list[Table]:
+    if kind == "connections":
+        return [connection_table(dump, filters)]
     builders: dict[str, Callable[[], Table]] = {
         "workloads": lambda: workload_table(dump, filters),
         "services": lambda: service_table(dump, filters),
@@ -311,7 +414,115 @@ def selection(kind: str, dump: Dump, filters: Filters) -> Any:
         return _policies_filtered(dump, filters)
     if kind == "certificates":
         return dump.get("certificates") or []
+    if kind == "connections":
+        states = dump.get("workloadState") or {}
+        return [
+            v
+            for v in states.values()
+            if isinstance(v, dict)
+            and (
+                not filters.namespace
+                or _same(str((v.get("info") or {}).get("namespace", "")), filters.namespace)
+            )
+        ]
     return dump
+
+
+# -- which node proxy ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdminTarget:
+    """A node proxy's admin endpoint: an address, inside a network namespace for a lab node
+    (the admin API listens on the node's loopback, as ztunnel's does in its pod)."""
+
+    address: str = DEFAULT_ADMIN
+    netns: str | None = None
+    label: str = ""
+
+    def request(self, method: str, path: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> tuple[int, bytes]:
+        import http.client
+
+        from .host.netns import entered
+
+        host, port = split_host_port(self.address)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        where = f"{self.label or self.address} (admin {self.address})"
+        hint = (
+            "is the node proxy running? (`ambient lab status`; ztunnel's ADMIN_ADDR, default 127.0.0.1:15000)"
+        )
+        try:
+            if self.netns is not None:
+                with entered(self.netns):
+                    conn.connect()  # the socket stays in the namespace it was made in
+            conn.request(method, path)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException) as err:
+            raise AmbientError(f"cannot reach the node proxy on {where}: {err}", hint=hint) from None
+        finally:
+            conn.close()
+
+    def config_dump(self) -> Dump:
+        status, body = self.request("GET", "/config_dump")
+        if status != 200:
+            raise AmbientError(f"{self.label or self.address}: /config_dump answered HTTP {status}")
+        try:
+            dump = json.loads(body)
+        except ValueError as err:
+            raise AmbientError(f"{self.label or self.address}: /config_dump is not JSON: {err}") from None
+        if not isinstance(dump, dict):
+            raise AmbientError(f"{self.label or self.address}: /config_dump is not a JSON object")
+        return dump
+
+
+def lab_target(state_dir: str, node: str) -> AdminTarget:
+    """`--node NAME` in a lab: that node's proxy (istioctl picks the ztunnel pod on the node)."""
+    from pathlib import Path
+
+    path = Path(state_dir) / "lab.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise AmbientError(
+            f"--node {node}: no lab is running with state dir {state_dir}",
+            hint="start one with `ambient lab up`, or give the proxy's --admin address",
+        ) from None
+    nodes = record.get("nodes") or {}
+    if node not in nodes:
+        raise AmbientError(f"--node {node}: the lab has no such node; nodes: {', '.join(nodes)}")
+    return AdminTarget(address=nodes[node]["admin"], netns=nodes[node]["netns"], label=f"node {node}")
+
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "warn", "error", "critical", "off")
+
+
+def log_query(level: str | None, reset: bool) -> str:
+    """The `/logging` request istioctl sends: `level=<spec>`, or a reset to info; levels checked."""
+    if level and reset:
+        raise AmbientError("--level cannot be combined with --reset")
+    if reset:
+        return "/logging?level=info&reset"
+    if not level:
+        return "/logging"
+    for part in level.split(","):
+        name = part.rsplit(":", 1)[-1].rsplit("=", 1)[-1]
+        if name not in LOG_LEVELS:
+            raise AmbientError(
+                f"unrecognized logging level: {name}", hint=f"use one of {', '.join(LOG_LEVELS)}"
+            )
+    # ztunnel's names: warn for warning, error for critical; `scope:level` is ztunnel's `scope=level`.
+    spec = ",".join(p.replace(":", "=") for p in level.split(","))
+    spec = spec.replace("warning", "warn").replace("critical", "error")
+    return f"/logging?level={spec}"
+
+
+def run_log(target: AdminTarget, *, level: str | None, reset: bool, out: IO[str]) -> int:
+    status, body = target.request("POST", log_query(level, reset))
+    out.write(f"{target.label or target.address}:\n{body.decode(errors='replace')}")
+    if not body.endswith(b"\n"):
+        out.write("\n")
+    return 0 if status == 200 else 1
 
 
 # -- printing ------------------------------------------------------------------------------------
@@ -372,7 +583,7 @@ def _wanted_width(items: list[Table]) -> int:
 
 
 def render(kind: str, dump: Dump, *, output: str, filters: Filters, now: datetime, out: IO[str]) -> None:
-    if output == "table":
+    if output in ("short", "table"):
         render_tables(tables(kind, dump, filters, now), out)
     elif output == "json":
         out.write(json.dumps(selection(kind, dump, filters), indent=2) + "\n")
@@ -386,15 +597,16 @@ def run(
     kind: str,
     *,
     admin: str = DEFAULT_ADMIN,
-    output: str = "table",
+    output: str = "short",
     filters: Filters = Filters(),
     out: IO[str],
     fetch: Callable[[str], Dump] = fetch_config_dump,
     now: datetime | None = None,
 ) -> int:
     """Fetch, then print; errors surface as AmbientError for the CLI to show."""
+    kind = KIND_ALIASES.get(kind, kind)
     if kind not in KINDS:
-        raise AmbientError(f"unknown view {kind!r}", hint=f"use one of {', '.join(KINDS)}")
+        raise AmbientError(f"unknown view {kind!r}", hint=f"use one of {', '.join(sorted(KIND_ALIASES))}")
     dump = fetch(admin)
     render(kind, dump, output=output, filters=filters, now=now or datetime.now(UTC), out=out)
     return 0
@@ -403,10 +615,13 @@ def run(
 __all__ = [
     "DEFAULT_ADMIN",
     "KINDS",
+    "KIND_ALIASES",
     "OUTPUTS",
+    "AdminTarget",
     "Filters",
     "Table",
     "certificate_table",
+    "connection_table",
     "fetch_config_dump",
     "gateway_name",
     "policy_table",

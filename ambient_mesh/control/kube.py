@@ -436,6 +436,16 @@ class _Fields:
                 raise _FieldError(f"{self._child(key)}.{k}", "expected a string")
         return dict(value)
 
+    def only(self, *allowed: str) -> _Fields:
+        """Refuse a field the CRD's schema does not have, as the API server's strict field
+        validation does: a typo (`principal:`) must not silently widen or void a policy."""
+        for key in self._data:
+            if key not in allowed:
+                raise _FieldError(
+                    self._child(str(key)), f"unknown field (expected one of {', '.join(sorted(allowed))})"
+                )
+        return self
+
     def port_map(self, key: str) -> dict[str, int]:
         value = self._get(key)
         if value is _MISSING:
@@ -594,7 +604,36 @@ def _target_refs(spec: _Fields) -> tuple[PolicyTargetReference, ...]:
     return tuple(refs)
 
 
+_SOURCE_FIELDS = (
+    "principals",
+    "notPrincipals",
+    "requestPrincipals",
+    "notRequestPrincipals",
+    "namespaces",
+    "notNamespaces",
+    "serviceAccounts",
+    "notServiceAccounts",
+    "ipBlocks",
+    "notIpBlocks",
+    "remoteIpBlocks",
+    "notRemoteIpBlocks",
+    "trustDomains",
+    "notTrustDomains",
+)
+_OPERATION_FIELDS = ("hosts", "notHosts", "ports", "notPorts", "methods", "notMethods", "paths", "notPaths")
+# Istio's CRDs (security.istio.io, networking.istio.io): the top level and the spec fields.
+_CRD_TOP_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+_WORKLOAD_ENTRY_FIELDS = ("address", "labels", "locality", "network", "ports", "serviceAccount", "weight")
+
+
+def _crd(doc: _Fields, *spec_fields: str) -> _Fields:
+    """The spec of an Istio custom resource, with unknown fields refused at both levels."""
+    doc.only(*_CRD_TOP_FIELDS)
+    return (doc.sub("spec") or _Fields({}, "spec")).only(*spec_fields)
+
+
 def _source(s: _Fields) -> Source:
+    s.only(*_SOURCE_FIELDS)
     return Source(
         principals=s.strings("principals"),
         not_principals=s.strings("notPrincipals"),
@@ -614,6 +653,7 @@ def _source(s: _Fields) -> Source:
 
 
 def _operation(o: _Fields) -> Operation:
+    o.only(*_OPERATION_FIELDS)
     return Operation(
         hosts=o.strings("hosts"),
         not_hosts=o.strings("notHosts"),
@@ -628,16 +668,21 @@ def _operation(o: _Fields) -> Operation:
 
 def _parse_authorization_policy(doc: _Fields) -> AuthorizationPolicy:
     meta = _meta(doc, namespaced=True)
-    spec = doc.sub("spec") or _Fields({}, "spec")
+    spec = _crd(doc, "selector", "targetRef", "targetRefs", "action", "provider", "rules")
     rules = []
     for r in spec.items("rules"):
-        sources = tuple(_source(f.sub("source") or _Fields({}, f"{f._path}.source")) for f in r.items("from"))
+        r.only("from", "to", "when")
+        sources = tuple(
+            _source(f.only("source").sub("source") or _Fields({}, f"{f._path}.source"))
+            for f in r.items("from")
+        )
         ops = tuple(
-            _operation(t.sub("operation") or _Fields({}, f"{t._path}.operation")) for t in r.items("to")
+            _operation(t.only("operation").sub("operation") or _Fields({}, f"{t._path}.operation"))
+            for t in r.items("to")
         )
         when = []
         for w in r.items("when"):
-            key = w.str("key")
+            key = w.only("key", "values", "notValues").str("key")
             if not key:
                 raise _FieldError(f"{w._path}.key", "missing")
             when.append(Condition(key=key, values=w.strings("values"), not_values=w.strings("notValues")))
@@ -653,8 +698,10 @@ def _parse_authorization_policy(doc: _Fields) -> AuthorizationPolicy:
 
 def _parse_peer_authentication(doc: _Fields) -> PeerAuthentication:
     meta = _meta(doc, namespaced=True)
-    spec = doc.sub("spec") or _Fields({}, "spec")
+    spec = _crd(doc, "selector", "mtls", "portLevelMtls")
     mtls = spec.sub("mtls")
+    if mtls is not None:
+        mtls.only("mode")
     mode = mtls.enum("mode", MTLS_MODES, "UNSET") if mtls is not None else None
     port_level: dict[int, str] = {}
     raw = spec.sub("portLevelMtls")
@@ -667,7 +714,7 @@ def _parse_peer_authentication(doc: _Fields) -> PeerAuthentication:
                 raise _FieldError(path, "expected a port number as the key") from None
             if not 1 <= port <= 65535:
                 raise _FieldError(path, "port out of range 1-65535")
-            entry = _Fields(raw._data[key], path)
+            entry = _Fields(raw._data[key], path).only("mode")
             port_level[port] = entry.enum("mode", MTLS_MODES, "UNSET")
     return PeerAuthentication(
         metadata=meta, selector=_selector(spec.sub("selector")), mtls_mode=mode, port_level_mtls=port_level
@@ -675,6 +722,7 @@ def _parse_peer_authentication(doc: _Fields) -> PeerAuthentication:
 
 
 def _workload_entry_spec(f: _Fields) -> WorkloadEntrySpec:
+    f.only(*_WORKLOAD_ENTRY_FIELDS)
     return WorkloadEntrySpec(
         address=f.str("address"),
         ports=f.port_map("ports"),
@@ -688,7 +736,18 @@ def _workload_entry_spec(f: _Fields) -> WorkloadEntrySpec:
 
 def _parse_service_entry(doc: _Fields) -> ServiceEntry:
     meta = _meta(doc, namespaced=True)
-    spec = doc.sub("spec") or _Fields({}, "spec")
+    spec = _crd(
+        doc,
+        "addresses",
+        "endpoints",
+        "exportTo",
+        "hosts",
+        "location",
+        "ports",
+        "resolution",
+        "subjectAltNames",
+        "workloadSelector",
+    )
     hosts = spec.strings("hosts")
     if not hosts:
         raise _FieldError("spec.hosts", "at least one host is required")
@@ -699,7 +758,7 @@ def _parse_service_entry(doc: _Fields) -> ServiceEntry:
             name=p.str("name"),
             target_port=p.int("targetPort", lo=0, hi=65535),
         )
-        for p in spec.items("ports")
+        for p in (q.only("name", "number", "protocol", "targetPort") for q in spec.items("ports"))
     )
     ws = spec.sub("workloadSelector")
     return ServiceEntry(
@@ -717,7 +776,7 @@ def _parse_service_entry(doc: _Fields) -> ServiceEntry:
 
 def _parse_workload_entry(doc: _Fields) -> WorkloadEntry:
     meta = _meta(doc, namespaced=True)
-    spec = doc.sub("spec") or _Fields({}, "spec")
+    spec = _crd(doc, *_WORKLOAD_ENTRY_FIELDS)
     return WorkloadEntry(metadata=meta, spec=_workload_entry_spec(spec))
 
 

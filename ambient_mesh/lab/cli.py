@@ -19,14 +19,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO
 
+import yaml
+
 from ..errors import AmbientError, ConfigError
 from ..host.commands import SubprocessRunner
 from ..ztunnel_config import render_tables
 from .cluster import parse_pod_spec
-from .journal import read_journal, sweep
+from .journal import read_journal, same_process, sweep
 from .lab import (
-    DEFAULT_AMBIENT_NAMESPACES,
-    DEFAULT_PODS,
     DEFAULT_STATE_DIR,
     MAX_LAB_NODES,
     STATE_FILE,
@@ -34,6 +34,7 @@ from .lab import (
     LabConfig,
 )
 from .status import headline, live_status, status_tables
+from .topofile import DEFAULT_TOPOLOGY, load_topology
 
 SUPERVISE_INTERVAL_S = 0.2
 FOLLOW_INTERVAL_S = 0.2
@@ -81,26 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True, metavar="COMMAND")
     up = sub.add_parser("up", help="start the lab and supervise it until Ctrl-C or `ambient lab down`")
     up.add_argument(
+        "-f",
+        "--filename",
+        default=None,
+        metavar="FILE",
+        help="a topology file (Kubernetes YAML and a `kind: Lab` document; `ambient lab topology` "
+        "prints the default one)",
+    )
+    up.add_argument(
         "--nodes",
         type=node_count,
-        default=2,
-        help=f"number of nodes, 1-{MAX_LAB_NODES} (default: %(default)s)",
+        default=None,
+        help=f"number of nodes, 1-{MAX_LAB_NODES} (default: the topology's)",
     )
     up.add_argument(
         "--pod",
         action="append",
         default=None,
         metavar="NODE:NS/NAME[@SA][,k=v]",
-        help=f"a pod to start (repeatable; default: {' '.join(DEFAULT_PODS)})",
+        help="instead of the topology's pods: a pod running the echo app (repeatable)",
     )
     up.add_argument(
         "--ambient-namespace",
         action="append",
         default=None,
         metavar="NS",
-        help=f"namespace labelled istio.io/dataplane-mode=ambient (default: {DEFAULT_AMBIENT_NAMESPACES[0]})",
+        help="with --pod: a namespace labelled istio.io/dataplane-mode=ambient",
     )
     up.add_argument("--nftables", action="store_true", help="the node agents use NATIVE_NFTABLES=true")
+    sub.add_parser("topology", help="print the default topology file (a starting point for your own)")
     st = sub.add_parser("status", help="what is live: processes, readiness, restarts, pods")
     st.add_argument("-o", "--output", choices=("table", "json"), default="table")
     sub.add_parser("down", help="stop the lab and remove everything it created (safe to repeat)")
@@ -112,19 +122,60 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--node", default=None, help="the node, for agent and ztunnel (default: the first)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    for verb, text in (
+        ("apply", "create or update objects from manifests (checked as the control plane checks them)"),
+        ("delete", "delete the objects named in manifests"),
+    ):
+        v = sub.add_parser(verb, help=text)
+        v.add_argument(
+            "-f",
+            "--filename",
+            action="append",
+            required=True,
+            metavar="FILE",
+            help="a file, a directory or -",
+        )
+        v.add_argument(
+            "-n", "--namespace", default="default", help="for objects without one (default: %(default)s)"
+        )
+    gt = sub.add_parser("get", help="list objects of a kind (pods, svc, ns, ap, pa, se, we, ...)")
+    gt.add_argument("kind", help="a kind, its plural or short name (kubectl's)")
+    gt.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
+    gt.add_argument("-A", "--all-namespaces", action="store_true")
+    gt.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table")
     return parser
 
 
+def lab_config(args: argparse.Namespace, state_dir: Path) -> LabConfig:
+    """What `up` builds, from the flags and the topology file; everything checked."""
+    if args.pod:
+        if args.filename:
+            raise ConfigError("--pod", "give pods either in the topology file (-f) or with --pod, not both")
+        config = LabConfig(
+            state_dir=state_dir,
+            nodes=tuple(f"node-{i + 1}" for i in range(args.nodes or 2)),
+            pods=tuple(parse_pod_spec(p) for p in args.pod),
+            native_nftables=args.nftables,
+            ambient_namespaces=frozenset(args.ambient_namespace or ()),
+        )
+    else:
+        if args.ambient_namespace:
+            raise ConfigError("--ambient-namespace", "label the Namespace in the topology file instead")
+        topo = load_topology(args.filename)
+        config = LabConfig(
+            state_dir=state_dir,
+            nodes=tuple(f"node-{i + 1}" for i in range(args.nodes)) if args.nodes else topo.nodes,
+            pods=topo.pods,
+            objects=topo.objects,
+            ambient_namespaces=topo.ambient_namespaces,
+            native_nftables=args.nftables or topo.nftables,
+        )
+    config.validate()
+    return config
+
+
 def _up(args: argparse.Namespace, state_dir: Path, out: IO[str]) -> int:
-    specs = tuple(parse_pod_spec(p) for p in (args.pod or DEFAULT_PODS))
-    config = LabConfig(
-        state_dir=state_dir,
-        nodes=tuple(f"node-{i + 1}" for i in range(args.nodes)),
-        pods=specs,
-        native_nftables=args.nftables,
-        ambient_namespaces=frozenset(args.ambient_namespace or DEFAULT_AMBIENT_NAMESPACES),
-    )
-    config.validate()  # before anything exists
+    config = lab_config(args, state_dir)  # before anything exists
     stop = False
 
     def on_signal(*_):
@@ -225,6 +276,48 @@ def _logs(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _objects(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
+    from . import apply as verbs
+
+    if not same_process(int(record["pid"]), None):
+        raise AmbientError(
+            f"the lab in {record['state_dir']} is not running (pid {record['pid']} is gone)",
+            hint="`ambient lab down`, then `ambient lab up`",
+        )
+    objects_dir = Path(record["objects_dir"])
+    if args.action == "get":
+        kind = verbs.kind_of(args.kind)
+        namespace = None if args.all_namespaces else args.namespace
+        if args.output == "table":
+            table = verbs.get_table(objects_dir, kind, namespace)
+            if not table.rows:
+                print(
+                    f"No resources found{'' if namespace is None else ' in ' + namespace + ' namespace'}.",
+                    file=out,
+                )
+                return 0
+            render_tables([table], out)
+        else:
+            docs = verbs.get_documents(objects_dir, kind, namespace)
+            listed = {"apiVersion": "v1", "kind": "List", "items": docs}
+            if args.output == "json":
+                out.write(json.dumps(listed, indent=2, default=str) + "\n")
+            else:
+                out.write(yaml.safe_dump(listed, sort_keys=False))
+        return 0
+    manifests = []
+    for name, text in verbs.read_sources(args.filename):
+        manifests += verbs.check(text, name, default_namespace=args.namespace)
+    if args.action == "apply":
+        lines = verbs.apply(objects_dir, manifests)
+        ok = True
+    else:
+        lines, ok = verbs.delete(objects_dir, manifests)
+    for line in lines:
+        print(line, file=out)
+    return 0 if ok else 1
+
+
 def _exec(record: Mapping, args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -247,6 +340,9 @@ def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> in
             return _up(args, state_dir, out)
         if args.action == "down":
             return _down(state_dir, out)
+        if args.action == "topology":
+            out.write(DEFAULT_TOPOLOGY)
+            return 0
         record = read_record(state_dir)
         if args.action == "status":
             status = live_status(record, SubprocessRunner())
@@ -258,6 +354,8 @@ def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> in
             return 0 if status["running"] else 1
         if args.action == "logs":
             return _logs(record, args, out)
+        if args.action in ("apply", "delete", "get"):
+            return _objects(record, args, out)
         return _exec(record, args)
     except (AmbientError, ConfigError) as e:
         print(f"ambient lab: {e}", file=sys.stderr)

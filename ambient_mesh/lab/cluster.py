@@ -32,6 +32,7 @@ DATAPLANE_NONE = "none"
 SYSTEM_NAMESPACE = "istio-system"
 ZTUNNEL_SERVICE_ACCOUNT = "ztunnel"
 AGENT_DAEMONSET = "istio-cni-node"
+APP_IMAGE_PREFIX = "ambient-lab/"  # a Pod's image names the app it runs: ambient-lab/echo, ambient-lab/sleep
 UID_NAMESPACE = uuid.UUID("6f1c5d2a-8a43-4c1e-9d57-1a2b3c4d5e6f")  # for stable per-lab pod uids
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -60,6 +61,11 @@ class PodSpec:
     node: str
     service_account: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
+    app: str = "echo"  # runtime.py's apps: `echo` (a server) or `sleep` (a client)
+
+    @property
+    def image(self) -> str:
+        return f"{APP_IMAGE_PREFIX}{self.app}"
 
     @property
     def key(self) -> str:
@@ -128,7 +134,7 @@ def pod_object(
         status["podIP"] = str(ip)
         status["podIPs"] = [{"ip": str(ip)}]
         status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
-    container: dict = {"name": "app", "image": "ambient-lab/echo"}
+    container: dict = {"name": "app", "image": spec.image}
     if ports:
         container["ports"] = [{"containerPort": p} for p in ports]
     return {

@@ -27,6 +27,7 @@ and the kubelet's restart policy: a component that exits is started again with b
 from __future__ import annotations
 
 import contextlib
+import copy
 import http.client
 import json
 import os
@@ -39,11 +40,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..control.kube import load_directory
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from .apply import assign_cluster_ip
 from .cluster import (
     AGENT_DAEMONSET,
     SYSTEM_NAMESPACE,
@@ -53,6 +56,7 @@ from .cluster import (
     agent_daemonset_object,
     check_name,
     namespace_object,
+    object_file_name,
     pod_object,
     pod_uid,
     remove_object,
@@ -63,7 +67,15 @@ from .cluster import (
 )
 from .journal import Journal, prepare_state_dir, process_start_ticks, sweep
 from .runtime import CniCallError, CniRuntime
-from .topology import MAX_PODS_PER_NODE, NodeNet, PodNet, Topology
+from .services import (
+    DNS_PORT,
+    kube_proxy_hooks,
+    objects_stamp,
+    render_kube_proxy_rules,
+    resolv_conf,
+    service_ports,
+)
+from .topology import MAX_PODS_PER_NODE, NodeNet, PodNet, Topology, pod_netns_name
 
 CONTROL_PORT = 15012
 APP_PORT = 8080
@@ -83,14 +95,13 @@ LOG_TAIL_CHARS = 3000
 SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
+ETC_NETNS = Path("/etc/netns")  # per-namespace /etc overrides that `ip netns exec` mounts
 MAX_LAB_NODES = 32  # each node runs two Python processes (about 60 MB each): more does not fit a laptop
 MAX_LAB_PODS = 256
 RESTART_BACKOFF_FIRST_S = 1.0  # kubelet's CrashLoopBackOff starts at 10 s and doubles to 5 min;
 RESTART_BACKOFF_MAX_S = 30.0  # the lab's components start in about a second, so it is scaled down
 RESTART_BACKOFF_RESET_S = 60.0  # a component that ran this long starts again from the first delay
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
-DEFAULT_PODS = ("node-1:demo/client", "node-2:demo/server", "node-1:legacy/plain")
-DEFAULT_AMBIENT_NAMESPACES = ("demo",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +113,9 @@ class LabConfig:
     pods: tuple[PodSpec, ...] = ()
     ambient_namespaces: frozenset[str] = frozenset()
     services: tuple[ServiceSpec, ...] = ()
+    objects: tuple[Mapping, ...] = ()  # more objects to serve from the start (topology file)
+    cluster_dns: bool = True  # the lab's resolver, pods' resolv.conf, DNS capture in the mesh
+    kube_proxy: bool = True  # ClusterIP DNAT in every node, for pods outside the mesh
     native_nftables: bool = False
     app_port: int = APP_PORT
     agent_env: Mapping[str, str] = field(default_factory=dict)
@@ -277,6 +291,7 @@ class Lab:
         self.nodes: dict[str, LabNode] = {}
         self.pods: dict[str, LabPod] = {}
         self.control: Program | None = None
+        self.dns: Program | None = None
         self.programs: list[Program] = []
         self.journal: Journal | None = None
         self.ready = False
@@ -286,6 +301,7 @@ class Lab:
         self._restart_fns: dict[str, Callable[[], object]] = {}
         self._restart_due: dict[str, float] = {}
         self._restart_delay: dict[str, float] = {}
+        self._services_stamp: tuple | None = None
         self._started = False
 
     def __repr__(self) -> str:
@@ -326,7 +342,11 @@ class Lab:
             d.mkdir(parents=True, exist_ok=True)
         self.topology.open()
         for name in self.config.nodes:
+            self._write_resolv_conf(f"{self.topology.prefix}{name}", None)
             net = self.topology.add_node(name)
+            if self.config.kube_proxy:
+                for argv in kube_proxy_hooks():
+                    self.runner.run(argv, netns=net.netns)
             node_dir = self.state_dir / "nodes" / name
             node = LabNode(
                 net=net,
@@ -351,6 +371,8 @@ class Lab:
             self.nodes[name] = node
         self._write_base_objects()
         self._start_control()
+        if self.config.cluster_dns:
+            self._start_dns()
         for node in self.nodes.values():
             self.start_agent(node.net.name)
         for node in self.nodes.values():
@@ -359,6 +381,7 @@ class Lab:
             self.wait_proxy_ready(node.net.name)
         for spec in self.config.pods:
             self.add_pod(spec, wait=False)
+        self.reconcile_services()
         self.wait_converged()
         self.ready = True
         self.write_state()
@@ -403,9 +426,63 @@ class Lab:
             objects.append(pod_object(ztunnel_pod_spec(node.net.name), uid=node.uid, ip=node.net.uplink_ip))
         objects += [service_object(s) for s in self.config.services]
         write_objects(self.objects_dir, objects)
+        for doc in self.config.objects:
+            doc = copy.deepcopy(dict(doc))
+            if doc.get("kind") == "Service":
+                assign_cluster_ip(self.objects_dir, doc)
+            write_objects(self.objects_dir, [doc])
 
     def set_namespace(self, namespace: str, *, ambient: bool) -> None:
         write_objects(self.objects_dir, [namespace_object(namespace, ambient=ambient)])
+
+    # -- cluster services: DNS and kube-proxy ------------------------------------------------------
+
+    def _write_resolv_conf(self, netns: str, namespace: str | None) -> None:
+        """`ip netns exec` bind-mounts /etc/netns/<netns>/resolv.conf over /etc/resolv.conf for
+        everything started in that namespace: the kubelet's ClusterFirst DNS for a pod, and the
+        upstream the node proxy forwards non-mesh names to."""
+        if not self.config.cluster_dns:
+            return
+        directory = ETC_NETNS / netns
+        if self.journal is not None:
+            self.journal.path_created(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "resolv.conf").write_text(resolv_conf(str(self.topology.gateway), namespace))
+
+    def _start_dns(self) -> Program:
+        self.dns = self._spawn(
+            "dns",
+            self.topology.network_netns,
+            [
+                self.config.python,
+                "-m",
+                "ambient_mesh.lab.services",
+                "--objects",
+                str(self.objects_dir),
+                "--listen",
+                f"{self.topology.gateway}:{DNS_PORT}",
+            ],
+            {},
+            restart=self._start_dns,
+        )
+        return self.dns
+
+    def reconcile_services(self) -> bool:
+        """kube-proxy's sync: when the objects changed, rewrite every node's ClusterIP rules.
+        Returns whether it did."""
+        if not self.config.kube_proxy:
+            return False
+        stamp = objects_stamp(self.objects_dir)
+        if stamp == self._services_stamp:
+            return False
+        self._services_stamp = stamp
+        ports = service_ports(load_directory(self.objects_dir).objects)
+        for node in self.nodes.values():
+            rules = render_kube_proxy_rules(ports, str(node.net.pod_cidr))
+            self.runner.run(
+                ["iptables-restore", "-w", "--noflush"], input=rules.encode(), netns=node.net.netns
+            )
+        return True
 
     # -- programs ----------------------------------------------------------------------------------
 
@@ -462,6 +539,11 @@ class Lab:
         kubelet. Returns what it did, one line each; lab.json is rewritten when anything changed."""
         now = time.monotonic() if now is None else now
         events: list[str] = []
+        if self._started:
+            try:
+                self.reconcile_services()
+            except AmbientError as e:
+                events.append(f"kube-proxy rules not applied: {e}")
         for name, program in list(self._supervised.items()):
             if program.running:
                 if name in self._restart_delay and now - program.started_at >= RESTART_BACKOFF_RESET_S:
@@ -539,7 +621,7 @@ class Lab:
             "POD_SOURCE_POLL_INTERVAL": "100ms",
             "NODE_NAME": node.net.name,
             "AMBIENT_IPV6": "false",
-            "AMBIENT_DNS_CAPTURE": "false",
+            "AMBIENT_DNS_CAPTURE": "true" if self.config.cluster_dns else "false",
             "POD_NAMESPACE": SYSTEM_NAMESPACE,
             "POD_NAME": f"{AGENT_DAEMONSET}-{node.net.name}",
             "LOG_OUTPUT_LEVEL": "info",
@@ -625,7 +707,7 @@ class Lab:
             "POD_NAMESPACE": SYSTEM_NAMESPACE,
             "SERVICE_ACCOUNT": ZTUNNEL_SERVICE_ACCOUNT,
             "INSTANCE_IP": str(node.net.uplink_ip),
-            "ISTIO_META_DNS_CAPTURE": "false",
+            "ISTIO_META_DNS_CAPTURE": "true" if self.config.cluster_dns else "false",
             "TERMINATION_GRACE_PERIOD_SECONDS": "2",
             "IPV6_ENABLED": "false",
         }
@@ -738,23 +820,29 @@ class Lab:
         if spec.node not in self.nodes:
             raise AmbientError(f"pod {spec.key} is scheduled on {spec.node!r}, which is not a lab node")
         uid = pod_uid(self.lab_id, spec.namespace, spec.name)
-        if spec.namespace not in {p.spec.namespace for p in self.pods.values()} | set(
-            self.config.ambient_namespaces
-        ):
-            self.set_namespace(spec.namespace, ambient=False)
+        if not (
+            self.objects_dir / object_file_name(namespace_object(spec.namespace, ambient=False))
+        ).exists():
+            self.set_namespace(spec.namespace, ambient=spec.namespace in self.config.ambient_namespaces)
         write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=None)])
+        self._write_resolv_conf(pod_netns_name(self.topology.prefix, spec.key), spec.namespace)
         net = self.topology.add_pod(spec.node, spec.key)
         pod = LabPod(spec=spec, net=net, uid=uid)
         self.pods[spec.key] = pod
         self._cni_add_with_retries(pod)
         app = self._start_app(pod)
-        wait_until(
-            lambda: self._listening(net.netns, self.config.app_port, app),
-            timeout_s=self.config.ready_timeout_s,
-            what=f"pod {spec.key}'s app to listen",
-            on_timeout=app.tail,
+        serves = spec.app == "echo"
+        if serves:
+            wait_until(
+                lambda: self._listening(net.netns, self.config.app_port, app),
+                timeout_s=self.config.ready_timeout_s,
+                what=f"pod {spec.key}'s app to listen",
+                on_timeout=app.tail,
+            )
+        write_objects(
+            self.objects_dir,
+            [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,) if serves else ())],
         )
-        write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,))])
         if wait:
             self.wait_converged()
         self.write_state()
@@ -764,7 +852,17 @@ class Lab:
         pod.app = self._spawn(
             f"app-{pod.spec.namespace}-{pod.spec.name}",
             pod.net.netns,
-            [self.config.python, "-m", "ambient_mesh.lab.runtime", "--port", str(self.config.app_port)],
+            [
+                self.config.python,
+                "-m",
+                "ambient_mesh.lab.runtime",
+                "--app",
+                pod.spec.app,
+                "--port",
+                str(self.config.app_port),
+                "--pod",
+                pod.spec.key,
+            ],
             {},
             restart=lambda: self._start_app(pod),
         )
@@ -910,6 +1008,7 @@ class Lab:
                 "netns": self.topology.network_netns,
                 "process": program(self.control),
             },
+            "dns": {"address": f"{self.topology.gateway}:{DNS_PORT}", "process": program(self.dns)},
             "nodes": nodes,
             "pods": pods,
         }

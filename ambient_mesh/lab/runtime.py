@@ -10,9 +10,12 @@ the node agent installed there.
 `plan_cni_call` decides the invocation (pure, unit-tested); `CniRuntime.call` runs it inside the
 node's namespace, as a runtime runs plugins in the host's.
 
-`python -m ambient_mesh.lab.runtime --port 8080` is the app every lab pod runs: a TCP echo
-server that prints `accepted <ip> <port>` per connection (so a test can see which source address
-reached the app: the client pod's, or the node's probe SNAT address).
+`python -m ambient_mesh.lab.runtime --app echo|sleep` are the apps lab pods run: `echo` answers
+HTTP/1.1 requests with who answered and what it saw (as Istio's sample echo server does), and
+echoes any other bytes back (the tests' raw TCP); it prints `accepted <ip> <port>` per connection
+(so a test can see which source address reached the app: the client pod's, or the node's probe
+SNAT address). `sleep` is a client pod (Istio's `sleep`/`curl` sample): `ambient lab exec` runs
+curl in its namespace.
 """
 
 from __future__ import annotations
@@ -197,25 +200,104 @@ class CniRuntime:
             self._run(call, "DEL", f"{namespace}/{name}")
 
 
-# --- the app every lab pod runs ------------------------------------------------------------------
+# --- the apps lab pods run ------------------------------------------------------------------------
+
+HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ")
+MAX_REQUEST_HEAD_BYTES = 16 * 1024  # request line + headers; more is refused with 431
+MAX_REQUEST_BODY_BYTES = 1024 * 1024  # echoed back; a larger body is refused with 413
+CONNECTION_IDLE_TIMEOUT_S = 60.0
+APPS = ("echo", "sleep")
 
 
-def _echo(conn: socket.socket) -> None:
+def http_echo_reply(head: bytes, body: bytes, *, pod: str, peer: str) -> bytes:
+    """The echo app's answer to one HTTP/1.1 request: who answered and what it saw (like Istio's
+    sample echo server), as text, one `key=value` per line."""
+    request_line, _, header_block = head.partition(b"\r\n")
+    lines = [
+        "ServiceVersion=lab-echo",
+        f"Hostname={pod}",
+        f"RemoteAddr={peer}",
+        f"Request={request_line.decode(errors='replace')}",
+    ]
+    for header in header_block.split(b"\r\n"):
+        if b":" in header:
+            name, _, value = header.partition(b":")
+            lines.append(
+                f"RequestHeader={name.decode(errors='replace').strip()}:{value.decode(errors='replace').strip()}"
+            )
+    if body:
+        lines.append(f"Body={body.decode(errors='replace')}")
+    text = ("\n".join(lines) + "\n").encode()
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        + f"Content-Length: {len(text)}\r\n\r\n".encode()
+        + text
+    )
+
+
+def _error(status: str) -> bytes:
+    return f"HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+
+
+def _content_length(head: bytes) -> int | None:
+    for header in head.split(b"\r\n")[1:]:
+        name, _, value = header.partition(b":")
+        if name.strip().lower() == b"content-length":
+            try:
+                return int(value.strip())
+            except ValueError:
+                return None
+    return 0
+
+
+def _serve_http(conn: socket.socket, first: bytes, *, pod: str, peer: str) -> None:
+    """One request per connection (`Connection: close`): enough for curl and probes."""
+    data = first
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_REQUEST_HEAD_BYTES:
+            conn.sendall(_error("431 Request Header Fields Too Large"))
+            return
+        chunk = conn.recv(ECHO_READ_BYTES)
+        if not chunk:
+            return
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if len(head) > MAX_REQUEST_HEAD_BYTES:
+        conn.sendall(_error("431 Request Header Fields Too Large"))
+        return
+    length = _content_length(head)
+    if length is None or length < 0:
+        conn.sendall(_error("400 Bad Request"))
+        return
+    if length > MAX_REQUEST_BODY_BYTES:
+        conn.sendall(_error("413 Content Too Large"))
+        return
+    while len(body) < length:
+        chunk = conn.recv(ECHO_READ_BYTES)
+        if not chunk:
+            return
+        body += chunk
+    conn.sendall(http_echo_reply(head, body[:length], pod=pod, peer=peer))
+
+
+def _echo(conn: socket.socket, *, pod: str, peer: str) -> None:
+    """HTTP/1.1 when the first bytes are a request line's method, else raw TCP echo (what the
+    lab's tests send)."""
     with conn:
-        while True:
-            try:
-                data = conn.recv(ECHO_READ_BYTES)
-            except OSError:
+        conn.settimeout(CONNECTION_IDLE_TIMEOUT_S)
+        try:
+            data = conn.recv(ECHO_READ_BYTES)
+            if data.startswith(HTTP_METHODS):
+                _serve_http(conn, data, pod=pod, peer=peer)
                 return
-            if not data:
-                return
-            try:
+            while data:
                 conn.sendall(data)
-            except OSError:
-                return
+                data = conn.recv(ECHO_READ_BYTES)
+        except OSError:
+            return
 
 
-def serve_echo(port: int) -> None:
+def serve_echo(port: int, *, pod: str = "") -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("0.0.0.0", port))
@@ -224,17 +306,27 @@ def serve_echo(port: int) -> None:
     while True:
         conn, peer = listener.accept()
         print(f"accepted {ipaddress.ip_address(peer[0])} {peer[1]}", flush=True)
-        threading.Thread(target=_echo, args=(conn,), daemon=True).start()
+        threading.Thread(
+            target=_echo, args=(conn,), kwargs={"pod": pod, "peer": f"{peer[0]}:{peer[1]}"}, daemon=True
+        ).start()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ambient_mesh.lab.runtime", description="the lab pods' app: a TCP echo server"
+        prog="python -m ambient_mesh.lab.runtime",
+        description="the lab pods' apps: `echo` (HTTP/1.1 echo, raw TCP echo otherwise) or `sleep` (a "
+        "client pod: does nothing, its namespace is where `ambient lab exec` runs curl)",
     )
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--app", choices=APPS, default="echo")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--pod", default="", help="namespace/name, for the echo's answer")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    serve_echo(args.port)
+    if args.app == "sleep":
+        print("sleeping", flush=True)
+        while True:
+            signal.pause()
+    serve_echo(args.port, pod=args.pod)
     return 0
 
 

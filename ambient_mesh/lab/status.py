@@ -133,6 +133,10 @@ def live_status(record: Mapping, runner: CommandRunner) -> dict[str, Any]:
             "netns": control["netns"],
             **_component(control.get("process"), ready=control_ready),
         },
+        "dns": {
+            "address": record.get("dns", {}).get("address", ""),
+            **_component(record.get("dns", {}).get("process"), ready=None),
+        },
         "nodes": nodes,
         "pods": pods,
     }
@@ -158,6 +162,9 @@ def status_tables(status: Mapping) -> list[Table]:
             status["control"]["address"],
         )
     ]
+    dns = status.get("dns")
+    if dns and dns["pid"]:
+        components.append(("dns", "-", str(dns["pid"]), _cell(dns), f"{dns['address']} (udp)"))
     for name, node in status["nodes"].items():
         components.append(("agent", name, str(node["agent"]["pid"] or "-"), _cell(node["agent"]), "-"))
         components.append(

@@ -1,58 +1,97 @@
-"""`ambient demo` in its netns layout: a namespace per pod, iptables capture, plain connect().
+"""`ambient demo`, the lab's guided tour, as `bash scripts/demo.sh` runs it: every step passes,
+the exit status is 0, and nothing is left behind (namespaces, processes, the temporary state
+directory). The tour's own checks are the assertions: a step that does not behave as shown
+makes it exit 1, which this test would report with the whole output.
 
-Skipped with the reason when network namespaces are unavailable (conftest). Checks the exit code,
-the key lines of the output, and that no namespace, process or temporary file is left behind.
+The 30 s budget is the tour's promise on an idle machine; it is printed, not asserted (timings
+belong to bench/, and the suite shares its cores).
 """
 
 from __future__ import annotations
 
-import asyncio
-import io
 import os
 import re
-import tempfile
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from ambient_mesh.demo import CLIENT, SERVER, DemoMode, run_demo
 from ambient_mesh.host.netns import list_netns
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)
 
-DEMO_BUDGET_S = 10.0
+STEPS = (
+    "lab up",
+    "same-node call over HBONE",
+    "cross-node call over HBONE",
+    "call through the Service by name",
+    "both identities in the proxies' metrics",
+    "DENY refuses the client",
+    "removing it lets the client in",
+    "a pod outside the mesh reaches the Service in plaintext",
+    "STRICT mTLS refuses the non-mesh caller",
+    "removing STRICT restores plaintext",
+    "lab down",
+)
 
 
-async def test_netns_demo_crosses_hbone_and_leaves_nothing_behind(runner):
-    own_prefix = f"am-{os.getpid()}-"
-    dirs_before = set(Path(tempfile.gettempdir()).glob("ambient-demo-*"))
-    buf = io.StringIO()
-    console = Console(file=buf, width=140, color_system=None, force_terminal=False)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    rc = await run_demo(verbose=False, mode=DemoMode.NETNS, console=console)
-    elapsed = loop.time() - started
-    out = buf.getvalue()
-    assert rc == 0, out
-    assert elapsed < DEMO_BUDGET_S, out
+def test_the_tour_passes_every_step_and_leaves_nothing(runner):
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "ambient_mesh", "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = demo.communicate(timeout=200)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert demo.returncode == 0, out + err
+    for step in STEPS:
+        assert "PASS" in out and any(line.startswith("PASS") and step in line for line in out.splitlines()), (
+            f"{step!r} did not pass:\n{out}"
+        )
+    assert "FAIL" not in out
     for expected in (
-        "netns",
-        "dedicated-mode capture rules",
-        "plain connect()",
-        "pod IP 10.240.0.12:8080",
-        "service VIP 10.96.0.50:80",
-        "65536 B echoed intact",
-        CLIENT.spiffe_id,
-        SERVER.spiffe_id,
+        "spiffe://cluster.local/ns/shop/sa/client",
+        "spiffe://cluster.local/ns/shop/sa/echo",
         "mutual_tls",
-        "Available",
-        "signed by this run's operator root",
-        "PASS",
+        "answered by shop/echo-1, shop/echo-2",
+        "authorizationpolicy.security.istio.io/deny-client created",
+        "peerauthentication.security.istio.io/strict deleted",
+        "all steps behaved as shown",
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"
-    assert not [ns for ns in list_netns(runner) if ns.startswith(own_prefix)]
-    for pid in (int(p) for p in re.findall(r"pid (\d+)", out)):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    assert set(Path(tempfile.gettempdir()).glob("ambient-demo-*")) == dirs_before
+    # The table is plain text in a pipe: whole rows, no styling.
+    assert "\x1b[" not in out
+    # Its own namespaces carry its pid (other tests may be making theirs meanwhile).
+    assert [ns for ns in list_netns(runner) if ns.startswith(f"am-{demo.pid}-")] == []
+    (state_dir,) = re.findall(r"state in (\S+)", out)
+    assert not Path(state_dir).exists()
+    print(out)  # shown with -s: the timings
+
+
+def test_the_tour_refuses_to_run_without_root_and_says_why():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop it")
+    done = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "ambient_mesh",
+            "demo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert done.returncode == 2 and "network namespaces need root" in done.stderr, done.stderr

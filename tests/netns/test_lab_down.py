@@ -83,6 +83,7 @@ def processes_mentioning(text: str) -> list[int]:
 def assert_nothing_left(runner, state_dir: Path, up_pid: int) -> None:
     prefix = f"am-{up_pid}-"
     assert [ns for ns in list_netns(runner) if ns.startswith(prefix)] == []
+    assert not list(Path("/etc/netns").glob(f"{prefix}*"))  # the pods' resolv.conf overrides
     assert processes_mentioning(str(state_dir)) == []
     assert read_journal(state_dir) is None
 
@@ -150,7 +151,7 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         assert live["ready"] and all(
             n["ztunnel"]["ready"] and n["agent"]["ready"] for n in live["nodes"].values()
         )
-        assert live["pods"]["demo/client"]["enrolled"] and not live["pods"]["legacy/plain"]["enrolled"]
+        assert live["pods"]["shop/client"]["enrolled"] and not live["pods"]["legacy/client"]["enrolled"]
         # The supervisor: a crashed node proxy is started again and status says so.
         os.kill(live["nodes"]["node-1"]["ztunnel"]["pid"], signal.SIGKILL)
 

@@ -1,0 +1,363 @@
+"""`ambient lab apply -f`, `delete -f`, `get KIND`: kubectl's verbs against the lab's API server.
+
+Counterpart: `kubectl apply/delete/get` with server-side strict field validation. The lab's API
+server is its objects directory, which the control plane watches (one file per object, replaced
+atomically: cluster.py). A manifest is checked with the control plane's own parser
+(control/kube.py) before anything is written, so what the lab accepts the control plane accepts,
+and an error names `file:line:column` (found by walking the YAML node tree along the field path
+the parser reports), the object and the field, as the local config's errors do.
+
+Pods are refused: in the lab a Pod needs a sandbox, which only the lab's kubelet (`up`, from the
+topology) creates; everything else the control plane reads may be applied and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..control import kube
+from ..errors import ConfigError
+from ..ztunnel_config import Table
+from .cluster import object_file_name, remove_object, write_objects
+
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024  # per file; kubectl's own request limit is 3 MiB
+MAX_MANIFEST_FILES = 1000
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+CLUSTER_SCOPED = frozenset({"Namespace", "Node"})
+
+# kubectl's names and short names for the kinds the control plane reads.
+KIND_NAMES: dict[str, str] = {}
+for _kind, _names in {
+    "Pod": ("pods", "pod", "po"),
+    "Service": ("services", "service", "svc"),
+    "Namespace": ("namespaces", "namespace", "ns"),
+    "ServiceAccount": ("serviceaccounts", "serviceaccount", "sa"),
+    "Node": ("nodes", "node", "no"),
+    "AuthorizationPolicy": ("authorizationpolicies", "authorizationpolicy", "ap"),
+    "PeerAuthentication": ("peerauthentications", "peerauthentication", "pa"),
+    "ServiceEntry": ("serviceentries", "serviceentry", "se"),
+    "WorkloadEntry": ("workloadentries", "workloadentry", "we"),
+    "Gateway": ("gateways", "gateway", "gtw"),
+}.items():
+    for _name in (*_names, _kind.lower()):
+        KIND_NAMES[_name] = _kind
+
+
+def kind_of(text: str) -> str:
+    kind = KIND_NAMES.get(text.lower())
+    if kind is None:
+        raise ConfigError(
+            "KIND",
+            f"{text!r} is not a kind the lab serves",
+            hint=f"use one of {', '.join(sorted(set(KIND_NAMES)))}",
+        )
+    return kind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """One object from a file, checked, with its namespace filled in as kubectl does."""
+
+    file: str
+    doc: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.doc["kind"]
+
+    @property
+    def namespace(self) -> str:
+        return self.doc["metadata"].get("namespace", "")
+
+    @property
+    def name(self) -> str:
+        return self.doc["metadata"]["name"]
+
+    @property
+    def ref(self) -> str:
+        """kubectl's `kind/name` (with the group for Istio's kinds)."""
+        group = self.doc["apiVersion"].rpartition("/")[0]
+        return f"{self.kind.lower()}{'.' + group if group else ''}/{self.name}"
+
+
+# -- reading and checking -------------------------------------------------------------------------
+
+
+def read_sources(paths: Sequence[str], stdin=None) -> list[tuple[str, str]]:
+    """(name, text) for each `-f` argument: a file, every manifest in a directory, or `-`."""
+    out: list[tuple[str, str]] = []
+    for arg in paths:
+        if arg == "-":
+            out.append(("<stdin>", (stdin or sys.stdin).read(MAX_MANIFEST_BYTES + 1)))
+            continue
+        path = Path(arg)
+        files = (
+            sorted(p for p in path.iterdir() if p.suffix in MANIFEST_SUFFIXES) if path.is_dir() else [path]
+        )
+        for file in files:
+            try:
+                size = file.stat().st_size
+                if size > MAX_MANIFEST_BYTES:
+                    raise ConfigError(str(file), f"{size} bytes: larger than {MAX_MANIFEST_BYTES}")
+                out.append((str(file), file.read_text(encoding="utf-8")))
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(str(file), f"cannot read: {e}") from None
+            if len(out) > MAX_MANIFEST_FILES:
+                raise ConfigError(arg, f"more than {MAX_MANIFEST_FILES} files")
+    for name, text in out:
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ConfigError(name, f"larger than {MAX_MANIFEST_BYTES} bytes")
+    return out
+
+
+_PATH_TOKEN = re.compile(r"\[(\d+)\]|([^.\[\]]+)")
+
+
+def locate(node: yaml.Node, path: str) -> yaml.Mark:
+    """Where the field at `path` (`spec.rules[0].from[0].source.principal`) is in a document:
+    the key itself when it is the last step (an unknown or missing field), else the deepest
+    value found along the path."""
+    tokens = [int(i) if i else name for i, name in _PATH_TOKEN.findall(path)]
+    mark = node.start_mark
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if isinstance(token, int) and isinstance(node, yaml.SequenceNode) and token < len(node.value):
+            node = node.value[token]
+            mark = node.start_mark
+            i += 1
+            continue
+        if isinstance(token, str) and isinstance(node, yaml.MappingNode):
+            # A key may itself contain dots (`istio.io/dataplane-mode`): try the longest first.
+            for j in range(len(tokens), i, -1):
+                parts = tokens[i:j]
+                if not all(isinstance(p, str) for p in parts):
+                    continue
+                key = ".".join(parts)  # type: ignore[arg-type]
+                found = next((kv for kv in node.value if getattr(kv[0], "value", None) == key), None)
+                if found is not None:
+                    key_node, value_node = found
+                    if j == len(tokens):
+                        return key_node.start_mark
+                    node, mark, i = value_node, value_node.start_mark, j
+                    break
+            else:
+                return mark
+            continue
+        return mark
+    return mark
+
+
+def _label(doc: Mapping) -> str:
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    name = meta.get("name") if isinstance(meta.get("name"), str) else "?"
+    ns = meta.get("namespace") if isinstance(meta.get("namespace"), str) else ""
+    return f"{doc.get('kind')} {ns}/{name}" if ns else f"{doc.get('kind')} {name}"
+
+
+def where(file: str, node: yaml.Node, field: str = "") -> str:
+    """`file:line:column` of a document's node, or of one of its fields."""
+    mark = locate(node, field) if field else node.start_mark
+    return f"{file}:{mark.line + 1}:{mark.column + 1}"
+
+
+def check(
+    text: str, file: str, *, default_namespace: str = "default", allow_pods: bool = False
+) -> list[Manifest]:
+    """Every object in one manifest, checked as the control plane checks it; ConfigError naming
+    `file:line:column`, the object and the field of each problem (all of them, one per line)."""
+    return check_documents(
+        documents(text, file), file, default_namespace=default_namespace, allow_pods=allow_pods
+    )
+
+
+def documents(text: str, file: str) -> list[tuple[yaml.Node, Any]]:
+    """Each document (a `kind: List` expanded) with its node tree, for error positions."""
+    try:
+        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        docs = kube.decode_yaml(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file
+        raise ConfigError(where, getattr(e, "problem", None) or str(e)) from None
+    pairs: list[tuple[yaml.Node, Any]] = []
+    for node, doc in zip(
+        (n for n in nodes if n is not None), (d for d in docs if d is not None), strict=False
+    ):
+        if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
+            items = node.value if isinstance(node, yaml.MappingNode) else []
+            item_nodes = next((v.value for k, v in items if getattr(k, "value", None) == "items"), [])
+            pairs.extend(zip(item_nodes, doc["items"], strict=False))
+        else:
+            pairs.append((node, doc))
+    return pairs
+
+
+def check_documents(
+    pairs: Iterable[tuple[yaml.Node, Any]], file: str, *, default_namespace: str, allow_pods: bool
+) -> list[Manifest]:
+    problems: list[str] = []
+    manifests: list[Manifest] = []
+    for node, doc in pairs:
+        if not isinstance(doc, dict):
+            problems.append(f"{where(file, node)}: expected a mapping (a Kubernetes object)")
+            continue
+        namespaced = doc.get("kind") not in CLUSTER_SCOPED
+        if namespaced and isinstance(doc.get("metadata"), dict) and not doc["metadata"].get("namespace"):
+            doc["metadata"]["namespace"] = default_namespace
+        result = kube.parse_documents(json.dumps(doc, default=str), file)
+        for error in result.errors:
+            problems.append(
+                f"{where(file, node, error.field)}: {': '.join(p for p in (error.object, error.field) if p)}: "
+                f"{error.message}"
+            )
+        if result.notes:
+            problems.append(
+                f"{where(file, node)}: {_label(doc)} ({doc.get('apiVersion')}): not a kind the control plane serves"
+            )
+        if result.errors or result.notes:
+            continue
+        if doc.get("kind") == "Pod" and not allow_pods:
+            problems.append(
+                f"{where(file, node)}: {_label(doc)}: pods are the lab's own (it creates their sandboxes); "
+                "add them to the topology file (`ambient lab up -f`)"
+            )
+            continue
+        manifests.append(Manifest(file=file, doc=doc))
+    if problems:
+        raise ConfigError(file, "refused, nothing applied:\n  " + "\n  ".join(problems))
+    return manifests
+
+
+# -- the verbs ------------------------------------------------------------------------------------
+
+
+def apply(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
+    """Write each object (kubectl's `created` / `configured` / `unchanged`)."""
+    lines = []
+    for m in manifests:
+        if m.kind == "Service":
+            assign_cluster_ip(objects_dir, m.doc)
+        path = objects_dir / object_file_name(m.doc)
+        try:
+            before = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            before = None
+        if before == m.doc:
+            lines.append(f"{m.ref} unchanged")
+            continue
+        write_objects(objects_dir, [m.doc])
+        lines.append(f"{m.ref} {'configured' if before is not None else 'created'}")
+    return lines
+
+
+def assign_cluster_ip(objects_dir: Path, doc: dict) -> None:
+    """A Service without `spec.clusterIP` gets one, as the API server allocates it; an update
+    keeps the address the stored object has."""
+    from .services import allocate_cluster_ip
+
+    spec = doc.setdefault("spec", {})
+    if spec.get("clusterIP"):
+        return
+    stored = kube.load_directory(objects_dir).objects
+    ns, name = doc["metadata"].get("namespace", ""), doc["metadata"]["name"]
+    for o in stored:
+        if (
+            isinstance(o, kube.Service)
+            and (o.metadata.namespace, o.metadata.name) == (ns, name)
+            and o.cluster_ip
+        ):
+            spec["clusterIP"] = o.cluster_ip
+            return
+    spec["clusterIP"] = allocate_cluster_ip(o.cluster_ip for o in stored if isinstance(o, kube.Service))
+
+
+def delete(objects_dir: Path, manifests: Iterable[Manifest]) -> tuple[list[str], bool]:
+    """Remove each object; (lines, whether all existed) as kubectl reports NotFound."""
+    lines, found_all = [], True
+    for m in manifests:
+        if remove_object(objects_dir, m.kind, m.namespace, m.name):
+            lines.append(f"{m.ref} deleted")
+        else:
+            found_all = False
+            lines.append(f'Error from server (NotFound): {m.kind.lower()} "{m.name}" not found')
+    return lines, found_all
+
+
+def _ports(svc: kube.Service) -> str:
+    return ",".join(f"{p.port}/{p.protocol}" for p in svc.ports) or "<none>"
+
+
+def _row(obj: Any) -> tuple[str, ...]:
+    if isinstance(obj, kube.Pod):
+        return (
+            obj.node_name,
+            obj.pod_ip or "<none>",
+            "True" if obj.ready else "False",
+            obj.service_account_name,
+        )
+    if isinstance(obj, kube.Service):
+        selector = ",".join(f"{k}={v}" for k, v in sorted(obj.selector.items())) or "<none>"
+        return (obj.cluster_ip or "<none>", _ports(obj), selector)
+    if isinstance(obj, kube.Namespace):
+        labels = ",".join(f"{k}={v}" for k, v in sorted(obj.metadata.labels.items())) or "<none>"
+        return (labels,)
+    if isinstance(obj, kube.AuthorizationPolicy):
+        return (obj.action, str(len(obj.rules)))
+    if isinstance(obj, kube.PeerAuthentication):
+        return (obj.mtls_mode or "UNSET",)
+    return ()
+
+
+_COLUMNS: dict[str, tuple[str, ...]] = {
+    "Pod": ("NODE", "IP", "READY", "SERVICE ACCOUNT"),
+    "Service": ("CLUSTER-IP", "PORTS", "SELECTOR"),
+    "Namespace": ("LABELS",),
+    "AuthorizationPolicy": ("ACTION", "RULES"),
+    "PeerAuthentication": ("MODE",),
+}
+
+
+def get_objects(objects_dir: Path, kind: str, namespace: str | None) -> list[Any]:
+    loaded = kube.load_directory(objects_dir)
+    return [
+        o
+        for o in loaded.objects
+        if o.kind == kind
+        and (namespace is None or kind in CLUSTER_SCOPED or o.metadata.namespace == namespace)
+    ]
+
+
+def get_table(objects_dir: Path, kind: str, namespace: str | None) -> Table:
+    """`kubectl get KIND [-n NS | -A]` as a table (namespace None: every namespace)."""
+    objects = get_objects(objects_dir, kind, namespace)
+    head: tuple[str, ...] = ("NAME",) if kind in CLUSTER_SCOPED else ("NAMESPACE", "NAME")
+    rows = []
+    for o in sorted(objects, key=lambda o: (o.metadata.namespace, o.metadata.name)):
+        key = (o.metadata.name,) if kind in CLUSTER_SCOPED else (o.metadata.namespace, o.metadata.name)
+        rows.append((*key, *_row(o)))
+    return Table(title=kind, headers=(*head, *_COLUMNS.get(kind, ())), rows=tuple(rows))
+
+
+def get_documents(objects_dir: Path, kind: str, namespace: str | None) -> list[dict]:
+    """The stored objects themselves (`-o yaml|json`)."""
+    out = []
+    for o in sorted(
+        get_objects(objects_dir, kind, namespace), key=lambda o: (o.metadata.namespace, o.metadata.name)
+    ):
+        path = objects_dir / object_file_name(
+            {"kind": kind, "metadata": {"namespace": o.metadata.namespace, "name": o.metadata.name}}
+        )
+        try:
+            out.append(yaml.safe_load(path.read_text()))
+        except (OSError, yaml.YAMLError):
+            continue  # written under another file name (not by the lab): the table still lists it
+    return out
