@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,13 +80,15 @@ class Journal:
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / JOURNAL_FILE
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()  # the lab starts pods from worker threads
 
     def __repr__(self) -> str:
         return f"Journal({self.path})"
 
     def _write(self, entry: dict) -> None:
-        self._file.write(json.dumps(entry) + "\n")
-        self._file.flush()
+        with self._lock:
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
 
     def lab(self, pid: int) -> None:
         self._write({"lab": pid, "start": process_start_ticks(pid)})

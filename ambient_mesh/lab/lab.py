@@ -26,6 +26,7 @@ and the kubelet's restart policy: a component that exits is started again with b
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import http.client
@@ -92,6 +93,7 @@ PROCESS_STOP_GRACE_S = 5.0
 POLL_INTERVAL_S = 0.05
 HTTP_TIMEOUT_S = 3.0
 LOG_TAIL_CHARS = 3000
+MAX_PARALLEL_CNI_CALLS = 8  # plugin processes at once when the lab starts its pods
 SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
@@ -370,17 +372,31 @@ class Lab:
             )
             self.nodes[name] = node
         self._write_base_objects()
-        self._start_control()
+        # Side by side where nothing orders them: the node agents need only the objects, the
+        # node proxies need the control plane (xDS, CA), the pods need their node's agent.
+        self._start_control(wait=False)
         if self.config.cluster_dns:
             self._start_dns()
         for node in self.nodes.values():
-            self.start_agent(node.net.name)
+            self.start_agent(node.net.name, wait=False)
+        self._wait_control()
         for node in self.nodes.values():
             self.start_proxy(node.net.name)
         for node in self.nodes.values():
+            self.wait_agent_ready(node.net.name)
+        for node in self.nodes.values():
             self.wait_proxy_ready(node.net.name)
-        for spec in self.config.pods:
-            self.add_pod(spec, wait=False)
+        # Sandboxes one by one (addresses are allocated in order), CNI ADDs side by side (each is a
+        # plugin process and a round trip to its node's agent, as a runtime runs them), then apps.
+        sandboxes = [self._create_sandbox(spec) for spec in self.config.pods]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=MAX_PARALLEL_CNI_CALLS) as pool:
+            for done in [pool.submit(self._cni_add_with_retries, pod) for pod in sandboxes]:
+                done.result()
+        for pod in sandboxes:
+            self._start_app(pod)
+        for pod in sandboxes:
+            self._pod_running(pod)
+        self.write_state()
         self.reconcile_services()
         self.wait_converged()
         self.ready = True
@@ -592,9 +608,13 @@ class Lab:
         self.control = self._spawn(
             "control", self.topology.network_netns, argv, {}, restart=lambda: self._start_control(wait=False)
         )
+        if wait:
+            self._wait_control()
+
+    def _wait_control(self) -> None:
         control = self.control
-        if not wait:
-            return
+        if control is None:
+            raise AmbientError("the control plane was not started")
         wait_until(
             lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
             timeout_s=self.config.ready_timeout_s,
@@ -646,16 +666,21 @@ class Lab:
             self.agent_env(node),
             restart=lambda: self.start_agent(name, wait=False),
         )
+        if wait:
+            self.wait_agent_ready(name)
+        return node.agent
+
+    def wait_agent_ready(self, name: str) -> None:
+        node = self.nodes[name]
         agent = node.agent
-        if not wait:
-            return agent
+        if agent is None:
+            raise AmbientError(f"no node agent started on {name}")
         wait_until(
             lambda: self._agent_ready(node, agent),
             timeout_s=self.config.ready_timeout_s,
             what=f"the node agent on {name} to install the plugin and be ready",
             on_timeout=agent.tail,
         )
-        return agent
 
     def _agent_ready(self, node: LabNode, agent: Program) -> bool:
         if not agent.running:
@@ -824,29 +849,49 @@ class Lab:
             self.objects_dir / object_file_name(namespace_object(spec.namespace, ambient=False))
         ).exists():
             self.set_namespace(spec.namespace, ambient=spec.namespace in self.config.ambient_namespaces)
+        pod = self._create_pod(spec, uid=uid)
+        self._pod_running(pod)
+        if wait:
+            self.wait_converged()
+        self.write_state()
+        return pod
+
+    def _create_pod(self, spec: PodSpec, *, uid: str | None = None) -> LabPod:
+        """The Pod object (Pending), its sandbox, CNI ADD, and its app started (not waited for)."""
+        pod = self._create_sandbox(spec, uid=uid)
+        self._cni_add_with_retries(pod)
+        self._start_app(pod)
+        return pod
+
+    def _create_sandbox(self, spec: PodSpec, *, uid: str | None = None) -> LabPod:
+        """The Pod object (Pending) and its network namespace, wired to its node."""
+        uid = uid or pod_uid(self.lab_id, spec.namespace, spec.name)
+        if not (
+            self.objects_dir / object_file_name(namespace_object(spec.namespace, ambient=False))
+        ).exists():
+            self.set_namespace(spec.namespace, ambient=spec.namespace in self.config.ambient_namespaces)
         write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=None)])
         self._write_resolv_conf(pod_netns_name(self.topology.prefix, spec.key), spec.namespace)
         net = self.topology.add_pod(spec.node, spec.key)
         pod = LabPod(spec=spec, net=net, uid=uid)
         self.pods[spec.key] = pod
-        self._cni_add_with_retries(pod)
-        app = self._start_app(pod)
+        return pod
+
+    def _pod_running(self, pod: LabPod) -> None:
+        """Once its app listens, the status kubelet reports: Running, Ready, with its IP."""
+        app, spec = pod.app, pod.spec
         serves = spec.app == "echo"
-        if serves:
+        if serves and app is not None:
             wait_until(
-                lambda: self._listening(net.netns, self.config.app_port, app),
+                lambda: self._listening(pod.netns, self.config.app_port, app),
                 timeout_s=self.config.ready_timeout_s,
                 what=f"pod {spec.key}'s app to listen",
                 on_timeout=app.tail,
             )
         write_objects(
             self.objects_dir,
-            [pod_object(spec, uid=uid, ip=net.ip, ports=(self.config.app_port,) if serves else ())],
+            [pod_object(spec, uid=pod.uid, ip=pod.net.ip, ports=(self.config.app_port,) if serves else ())],
         )
-        if wait:
-            self.wait_converged()
-        self.write_state()
-        return pod
 
     def _start_app(self, pod: LabPod) -> Program:
         pod.app = self._spawn(
