@@ -7,8 +7,10 @@ atomically: cluster.py). A manifest is checked with the control plane's own pars
 and an error names `file:line:column` (found by walking the YAML node tree along the field path
 the parser reports), the object and the field, as the local config's errors do.
 
-Pods are refused: in the lab a Pod needs a sandbox, which only the lab's kubelet (`up`, from the
-topology) creates; everything else the control plane reads may be applied and deleted.
+A Pod needs a sandbox: `ambient lab apply` of a Pod writes the object, and the lab's kubelet (the
+`up` supervisor, Lab.reconcile_pods) creates the sandbox, runs CNI ADD and starts its app, then
+reports it Running with its IP; deleting the object tears it down. Without `allow_pods` (the
+demo's manifests, for instance) Pods are refused.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .lab import (
     LabConfig,
 )
 from .status import headline, live_status, status_tables
-from .topofile import DEFAULT_TOPOLOGY, load_topology
+from .topofile import DEFAULT_TOPOLOGY, load_topology, pod_spec_from_object
 
 SUPERVISE_INTERVAL_S = 0.2
 FOLLOW_INTERVAL_S = 0.2
@@ -307,8 +307,11 @@ def _objects(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
         return 0
     manifests = []
     for name, text in verbs.read_sources(args.filename):
-        manifests += verbs.check(text, name, default_namespace=args.namespace)
+        manifests += verbs.check(text, name, default_namespace=args.namespace, allow_pods=True)
     if args.action == "apply":
+        for m in manifests:
+            if m.kind == "Pod":
+                check_new_pod(record, m)
         lines = verbs.apply(objects_dir, manifests)
         ok = True
     else:
@@ -316,6 +319,21 @@ def _objects(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
     for line in lines:
         print(line, file=out)
     return 0 if ok else 1
+
+
+def check_new_pod(record: Mapping, manifest) -> None:
+    """A Pod applied to a running lab: the lab's kubelet (the `up` supervisor) will create its
+    sandbox; it must name one of the lab's nodes and one of its apps, and be new (the lab does
+    not change a running pod: delete it, then apply it again)."""
+    spec = pod_spec_from_object(manifest.doc, manifest.file)
+    if spec.node not in record["nodes"]:
+        raise ConfigError(
+            manifest.file, f"Pod {spec.key}: node {spec.node!r} is not one of {', '.join(record['nodes'])}"
+        )
+    if spec.key in record["pods"]:
+        raise ConfigError(
+            manifest.file, f"Pod {spec.key} exists: a running pod is not changed; delete it, then apply it"
+        )
 
 
 def _exec(record: Mapping, args: argparse.Namespace) -> int:

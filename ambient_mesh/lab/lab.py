@@ -41,6 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from ..control.kube import load_directory
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
@@ -304,6 +306,7 @@ class Lab:
         self._restart_due: dict[str, float] = {}
         self._restart_delay: dict[str, float] = {}
         self._services_stamp: tuple | None = None
+        self._pods_stamp: tuple | None = None
         self._started = False
 
     def __repr__(self) -> str:
@@ -555,7 +558,8 @@ class Lab:
         kubelet. Returns what it did, one line each; lab.json is rewritten when anything changed."""
         now = time.monotonic() if now is None else now
         events: list[str] = []
-        if self._started:
+        if self._started and self.ready:
+            events += self.reconcile_pods()
             try:
                 self.reconcile_services()
             except AmbientError as e:
@@ -931,6 +935,50 @@ class Lab:
                 runtime.delete(pod.net, **args)
             time.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, SANDBOX_RETRY_MAX_S)
+
+    def reconcile_pods(self) -> list[str]:
+        """The kubelet's pod sync for objects changed while the lab runs (`ambient lab apply` or
+        `delete` of a Pod): a Pod on one of the lab's nodes without a sandbox gets one, a lab pod
+        whose object is gone is torn down. Returns what it did, one line each."""
+        from .topofile import pod_spec_from_object
+
+        stamp = objects_stamp(self.objects_dir)
+        if stamp == self._pods_stamp:
+            return []
+        self._pods_stamp = stamp
+        present: dict[str, tuple[Path, dict]] = {}
+        for path in sorted(self.objects_dir.glob("pod-*.yaml")):
+            try:
+                doc = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+            if (
+                not isinstance(meta, dict)
+                or doc.get("kind") != "Pod"
+                or meta.get("namespace") == SYSTEM_NAMESPACE
+            ):
+                continue
+            present[f"{meta.get('namespace')}/{meta.get('name')}"] = (path, doc)
+        events = []
+        for key, (path, doc) in present.items():
+            if key in self.pods or (doc.get("status") or {}).get("podIP"):
+                continue
+            try:
+                spec = pod_spec_from_object(doc, str(path))
+                if spec.node not in self.nodes:
+                    raise ConfigError(
+                        str(path), f"Pod {key}: node {spec.node!r} is not one of {', '.join(self.nodes)}"
+                    )
+                self.add_pod(spec, wait=False)
+                events.append(f"pod {key} started on {spec.node} ({self.pods[key].ip})")
+            except AmbientError as e:
+                events.append(f"pod {key} not started: {e}")
+        for key in [k for k in self.pods if k not in present]:
+            self.delete_pod(key)
+            events.append(f"pod {key} deleted")
+        self._pods_stamp = objects_stamp(self.objects_dir)
+        return events
 
     def delete_pod(self, key: str) -> None:
         """The API DELETE, then what kubelet does: stop the app, CNI DEL, remove the sandbox."""

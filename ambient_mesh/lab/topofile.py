@@ -135,7 +135,8 @@ def _lab_section(doc: Mapping, where: str) -> tuple[tuple[str, ...], bool]:
     return names, nftables
 
 
-def _pod_spec(doc: Mapping, where: str) -> PodSpec:
+def pod_spec_from_object(doc: Mapping, where: str) -> PodSpec:
+    """The lab pod a Pod object asks for (its node, service account, labels, app)."""
     meta, spec = doc["metadata"], doc.get("spec") or {}
     key = f"{meta.get('namespace')}/{meta['name']}"
     node = spec.get("nodeName")
@@ -175,7 +176,7 @@ def parse_topology(text: str, file: str) -> TopologyFile:
     pods, objects, ambient = [], [], set()
     for m in checked:
         if m.kind == "Pod":
-            pods.append(_pod_spec(m.doc, manifests.where(file, positions[id(m.doc)])))
+            pods.append(pod_spec_from_object(m.doc, manifests.where(file, positions[id(m.doc)])))
             continue
         if (
             m.kind == "Namespace"

@@ -24,6 +24,28 @@ from ambient_mesh.lab.journal import read_journal
 pytestmark = pytest.mark.timeout(180)
 
 START_TIMEOUT_S = 90.0
+POLICY = """\
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  name: deny-client
+  namespace: shop
+spec:
+  action: DENY
+  rules:
+  - from:
+    - source:
+        principals: ["cluster.local/ns/shop/sa/client"]
+"""
+EXTRA_POD = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: extra, namespace: shop, labels: {app: echo}}
+spec:
+  nodeName: node-2
+  serviceAccountName: echo
+  containers: [{name: app, image: ambient-lab/echo}]
+"""
 POLL_S = 0.05
 
 
@@ -152,6 +174,35 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
             n["ztunnel"]["ready"] and n["agent"]["ready"] for n in live["nodes"].values()
         )
         assert live["pods"]["shop/client"]["enrolled"] and not live["pods"]["legacy/client"]["enrolled"]
+        # kubectl-like verbs against the running lab: a typo is refused with its line; a Pod
+        # applied gets a sandbox from the lab's kubelet, is enrolled and reachable; deleted, it goes.
+        typo = state_dir.parent / f"{state_dir.name}-typo.yaml"
+        typo.write_text(POLICY.replace("principals:", "principal:"))
+        refused = lab(state_dir, "apply", "-f", str(typo))
+        assert (
+            refused.returncode == 1
+            and f"{typo}:11:9:" in refused.stderr
+            and "source.principal" in refused.stderr
+        )
+        extra = state_dir.parent / f"{state_dir.name}-pod.yaml"
+        extra.write_text(EXTRA_POD)
+        applied = lab(state_dir, "apply", "-f", str(extra))
+        assert applied.returncode == 0 and "pod/extra created" in applied.stdout, applied.stderr
+
+        def extra_pod() -> dict | None:
+            pods = json.loads(lab(state_dir, "status", "-o", "json").stdout)["pods"]
+            return pods.get("shop/extra")
+
+        wait_for(lambda: (extra_pod() or {}).get("enrolled"), "the applied pod to be enrolled", up)
+        pod = extra_pod()
+        assert pod["node"] == "node-2" and pod["services"] == ["echo"]
+        call = lab(
+            state_dir, "exec", "shop/client", "--", "curl", "-s", "-m", "5", f"http://{pod['ip']}:8080/"
+        )
+        assert "Hostname=shop/extra" in call.stdout, call.stdout + call.stderr
+        assert lab(state_dir, "delete", "-f", str(extra)).returncode == 0
+        wait_for(lambda: extra_pod() is None, "the deleted pod to go", up)
+        assert pod["netns"] not in list_netns(runner)
         # The supervisor: a crashed node proxy is started again and status says so.
         os.kill(live["nodes"]["node-1"]["ztunnel"]["pid"], signal.SIGKILL)
 
