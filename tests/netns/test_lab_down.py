@@ -203,6 +203,33 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         assert lab(state_dir, "delete", "-f", str(extra)).returncode == 0
         wait_for(lambda: extra_pod() is None, "the deleted pod to go", up)
         assert pod["netns"] not in list_netns(runner)
+        # ztunnel-config picks a lab node's proxy by node name; logs by component and node.
+        zc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ambient_mesh",
+                "zc",
+                "w",
+                "--node",
+                "node-2",
+                "--state-dir",
+                str(state_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        rows = [line.split() for line in zc.stdout.splitlines()]
+        assert zc.returncode == 0 and ["shop", "echo-2", live["pods"]["shop/echo-2"]["ip"], "node-2"] in [
+            r[:4] for r in rows
+        ], zc.stdout + zc.stderr
+        logs = lab(state_dir, "logs", "ztunnel", "--node", "node-2", "--tail", "50")
+        assert (
+            logs.returncode == 0
+            and "ambient lab: starting ztunnel-node-2"
+            in lab(state_dir, "logs", "ztunnel", "--node", "node-2").stdout
+        )
         # The supervisor: a crashed node proxy is started again and status says so.
         os.kill(live["nodes"]["node-1"]["ztunnel"]["pid"], signal.SIGKILL)
 
