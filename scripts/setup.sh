@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Install what ambient-mesh needs on a Debian machine, as root: system tools (iproute2,
-# iptables, nftables, Node.js for the interop tests), a virtual environment in .venv and the
-# Python dependencies. Safe to run again; it skips what is already there.
+# iptables, nftables, Node.js for the interop tests, curl for the lab's client pods), a virtual
+# environment in .venv and the Python dependencies. Safe to run again; it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-for tool in ip:iproute2 iptables:iptables nft:nftables node:nodejs gcc:gcc; do
+for tool in ip:iproute2 iptables:iptables nft:nftables node:nodejs gcc:gcc curl:curl; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool#*:}")
 done
 python3 -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || need_apt+=(python3)

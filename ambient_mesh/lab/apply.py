@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from .. import yamlload
 from ..control import kube
 from ..errors import ConfigError
 from ..ztunnel_config import Table
@@ -184,7 +185,7 @@ def check(
 def documents(text: str, file: str) -> list[tuple[yaml.Node, Any]]:
     """Each document (a `kind: List` expanded) with its node tree, for error positions."""
     try:
-        nodes = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+        nodes = list(yaml.compose_all(text, Loader=yamlload.BoundedSafeLoader))  # aliases bounded
         docs = kube.decode_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -127,3 +127,9 @@ def test_read_sources_bounds_file_size(tmp_path, monkeypatch):
     (tmp_path / "big.yaml").write_text("x" * 11)
     with pytest.raises(ConfigError, match="larger than 10"):
         verbs.read_sources([str(tmp_path)])
+
+
+def test_an_alias_bomb_is_refused_with_its_line():
+    lines = ["a0: &a0 [x, x]"] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]" for i in range(1, 40)]
+    with pytest.raises(ConfigError, match=r"bomb.yaml:\d+:\d+"):
+        verbs.check("\n".join(lines) + "\n", "bomb.yaml")
