@@ -1,7 +1,7 @@
 """The environment variables a program reads, with their defaults, for its `--help`.
 
 The node proxy (config.py) and the node agent (cni/agent_config.py) read their settings through
-a small typed reader (`_Env`: `string(name, default)`, `boolean(name, default)`, ...). Rather
+one typed reader (env.py `EnvReader`: `string(name, default)`, `boolean(name, default)`, ...). Rather
 than keeping a second list that drifts, `env_reads` runs the real loader on an empty environment
 with those reader methods observed, and reports every variable in the order the loader reads it
 with the default it passed. Variables read directly from the mapping (prefix scans such as
@@ -19,14 +19,17 @@ from typing import Any
 READER_METHODS = (
     "raw",
     "string",
+    "text",
     "boolean",
     "optional_boolean",
     "integer",
+    "optional_integer",
     "duration",
-    "seconds",
+    "optional_duration",
     "address",
     "csv",
 )
+NO_DEFAULT_METHODS = ("raw", "optional_boolean", "optional_integer", "optional_duration")
 NO_DEFAULT = object()
 
 
@@ -72,7 +75,7 @@ def _observed(reader_cls: type, seen: dict[str, EnvVar]) -> Iterator[None]:
         @functools.wraps(original)
         def observed(self, name, *args, **kwargs):
             default = args[0] if args else kwargs.get("default", NO_DEFAULT)
-            if method in ("raw", "optional_boolean"):
+            if method in NO_DEFAULT_METHODS:
                 default = NO_DEFAULT
             previous = seen.get(name)
             if previous is None or previous.default is NO_DEFAULT:
@@ -122,21 +125,29 @@ def format_env_help(
     return "\n".join(lines)
 
 
+def _format(var: EnvVar) -> str:
+    from .env import format_duration
+
+    if isinstance(var.default, bool):
+        return "true" if var.default else "false"
+    if var.kind == "duration" and isinstance(var.default, (int, float)):
+        return format_duration(float(var.default))
+    if isinstance(var.default, tuple):
+        return ",".join(var.default) or "(empty)"
+    if var.kind == "integer" and var.base == 8 and isinstance(var.default, int):
+        return f"{var.default:o}"
+    return str(var.default)
+
+
 def ztunnel_env_help() -> str:
     from . import config
-
-    def fmt(var: EnvVar) -> str:
-        if var.kind == "duration" and isinstance(var.default, (int, float)):
-            return config.format_duration(float(var.default))
-        if isinstance(var.default, bool):
-            return "true" if var.default else "false"
-        return str(var.default)
+    from .env import EnvReader
 
     variables = env_reads(
         lambda env: config.ZtunnelConfig.from_env(
             env, ipv6_disabled_on_lo=lambda: False, path_exists=lambda _p: False
         ),
-        config._Env,
+        EnvReader,
     )
     prefixes = ", ".join(
         f"{p}*"
@@ -147,25 +158,15 @@ def ztunnel_env_help() -> str:
             config.CA_HEADER_PREFIX,
         )
     )
-    return format_env_help(variables, format_default=fmt) + f"\n  and the prefixes {prefixes}"
+    return format_env_help(variables, format_default=_format) + f"\n  and the prefixes {prefixes}"
 
 
 def agent_env_help() -> str:
     from .cni import agent_config
+    from .env import EnvReader
 
-    def fmt(var: EnvVar) -> str:
-        if isinstance(var.default, bool):
-            return "true" if var.default else "false"
-        if var.kind == "seconds" and isinstance(var.default, (int, float)):
-            return f"{var.default:g}s"
-        if isinstance(var.default, tuple):
-            return ",".join(var.default) or "(empty)"
-        if var.kind == "integer" and var.base == 8 and isinstance(var.default, int):
-            return f"{var.default:o}"
-        return str(var.default)
-
-    variables = env_reads(lambda env: agent_config.load([], env, hostname="<hostname>"), agent_config._Env)
+    variables = env_reads(lambda env: agent_config.load([], env, hostname="<hostname>"), EnvReader)
     # Settings the loader reads only in some configurations (none in an empty environment).
     named = {v.name for v in variables}
     variables += [EnvVar(name) for name in sorted(agent_config.SETTINGS - named)]
-    return format_env_help(variables, format_default=fmt)
+    return format_env_help(variables, format_default=_format)
