@@ -363,7 +363,7 @@ class HboneConnection(asyncio.Protocol):
         if events:
             self._dispatch(events)
         self.flush()
-        if self.core.next_deadline() != self._timer_at:
+        if self.core.deadline != self._timer_at:
             self._arm_timer()
 
     def _dispatch(self, events: list) -> None:
@@ -639,7 +639,7 @@ class HboneConnection(asyncio.Protocol):
 
     # Timers (keepalive PING, drain) -----------------------------------------------------
     def _arm_timer(self) -> None:
-        deadline = self.core.next_deadline()
+        deadline = self.core.deadline
         if deadline == self._timer_at and self._timer is not None:
             return
         if self._timer is not None:

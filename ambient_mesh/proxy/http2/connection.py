@@ -242,7 +242,6 @@ class Connection:
         self._send_window = f.DEFAULT_WINDOW_BYTES
         self._recv_window = settings.connection_window_bytes
         self._recv_credit = 0
-        self._credit_streams: set[_Stream] = set()
         self._peer_initial_window = f.DEFAULT_WINDOW_BYTES
         self._peer_max_frame = f.DEFAULT_MAX_FRAME_BYTES
         self.peer_max_concurrent_streams = INITIAL_PEER_MAX_CONCURRENT_STREAMS
@@ -257,6 +256,7 @@ class Connection:
         self._keepalive_ping: bytes | None = None
         self._next_ping_at: float | None = None
         self._ping_deadline: float | None = None
+        self.deadline: float | None = None  # the earliest of the three: when to call handle_timeout
         # Budgets.
         self._early_resets = TokenBucket(EARLY_RESET_BURST, EARLY_RESET_PER_S, now)
         self._settings_budget = TokenBucket(SETTINGS_BURST, SETTINGS_PER_S, now)
@@ -341,6 +341,7 @@ class Connection:
         self._now = now
         if s.ping_interval_s > 0:
             self._next_ping_at = now + s.ping_interval_s
+        self._update_deadline()
 
     def receive(self, data: bytes, now: float) -> list:
         """Feed bytes from the peer; returns the events they caused (and any still pending)."""
@@ -363,6 +364,7 @@ class Connection:
                 self._timers(now)
             except _ConnectionError:
                 pass  # the outbox overflowed: the connection is terminated
+            self._update_deadline()
         return self.take_events()
 
     def _timers(self, now: float) -> None:
@@ -382,10 +384,15 @@ class Connection:
                 self._next_ping_at = now + self.settings.ping_interval_s
 
     def next_deadline(self) -> float | None:
+        """When `handle_timeout` is next due (None: no timer). Also the `deadline` attribute."""
+        return self.deadline
+
+    def _update_deadline(self) -> None:
         if self.terminated is not None:
-            return None
+            self.deadline = None
+            return
         times = [t for t in (self._next_ping_at, self._ping_deadline, self._drain_deadline) if t is not None]
-        return min(times) if times else None
+        self.deadline = min(times) if times else None
 
     def take_events(self) -> list:
         events = self._events
@@ -413,6 +420,8 @@ class Connection:
         self._control_queued = 0
         if len(out) == 1:
             return out
+        if len(out) == 2 and len(out[1]) < COALESCE_BELOW_BYTES:
+            return [out[0] + out[1]]  # one small DATA frame: its header and its payload
         joined: list = []
         small: list = []
         for piece in out:
@@ -563,8 +572,10 @@ class Connection:
         s.unacked -= n
         self._recv_credit += n
         if not s.remote_closed:
-            s.recv_credit += n
-            self._credit_streams.add(s)
+            try:
+                self._stream_credit(s, n)
+            except _ConnectionError:
+                return  # outbox overflow: the connection is terminated
         self._flush_credit()
 
     def start_drain(self, now: float) -> None:
@@ -583,6 +594,7 @@ class Connection:
                 self._drain_ping = b"dr" + self._ping_counter.to_bytes(6, "big")
                 self._queue_control(f.ping_frame(self._drain_ping))
                 self._drain_deadline = now + DRAIN_PING_TIMEOUT_S
+                self._update_deadline()
         except _ConnectionError:
             pass
 
@@ -599,7 +611,6 @@ class Connection:
         self._data_left = self._skip_left = 0
         self._data_stream = None
         self.streams.clear()
-        self._credit_streams.clear()
         self._reset_allowance.clear()
 
     # Internals: stream lifecycle -----------------------------------------------------------
@@ -617,7 +628,6 @@ class Connection:
         # Conservation: whatever the shell never acknowledged goes back to the connection.
         self._recv_credit += s.unacked
         s.unacked = 0
-        self._credit_streams.discard(s)
         self._maybe_finish()
 
     def _maybe_close(self, s: _Stream) -> None:
@@ -643,6 +653,7 @@ class Connection:
     def _final_goaway(self) -> None:
         self._drain_deadline = None
         self._drain_ping = None
+        self._update_deadline()
         if self._goaway_last is None:
             self._goaway_last = self._highest_peer_sid
             self._queue_control(f.goaway_frame(self._goaway_last, E.NO_ERROR))
@@ -661,6 +672,7 @@ class Connection:
         self.terminated = ConnectionTerminated(code, reason, by_peer, clean)
         self._release()
         self._next_ping_at = self._ping_deadline = self._drain_deadline = None
+        self.deadline = None
         self._emit(self.terminated)
 
     def _stream_error(self, s: _Stream | None, sid: int, code: int, reason: str) -> None:
@@ -688,29 +700,29 @@ class Connection:
 
     # Internals: credit ----------------------------------------------------------------------
     def _flush_credit(self) -> None:
-        if self.terminated is not None:
+        """Return owed connection credit once it is worth a frame (module docstring)."""
+        credit = self._recv_credit
+        if not credit or self.terminated is not None:
             return
-        try:
-            target = self.settings.connection_window_bytes
-            credit = self._recv_credit
-            if credit and (credit >= target >> 3 or self._recv_window < target >> 1):
-                self._recv_credit = 0
-                self._recv_window += credit
+        target = self.settings.connection_window_bytes
+        if credit >= target >> 3 or self._recv_window < target >> 1:
+            self._recv_credit = 0
+            self._recv_window += credit
+            try:
                 self._queue_control(f.window_update_frame(0, credit))
-            if self._credit_streams:
-                target = self.settings.stream_window_bytes
-                for s in list(self._credit_streams):
-                    credit = s.recv_credit
-                    if not credit or s.remote_closed or s.sid not in self.streams:
-                        s.recv_credit = 0
-                        self._credit_streams.discard(s)
-                    elif credit >= target >> 3 or s.recv_window < target >> 1:
-                        s.recv_credit = 0
-                        s.recv_window += credit
-                        self._credit_streams.discard(s)
-                        self._queue_control(f.window_update_frame(s.sid, credit))
-        except _ConnectionError:
-            pass  # outbox overflow: already terminated
+            except _ConnectionError:
+                pass  # outbox overflow: already terminated
+
+    def _stream_credit(self, s: _Stream, n: int) -> None:
+        """The same rule for one stream's window (raises on outbox overflow)."""
+        credit = s.recv_credit + n
+        target = self.settings.stream_window_bytes
+        if credit >= target >> 3 or s.recv_window < target >> 1:
+            s.recv_credit = 0
+            s.recv_window += credit
+            self._queue_control(f.window_update_frame(s.sid, credit))
+        else:
+            s.recv_credit = credit
 
     # Internals: frame parsing -------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -942,7 +954,10 @@ class Connection:
         s = self._data_stream
         if s is not None and self.streams.get(self._data_sid) is s:
             s.unacked += len(chunk)
-            self._emit(DataReceived(self._data_sid, chunk))
+            if self._fresh:
+                self._emit(DataReceived(self._data_sid, chunk))
+            else:
+                self._events.append(DataReceived(self._data_sid, chunk))
         else:
             self._recv_credit += len(chunk)  # the stream went away mid-frame
 
@@ -951,7 +966,6 @@ class Connection:
         self._data_stream = None
         if s is not None and self._data_end and self.streams.get(self._data_sid) is s:
             s.remote_closed = True
-            self._credit_streams.discard(s)
             self._emit(StreamEnded(s.sid))
             self._maybe_close(s)
 
@@ -968,8 +982,7 @@ class Connection:
         padding = length - len(data)  # never delivered: its credit goes straight back
         self._recv_credit += padding
         if padding and not flags & f.FLAG_END_STREAM:
-            s.recv_credit += padding
-            self._credit_streams.add(s)
+            self._stream_credit(s, padding)
         self._data_sid = sid
         self._data_end = bool(flags & f.FLAG_END_STREAM)
         self._data_stream = s
@@ -1034,7 +1047,6 @@ class Connection:
             self._stream_error(s, sid, E.PROTOCOL_ERROR, f"second HEADERS without END_STREAM on stream {sid}")
             return
         s.remote_closed = True
-        self._credit_streams.discard(s)
         self._emit(StreamEnded(sid))
         self._maybe_close(s)
 
@@ -1215,6 +1227,7 @@ class Connection:
             return
         if payload == self._keepalive_ping:
             self._ping_deadline = None
+            self._update_deadline()
         elif self._drain_ping is not None and payload == self._drain_ping:
             self._final_goaway()
 

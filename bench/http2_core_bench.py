@@ -1,0 +1,270 @@
+"""HBONE's HTTP/2 engine in isolation: our sans-IO core against python-hyper `h2` 4.4.1.
+
+Counterpart: none in ztunnel (its `h2` crate is not benchmarked alone); this measures what the
+protocol layer costs a proxy per message and per byte, without sockets, TLS or the event loop,
+so the number moves only with the engine. Two connections of the same engine talk in-process:
+
+  ping-pong     1-byte DATA each way on one stream, acknowledged: CPU µs per round trip
+  bulk          --bulk-mib one way on one stream, 1 MiB frames, fed in 64 KiB reads as TLS
+                delivers them, acknowledged: Gbit/s of CPU time
+  streams       open a CONNECT stream, answer 200, half-close both ways: CPU µs per stream
+  hpack block   decode one header block of N literal fields (the issue 8 HEADERS+CONTINUATION
+                attack, without its size limit): our linear decoder against hpack.Decoder
+
+Times are CPU time of this process (time.process_time), so other load on a shared host slows
+them less than wall time would; every case is bounded by --seconds and a count.
+
+    .venv/bin/python bench/http2_core_bench.py [--seconds 2] [--bulk-mib 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import hpack
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ambient_mesh.proxy.http2 import Connection, CoreSettings  # noqa: E402
+from ambient_mesh.proxy.http2 import events as ev  # noqa: E402
+from ambient_mesh.proxy.http2.hpack_block import BlockDecoder  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "http2_core.json"
+MiB = 1024 * 1024
+READ_BYTES = 64 * 1024
+CONNECT = [(b":method", b"CONNECT"), (b":authority", b"10.0.0.3:8080")]
+
+
+def _join(chunks) -> bytes:
+    return b"".join(bytes(c) if isinstance(c, memoryview) else c for c in chunks)
+
+
+class Ours:
+    name = "ours (proxy/http2)"
+
+    def __init__(self) -> None:
+        self.c = Connection(
+            CoreSettings(client_side=True, max_header_list_bytes=16 * 1024, max_concurrent_streams=None)
+        )
+        self.s = Connection(CoreSettings(client_side=False, max_concurrent_streams=None))
+        self.c.initiate(0.0)
+        self.s.initiate(0.0)
+        for _ in range(3):
+            self.s.receive(_join(self.c.data_to_send()), 0.0)
+            self.c.receive(_join(self.s.data_to_send()), 0.0)
+
+    def open(self) -> int:
+        sid = self.c.send_request(CONNECT)
+        self.s.receive(_join(self.c.data_to_send()), 0.0)
+        self.s.send_response(sid, 200)
+        self.c.receive(_join(self.s.data_to_send()), 0.0)
+        return sid
+
+    def close(self, sid: int) -> None:
+        self.c.end_stream(sid)
+        self.s.receive(_join(self.c.data_to_send()), 0.0)
+        self.s.end_stream(sid)
+        self.c.receive(_join(self.s.data_to_send()), 0.0)
+
+    @staticmethod
+    def _deliver(core: Connection, wire: bytes) -> int:
+        got = 0
+        for i in range(0, len(wire), READ_BYTES):
+            for e in core.receive(wire[i : i + READ_BYTES], 0.0):
+                if type(e) is ev.DataReceived:
+                    got += len(e.data)
+                    core.acknowledge(e.stream_id, len(e.data))
+        return got
+
+    def round_trip(self, sid: int, msg: bytes) -> None:
+        self.c.send_data(sid, msg)
+        self._deliver(self.s, _join(self.c.data_to_send()))
+        self.s.send_data(sid, msg)
+        self._deliver(self.c, _join(self.s.data_to_send()))
+
+    def push(self, sid: int, data: bytes) -> int:
+        self.c.send_data(sid, data)
+        got = self._deliver(self.s, _join(self.c.data_to_send()))
+        self.c.receive(_join(self.s.data_to_send()), 0.0)
+        return got
+
+
+class H2:
+    name = "h2 4.4.1"
+
+    def __init__(self) -> None:
+        def conn(client: bool) -> h2.connection.H2Connection:
+            c = h2.connection.H2Connection(
+                h2.config.H2Configuration(client_side=client, header_encoding=None)
+            )
+            c.local_settings = h2.settings.Settings(
+                client=client,
+                initial_values={
+                    h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * MiB,
+                    h2.settings.SettingCodes.MAX_FRAME_SIZE: MiB,
+                    h2.settings.SettingCodes.ENABLE_PUSH: 0,
+                },
+            )
+            c.max_inbound_frame_size = MiB
+            c.initiate_connection()
+            c.increment_flow_control_window(16 * MiB - 65535)
+            return c
+
+        self.c, self.s = conn(True), conn(False)
+        for _ in range(3):
+            self.s.receive_data(self.c.data_to_send())
+            self.c.receive_data(self.s.data_to_send())
+
+    def open(self) -> int:
+        sid = self.c.get_next_available_stream_id()
+        self.c.send_headers(sid, CONNECT)
+        self.s.receive_data(self.c.data_to_send())
+        self.s.send_headers(sid, [(b":status", b"200")])
+        self.c.receive_data(self.s.data_to_send())
+        return sid
+
+    def close(self, sid: int) -> None:
+        self.c.end_stream(sid)
+        self.s.receive_data(self.c.data_to_send())
+        self.s.end_stream(sid)
+        self.c.receive_data(self.s.data_to_send())
+
+    @staticmethod
+    def _deliver(conn, wire: bytes) -> int:
+        got = 0
+        for i in range(0, len(wire), READ_BYTES):
+            for e in conn.receive_data(wire[i : i + READ_BYTES]):
+                if type(e) is h2.events.DataReceived:
+                    got += len(e.data)
+                    conn.acknowledge_received_data(e.flow_controlled_length, e.stream_id)
+        return got
+
+    def round_trip(self, sid: int, msg: bytes) -> None:
+        self.c.send_data(sid, msg)
+        self._deliver(self.s, self.c.data_to_send())
+        self.s.send_data(sid, msg)
+        self._deliver(self.c, self.s.data_to_send())
+
+    def push(self, sid: int, data: bytes) -> int:
+        sent = 0
+        while sent < len(data):
+            n = min(self.c.local_flow_control_window(sid), self.c.max_outbound_frame_size, len(data) - sent)
+            if n <= 0:
+                break
+            self.c.send_data(sid, data[sent : sent + n])
+            sent += n
+        got = self._deliver(self.s, self.c.data_to_send())
+        self.c.receive_data(self.s.data_to_send())
+        return got
+
+
+def timed(fn, seconds: float, count: int) -> tuple[int, float]:
+    start = time.process_time()
+    n = 0
+    while n < count and time.process_time() - start < seconds:
+        fn()
+        n += 1
+    return n, time.process_time() - start
+
+
+def literal_block(fields: int) -> bytes:
+    headers = [(f"x-h{i}".encode(), b"v" * 24) for i in range(fields)]
+    return hpack.Encoder().encode(headers, huffman=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=2.0, help="bound per case")
+    p.add_argument("--round-trips", type=int, default=20_000)
+    p.add_argument("--bulk-mib", type=int, default=512)
+    p.add_argument("--streams", type=int, default=5_000)
+    args = p.parse_args()
+    console = Console(width=120)
+    rows: list[dict] = []
+    table = Table(title="HTTP/2 engine alone, CPU time (time.process_time)")
+    for col in ("case", "engine", "count", "result", "ours / h2"):
+        table.add_column(col)
+
+    def add(case: str, engine: str, n: int, value: float, unit: str, ratio: str = "") -> None:
+        rows.append({"case": case, "engine": engine, "count": n, "value": value, "unit": unit})
+        table.add_row(case, engine, f"{n:,}", f"{value:,.2f} {unit}", ratio)
+
+    for case in ("ping-pong", "bulk", "streams"):
+        results = {}
+        for engine in (Ours, H2):
+            pair = engine()
+            if case == "ping-pong":
+                sid = pair.open()
+                n, cpu = timed(lambda p=pair, s=sid: p.round_trip(s, b"x"), args.seconds, args.round_trips)
+                results[engine] = (n, cpu / n * 1e6, "µs per round trip")
+            elif case == "bulk":
+                sid = pair.open()
+                chunk = b"b" * (4 * MiB)
+                moved = [0]
+
+                def step(p=pair, s=sid, m=moved, c=chunk) -> None:
+                    m[0] += p.push(s, c)
+
+                n, cpu = timed(step, args.seconds * 3, args.bulk_mib // 4)
+                results[engine] = (moved[0] // MiB, moved[0] * 8 / cpu / 1e9, "Gbit/s")
+            else:
+
+                def one(p=pair) -> None:
+                    p.close(p.open())
+
+                n, cpu = timed(one, args.seconds, args.streams)
+                results[engine] = (n, cpu / n * 1e6, "µs per stream")
+        ours, theirs = results[Ours], results[H2]
+        ratio = f"{ours[1] / theirs[1]:.2f}"
+        add(case, Ours.name, *ours, ratio)
+        add(case, H2.name, *theirs)
+
+    for fields in (2_000, 20_000):
+        block = literal_block(fields)
+        ours = BlockDecoder(max_list_bytes=1 << 30)
+        n, cpu_ours = timed(lambda d=ours, b=block: d.decode(b), args.seconds, 50)
+        ref = hpack.Decoder()
+        ref.max_header_list_size = 1 << 30
+        m, cpu_ref = timed(lambda d=ref, b=block: d.decode(b, raw=True), args.seconds * 5, 50)
+        label = f"hpack block, {fields:,} literals ({len(block) / 1024:,.0f} KiB)"
+        add(label, "ours (hpack_block)", n, cpu_ours / n * 1e3, "ms", f"{(cpu_ours / n) / (cpu_ref / m):.3f}")
+        add(label, "hpack.Decoder", m, cpu_ref / m * 1e3, "ms")
+
+    console.print(table)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "benchmark": "http2_core",
+                "bounds": {
+                    "seconds": args.seconds,
+                    "round_trips": args.round_trips,
+                    "bulk_mib": args.bulk_mib,
+                },
+                "load_average": os.getloadavg(),
+                "python": sys.version.split()[0],
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "results": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    console.print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
