@@ -296,6 +296,7 @@ class EnvoyProcess:
         concurrency: int = 1,
         argv_prefix: Sequence[str] = (),
         log_level: str = "warning",
+        extra_args: Sequence[str] = (),
     ) -> None:
         binary = envoy_binary()
         if binary is None:
@@ -319,6 +320,7 @@ class EnvoyProcess:
             log_level,
             "--log-path",
             str(self.log_path),
+            *extra_args,
         ]
         self.process: subprocess.Popen | None = None
 

@@ -62,6 +62,10 @@ GREETING = b"hello from the app, which has nothing more to say\n"
 END_TIMEOUT_S = 10.0
 TRANSFER_TIMEOUT_S = 60.0
 READ_BYTES = 256 * 1024
+ENVOY_DRAIN_S = 5
+ENVOY_HCM_DRAIN_TIMEOUT_S = 1  # between Envoy's shutdown notice and its final GOAWAY
+DRAIN_DEADLINE_S = 20.0
+AFTER_GOAWAY_BYTES = 8 * 1024 * 1024
 
 
 def mesh_config() -> str:
@@ -191,7 +195,14 @@ def certs(tmp_path_factory) -> dict[str, TlsFiles]:
 
 @contextlib.asynccontextmanager
 async def running_envoy(workdir, listeners, clusters):
-    envoy = EnvoyProcess(workdir, listeners, clusters)
+    # Drain (admin /drain_listeners) at once rather than spread over 10 minutes, so a GOAWAY
+    # follows right away; ENVOY_DRAIN_S bounds how long Envoy's listeners stay open meanwhile.
+    envoy = EnvoyProcess(
+        workdir,
+        listeners,
+        clusters,
+        extra_args=("--drain-strategy", "immediate", "--drain-time-s", str(ENVOY_DRAIN_S)),
+    )
     try:
         await asyncio.to_thread(envoy.start)
         yield envoy
@@ -215,13 +226,22 @@ async def envoy_client_direction(tmp_path, certs, app_port: int):
 
             yield Direction("envoy-client", dial, envoy, server)
     finally:
-        await server.drain(0.5)
+        if not server.stopped.is_set():
+            await server.drain(0.5)
 
 
 @contextlib.asynccontextmanager
 async def envoy_server_direction(tmp_path, certs, *, envoy_identity: str = "server"):
     """Envoy as the HBONE server our node proxy's client side (pool) connects to."""
-    listeners = [hbone_server_listener("hbone", SERVER_IP, certs[envoy_identity], "original_dst")]
+    listeners = [
+        hbone_server_listener(
+            "hbone",
+            SERVER_IP,
+            certs[envoy_identity],
+            "original_dst",
+            drain_timeout_s=ENVOY_HCM_DRAIN_TIMEOUT_S,
+        )
+    ]
     clusters = [original_dst_cluster("original_dst")]
     async with running_envoy(tmp_path / "envoy-server", listeners, clusters) as envoy:
         client = await start_proxy("client", CLIENT_IP, mesh_config())
@@ -438,3 +458,89 @@ async def test_our_client_refuses_an_envoy_with_the_wrong_identity(tmp_path, cer
 async def _wait_received(app: App, connections: int, at_least: int) -> None:
     while len(app.connections) < connections or app.connections[connections - 1].received < at_least:
         await asyncio.sleep(0.01)
+
+
+async def _wait_stat(
+    envoy: EnvoyProcess, name: str, at_least: int = 1, timeout_s: float = END_TIMEOUT_S
+) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = await asyncio.to_thread(envoy.stats)
+        if stats.get(name, 0) >= at_least:
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"Envoy's {name} stayed below {at_least}: {_drain_stats(stats)}")
+        await asyncio.sleep(0.05)
+
+
+async def _echo_round(reader, writer, n: int, seed: bytes) -> bool:
+    block = hashlib.sha256(seed).digest() * (n // 32)
+    writer.write(block)
+    await writer.drain()
+    got = await asyncio.wait_for(reader.readexactly(len(block)), TRANSFER_TIMEOUT_S)
+    return got == block
+
+
+async def test_our_drain_lets_envoys_stream_keep_sending_after_goaway(tmp_path, certs):
+    # Our node proxy drains (SIGTERM's path) while Envoy has a tunnel open through it. RFC 9113
+    # §6.8: the GOAWAY refuses new streams only; the open one carries data both ways until it
+    # ends, and the drain finishes when it has, well before the deadline.
+    app = await App("echo").start()
+    try:
+        async with envoy_client_direction(tmp_path, certs, app.port) as d:
+            reader, writer = await d.dial(app.port)
+            assert await _echo_round(reader, writer, 1024 * 1024, b"before")
+            drain = asyncio.create_task(d.proxy.drain(DRAIN_DEADLINE_S))
+            started = asyncio.get_running_loop().time()
+            # Envoy counts the GOAWAY it received as a close notification on its upstream connection.
+            await _wait_stat(d.envoy, "cluster.hbone_peer.upstream_cx_close_notify")
+            assert not drain.done(), "the drain ended while a tunnel was still open"
+            sent, got = await asyncio.wait_for(
+                transfer(reader, writer, AFTER_GOAWAY_BYTES), TRANSFER_TIMEOUT_S
+            )
+            assert sent == got, "the tunnel did not carry the same bytes after GOAWAY"
+            await asyncio.wait_for(drain, DRAIN_DEADLINE_S)
+            elapsed = asyncio.get_running_loop().time() - started
+            assert elapsed < DRAIN_DEADLINE_S, f"the drain waited for its deadline ({elapsed:.1f}s)"
+            assert app.connections[0].end == "eof"
+    finally:
+        await app.close()
+
+
+async def test_envoys_drain_goaway_lets_our_stream_keep_sending(tmp_path, certs):
+    # Envoy (the HBONE server) drains: on the next request of a connection it sends GOAWAY
+    # (a shutdown notice, then after its HCM drain_timeout the final GOAWAY with the last stream
+    # id). Our client's open tunnels keep sending and receiving until they end; the next tunnel
+    # goes over a new connection (the pool never opens a stream on a connection that got GOAWAY).
+    app = await App("echo").start()
+    try:
+        async with envoy_server_direction(tmp_path, certs) as d:
+            first = await d.dial(app.port)
+            assert await _echo_round(*first, 1024 * 1024, b"before")
+            await asyncio.to_thread(d.envoy.drain_listeners)
+            second = await d.dial(app.port)  # the request on which Envoy starts its drain
+            assert await _echo_round(*second, 64 * 1024, b"second")
+            await _wait_stat(d.envoy, "http.hbone.downstream_cx_drain_close")
+            await asyncio.sleep(ENVOY_HCM_DRAIN_TIMEOUT_S + 0.5)  # the final GOAWAY has gone out too
+            for i, (reader, writer) in enumerate((first, second)):
+                sent, got = await asyncio.wait_for(
+                    transfer(reader, writer, AFTER_GOAWAY_BYTES), TRANSFER_TIMEOUT_S
+                )
+                assert sent == got, f"tunnel {i} did not carry the same bytes after Envoy's GOAWAY"
+            third = await d.dial(app.port)
+            assert await _echo_round(*third, 64 * 1024, b"third")
+            third[1].close()
+            stats = _drain_stats(await asyncio.to_thread(d.envoy.stats))
+        assert stats["http.hbone.downstream_rq_2xx"] == 3, stats
+        assert stats["http.hbone.downstream_cx_total"] == 2, (
+            f"the third tunnel reused the drained connection: {stats}"
+        )
+        assert stats["http.hbone.downstream_rq_rx_reset"] == 0, stats
+        assert stats["http.hbone.downstream_rq_tx_reset"] == 0, stats
+    finally:
+        await app.close()
+
+
+def _drain_stats(stats: dict[str, int]) -> dict[str, int]:
+    words = ("drain", "goaway", "reset", "cx_total", "rq_2xx", "close_notify")
+    return {k: v for k, v in stats.items() if any(w in k for w in words) and not k.startswith("http.admin")}
