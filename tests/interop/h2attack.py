@@ -303,6 +303,7 @@ class Target:
     echo_authority: str  # an app that echoes
     slow_authority: str  # an app that accepts and never reads
     netns: str | None = None  # where the attacker's sockets live
+    echo_preamble: bytes = b""  # sent first on an echo tunnel and not echoed (the bench server's command)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -632,6 +633,8 @@ def run_aborted_uploads(
         echo = bytes(reversed(range(256))) * (echo_bytes // 256)
         sent = back = 0
         if stalled_at is None and peer.open_tunnel(sid, target.echo_authority) == 200:
+            if target.echo_preamble:
+                peer.send_data(sid, target.echo_preamble, timeout_s=timeout_s)
             sent = peer.send_data(sid, echo, timeout_s=timeout_s)
             peer.wait(lambda: len(peer.data.get(sid, b"")) >= sent, timeout_s)
             back = len(peer.data.get(sid, b""))
@@ -763,3 +766,39 @@ class HonestClient:
             "max_us": s[-1] / 1000,
             "count": len(s),
         }
+
+
+# --- a never-reading app (the slow app of the credit-leak case) -----------------------------------
+
+SLOW_APP_LIFETIME_S = 600.0
+SLOW_APP_RCVBUF_BYTES = 4096
+
+
+def run_slow_app(port: int) -> int:
+    """Accept on [::]:`port` and never read; hold every connection until killed (or the lifetime
+    ends). A small receive buffer keeps the proxy's bytes for it unacknowledged."""
+    listener = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_APP_RCVBUF_BYTES)
+    listener.bind(("::", port))
+    listener.listen(256)
+    listener.settimeout(SLOW_APP_LIFETIME_S)
+    print(f"listening {port}", flush=True)
+    held = []
+    end = time.monotonic() + SLOW_APP_LIFETIME_S
+    while time.monotonic() < end:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            break
+        held.append(conn)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--slow-app":
+        raise SystemExit("usage: h2attack.py --slow-app PORT")
+    sys.exit(run_slow_app(int(sys.argv[2])))

@@ -34,6 +34,7 @@ from test_dedicated_mesh import APP_PORT, READINESS_PORT, capture, start_proxy, 
 from ambient_mesh.host.netns import Fabric
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
+from tests.interop import h2attack
 from tests.interop.h2attack import FLOODS, HonestClient, RssWatch, Target, run_aborted_uploads, run_flood
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,26 +49,6 @@ APP_CONNECTIONS_FOR_RESET_STREAMS_MAX = 5
 HONEST_PAUSE_S = 0.005
 HONEST_TAIL_S = 0.5  # the honest tunnel is watched this long past the attack's end
 CONNECTION_WINDOW_BYTES = 16 * 1024 * 1024  # the proxy's HBONE connection window (hbone.py)
-
-# Accepts, never reads, holds every connection until killed (at most 10 minutes); a small
-# receive buffer so the proxy's bytes for it stay unacknowledged (the credit-leak case).
-SLOW_APP = r"""
-import socket, sys, time
-s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-s.bind(("::", int(sys.argv[1]))); s.listen(256); s.settimeout(600)
-print("listening", flush=True)
-held = []
-end = time.monotonic() + 600
-while time.monotonic() < end:
-    try:
-        c, _ = s.accept()
-    except OSError:
-        break
-    held.append(c)
-"""
 
 
 class AttackLab:
@@ -107,7 +88,7 @@ def lab(runner, start_echo, get, poll, tmp_path_factory):
             )
         )
         echo = start_echo(fabric, server, APP_PORT, tmp)
-        slow = fabric.spawn(server, [sys.executable, "-c", SLOW_APP, str(SLOW_APP_PORT)])
+        slow = fabric.spawn(server, [sys.executable, h2attack.__file__, "--slow-app", str(SLOW_APP_PORT)])
         fabric.wait_for_listen(server, SLOW_APP_PORT, process=slow)
         for pod in (client, server):
             capture(runner, pod)
