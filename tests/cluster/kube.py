@@ -189,8 +189,9 @@ class Cluster:
 
 def overlay(image: str) -> Path:
     """The test cluster's overlay over deploy/overlays/mesh: this build's image, the cluster's
-    own CNI directories (the charts' cniBinDir/cniConfDir), and, since this cluster has no DNS,
-    a fixed ClusterIP for istiod that the node proxy's /etc/hosts names."""
+    own CNI directories (the charts' cniBinDir/cniConfDir), since this cluster has no DNS a
+    fixed ClusterIP for istiod that the node proxy's /etc/hosts names, and no DaemonSet maxSurge
+    (Kubernetes 1.20)."""
     d = CL / "overlay"
     d.mkdir(parents=True, exist_ok=True)
     name, tag = image.rsplit(":", 1)
@@ -202,7 +203,25 @@ def overlay(image: str) -> Path:
                 "kind": "Kustomization",
                 "resources": [base],
                 "images": [{"name": "localhost/ambient-mesh", "newName": name, "newTag": tag}],
-                "patches": [{"path": "cluster.yaml"}, {"path": "cni.yaml"}, {"path": "istiod.yaml"}],
+                "patches": [
+                    {"path": "cluster.yaml"},
+                    {"path": "cni.yaml"},
+                    {"path": "istiod.yaml"},
+                    # Kubernetes 1.20 has no DaemonSet maxSurge (1.22+): replace ztunnel's
+                    # surge-first update with the default one-at-a-time
+                    {
+                        "target": {"kind": "DaemonSet", "name": "ztunnel"},
+                        "patch": json.dumps(
+                            [
+                                {
+                                    "op": "replace",
+                                    "path": "/spec/updateStrategy",
+                                    "value": {"type": "RollingUpdate"},
+                                }
+                            ]
+                        ),
+                    },
+                ],
             },
             indent=1,
         )
