@@ -74,7 +74,7 @@ def wait_for(check: Callable[[], T | None], what: str, timeout_s: float = 60, in
 @dataclass
 class Cluster:
     image: str
-    control_plane: bool  # `ambient control --kube` is available, so the mesh has a control plane
+    control_plane_missing: str | None  # why the mesh has no working control plane, if it has none
     timings: dict[str, float]
 
     def kubectl(self, *args: str, input: str | None = None, timeout: float = 60, check: bool = True) -> str:
@@ -284,9 +284,17 @@ def istio_crds() -> Path | None:
     return None
 
 
-def has_kube_control_plane() -> bool:
+def control_plane_missing() -> str | None:
+    """Why this tree's `ambient control` cannot run the cluster's mesh, or None when it can: it
+    must read the API server (--kube) and authenticate the pods' projected istio-ca tokens with
+    a TokenReview (the node proxies have no other credential)."""
     out = run([str(ROOT / ".venv" / "bin" / "ambient"), "control", "--help"], check=False)
-    return "--kube" in out
+    if "--kube" not in out:
+        return "`ambient control --kube` is not in this tree"
+    control = "".join(f.read_text() for f in (ROOT / "ambient_mesh" / "control").rglob("*.py"))
+    if "TOKEN_REVIEWS" not in control:
+        return "the control plane's CA does not review tokens with the API server (TokenReview) yet"
+    return None
 
 
 @contextlib.contextmanager
@@ -312,7 +320,7 @@ def cluster_session() -> Iterator[Cluster]:
         run(["kubectl", "wait", "--for=condition=Established", "crd/authorizationpolicies.security.istio.io"])
         run(["bash", str(SCRIPTS / "mesh-ca.sh"), str(CL / "mesh-ca")])
         run(["kubectl", "apply", "-k", str(overlay(image))])
-        cluster = Cluster(image=image, control_plane=has_kube_control_plane(), timings=timings)
+        cluster = Cluster(image=image, control_plane_missing=control_plane_missing(), timings=timings)
 
         def agent_ready():
             pods = cluster.system_pods("k8s-app=istio-cni-node")

@@ -14,8 +14,8 @@ from .kube import wait_for
 
 @pytest.fixture(scope="module")
 def mesh(cluster):
-    if not cluster.control_plane:
-        pytest.skip("`ambient control --kube` is not in this tree: the mesh has no control plane to test")
+    if cluster.control_plane_missing:
+        pytest.skip(f"no control plane for the mesh checks: {cluster.control_plane_missing}")
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "server", sa="server", serve=True)
     cluster.pod(ns, "client", sa="client", serve=False)
