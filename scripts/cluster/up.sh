@@ -84,6 +84,11 @@ if ! ip link show "$NODE_LINK" >/dev/null 2>&1; then
   ip addr add "$NODE_IP/32" dev "$NODE_LINK"
   ip link set "${NODE_LINK%0}1" up; ip link set "$NODE_LINK" up
 fi
+# The node agent mounts /var/run/netns with HostToContainer propagation, which needs a shared
+# mount there (as on a systemd host); `ip netns` makes it one the standard way.
+if [ "$(findmnt -n -o TARGET,PROPAGATION --target /run/netns 2>/dev/null)" != "/run/netns shared" ]; then
+  ip netns add amk8s-probe && ip netns delete amk8s-probe
+fi
 # Service traffic to a pod on the same bridge is routed through the node.
 cat /proc/sys/net/ipv4/ip_forward > "$RUN/ip_forward"
 echo 1 > /proc/sys/net/ipv4/ip_forward

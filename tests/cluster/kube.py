@@ -238,6 +238,10 @@ def overlay(image: str) -> Path:
                             "volumes": [
                                 {"name": "cni-bin-dir", "hostPath": {"path": str(CNI_BIN)}},
                                 {"name": "cni-net-dir", "hostPath": {"path": str(CNI_NET)}},
+                                # the chart's cniNetnsDir: /var/run is a symlink on this host, and
+                                # containerd wants the HostToContainer source on a shared mount
+                                # as written, which /run/netns is (ip netns) and / is not
+                                {"name": "cni-netns-dir", "hostPath": {"path": "/run/netns"}},
                             ]
                         }
                     }

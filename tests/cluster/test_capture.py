@@ -1,11 +1,15 @@
 """Capture through the real path: kubelet -> containerd -> the CNI chain (bridge, portmap, then
 our frozen istio-cni plugin, installed by the node agent DaemonSet) -> the agent -> the node
-proxy over ZDS. Needs no control plane."""
+proxy over ZDS. The node proxy takes pods over only after its first xDS push (as ztunnel), so
+capturing an ambient pod needs a control plane that accepts the proxy's token; without one the
+plugin must fail closed, and that is checked instead."""
 
 from __future__ import annotations
 
 import json
 import os
+
+import pytest
 
 from .kube import CNI_BIN, CNI_NET, wait_for
 
@@ -27,7 +31,30 @@ def test_agent_installed_the_frozen_plugin_into_the_nodes_cni(cluster):
     print(f"\n{exe} -> {target}; {conf.name}: {' -> '.join(plugins)}")
 
 
+def needs_control_plane(cluster):
+    if cluster.control_plane_missing:
+        pytest.skip(f"ambient pods start only once the node proxy is synced: {cluster.control_plane_missing}")
+
+
+def test_ambient_pod_fails_closed_while_the_node_proxy_is_not_synced(cluster):
+    if not cluster.control_plane_missing:
+        pytest.skip("the node proxy is synced here; test_ambient_pod_is_captured covers the pod")
+    ns = cluster.namespace(ambient=True)
+    cluster.pod(ns, "server", sa="server", serve=True)
+
+    def refused():
+        events = cluster.get("events", "-n", ns)["items"]
+        msgs = [e["message"] for e in events if e.get("reason") == "FailedCreatePodSandBox"]
+        return [m for m in msgs if 'plugin type="istio-cni"' in m and "no ztunnel connection" in m]
+
+    msgs = wait_for(refused, f"the sandbox of {ns}/server refused by istio-cni", 90)
+    pod = cluster.get("pod", "-n", ns, "server")
+    assert pod["status"].get("phase") == "Pending" and not pod["status"].get("podIP"), pod["status"]
+    print(f"\n{ns}/server stays Pending, its sandbox refused by our plugin (fail closed):\n{msgs[-1][:400]}")
+
+
 def test_ambient_pod_is_captured_by_the_chained_plugin(cluster):
+    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "server", sa="server", serve=True)
     cluster.running(ns, "server")
@@ -42,7 +69,17 @@ def test_ambient_pod_is_captured_by_the_chained_plugin(cluster):
     print("\n".join(plugin_lines[-4:]))
 
 
+def test_non_ambient_pod_is_not_captured(cluster):
+    ns = cluster.namespace(ambient=False)
+    cluster.pod(ns, "plain", sa="plain", serve=True)
+    pod = cluster.running(ns, "plain")
+    assert not captured(cluster, ns, "plain")
+    assert "ISTIO_OUTPUT" not in cluster.netns_rules(ns, "plain")
+    print(f"\n{ns}/plain running at {pod['status']['podIP']}, no redirection annotation, no ISTIO_* rules")
+
+
 def test_non_ambient_pod_not_captured_until_its_namespace_is_labelled(cluster):
+    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=False)
     cluster.pod(ns, "plain", sa="plain", serve=True)
     cluster.running(ns, "plain")
@@ -58,6 +95,7 @@ def test_non_ambient_pod_not_captured_until_its_namespace_is_labelled(cluster):
 
 
 def test_restarting_agent_and_proxy_leaves_no_pod_uncaptured(cluster):
+    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "before", sa="before", serve=True)
     cluster.running(ns, "before")
