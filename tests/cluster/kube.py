@@ -362,4 +362,7 @@ def cluster_session() -> Iterator[Cluster]:
                     timeout=30,
                 )
             )
+        t = time.monotonic()
         run(["bash", str(SCRIPTS / "down.sh")], timeout=180, check=False)
+        timings["down"] = time.monotonic() - t
+        print("\ncluster tier timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
