@@ -34,6 +34,7 @@ from ambient_mesh.rbac import (
     evaluate,
     log_dry_run,
     policies_for,
+    reference,
     strict_mtls_policy,
 )
 
@@ -410,6 +411,8 @@ def test_evaluation_order(case: Case) -> None:
         allowed=case.allowed, policy=case.policy, reason=case.reason, dry_run_matches=case.dry
     )
     assert evaluate(case.policies, conn()) == expected
+    # The reference evaluator states the same order.
+    assert reference.evaluate(case.policies, conn()) == expected
     # Precompiled policies decide the same, and so does the index on the same set.
     assert evaluate([CompiledPolicy(p) for p in case.policies], conn()) == expected
     index = PolicyIndex(case.policies)

@@ -20,13 +20,10 @@ from test_rbac_properties import (
     connections,
     networks,
     policy_sets,
-    reference_evaluate,
-    reference_matches,
     rules,
     string_matches,
 )
 
-from ambient_mesh import rbac
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.net import ip_address
 from ambient_mesh.rbac import (
@@ -51,6 +48,9 @@ from ambient_mesh.rbac import (
     rule_filters,
     strict_mtls_policy,
 )
+from ambient_mesh.rbac import compiled as rbac_compiled
+from ambient_mesh.rbac.reference import evaluate as reference_evaluate
+from ambient_mesh.rbac.reference import policy_matches as reference_matches
 
 
 @dataclass(frozen=True)
@@ -311,11 +311,11 @@ def test_the_code_cache_is_bounded() -> None:
         "not_service_accounts": (ServiceAccountMatch(namespace="a", service_account="y"),),
     }
     names = list(fields)
-    shapes = rbac._CODE_CACHE_SIZE + 20
+    shapes = rbac_compiled._CODE_CACHE_SIZE + 20
     assert 2 ** len(names) > shapes
     for bits in range(1, shapes + 1):
         # Every subset of fields is its own shape.
         m = Match(**{n: fields[n] for i, n in enumerate(names) if bits >> i & 1})
         compiled = CompiledPolicy(policy(one(m)))
         assert compiled.matches(conn()) is reference_matches(compiled.policy, conn())
-        assert len(rbac._code_cache) <= rbac._CODE_CACHE_SIZE
+        assert len(rbac_compiled._code_cache) <= rbac_compiled._CODE_CACHE_SIZE

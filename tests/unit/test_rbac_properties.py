@@ -1,9 +1,9 @@
 """Properties of L4 authorization over random policy sets (reference/ztunnel.md 5.2-5.3).
 
 Values come from small pools so that random matches often hold: the interesting cases are the
-ones where some policies match and some do not. `reference_evaluate` is a deliberately plain
-reading of reference 5.3 (StringMatch.matches, `ip in network`, no compilation) that the fast
-path must agree with.
+ones where some policies match and some do not. `ambient_mesh.rbac.reference` is the plain reading
+of reference 5.3 (StringMatch.matches, `ip in network`, no compilation); the compiled fast path
+and the pruning index must agree with it on every input.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ambient_mesh.rbac import (
     Authorization,
     Clause,
     CompiledPolicy,
-    Decision,
     Match,
     PolicyIndex,
     RbacConnection,
@@ -32,6 +31,8 @@ from ambient_mesh.rbac import (
     evaluate,
     policies_for,
 )
+from ambient_mesh.rbac.reference import evaluate as reference_evaluate
+from ambient_mesh.rbac.reference import policy_matches as reference_matches
 
 NAMESPACES = ["a", "b", "c"]
 ACCOUNTS = ["x", "y"]
@@ -111,74 +112,6 @@ def policy_sets(draw: st.DrawFn, max_size: int = 6) -> list[Authorization]:
         )
         for i in range(count)
     ]
-
-
-# -- the plain reading of reference 5.3 ------------------------------------------------------------
-
-
-def _holds(positive, negative, predicate) -> bool:
-    return (not positive or any(map(predicate, positive))) and not any(map(predicate, negative))
-
-
-def reference_match(m: Match, conn: RbacConnection) -> bool:
-    ident = conn.src_identity
-    principal = ident.principal if ident else None
-    namespace = ident.namespace if ident else ""
-    return (
-        _holds(m.destination_ips, m.not_destination_ips, lambda n: conn.dst_ip in n)
-        and _holds(m.source_ips, m.not_source_ips, lambda n: conn.src_ip in n)
-        and _holds(m.destination_ports, m.not_destination_ports, lambda p: p == conn.dst_port)
-        and _holds(
-            m.service_accounts,
-            m.not_service_accounts,
-            lambda a: (
-                ident is not None
-                and (a.namespace, a.service_account) == (ident.namespace, ident.service_account)
-            ),
-        )
-        and _holds(m.principals, m.not_principals, lambda s: principal is not None and s.matches(principal))
-        and _holds(m.namespaces, m.not_namespaces, lambda s: s.matches(namespace))
-    )
-
-
-def reference_matches(policy: Authorization, conn: RbacConnection) -> bool:
-    for rule in policy.rules:
-        rule_holds = True
-        for clause in rule.clauses:
-            clause_holds = not clause.matches or any(
-                reference_match(m, conn) for m in clause.matches if m != Match()
-            )
-            rule_holds = rule_holds and clause_holds
-        if rule_holds:
-            return True
-    return False
-
-
-def reference_evaluate(policies: list[Authorization], conn: RbacConnection) -> Decision:
-    dry = [p.key for p in policies if p.dry_run and p.action is Action.DENY and reference_matches(p, conn)]
-    for p in policies:
-        if not p.dry_run and p.action is Action.DENY and reference_matches(p, conn):
-            return Decision(
-                allowed=False,
-                policy=p.key,
-                reason=f"explicitly denied by: {p.key}",
-                dry_run_matches=tuple(dry),
-            )
-    dry += [p.key for p in policies if p.dry_run and p.action is Action.ALLOW and reference_matches(p, conn)]
-    allows = [p for p in policies if not p.dry_run and p.action is Action.ALLOW]
-    if not allows:
-        return Decision(allowed=True, policy=None, reason="no allow policies", dry_run_matches=tuple(dry))
-    for p in allows:
-        if reference_matches(p, conn):
-            return Decision(
-                allowed=True, policy=p.key, reason=f"allowed by: {p.key}", dry_run_matches=tuple(dry)
-            )
-    return Decision(
-        allowed=False,
-        policy=None,
-        reason="allow policies exist, but none allowed",
-        dry_run_matches=tuple(dry),
-    )
 
 
 def matching_rule(conn: RbacConnection) -> Rule:
@@ -263,6 +196,7 @@ def test_never_raises_and_index_agrees(
     assert len({p.key for p in applicable}) == len(applicable)
     # Both orders put namespace before global before the workload's list, so the decision is identical.
     expected = evaluate(applicable, conn)
+    assert expected == reference_evaluate(applicable, conn)
     assert index.check(wl, conn) == expected
     assert evaluate(policies_for(index, wl), conn) == expected
 
