@@ -41,10 +41,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
 from .. import logs
-from ..admin import HttpServer, Request, Response
 from ..capture.hostprobe import NetlinkIpset, NftProbeSet, ProbeSet
 from ..errors import AmbientError, BindError, ConfigError
 from ..host.commands import CommandRunner, SubprocessRunner
+from ..http1 import Request, Response
+from ..http1.server import HttpServer
 from ..metrics import WithoutCreated
 from ..net import SocketAddr
 from ..zds.server import ZdsServer

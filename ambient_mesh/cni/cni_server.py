@@ -27,8 +27,9 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 
-from ..admin import Request, Response, parse_request, render_response
 from ..errors import AmbientError, ProtocolError
+from ..http1 import Request, Response
+from ..http1.server import serve_connection
 from .cniconf import CNI_ADD_EVENT_PATH, UDS_LOG_PATH, CniAddEvent, decode_add_event
 from .dataplane import DataplaneError, MeshDataplane
 from .informer import Enablement
@@ -180,45 +181,22 @@ class CniPluginServer:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
-    async def _read(self, reader: asyncio.StreamReader) -> Request | None:
-        buffer = bytearray()
-        while True:
-            parsed = parse_request(bytes(buffer), max_body_bytes=MAX_LOG_BODY_BYTES)
-            if parsed is not None:
-                return parsed[0]
-            chunk = await reader.read(65536)
-            if not chunk:
-                if buffer:
-                    raise ProtocolError("connection closed in the middle of a request")
-                return None
-            buffer += chunk
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            try:
-                request = await asyncio.wait_for(self._read(reader), REQUEST_READ_TIMEOUT_S)
-            except ProtocolError as exc:
-                request, response = (
-                    None,
-                    Response.text(HTTPStatus.BAD_REQUEST, f"bad request: {exc.message}\n"),
-                )
-            except TimeoutError:
-                request, response = None, Response.text(HTTPStatus.REQUEST_TIMEOUT, "request timeout\n")
-            else:
-                if request is None:
-                    return
-                response = await self.handle(request)
-            self.requests += 1
-            writer.write(render_response(response))
-            await writer.drain()
-        except (OSError, TimeoutError):
-            pass
+            if await serve_connection(
+                "CNI plugin",
+                self.handle,
+                reader,
+                writer,
+                read_timeout_s=REQUEST_READ_TIMEOUT_S,
+                max_body_bytes=MAX_LOG_BODY_BYTES,
+            ):
+                self.requests += 1
         finally:
             self._tasks.discard(task)
-            writer.close()
 
     async def handle(self, request: Request) -> Response:
         if request.path == UDS_LOG_PATH:

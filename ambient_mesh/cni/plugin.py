@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from .. import __version__
 from ..errors import AmbientError, ConfigError, ProtocolError
+from ..http1 import MAX_ERROR_BODY_BYTES, ClientResponse, deadline, exchange, render_request
 from .cniconf import (
     AGENT_POD_NAME_PREFIX,
     CNI_ADD_EVENT_PATH,
@@ -70,114 +71,17 @@ from .podinfo import (
 DETECTION_ATTEMPTS = 2
 DETECTION_ATTEMPTS_WITH_RETRY = 30
 DETECTION_INTERVAL_S = 1.0
-# The agent's error body is quoted into our error up to this size (istio-cni reads 1 MiB).
-MAX_ERROR_BODY_BYTES = 1024 * 1024
-MAX_RESPONSE_BYTES = MAX_ERROR_BODY_BYTES + 64 * 1024
 ABOUT = f"CNI plugin {PLUGIN_TYPE} (ambient-mesh {__version__})"
 
 
-# -- HTTP/1.1 over a unix socket, sans-IO halves -------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HttpResponse:
-    status: int
-    reason: str = ""
-    body: bytes = b""
-
-
-def render_http_post(path: str, body: bytes, content_type: str = "application/json") -> bytes:
-    # Host is required by HTTP/1.1; Go's client sends "unix" for these sockets too.
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: unix\r\nUser-Agent: {PLUGIN_TYPE}\r\n"
-        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
-def _dechunk(data: bytes, eof: bool) -> bytes | None:
-    body = bytearray()
-    pos = 0
-    while True:
-        line_end = data.find(b"\r\n", pos)
-        if line_end < 0:
-            break
-        size_text = data[pos:line_end].split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16) if size_text and size_text.isalnum() else -1
-        except ValueError:
-            size = -1
-        if size < 0:
-            raise ProtocolError(f"bad chunk size {bytes(size_text[:20])!r}")
-        if size == 0:
-            return bytes(body)
-        start = line_end + 2
-        if len(data) < start + size + 2:
-            break
-        if data[start + size : start + size + 2] != b"\r\n":
-            raise ProtocolError("chunk not terminated by CRLF")
-        body += data[start : start + size]
-        pos = start + size + 2
-    if eof:
-        raise ProtocolError("connection closed inside a chunked body")
-    return None
-
-
-def parse_http_response(data: bytes, *, eof: bool) -> HttpResponse | None:
-    """One HTTP/1.x response from the bytes read so far: None while more are needed, ProtocolError
-    when the bytes cannot be a response. Interim 1xx responses are skipped."""
-    while True:
-        if len(data) > MAX_RESPONSE_BYTES:
-            raise ProtocolError(f"response larger than {MAX_RESPONSE_BYTES} bytes")
-        head_end = data.find(b"\r\n\r\n")
-        if head_end < 0:
-            if eof:
-                raise ProtocolError("connection closed before the response headers ended")
-            return None
-        lines = data[:head_end].split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if (
-            len(parts) < 2
-            or not parts[0].startswith(b"HTTP/1.")
-            or len(parts[1]) != 3
-            or not parts[1].isdigit()
-        ):
-            raise ProtocolError(f"bad status line {bytes(lines[0][:80])!r}")
-        status = int(parts[1])
-        reason = parts[2].decode("latin-1") if len(parts) == 3 else ""
-        headers: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip():
-                raise ProtocolError(f"bad header line {bytes(line[:80])!r}")
-            headers[name.lower()] = value.strip()
-        rest = data[head_end + 4 :]
-        if 100 <= status < 200:
-            data = rest
-            continue
-        if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
-            body = _dechunk(rest, eof)
-            return None if body is None else HttpResponse(status=status, reason=reason, body=body)
-        if b"content-length" in headers:
-            raw_len = headers[b"content-length"]
-            if not raw_len.isdigit() or len(raw_len) > 12:
-                raise ProtocolError(f"bad Content-Length {bytes(raw_len[:20])!r}")
-            length = int(raw_len)
-            if len(rest) >= length:
-                return HttpResponse(status=status, reason=reason, body=rest[:length])
-            if eof:
-                raise ProtocolError("connection closed before the response body ended")
-            return None
-        if status in (204, 304):
-            return HttpResponse(status=status, reason=reason)
-        return HttpResponse(status=status, reason=reason, body=rest) if eof else None
+# -- HTTP/1.1 over a unix socket (the bytes are ambient_mesh.http1's) ----------------------------
 
 
 class AgentTransport(Protocol):
     """POSTs one request to the node agent; raises OSError (refused, missing socket, timeout) or
     ProtocolError (a reply that is not HTTP)."""
 
-    def post(self, path: str, body: bytes, *, timeout_s: float) -> HttpResponse: ...
+    def post(self, path: str, body: bytes, *, timeout_s: float) -> ClientResponse: ...
 
 
 class UnixHttpTransport:
@@ -191,28 +95,18 @@ class UnixHttpTransport:
     def __repr__(self) -> str:
         return f"UnixHttpTransport({self.socket_path!r})"
 
-    def post(self, path: str, body: bytes, *, timeout_s: float) -> HttpResponse:
-        deadline = time.monotonic() + timeout_s
-
-        def remaining() -> float:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no answer within {timeout_s:g} s")
-            return left
-
+    def post(self, path: str, body: bytes, *, timeout_s: float) -> ClientResponse:
+        remaining = deadline(timeout_s, f"the node agent at {self.socket_path}")
+        request = render_request(
+            "POST",
+            path,
+            headers=(("User-Agent", PLUGIN_TYPE), ("Content-Type", "application/json")),
+            body=body,
+        )
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(remaining())
             sock.connect(self.socket_path)
-            sock.settimeout(remaining())
-            sock.sendall(render_http_post(path, body))
-            data = b""
-            while True:
-                sock.settimeout(remaining())
-                chunk = sock.recv(65536)
-                data += chunk
-                response = parse_http_response(data, eof=not chunk)
-                if response is not None:
-                    return response
+            return exchange(sock, request, remaining)
 
 
 # -- logging ----------------------------------------------------------------------------------------

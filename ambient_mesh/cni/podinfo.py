@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlsplit
 
 from ..errors import AmbientError, ProtocolError
+from ..http1 import deadline, exchange, render_request
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials, load_kubeconfig
 
 if TYPE_CHECKING:
@@ -236,12 +236,10 @@ def namespace_info_from_json(obj: Any) -> NamespaceInfo:
 
 
 def render_api_get(*, host_header: str, path: str, token: str) -> bytes:
-    auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    head = (
-        f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: istio-cni\r\n"
-        f"Accept: application/json\r\n{auth}Connection: close\r\n\r\n"
-    )
-    return head.encode("utf-8")
+    headers = [("User-Agent", "istio-cni"), ("Accept", "application/json")]
+    if token:
+        headers.append(("Authorization", f"Bearer {token}"))
+    return render_request("GET", path, host=host_header, headers=tuple(headers))
 
 
 class ApiTransport(Protocol):
@@ -283,16 +281,7 @@ class HttpsApiTransport:
         return self._ssl_context
 
     def get(self, path: str, *, timeout_s: float) -> ApiReply:
-        # Imported here: plugin.py imports this module, and the parser is already loaded by then.
-        from .plugin import parse_http_response
-
-        deadline = time.monotonic() + timeout_s
-
-        def remaining() -> float:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no answer from the API server within {timeout_s:g} s")
-            return left
+        remaining = deadline(timeout_s, "the API server")
 
         bracketed = f"[{self.host}]" if ":" in self.host else self.host
         default_port = 443 if self._tls else 80
@@ -307,16 +296,8 @@ class HttpsApiTransport:
             if self._tls:
                 sock = self._context().wrap_socket(raw, server_hostname=self.host)
             try:
-                sock.settimeout(remaining())
-                sock.sendall(request)
-                data = b""
-                while True:
-                    sock.settimeout(remaining())
-                    chunk = sock.recv(65536)
-                    data += chunk
-                    response = parse_http_response(data, eof=not chunk)
-                    if response is not None:
-                        return ApiReply(status=response.status, body=response.body)
+                response = exchange(sock, request, remaining)
+                return ApiReply(status=response.status, body=response.body)
             finally:
                 if sock is not raw:
                     sock.close()

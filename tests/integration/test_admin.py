@@ -1,4 +1,5 @@
-"""Admin, stats and readiness servers over loopback (port 0), and the pure HTTP/1.1 parser."""
+"""Admin, stats and readiness servers over loopback (port 0), and the HTTP/1.1 request parser
+(ambient_mesh.http1) they share with the node agent's servers."""
 
 from __future__ import annotations
 
@@ -11,21 +12,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ambient_mesh import logs
-from ambient_mesh.admin import (
+from ambient_mesh.admin import AdminServer, Readiness, ReadinessServer, StatsServer, StdlibLogControl
+from ambient_mesh.errors import BindError, ConfigError, ProtocolError
+from ambient_mesh.http1 import (
     MAX_REQUEST_BODY_BYTES,
     MAX_REQUEST_HEAD_BYTES,
-    AdminServer,
-    HttpServer,
-    Readiness,
-    ReadinessServer,
     Request,
     Response,
-    StatsServer,
-    StdlibLogControl,
     parse_request,
     render_response,
 )
-from ambient_mesh.errors import BindError, ConfigError, ProtocolError
+from ambient_mesh.http1.server import HttpServer
 from ambient_mesh.metrics import ConnectionLabels, Metrics
 from ambient_mesh.net import SocketAddr
 

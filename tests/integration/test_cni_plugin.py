@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from ambient_mesh.cni.cniconf import ErrorCode
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
-from ambient_mesh.cni.plugin import HttpResponse, Plugin, PluginLog
+from ambient_mesh.cni.plugin import Plugin, PluginLog
 from ambient_mesh.cni.podinfo import NamespaceInfo, PodInfo, PodLookupError
+from ambient_mesh.http1 import ClientResponse
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 PREV = {
@@ -94,7 +95,7 @@ class RecordingTransport:
         self.requests.append((self.socket_path, path, body, timeout_s))
         if self.error is not None:
             raise self.error
-        return HttpResponse(status=self.status, body=self.body)
+        return ClientResponse(status=self.status, body=self.body)
 
 
 def make_plugin(lookup, transport=None, sleeps=None, same_netns=False):

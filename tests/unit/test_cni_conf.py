@@ -28,7 +28,6 @@ from ambient_mesh.cni.cniconf import (
     validate_interface_name,
 )
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
-from ambient_mesh.cni.plugin import HttpResponse, parse_http_response, render_http_post
 from ambient_mesh.errors import ProtocolError
 
 ADD_ENV = {
@@ -422,58 +421,3 @@ def test_add_event_decoder_never_crashes(body):
         decode_add_event(body)
     except ProtocolError:
         pass
-
-
-# -- HTTP over the agent socket -------------------------------------------------------------------
-
-
-def test_post_request_bytes():
-    assert render_http_post("/cmdadd", b"{}") == (
-        b"POST /cmdadd HTTP/1.1\r\nHost: unix\r\nUser-Agent: istio-cni\r\n"
-        b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
-    )
-
-
-def test_response_content_length_incremental():
-    raw = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 18\r\n\r\nno ztunnel conn..."
-    for cut in range(len(raw)):
-        assert parse_http_response(raw[:cut], eof=False) is None
-    assert parse_http_response(raw, eof=False) == HttpResponse(
-        status=500, reason="Internal Server Error", body=b"no ztunnel conn..."
-    )
-    with pytest.raises(ProtocolError):
-        parse_http_response(raw[:-1], eof=True)
-
-
-def test_response_chunked_close_delimited_and_interim():
-    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n"
-    assert parse_http_response(chunked, eof=False) == HttpResponse(status=200, reason="OK", body=b"abcde")
-    assert parse_http_response(chunked[:-7], eof=False) is None
-    close = b"HTTP/1.0 200 OK\r\n\r\nrest"
-    assert parse_http_response(close, eof=False) is None
-    assert parse_http_response(close, eof=True) == HttpResponse(status=200, reason="OK", body=b"rest")
-    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-    assert parse_http_response(interim, eof=False) == HttpResponse(status=200, reason="OK")
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        b"SSH-2.0-x\r\n\r\n",
-        b"HTTP/1.1 2000 OK\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nbad\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
-    ],
-)
-def test_response_malformed(raw):
-    with pytest.raises(ProtocolError):
-        parse_http_response(raw, eof=False)
-
-
-@given(st.binary(max_size=300), st.booleans())
-def test_response_parser_never_crashes(data, eof):
-    try:
-        result = parse_http_response(data, eof=eof)
-    except ProtocolError:
-        return
-    assert result is None or isinstance(result, HttpResponse)
