@@ -14,16 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:  # types only: metrics is foundation and imports no domain package at run time
-    from .identity.spiffe import Identity
-    from .state.model import Service, Workload
 
 UNKNOWN = "unknown"
 NO_FLAG = "-"
@@ -58,7 +53,8 @@ TERMINATION_REASONS = frozenset(
 )
 
 
-def _or_unknown(value: object) -> str:
+def or_unknown(value: object) -> str:
+    """A label value: `unknown` for what the proxy does not know (Istio's convention)."""
     if value is None:
         return UNKNOWN
     text = str(value)
@@ -105,51 +101,6 @@ class ConnectionLabels:
 
     def values(self) -> tuple[str, ...]:
         return tuple(getattr(self, name) for name in CONNECTION_LABEL_NAMES)
-
-    @classmethod
-    def build(
-        cls,
-        reporter: str,
-        source_workload: Workload | None = None,
-        source_identity: Identity | None = None,
-        destination_workload: Workload | None = None,
-        destination_service: Service | None = None,
-        destination_identity: Identity | None = None,
-        mtls: bool = False,
-    ) -> ConnectionLabels:
-        """Labels for one connection, from what the proxy knows about its two ends.
-
-        Identities are the ones proven by mTLS (or, for outbound, the identity the proxy
-        presents for the source pod); pass None for a plaintext peer, never a guess.
-        """
-        src, dst, svc = source_workload, destination_workload, destination_service
-        return cls(
-            reporter=reporter,
-            source_workload=_or_unknown(src and (src.workload_name or src.name)),
-            source_canonical_service=_or_unknown(src and src.canonical_name),
-            source_canonical_revision=_or_unknown(src and src.canonical_revision),
-            source_workload_namespace=_or_unknown(src and src.namespace),
-            source_principal=_or_unknown(source_identity),
-            source_app=_or_unknown(src and src.canonical_name),
-            source_version=_or_unknown(src and src.canonical_revision),
-            source_cluster=_or_unknown(src and src.cluster_id),
-            destination_service=_or_unknown(svc and svc.hostname),
-            destination_service_namespace=_or_unknown(svc and svc.namespace),
-            destination_service_name=_or_unknown(svc and svc.name),
-            destination_workload=_or_unknown(dst and (dst.workload_name or dst.name)),
-            destination_canonical_service=_or_unknown(dst and dst.canonical_name),
-            destination_canonical_revision=_or_unknown(dst and dst.canonical_revision),
-            destination_workload_namespace=_or_unknown(dst and dst.namespace),
-            destination_principal=_or_unknown(destination_identity),
-            destination_app=_or_unknown(dst and dst.canonical_name),
-            destination_version=_or_unknown(dst and dst.canonical_revision),
-            destination_cluster=_or_unknown(dst and dst.cluster_id),
-            connection_security_policy=MUTUAL_TLS if mtls else UNKNOWN,
-            source_region=_or_unknown(src and src.locality.region),
-            source_zone=_or_unknown(src and src.locality.zone),
-            destination_region=_or_unknown(dst and dst.locality.region),
-            destination_zone=_or_unknown(dst and dst.locality.zone),
-        )
 
 
 CONNECTION_LABEL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ConnectionLabels))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ProtocolError
 
@@ -43,7 +44,7 @@ class SocketAddr:
 
         return socket.AF_INET6 if self.ip.version == 6 else socket.AF_INET
 
-    def sockaddr(self) -> tuple:
+    def sockaddr(self) -> tuple[str, int] | tuple[str, int, int, int]:
         """The tuple the socket module wants for this address."""
         if self.ip.version == 6:
             return (str(self.ip), self.port, 0, 0)
@@ -54,7 +55,7 @@ class SocketAddr:
         return cls(ip_address(ip), port)
 
     @classmethod
-    def from_sockaddr(cls, sa: tuple) -> SocketAddr:
+    def from_sockaddr(cls, sa: tuple[Any, ...]) -> SocketAddr:
         """From what `getpeername()`/`getsockname()` return; IPv4-mapped IPv6 becomes IPv4."""
         return cls(ip_address(sa[0]), int(sa[1]))
 

@@ -13,24 +13,28 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig, log_startup
 from .dns.resolver import DnsSettings
-from .dns.server import DnsMetrics, DnsServer, ResolvConf, UpstreamForwarder
+from .dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, UpstreamForwarder
 from .errors import AmbientError, ConfigError
 from .host.netns import NetnsHandle
-from .identity.ca import CertificateAuthority, EmbeddedCaClient
+from .host.sockets import plain_socket, set_mark
+from .identity.ca import CaClient, CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
+from .identity.spiffe import Identity
 from .identity.tls import TlsContextCache
 from .identity.tls_crl import CrlChecker
 from .metrics import Metrics, WithoutCreated
 from .proxy.inpod import InpodManager
-from .proxy.sockets import plain_socket, set_mark
+from .proxy.inputs import ProxyInputs
+from .proxy.listener import Listener
 from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import load_local_config, parse_local_config
@@ -83,7 +87,8 @@ def check_inpod_capabilities(config: ZtunnelConfig) -> None:
         try:
             sock = handle.socket(socket.AF_INET)
             try:
-                set_mark(sock, config.packet_mark)
+                if config.packet_mark is not None:
+                    set_mark(sock, config.packet_mark)
             finally:
                 sock.close()
         finally:
@@ -111,6 +116,7 @@ class Ztunnel:
 
     def __post_init__(self) -> None:
         config = self.config
+        self.ca_client: CaClient
         if self.ca is not None:
             self.ca_client = EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s))
         else:
@@ -163,7 +169,7 @@ class Ztunnel:
         )
         self._shutdown_requested = asyncio.Event()
         self._state_synced = asyncio.Event()
-        self._prefetched = None
+        self._prefetched: Identity | None = None
 
     def __repr__(self) -> str:
         proxies = self.workload_proxy if self.workload_proxy is not None else self.inpod
@@ -179,30 +185,33 @@ class Ztunnel:
         return checker
 
     @property
-    def pi(self):
+    def pi(self) -> ProxyInputs:
         if self.workload_proxy is None:
             raise AttributeError("a shared-mode node proxy has one proxy set per pod: see .inpod.pods")
         return self.workload_proxy.pi
 
     @property
-    def listeners(self) -> dict:
+    def listeners(self) -> dict[str, Listener]:
         return self.workload_proxy.listeners if self.workload_proxy is not None else {}
 
-    def _dns_server(self, name: str, client, socket_factory) -> DnsServer | None:
+    def _dns_server(
+        self, name: str, client: Callable[[], Workload | None], socket_factory: DnsSocketFactory
+    ) -> DnsServer | None:
         """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared
         mode synthesizes each pod's (reference/ztunnel.md section 10)."""
-        if self.dns_metrics is None:
+        if self.dns_metrics is None or self.resolv is None:
             return None
+        resolv = self.resolv
         config = self.config
         shared = config.proxy_mode is ProxyMode.SHARED
         settings = DnsSettings(
             cluster_domain=config.cluster_domain,
-            search_domains=None if shared else tuple(self.resolv.search),
+            search_domains=None if shared else tuple(resolv.search),
             prefered_service_namespace=config.prefered_service_namespace,
             ipv6_enabled=config.ipv6_enabled,
         )
         forwarder = UpstreamForwarder(
-            self.resolv.nameservers, socket_factory=socket_factory, mark=config.packet_mark
+            resolv.nameservers, socket_factory=socket_factory, mark=config.packet_mark
         )
         return DnsServer(
             name=name,
@@ -256,6 +265,7 @@ class Ztunnel:
             listeners = self.workload_proxy.bound_addresses()
         else:
             check_inpod_capabilities(config)
+            assert self.inpod is not None  # shared mode
             self.inpod.sync_certificates()
             self._zds_starter = asyncio.get_running_loop().create_task(self._start_zds(), name="zds start")
             listeners = {"node agent socket": config.inpod_uds}
@@ -282,6 +292,7 @@ class Ztunnel:
     async def _start_zds(self) -> None:
         """Pods are taken over only once the state is synced (ztunnel: after the first xDS push)."""
         await self._state_synced.wait()
+        assert self.zds is not None  # shared mode
         self.zds.start()
 
     def _register_dumps(self) -> None:
@@ -317,7 +328,7 @@ class Ztunnel:
             ),
         )
 
-    def _dump_certificates(self) -> list[dict]:
+    def _dump_certificates(self) -> list[dict[str, Any]]:
         from .state.dump import dump_certificates
 
         return dump_certificates(self.cert_manager.certificates())
@@ -357,6 +368,7 @@ class Ztunnel:
             )
             await self.workload_proxy.drain(deadline)
         else:
+            assert self.inpod is not None and self.zds is not None  # shared mode
             log.info("draining %d pod proxies, deadline %.1fs", len(self.inpod.pods), deadline)
             starter = getattr(self, "_zds_starter", None)
             if starter is not None:

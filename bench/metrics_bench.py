@@ -3,7 +3,7 @@
 Counterpart: ztunnel benches/throughput.rs `metrics` (reference/ztunnel.md 14.1): the cost of
 building labels and incrementing, and of encoding the registry. Cases:
 
-  connection, N chunks   ConnectionLabels.build + Metrics.connection_opened + N x
+  connection, N chunks   connection_labels + Metrics.connection_opened + N x
                          (add_received + add_sent) + close, for N = 1, 10, 100; once with the
                          same peers every time (series already exist) and once with a new source
                          workload per connection (a new series each time)
@@ -32,7 +32,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ambient_mesh.identity.spiffe import Identity  # noqa: E402
-from ambient_mesh.metrics import REPORTER_DESTINATION, ConnectionLabels, Metrics  # noqa: E402
+from ambient_mesh.metrics import REPORTER_DESTINATION, Metrics  # noqa: E402
+from ambient_mesh.proxy.telemetry import connection_labels  # noqa: E402
 from ambient_mesh.state.model import Locality, Service, Workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "metrics.json"
@@ -67,7 +68,7 @@ DST_ID = Identity("cluster.local", "apps", "echo")
 
 
 def one_connection(metrics: Metrics, src: Workload, chunks: int) -> None:
-    labels = ConnectionLabels.build(
+    labels = connection_labels(
         REPORTER_DESTINATION,
         source_workload=src,
         source_identity=SRC_ID,

@@ -384,7 +384,7 @@ def plan_inpod_apply(cfg: InpodConfig, backend: Backend, observation: InpodObser
             steps=tuple(routing),
         )
 
-    steps: list[Step] = []
+    steps = []
     finally_steps: list[Step] = []
     for family in cfg.families:
         install, remove = guardrail_steps(family)

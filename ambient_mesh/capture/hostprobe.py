@@ -221,9 +221,9 @@ def remove_host_probe_rules(
         )
         execute_plan(runner, netns, plan)
         return plan
-    steps = _host_cleanup_steps(_saved_state(runner, netns, cfg))
+    cleanup = _host_cleanup_steps(_saved_state(runner, netns, cfg))
     plan = RulePlan(
-        backend=backend, action=PlanAction.REMOVE, reason="delete ISTIO_POSTRT", steps=tuple(steps)
+        backend=backend, action=PlanAction.REMOVE, reason="delete ISTIO_POSTRT", steps=tuple(cleanup)
     )
     execute_plan(runner, netns, plan)
     if sets is not None:
@@ -465,7 +465,7 @@ class NetlinkIpset:
     def __enter__(self) -> NetlinkIpset:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -183,7 +184,12 @@ class InpodConfig:
 
     @classmethod
     def for_pod(
-        cls, *, dns_capture: bool, ipv6: bool, overrides: PodLevelOverrides = PodLevelOverrides(), **kwargs
+        cls,
+        *,
+        dns_capture: bool,
+        ipv6: bool,
+        overrides: PodLevelOverrides = PodLevelOverrides(),
+        **kwargs: Any,
     ) -> InpodConfig:
         """Resolve the global AMBIENT_DNS_CAPTURE / AMBIENT_IPV6 against one pod's overrides."""
         redirect_dns = {PodDns.UNSET: dns_capture, PodDns.ENABLED: True, PodDns.DISABLED: False}[

@@ -45,15 +45,16 @@ from ..capture.hostprobe import NetlinkIpset, NftProbeSet, ProbeSet
 from ..errors import AmbientError, BindError, ConfigError
 from ..host.commands import CommandRunner, SubprocessRunner
 from ..http1 import Request, Response
-from ..http1.server import HttpServer
+from ..http1.server import Handler, HttpServer
 from ..metrics import WithoutCreated
 from ..net import SocketAddr
-from ..zds.server import ZdsServer
+from ..zds.server import SnapshotEntry, ZdsServer
 from .agent_config import AgentConfig, load
 from .cni_server import CniAddHandler, CniPluginServer
 from .dataplane import DataplaneSettings, MeshDataplane, ThreadBoundProbeSet
 from .informer import Enablement, Informer
 from .install import (
+    Drift,
     Installer,
     InstallError,
     PluginInstall,
@@ -209,7 +210,7 @@ class CniAgent:
         return self.installer_ready and self.agent_ready
 
     @staticmethod
-    def _server(name: str, port: int, handler) -> HttpServer | None:
+    def _server(name: str, port: int, handler: Handler) -> HttpServer | None:
         # istio-cni turns metrics off with a port <= 0; our HEALTH_PORT takes 0 (any free port).
         if port < 0 or (name == "monitoring" and port == 0):
             return None
@@ -244,7 +245,7 @@ class CniAgent:
     # -- start ----------------------------------------------------------------------------------
 
     @staticmethod
-    async def _start_http(server: HttpServer | None, handler) -> HttpServer | None:
+    async def _start_http(server: HttpServer | None, handler: Handler) -> HttpServer | None:
         if server is None:
             return None
         try:
@@ -315,7 +316,7 @@ class CniAgent:
         assert self.installer is not None
         await asyncio.sleep(self.install_interval_s)
 
-        def drifted(drift) -> None:
+        def drifted(drift: Drift) -> None:
             # istio-cni marks itself not ready while it re-validates after a file event.
             self.metrics.installs.labels(result="SUCCESS").inc()
             log.info("CNI plugin install repaired: %s", "; ".join(drift.problems))
@@ -329,10 +330,12 @@ class CniAgent:
 
     async def _refresh_kubeconfig(self) -> None:
         """Rewrite the plugin's kubeconfig when the service-account token or CA changes."""
+        kubeconfig = self.kubeconfig
+        assert kubeconfig is not None  # started only when there is one
         while True:
             await asyncio.sleep(self.install_interval_s)
             try:
-                self.kubeconfig.sync()
+                kubeconfig.sync()
             except KubeconfigError as exc:
                 log.warning("plugin kubeconfig not refreshed: %s", exc)
 
@@ -403,7 +406,7 @@ class _LateSnapshot:
     def __init__(self, agent: CniAgent) -> None:
         self.agent = agent
 
-    def snapshot(self):
+    def snapshot(self) -> list[SnapshotEntry]:
         return self.agent.dataplane.snapshot() if self.agent.dataplane is not None else []
 
 
@@ -416,7 +419,8 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
             "only chained mode is supported",
             hint="the plugin must run after the pod network's own plugin",
         )
-    source = probe_set = None
+    source = None
+    probe_set: ProbeSet | None = None
     if cfg.ambient_enabled:
         source = build_pod_source(cfg)
         settings = DataplaneSettings.from_agent_config(cfg, kubelet_uid=find_kubelet_uid(cfg.proc_root))

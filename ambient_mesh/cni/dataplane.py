@@ -29,9 +29,9 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..capture.apply import Backend, RulePlan, apply_inpod_rules, remove_inpod_rules
 from ..capture.hostprobe import (
@@ -47,9 +47,13 @@ from ..capture.inpod import HOST_PROBE_SNAT_IPV4, HOST_PROBE_SNAT_IPV6, InpodCon
 from ..config import ProxyWorkloadInfo
 from ..errors import AmbientError
 from ..host.commands import CommandRunner
+from ..net import IPAddress
 from ..zds.server import SnapshotEntry
 from .netns_discovery import NetnsCandidate
 from .pods import REDIRECTION_PENDING, WatchedPod
+
+if TYPE_CHECKING:
+    from .agent_config import AgentConfig
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
@@ -84,7 +88,7 @@ class EnrollmentMarker(Protocol):
 class NetnsLocator(Protocol):
     """A /proc scan (NetnsFinder implements it)."""
 
-    def find(self, wanted: dict[str, Sequence[str]]) -> dict[str, NetnsCandidate]: ...
+    def find(self, wanted: Mapping[str, Sequence[str]]) -> dict[str, NetnsCandidate]: ...
 
 
 class OpenNetns:
@@ -148,19 +152,20 @@ class ThreadBoundProbeSet:
     def __repr__(self) -> str:
         return f"ThreadBoundProbeSet({self._inner!r})"
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args: object) -> Any:
         return self._executor.submit(getattr(self._inner, method), *args).result()
 
     def ensure(self) -> None:
         self._call("ensure")
 
-    def entries(self):
-        return self._call("entries")
+    def entries(self) -> dict[IPAddress, str]:
+        entries: dict[IPAddress, str] = self._call("entries")
+        return entries
 
-    def upsert(self, ip, uid: str) -> None:
+    def upsert(self, ip: IPAddress, uid: str) -> None:
         self._call("upsert", ip, uid)
 
-    def delete(self, ip) -> None:
+    def delete(self, ip: IPAddress) -> None:
         self._call("delete", ip)
 
     def flush(self) -> None:
@@ -272,7 +277,7 @@ class DataplaneSettings:
     host_prefix: str = ""
 
     @classmethod
-    def from_agent_config(cls, cfg, *, kubelet_uid: int | None = None) -> DataplaneSettings:
+    def from_agent_config(cls, cfg: AgentConfig, *, kubelet_uid: int | None = None) -> DataplaneSettings:
         host = HostProbeConfig(
             ipv6=cfg.ambient_ipv6,
             probe_ipv4=cfg.host_probe_snat_ip,
@@ -325,7 +330,7 @@ class MeshDataplane:
         ztunnel: ZtunnelLink,
         marker: EnrollmentMarker,
         locator: NetnsLocator,
-        open_netns=OpenNetns.open,
+        open_netns: Callable[[str], OpenNetns] = OpenNetns.open,
     ) -> None:
         self.settings = settings
         self.runner = runner
@@ -551,9 +556,8 @@ class MeshDataplane:
         so the node proxy is told `keep`, not told to drop them)."""
         pods = list(enrolled)
         problems: dict[str, str] = {}
-        for pod in pods:
-            self.cache.ensure(pod.uid, workload_info(pod), pod.ips)
-        wanted = {p.uid: list(p.ips) for p in pods if self.cache.get(p.uid).netns is None and p.ips}
+        cached = {pod.uid: self.cache.ensure(pod.uid, workload_info(pod), pod.ips) for pod in pods}
+        wanted = {p.uid: list(p.ips) for p in pods if cached[p.uid].netns is None and p.ips}
         found = await asyncio.to_thread(self.locator.find, wanted) if wanted else {}
         for pod in pods:
             if pod.uid in found:
@@ -563,7 +567,7 @@ class MeshDataplane:
                     )
                 except OSError as exc:
                     problems[pod.uid] = f"open netns: {exc}"
-            elif self.cache.get(pod.uid).netns is None:
+            elif cached[pod.uid].netns is None:
                 problems[pod.uid] = "netns not found under /proc" if pod.ips else "pod has no IP"
         if self.settings.reconcile_on_start:
             for pod in pods:

@@ -254,9 +254,10 @@ class Informer:
             if current is not None and current.uid != pod.uid:
                 action = PodAction.DELETE if action is PodAction.DELETE else PodAction.NONE
         else:
-            pod = self.source.pod(*item.key)
-            if pod is None:
+            found = self.source.pod(*item.key)
+            if found is None:
                 return  # gone since: its deletion is queued separately
+            pod = found
             action = decide_update(
                 item.old, pod, self._ns_labels(pod.namespace), self.enablement, known=known_uid(pod)
             )

@@ -15,12 +15,13 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DeltaDiscoveryResponse
 
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
@@ -41,6 +42,9 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),
 )
+
+# The server side of one delta ADS stream: requests in, responses out.
+AdsContext = grpc.aio.ServicerContext[DeltaDiscoveryRequest, DeltaDiscoveryResponse]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,7 +126,8 @@ class _Connection:
         )
 
 
-class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+# xds-protos has no type information, so the servicer base is Any to mypy.
+class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
     """Serves `istio.workload.Address` and `istio.security.Authorization` over delta ADS."""
 
     def __init__(
@@ -183,11 +188,15 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     # -- gRPC methods ---------------------------------------------------------------------------
 
-    async def StreamAggregatedResources(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def StreamAggregatedResources(
+        self, request_iterator: AsyncIterator[DeltaDiscoveryRequest], context: AdsContext
+    ) -> None:  # noqa: N802
         # ztunnel speaks delta only (spec 4.1); state-of-the-world is refused outright.
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only DeltaAggregatedResources is served")
 
-    async def DeltaAggregatedResources(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+    async def DeltaAggregatedResources(
+        self, request_iterator: AsyncIterator[DeltaDiscoveryRequest], context: AdsContext
+    ) -> None:  # noqa: N802
         peer = context.peer() or "unknown"
         identities = await self._check_caller(context, peer)
         conn = _Connection(
@@ -216,7 +225,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         if isinstance(outcome, BaseExceptionGroup):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error handling the stream")
 
-    async def _check_caller(self, context: grpc.aio.ServicerContext, peer: str) -> tuple[str, ...] | None:
+    async def _check_caller(self, context: AdsContext, peer: str) -> tuple[str, ...] | None:
         if self._authenticate is None:
             return None
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -232,7 +241,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         raise AssertionError("unreachable: abort raises")
 
-    async def _receive(self, conn: _Connection, request_iterator) -> None:
+    async def _receive(
+        self, conn: _Connection, request_iterator: AsyncIterator[DeltaDiscoveryRequest]
+    ) -> None:
         try:
             async for request in request_iterator:
                 conn.send(conn.state.receive(request))
@@ -242,7 +253,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         conn.outbox.put_nowait(_END)
 
     @staticmethod
-    async def _write(conn: _Connection, context: grpc.aio.ServicerContext) -> object:
+    async def _write(conn: _Connection, context: AdsContext) -> object:
         """Send queued responses in order until the receive side ends; returns why it ended."""
         while True:
             item = await conn.outbox.get()

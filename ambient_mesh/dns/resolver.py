@@ -236,14 +236,18 @@ def _answer(
     )
     response.flags |= dns.flags.AA
     version = 4 if question.rdtype == dns.rdatatype.A else 6
-    common = {"response": response, "service": service, "matched_name": ".".join(matched)}
+    matched_name = ".".join(matched)
     # Found the host, so never NXDOMAIN: an empty NOERROR says "no records of this type".
     if not family_allowed(service, version, settings.ipv6_enabled):
-        return LocalAnswer(result=RESULT_FAMILY_NOT_SUPPORTED, **common)
+        return LocalAnswer(
+            result=RESULT_FAMILY_NOT_SUPPORTED, response=response, service=service, matched_name=matched_name
+        )
     addresses = service_addresses(service, client, version, view)
     rng.shuffle(addresses)  # DNS-level load balancing across VIPs / endpoints
     if not addresses:
-        return LocalAnswer(result=RESULT_NO_RECORDS, **common)
+        return LocalAnswer(
+            result=RESULT_NO_RECORDS, response=response, service=service, matched_name=matched_name
+        )
     owner = question.name
     cname = None
     if alias.stripped is not None and matched[0] != WILDCARD_LABEL:
@@ -253,7 +257,8 @@ def _answer(
             dns.rrset.from_rdata(
                 owner,
                 ANSWER_TTL_S,
-                dns.rdtypes.ANY.CNAME.CNAME(dns.rdataclass.IN, dns.rdatatype.CNAME, target),
+                # dnspython leaves the record constructors unannotated.
+                dns.rdtypes.ANY.CNAME.CNAME(dns.rdataclass.IN, dns.rdatatype.CNAME, target),  # type: ignore[no-untyped-call]
             )
         )
         owner, cname = target, target.to_text()
@@ -264,7 +269,14 @@ def _answer(
         rdata_cls = dns.rdtypes.IN.A.A if version == 4 else dns.rdtypes.IN.AAAA.AAAA
         rrset.add(rdata_cls(dns.rdataclass.IN, rdtype, str(ip)))
     response.answer.append(rrset)
-    return LocalAnswer(result=RESULT_SUCCESS, addresses=tuple(addresses), cname=cname, **common)
+    return LocalAnswer(
+        result=RESULT_SUCCESS,
+        response=response,
+        service=service,
+        matched_name=matched_name,
+        addresses=tuple(addresses),
+        cname=cname,
+    )
 
 
 def refuse_response(
@@ -276,7 +288,7 @@ def refuse_response(
             return None
         response = dns.message.Message(id=request.id)
         response.flags = dns.flags.QR | dns.flags.RA
-        response.set_opcode(request.opcode)
+        response.set_opcode(dns.opcode.Opcode(request.opcode))
         response.set_rcode(rcode)
         return response
     message = request.message

@@ -19,9 +19,9 @@ import logging
 import random
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import dns.exception
 import dns.flags
@@ -33,9 +33,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.registry import Collector
 
 from ..errors import BindError
+from ..host.sockets import LISTEN_BACKLOG, plain_socket, set_mark
 from ..metrics import UNKNOWN, WithoutCreated
 from ..net import IPAddress, SocketAddr, ip_address
-from ..proxy.sockets import LISTEN_BACKLOG, plain_socket, set_mark
 from ..state.model import Workload
 from ..state.store import ProxyState
 from .resolver import (
@@ -240,7 +240,7 @@ class UpstreamForwarder:
         upstream_query = dns.message.Message(id=self._rng.getrandbits(16))
         upstream_query.flags = query.flags
         upstream_query.question = list(query.question)
-        upstream_query.use_edns(query.edns, query.ednsflags, query.payload, options=query.options)
+        upstream_query.use_edns(query.edns, query.ednsflags, query.payload, options=list(query.options))
         wire = upstream_query.to_wire()
         reason = ""
         for server in self.nameservers:
@@ -332,7 +332,7 @@ class _UpstreamDatagram(asyncio.DatagramProtocol):
         self._query = query
         self._waiter = waiter
 
-    def datagram_received(self, data: bytes, addr: tuple) -> None:
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         if self._waiter.done():
             return
         try:
@@ -389,8 +389,8 @@ class DnsServer:
         self._udp_sock: socket.socket | None = None
         self._tcp_sock: socket.socket | None = None
         self._udp_transport: asyncio.DatagramTransport | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.answered = 0
         self.forwarded = 0
         self.refused = 0
@@ -420,9 +420,10 @@ class DnsServer:
             if isinstance(decision, LocalAnswer):
                 answer = decision.response
             elif isinstance(decision, Forward):
-                answer = await self.forwarder.forward(query)
-                if isinstance(answer, UpstreamFailure):
+                forwarded = await self.forwarder.forward(query)
+                if isinstance(forwarded, UpstreamFailure):
                     continue
+                answer = forwarded
             else:
                 continue
             for rrset in answer.answer:
@@ -520,17 +521,17 @@ class DnsServer:
         self._udp_sock = None
         log.info("dns proxy stopped", extra={"fields": {"name": self.name}})
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # -- UDP --
 
-    def _datagram(self, data: bytes, addr: tuple) -> None:
+    def _datagram(self, data: bytes, addr: tuple[Any, ...]) -> None:
         self._spawn(self._serve_datagram(data, addr))
 
-    async def _serve_datagram(self, data: bytes, addr: tuple) -> None:
+    async def _serve_datagram(self, data: bytes, addr: tuple[Any, ...]) -> None:
         try:
             request = parse_request(data)
             reply = await self.handle(request, PROTOCOL_UDP, SocketAddr.from_sockaddr(addr))
@@ -635,7 +636,7 @@ class DnsServer:
 
     async def _forward(
         self, request: DnsRequest, client: Workload | None, labels: tuple[str, ...]
-    ) -> dns.message.Message:
+    ) -> dns.message.Message | None:
         self.forwarded += 1
         self._metrics.request(labels)
         start = self._clock()
@@ -654,7 +655,7 @@ class _ServerDatagram(asyncio.DatagramProtocol):
     def __init__(self, server: DnsServer) -> None:
         self._server = server
 
-    def datagram_received(self, data: bytes, addr: tuple) -> None:
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
         self._server._datagram(data, addr)
 
     def error_received(self, exc: Exception) -> None:

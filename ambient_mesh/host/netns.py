@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import http.client
 import ipaddress
 import itertools
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from ..errors import AmbientError
 from .commands import CommandRunner, SubprocessRunner
@@ -32,7 +35,12 @@ from .commands import CommandRunner, SubprocessRunner
 NETNS_PREFIX = "am-"
 NETNS_RUN_DIR = Path("/run/netns")
 IFNAME_MAX_CHARS = 15  # IFNAMSIZ - 1
+# Linux: <linux/sched.h>; <linux/nsfs.h> NS_GET_NSTYPE = _IO(0xb7, 0x3); <linux/magic.h>.
 CLONE_NEWNET = 0x40000000
+NS_GET_NSTYPE = 0xB703
+NSFS_MAGIC = 0x6E736673
+PROC_SUPER_MAGIC = 0x9FA0
+_STATFS_BYTES = 256  # larger than struct statfs on every Linux ABI; f_type is its first word
 
 PROCESS_TERM_GRACE_S = 3.0
 WAIT_FOR_LISTEN_TIMEOUT_S = 10.0
@@ -236,7 +244,7 @@ def wait_for_listen(
     port: int,
     *,
     timeout_s: float = WAIT_FOR_LISTEN_TIMEOUT_S,
-    process: subprocess.Popen | None = None,
+    process: subprocess.Popen[bytes] | None = None,
 ) -> None:
     """Block until something listens on TCP `port` inside `netns`.
 
@@ -263,13 +271,48 @@ def wait_for_listen(
 _LIBC: ctypes.CDLL | None = None
 
 
-def _setns(fd: int) -> None:
+def _libc() -> ctypes.CDLL:
     global _LIBC
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)
-    if _LIBC.setns(fd, CLONE_NEWNET) != 0:
+    return _LIBC
+
+
+def _setns(fd: int) -> None:
+    if _libc().setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def _fstatfs_type(fd: int) -> int:
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _libc().fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_long.from_buffer(buf).value
+
+
+def netns_problem(fd: int) -> str | None:
+    """None if `fd` looks like a network namespace, else what it is instead.
+
+    As ztunnel does: ask the kernel for the namespace type (NS_GET_NSTYPE); kernels older than
+    4.11 do not know that ioctl, so fall back to the filesystem magic (nsfs, or proc for
+    /proc/<pid>/ns/net on very old kernels).
+    """
+    try:
+        nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            return "not an open file descriptor"
+    else:
+        return None if nstype == CLONE_NEWNET else f"a namespace of type {nstype:#x}, not a network namespace"
+    try:
+        magic = _fstatfs_type(fd)
+    except OSError as e:
+        return f"cannot fstatfs: {e.strerror}"
+    if magic in (NSFS_MAGIC, PROC_SUPER_MAGIC):
+        return None
+    return f"a file on filesystem {magic:#x}, not nsfs"
 
 
 @contextlib.contextmanager
@@ -377,11 +420,11 @@ def spawn_in_netns(
     argv: Sequence[str],
     *,
     env: Mapping[str, str] | None = None,
-    cwd: str | os.PathLike | None = None,
-    stdout=None,
-    stderr=None,
-    stdin=subprocess.DEVNULL,
-) -> subprocess.Popen:
+    cwd: str | os.PathLike[str] | None = None,
+    stdout: int | IO[Any] | None = None,
+    stderr: int | IO[Any] | None = None,
+    stdin: int | IO[Any] | None = subprocess.DEVNULL,
+) -> subprocess.Popen[bytes]:
     """Start `argv` inside `netns` (through `ip netns exec`) in its own process group."""
     return subprocess.Popen(
         ["ip", "netns", "exec", netns, *argv],
@@ -394,7 +437,7 @@ def spawn_in_netns(
     )
 
 
-def stop_process(process: subprocess.Popen, *, grace_s: float = PROCESS_TERM_GRACE_S) -> int:
+def stop_process(process: subprocess.Popen[bytes], *, grace_s: float = PROCESS_TERM_GRACE_S) -> int:
     """SIGTERM the process group, SIGKILL it after `grace_s`; return the exit code."""
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
@@ -456,7 +499,7 @@ class Fabric:
         self.prefix = prefix or run_prefix()
         self.network_netns = f"{self.prefix}net"
         self.nodes: dict[str, Node] = {}
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[subprocess.Popen[bytes]] = []
         self._namespaces: list[str] = []
         self._cleanup = contextlib.ExitStack()
         self._open = False
@@ -490,7 +533,7 @@ class Fabric:
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _create_netns(self, name: str) -> None:
@@ -573,7 +616,7 @@ class Fabric:
         self.nodes[name] = node
         return node
 
-    def spawn(self, node: Node | str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+    def spawn(self, node: Node | str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         """Start a process inside a node's namespace; it is stopped at teardown."""
         netns = node.netns if isinstance(node, Node) else node
         if netns not in self._namespaces:
@@ -582,7 +625,7 @@ class Fabric:
         self.processes.append(process)
         return process
 
-    def wait_for_listen(self, node: Node | str, port: int, **kwargs) -> None:
+    def wait_for_listen(self, node: Node | str, port: int, **kwargs: Any) -> None:
         netns = node.netns if isinstance(node, Node) else node
         wait_for_listen(self.runner, netns, port, **kwargs)
 

@@ -19,7 +19,10 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
-from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
+from cryptography.hazmat.primitives.asymmetric.types import (
+    CertificateIssuerPrivateKeyTypes,
+    CertificatePublicKeyTypes,
+)
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from ..errors import CertificateError, ConfigError
@@ -253,10 +256,8 @@ def _read_certs(path: Path) -> list[x509.Certificate]:
     return certs
 
 
-def _spki(key: object) -> bytes:
-    return key.public_bytes(  # type: ignore[attr-defined]
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+def _spki(key: CertificatePublicKeyTypes) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _basic_constraints(cert: x509.Certificate) -> x509.BasicConstraints | None:
@@ -274,7 +275,7 @@ def _authority_key_id(issuer: x509.Certificate) -> x509.AuthorityKeyIdentifier:
     return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
 
-def _signature_hash(key: CertificateIssuerPrivateKeyTypes) -> hashes.HashAlgorithm | None:
+def _signature_hash(key: CertificateIssuerPrivateKeyTypes) -> hashes.SHA256 | None:
     # EdDSA signs without a separate digest; everything else uses SHA-256 as istiod does.
     if isinstance(key, ed25519.Ed25519PrivateKey | ed448.Ed448PrivateKey):
         return None

@@ -108,7 +108,8 @@ class GrpcCaClient:
                     fields={IMPERSONATED_IDENTITY: struct_pb2.Value(string_value=str(identity))}
                 )
             )
-        stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)
+        # grpcio-tools generates the stub without annotations.
+        stub = ca_pb2_grpc.IstioCertificateServiceStub(channel)  # type: ignore[no-untyped-call]
         try:
             response = await stub.CreateCertificate(
                 request, metadata=self._call_metadata(), timeout=CA_CALL_TIMEOUT_S

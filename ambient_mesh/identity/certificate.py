@@ -15,7 +15,6 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtensionOID
 
 from ..errors import CertificateError, IdentityError
 from .spiffe import Identity
@@ -140,7 +139,7 @@ def spiffe_ids(cert_der: bytes) -> list[Identity]:
     """
     try:
         cert = x509.load_der_x509_certificate(cert_der)
-        san = cert.extensions.get_extension_for_oid(ExtensionOID.SUBJECT_ALTERNATIVE_NAME).value
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         uris = san.get_values_for_type(x509.UniformResourceIdentifier)
     except x509.ExtensionNotFound:
         return []

@@ -86,9 +86,13 @@ class ConnectionManager:
         key = self._next_id
         self._next_id += 1
         self._tracked[key] = TrackedConnection(conn, workload.uid, close, description)
-        return lambda: self._tracked.pop(key, None)
 
-    def _on_state_change(self, *_args) -> None:
+        def untrack() -> None:
+            self._tracked.pop(key, None)
+
+        return untrack
+
+    def _on_state_change(self, *_args: object) -> None:
         # Coalesce bursts of changes (a push applies many resources) into one re-check.
         if not self._recheck_scheduled and self._tracked:
             self._recheck_scheduled = True

@@ -143,7 +143,9 @@ def parse_forwarded_host(value: str) -> str | None:
 
 def _split_unquoted(value: str, separators: str) -> list[str]:
     """Split at separators outside quoted-strings (RFC 7230 3.2.6); quotes are kept."""
-    parts, current, quoted, escaped = [], [], False, False
+    parts: list[str] = []
+    current: list[str] = []
+    quoted = escaped = False
     for ch in value:
         if escaped:
             escaped = False

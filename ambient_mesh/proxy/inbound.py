@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import AmbientError, ProtocolError
+from ..host.sockets import original_destination
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
@@ -25,7 +26,6 @@ from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
-from .sockets import original_destination
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
@@ -118,8 +118,11 @@ class InboundProxy:
         trust_domain = workload.identity.trust_domain
 
         def check_client(conn: HboneConnection) -> None:
+            # Called once the TLS handshake is done, so the transport is there.
+            assert conn.transport is not None
             # CRL_PATH, then the SPIFFE identity and trust domain (TlsContextCache.verify_client).
-            conn.peer_identity = self.pi.tls.verify_client(
+            # hbone.py (helper hbone-core's) leaves `peer_identity` unannotated, so mypy takes it for None.
+            conn.peer_identity = self.pi.tls.verify_client(  # type: ignore[assignment]
                 conn.transport.get_extra_info("ssl_object"), trust_domain
             )
 
@@ -273,7 +276,7 @@ class InboundProxy:
             workload=workload,
             local=local,
             target=decision,
-            authority=stream.request.authority,
+            authority=stream.request.authority if stream.request is not None else "",
         )
         if isinstance(admitted, InboundRefusal):
             conn.respond(stream, admitted.status)
@@ -341,7 +344,12 @@ class InboundProxy:
             upstream.write(proxy_header)  # the app reads who called before any stream byte
         return Admitted(result=result, upstream=upstream, rbac_conn=rbac_conn, workload=workload, peer=peer)
 
-    async def carry(self, admitted: Admitted, downstream, also: Callable[[int, int], None] | None = None):
+    async def carry(
+        self,
+        admitted: Admitted,
+        downstream: TcpEndpoint | HboneStream,
+        also: Callable[[int, int], None] | None = None,
+    ) -> tuple[Relay, BaseException | None]:
         """Relay between the caller's side and the app, tracked for policy re-checks."""
         pi = self.pi
         result = admitted.result
@@ -369,7 +377,8 @@ class InboundProxy:
         port, and with protocol PROXY get a PROXY v2 header naming the real client and target,
         delivered over loopback unless LOCALHOST_APP_TUNNEL=false (reference 3.7).
         """
-        address, connect_from = target.address, peer.ip
+        address = target.address
+        connect_from: IPAddress | None = peer.ip
         tunnel = workload.application_tunnel
         if tunnel is None:
             return address, connect_from, None

@@ -21,9 +21,10 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import ProxyWorkloadInfo, ZtunnelConfig
-from ..dns.server import DnsServer
+from ..dns.server import DnsServer, DnsSocketFactory
 from ..host.netns import NetnsHandle
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
@@ -41,7 +42,7 @@ PodProxyFactory = Callable[[ProxyWorkloadInfo, NetnsHandle], WorkloadProxy]
 
 
 # (name, the served workload, the pod's socket factory) -> the pod's DNS proxy
-DnsFactory = Callable[[str, Callable[[], Workload | None], Callable], DnsServer]
+DnsFactory = Callable[[str, Callable[[], Workload | None], DnsSocketFactory], DnsServer | None]
 
 
 @dataclass(eq=False, slots=True)
@@ -179,11 +180,11 @@ class InpodManager:
             self.tls.forget(identity)
         self._prefetched = wanted
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:
         """`workloadState` in ztunnel's shape: each pod, its state and its connections."""
         from ..state.dump import dump_workload_state
 
-        out: dict = {}
+        out: dict[str, Any] = {}
         for pod in self.pods.values():
             inbound, outbound = pod.proxy.connections_dump()
             out.update(

@@ -11,10 +11,12 @@ import asyncio
 import random
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import ZtunnelConfig
+from ..host.sockets import KeepaliveSettings, SocketFactory, new_socket, plain_socket, set_transparent
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..identity.tls import TlsContextCache
@@ -25,7 +27,6 @@ from ..state.store import ProxyState
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
-from .sockets import KeepaliveSettings, SocketFactory, new_socket, plain_socket, set_transparent
 
 WORKLOAD_WAIT_S = 5.0
 
@@ -34,23 +35,23 @@ WORKLOAD_WAIT_S = 5.0
 class ConnectionTracker:
     """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager)."""
 
-    relays: dict[Relay, dict] = field(default_factory=dict)
-    tasks: set[asyncio.Task] = field(default_factory=set)
+    relays: dict[Relay, dict[str, Any]] = field(default_factory=dict)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __repr__(self) -> str:
         return f"ConnectionTracker({len(self.relays)} relays, {len(self.tasks)} tasks)"
 
-    def track(self, relay: Relay, info: dict) -> None:
+    def track(self, relay: Relay, info: dict[str, Any]) -> None:
         self.relays[relay] = info
         relay.done.add_done_callback(lambda _f: self.relays.pop(relay, None))
 
-    def spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def dump(self, direction: str) -> list[dict]:
+    def dump(self, direction: str) -> list[dict[str, Any]]:
         return [info for info in self.relays.values() if info.get("direction") == direction]
 
 
@@ -62,7 +63,7 @@ class ProxyInputs:
     tls: TlsContextCache
     metrics: Metrics
     pool: HbonePool | None = None
-    connection_manager: ConnectionManager | None = None
+    connection_manager: ConnectionManager = field(init=False)  # over `state`, built here
     connections: ConnectionTracker = field(default_factory=ConnectionTracker)
     rng: random.Random = field(default_factory=random.Random)
     transparent: bool = False  # original-source preservation available
@@ -75,10 +76,9 @@ class ProxyInputs:
     keepalive: KeepaliveSettings | None = None  # from the config unless given
 
     def __post_init__(self) -> None:
-        if self.connection_manager is None:
-            self.connection_manager = ConnectionManager(
-                self.state, info_logging=self.config.authz_policy_info_logging
-            )
+        self.connection_manager = ConnectionManager(
+            self.state, info_logging=self.config.authz_policy_info_logging
+        )
         if self.keepalive is None:
             self.keepalive = KeepaliveSettings.from_config(self.config)
         if not self.illegal_ports:

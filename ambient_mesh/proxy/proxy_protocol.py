@@ -42,7 +42,7 @@ class ProxyHeader:
         return next((value for k, value in self.tlvs if k == kind), None)
 
 
-def _as_v6(ip) -> ipaddress.IPv6Address:
+def _as_v6(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv6Address:
     return ip if ip.version == 6 else ipaddress.IPv6Address(f"::ffff:{ip}")
 
 

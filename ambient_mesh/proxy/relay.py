@@ -15,7 +15,9 @@ Streams here).
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
+from ssl import SSLContext
 
 
 class Endpoint:
@@ -181,7 +183,8 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         relay = self.relay
         if relay is None:
             self._held.append(data)
-            self.transport.pause_reading()
+            if self.transport is not None:
+                self.transport.pause_reading()
             return
         relay.data_from(self, data)
 
@@ -216,7 +219,8 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         if self._held_eof:
             relay.eof_from(self)
         elif self._lost is not False and not relay.done.done():
-            relay.failed(self, self._lost or ConnectionResetError("connection closed early"))
+            lost = self._lost if isinstance(self._lost, BaseException) else None
+            relay.failed(self, lost or ConnectionResetError("connection closed early"))
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
@@ -254,9 +258,9 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
 
 
 async def wrap_socket(
-    sock,
+    sock: socket.socket,
     *,
-    ssl=None,
+    ssl: SSLContext | None = None,
     server_side: bool = False,
     server_hostname: str | None = None,
     handshake_timeout: float | None = None,

@@ -8,16 +8,69 @@ upstream could not be reached. `failed` covers connections refused before they o
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from ..identity.spiffe import Identity
 from ..logs import AccessLogFields, log_connection_complete, log_connection_failed
-from ..metrics import ConnectionLabels
+from ..metrics import (
+    MUTUAL_TLS,
+    REPORTER_DESTINATION,
+    REPORTER_SOURCE,
+    UNKNOWN,
+    ConnectionLabels,
+    or_unknown,
+)
 from ..net import SocketAddr
 from ..state.model import Service, Workload
 from .routing import Route, RouteKind
 
-REPORTER_SOURCE = "source"
-REPORTER_DESTINATION = "destination"
+if TYPE_CHECKING:
+    from .inputs import ProxyInputs
+    from .relay import Relay
+
+
+def connection_labels(
+    reporter: str,
+    source_workload: Workload | None = None,
+    source_identity: Identity | None = None,
+    destination_workload: Workload | None = None,
+    destination_service: Service | None = None,
+    destination_identity: Identity | None = None,
+    mtls: bool = False,
+) -> ConnectionLabels:
+    """Labels for one connection, from what the proxy knows about its two ends.
+
+    Identities are the ones proven by mTLS (or, for outbound, the identity the proxy
+    presents for the source pod); pass None for a plaintext peer, never a guess.
+    """
+    src, dst, svc = source_workload, destination_workload, destination_service
+    return ConnectionLabels(
+        reporter=reporter,
+        source_workload=or_unknown(src and (src.workload_name or src.name)),
+        source_canonical_service=or_unknown(src and src.canonical_name),
+        source_canonical_revision=or_unknown(src and src.canonical_revision),
+        source_workload_namespace=or_unknown(src and src.namespace),
+        source_principal=or_unknown(source_identity),
+        source_app=or_unknown(src and src.canonical_name),
+        source_version=or_unknown(src and src.canonical_revision),
+        source_cluster=or_unknown(src and src.cluster_id),
+        destination_service=or_unknown(svc and svc.hostname),
+        destination_service_namespace=or_unknown(svc and svc.namespace),
+        destination_service_name=or_unknown(svc and svc.name),
+        destination_workload=or_unknown(dst and (dst.workload_name or dst.name)),
+        destination_canonical_service=or_unknown(dst and dst.canonical_name),
+        destination_canonical_revision=or_unknown(dst and dst.canonical_revision),
+        destination_workload_namespace=or_unknown(dst and dst.namespace),
+        destination_principal=or_unknown(destination_identity),
+        destination_app=or_unknown(dst and dst.canonical_name),
+        destination_version=or_unknown(dst and dst.canonical_revision),
+        destination_cluster=or_unknown(dst and dst.cluster_id),
+        connection_security_policy=MUTUAL_TLS if mtls else UNKNOWN,
+        source_region=or_unknown(src and src.locality.region),
+        source_zone=or_unknown(src and src.locality.zone),
+        destination_region=or_unknown(dst and dst.locality.region),
+        destination_zone=or_unknown(dst and dst.locality.zone),
+    )
 
 
 class ConnectionResult:
@@ -42,7 +95,7 @@ class ConnectionResult:
 
     def __init__(
         self,
-        pi,
+        pi: ProxyInputs,
         *,
         direction: str,
         src_addr: SocketAddr,
@@ -69,7 +122,7 @@ class ConnectionResult:
         self.started = time.monotonic()
         self._done = False
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        labels = ConnectionLabels.build(
+        labels = connection_labels(
             reporter, source, source_identity, destination, service, destination_identity, mtls
         )
         self.recorder = pi.metrics.connection_opened(labels)
@@ -80,7 +133,7 @@ class ConnectionResult:
         return f"ConnectionResult({self.direction} {self.src_addr} -> {self.dst_addr}, {self.recorder!r})"
 
     @classmethod
-    def outbound(cls, pi, route: Route, peer: SocketAddr) -> ConnectionResult:
+    def outbound(cls, pi: ProxyInputs, route: Route, peer: SocketAddr) -> ConnectionResult:
         hbone = route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT)
         return cls(
             pi,
@@ -105,7 +158,7 @@ class ConnectionResult:
         if down:
             self._add_sent(down)
 
-    def dump_info(self) -> dict:
+    def dump_info(self) -> dict[str, Any]:
         return {
             "direction": self.direction,
             "src": str(self.src_addr),
@@ -114,7 +167,7 @@ class ConnectionResult:
             "protocol": "HBONE" if self.mtls else "TCP",
         }
 
-    def complete(self, relay, error: BaseException | None) -> None:
+    def complete(self, relay: Relay, error: BaseException | None) -> None:
         flag = "-" if error is None else getattr(error, "response_flag", "CONNECT")
         self._finish(
             relay.bytes_up,
@@ -135,17 +188,17 @@ class ConnectionResult:
         log_connection_complete(
             AccessLogFields(
                 src_addr=self.src_addr,
-                src_workload=src and (src.workload_name or src.name),
-                src_namespace=src and src.namespace,
+                src_workload=(src.workload_name or src.name) if src else None,
+                src_namespace=src.namespace if src else None,
                 src_identity=self.source_identity,
-                src_cluster=src and src.cluster_id,
+                src_cluster=src.cluster_id if src else None,
                 dst_addr=self.dst_addr,
                 dst_hbone_addr=self.hbone_addr,
-                dst_service=self.service and self.service.hostname,
-                dst_workload=dst and (dst.workload_name or dst.name),
-                dst_namespace=dst and dst.namespace,
+                dst_service=self.service.hostname if self.service else None,
+                dst_workload=(dst.workload_name or dst.name) if dst else None,
+                dst_namespace=dst.namespace if dst else None,
                 dst_identity=self.destination_identity,
-                dst_cluster=dst and dst.cluster_id,
+                dst_cluster=dst.cluster_id if dst else None,
                 direction=self.direction,
                 bytes_sent=down,
                 bytes_recv=up,
@@ -157,7 +210,7 @@ class ConnectionResult:
 
     @staticmethod
     def failed(
-        pi,
+        pi: ProxyInputs,
         *,
         src: SocketAddr,
         dst: SocketAddr,
@@ -168,7 +221,5 @@ class ConnectionResult:
         response_flag: str = "CONNECT",
     ) -> None:
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        pi.metrics.connection_failed(
-            ConnectionLabels.build(reporter, source, None, destination), response_flag
-        )
+        pi.metrics.connection_failed(connection_labels(reporter, source, None, destination), response_flag)
         log_connection_failed(src_addr=src, dst_addr=dst, direction=direction, error=error)

@@ -13,10 +13,12 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import ZtunnelConfig
 from ..dns.server import DnsServer
 from ..errors import AmbientError
+from ..host.sockets import SocketFactory, plain_socket
 from ..identity.manager import SecretManager
 from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
@@ -26,10 +28,9 @@ from ..state.store import ProxyState
 from .hbone import HboneSettings
 from .inbound import InboundPassthroughProxy, InboundProxy
 from .inputs import ProxyInputs
-from .listener import Listener
+from .listener import Handler, Listener
 from .outbound import OutboundProxy
 from .pool import HboneConnector, HbonePool
-from .sockets import SocketFactory, plain_socket
 from .socks5_server import serve_socks5
 
 log = logging.getLogger("ambient_mesh.proxy")
@@ -107,35 +108,35 @@ class WorkloadProxy:
         self.inbound = InboundProxy(self.pi, self.local_workload, settings)
         self.passthrough = InboundPassthroughProxy(self.pi, self.local_workload)
         mark, tracker = config.packet_mark, self.pi.connections
-        common = {
-            "mark": mark,
-            "reuse_port": reuse_port,
-            "socket_factory": socket_factory,
-            "keepalive": self.pi.keepalive,
-        }
+
+        def listener(
+            name: str, address: SocketAddr, handler: Handler, *, transparent: bool = False
+        ) -> Listener:
+            return Listener(
+                name,
+                address,
+                handler,
+                tracker,
+                transparent=transparent,
+                mark=mark,
+                reuse_port=reuse_port,
+                socket_factory=socket_factory,
+                keepalive=self.pi.keepalive,
+            )
+
         self.listeners: dict[str, Listener] = {
-            "outbound": Listener(
-                "outbound", addresses.outbound, self.outbound.handle_captured, tracker, **common
-            ),
-            "inbound": Listener(
-                "inbound", addresses.inbound, self.inbound.handle, tracker, transparent=transparent, **common
-            ),
-            "inbound plaintext": Listener(
+            "outbound": listener("outbound", addresses.outbound, self.outbound.handle_captured),
+            "inbound": listener("inbound", addresses.inbound, self.inbound.handle, transparent=transparent),
+            "inbound plaintext": listener(
                 "inbound plaintext",
                 addresses.inbound_plaintext,
                 self.passthrough.handle,
-                tracker,
                 transparent=transparent,
-                **common,
             ),
         }
         if addresses.socks5 is not None:
-            self.listeners["socks5"] = Listener(
-                "socks5",
-                addresses.socks5,
-                functools.partial(serve_socks5, outbound=self.outbound),
-                tracker,
-                **common,
+            self.listeners["socks5"] = listener(
+                "socks5", addresses.socks5, functools.partial(serve_socks5, outbound=self.outbound)
             )
 
     def __repr__(self) -> str:
@@ -176,7 +177,7 @@ class WorkloadProxy:
             addresses["dns"] = str(self.dns.udp_address)
         return addresses
 
-    def connections_dump(self) -> tuple[list[dict], list[dict]]:
+    def connections_dump(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         return self.pi.connections.dump("inbound"), self.pi.connections.dump("outbound")
 
     async def drain(self, deadline_s: float) -> None:
@@ -186,7 +187,8 @@ class WorkloadProxy:
         if self.dns is not None:
             await self.dns.stop(deadline_s)
         self.inbound.drain()
-        self.pi.pool.close()
+        if self.pi.pool is not None:
+            self.pi.pool.close()
         tasks = set(self.pi.connections.tasks)
         if tasks:
             _done, pending = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from types import CodeType, FunctionType
+from typing import Any
 
 from ..net import IPAddress
 from .model import (
@@ -58,7 +59,11 @@ def _ip_key(ip: IPAddress) -> int:
     return int(ip) | _V6_BIT if ip.version == 6 else int(ip)
 
 
-def _peer_values(conn: RbacConnection) -> tuple:
+# principal, namespace, (namespace, service account), source key, destination key, port
+PeerValues = tuple[str | None, str, tuple[str, str] | None, int, int, int]
+
+
+def _peer_values(conn: RbacConnection) -> PeerValues:
     identity = conn.src_identity
     if identity is None:
         principal, namespace, account = None, "", None
@@ -127,7 +132,9 @@ class _Source:
         """All of one Match's checks, AND-ed; None for an empty Match."""
         checks: list[str] = []
 
-        def add(positive: Sequence, negative: Sequence, test: Callable[[Sequence], str]) -> None:
+        def add(
+            positive: Sequence[Any], negative: Sequence[Any], test: Callable[[Sequence[Any]], str]
+        ) -> None:
             if positive:
                 checks.append(test(positive))
             if negative:
@@ -163,7 +170,7 @@ class _Source:
         return clauses[0] if len(clauses) == 1 else " and ".join(f"({t})" for t in clauses)
 
 
-def _generate(policy: Authorization) -> Callable[[tuple], bool]:
+def _generate(policy: Authorization) -> Callable[[PeerValues], bool]:
     """The policy as one function of the connection values; zero rules match nothing."""
     source = _Source()
     body = [f"    {_PRINCIPAL}, {_NAMESPACE}, {_ACCOUNT}, {_SRC_IP}, {_DST_IP}, {_PORT} = v"]

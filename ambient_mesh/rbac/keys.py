@@ -43,7 +43,8 @@ from .model import Authorization, IPNetwork, Match, RbacConnection, StringMatch,
     _K_ALWAYS,
 ) = range(13)
 
-Key = tuple
+# A key: a field tag, then the values that identify one entry (strings, integers).
+Key = tuple[object, ...]
 ALWAYS_KEY: Key = (_K_ALWAYS,)
 # A length the connection's key set must cover: (tag, IP version or 0, length).
 KeyLength = tuple[int, int, int]
@@ -180,8 +181,8 @@ def rule_filters(policy: Authorization) -> tuple[tuple[RuleFilter, ...], frozens
             if clause_guard is not None and (best is None or clause_rank < best[0]):
                 best = (clause_rank, clause_guard)
         if possible:
-            guard = frozenset(best[1]) if best is not None else _ALWAYS
-            filters.append(RuleFilter(guard=guard, exclusion=frozenset(exclusion)))
+            rule_guard = frozenset(best[1]) if best is not None else _ALWAYS
+            filters.append(RuleFilter(guard=rule_guard, exclusion=frozenset(exclusion)))
     return tuple(filters), frozenset(lengths)
 
 
@@ -204,6 +205,6 @@ def conn_keys(conn: RbacConnection, lengths: Mapping[tuple[int, int], Sequence[i
         keys.extend((prefix_tag, value[:n]) for n in lengths.get((prefix_tag, 0), ()) if n <= size)
         keys.extend((suffix_tag, value[size - n :]) for n in lengths.get((suffix_tag, 0), ()) if n <= size)
     for tag, ip in ((_K_SRC_IP, conn.src_ip), (_K_DST_IP, conn.dst_ip)):
-        version, bits, value = ip.version, ip.max_prefixlen, int(ip)
-        keys.extend((tag, version, n, value >> (bits - n)) for n in lengths.get((tag, version), ()))
+        version, bits, number = ip.version, ip.max_prefixlen, int(ip)
+        keys.extend((tag, version, n, number >> (bits - n)) for n in lengths.get((tag, version), ()))
     return frozenset(keys)

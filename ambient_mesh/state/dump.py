@@ -203,7 +203,7 @@ def _sa_match(m: ServiceAccountMatch) -> JSON:
 
 def dump_match(m: Match) -> JSON:
     """ztunnel's `RbacMatch`: empty lists are left out."""
-    fields: tuple[tuple[str, list], ...] = (
+    fields: tuple[tuple[str, list[Any]], ...] = (
         ("namespaces", [_string_match(x) for x in m.namespaces]),
         ("notNamespaces", [_string_match(x) for x in m.not_namespaces]),
         ("serviceAccounts", [_sa_match(x) for x in m.service_accounts]),

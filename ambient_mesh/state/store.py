@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..errors import IdentityError
 from ..identity.spiffe import Identity
@@ -36,6 +37,9 @@ from .model import (
 # Kubernetes pods get uids `<cluster>//Pod/<ns>/<name>`; when several workloads claim one
 # (network, IP), the pod is the real owner (ztunnel's tie-break, reference 4.2).
 _POD_UID_MARKER = "//Pod/"
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 def _address_rank(workload: Workload) -> tuple[bool, bool]:
@@ -260,7 +264,7 @@ class ServiceStore:
 
     @staticmethod
     def _rank(
-        services: Iterable[Service], client_namespace: str | None, rank: Callable[[Service], tuple]
+        services: Iterable[Service], client_namespace: str | None, rank: Callable[[Service], tuple[bool, ...]]
     ) -> Service | None:
         visible = [s for s in services if _visible(s, client_namespace)]
         if not visible:
@@ -522,7 +526,7 @@ def _identity_or_none(workload: Workload) -> Identity | None:
         return None
 
 
-def _discard(index: dict, key: object, member: str) -> None:
+def _discard(index: MutableMapping[_K, dict[str, _V]], key: _K, member: str) -> None:
     members = index.get(key)
     if members is None:
         return

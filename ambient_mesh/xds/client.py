@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
+from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DeltaDiscoveryResponse
 
 from ..config import MIB, AuthKind, AuthToken, RootCert, RootCertKind, ZtunnelConfig
 from ..errors import AmbientError, ConfigError
@@ -42,8 +43,6 @@ from ..metrics import (
 )
 from .session import (
     INITIAL_BACKOFF_S,
-    DeltaDiscoveryRequest,
-    DeltaDiscoveryResponse,
     StreamEnd,
     XdsSession,
     reconnect_delay,
@@ -51,6 +50,8 @@ from .session import (
 from .updater import StateUpdater
 
 log = logging.getLogger("ambient_mesh.xds")
+# One delta ADS stream: requests out, responses in.
+AdsCall = grpc.aio.StreamStreamCall[DeltaDiscoveryRequest, DeltaDiscoveryResponse]
 
 MAX_RECEIVE_BYTES = 200 * MIB  # istiod pushes can be large; gRPC's 4 MiB default is too small
 KEEPALIVE_TIME_S = 30.0
@@ -193,7 +194,7 @@ class XdsClient:
         self._on_ready = on_ready
         self._metrics: XdsMetrics | None = metrics.xds if metrics is not None else None
         self.ready = asyncio.Event()
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: AdsCall | None = None
         self._write_lock = asyncio.Lock()
         self._waiters: dict[str, asyncio.Future[bool]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -267,7 +268,7 @@ class XdsClient:
             channel = self._channel_factory()
         except (AmbientError, OSError, ValueError) as e:
             return StreamEnd.CONNECTION_ERROR, f"cannot set up the channel: {e}"
-        call: grpc.aio.StreamStreamCall | None = None
+        call: AdsCall | None = None
         try:
             stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
             call = stub.DeltaAggregatedResources(metadata=metadata)
@@ -301,7 +302,7 @@ class XdsClient:
                 call.cancel()
             await channel.close()
 
-    async def _handle(self, call: grpc.aio.StreamStreamCall, response: DeltaDiscoveryResponse) -> None:
+    async def _handle(self, call: AdsCall, response: DeltaDiscoveryResponse) -> None:
         if self._metrics is not None:
             # Before handling, as ztunnel does: responses of unknown types and NACKed ones count too.
             self._metrics.message_received(response.type_url, resource_bytes(response))
@@ -327,7 +328,7 @@ class XdsClient:
             if self._on_ready is not None:
                 self._on_ready()
 
-    async def _send(self, call: grpc.aio.StreamStreamCall, request: DeltaDiscoveryRequest) -> None:
+    async def _send(self, call: AdsCall, request: DeltaDiscoveryRequest) -> None:
         # One writer at a time: ACKs from the read loop and on-demand subscriptions interleave.
         async with self._write_lock:
             await call.write(request)

@@ -12,7 +12,8 @@ IP cannot be decoded, an unknown Service.Visibility or WorkloadType) we tolerate
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -64,6 +65,9 @@ DEFAULT_CAPACITY = 1
 # ztunnel narrows wire uint32 ports with `as u16`; we keep the same arithmetic so that a
 # resource means the same thing to both proxies.
 _U16_MASK = 0xFFFF
+_E = TypeVar("_E")
+_P = TypeVar("_P")
+_R = TypeVar("_R")
 
 W = workload_pb2
 A = authorization_pb2
@@ -126,7 +130,7 @@ _SCOPE = {A.GLOBAL: Scope.GLOBAL, A.NAMESPACE: Scope.NAMESPACE, A.WORKLOAD_SELEC
 _ACTION = {A.ALLOW: Action.ALLOW, A.DENY: Action.DENY}
 
 
-def _enum(table: dict, value: int, what: str):
+def _enum(table: Mapping[Any, _E], value: int, what: str) -> _E:
     try:
         return table[value]
     except KeyError:
@@ -164,7 +168,7 @@ def _gateway(pb: workload_pb2.GatewayAddress, what: str) -> GatewayAddress:
     return GatewayAddress(destination=destination, hbone_mtls_port=pb.hbone_mtls_port & _U16_MASK)
 
 
-def _named(name: str, fn, pb):
+def _named(name: str, fn: Callable[[_P], _R], pb: _P) -> _R:
     try:
         return fn(pb)
     except _Invalid as e:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from envoy.config.core.v3 import base_pb2
-from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DeltaDiscoveryResponse
 from google.protobuf import json_format, struct_pb2
 from google.rpc import status_pb2
 
@@ -33,9 +33,6 @@ from .convert import (
     address_from_resource,
     authorization_from_resource,
 )
-
-DeltaDiscoveryRequest = discovery_pb2.DeltaDiscoveryRequest
-DeltaDiscoveryResponse = discovery_pb2.DeltaDiscoveryResponse
 
 # Address first, then Authorization: the order ztunnel registers its handlers in, and so the
 # order of the initial requests on every stream (spec 4.5).
@@ -91,7 +88,7 @@ class Outcome:
 
     @property
     def nack(self) -> bool:
-        return self.reply.HasField("error_detail")
+        return bool(self.reply.HasField("error_detail"))
 
 
 class StreamEnd(enum.Enum):

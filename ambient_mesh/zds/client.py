@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
-import errno
-import fcntl
 import logging
 import os
 import socket
@@ -42,6 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import ProxyWorkloadInfo
+from ..host.netns import netns_problem
 from ..metrics import Metrics, WorkloadManagerMetrics
 from .codec import (
     AckMsg,
@@ -67,13 +65,6 @@ MAX_BACKOFF_S = 15.0
 ACK_SEND_TIMEOUT_S = 5.0
 
 NetnsId = tuple[int, int]  # (st_dev, st_ino) of the namespace file: equal ids = same namespace
-
-# Linux: <linux/nsfs.h> NS_GET_NSTYPE = _IO(0xb7, 0x3); <linux/sched.h>; <linux/magic.h>.
-NS_GET_NSTYPE = 0xB703
-CLONE_NEWNET = 0x40000000
-NSFS_MAGIC = 0x6E736673
-PROC_SUPER_MAGIC = 0x9FA0
-_STATFS_BYTES = 256  # larger than struct statfs on every Linux ABI; f_type is its first word
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -371,38 +362,6 @@ def netns_id_of(fd: int) -> NetnsId:
     return (st.st_dev, st.st_ino)
 
 
-def _fstatfs_type(fd: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if libc.fstatfs(fd, buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ctypes.c_long.from_buffer(buf).value
-
-
-def netns_problem(fd: int) -> str | None:
-    """None if `fd` looks like a network namespace, else what it is instead.
-
-    As ztunnel does: ask the kernel for the namespace type (NS_GET_NSTYPE); kernels older than
-    4.11 do not know that ioctl, so fall back to the filesystem magic (nsfs, or proc for
-    /proc/<pid>/ns/net on very old kernels).
-    """
-    try:
-        nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
-    except OSError as e:
-        if e.errno == errno.EBADF:
-            return "not an open file descriptor"
-    else:
-        return None if nstype == CLONE_NEWNET else f"a namespace of type {nstype:#x}, not a network namespace"
-    try:
-        magic = _fstatfs_type(fd)
-    except OSError as e:
-        return f"cannot fstatfs: {e.strerror}"
-    if magic in (NSFS_MAGIC, PROC_SUPER_MAGIC):
-        return None
-    return f"a file on filesystem {magic:#x}, not nsfs"
-
-
 # --- the asyncio shell -----------------------------------------------------------------------------
 
 
@@ -684,9 +643,6 @@ class ZdsClient:
 
 
 __all__ = [
-    "CLONE_NEWNET",
-    "NSFS_MAGIC",
-    "NS_GET_NSTYPE",
     "PENDING_RETRY_INTERVAL_S",
     "ClientPhase",
     "CloseFd",
@@ -705,5 +661,4 @@ __all__ = [
     "ZdsClientState",
     "close_fds",
     "netns_id_of",
-    "netns_problem",
 ]

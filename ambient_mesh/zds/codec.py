@@ -19,12 +19,16 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 
 from ..config import ProxyWorkloadInfo
 from ..errors import ProtocolError
 from ..wire.istio.workload.zds import zds_pb2
+
+_M = TypeVar("_M", bound=ProtoMessage)
 
 # Both sides read into a 1024-byte buffer; a longer datagram arrives truncated (MSG_TRUNC),
 # so we refuse to build one.
@@ -141,8 +145,10 @@ def _workload_request(msg: Request) -> zds_pb2.WorkloadRequest:
         case Keep():
             return zds_pb2.WorkloadRequest(keep=zds_pb2.KeepWorkload(uid=msg.uid))
         case Del():
-            # `del` is a Python keyword, hence the keyword-argument dict.
-            return zds_pb2.WorkloadRequest(**{"del": zds_pb2.DelWorkload(uid=msg.uid)})
+            # `del` is a Python keyword: the field is reached by name.
+            request = zds_pb2.WorkloadRequest()
+            getattr(request, "del").CopyFrom(zds_pb2.DelWorkload(uid=msg.uid))
+            return request
         case SnapshotSent():
             return zds_pb2.WorkloadRequest(snapshot_sent=zds_pb2.SnapshotSent())
     raise TypeError(f"not a ZDS request: {msg!r}")
@@ -152,7 +158,8 @@ def encode(msg: Message) -> bytes:
     """The datagram payload for `msg`; raises ZdsProtocolError if the peer could not read it whole."""
     match msg:
         case Hello():
-            data = zds_pb2.ZdsHello(version=msg.version).SerializeToString()
+            # The generated stubs type enum fields by their wrapper; on the wire it is the number.
+            data = zds_pb2.ZdsHello(version=cast("zds_pb2.Version", msg.version)).SerializeToString()
         case AckMsg():
             data = zds_pb2.WorkloadResponse(ack=zds_pb2.Ack(error=msg.error)).SerializeToString()
         case Add() | Keep() | Del() | SnapshotSent():
@@ -194,7 +201,7 @@ def _check_datagram(what: str, data: bytes, fds: Sequence[int], flags: int) -> N
         raise ZdsProtocolError(f"received {what} with a truncated control message", fds=fds)
 
 
-def _parse(message_type, what: str, data: bytes, fds: Sequence[int]):
+def _parse(message_type: type[_M], what: str, data: bytes, fds: Sequence[int]) -> _M:
     try:
         return message_type.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:

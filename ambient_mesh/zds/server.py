@@ -231,6 +231,17 @@ class _Connection:
                 update.done.set_result(reason)
 
 
+def _failed(state: ZdsConnectionState, reason: str) -> str:
+    """Close the conversation for `reason` and return it (the CloseConnection command's reason)."""
+    state.fail(reason)
+    return reason
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class ZdsServer:
     """Listens for node proxies on `path` and keeps each one in step with the pod store."""
 
@@ -316,7 +327,7 @@ class ZdsServer:
         async with asyncio.TaskGroup() as group:
             while True:
                 readable: asyncio.Future[None] = loop.create_future()
-                loop.add_reader(listener.fileno(), lambda f=readable: f.done() or f.set_result(None))
+                loop.add_reader(listener.fileno(), _resolve, readable)
                 try:
                     await readable
                 finally:
@@ -373,14 +384,14 @@ class ZdsServer:
         try:
             datagram = await connection.channel.recv(self.deadline_s)
         except TimeoutError:
-            return state.fail(f"no hello within {self.deadline_s}s")[0].reason
+            return _failed(state, f"no hello within {self.deadline_s}s")
         if datagram is None:
-            return state.fail("node proxy closed the connection before its hello")[0].reason
+            return _failed(state, "node proxy closed the connection before its hello")
         try:
             hello = decode_hello(datagram.data, datagram.fds, datagram.flags)
         except ZdsProtocolError as e:
             close_fds(e.fds)
-            return state.fail(f"bad hello: {e.message}")[0].reason
+            return _failed(state, f"bad hello: {e.message}")
         log.info("received hello from node proxy #%d (version %d)", connection.number, hello.version)
 
         # dup() now, in the same step as reading the snapshot: the store may close its handles later.
@@ -451,11 +462,11 @@ class ZdsServer:
             except BlockingIOError:
                 continue
             except OSError as e:
-                return state.fail(f"socket error: {e.strerror or e}")[0].reason
+                return _failed(state, f"socket error: {e.strerror or e}")
             if datagram is None:
-                return state.fail("node proxy closed the connection")[0].reason
+                return _failed(state, "node proxy closed the connection")
             close_fds(datagram.fds)
-            return state.fail("ztunnel protocol error, unexpected message")[0].reason
+            return _failed(state, "ztunnel protocol error, unexpected message")
 
     async def _send_update(self, connection: _Connection, update: _Update) -> str | None:
         """Send one update and resolve its future; a reason when the connection is over."""

@@ -50,9 +50,19 @@ class SeqpacketChannel:
         self._fileno = sock.fileno()
         self._loop = asyncio.get_running_loop()
 
-    async def _wait(self, add: Callable, remove: Callable, timeout_s: float | None) -> bool:
+    async def _wait(
+        self,
+        add: Callable[[int, Callable[[], None]], None],
+        remove: Callable[[int], object],
+        timeout_s: float | None,
+    ) -> bool:
         fut: asyncio.Future[None] = self._loop.create_future()
-        add(self._fileno, lambda: fut.done() or fut.set_result(None))
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        add(self._fileno, ready)
         try:
             async with asyncio.timeout(timeout_s):
                 await fut

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from ambient_mesh.config import ProxyWorkloadInfo
-from ambient_mesh.host.netns import NETNS_RUN_DIR, create_netns, delete_netns, run_prefix
-from ambient_mesh.zds.client import CLONE_NEWNET, NS_GET_NSTYPE, ZdsClient, netns_id_of, netns_problem
+from ambient_mesh.host.netns import (
+    CLONE_NEWNET,
+    NETNS_RUN_DIR,
+    NS_GET_NSTYPE,
+    create_netns,
+    delete_netns,
+    netns_problem,
+    run_prefix,
+)
+from ambient_mesh.zds.client import ZdsClient, netns_id_of
 from ambient_mesh.zds.server import ZdsServer
 
 WAIT_S = 5.0

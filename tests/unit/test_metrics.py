@@ -11,6 +11,7 @@ from ambient_mesh.metrics import (
     ConnectionLabels,
     Metrics,
 )
+from ambient_mesh.proxy.telemetry import connection_labels
 from ambient_mesh.state.model import Locality, Service, Workload
 
 SRC = Workload(
@@ -47,7 +48,7 @@ def full(labels: ConnectionLabels, flag: str = "-") -> dict[str, str]:
 
 
 def test_build_labels_from_workloads():
-    labels = ConnectionLabels.build("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
+    labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
     assert full(labels) == {
         "reporter": "source",
         "source_workload": "sleep",
@@ -80,14 +81,14 @@ def test_build_labels_from_workloads():
 
 
 def test_missing_everything_is_unknown():
-    labels = ConnectionLabels.build("destination")
+    labels = connection_labels("destination")
     values = full(labels)
     assert values.pop("reporter") == "destination"
     assert values.pop("request_protocol") == "tcp"
     assert values.pop("response_flags") == "-"
     assert set(values.values()) == {"unknown"}
     with pytest.raises(ValueError):
-        ConnectionLabels.build("sidecar")
+        connection_labels("sidecar")
 
 
 def test_label_order_puts_response_flags_after_protocol():
@@ -98,7 +99,7 @@ def test_label_order_puts_response_flags_after_protocol():
 
 def test_connection_lifecycle_counts():
     m = Metrics(process_metrics=False)
-    labels = ConnectionLabels.build("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
+    labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
     rec = m.connection_opened(labels)
     assert sample(m, "istio_tcp_connections_opened_total", **full(labels)) == 1
     assert sample(m, "istio_tcp_sockets_open", reporter="source") == 1
@@ -126,7 +127,7 @@ def test_connection_lifecycle_counts():
 
 def test_failed_close_counts_failure_with_flag():
     m = Metrics(process_metrics=False)
-    labels = ConnectionLabels.build("destination", None, None, DST, None, None, mtls=False)
+    labels = connection_labels("destination", None, None, DST, None, None, mtls=False)
     rec = m.connection_opened(labels)
     rec.close("DENY")
     rec.close("DENY")
@@ -140,7 +141,7 @@ def test_failed_close_counts_failure_with_flag():
 
 def test_connection_failed_before_open():
     m = Metrics(process_metrics=False)
-    labels = ConnectionLabels.build("source", SRC, SRC_ID)
+    labels = connection_labels("source", SRC, SRC_ID)
     m.connection_failed(labels, "CONNECT")
     assert sample(m, "istio_tcp_connections_failed_total", **full(labels, "CONNECT")) == 1
     assert sample(m, "istio_tcp_connections_opened_total", **full(labels)) is None
@@ -151,8 +152,8 @@ def test_connection_failed_before_open():
 
 def test_gauge_tracks_many_connections():
     m = Metrics(process_metrics=False)
-    out = ConnectionLabels.build("source")
-    inb = ConnectionLabels.build("destination")
+    out = connection_labels("source")
+    inb = connection_labels("destination")
     recs = [m.connection_opened(out) for _ in range(3)] + [m.connection_opened(inb) for _ in range(2)]
     assert sample(m, "istio_tcp_sockets_open", reporter="source") == 3
     assert sample(m, "istio_tcp_sockets_open", reporter="destination") == 2
@@ -177,13 +178,13 @@ def test_build_info_and_process_metrics():
 
 def test_registries_are_independent():
     a, b = Metrics(process_metrics=False), Metrics(process_metrics=False)
-    a.connection_opened(ConnectionLabels.build("source"))
+    a.connection_opened(connection_labels("source"))
     assert sample(b, "istio_tcp_sockets_open", reporter="source") == 0
 
 
 def test_render_prometheus_text_has_no_created_series():
     m = Metrics(process_metrics=False)
-    labels = ConnectionLabels.build("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
+    labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
     m.connection_opened(labels).add_received(5)
     body, _ = m.render("text/plain")
     text = body.decode()

@@ -1,0 +1,187 @@
+"""Linux sockets as the node proxy and its DNS proxy open them: options and factories, in one place.
+
+Counterparts: ztunnel src/socket.rs (orig_dst_addr, set_transparent, set_mark) and
+src/proxy.rs (keepalive and user timeout, `KeepaliveSettings`). Everything here is a thin, typed wrapper over setsockopt/getsockopt.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ZtunnelConfig
+from ..errors import AmbientError
+from ..net import SocketAddr, ip_address
+
+# linux/netfilter_ipv4.h SO_ORIGINAL_DST and linux/netfilter_ipv6/ip6_tables.h IP6T_SO_ORIGINAL_DST
+SO_ORIGINAL_DST = 80
+IP6T_SO_ORIGINAL_DST = 80
+SOL_IPV6 = getattr(socket, "SOL_IPV6", 41)
+IP_TRANSPARENT = getattr(socket, "IP_TRANSPARENT", 19)
+IPV6_TRANSPARENT = 75
+IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
+SO_MARK = getattr(socket, "SO_MARK", 36)
+TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+
+LISTEN_BACKLOG = 1024
+
+
+def original_destination(sock: socket.socket) -> SocketAddr:
+    """The destination a REDIRECT rule rewrote, read from conntrack via SO_ORIGINAL_DST.
+
+    Tries IPv4 then IPv6 (as ztunnel does) and falls back to the local address when the
+    connection was not redirected (it arrived at the listener directly).
+    """
+    try:
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port = struct.unpack_from("!H", raw, 2)[0]
+        return SocketAddr(ip_address(raw[4:8]), port)
+    except OSError:
+        pass
+    try:
+        raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
+        port = struct.unpack_from("!H", raw, 2)[0]
+        return SocketAddr(ip_address(raw[8:24]), port)
+    except OSError:
+        return SocketAddr.from_sockaddr(sock.getsockname())
+
+
+def set_mark(sock: socket.socket, mark: int) -> None:
+    """Mark the socket so capture rules skip the proxy's own traffic (ztunnel PACKET_MARK)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MARK, mark)
+    except PermissionError as e:
+        raise AmbientError(
+            f"cannot set SO_MARK {mark} on a socket: {e.strerror}",
+            hint="the node proxy needs CAP_NET_ADMIN to mark its sockets (run as root or unset PACKET_MARK)",
+        ) from None
+
+
+def set_transparent(sock: socket.socket, family: int) -> bool:
+    """Allow binding a non-local source address (original-source preservation). Best effort."""
+    try:
+        if family == socket.AF_INET6:
+            sock.setsockopt(SOL_IPV6, IPV6_TRANSPARENT, 1)
+        else:
+            sock.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EPERM, errno.ENOPROTOOPT, errno.EACCES):
+            return False
+        raise
+
+
+def configure_accepted(sock: socket.socket, *, keepalive: KeepaliveSettings | None) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if keepalive is not None:
+        keepalive.apply(sock)
+
+
+# Linux's bounds for the keepalive options (net/ipv4/tcp.c: MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL,
+# MAX_TCP_KEEPCNT); a larger value would make setsockopt fail on every connection.
+MAX_TCP_KEEPIDLE_S = 32767
+MAX_TCP_KEEPINTVL_S = 32767
+MAX_TCP_KEEPCNT = 127
+MAX_TCP_USER_TIMEOUT_MS = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeepaliveSettings:
+    """TCP keepalive and user timeout on the proxy's sockets (ztunnel's KEEPALIVE_* settings).
+
+    As ztunnel's socket setup: with KEEPALIVE_ENABLED, SO_KEEPALIVE plus idle time, probe
+    interval and probe count; with USER_TIMEOUT_ENABLED, TCP_USER_TIMEOUT = time + retries x
+    interval, so unacknowledged data gives up when keepalive would have. Applied to every socket
+    the proxy listeners accept and every socket the proxy connects (apps, peers on 15008).
+    The kernel counts keepalive in whole seconds: durations round up, to at least one second.
+    """
+
+    enabled: bool = True
+    time_s: float = 180.0
+    interval_s: float = 180.0
+    retries: int = 9
+    user_timeout: bool = False
+
+    @classmethod
+    def from_config(cls, config: ZtunnelConfig) -> KeepaliveSettings:
+        return cls(
+            enabled=config.keepalive_enabled,
+            time_s=config.keepalive_time_s,
+            interval_s=config.keepalive_interval_s,
+            retries=config.keepalive_retries,
+            user_timeout=config.user_timeout_enabled,
+        )
+
+    @property
+    def user_timeout_ms(self) -> int:
+        ms = round((self.time_s + self.retries * self.interval_s) * 1000)
+        return min(ms, MAX_TCP_USER_TIMEOUT_MS)
+
+    def apply(self, sock: socket.socket) -> None:
+        if self.enabled:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _whole_s(self.time_s, MAX_TCP_KEEPIDLE_S)
+            )
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _whole_s(self.interval_s, MAX_TCP_KEEPINTVL_S)
+            )
+            sock.setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, min(self.retries, MAX_TCP_KEEPCNT))
+            )
+        if self.user_timeout:
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self.user_timeout_ms)
+
+
+def _whole_s(seconds: float, maximum: int) -> int:
+    return max(1, min(math.ceil(seconds), maximum))
+
+
+SocketFactory = Callable[[int], socket.socket]
+"""Creates a TCP socket of a family; in-pod proxies create theirs inside the pod's netns."""
+
+
+def plain_socket(family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
+    return socket.socket(family, type)
+
+
+def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_socket) -> socket.socket:
+    sock = factory(family)
+    sock.setblocking(False)
+    if mark is not None:
+        set_mark(sock, mark)
+    return sock
+
+
+def listen_socket(
+    addr: SocketAddr,
+    *,
+    mark: int | None = None,
+    transparent: bool = False,
+    reuse_port: bool = False,
+    factory: SocketFactory = plain_socket,
+) -> socket.socket:
+    """A listening socket bound as ztunnel binds: `[::]` listeners are dual-stack."""
+    sock = factory(addr.family)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if addr.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        if mark is not None:
+            set_mark(sock, mark)
+        if transparent:
+            set_transparent(sock, addr.family)
+        sock.bind(addr.sockaddr())
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
