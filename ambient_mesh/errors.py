@@ -7,6 +7,25 @@ hint saying what to check.
 
 from __future__ import annotations
 
+import enum
+
+
+class ResponseFlag(enum.StrEnum):
+    """The `response_flags` label of Istio's TCP metrics: why a proxied connection failed.
+
+    The values ztunnel reports (src/proxy/metrics.rs `ResponseFlags`); NONE ("-") is a
+    connection that ended normally. A StrEnum, so the value is the label text itself.
+    """
+
+    NONE = "-"
+    DENY = "DENY"
+    CONNECT = "CONNECT"
+    TLS_FAILURE = "TLS_FAILURE"
+    H2_HANDSHAKE_FAILURE = "H2_HANDSHAKE_FAILURE"
+    NETWORK_POLICY = "NETWORK_POLICY"
+    IDENTITY_ERROR = "IDENTITY_ERROR"
+    CERT_REVOKED = "CERT_REVOKED"
+
 
 class AmbientError(Exception):
     """Root of every error raised by ambient-mesh."""
@@ -35,6 +54,26 @@ class ConfigError(AmbientError):
 
 class ProtocolError(AmbientError):
     """Bytes from a peer that break the protocol (SOCKS5, HBONE authority, ZDS, ...)."""
+
+
+class ProxyError(AmbientError):
+    """A proxied connection that could not be opened or was closed; `response_flag` is what the
+    metrics and access log record for it, `status` the HTTP status an HBONE CONNECT answer had."""
+
+    response_flag: ResponseFlag = ResponseFlag.CONNECT
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        response_flag: ResponseFlag | None = None,
+        status: int | None = None,
+        hint: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        if response_flag is not None:
+            self.response_flag = response_flag
+        self.status = status
 
 
 class IdentityError(AmbientError):

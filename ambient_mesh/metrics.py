@@ -20,26 +20,17 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from .errors import ResponseFlag
+
 UNKNOWN = "unknown"
-NO_FLAG = "-"
+NO_FLAG = ResponseFlag.NONE
 
 REPORTER_SOURCE = "source"
 REPORTER_DESTINATION = "destination"
 REPORTERS = frozenset({REPORTER_SOURCE, REPORTER_DESTINATION})
 
 # The response_flags values ztunnel reports; "-" means the connection ended normally.
-RESPONSE_FLAGS = frozenset(
-    {
-        NO_FLAG,
-        "DENY",
-        "CONNECT",
-        "TLS_FAILURE",
-        "H2_HANDSHAKE_FAILURE",
-        "NETWORK_POLICY",
-        "IDENTITY_ERROR",
-        "CERT_REVOKED",
-    }
-)
+RESPONSE_FLAGS = frozenset(ResponseFlag)
 
 MUTUAL_TLS = "mutual_tls"
 
@@ -145,7 +136,7 @@ class ConnectionRecorder:
         self._sent = metrics.sent_bytes.labels(*values)
         self.received_bytes = 0
         self.sent_bytes = 0
-        self.response_flag: str | None = None
+        self.response_flag: ResponseFlag | None = None
 
     @property
     def closed(self) -> bool:
@@ -163,7 +154,7 @@ class ConnectionRecorder:
             self._sent.inc(n)
             self.sent_bytes += n
 
-    def close(self, response_flag: str = NO_FLAG) -> bool:
+    def close(self, response_flag: ResponseFlag = NO_FLAG) -> bool:
         """Record the end of the connection; later calls do nothing and return False."""
         if self.response_flag is not None:
             return False
@@ -376,13 +367,13 @@ class Metrics:
         self._open_count[labels.reporter] += 1
         return ConnectionRecorder(self, labels)
 
-    def connection_failed(self, labels: ConnectionLabels, response_flag: str) -> None:
+    def connection_failed(self, labels: ConnectionLabels, response_flag: ResponseFlag) -> None:
         """A connection that failed before it was counted as opened (only the failure counter moves)."""
         if response_flag not in RESPONSE_FLAGS or response_flag == NO_FLAG:
             raise ValueError(f"{response_flag!r} is not a failure response flag")
         self.connections_failed.labels(*_with_flag(labels, response_flag)).inc()
 
-    def _record_close(self, labels: ConnectionLabels, response_flag: str) -> None:
+    def _record_close(self, labels: ConnectionLabels, response_flag: ResponseFlag) -> None:
         values = _with_flag(labels, response_flag)
         self.connections_closed.labels(*values).inc()
         if response_flag != NO_FLAG:

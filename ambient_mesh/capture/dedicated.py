@@ -21,19 +21,17 @@ Everything lives in our own chains (AMBIENT_OUTPUT, AMBIENT_PRERT) so removal is
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..host.commands import CommandRunner
+from ..ports import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT
+from .inpod import IpFamily
 
 DEFAULT_MARK = 1337  # 0x539, ztunnel's PACKET_MARK
 CONNMARK = 0x111  # istio-cni InpodTProxyMark: "the proxy touched this connection"
 MARK_MASK = 0xFFF
 ROUTE_TABLE = 100
 RULE_PRIORITY = 32764
-OUTBOUND_PORT = 15001
-INBOUND_PLAINTEXT_PORT = 15006
-HBONE_PORT = 15008
 
 CHAIN_OUTPUT = "AMBIENT_OUTPUT"
 CHAIN_PREROUTING = "AMBIENT_PRERT"
@@ -43,29 +41,8 @@ MANGLE_JUMPS = (("mangle", "OUTPUT", CHAIN_OUTPUT), ("mangle", "PREROUTING", CHA
 MAX_JUMP_DELETES = 16  # a jump appended by a crashed earlier apply may be present more than once
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IpFamily:
-    version: int
-    restore: str
-    iptables: str
-    loopback_net: str
-    local_default: str
-
-
-IPV4 = IpFamily(
-    version=4,
-    restore="iptables-restore",
-    iptables="iptables",
-    loopback_net="127.0.0.0/8",
-    local_default="0.0.0.0/0",
-)
-IPV6 = IpFamily(
-    version=6, restore="ip6tables-restore", iptables="ip6tables", loopback_net="::1/128", local_default="::/0"
-)
-
-
 def family_for(ipv6: bool) -> IpFamily:
-    return IPV6 if ipv6 else IPV4
+    return IpFamily.V6 if ipv6 else IpFamily.V4
 
 
 def _check_port(name: str, port: int) -> None:

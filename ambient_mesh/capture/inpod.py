@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
+from ..ports import DNS_CAPTURE_PORT, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT
 
 # reference/istio-cni.md 1.6 and 3.1
 INPOD_MARK = 0x539  # ztunnel's SO_MARK 1337 on every socket it opens in the pod
@@ -32,11 +33,6 @@ INPOD_RESTORE_MASK = 0xFFFFFFFF
 ROUTE_TABLE_INBOUND = 100
 MARK_RULE_PRIORITY = 32764
 
-OUTBOUND_PORT = 15001
-INBOUND_PLAINTEXT_PORT = 15006
-HBONE_PORT = 15008
-DNS_CAPTURE_PORT = 15053
-DNS_PORT = 53
 DNS_CONNTRACK_ZONE = 1  # separate zone for ztunnel <-> upstream DNS (istio/istio#33469)
 
 HOST_PROBE_SNAT_IPV4 = ipaddress.IPv4Address("169.254.7.127")  # HOST_PROBE_SNAT_IP
@@ -90,6 +86,15 @@ class IpFamily(Enum):
     def localhost(self) -> str:
         # istio-cni substitutes ::1/128 for 127.0.0.1/32 in the v6 rule set (3.1)
         return "127.0.0.1/32" if self is IpFamily.V4 else "::1/128"
+
+    @property
+    def version(self) -> int:
+        return self.value
+
+    @property
+    def loopback_net(self) -> str:
+        # The whole loopback network: traffic to any 127/8 address stays local.
+        return "127.0.0.0/8" if self is IpFamily.V4 else "::1/128"
 
     @property
     def local_default(self) -> str:

@@ -151,8 +151,6 @@ class Informer:
         self.retries = 0
         self.dropped = 0
         self.last_actions: dict[tuple[str, str], PodAction] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     def __repr__(self) -> str:
         return (
@@ -211,7 +209,6 @@ class Informer:
         handle = self._retry_handles.pop(item.key, None)
         if handle is not None:
             handle.cancel()
-        self._idle.clear()
         self._queue.put_nowait(item)
 
     def _retry(self, item: _Item, why: str) -> None:
@@ -224,12 +221,7 @@ class Informer:
 
     def _fire_retry(self, item: _Item) -> None:
         self._retry_handles.pop(item.key, None)
-        self._idle.clear()
         self._queue.put_nowait(item)
-
-    async def wait_idle(self) -> None:
-        """Until the queue is empty and no retry is scheduled (tests use this)."""
-        await self._idle.wait()
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -240,8 +232,6 @@ class Informer:
                 await self._process(item)
             finally:
                 self.processed += 1
-                if self._queue.empty() and not self._retry_handles:
-                    self._idle.set()
 
     async def _process(self, item: _Item) -> None:
         def known_uid(pod: WatchedPod) -> bool:

@@ -33,13 +33,13 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import AmbientError
+from ..host.files import atomic_write
 from .cniconf import DEFAULT_CNI_AGENT_RUN_DIR, PLUGIN_TYPE
 from .enablement import DEFAULT_ENABLEMENT_SELECTORS, EnablementSelector
 
@@ -278,22 +278,6 @@ def render_config(config: Mapping[str, Any]) -> bytes:
 
 
 # -- I/O ------------------------------------------------------------------------------------------
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Temp file in the same directory, fsync, chmod, rename over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.tmp.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,7 +32,7 @@ import dns.rrset
 from ..config import DEFAULT_CLUSTER_DOMAIN
 from ..net import IPAddress
 from ..state.model import IpFamilies, Service, Visibility, Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 
 # Records we serve carry ztunnel's TTL: short, so that VIP changes reach clients quickly.
 ANSWER_TTL_S = 30
@@ -84,12 +84,12 @@ class MeshView(Protocol):
 
 
 class StateView:
-    """`MeshView` over a `ProxyState`: the store's own host-name index, every candidate (DNS
+    """`MeshView` over a `StateReader`: the store's own host-name index, every candidate (DNS
     ranks them differently from routing: VIP-or-headless filter, preferred namespace)."""
 
     __slots__ = ("_state",)
 
-    def __init__(self, state: ProxyState) -> None:
+    def __init__(self, state: StateReader) -> None:
         self._state = state
 
     def services_for_host(self, hostname: str) -> Sequence[Service]:

@@ -36,8 +36,9 @@ from ..errors import BindError
 from ..host.sockets import LISTEN_BACKLOG, plain_socket, set_mark
 from ..metrics import UNKNOWN, WithoutCreated
 from ..net import IPAddress, SocketAddr, ip_address
+from ..ports import DNS_PORT
 from ..state.model import Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 from .resolver import (
     DnsRequest,
     DnsSettings,
@@ -57,7 +58,6 @@ from .resolver import (
 
 log = logging.getLogger("ambient_mesh.dns")
 
-DNS_PORT = 53
 RESOLV_CONF_PATH = "/etc/resolv.conf"
 # ztunnel: a TCP client has 5 s to send each request; the upstream has 5 s to answer.
 TCP_REQUEST_TIMEOUT_S = 5.0
@@ -365,7 +365,7 @@ class DnsServer:
         *,
         name: str,
         address: SocketAddr,
-        state: ProxyState | MeshView,
+        state: StateReader | MeshView,
         settings: DnsSettings,
         client: Callable[[], Workload | None],
         forwarder: Forwarder,
@@ -377,7 +377,7 @@ class DnsServer:
     ) -> None:
         self.name = name
         self.address = address
-        self._view: MeshView = StateView(state) if isinstance(state, ProxyState) else state
+        self._view: MeshView = StateView(state) if isinstance(state, StateReader) else state
         self._settings = settings
         self._client = client
         self.forwarder = forwarder

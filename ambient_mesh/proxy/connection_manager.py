@@ -16,18 +16,18 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import AmbientError
+from ..errors import ProxyError, ResponseFlag
 from ..rbac import Decision, RbacConnection, log_dry_run
 from ..state.model import Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 
 log = logging.getLogger("ambient_mesh.proxy.rbac")
 
 
-class PolicyDenied(AmbientError):
+class PolicyDenied(ProxyError):
     """A connection refused or closed by authorization; metrics record flag DENY."""
 
-    response_flag = "DENY"
+    response_flag = ResponseFlag.DENY
 
     def __init__(self, decision: Decision, *, closing: bool = False) -> None:
         what = "connection closed due to policy change" if closing else "connection denied by policy"
@@ -44,7 +44,7 @@ class TrackedConnection:
 
 
 class ConnectionManager:
-    def __init__(self, state: ProxyState, *, info_logging: bool = False) -> None:
+    def __init__(self, state: StateReader, *, info_logging: bool = False) -> None:
         self.state = state
         # AUTHZ_POLICY_INFO_LOGGING: every decision at info (ztunnel logs them at debug otherwise).
         self._decision_level = logging.INFO if info_logging else logging.DEBUG

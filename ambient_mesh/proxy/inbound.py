@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import AmbientError, ProtocolError
+from ..errors import AmbientError, ProtocolError, ResponseFlag
 from ..host.sockets import original_destination
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
@@ -78,7 +78,7 @@ def _both(
 class InboundRefusal:
     status: int
     reason: str
-    response_flag: str = "CONNECT"
+    response_flag: ResponseFlag = ResponseFlag.CONNECT
 
 
 class InboundProxy:
@@ -338,7 +338,7 @@ class InboundProxy:
                 raise
         except (OSError, TimeoutError) as e:
             reason = f"connect to {address} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
-            result.fail(reason, "CONNECT")
+            result.fail(reason, ResponseFlag.CONNECT)
             return InboundRefusal(status=503, reason=reason)
         if proxy_header is not None:
             upstream.write(proxy_header)  # the app reads who called before any stream byte
@@ -483,7 +483,8 @@ class InboundPassthroughProxy:
             upstream = await wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
             result.fail(
-                f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}", "CONNECT"
+                f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}",
+                ResponseFlag.CONNECT,
             )
             downstream.abort()
             return

@@ -31,7 +31,7 @@ from ..identity.spiffe import Identity
 from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..state.model import TunnelProtocol, Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 from .inbound import InboundProxy
 from .workload_proxy import ListenerAddresses, WorkloadProxy
 
@@ -60,7 +60,7 @@ class InpodManager:
         self,
         *,
         config: ZtunnelConfig,
-        state: ProxyState,
+        state: StateReader,
         cert_manager: SecretManager,
         tls: TlsContextCache,
         metrics: Metrics,

@@ -23,7 +23,7 @@ from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
@@ -58,7 +58,7 @@ class ConnectionTracker:
 @dataclass(eq=False, kw_only=True)
 class ProxyInputs:
     config: ZtunnelConfig
-    state: ProxyState
+    state: StateReader
     cert_manager: SecretManager
     tls: TlsContextCache
     metrics: Metrics

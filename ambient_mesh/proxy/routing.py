@@ -2,7 +2,7 @@
 
 Counterpart: ztunnel src/proxy/outbound.rs (`build_request`, `fetch_upstream`,
 `fetch_waypoint`), behaviour from reference/ztunnel.md section 3.1. A pure function over the
-`ProxyState`: it returns a `Route` plan (or a `RouteRefused` value) and the outbound shell
+`StateReader`: it returns a `Route` plan (or a `RouteRefused` value) and the outbound shell
 carries it out. Multi-network routing (double HBONE through an east-west gateway, 3.4) and
 hostname-only workloads (resolved by DNS on demand) are refused with a reason for now.
 """
@@ -13,11 +13,11 @@ import enum
 import random
 from dataclasses import dataclass
 
-from ..errors import IdentityError
+from ..errors import IdentityError, ResponseFlag
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
+from ..ports import HBONE_PORT
 from ..state.model import (
-    HBONE_PORT,
     GatewayAddress,
     IpFamilies,
     LoadBalancingMode,
@@ -26,10 +26,9 @@ from ..state.model import (
     TunnelProtocol,
     Workload,
 )
-from ..state.store import ProxyState, load_balance
+from ..state.store import StateReader, load_balance
 
 # Istio response flag for a connection we closed without reaching an upstream.
-RESPONSE_FLAG_CONNECT = "CONNECT"
 
 
 class RouteKind(enum.Enum):
@@ -60,7 +59,7 @@ class Route:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouteRefused:
     reason: str
-    response_flag: str = RESPONSE_FLAG_CONNECT
+    response_flag: ResponseFlag = ResponseFlag.CONNECT
     self_call: bool = False  # the target is the proxy itself (ztunnel's Error::SelfCall)
 
 
@@ -72,7 +71,7 @@ class _Waypoint:
 
 
 def build_request(
-    state: ProxyState,
+    state: StateReader,
     source: Workload,
     target: SocketAddr,
     *,
@@ -216,7 +215,7 @@ def _pick_service_waypoint(service: Service, rng: random.Random) -> GatewayAddre
 
 
 def _resolve_waypoint(
-    state: ProxyState,
+    state: StateReader,
     gateway: GatewayAddress,
     source: Workload,
     *,
@@ -284,7 +283,7 @@ def _waypoint_route(
     )
 
 
-def _is_source_the_waypoint(state: ProxyState, source: Workload, gateway: GatewayAddress) -> bool:
+def _is_source_the_waypoint(state: StateReader, source: Workload, gateway: GatewayAddress) -> bool:
     """Is the caller one of the workloads implementing `gateway`? (identity and IP must agree)"""
     destination = gateway.destination
     candidates: list[Workload] = []
@@ -349,4 +348,4 @@ def _identity(workload: Workload) -> Identity | None:
         return None
 
 
-__all__ = ["RESPONSE_FLAG_CONNECT", "Route", "RouteKind", "RouteRefused", "build_request"]
+__all__ = ["Route", "RouteKind", "RouteRefused", "build_request"]

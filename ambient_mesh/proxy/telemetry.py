@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ProxyError, ResponseFlag
 from ..identity.spiffe import Identity
 from ..logs import AccessLogFields, log_connection_complete, log_connection_failed
 from ..metrics import (
@@ -22,11 +23,24 @@ from ..metrics import (
 )
 from ..net import SocketAddr
 from ..state.model import Service, Workload
+from .hbone import HboneError
 from .routing import Route, RouteKind
 
 if TYPE_CHECKING:
     from .inputs import ProxyInputs
     from .relay import Relay
+
+
+def response_flag_of(error: BaseException) -> ResponseFlag:
+    """The flag a failed connection records: the error's own, else CONNECT (refused, reset,
+    timed out: ztunnel's catch-all for an upstream that could not be reached)."""
+    if isinstance(error, ProxyError):
+        return error.response_flag
+    if isinstance(error, HboneError):
+        # proxy/hbone.py (helper hbone-core's in this session) keeps its own flag strings and
+        # does not derive from ProxyError yet.
+        return ResponseFlag(error.response_flag)
+    return ResponseFlag.CONNECT
 
 
 def connection_labels(
@@ -168,7 +182,7 @@ class ConnectionResult:
         }
 
     def complete(self, relay: Relay, error: BaseException | None) -> None:
-        flag = "-" if error is None else getattr(error, "response_flag", "CONNECT")
+        flag = ResponseFlag.NONE if error is None else response_flag_of(error)
         self._finish(
             relay.bytes_up,
             relay.bytes_down,
@@ -176,10 +190,10 @@ class ConnectionResult:
             flag,
         )
 
-    def fail(self, error: str, response_flag: str) -> None:
+    def fail(self, error: str, response_flag: ResponseFlag) -> None:
         self._finish(0, 0, error, response_flag)
 
-    def _finish(self, up: int, down: int, error: str | None, flag: str) -> None:
+    def _finish(self, up: int, down: int, error: str | None, flag: ResponseFlag) -> None:
         if self._done:
             return
         self._done = True
@@ -218,7 +232,7 @@ class ConnectionResult:
         error: str,
         source: Workload | None = None,
         destination: Workload | None = None,
-        response_flag: str = "CONNECT",
+        response_flag: ResponseFlag = ResponseFlag.CONNECT,
     ) -> None:
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
         pi.metrics.connection_failed(connection_labels(reporter, source, None, destination), response_flag)

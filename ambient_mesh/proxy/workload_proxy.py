@@ -24,7 +24,7 @@ from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
-from ..state.store import ProxyState
+from ..state.store import StateReader
 from .hbone import HboneSettings
 from .inbound import InboundPassthroughProxy, InboundProxy
 from .inputs import ProxyInputs
@@ -67,7 +67,7 @@ class WorkloadProxy:
         *,
         name: str,
         config: ZtunnelConfig,
-        state: ProxyState,
+        state: StateReader,
         cert_manager: SecretManager,
         tls: TlsContextCache,
         metrics: Metrics,

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from ..identity.spiffe import Identity
 from ..net import IPAddress
-
-HBONE_PORT = 15008
+from ..ports import HBONE_PORT
 
 
 class TunnelProtocol(enum.Enum):

@@ -15,12 +15,12 @@ import dataclasses
 import random
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from ..errors import IdentityError
 from ..identity.spiffe import Identity
 from ..net import IPAddress
-from ..rbac import Authorization, PolicyIndex
+from ..rbac import Authorization, Decision, PolicyIndex, PolicyTarget, RbacConnection
 from .model import (
     Endpoint,
     HealthPolicy,
@@ -295,7 +295,12 @@ Listener = Callable[["ProxyState"], None]
 
 
 class ProxyState:
-    """Workloads, services and authorization policies, with a version and change listeners."""
+    """Workloads, services and authorization policies, with a version and change listeners.
+
+    One writer: `xds.updater.StateUpdater` (fed by xDS or the local config file) changes the
+    stores and then calls `notify_changed` once per batch. Everything else reads, through the
+    `StateReader` view below (the proxy and the DNS proxy are typed against it).
+    """
 
     def __init__(self) -> None:
         self.workloads = WorkloadStore()
@@ -303,63 +308,6 @@ class ProxyState:
         self.policies: PolicyIndex = PolicyIndex()  # a dict of ns/name -> policy, indexed by scope
         self.version = 0
         self._listeners: list[Listener] = []
-
-    # -- writes ---------------------------------------------------------------------------------
-
-    def replace_all(
-        self, workloads: Iterable[Workload], services: Iterable[Service], policies: Iterable[Authorization]
-    ) -> None:
-        """Drop everything and load a full snapshot (the local config file); one notification."""
-        # Cleared in place: readers may hold on to the stores themselves.
-        self.workloads.clear()
-        self.services.clear()
-        self.policies.clear()
-        for service in services:
-            self.services.insert(service)
-        for workload in workloads:
-            self._insert_workload(workload)
-        for policy in policies:
-            self.policies[policy.key] = policy
-        self.notify_changed()
-
-    def insert_workload(self, workload: Workload) -> None:
-        self._insert_workload(workload)
-        self.notify_changed()
-
-    def _insert_workload(self, workload: Workload) -> None:
-        self.workloads.insert(workload)
-        self.services.update_workload(workload)
-
-    def remove_workload(self, uid: str) -> bool:
-        if self.workloads.remove(uid) is None:
-            return False
-        self.services.remove_workload(uid)
-        self.notify_changed()
-        return True
-
-    def insert_service(self, service: Service) -> None:
-        self.services.insert(service)
-        self.notify_changed()
-
-    def remove_service(self, key: str) -> bool:
-        if self.services.remove(key) is None:
-            return False
-        self.notify_changed()
-        return True
-
-    def remove(self, name: str) -> bool:
-        """Remove an xDS Address by resource name: a workload uid first, else `ns/hostname`."""
-        return self.remove_workload(name) or self.remove_service(name)
-
-    def insert_policy(self, policy: Authorization) -> None:
-        self.policies[policy.key] = policy
-        self.notify_changed()
-
-    def remove_policy(self, key: str) -> bool:
-        if self.policies.pop(key, None) is None:
-            return False
-        self.notify_changed()
-        return True
 
     # -- listeners ------------------------------------------------------------------------------
 
@@ -384,6 +332,83 @@ class ProxyState:
             f"<ProxyState v{self.version}: {len(self.workloads)} workloads, "
             f"{len(self.services)} services, {len(self.policies)} policies>"
         )
+
+
+# -- the read-only view --------------------------------------------------------------------------
+#
+# What the proxy and the DNS proxy may do with the state: look things up and listen for changes.
+# ProxyState (and its stores) fit these protocols; typing the readers against them makes a write
+# from the proxy a type error (ARCHITECTURE.md: the proxy only reads state).
+
+
+class WorkloadReader(Protocol):
+    def find_uid(self, uid: str) -> Workload | None: ...
+
+    def find_address(self, network: str, ip: IPAddress) -> Workload | None: ...
+
+    def find_by_identity(self, identity: Identity) -> list[Workload]: ...
+
+    def find_by_name(self, namespace: str, name: str) -> list[Workload]: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, uid: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[Workload]: ...
+
+
+class ServiceReader(Protocol):
+    def get(self, key: str) -> Service | None: ...
+
+    def staged_endpoints(self, key: str) -> list[Endpoint]: ...
+
+    def find_vip(
+        self, network: str, ip: IPAddress, client_namespace: str | None = None
+    ) -> Service | None: ...
+
+    @property
+    def hostname_count(self) -> int: ...
+
+    def services_for_hostname(self, hostname: str) -> list[Service]: ...
+
+    def find_hostname(self, hostname: str, client_namespace: str | None = None) -> Service | None: ...
+
+    def services_for_workload(self, uid: str) -> list[Service]: ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[Service]: ...
+
+
+class PolicyReader(Protocol):
+    def check(self, workload: PolicyTarget, conn: RbacConnection) -> Decision: ...
+
+    def __getitem__(self, key: str) -> Authorization: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable  # the DNS server takes a StateReader or its own MeshView
+class StateReader(Protocol):
+    @property
+    def workloads(self) -> WorkloadReader: ...
+
+    @property
+    def services(self) -> ServiceReader: ...
+
+    @property
+    def policies(self) -> PolicyReader: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def add_listener(self, callback: Callable[[ProxyState], None]) -> Callable[[], None]: ...
 
 
 # -- load balancing (reference 4.4) ------------------------------------------------------------
@@ -446,7 +471,7 @@ def locality_rank(
 
 
 def load_balance(
-    state: ProxyState,
+    state: StateReader,
     service: Service,
     source_workload: Workload,
     *,

@@ -8,4 +8,8 @@
 The `.proto` files are written from spec/wire-protocols.md, not copied from Istio. Never edit
 the generated modules: change the `.proto` and run `python -m ambient_mesh.wire.regenerate`.
 These types stop at the edge: `xds` and `zds` convert them into `state` and `rbac` values.
+The xDS type URLs of the two resource types are defined here, once, for both ends of ADS.
 """
+
+ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
+AUTHORIZATION_TYPE_URL = "type.googleapis.com/istio.security.Authorization"

@@ -52,11 +52,9 @@ from ..state.model import (
     WorkloadStatus,
     WorkloadType,
 )
+from ..wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
-
-ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
-AUTHORIZATION_TYPE_URL = "type.googleapis.com/istio.security.Authorization"
 
 # An empty cluster_id means the default cluster (spec 2.1, ztunnel src/state/workload.rs).
 DEFAULT_CLUSTER_ID = "Kubernetes"

@@ -6,14 +6,13 @@ sections 4.3, 5.5 and 7.
 
 A push is applied as one batch: every resource goes straight into the stores (which keep
 per-service endpoint dicts, so each endpoint costs O(1)), and the state's listeners hear about
-it once at the end rather than once per resource. Policy listeners (the connection manager's
-re-check of live connections) are told only about Authorization pushes, as in ztunnel.
+it once at the end rather than once per resource (the connection manager re-checks live
+connections from there).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..rbac import Authorization
@@ -24,8 +23,6 @@ from .convert import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from .session import Push
 
 log = logging.getLogger("ambient_mesh.xds")
-
-PolicyListener = Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,18 +56,7 @@ class StateUpdater:
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
-        self._policy_listeners: list[PolicyListener] = []
         self.pushes_applied = 0
-
-    def add_policy_listener(self, callback: PolicyListener) -> Callable[[], None]:
-        """Call `callback()` after every applied Authorization push; returns an unsubscriber."""
-        self._policy_listeners.append(callback)
-
-        def unsubscribe() -> None:
-            if callback in self._policy_listeners:
-                self._policy_listeners.remove(callback)
-
-        return unsubscribe
 
     # -- xDS ---------------------------------------------------------------------------------------
 
@@ -103,10 +89,6 @@ class StateUpdater:
         if applied:
             self._state_changed()
         self.pushes_applied += 1
-        # Live connections are re-checked after every Authorization push that changed
-        # something or was fully accepted (even an empty one), like ztunnel's PolicyStore.send().
-        if push.type_url == AUTHORIZATION_TYPE_URL and (applied or not push.rejected):
-            self._notify_policy_listeners()
         return summary
 
     def _upsert_address(self, resource: object, counts: dict[str, int]) -> None:
@@ -153,7 +135,6 @@ class StateUpdater:
         for policy in local.policies:
             self._upsert_policy(policy, counts)
         self._state_changed()
-        self._notify_policy_listeners()
         return UpdateSummary(source="local config", **counts)
 
     # -- notifications -----------------------------------------------------------------------------
@@ -162,18 +143,8 @@ class StateUpdater:
         # One version bump and one round of listener calls per batch.
         self.state.notify_changed()
 
-    def _notify_policy_listeners(self) -> None:
-        for callback in list(self._policy_listeners):
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one broken listener must not stop the updater
-                log.exception("policy listener %r failed", callback)
-
     def __repr__(self) -> str:
-        return (
-            f"<StateUpdater: {self.pushes_applied} pushes applied, "
-            f"{len(self._policy_listeners)} policy listeners, {self.state!r}>"
-        )
+        return f"<StateUpdater: {self.pushes_applied} pushes applied, {self.state!r}>"
 
 
 __all__ = ["StateUpdater", "UpdateSummary"]

@@ -14,6 +14,7 @@ from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.identity.tls import client_context
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.rbac import Action, Authorization, Clause, Match, Rule, Scope, StringMatch
+from tests.state_writes import upsert
 
 from .mesh import ECHO_PORT, SERVER_IP, local_config, running_mesh
 
@@ -180,7 +181,7 @@ async def assert_cut(reader, writer) -> None:
 async def test_live_connection_is_cut_when_a_deny_lands():
     async with running_mesh() as mesh:
         reader, writer = await open_echo(mesh)
-        mesh.server.state.insert_policy(deny_client("deny-client", Scope.NAMESPACE))
+        upsert(mesh.server.state, deny_client("deny-client", Scope.NAMESPACE))
         await assert_cut(reader, writer)
         await wait_for(lambda: samples(mesh.server, "istio_tcp_connections_closed_total"))
         closed = samples(mesh.server, "istio_tcp_connections_closed_total")
@@ -191,9 +192,9 @@ async def test_live_connection_is_cut_when_a_deny_lands():
 async def test_live_connection_is_cut_when_its_workload_gains_a_selector_policy():
     async with running_mesh() as mesh:
         state = mesh.server.state
-        state.insert_policy(deny_client("deny-selected", Scope.WORKLOAD_SELECTOR))
+        upsert(state, deny_client("deny-selected", Scope.WORKLOAD_SELECTOR))
         reader, writer = await open_echo(mesh)  # the policy selects no workload yet: allowed
         server = state.workloads.find_uid("cluster1//v1/Pod/default/server")
-        state.insert_workload(dataclasses.replace(server, authorization_policies=("default/deny-selected",)))
+        upsert(state, dataclasses.replace(server, authorization_policies=("default/deny-selected",)))
         await assert_cut(reader, writer)
         assert mesh.server.pi.connection_manager.closed_by_policy == 1

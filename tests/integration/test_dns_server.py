@@ -19,6 +19,7 @@ from ambient_mesh.metrics import Metrics
 from ambient_mesh.net import SocketAddr, ip_address
 from ambient_mesh.state.model import NetworkAddress, Service, Workload
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import load
 
 LOOPBACK = SocketAddr.of("127.0.0.1", 0)
 CLIENT = Workload(
@@ -96,7 +97,8 @@ class FakeUpstream:
 
 def make_state() -> ProxyState:
     state = ProxyState()
-    state.replace_all(
+    load(
+        state,
         [CLIENT],
         [
             Service(

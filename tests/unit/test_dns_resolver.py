@@ -43,6 +43,7 @@ from ambient_mesh.dns.resolver import (
 from ambient_mesh.net import ip_address
 from ambient_mesh.state.model import IpFamilies, NetworkAddress, Service, Visibility, Workload
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import load, upsert
 
 NS1, NS2, NS3, PREFERRED = "ns1", "ns2", "ns3", "preferred-ns"
 NW1, NW2 = "nw1", "nw2"
@@ -165,7 +166,7 @@ SETTINGS = DnsSettings(prefered_service_namespace=PREFERRED)
 
 def make_state() -> ProxyState:
     state = ProxyState()
-    state.replace_all(WORKLOADS, SERVICES, [])
+    load(state, WORKLOADS, SERVICES)
     return state
 
 
@@ -600,7 +601,7 @@ def test_state_view_follows_state_changes() -> None:
     state = make_state()
     view = StateView(state)
     assert isinstance(decide(query("late.ns1."), CLIENT, view, SETTINGS, random.Random(0)), Forward)
-    state.insert_service(svc(kube_fqdn("late", NS1), vips=((NW1, "50.50.50.50"),)))
+    upsert(state, svc(kube_fqdn("late", NS1), vips=((NW1, "50.50.50.50"),)))
     decision = decide(query("late.ns1."), CLIENT, view, SETTINGS, random.Random(0))
     assert isinstance(decision, LocalAnswer) and records(decision.response) == [a("late.ns1.", "50.50.50.50")]
     assert repr(view) == f"<StateView v{state.version}: {len(SERVICES) - 4} hostnames indexed>"

@@ -36,6 +36,7 @@ from ambient_mesh.state.dump import (
 from ambient_mesh.state.localconfig import parse_local_config
 from ambient_mesh.state.model import Workload
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import load
 
 GOLDEN = Path(__file__).parent / "golden" / "config_dump.json"
 NOW = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -167,7 +168,7 @@ SERVED = ProxyWorkloadInfo(namespace="shop", name="cart-7f9c", service_account="
 def state_from(text: str) -> ProxyState:
     local = parse_local_config(text, "test")
     state = ProxyState()
-    state.replace_all(local.workloads, local.services, local.policies)
+    load(state, local.workloads, local.services, local.policies)
     return state
 
 

@@ -11,6 +11,7 @@ from ambient_mesh.metrics import Metrics
 from ambient_mesh.proxy.inpod import InpodManager
 from ambient_mesh.state.model import TunnelProtocol, Workload
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import remove, upsert
 
 
 class RecordingSecretManager:
@@ -62,11 +63,11 @@ def test_prefetch_local_hbone_identities_and_forget_when_the_last_one_leaves():
         "t-1", "t", "node-1", protocol=TunnelProtocol.TCP, ip="10.0.0.4"
     )  # no mTLS: nothing to fetch
     for w in (a1, a2, b, tcp):
-        state.insert_workload(w)
+        upsert(state, w)
     ident_a = Identity("cluster.local", "ns", "a")
     assert secrets.calls == [("prefetch", ident_a)]  # once per identity, not per workload
-    state.remove_workload(a1.uid)
+    remove(state, a1.uid)
     assert secrets.calls == [("prefetch", ident_a)]  # a-2 still runs as `a` here
-    state.remove_workload(a2.uid)
+    remove(state, a2.uid)
     assert secrets.calls == [("prefetch", ident_a), ("forget", ident_a)]
     assert repr(manager) == "InpodManager(0 pods: )"

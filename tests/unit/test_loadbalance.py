@@ -24,6 +24,7 @@ from ambient_mesh.state.model import (
     Workload,
 )
 from ambient_mesh.state.store import ProxyState, load_balance, locality_rank, target_port
+from tests.state_writes import load
 
 SVC_KEY = "default/echo.default.svc.cluster.local"
 R, Z, SZ, N, C, NET = (
@@ -60,7 +61,8 @@ def backend(name: str, ip: str = "10.0.0.1", *, ports: dict[int, int] | None = N
 def make_state(*backends: Workload, **service_kwargs) -> tuple[ProxyState, Service]:
     state = ProxyState()
     service_kwargs.setdefault("ports", {80: 8080})
-    state.replace_all(
+    load(
+        state,
         backends,
         [
             Service(

@@ -31,6 +31,7 @@ from ambient_mesh.state.model import (
     WorkloadType,
 )
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import load
 
 # The example from reference/ztunnel.md section 2.3, exactly as written there.
 REFERENCE_EXAMPLE = """\
@@ -149,7 +150,7 @@ def test_reference_example_loads_into_state(tmp_path) -> None:
     path.write_text(REFERENCE_EXAMPLE)
     config = load_local_config(path)
     state = ProxyState()
-    state.replace_all(config.workloads, config.services, config.policies)
+    load(state, config.workloads, config.services, config.policies)
     svc = state.services.get("shop/cart.shop.svc.cluster.local")
     assert svc is not None and set(svc.endpoints) == {"k1//v1/Pod/shop/cart-7f9c"}
     assert repr(state) == "<ProxyState v1: 2 workloads, 1 services, 2 policies>"

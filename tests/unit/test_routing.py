@@ -32,6 +32,7 @@ from ambient_mesh.state.model import (
     WorkloadStatus,
 )
 from ambient_mesh.state.store import ProxyState
+from tests.state_writes import load
 
 NODE = "local"
 ILLEGAL_PORTS = frozenset({15001, 15006, 15008, 15080, 15000, 15020, 15021})
@@ -79,7 +80,7 @@ WP_BY_HOST = GatewayAddress(destination=NamespacedHostname(namespace="default", 
 
 def make_state(workloads=(), services=()) -> ProxyState:
     state = ProxyState()
-    state.replace_all([SOURCE, *workloads], list(services), [])
+    load(state, [SOURCE, *workloads], services)
     return state
 
 

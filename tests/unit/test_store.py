@@ -21,6 +21,7 @@ from ambient_mesh.state.model import (
     WorkloadStatus,
 )
 from ambient_mesh.state.store import ProxyState, ServiceStore, WorkloadStore
+from tests.state_writes import load, remove, upsert
 
 SVC_KEY = "default/echo.default.svc.cluster.local"
 
@@ -284,49 +285,45 @@ def test_cidr_vips_after_exact_and_ranked() -> None:
 
 
 def test_proxy_state_versions_and_listeners() -> None:
+    # One version per applied push (a removal of an unknown name is still a push applied).
     state = ProxyState()
     seen: list[int] = []
     unsubscribe = state.add_listener(lambda s: seen.append(s.version))
     wl = workload("a", "10.0.0.1", services={SVC_KEY: {}})
-    state.insert_workload(wl)
-    state.insert_service(service())
+    upsert(state, wl)
+    upsert(state, service())
     policy = Authorization(name="p", namespace="default", scope=Scope.NAMESPACE)
-    state.insert_policy(policy)
+    upsert(state, policy)
     assert state.policies == {"default/p": policy}
     assert seen == [1, 2, 3]
     assert repr(state) == "<ProxyState v3: 1 workloads, 1 services, 1 policies>"
-    assert state.remove_policy("default/p") is True
-    assert state.remove_policy("default/p") is False  # no change, no new version
-    assert state.remove_workload(wl.uid) is True
+    assert remove(state, "default/p", policies=True).removed == 1
+    assert remove(state, "default/p", policies=True).not_found == 1
+    assert remove(state, wl.uid).removed == 1
     assert state.services.get(SVC_KEY).endpoints == {}
-    assert state.remove_workload(wl.uid) is False
-    assert state.remove_service(SVC_KEY) is True
-    assert state.remove_service(SVC_KEY) is False
-    assert seen == [1, 2, 3, 4, 5, 6]
+    assert remove(state, SVC_KEY).removed == 1
+    assert seen == [1, 2, 3, 4, 5, 6, 7]
     unsubscribe()
-    state.insert_workload(wl)
-    assert seen == [1, 2, 3, 4, 5, 6] and state.version == 7
+    upsert(state, wl)
+    assert seen == [1, 2, 3, 4, 5, 6, 7] and state.version == 8
 
 
 def test_remove_by_xds_name_tries_workload_then_service() -> None:
     state = ProxyState()
-    state.insert_workload(workload("a", "10.0.0.1"))
-    state.insert_service(service())
-    assert state.remove("Kubernetes//Pod/default/a") is True
-    assert state.remove(SVC_KEY) is True
-    assert state.remove(SVC_KEY) is False
-    assert repr(state) == "<ProxyState v4: 0 workloads, 0 services, 0 policies>"
+    upsert(state, workload("a", "10.0.0.1"), service())
+    summary = remove(state, "Kubernetes//Pod/default/a", SVC_KEY, SVC_KEY)
+    assert (summary.removed, summary.not_found) == (2, 1)
+    assert repr(state) == "<ProxyState v2: 0 workloads, 0 services, 0 policies>"
 
 
-def test_replace_all_drops_previous_state_and_notifies_once() -> None:
+def test_a_snapshot_drops_previous_state_and_notifies_once() -> None:
     state = ProxyState()
-    state.insert_workload(workload("old", "10.0.0.9"))
-    state.insert_policy(Authorization(name="old", namespace="default"))
+    upsert(state, workload("old", "10.0.0.9"), Authorization(name="old", namespace="default"))
     calls: list[str] = []
     state.add_listener(lambda s: calls.append(repr(s)))
     workloads, services = state.workloads, state.services
-    # Workloads listed before their services still become endpoints.
-    state.replace_all(
+    load(
+        state,
         [workload("a", "10.0.0.1", services={SVC_KEY: {}})],
         [service()],
         [Authorization(name="new", namespace="default")],
