@@ -153,7 +153,7 @@ class InboundProxy:
 
     def _on_request(
         self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
-    ) -> asyncio.Task:
+    ) -> asyncio.Task[None]:
         # Returned to the HBONE shell, which cancels it if the peer resets the stream unanswered.
         return self.pi.connections.spawn(self.serve_stream(stream, local, peer, workload))
 
