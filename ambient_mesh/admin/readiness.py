@@ -8,7 +8,7 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from ..http1 import Request, Response, not_found
-from ..http1.server import HttpServer
+from ..http1.server import HttpServer, HttpService
 from ..net import SocketAddr
 
 
@@ -68,7 +68,7 @@ class Readiness:
         return f"<Readiness: pending {', '.join(self.pending)}>"
 
 
-class ReadinessServer:
+class ReadinessServer(HttpService):
     """`/healthz/ready`: 200 once every registered task is ready, else 500 naming what is pending."""
 
     PATH = "/healthz/ready"
@@ -85,16 +85,6 @@ class ReadinessServer:
         return Response.text(
             HTTPStatus.INTERNAL_SERVER_ERROR, f"not ready, pending: {', '.join(self.readiness.pending)}\n"
         )
-
-    @property
-    def bound_address(self) -> SocketAddr:
-        return self.http.bound_address
-
-    async def start(self) -> None:
-        await self.http.start()
-
-    async def stop(self) -> None:
-        await self.http.stop()
 
     def __repr__(self) -> str:
         return f"<ReadinessServer {self.http!r}, {self.readiness!r}>"

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from .. import logs
 from ..errors import ConfigError
 from ..http1 import Request, Response, method_not_allowed, not_found
-from ..http1.server import HttpServer
+from ..http1.server import HttpServer, HttpService
 from ..net import SocketAddr
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ ADMIN_ENDPOINTS: tuple[tuple[str, str], ...] = (
 )
 
 
-class AdminServer:
+class AdminServer(HttpService):
     """The admin API on localhost (`/`, `/config_dump`, `/logging`, `/quitquitquit`)."""
 
     def __init__(
@@ -141,16 +141,6 @@ class AdminServer:
         if inspect.isawaitable(result):
             self._shutdown_task = asyncio.ensure_future(result)
         return Response.text(HTTPStatus.OK, "shutdown now\n")
-
-    @property
-    def bound_address(self) -> SocketAddr:
-        return self.http.bound_address
-
-    async def start(self) -> None:
-        await self.http.start()
-
-    async def stop(self) -> None:
-        await self.http.stop()
 
     def __repr__(self) -> str:
         return f"<AdminServer {self.http!r}, dumps: {', '.join(self._dumps) or 'none'}>"

@@ -11,7 +11,7 @@ from http import HTTPStatus
 from typing import Protocol
 
 from ..http1 import Request, Response, not_found
-from ..http1.server import HttpServer
+from ..http1.server import HttpServer, HttpService
 from ..net import SocketAddr
 
 # Smaller replies are not worth compressing.
@@ -33,7 +33,7 @@ def _accepts_gzip(accept_encoding: str | None) -> bool:
     return False
 
 
-class StatsServer:
+class StatsServer(HttpService):
     """Prometheus scrape endpoint (`/metrics`, `/stats/prometheus`)."""
 
     PATHS = frozenset({"/metrics", "/stats/prometheus"})
@@ -54,16 +54,6 @@ class StatsServer:
                 headers=(("Content-Encoding", "gzip"), ("Vary", "Accept-Encoding")),
             )
         return Response(status=HTTPStatus.OK, body=body, content_type=content_type)
-
-    @property
-    def bound_address(self) -> SocketAddr:
-        return self.http.bound_address
-
-    async def start(self) -> None:
-        await self.http.start()
-
-    async def stop(self) -> None:
-        await self.http.stop()
 
     def __repr__(self) -> str:
         return f"<StatsServer {self.http!r}>"

@@ -195,3 +195,19 @@ class HttpServer:
     def __repr__(self) -> str:
         where = str(self._bound) if self._bound and self._server else f"{self.address} (stopped)"
         return f"<{self.name} server {where}: {len(self._connections)} connections, {self.requests_served} served>"
+
+
+class HttpService:
+    """Something served by one HttpServer (`self.http`): started, stopped, and where it listens."""
+
+    http: HttpServer
+
+    @property
+    def bound_address(self) -> SocketAddr:
+        return self.http.bound_address
+
+    async def start(self) -> None:
+        await self.http.start()
+
+    async def stop(self) -> None:
+        await self.http.stop()
