@@ -33,6 +33,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
