@@ -14,17 +14,18 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..net import SocketAddr
+from ..errors import ProxyError, ResponseFlag
+from ..host.sockets import original_destination
+from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
 from . import headers as hbone_headers
-from .hbone import HboneError
+from .hbone import HboneError, HboneStream
 from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
-from .relay import Endpoint, Relay, TcpEndpoint, wrap_socket
+from .relay import Relay, TcpEndpoint, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
-from .sockets import original_destination
-from .telemetry import ConnectionResult
+from .telemetry import ConnectionResult, response_flag_of
 
 log = logging.getLogger("ambient_mesh.proxy.outbound")
 
@@ -34,7 +35,7 @@ class OutboundFailure:
     """A connection that could not be set up; already counted and logged by `open`."""
 
     reason: str
-    response_flag: str
+    response_flag: ResponseFlag
     error: BaseException | None = None
     self_call: bool = False  # refused because it would reach the proxy itself
 
@@ -45,7 +46,7 @@ class OutboundUpstream:
 
     route: Route
     result: ConnectionResult
-    endpoint: Endpoint | None = None
+    endpoint: HboneStream | TcpEndpoint | None = None
     inbound: InboundProxy | None = None
     admitted: Admitted | None = None
 
@@ -53,10 +54,10 @@ class OutboundUpstream:
         """The client left before the relay started: close the upstream and record why."""
         if self.admitted is not None:
             self.admitted.upstream.abort()
-            self.admitted.result.fail(reason, "CONNECT")
+            self.admitted.result.fail(reason, ResponseFlag.CONNECT)
         if self.endpoint is not None:
             self.endpoint.abort()
-        self.result.fail(reason, "CONNECT")
+        self.result.fail(reason, ResponseFlag.CONNECT)
 
 
 class OutboundProxy:
@@ -67,7 +68,7 @@ class OutboundProxy:
         pi: ProxyInputs,
         source: Callable[[], Workload | None],
         local_inbound: Callable[[Workload], InboundProxy | None] | None = None,
-        resolve_name: Callable[[str], Awaitable[list]] | None = None,
+        resolve_name: Callable[[str], Awaitable[list[IPAddress]]] | None = None,
     ) -> None:
         self.pi = pi
         # SOCKS5 domain names go through the workload's DNS proxy logic (ztunnel needs DNS on).
@@ -114,7 +115,7 @@ class OutboundProxy:
             ConnectionResult.failed(
                 pi, src=peer, dst=target, direction="outbound", error="unknown source workload"
             )
-            return OutboundFailure(reason="unknown source workload", response_flag="CONNECT")
+            return OutboundFailure(reason="unknown source workload", response_flag=ResponseFlag.CONNECT)
         route = build_request(
             pi.state,
             source,
@@ -138,21 +139,26 @@ class OutboundProxy:
             return OutboundFailure(
                 reason=route.reason, response_flag=route.response_flag, self_call=route.self_call
             )
-        if route.kind is RouteKind.DIRECT_HBONE and route.same_node and self._local_inbound is not None:
+        if (
+            route.kind is RouteKind.DIRECT_HBONE
+            and route.same_node
+            and self._local_inbound is not None
+            and route.destination_workload is not None
+        ):
             inbound = self._local_inbound(route.destination_workload)
             if inbound is not None:
                 return await self._same_node(inbound, route, peer)
         result = ConnectionResult.outbound(pi, route, peer)
         try:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
-                endpoint: Endpoint = await self._open_hbone(route, peer)
+                endpoint: HboneStream | TcpEndpoint = await self._open_hbone(route, peer)
             else:
                 sock = await pi.connect(
                     route.actual_destination, _source_ip(source, route.actual_destination)
                 )
                 endpoint = await wrap_socket(sock)
-        except (HboneError, OSError, TimeoutError) as e:
-            flag = getattr(e, "response_flag", "CONNECT")
+        except (ProxyError, HboneError, OSError, TimeoutError) as e:
+            flag = response_flag_of(e)
             result.fail(str(e), flag)
             return OutboundFailure(reason=str(e), response_flag=flag, error=e)
         return OutboundUpstream(route=route, result=result, endpoint=endpoint)
@@ -182,10 +188,14 @@ class OutboundProxy:
         Both reporters are recorded, as they would be over HBONE."""
         target = route.hbone_target
         workload = route.destination_workload
+        # A same-node route is a direct HBONE route to a workload: both are always set.
+        assert target is not None and workload is not None, route
         result = ConnectionResult.outbound(self.pi, route, peer)
         decision = inbound.local_target(workload, target)
-        admitted = decision
-        if isinstance(decision, InboundTarget):
+        admitted: Admitted | InboundRefusal
+        if not isinstance(decision, InboundTarget):
+            admitted = decision
+        else:
             admitted = await inbound.admit(
                 peer=peer,
                 src_id=route.source_workload.identity,
@@ -202,8 +212,10 @@ class OutboundProxy:
         self.fast_path_connections += 1
         return OutboundUpstream(route=route, result=result, inbound=inbound, admitted=admitted)
 
-    async def _open_hbone(self, route: Route, peer: SocketAddr):
+    async def _open_hbone(self, route: Route, peer: SocketAddr) -> HboneStream:
         pi = self.pi
+        if pi.pool is None:
+            raise ProxyError("no HBONE connection pool: the proxy is not started")
         src_id = route.source_workload.identity
         key = WorkloadKey.of(
             src_id,
@@ -219,8 +231,8 @@ class OutboundProxy:
         ]
         stream, response = await pi.pool.open_stream(key, str(route.hbone_target), headers)
         if response.status != 200:
-            flag = "DENY" if response.status == 401 else "CONNECT"
-            raise HboneError(
+            flag = ResponseFlag.DENY if response.status == 401 else ResponseFlag.CONNECT
+            raise ProxyError(
                 f"HBONE CONNECT to {route.hbone_target} via {route.actual_destination} "
                 f"answered {response.status}",
                 response_flag=flag,
@@ -229,6 +241,6 @@ class OutboundProxy:
         return stream
 
 
-def _source_ip(source: Workload, dst: SocketAddr):
+def _source_ip(source: Workload, dst: SocketAddr) -> IPAddress | None:
     """The served workload's address in the destination's family, used as the source address."""
     return next((ip for ip in source.workload_ips if ip.version == dst.ip.version), None)
