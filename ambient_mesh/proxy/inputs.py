@@ -111,7 +111,8 @@ class ProxyInputs:
                 else:
                     _bind_if_local(sock, src)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.keepalive.apply(sock)
+            if self.keepalive is not None:  # set in __post_init__ from the config
+                self.keepalive.apply(sock)
             await asyncio.get_running_loop().sock_connect(sock, dst.sockaddr())
         except BaseException:
             sock.close()

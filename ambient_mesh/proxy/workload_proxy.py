@@ -95,7 +95,9 @@ class WorkloadProxy:
         self.pi.pool = HbonePool(
             HboneConnector(
                 fetch_client_context=self.pi.client_context,
-                verify_server=tls.verify_server,  # CRL_PATH, then the SPIFFE identity
+                # CRL_PATH, then the SPIFFE identity; hbone.py (helper hbone-core's) types the
+                # certificate source as `object`.
+                verify_server=tls.verify_server,  # type: ignore[arg-type]
                 open_socket=self.pi.connect,
                 settings=settings,
             ),
