@@ -235,17 +235,30 @@ def _all(iterator) -> list:
     return list(iterator)
 
 
+_PEAK_KIB = [0]  # the process's VmHWM before every reset: resets must not hide its true peak
+
+
+def peak_rss_kib() -> int:
+    """The process's peak RSS over its whole life, across `reset_peak_rss` calls."""
+    _PEAK_KIB[0] = max(_PEAK_KIB[0], proc_status().get("VmHWM", 0))
+    return _PEAK_KIB[0]
+
+
 def measure(fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
-    """Run `fn` once, untraced: wall time, RSS change, and the stage's peak RSS above its start."""
+    """Run `fn` once, untraced: wall and CPU time, RSS change, and the stage's peak RSS above its
+    start. CPU time is this process's alone, so it moves less than wall time on a shared host."""
     gc.collect()
+    peak_rss_kib()
     before = proc_status()
     reset = reset_peak_rss()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     after = proc_status()
+    peak_rss_kib()
     return out, {
         "seconds": seconds,
+        "cpu_s": cpu_s,
         "rss_before_kib": before.get("VmRSS"),
         "rss_delta_kib": after.get("VmRSS", 0) - before.get("VmRSS", 0),
         "rss_peak_over_start_kib": after.get("VmHWM", 0) - before.get("VmRSS", 0) if reset else None,
@@ -317,13 +330,68 @@ def call(conn, message: tuple | None, timeout_s: float) -> Any:
 # -- the control plane process --------------------------------------------------------------------
 
 
-def control_plane_entry(conn, scale_name: str, profile: bool) -> None:
-    _serve_commands(conn, lambda c: _control_plane(c, SCALES[scale_name], profile))
-
-
-async def _control_plane(conn, scale: Scale, profile: bool) -> None:
-    import grpc
+def decoders_entry(conn, scale_name: str) -> None:
+    """The YAML decode alone, pure-Python PyYAML against libyaml, in a process of its own so the
+    memory it leaves behind does not count against the control plane's."""
     import yaml
+
+    text = mesh_yaml(SCALES[scale_name])
+    stages: dict[str, dict[str, Any]] = {}
+    _, stages["decode_pyyaml"] = measure(partial(_all, yaml.safe_load_all(text)))
+    _, stages["decode_libyaml"] = measure(partial(_all, yaml.load_all(text, Loader=yaml.CSafeLoader)))
+    conn.send(("ok", stages))
+    conn.close()
+
+
+def control_plane_entry(conn, scale_name: str, profile: bool, mode: str) -> None:
+    _serve_commands(conn, lambda c: _control_plane(c, SCALES[scale_name], profile, mode))
+
+
+class _Full:
+    """What ControlPlane.apply did before the AmbientIndex: translate everything, update all."""
+
+    def __init__(self, ads) -> None:
+        self.ads = ads
+
+    def load(self, store) -> Any:
+        from ambient_mesh.control.translate import translate
+
+        self.translation = translate(store)
+        return self.translation
+
+    def push(self, _loaded) -> int:
+        return self.ads.update(self.translation.addresses, self.translation.authorizations)
+
+    def change(self, store, key) -> Any:
+        return self.load(store)
+
+
+class _Incremental:
+    """What ControlPlane.apply does: the AmbientIndex translates what changed, ADS gets the delta."""
+
+    def __init__(self, ads) -> None:
+        from ambient_mesh.control.translate import AmbientIndex
+
+        self.ads = ads
+        self.index = AmbientIndex()
+
+    def load(self, store) -> Any:
+        return self.index.update(store)
+
+    def push(self, delta) -> int:
+        return self.ads.apply(
+            addresses=delta.addresses,
+            removed_addresses=delta.removed_addresses,
+            authorizations=delta.authorizations,
+            removed_authorizations=delta.removed_authorizations,
+        )
+
+    def change(self, store, key) -> Any:
+        return self.index.update(store, [key])
+
+
+async def _control_plane(conn, scale: Scale, profile: bool, mode: str) -> None:
+    import grpc
 
     from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer
     from ambient_mesh.control.kube import KubeStore, object_key, parse_documents
@@ -333,49 +401,42 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
     t0 = time.perf_counter()
     text = mesh_yaml(scale)
     generate_s = time.perf_counter() - t0
+    yaml_bytes, yaml_documents = len(text), text.count("\n---\n") + 1
 
-    # What the YAML decode alone costs, with the pure-Python loader parse_documents uses and
-    # with libyaml's C loader, to size the parse stage's obvious fix. Measured first, while the
-    # heap is small, so the comparison with each other is fair.
-    _, stages["decode_pyyaml"] = measure(partial(_all, yaml.safe_load_all(text)))
-    _, stages["decode_libyaml"] = measure(partial(_all, yaml.load_all(text, Loader=yaml.CSafeLoader)))
+    # What the control plane does at start-up, in its order: parse, snapshot, translate, serve.
     parsed, stages["parse"] = measure(partial(parse_documents, text, "mesh.yaml"))
     if parsed.errors:
         raise AssertionError(f"generated mesh does not parse: {parsed.errors[:3]}")
+    del text  # `ambient control` does not keep the files' text either
     store, stages["store"] = measure(partial(KubeStore, parsed.objects))
-    translation, stages["translate"] = measure(partial(translate, store))
+    objects_count = len(parsed.objects)
+    del parsed
     ads = AdsServer()
-    _, stages["update"] = measure(partial(ads.update, translation.addresses, translation.authorizations))
-
-    # The same two stages again under tracemalloc (slower, so never timed).
-    again, extra = traced(partial(translate, store))
-    stages["translate"].update(extra)
-    _, extra = traced(partial(AdsServer().update, again.addresses, again.authorizations))
-    stages["update"].update(extra)
-    del again
-    profiles: dict[str, list[str]] = {}
-    if profile:
-        profiles["parse"] = profile_top(partial(parse_documents, text, "mesh.yaml"))
-        profiles["translate"] = profile_top(partial(translate, store))
-        profiles["update"] = profile_top(
-            partial(AdsServer().update, translation.addresses, translation.authorizations)
-        )
+    path = _Incremental(ads) if mode == "incremental" else _Full(ads)
+    loaded, stages["load"] = measure(partial(path.load, store))
+    _, stages["update"] = measure(partial(path.push, loaded))
+    del loaded
     gc.collect()
+    serving_peak_kib = peak_rss_kib()
+    serving_rss_kib = proc_status().get("VmRSS")
 
-    snapshot = ads.snapshot
+    # The bench's own extras from here on: the full translation (the reference, and what every
+    # change cost before the index), the same stages under tracemalloc, profiles.
+    translation, stages["translate"] = measure(partial(translate, store))
     workloads = sum(1 for a in translation.addresses.values() if a.WhichOneof("type") == "workload")
     summary = {
-        "yaml_bytes": len(text),
-        "yaml_documents": text.count("\n---\n") + 1,
+        "mode": mode,
+        "yaml_bytes": yaml_bytes,
+        "yaml_documents": yaml_documents,
         "generate_s": generate_s,
-        "objects": len(parsed.objects),
+        "objects": objects_count,
         "store": repr(store),
         "workloads": workloads,
         "services": len(translation.addresses) - workloads,
         "authorizations": len(translation.authorizations),
         "notes": len(translation.notes),
         "serialized_bytes": {
-            SHORT[t]: sum(len(r.resource.value) for r in snapshot.of(t).values())
+            SHORT[t]: sum(len(r.resource.value) for r in ads.snapshot.of(t).values())
             for t in (ADDRESS, AUTHORIZATION)
         },
         "workload_policy_refs": sum(
@@ -383,7 +444,29 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
             for a in translation.addresses.values()
             if a.WhichOneof("type") == "workload"
         ),
+        "serving_rss_kib": serving_rss_kib,
+        "serving_peak_rss_kib": serving_peak_kib,
     }
+    del translation
+    _, extra = traced(partial(translate, store))
+    stages["translate"].update(extra)
+    fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
+    again, extra = traced(partial(fresh.load, store))
+    stages["load"].update(extra)
+    _, extra = traced(partial(fresh.push, again))
+    stages["update"].update(extra)
+    del again, fresh
+    profiles: dict[str, list[str]] = {}
+    if profile:
+        text = mesh_yaml(scale)
+        profiles["parse"] = profile_top(partial(parse_documents, text, "mesh.yaml"))
+        del text
+        profiles["translate"] = profile_top(partial(translate, store))
+        fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
+        again = fresh.load(store)
+        profiles["update"] = profile_top(partial(fresh.push, again))
+        del again, fresh
+    gc.collect()
 
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ads.serve(server)
@@ -391,14 +474,13 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
     await server.start()
     conn.send(("ready", {"port": port, "stages": stages, "summary": summary, "profiles": profiles}))
 
-    objects = {object_key(o): o for o in parsed.objects}
-    del parsed, text
+    objects = {object_key(o): o for o in store.all()}
     try:
         while True:
             command = await asyncio.to_thread(conn.recv)
             match command:
                 case ("mutate", kind, index):
-                    conn.send(("ok", _mutate(ads, objects, scale, kind, index)))
+                    conn.send(("ok", _mutate(path, objects, scale, kind, index)))
                 case ("stop",):
                     status = proc_status()
                     conn.send(
@@ -406,7 +488,7 @@ async def _control_plane(conn, scale: Scale, profile: bool) -> None:
                             "ok",
                             {
                                 "rss_kib": status.get("VmRSS"),
-                                "rss_peak_kib": status.get("VmHWM"),
+                                "rss_peak_kib": peak_rss_kib(),
                                 "connections": len(ads.connections()),
                             },
                         )
@@ -426,10 +508,10 @@ def _sent_by_type(ads) -> dict[str, int]:
     return out
 
 
-def _mutate(ads, objects: dict, scale: Scale, kind: str, index: int) -> dict[str, Any]:
-    """Change one object, then do what ControlPlane.apply does: new snapshot, translate, update."""
+def _mutate(path, objects: dict, scale: Scale, kind: str, index: int) -> dict[str, Any]:
+    """Change one object, then do what ControlPlane.apply does with a DirectoryChange: the new
+    snapshot (KubeStore), translate (all of it, or the index's delta), push."""
     from ambient_mesh.control.kube import KubeStore, PodCondition, parse_documents
-    from ambient_mesh.control.translate import translate
 
     if kind == "pod":
         k = (index * 7919 + 13) % scale.pods  # a different pod each time, spread over namespaces
@@ -446,27 +528,32 @@ def _mutate(ads, objects: dict, scale: Scale, kind: str, index: int) -> dict[str
         (new,) = parse_documents(
             _policy_yaml(p, scale, principal_suffix=f"-v{index + 2}"), "edit.yaml"
         ).objects
-        objects[("AuthorizationPolicy", ns, name)] = new
+        key = ("AuthorizationPolicy", ns, name)
+        objects[key] = new
         expected = f"{ns}/{name}"
     else:
         raise ValueError(kind)
     gc.collect()
-    t0 = time.monotonic()
+    ads = path.ads
+    c0, t0 = time.process_time(), time.monotonic()
     store = KubeStore(objects.values())
-    t1 = time.monotonic()
-    translation = translate(store)
+    c1, t1 = time.process_time(), time.monotonic()
+    loaded = path.change(store, key)
     t2 = time.monotonic()
     before = _sent_by_type(ads)
-    queued = ads.update(translation.addresses, translation.authorizations)
-    t3 = time.monotonic()
+    queued = path.push(loaded)
+    c3, t3 = time.process_time(), time.monotonic()
     after = _sent_by_type(ads)
     return {
         "expected": expected,
         "t_start": t0,
+        "t_translate_start": t1,
         "t_update_start": t2,
         "store_s": t1 - t0,
         "translate_s": t2 - t1,
         "update_s": t3 - t2,
+        "control_plane_cpu_s": c3 - c0,
+        "control_plane_cpu_after_store_s": c3 - c1,
         "responses_queued": queued,
         "resources_queued": {t: after[t] - before[t] for t in after},
     }
@@ -693,8 +780,21 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
     timeout_s = args.timeout_s
     cp_conn, cp_child = ctx.Pipe()
     px_conn, px_child = ctx.Pipe()
+    decoders: dict[str, Any] = {}
+    if args.compare_decoders:
+        console.print(f"[{scale.name}] YAML decoders alone (own process) ...")
+        dec_conn, dec_child = ctx.Pipe()
+        dec = ctx.Process(target=decoders_entry, args=(dec_child, scale.name), name="decoders")
+        dec.start()
+        try:
+            decoders = call(dec_conn, None, timeout_s * 2)
+        finally:
+            dec.join(timeout_s)
+            if dec.is_alive():
+                dec.terminate()
+                dec.join(5)
     cp = ctx.Process(
-        target=control_plane_entry, args=(cp_child, scale.name, args.profile), name="control plane"
+        target=control_plane_entry, args=(cp_child, scale.name, args.profile, args.mode), name="control plane"
     )
     px: multiprocessing.Process | None = None
     try:
@@ -724,6 +824,9 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
                         "update_s": change["update_s"],
                         "update_to_applied_s": seen["applied_at"] - change["t_update_start"],
                         "change_to_applied_s": seen["applied_at"] - change["t_start"],
+                        "translate_to_applied_s": seen["applied_at"] - change["t_translate_start"],
+                        "control_plane_cpu_s": change["control_plane_cpu_s"],
+                        "control_plane_cpu_after_store_s": change["control_plane_cpu_after_store_s"],
                         "proxy_decode_s": seen["decode_s"],
                         "proxy_apply_s": seen["apply_s"],
                         "wire_bytes": seen["wire_bytes"],
@@ -765,7 +868,7 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
         "scale": dataclasses.asdict(scale) | {"namespaces": scale.namespaces, "nodes": scale.nodes},
         "control_plane": {
             **plane["summary"],
-            "stages": plane["stages"],
+            "stages": {**decoders, **plane["stages"]},
             "process_rss_peak_kib": cp_final["rss_peak_kib"],
         },
         "node_proxy": proxy,
@@ -791,13 +894,23 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
         f"AuthorizationPolicies ({sc['namespaces']} namespaces, {sc['nodes']} nodes): own process"
     )
     table = Table(title=title, title_justify="left")
-    for col in ("stage", "ms", "traced peak MiB", "traced held MiB", "RSS Δ MiB", "RSS peak Δ MiB", "detail"):
+    for col in (
+        "stage",
+        "ms",
+        "CPU ms",
+        "traced peak MiB",
+        "traced held MiB",
+        "RSS Δ MiB",
+        "RSS peak Δ MiB",
+        "detail",
+    ):
         table.add_column(col, justify="left" if col in ("stage", "detail") else "right")
 
     def row(name: str, s: dict[str, Any], detail: str) -> None:
         table.add_row(
             name,
             _ms(s["seconds"]),
+            _ms(s.get("cpu_s")),
             _mib(s.get("traced_peak_kib")),
             _mib(s.get("traced_retained_kib")),
             _mib(s["rss_delta_kib"]),
@@ -810,20 +923,23 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
         st["parse"],
         f"{cp['yaml_bytes'] / 2**20:,.1f} MiB, {cp['yaml_documents']:,} documents",
     )
-    row("  decode only, pure-Python PyYAML", st["decode_pyyaml"], "yaml.safe_load_all, as kube.py decodes")
-    row("  decode only, libyaml", st["decode_libyaml"], "yaml.load_all(Loader=CSafeLoader), for comparison")
+    if "decode_pyyaml" in st:
+        row("  decode only, pure-Python PyYAML", st["decode_pyyaml"], "yaml.safe_load_all (own process)")
+        row("  decode only, libyaml", st["decode_libyaml"], "yaml.load_all(Loader=CSafeLoader) (own process)")
     row("KubeStore(objects)", st["store"], cp["store"])
+    incremental = cp.get("mode") == "incremental"
     row(
-        "translate",
-        st["translate"],
+        "AmbientIndex.update (start-up)" if incremental else "translate (start-up)",
+        st["load"],
         f"{cp['workloads']:,} workloads, {cp['services']:,} services, {cp['authorizations']:,} authorizations",
     )
     sizes = cp["serialized_bytes"]
     row(
-        "AdsServer.update (pack + hash)",
+        "AdsServer.apply (pack + hash)" if incremental else "AdsServer.update (pack + hash)",
         st["update"],
         f"Address {sizes['Address'] / 2**20:,.1f} MiB, Authorization {sizes['Authorization'] / 2**20:,.2f} MiB",
     )
+    row("translate (full, reference)", st["translate"], "what every change cost before the AmbientIndex")
     console.print(table)
 
     px = result["node_proxy"]
@@ -855,12 +971,17 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
         f"{_mib(px['traced_peak_kib'])} / {_mib(px['traced_retained_kib'])}",
     )
     table.add_row(
-        "process peak RSS, control plane / node proxy (MiB)",
+        "control plane RSS / peak RSS when serving (MiB; parse -> ADS, before the bench's extras)",
+        f"{_mib(cp['serving_rss_kib'])} / {_mib(cp['serving_peak_rss_kib'])}",
+    )
+    table.add_row(
+        "process peak RSS, control plane (with the bench's extras) / node proxy (MiB)",
         f"{_mib(cp['process_rss_peak_kib'])} / {_mib(px['process_rss_peak_kib'])}",
     )
     console.print(table)
 
-    table = Table(title="incremental update: one object changed (median of repeats)", title_justify="left")
+    title = f"one object changed ({cp.get('mode', 'full')} translation; median of repeats)"
+    table = Table(title=title, title_justify="left")
     for col in (
         "change",
         "n",
@@ -868,7 +989,9 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
         "translate ms",
         "update ms",
         "update->applied ms",
+        "translate->applied ms",
         "change->applied ms",
+        "control plane CPU ms",
         "proxy decode+apply ms",
         "wire bytes",
         "only it sent",
@@ -889,7 +1012,9 @@ def print_scale(result: dict[str, Any], console: Console) -> None:
             _ms(med("translate_s")),
             _ms(med("update_s")),
             _ms(med("update_to_applied_s")),
+            _ms(med("translate_to_applied_s")),
             _ms(med("change_to_applied_s")),
+            _ms(med("control_plane_cpu_s")),
             _ms(statistics.median(r["proxy_decode_s"] + r["proxy_apply_s"] for r in runs)),
             f"{med('wire_bytes'):,.0f}",
             "yes" if all(r["only_changed_resource_sent"] for r in runs) else "NO",
@@ -914,6 +1039,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="incremental updates per kind")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument("--profile", action="store_true", help="also cProfile each stage and print the top")
+    parser.add_argument(
+        "--mode",
+        choices=("incremental", "full"),
+        default="incremental",
+        help="incremental: the AmbientIndex, as ControlPlane.apply does; full: translate everything per "
+        "change, as it did before (runs on older trees too)",
+    )
+    parser.add_argument(
+        "--compare-decoders",
+        action="store_true",
+        help="also time the YAML decode alone, pure-Python PyYAML against libyaml (own process; slow)",
+    )
     args = parser.parse_args()
 
     console = Console(width=160)
@@ -933,6 +1070,7 @@ def main() -> None:
             {
                 "benchmark": "control_plane",
                 "repeats": args.repeats,
+                "mode": args.mode,
                 "python": sys.version.split()[0],
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
@@ -945,7 +1083,11 @@ def main() -> None:
                     "seconds are wall time of one untraced run; traced_* from a second run under tracemalloc",
                     "tracemalloc sees only the Python heap: protobuf (upb) and gRPC core memory show in RSS only",
                     "rss_peak_over_start_kib: VmHWM after a reset via /proc/self/clear_refs, minus VmRSS at the start",
-                    "incremental: the control plane re-translates the whole snapshot, as ControlPlane.apply does",
+                    "one object changed: a new KubeStore (the directory watcher's snapshot), then translate "
+                    "(mode full: everything; mode incremental: AmbientIndex.update of the changed key) "
+                    "and the push, as ControlPlane.apply does",
+                    "serving_peak_rss_kib: peak RSS after parse -> KubeStore -> translation -> ADS, before "
+                    "the bench's reference and traced passes; process_rss_peak_kib: the whole run's peak",
                 ],
                 "scales": results,
             },

@@ -15,7 +15,7 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -175,6 +175,29 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             # Unchanged resources keep their packed entry: one pod's change re-packs one Address.
             previous=self._snapshot,
         )
+        return self._push()
+
+    def apply(
+        self,
+        *,
+        addresses: Mapping[str, workload_pb2.Address] = {},
+        removed_addresses: Iterable[str] = (),
+        authorizations: Mapping[str, authorization_pb2.Authorization] = {},
+        removed_authorizations: Iterable[str] = (),
+    ) -> int:
+        """Replace or remove some resources and push them: what changed, not the whole mesh
+        (`AmbientIndex.apply` returns exactly these). Returns how many responses were queued."""
+        self._push_version += 1
+        self._snapshot = self._snapshot.patch(
+            version=str(self._push_version),
+            addresses=addresses,
+            removed_addresses=removed_addresses,
+            authorizations=authorizations,
+            removed_authorizations=removed_authorizations,
+        )
+        return self._push()
+
+    def _push(self) -> int:
         queued = 0
         for conn in self._connections.values():
             responses = conn.state.push(self._snapshot)

@@ -171,6 +171,9 @@ class VersionedResource:
     resource: any_pb2.Any = field(repr=False, compare=False)
     # The resource's own lookup keys (2.3), sent in Resource.aliases on on-demand answers.
     aliases: tuple[str, ...] = ()
+    # For a workload, the services it is an endpoint of (the keys of Workload.services), so a
+    # patched snapshot can keep `Snapshot.endpoints` without unpacking the old resource.
+    services: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,6 +187,10 @@ class Snapshot:
     # Whether the aliases came from the resources themselves (`address_aliases`) rather than a
     # caller's mapping: only then does an unchanged resource keep its aliases in the next build.
     derived_aliases: bool = field(default=True, repr=False, compare=False)
+    # Set by `patch`: the names per type that differ from the snapshot it was patched from, and
+    # that snapshot's id(); a connection still holding that one compares only these names.
+    changed: Mapping[str, frozenset[str]] | None = field(default=None, repr=False, compare=False)
+    parent_id: int = field(default=0, repr=False, compare=False)
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{len(self.of(t))} {SHORT_TYPE[t]}" for t in TYPE_URLS)
@@ -239,7 +246,12 @@ class Snapshot:
                 packed_addresses[name] = unchanged
             else:
                 packed_addresses[name] = _pack_bytes(
-                    name, ADDRESS_TYPE_URL, data, versioned=True, aliases=sorted_keys
+                    name,
+                    ADDRESS_TYPE_URL,
+                    data,
+                    versioned=True,
+                    aliases=sorted_keys,
+                    services=_services(addr),
                 )
         before = previous.of(AUTHORIZATION_TYPE_URL) if previous is not None else {}
         packed_authorizations: dict[str, VersionedResource] = {}
@@ -267,6 +279,80 @@ class Snapshot:
             owners={k: tuple(sorted(v)) for k, v in owners.items()},
             endpoints={k: tuple(sorted(v)) for k, v in endpoints.items()},
             derived_aliases=explicit is None,
+        )
+
+    def patch(
+        self,
+        *,
+        version: str,
+        addresses: Mapping[str, workload_pb2.Address] = {},
+        removed_addresses: Iterable[str] = (),
+        authorizations: Mapping[str, authorization_pb2.Authorization] = {},
+        removed_authorizations: Iterable[str] = (),
+    ) -> Snapshot:
+        """This snapshot with some resources replaced or removed: work in proportion to the
+        change, not to the mesh (istiod's incremental push). Aliases are derived from the
+        resources, so a snapshot built with explicit aliases cannot be patched."""
+        if not self.derived_aliases:
+            raise ValueError("a snapshot built with explicit aliases cannot be patched; build it again")
+        packed = dict(self.of(ADDRESS_TYPE_URL))
+        owners = dict(self.owners)
+        endpoints = dict(self.endpoints)
+        changed_addresses: set[str] = set()
+
+        def unlink(entry: VersionedResource) -> None:
+            for key in entry.aliases:
+                _remove_from(owners, key, entry.name)
+            for service in entry.services:
+                _remove_from(endpoints, service, entry.name)
+
+        for name in removed_addresses:
+            entry = packed.pop(name, None)
+            if entry is not None:
+                unlink(entry)
+                changed_addresses.add(name)
+        for name, addr in addresses.items():
+            data = _serialize(addr)
+            entry = packed.get(name)
+            if entry is not None and entry.resource.value == data:
+                continue
+            if entry is not None:
+                unlink(entry)
+            entry = _pack_bytes(
+                name,
+                ADDRESS_TYPE_URL,
+                data,
+                versioned=True,
+                aliases=tuple(sorted(address_aliases(addr))),
+                services=_services(addr),
+            )
+            packed[name] = entry
+            for key in entry.aliases:
+                _add_to(owners, key, name)
+            for service in entry.services:
+                _add_to(endpoints, service, name)
+            changed_addresses.add(name)
+        policies = dict(self.of(AUTHORIZATION_TYPE_URL))
+        changed_authorizations: set[str] = set()
+        for name in removed_authorizations:
+            if policies.pop(name, None) is not None:
+                changed_authorizations.add(name)
+        for name, policy in authorizations.items():
+            data = _serialize(policy)
+            entry = policies.get(name)
+            if entry is None or entry.resource.value != data:
+                policies[name] = _pack_bytes(name, AUTHORIZATION_TYPE_URL, data, versioned=False, aliases=())
+                changed_authorizations.add(name)
+        return Snapshot(
+            version=version,
+            resources={ADDRESS_TYPE_URL: packed, AUTHORIZATION_TYPE_URL: policies},
+            owners=owners,
+            endpoints=endpoints,
+            changed={
+                ADDRESS_TYPE_URL: frozenset(changed_addresses),
+                AUTHORIZATION_TYPE_URL: frozenset(changed_authorizations),
+            },
+            parent_id=id(self),
         )
 
     def of(self, type_url: str) -> Mapping[str, VersionedResource]:
@@ -318,6 +404,29 @@ def address_aliases(address: workload_pb2.Address) -> list[str]:
     return []
 
 
+def _services(address: workload_pb2.Address) -> tuple[str, ...]:
+    if address.WhichOneof("type") != "workload":
+        return ()
+    return tuple(sorted(address.workload.services))
+
+
+def _remove_from(index: dict[str, tuple[str, ...]], key: str, name: str) -> None:
+    names = index.get(key)
+    if names is None or name not in names:
+        return
+    rest = tuple(n for n in names if n != name)
+    if rest:
+        index[key] = rest
+    else:
+        del index[key]
+
+
+def _add_to(index: dict[str, tuple[str, ...]], key: str, name: str) -> None:
+    names = index.get(key, ())
+    if name not in names:
+        index[key] = tuple(sorted((*names, name)))
+
+
 def _ip_text(raw: bytes) -> str:
     if len(raw) not in (4, 16):
         return ""
@@ -330,7 +439,13 @@ def _serialize(message) -> bytes:
 
 
 def _pack_bytes(
-    name: str, type_url: str, data: bytes, *, versioned: bool, aliases: tuple[str, ...]
+    name: str,
+    type_url: str,
+    data: bytes,
+    *,
+    versioned: bool,
+    aliases: tuple[str, ...],
+    services: tuple[str, ...] = (),
 ) -> VersionedResource:
     digest = hashlib.blake2b(data, digest_size=8).hexdigest()
     return VersionedResource(
@@ -339,6 +454,7 @@ def _pack_bytes(
         digest=digest,
         resource=any_pb2.Any(type_url=type_url, value=data),
         aliases=aliases,
+        services=services,
     )
 
 
@@ -597,16 +713,29 @@ class DeltaConnectionState:
 
     def push(self, snapshot: Snapshot) -> list[discovery_pb2.DeltaDiscoveryResponse]:
         """Adopt a new snapshot; return per subscribed type only what changed for this proxy."""
+        # Patched from the snapshot this stream holds: only the names it lists can differ.
+        hint = snapshot.changed if snapshot.parent_id == id(self.snapshot) else None
         self.snapshot = snapshot
         responses = []
         for type_url in TYPE_URLS:
             sub = self._subs.get(type_url)
             if sub is not None:
-                responses.extend(self._nonempty(self._diff(sub, snapshot)))
+                names = hint.get(type_url) if hint is not None else None
+                responses.extend(self._nonempty(self._diff(sub, snapshot, names)))
         return responses
 
-    def _diff(self, sub: _Subscription, snapshot: Snapshot) -> discovery_pb2.DeltaDiscoveryResponse | None:
+    def _diff(
+        self, sub: _Subscription, snapshot: Snapshot, changed: frozenset[str] | None = None
+    ) -> discovery_pb2.DeltaDiscoveryResponse | None:
         present = snapshot.of(sub.type_url)
+        if changed is not None and sub.mode is SubscriptionMode.WILDCARD:
+            # A wildcard stream holds every name of the previous snapshot at its digest (each
+            # push and the initial answer keep `sent` so), so only changed names can differ.
+            send = [n for n in changed if n in present and sub.sent.get(n) != present[n].digest]
+            removed = [n for n in changed if n not in present and n in sub.sent]
+            if not send and not removed:
+                return None
+            return self._respond(sub, send, removed, aliases=False)
         if sub.mode is SubscriptionMode.WILDCARD:
             wanted: Iterable[str] = present
         else:

@@ -1032,10 +1032,11 @@ class KubeStore:
         self._by_key: dict[ObjectKey, KubeObject] = {}
         for obj in objects:
             self._by_key.setdefault(object_key(obj), obj)
-        self._by_kind: dict[str, tuple[KubeObject, ...]] = {}
+        # Lists first: growing a tuple per object would copy it each time (quadratic at 10,000 pods).
+        by_kind: dict[str, list[KubeObject]] = {}
         for key in sorted(self._by_key):
-            self._by_kind.setdefault(key[0], ())
-            self._by_kind[key[0]] += (self._by_key[key],)
+            by_kind.setdefault(key[0], []).append(self._by_key[key])
+        self._by_kind: dict[str, tuple[KubeObject, ...]] = {k: tuple(v) for k, v in by_kind.items()}
 
     load_directory = staticmethod(load_directory)
 
@@ -1125,6 +1126,11 @@ class DirectoryChange:
     @property
     def store(self) -> KubeStore:
         return self.result.store
+
+    @property
+    def changed_keys(self) -> tuple[ObjectKey, ...]:
+        """Every key whose object was added, updated or removed."""
+        return self.added + self.updated + self.removed
 
     def summary(self) -> str:
         return (

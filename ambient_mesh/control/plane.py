@@ -40,11 +40,11 @@ from ..kube.kubeconfig import KubeCredentials
 from ..net import SocketAddr
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
-from .kube import KubeStore
+from .kube import KubeStore, ObjectKey
 from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
-from .translate import MeshSettings, Translation, translate
+from .translate import AmbientIndex, MeshSettings, Translation
 
 log = logging.getLogger("ambient_mesh.control")
 
@@ -148,7 +148,6 @@ class ControlPlane:
     config: ControlPlaneConfig
     ca: CertificateAuthority
     issuer: TokenIssuer
-    translation: Translation | None = None
     load_errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -167,6 +166,10 @@ class ControlPlane:
         )
         self.node_index = KubeNodeIndex(mesh.trust_domain)
         self.ads = AdsServer(authenticate=self._authenticate)
+        # Translated incrementally: a change re-translates only what it affects (index.py).
+        self.index = AmbientIndex(mesh)
+        self._translation: Translation | None = None
+        self._notes_logged: frozenset[str] = frozenset()
         self.ca_server = CaServer(
             self.ca,
             self.authenticator,
@@ -188,6 +191,13 @@ class ControlPlane:
         )
         return f"ControlPlane({self.source.location}: {counts}; {self.ads!r})"
 
+    @property
+    def translation(self) -> Translation | None:
+        """The whole current translation (None before the first load); a new object per change."""
+        if self._translation is None and self.loaded.is_set():
+            self._translation = self.index.translation()
+        return self._translation
+
     # Authentication of xDS callers ------------------------------------------------------
     async def _authenticate(self, metadata):
         items = list(metadata.items()) if hasattr(metadata, "items") else list(metadata)
@@ -198,24 +208,42 @@ class ControlPlane:
 
     # Configuration updates --------------------------------------------------------------
     def _on_change(self, change: SourceChange) -> None:
+        # Unchanged objects keep their identity in both sources' caches, so comparing the whole
+        # snapshot with the index's objects costs a dict lookup per object.
         self.apply(change.store, [str(e) for e in change.errors], change.summary)
 
-    def apply(self, store: KubeStore, errors: Iterable[str] = (), summary: str = "") -> None:
+    def apply(
+        self,
+        store: KubeStore,
+        errors: Iterable[str] = (),
+        summary: str = "",
+        *,
+        changed: Iterable[ObjectKey] | None = None,
+    ) -> None:
+        """Serve the translation of `store`. `changed` names the keys that may differ from the
+        previous call; without it every object is compared (by identity first)."""
         self.load_errors = list(errors)
         for error in self.load_errors:
             log.warning("skipped: %s", error)
         self.node_index.update(store)
-        translation = translate(store, self.config.mesh)
-        for note in translation.notes:
+        delta = self.index.update(store, changed)
+        notes = frozenset(self.index.notes)
+        for note in sorted(notes - self._notes_logged):
             log.info("note: %s", note)
-        self.translation = translation
-        queued = self.ads.update(translation.addresses, translation.authorizations)
+        self._notes_logged = notes
+        self._translation = None
+        queued = self.ads.apply(
+            addresses=delta.addresses,
+            removed_addresses=delta.removed_addresses,
+            authorizations=delta.authorizations,
+            removed_authorizations=delta.removed_authorizations,
+        )
         log.info(
-            "loaded %s: %d workload/service addresses, %d authorizations; %s; %d pushes queued",
+            "loaded %s: %r; %s; %r; %d pushes queued",
             self.source.location,
-            len(translation.addresses),
-            len(translation.authorizations),
+            self.index,
             summary or "initial load",
+            delta,
             queued,
         )
         self.loaded.set()

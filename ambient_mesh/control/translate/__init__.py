@@ -11,6 +11,8 @@ the way istiod splits it, one job per module:
   authorization.py       authorization.go: AuthorizationPolicy -> `istio.security.Authorization`
   peer_authentication.py authorization.go: PeerAuthentication -> static strict / converted DENY
   policies.py            policies.go, buildWorkloadPolicies: which policies a workload references
+  index.py               ambientindex.go: `AmbientIndex`, the same translation kept up to date
+                         per changed object
 
 `translate` is a pure function: a `KubeStore` snapshot and `MeshSettings` in,
 `istio.workload.Address` resources keyed by their xDS name (workload uid, or `namespace/hostname`)
@@ -32,34 +34,17 @@ Where this differs from istiod, on purpose:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
 from ..kube import KubeStore
-from .common import MeshSettings
+from .common import MeshSettings, Translation
 from .context import Context
+from .index import AmbientIndex, TranslationDelta
 from .policies import translate_authorizations
 from .services import ServiceIndex, ServiceInfo, kube_service, select_services, service_entry_services
 from .waypoints import build_waypoints
 from .workloads import pod_workload, service_entry_workloads, workload_entry_workload
 
-__all__ = ["MeshSettings", "Translation", "translate"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Translation:
-    addresses: dict[str, wl.Address]
-    authorizations: dict[str, sec.Authorization]
-    # What was skipped or changed and why; istiod reports these as object status conditions.
-    notes: tuple[str, ...] = ()
-
-    def __repr__(self) -> str:
-        workloads = sum(1 for a in self.addresses.values() if a.WhichOneof("type") == "workload")
-        return (
-            f"Translation({workloads} workloads, {len(self.addresses) - workloads} services, "
-            f"{len(self.authorizations)} authorizations, {len(self.notes)} notes)"
-        )
+__all__ = ["AmbientIndex", "MeshSettings", "Translation", "TranslationDelta", "translate"]
 
 
 def translate(store: KubeStore, settings: MeshSettings | None = None) -> Translation:

@@ -11,6 +11,7 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
 from ..kube import LABEL_TOPOLOGY_REGION, LABEL_TOPOLOGY_SUBZONE, LABEL_TOPOLOGY_ZONE
 
@@ -41,6 +42,21 @@ class MeshSettings:
     domain_suffix: str = "cluster.local"
     # istiod's ENABLE_WDS_DRY_RUN_AUTHZ_POLICY: without it, dry-run policies are not sent at all.
     enable_wds_dry_run: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Translation:
+    addresses: dict[str, wl.Address]
+    authorizations: dict[str, sec.Authorization]
+    # What was skipped or changed and why; istiod reports these as object status conditions.
+    notes: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        workloads = sum(1 for a in self.addresses.values() if a.WhichOneof("type") == "workload")
+        return (
+            f"Translation({workloads} workloads, {len(self.addresses) - workloads} services, "
+            f"{len(self.authorizations)} authorizations, {len(self.notes)} notes)"
+        )
 
 
 def ip_bytes(text: str) -> bytes:

@@ -52,6 +52,9 @@ class PolicyIndex:
     def set_selector(self, namespace: str, name: str, selector: LabelSelector | None) -> None:
         _set_nested(self._selectors, namespace, name, selector)
 
+    def attachment(self, namespace: str, name: str) -> LabelSelector | None:
+        return self._selectors.get(namespace, {}).get(name)
+
     def set_peer_authentication(self, namespace: str, name: str, pa: PeerAuthentication | None) -> None:
         _set_nested(self._peer_authentications, namespace, name, pa)
 

@@ -236,6 +236,9 @@ def select_services(infos: list[ServiceInfo]) -> list[ServiceInfo]:
     def age(i: ServiceInfo) -> tuple[str, str, str]:
         return (i.creation_timestamp, i.service.namespace, i.service.name)
 
+    for info in infos:
+        # Chosen again from scratch: only a Kubernetes Service is canonical by itself.
+        info.service.canonical = info.source_kind == "Service"
     for host in sorted(by_host):
         best: dict[str, ServiceInfo] = {}
         for info in sorted(by_host[host], key=age):
