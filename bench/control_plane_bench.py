@@ -11,25 +11,34 @@ The mesh is generated as one YAML document stream (namespaces, nodes, services, 
 ReplicaSets, policies, one mesh-wide STRICT PeerAuthentication) and parsed by
 `control.kube.parse_documents`, as `ambient control` reads its directory.
 
-Two processes (multiprocessing, spawn), so each one's memory is its own:
+Processes (multiprocessing, spawn), so each one's memory is its own:
 
-  control plane  parse -> KubeStore -> translate -> AdsServer.update, then serves delta ADS
-                 (grpc.aio, insecure, 127.0.0.1, ephemeral port)
+  control plane  parse -> KubeStore -> translation -> AdsServer, then serves delta ADS
+                 (grpc.aio, insecure, 127.0.0.1, ephemeral port); nothing else, so its peak RSS
+                 is the control plane's
   node proxy     the real XdsClient + XdsSession + StateUpdater into a ProxyState; the session and
                  updater are subclassed only to record timestamps and sizes
+  extras         the full `translate` (the reference, and what every change cost before the
+                 AmbientIndex), the start-up stages again under tracemalloc, profiles
+  decoders       (--compare-decoders) the YAML decode alone, pure-Python PyYAML against libyaml
 
-Stages are timed without tracemalloc; a second pass of the same stage runs under tracemalloc for
-Python-heap numbers. tracemalloc does not see protobuf (upb) or gRPC core memory, so RSS is
+`--mode incremental` (default) is what ControlPlane.apply does now: the AmbientIndex translates,
+AdsServer.apply pushes the delta. `--mode full` is what it did before (translate everything,
+AdsServer.update), and runs on trees from before the AmbientIndex, so before/after figures can
+come from one bench in the same conditions.
+
+Stages are timed (wall and this process's CPU time) without tracemalloc; tracemalloc numbers come
+from the extras process. tracemalloc does not see protobuf (upb) or gRPC core memory, so RSS is
 reported too: the change across the stage and the stage's peak above its start (VmHWM after a
-reset through /proc/self/clear_refs).
+reset through /proc/self/clear_refs); the process's peak is kept across those resets.
 
-Incremental updates (each --repeats times): one pod turns not-ready, one policy gets a different
-principal. The control plane rebuilds its snapshot, re-translates and updates the AdsServer, as
-`ControlPlane.apply` does after a directory change; the proxy reports when the push was applied and
-what it contained; the control plane reports how many resources it queued, per type.
+One object changed (each --repeats times): one pod turns not-ready, one policy gets a different
+principal. The control plane builds the new snapshot (KubeStore, as the directory watcher hands
+it), translates and pushes, as ControlPlane.apply does; the proxy reports when the push was
+applied and what it contained; the control plane reports how many resources it queued, per type.
 
     .venv/bin/python bench/control_plane_bench.py [--scale 1k|10k|all] [--repeats 3]
-        [--timeout-s 300] [--profile]
+        [--mode incremental|full] [--compare-decoders] [--timeout-s 300] [--profile]
 """
 
 from __future__ import annotations
@@ -343,8 +352,8 @@ def decoders_entry(conn, scale_name: str) -> None:
     conn.close()
 
 
-def control_plane_entry(conn, scale_name: str, profile: bool, mode: str) -> None:
-    _serve_commands(conn, lambda c: _control_plane(c, SCALES[scale_name], profile, mode))
+def control_plane_entry(conn, scale_name: str, mode: str) -> None:
+    _serve_commands(conn, lambda c: _control_plane(c, SCALES[scale_name], mode))
 
 
 class _Full:
@@ -364,6 +373,11 @@ class _Full:
 
     def change(self, store, key) -> Any:
         return self.load(store)
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        return _counts(
+            self.translation.addresses, len(self.translation.authorizations), len(self.translation.notes)
+        )
 
 
 class _Incremental:
@@ -389,13 +403,58 @@ class _Incremental:
     def change(self, store, key) -> Any:
         return self.index.update(store, [key])
 
+    def counts(self) -> tuple[int, int, int, int, int]:
+        return _counts(self.index.addresses, len(self.index.authorizations), len(self.index.notes))
 
-async def _control_plane(conn, scale: Scale, profile: bool, mode: str) -> None:
+
+def _counts(addresses, authorizations: int, notes: int) -> tuple[int, int, int, int, int]:
+    """(workloads, services, authorizations, notes, policy references of all workloads)."""
+    workloads = [a.workload for a in addresses.values() if a.WhichOneof("type") == "workload"]
+    refs = sum(len(w.authorization_policies) for w in workloads)
+    return len(workloads), len(addresses) - len(workloads), authorizations, notes, refs
+
+
+def extras_entry(conn, scale_name: str, mode: str, profile: bool) -> None:
+    """The bench's own extras, in a process of their own so the control plane's memory is its
+    own: the full translation (the reference, and what every change cost before the index), the
+    start-up stages again under tracemalloc, and profiles."""
+    from ambient_mesh.control.ads import AdsServer
+    from ambient_mesh.control.kube import KubeStore, parse_documents
+    from ambient_mesh.control.translate import translate
+
+    scale = SCALES[scale_name]
+    text = mesh_yaml(scale)
+    store = KubeStore(parse_documents(text, "mesh.yaml").objects)
+    del text
+    stages: dict[str, dict[str, Any]] = {}
+    _, stages["translate"] = measure(partial(translate, store))
+    _, extra = traced(partial(translate, store))
+    stages["translate"].update(extra)
+    fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
+    loaded, stages["load"] = traced(partial(fresh.load, store))
+    _, stages["update"] = traced(partial(fresh.push, loaded))
+    del loaded, fresh
+    profiles: dict[str, list[str]] = {}
+    if profile:
+        text = mesh_yaml(scale)
+        profiles["parse"] = profile_top(partial(parse_documents, text, "mesh.yaml"))
+        del text
+        profiles["translate"] = profile_top(partial(translate, store))
+        fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
+        profiles["load"] = profile_top(partial(fresh.load, store))
+        fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
+        loaded = fresh.load(store)
+        profiles["update"] = profile_top(partial(fresh.push, loaded))
+        del loaded, fresh
+    conn.send(("ok", {"stages": stages, "profiles": profiles}))
+    conn.close()
+
+
+async def _control_plane(conn, scale: Scale, mode: str) -> None:
     import grpc
 
     from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer
     from ambient_mesh.control.kube import KubeStore, object_key, parse_documents
-    from ambient_mesh.control.translate import translate
 
     stages: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
@@ -420,10 +479,7 @@ async def _control_plane(conn, scale: Scale, profile: bool, mode: str) -> None:
     serving_peak_kib = peak_rss_kib()
     serving_rss_kib = proc_status().get("VmRSS")
 
-    # The bench's own extras from here on: the full translation (the reference, and what every
-    # change cost before the index), the same stages under tracemalloc, profiles.
-    translation, stages["translate"] = measure(partial(translate, store))
-    workloads = sum(1 for a in translation.addresses.values() if a.WhichOneof("type") == "workload")
+    workloads, services, authorizations, notes, policy_refs = path.counts()
     summary = {
         "mode": mode,
         "yaml_bytes": yaml_bytes,
@@ -432,47 +488,23 @@ async def _control_plane(conn, scale: Scale, profile: bool, mode: str) -> None:
         "objects": objects_count,
         "store": repr(store),
         "workloads": workloads,
-        "services": len(translation.addresses) - workloads,
-        "authorizations": len(translation.authorizations),
-        "notes": len(translation.notes),
+        "services": services,
+        "authorizations": authorizations,
+        "notes": notes,
         "serialized_bytes": {
             SHORT[t]: sum(len(r.resource.value) for r in ads.snapshot.of(t).values())
             for t in (ADDRESS, AUTHORIZATION)
         },
-        "workload_policy_refs": sum(
-            len(a.workload.authorization_policies)
-            for a in translation.addresses.values()
-            if a.WhichOneof("type") == "workload"
-        ),
+        "workload_policy_refs": policy_refs,
         "serving_rss_kib": serving_rss_kib,
         "serving_peak_rss_kib": serving_peak_kib,
     }
-    del translation
-    _, extra = traced(partial(translate, store))
-    stages["translate"].update(extra)
-    fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
-    again, extra = traced(partial(fresh.load, store))
-    stages["load"].update(extra)
-    _, extra = traced(partial(fresh.push, again))
-    stages["update"].update(extra)
-    del again, fresh
-    profiles: dict[str, list[str]] = {}
-    if profile:
-        text = mesh_yaml(scale)
-        profiles["parse"] = profile_top(partial(parse_documents, text, "mesh.yaml"))
-        del text
-        profiles["translate"] = profile_top(partial(translate, store))
-        fresh = _Incremental(AdsServer()) if mode == "incremental" else _Full(AdsServer())
-        again = fresh.load(store)
-        profiles["update"] = profile_top(partial(fresh.push, again))
-        del again, fresh
-    gc.collect()
 
     server = grpc.aio.server(options=SERVER_OPTIONS)
     ads.serve(server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    conn.send(("ready", {"port": port, "stages": stages, "summary": summary, "profiles": profiles}))
+    conn.send(("ready", {"port": port, "stages": stages, "summary": summary}))
 
     objects = {object_key(o): o for o in store.all()}
     try:
@@ -793,9 +825,20 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
             if dec.is_alive():
                 dec.terminate()
                 dec.join(5)
-    cp = ctx.Process(
-        target=control_plane_entry, args=(cp_child, scale.name, args.profile, args.mode), name="control plane"
+    console.print(
+        f"[{scale.name}] the bench's extras: full translation, tracemalloc passes (own process) ..."
     )
+    ex_conn, ex_child = ctx.Pipe()
+    ex = ctx.Process(target=extras_entry, args=(ex_child, scale.name, args.mode, args.profile), name="extras")
+    ex.start()
+    try:
+        extras = call(ex_conn, None, timeout_s * 2)
+    finally:
+        ex.join(timeout_s)
+        if ex.is_alive():
+            ex.terminate()
+            ex.join(5)
+    cp = ctx.Process(target=control_plane_entry, args=(cp_child, scale.name, args.mode), name="control plane")
     px: multiprocessing.Process | None = None
     try:
         cp.start()
@@ -861,14 +904,17 @@ def run_scale(scale: Scale, args: argparse.Namespace, console: Console) -> dict[
         "traced_connect_to_ready_s": traced_load["connect_to_ready_s"],
         "process_rss_peak_kib": px_final["rss_peak_kib"],
     }
-    profiles = dict(plane["profiles"])
+    profiles = dict(extras["profiles"])
+    stages = {**decoders, **plane["stages"], "translate": extras["stages"]["translate"]}
+    for name in ("load", "update"):
+        stages[name] = {**stages[name], **extras["stages"][name]}
     if profiled is not None:
         profiles["proxy_initial_load"] = profiled["profile"]
     return {
         "scale": dataclasses.asdict(scale) | {"namespaces": scale.namespaces, "nodes": scale.nodes},
         "control_plane": {
             **plane["summary"],
-            "stages": {**decoders, **plane["stages"]},
+            "stages": stages,
             "process_rss_peak_kib": cp_final["rss_peak_kib"],
         },
         "node_proxy": proxy,

@@ -13,9 +13,10 @@ snapshot to a callback, with the objects that were added, updated and removed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import yaml
 from .. import yamlload
 from ..errors import ConfigError
 from ..kube.labels import LabelSelector  # only matchLabels is parsed: these kinds have no expressions
+from .kube_yaml import FastCSafeLoader
 
 log = logging.getLogger(__name__)
 
@@ -886,7 +888,9 @@ class LoadResult:
 # so does everything libyaml rejects, so error positions and messages stay PyYAML's own. Both
 # loaders share SafeConstructor and its resolver: timestamps, integers and the rest come out of the
 # same Python code either way.
-_CSafeLoader = getattr(yaml, "CSafeLoader", None) if getattr(yaml, "__with_libyaml__", False) else None
+# kube_yaml.FastCSafeLoader is libyaml's SafeLoader with a memoised resolver and a direct
+# constructor for plain documents; it falls back to SafeConstructor for everything else.
+_CSafeLoader = FastCSafeLoader
 _LIBYAML_UNSAFE_CHARS = ("\t", "\ufeff", "\x85", "\u2028", "\u2029")
 _LIBYAML_UNSAFE_TAG = re.compile(r"(?<![^\s\[\]{},])!")
 _LIBYAML_UNSAFE_HEADER = re.compile(r"[|>][-+0-9]*#")
@@ -903,10 +907,16 @@ def _libyaml_agrees(text: str) -> bool:
     return not ("#" in text and _LIBYAML_UNSAFE_HEADER.search(text))
 
 
+def _libyaml_takes(text: str) -> bool:
+    """Whether libyaml may decode `text`: it agrees with PyYAML there, and without aliases its
+    missing alias bound does not matter."""
+    return _CSafeLoader is not None and _libyaml_agrees(text) and not yamlload.may_have_aliases(text)
+
+
 def decode_yaml(text: str) -> list[Any]:
     """Every document of a YAML stream, as `yaml.safe_load_all` returns them (same errors too),
     with aliases bounded by `yamlload` (libyaml is not, so it only gets alias-free text)."""
-    if _CSafeLoader is not None and _libyaml_agrees(text) and not yamlload.may_have_aliases(text):
+    if _libyaml_takes(text):
         try:
             return list(yaml.load_all(text, Loader=_CSafeLoader))
         except (yaml.YAMLError, UnicodeError):
@@ -914,11 +924,20 @@ def decode_yaml(text: str) -> list[Any]:
     return yamlload.load_all(text)
 
 
+# What PyYAML's constructors raise for tags like `!!int x`; one bad file must not stop the rest of
+# the directory from loading.
+_CONSTRUCTOR_ERRORS = (ValueError, IndexError, AttributeError, TypeError, RecursionError)
+
+
 def parse_documents(text: str, file: str) -> LoadResult:
     """Parse one file's text (one or more `---` separated documents, or a `kind: List`)."""
-    objects: list[KubeObject] = []
-    errors: list[LoadError] = []
-    notes: list[str] = []
+    if _libyaml_takes(text):
+        # One document at a time: the decoded documents of a 10,000-pod file, all held at once,
+        # were most of the parse's peak memory. Any YAML error goes the way below, so errors
+        # (and what libyaml would get wrong) stay PyYAML's own.
+        streamed = _parse_stream(yaml.load_all(text, Loader=_CSafeLoader), file)
+        if streamed is not None:
+            return streamed
     try:
         docs = decode_yaml(text)
     except yaml.YAMLError as exc:
@@ -926,24 +945,45 @@ def parse_documents(text: str, file: str) -> LoadResult:
         where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         return LoadResult(objects=(), errors=(LoadError(file=file, message=f"{where}{problem}"),))
-    except (ValueError, IndexError, AttributeError, TypeError, RecursionError) as exc:
-        # PyYAML's constructors raise these for tags like `!!int x`; one bad file must not
-        # stop the rest of the directory from loading.
-        return LoadResult(objects=(), errors=(LoadError(file=file, message=f"cannot read the YAML: {exc}"),))
-    expanded: list[tuple[int, Any]] = []
-    for i, doc in enumerate(docs):
+    except _CONSTRUCTOR_ERRORS as exc:
+        return _unreadable(file, exc)
+    result = _parse_stream(iter(docs), file)
+    assert result is not None  # a list raises nothing while iterated
+    return result
+
+
+def _unreadable(file: str, exc: BaseException) -> LoadResult:
+    return LoadResult(objects=(), errors=(LoadError(file=file, message=f"cannot read the YAML: {exc}"),))
+
+
+def _parse_stream(docs: Iterator[Any], file: str) -> LoadResult | None:
+    """Objects from decoded documents as they come; None if the decoder raised a YAML error."""
+    objects: list[KubeObject] = []
+    errors: list[LoadError] = []
+    notes: list[str] = []
+    for i in itertools.count():
+        try:
+            doc = next(docs)
+        except StopIteration:
+            break
+        except (yaml.YAMLError, UnicodeError):
+            return None
+        except _CONSTRUCTOR_ERRORS as exc:
+            return _unreadable(file, exc)
         if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
-            expanded.extend((i, item) for item in doc["items"])
+            expanded = doc["items"]
         elif doc is not None:
-            expanded.append((i, doc))
-    for index, doc in expanded:
-        obj, error, note = _parse_one(doc, file, index)
-        if obj is not None:
-            objects.append(obj)
-        if error is not None:
-            errors.append(error)
-        if note is not None:
-            notes.append(note)
+            expanded = [doc]
+        else:
+            continue
+        for item in expanded:
+            obj, error, note = _parse_one(item, file, i)
+            if obj is not None:
+                objects.append(obj)
+            if error is not None:
+                errors.append(error)
+            if note is not None:
+                notes.append(note)
     return LoadResult(objects=tuple(objects), errors=tuple(errors), notes=tuple(notes))
 
 
@@ -1032,11 +1072,9 @@ class KubeStore:
         self._by_key: dict[ObjectKey, KubeObject] = {}
         for obj in objects:
             self._by_key.setdefault(object_key(obj), obj)
-        # Lists first: growing a tuple per object would copy it each time (quadratic at 10,000 pods).
-        by_kind: dict[str, list[KubeObject]] = {}
-        for key in sorted(self._by_key):
-            by_kind.setdefault(key[0], []).append(self._by_key[key])
-        self._by_kind: dict[str, tuple[KubeObject, ...]] = {k: tuple(v) for k, v in by_kind.items()}
+        # Sorted per kind on first use: a snapshot handed to the incremental translation is only
+        # looked up by key, and sorting 10,000 pods per directory change would be most of its cost.
+        self._by_kind: dict[str, tuple[KubeObject, ...]] | None = None
 
     load_directory = staticmethod(load_directory)
 
@@ -1044,8 +1082,17 @@ class KubeStore:
         return len(self._by_key)
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(self._by_kind.items()))
+        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(self._kinds().items()))
         return f"KubeStore({counts or 'empty'})"
+
+    def _kinds(self) -> dict[str, tuple[KubeObject, ...]]:
+        if self._by_kind is None:
+            # Lists first: growing a tuple per object would copy it each time (quadratic).
+            by_kind: dict[str, list[KubeObject]] = {}
+            for key in sorted(self._by_key):
+                by_kind.setdefault(key[0], []).append(self._by_key[key])
+            self._by_kind = {k: tuple(v) for k, v in by_kind.items()}
+        return self._by_kind
 
     def get(self, kind: str, namespace: str, name: str) -> KubeObject | None:
         return self._by_key.get((kind, namespace, name))
@@ -1057,7 +1104,7 @@ class KubeStore:
         return frozenset(self._by_key)
 
     def _kind(self, kind: str) -> tuple[Any, ...]:
-        return self._by_kind.get(kind, ())
+        return self._kinds().get(kind, ())
 
     @property
     def namespaces(self) -> tuple[Namespace, ...]:

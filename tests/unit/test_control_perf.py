@@ -170,6 +170,68 @@ def test_plain_kubernetes_yaml_takes_the_libyaml_path() -> None:
     assert repr(fast) == repr(decode_yaml(POD_WITH_TIMESTAMPS))
 
 
+@pytest.mark.skipif(not HAS_LIBYAML, reason="PyYAML built without libyaml: only the pure-Python loader runs")
+def test_fast_loader_builds_plain_documents_and_leaves_the_rest_to_safeconstructor(monkeypatch) -> None:
+    from ambient_mesh.control.kube_yaml import FastCSafeLoader
+
+    general: list[object] = []
+    original = FastCSafeLoader.construct_document
+
+    def counting(self, node):
+        general.append(node)
+        return original(self, node)
+
+    monkeypatch.setattr(FastCSafeLoader, "construct_document", counting)
+
+    def load(text: str, loader) -> tuple[str, str]:
+        try:
+            return "ok", repr(list(yaml.load_all(text, Loader=loader)))
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+
+    def both(text: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        # Against libyaml's own SafeLoader: decode_yaml handles where libyaml and PyYAML differ.
+        return load(text, FastCSafeLoader), load(text, yaml.CSafeLoader)
+
+    plain = (
+        POD_WITH_TIMESTAMPS + "---\na: [1, 0x1f, 1_000, 1:20, .inf, ~, yes, On, 2002-12-14, !!binary aGk=]\n"
+    )
+    fast, reference = both(plain)
+    assert fast == reference and general == []
+    for text in (
+        "a: &x [1]\nb: *x\n",  # an alias: one shared object
+        "base: &b {x: 1}\nc:\n  <<: *b\n  y: 2\n",  # a merge key
+        "s: !!set {a, b}\no: !!omap [{a: 1}]\n",
+        "? [a]\n: 1\n",  # an unhashable key
+        "a: !!int x\n",  # a constructor error
+        "a: !custom 1\n",
+        "=: 1\n",  # a value key
+    ):
+        general.clear()
+        fast, reference = both(text)
+        assert fast == reference, text
+        assert len(general) == 1, text
+
+
+@pytest.mark.skipif(not HAS_LIBYAML, reason="PyYAML built without libyaml: only the pure-Python loader runs")
+def test_fast_loader_memos_are_bounded_and_share_strings(monkeypatch) -> None:
+    from ambient_mesh.control import kube_yaml
+
+    monkeypatch.setattr(kube_yaml, "MAX_RESOLVED_SCALARS", 8)
+    monkeypatch.setattr(kube_yaml, "MAX_SHARED_STRINGS", 8)
+    text = "".join(f"k{i}: [v{i}, TCP, '{i}', {i}]\n" for i in range(100))
+    loader = kube_yaml.FastCSafeLoader(text)
+    try:
+        docs = []
+        while loader.check_data():
+            docs.append(loader.get_data())
+        assert len(loader._resolved) <= 8 and len(loader._strings) <= 8
+    finally:
+        loader.dispose()
+    assert repr(docs) == repr(list(yaml.safe_load_all(text)))
+    assert docs[0]["k1"][1] is docs[0]["k99"][1]  # one "TCP" for the whole stream
+
+
 # -- the directory watcher's parse cache ------------------------------------------------------------
 
 
