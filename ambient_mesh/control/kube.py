@@ -1174,11 +1174,6 @@ class DirectoryChange:
     def store(self) -> KubeStore:
         return self.result.store
 
-    @property
-    def changed_keys(self) -> tuple[ObjectKey, ...]:
-        """Every key whose object was added, updated or removed."""
-        return self.added + self.updated + self.removed
-
     def summary(self) -> str:
         return (
             f"{len(self.added)} added, {len(self.updated)} updated, {len(self.removed)} removed, "
