@@ -384,13 +384,17 @@ class _Incremental:
     """What ControlPlane.apply does: the AmbientIndex translates what changed, ADS gets the delta."""
 
     def __init__(self, ads) -> None:
+        from ambient_mesh.control.plane import KubeNodeIndex
         from ambient_mesh.control.translate import AmbientIndex
 
         self.ads = ads
         self.index = AmbientIndex()
+        self.nodes = KubeNodeIndex(TRUST_DOMAIN)  # the CA's pod index, updated with every change
 
     def load(self, store) -> Any:
-        return self.index.update(store)
+        delta = self.index.update(store)
+        self.nodes.update(store, delta.objects)
+        return delta
 
     def push(self, delta) -> int:
         return self.ads.apply(
@@ -401,7 +405,9 @@ class _Incremental:
         )
 
     def change(self, store, key) -> Any:
-        return self.index.update(store, [key])
+        delta = self.index.update(store, [key])
+        self.nodes.update(store, delta.objects)
+        return delta
 
     def counts(self) -> tuple[int, int, int, int, int]:
         return _counts(self.index.addresses, len(self.index.authorizations), len(self.index.notes))

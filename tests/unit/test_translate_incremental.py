@@ -373,3 +373,29 @@ def test_a_large_start_then_single_changes(changes) -> None:
         objects[object_key(obj)] = obj
         index.apply([obj])
         _check(index, objects)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.booleans(), _pods), min_size=1, max_size=15))
+def test_node_index_follows_changed_pods_as_a_rebuild_does(steps) -> None:
+    """The CA's node index, updated with only the keys an apply changed, equals a full rebuild."""
+    from ambient_mesh.control.plane import KubeNodeIndex
+
+    index = AmbientIndex(MeshSettings(root_namespace=ROOT))
+    nodes = KubeNodeIndex("cluster.local")
+    objects: dict = {}
+    for remove, pod in steps:
+        key = object_key(pod)
+        if remove and key in objects:
+            del objects[key]
+            delta = index.apply(removals=[key])
+        else:
+            objects[key] = pod
+            delta = index.apply([pod])
+        store = KubeStore(objects.values())
+        nodes.update(store, delta.objects)
+        fresh = KubeNodeIndex("cluster.local")
+        fresh.update(store)
+        assert nodes._pods == fresh._pods
+        for node in ("n1", "n2", ""):
+            assert nodes.identities_on_node(node) == fresh.identities_on_node(node)

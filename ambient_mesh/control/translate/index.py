@@ -73,6 +73,8 @@ class TranslationDelta:
     removed_addresses: frozenset[str]
     authorizations: Mapping[str, sec.Authorization]
     removed_authorizations: frozenset[str]
+    # The keys of the Kubernetes objects this apply added, replaced or removed.
+    objects: frozenset[ObjectKey] = frozenset()
 
     def __bool__(self) -> bool:
         return bool(
@@ -590,6 +592,7 @@ class _Run:
             removed_addresses=frozenset(removed_addresses),
             authorizations=authorizations,
             removed_authorizations=frozenset(removed_authorizations),
+            objects=frozenset(self.changed),
         )
 
 
