@@ -85,13 +85,13 @@ if CSafeLoader is not None:
 
         def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
             if not self._fast:
-                return super().resolve(kind, value, implicit)
+                return str(super().resolve(kind, value, implicit))
             if kind is ScalarNode:
                 if not implicit[0]:
-                    return self.DEFAULT_SCALAR_TAG
-                tag = self._resolved.get(value)
+                    return str(self.DEFAULT_SCALAR_TAG)
+                tag: str | None = self._resolved.get(value)
                 if tag is None:
-                    tag = self.DEFAULT_SCALAR_TAG
+                    tag = str(self.DEFAULT_SCALAR_TAG)
                     for candidate, regexp in self._by_first.get(value[:1] if value else "", self._wildcard):
                         if regexp.match(value):
                             tag = candidate
@@ -100,8 +100,8 @@ if CSafeLoader is not None:
                         self._resolved[value] = tag
                 return tag
             if kind is SequenceNode:
-                return self.DEFAULT_SEQUENCE_TAG
-            return self.DEFAULT_MAPPING_TAG
+                return str(self.DEFAULT_SEQUENCE_TAG)
+            return str(self.DEFAULT_MAPPING_TAG)
 
         # -- constructing -------------------------------------------------------------------------
 
