@@ -5,7 +5,7 @@
 # Everything lands in a cache outside the checkout and is skipped when already there:
 #   $AMBIENT_CACHE/k8s/src      unpacked source (about 3.5 GB after a build)
 #   $AMBIENT_CACHE/k8s/bin      kube-apiserver kube-controller-manager kube-scheduler kubelet pause
-# About 11 minutes cold on 2 cores, seconds when cached. Needs root (apt) and Debian's archive.
+# Cold, this is the long part of the tier (see README: cluster tier); seconds when cached. Needs root (apt) and Debian's archive.
 set -euo pipefail
 CACHE=${AMBIENT_CACHE:-/var/cache/ambient-mesh}
 K8S_DEB_VERSION=1.20.5+really1.20.2-1.1+deb12u1
@@ -57,14 +57,20 @@ if ! grep -qF "$marker" vendor/modules.txt; then
 fi
 
 export PATH=/usr/lib/go-1.19/bin:$PATH GOTOOLCHAIN=local
-for b in $WHAT; do
-  [ -x "$BIN/$b" ] && continue
+todo=()
+for b in $WHAT; do [ -x "$BIN/$b" ] || todo+=("cmd/$b"); done
+if [ ${#todo[@]} -gt 0 ]; then
   t0=$(date +%s)
-  # make runs code generation once, then one go build per binary
-  make WHAT="cmd/$b" >"$CACHE/k8s/build-$b.log" 2>&1 || { tail -30 "$CACHE/k8s/build-$b.log"; exit 1; }
-  install -m 0755 "_output/local/bin/linux/amd64/$b" "$BIN/$b.tmp" && mv "$BIN/$b.tmp" "$BIN/$b"
-  echo "build: $b in $(( $(date +%s) - t0 ))s"
-done
+  # One make for every missing binary: code generation runs once and one go build compiles the
+  # packages the binaries share once (per binary, the generators alone ran again each time).
+  echo "build: make WHAT=\"${todo[*]}\" (log: $CACHE/k8s/build.log)"
+  make WHAT="${todo[*]}" >"$CACHE/k8s/build.log" 2>&1 || { tail -30 "$CACHE/k8s/build.log"; exit 1; }
+  for t in "${todo[@]}"; do
+    b=${t#cmd/}
+    install -m 0755 "_output/local/bin/linux/amd64/$b" "$BIN/$b.tmp" && mv "$BIN/$b.tmp" "$BIN/$b"
+  done
+  echo "build: ${todo[*]} in $(( $(date +%s) - t0 ))s"
+fi
 # The sandbox ("pause") container's process, from the same source tree: a static binary so the
 # image needs nothing else.
 if [ ! -x "$BIN/pause" ]; then

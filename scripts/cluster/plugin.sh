@@ -16,14 +16,9 @@ PYINSTALLER_VERSION=6.22.3
 OUT=$P/dist/istio-cni
 mkdir -p "$P"
 
-# The modules the plugin imports (its module docstring keeps them few); everything else the
-# static analysis would drag in is left out, which halves the size and the start-up work
-# (unicodedata stays: the idna codec needs it for every host name a socket connects to).
-EXCLUDES=(multiprocessing ctypes pickle bz2 lzma decimal _decimal xml pyexpat asyncio
-  email http tkinter unittest pydoc pdb doctest sqlite3 concurrent lib2to3 distutils setuptools
-  pkg_resources importlib.metadata importlib.resources tomllib
-  ambient_mesh.proxy ambient_mesh.lab ambient_mesh.capture ambient_mesh.xds
-  grpc cryptography h2 uvloop pyroute2 rich prometheus_client dns)
+# Everything the static analysis would drag in that the plugin never imports is left out
+# (deploy/plugin/excludes.txt says why, and a unit test holds the plugin to it).
+mapfile -t EXCLUDES < <(grep -v '^\s*\(#\|$\)' deploy/plugin/excludes.txt)
 
 stamp=$( { echo "$PYINSTALLER_VERSION ${EXCLUDES[*]}"; python3 -VV;
   cat deploy/plugin/istio-cni.py; find ambient_mesh -name '*.py' | sort | xargs cat; } | sha256sum | cut -c1-16)

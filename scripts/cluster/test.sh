@@ -6,6 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/setup.sh
+# One cluster per host (fixed paths under the cache, the API server's port): a second run waits.
+mkdir -p "${AMBIENT_CACHE:-/var/cache/ambient-mesh}"
+exec 9>"${AMBIENT_CACHE:-/var/cache/ambient-mesh}/cluster-tier.lock"
+flock -w 3600 9 || { echo "cluster tier: another run holds the lock for an hour" >&2; exit 1; }
 t0=$(date +%s)
 bash scripts/cluster/build.sh
 status=0

@@ -74,7 +74,6 @@ def wait_for(check: Callable[[], T | None], what: str, timeout_s: float = 60, in
 @dataclass
 class Cluster:
     image: str
-    control_plane_missing: str | None  # why the mesh has no working control plane, if it has none
     timings: dict[str, float]
 
     def kubectl(self, *args: str, input: str | None = None, timeout: float = 60, check: bool = True) -> str:
@@ -155,6 +154,33 @@ class Cluster:
             "    print(type(e).__name__, e)\n"
         )
         return self.exec(ns, client, "python3", "-c", code, timeout=timeout_s + 20).strip()
+
+    @contextlib.contextmanager
+    def node_proxy_off_the_node(self) -> Iterator[None]:
+        """Take the node proxy DaemonSet's pod off the node (a node selector no node matches),
+        and put it back afterwards, also when the block fails: the node agent then has no ZDS
+        connection, as on a node whose ztunnel has not started yet."""
+        key = "ambient-mesh.test/no-node"
+
+        def patch(kind: str, body: object) -> None:
+            self.kubectl(
+                "patch", "daemonset", "-n", "istio-system", "ztunnel", "--type", kind, "-p", json.dumps(body)
+            )
+
+        patch("merge", {"spec": {"template": {"spec": {"nodeSelector": {key: "true"}}}}})
+        try:
+            wait_for(lambda: not self.system_pods("app=ztunnel"), "the node proxy pod gone", 120)
+            yield
+        finally:
+            path = "/spec/template/spec/nodeSelector/" + key.replace("/", "~1")
+            patch("json", [{"op": "remove", "path": path}])
+            wait_for(self.node_proxy_running, "the node proxy DaemonSet pod running again", 180)
+
+    def node_proxy_running(self) -> bool:
+        pods = self.system_pods("app=ztunnel")
+        return bool(pods) and all(
+            "running" in c.get("state", {}) for p in pods for c in p["status"].get("containerStatuses", [])
+        )
 
     def system_pods(self, label: str) -> list[dict[str, Any]]:
         return self.get("pods", "-n", "istio-system", "-l", label)["items"]
@@ -288,19 +314,6 @@ def istio_crds() -> Path | None:
     return None
 
 
-def control_plane_missing() -> str | None:
-    """Why this tree's `ambient control` cannot run the cluster's mesh, or None when it can: it
-    must read the API server (--kube) and authenticate the pods' projected istio-ca tokens with
-    a TokenReview (the node proxies have no other credential)."""
-    out = run([str(ROOT / ".venv" / "bin" / "ambient"), "control", "--help"], check=False)
-    if "--kube" not in out:
-        return "`ambient control --kube` is not in this tree"
-    control = "".join(f.read_text() for f in (ROOT / "ambient_mesh" / "control").rglob("*.py"))
-    if "TOKEN_REVIEWS" not in control:
-        return "the control plane's CA does not review tokens with the API server (TokenReview) yet"
-    return None
-
-
 @contextlib.contextmanager
 def cluster_session() -> Iterator[Cluster]:
     timings: dict[str, float] = {}
@@ -324,7 +337,7 @@ def cluster_session() -> Iterator[Cluster]:
         run(["kubectl", "wait", "--for=condition=Established", "crd/authorizationpolicies.security.istio.io"])
         run(["bash", str(SCRIPTS / "mesh-ca.sh"), str(CL / "mesh-ca")])
         run(["kubectl", "apply", "-k", str(overlay(image))])
-        cluster = Cluster(image=image, control_plane_missing=control_plane_missing(), timings=timings)
+        cluster = Cluster(image=image, timings=timings)
 
         def agent_ready():
             pods = cluster.system_pods("k8s-app=istio-cni-node")
@@ -334,15 +347,7 @@ def cluster_session() -> Iterator[Cluster]:
 
         wait_for(agent_ready, "the node agent DaemonSet pod ready", 180)
 
-        def proxy_running():
-            pods = cluster.system_pods("app=ztunnel")
-            return pods and all(
-                "running" in c.get("state", {})
-                for p in pods
-                for c in p["status"].get("containerStatuses", [])
-            )
-
-        wait_for(proxy_running, "the node proxy DaemonSet pod running", 180)
+        wait_for(cluster.node_proxy_running, "the node proxy DaemonSet pod running", 180)
         timings["mesh"] = time.monotonic() - t
         yield cluster
     finally:

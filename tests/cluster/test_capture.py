@@ -1,15 +1,12 @@
 """Capture through the real path: kubelet -> containerd -> the CNI chain (bridge, portmap, then
 our frozen istio-cni plugin, installed by the node agent DaemonSet) -> the agent -> the node
-proxy over ZDS. The node proxy takes pods over only after its first xDS push (as ztunnel), so
-capturing an ambient pod needs a control plane that accepts the proxy's token; without one the
-plugin must fail closed, and that is checked instead."""
+proxy over ZDS. The node proxy takes pods over only after its first xDS push (as ztunnel); while
+the agent has no node proxy to hand a pod to, the plugin fails closed and the kubelet retries."""
 
 from __future__ import annotations
 
 import json
 import os
-
-import pytest
 
 from .kube import CNI_BIN, CNI_NET, wait_for
 
@@ -31,30 +28,29 @@ def test_agent_installed_the_frozen_plugin_into_the_nodes_cni(cluster):
     print(f"\n{exe} -> {target}; {conf.name}: {' -> '.join(plugins)}")
 
 
-def needs_control_plane(cluster):
-    if cluster.control_plane_missing:
-        pytest.skip(f"ambient pods start only once the node proxy is synced: {cluster.control_plane_missing}")
-
-
-def test_ambient_pod_fails_closed_while_the_node_proxy_is_not_synced(cluster):
-    if not cluster.control_plane_missing:
-        pytest.skip("the node proxy is synced here; test_ambient_pod_is_captured covers the pod")
+def test_ambient_pod_fails_closed_without_the_node_proxy_then_starts_captured(cluster):
     ns = cluster.namespace(ambient=True)
-    cluster.pod(ns, "server", sa="server", serve=True)
 
     def refused():
         events = cluster.get("events", "-n", ns)["items"]
         msgs = [e["message"] for e in events if e.get("reason") == "FailedCreatePodSandBox"]
         return [m for m in msgs if 'plugin type="istio-cni"' in m and "no ztunnel connection" in m]
 
-    msgs = wait_for(refused, f"the sandbox of {ns}/server refused by istio-cni", 90)
-    pod = cluster.get("pod", "-n", ns, "server")
-    assert pod["status"].get("phase") == "Pending" and not pod["status"].get("podIP"), pod["status"]
-    print(f"\n{ns}/server stays Pending, its sandbox refused by our plugin (fail closed):\n{msgs[-1][:400]}")
+    with cluster.node_proxy_off_the_node():
+        cluster.pod(ns, "server", sa="server", serve=True)
+        msgs = wait_for(refused, f"the sandbox of {ns}/server refused by istio-cni", 90)
+        pod = cluster.get("pod", "-n", ns, "server")
+        assert pod["status"].get("phase") == "Pending" and not pod["status"].get("podIP"), pod["status"]
+    # the kubelet retries the sandbox; with the node proxy back the pod starts, captured
+    cluster.running(ns, "server", timeout_s=180)
+    assert captured(cluster, ns, "server"), cluster.annotations(ns, "server")
+    print(
+        f"\n{ns}/server stayed Pending while no node proxy ran, its sandbox refused by our plugin "
+        f"(fail closed):\n{msgs[-1][:400]}\nthen started captured once the node proxy was back"
+    )
 
 
 def test_ambient_pod_is_captured_by_the_chained_plugin(cluster):
-    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "server", sa="server", serve=True)
     cluster.running(ns, "server")
@@ -79,7 +75,6 @@ def test_non_ambient_pod_is_not_captured(cluster):
 
 
 def test_non_ambient_pod_not_captured_until_its_namespace_is_labelled(cluster):
-    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=False)
     cluster.pod(ns, "plain", sa="plain", serve=True)
     cluster.running(ns, "plain")
@@ -95,7 +90,6 @@ def test_non_ambient_pod_not_captured_until_its_namespace_is_labelled(cluster):
 
 
 def test_restarting_agent_and_proxy_leaves_no_pod_uncaptured(cluster):
-    needs_control_plane(cluster)
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "before", sa="before", serve=True)
     cluster.running(ns, "before")

@@ -1,7 +1,7 @@
 """Traffic through the whole mesh on the cluster: pod to pod over HBONE with the caller's
 identity checked by the destination's node proxy, an AuthorizationPolicy DENY applied and removed
 with kubectl, traffic across restarts of the node agent and the node proxy, and
-`ambient ztunnel-config` against the node proxy pod. Needs `ambient control --kube`."""
+`ambient ztunnel-config` against the node proxy pod."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from .kube import wait_for
 
 @pytest.fixture(scope="module")
 def mesh(cluster):
-    if cluster.control_plane_missing:
-        pytest.skip(f"no control plane for the mesh checks: {cluster.control_plane_missing}")
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "server", sa="server", serve=True)
     cluster.pod(ns, "client", sa="client", serve=False)

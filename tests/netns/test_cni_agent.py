@@ -32,6 +32,11 @@ from ambient_mesh.host.commands import SubprocessRunner
 from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric, netns_socket, stop_process
 from ambient_mesh.zds.client import ZdsClient, netns_id_of
 
+# The agent finds running pods by their IP under /proc, which every network namespace on the host
+# shares: a fabric subnet of this run's own keeps another run's pods (another checkout's suite on
+# the same host) out of what it finds.
+RUN_SUBNET = f"10.253.{os.getpid() % 256}.0/24"
+
 pytestmark = pytest.mark.timeout(120)
 
 WAIT_S = 20.0
@@ -265,7 +270,7 @@ def http_get(netns: str, path: str, port: int) -> tuple[int, str]:
 def scenario():
     root = Path(tempfile.mkdtemp(prefix="amcni-", dir="/tmp"))  # short: unix socket paths <= 107 bytes
     try:
-        with Fabric(runner=SubprocessRunner(), subnet6=None) as fabric:
+        with Fabric(runner=SubprocessRunner(), subnet=RUN_SUBNET, subnet6=None) as fabric:
             sc = Scenario(fabric, root)
             # A process in pb's namespace, so the agent can find it under /proc.
             fabric.spawn(sc.pods["pb"], ["sleep", "600"])
@@ -420,7 +425,7 @@ async def test_nftables_backend_end_to_end():
     """NATIVE_NFTABLES=true: in-pod tables, the host nft set and rule, removed on a final shutdown."""
     root = Path(tempfile.mkdtemp(prefix="amcni-", dir="/tmp"))
     try:
-        with Fabric(runner=SubprocessRunner(), subnet6=None) as fabric:
+        with Fabric(runner=SubprocessRunner(), subnet=RUN_SUBNET, subnet6=None) as fabric:
             sc = Scenario(fabric, root, NATIVE_NFTABLES="true", KUBELET_UID="0")
             proxies = RecordingProxies()
             client = ZdsClient(sc.zds_socket, proxies, max_backoff_s=0.2)
