@@ -9,7 +9,7 @@ onedir; `--bundle`, default the cached build), plus the bare interpreter start a
 the machine is; the plugin's own time is its CPU time (user + system, from wait4), which is what
 the 100 ms budget of an ADD is about. Prints p50/p90/max, writes bench/results/cni_plugin.json.
 
-    .venv/bin/python bench/cni_plugin_bench.py [--runs 40] [--bundle DIR] [--onefile FILE]
+    .venv/bin/python bench/cni_plugin_bench.py [--runs 40] [--bundle DIR] [--onefile FILE] [--match TEXT]
 """
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--bundle", type=Path, default=DEFAULT_BUNDLE, help="frozen plugin dir (plugin.sh)")
     parser.add_argument("--onefile", type=Path, default=None, help="a PyInstaller onefile build, to compare")
+    parser.add_argument("--match", default="", help="run only the cases whose name contains this")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="cnib-", dir="/tmp"))
@@ -244,6 +245,8 @@ def main() -> None:
             sizes["onefile"] = tree_bytes(args.onefile)
         api_cases: set[str] = set()
         for name, path in paths.items():
+            # start-up and imports only: what an ADD costs before it does anything
+            cases.append((f"VERSION, {name}", [str(path)], {"CNI_COMMAND": "VERSION"}))
             cases.append((f"non-ambient ADD, {name}", [str(path)], env("db-0", "plain")))
             cases.append((f"ambient ADD, {name}", [str(path)], env("web-0", "apps")))
             for pod, ns, what in (("db-0", "plain", "non-ambient"), ("web-0", "apps", "ambient")):
@@ -251,6 +254,7 @@ def main() -> None:
                 api_cases.add(label)
                 cases.append((label, [str(path)], env(pod, ns)))
 
+        cases = [case for case in cases if args.match in case[0]]
         results = []
         for label, argv, environ in cases:
             times: list[float] = []
