@@ -531,7 +531,7 @@ def _control_plane(
 
 def _identity_and_node(e: EnvReader, istio_meta: Mapping[str, str]) -> dict[str, Any]:
     """Who this proxy is and where it runs: cluster, trust domain, own pod, node, network."""
-    instance_ip_text = e.string("INSTANCE_IP", DEFAULT_INSTANCE_IP)
+    instance_ip_text = e.text("INSTANCE_IP", DEFAULT_INSTANCE_IP)
     try:
         instance_ip = ip_address(instance_ip_text.strip())
     except ValueError:
@@ -623,7 +623,7 @@ def _logging(e: EnvReader) -> dict[str, Any]:
     log_format = (e.string("LOG_FORMAT", "plain") or "plain").strip().lower()
     if log_format not in ("plain", "json"):
         raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
-    log_level = e.string("RUST_LOG", "info")
+    log_level = e.text("RUST_LOG", "info")
     try:
         parse_level_spec(log_level)
     except ConfigError as err:

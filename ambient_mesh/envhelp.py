@@ -50,7 +50,7 @@ class _RecordingEnv(Mapping[str, str]):
     def __getitem__(self, key: str) -> str:
         raise KeyError(key)
 
-    def get(self, key, default=None):
+    def get(self, key: object, default: Any = None) -> Any:
         if isinstance(key, str):
             self._seen.setdefault(key, EnvVar(key))
         return default
@@ -71,9 +71,9 @@ class _RecordingEnv(Mapping[str, str]):
 def _observed(reader_cls: type, seen: dict[str, EnvVar]) -> Iterator[None]:
     originals = {m: getattr(reader_cls, m) for m in READER_METHODS if hasattr(reader_cls, m)}
 
-    def wrap(method: str, original: Callable) -> Callable:
+    def wrap(method: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
-        def observed(self, name, *args, **kwargs):
+        def observed(self: object, name: str, *args: Any, **kwargs: Any) -> Any:
             default = args[0] if args else kwargs.get("default", NO_DEFAULT)
             if method in NO_DEFAULT_METHODS:
                 default = NO_DEFAULT

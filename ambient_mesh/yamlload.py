@@ -54,13 +54,17 @@ class BoundedSafeLoader(yaml.SafeLoader):
         self._anchor_sizes: dict[str, int] = {}
         self._open_anchors: set[str] = set()
 
-    def compose_document(self) -> Node:
+    def compose_document(self) -> Node | None:
         self._anchor_sizes = {}  # anchors are per document (YAML 1.1 section 3.2.2.2)
         return super().compose_document()
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def _next_event(self) -> Any:
+        # PyYAML's stubs leave Parser.peek_event untyped; it returns the next event, not consumed.
+        return self.peek_event()  # type: ignore[no-untyped-call]
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         if self.check_event(AliasEvent):
-            event = self.peek_event()
+            event = self._next_event()
             anchor = event.anchor
             if anchor in self._open_anchors:
                 raise AliasLimitError(
@@ -84,7 +88,7 @@ class BoundedSafeLoader(yaml.SafeLoader):
                         event.start_mark,
                     )
             return super().compose_node(parent, index)  # undefined aliases: PyYAML's own error
-        anchor = self.peek_event().anchor
+        anchor = self._next_event().anchor
         before = self._expanded
         if anchor is not None:
             self._open_anchors.add(anchor)
@@ -113,7 +117,7 @@ def load_all(text: str) -> list[Any]:
     loader = BoundedSafeLoader(text)
     try:
         docs = []
-        while loader.check_data():
+        while loader.check_data():  # type: ignore[no-untyped-call]  # untyped in PyYAML's stubs
             docs.append(loader.get_data())
         return docs
     finally:

@@ -195,7 +195,7 @@ class Listener:
         self._keepalive = keepalive
         self._spare = spare
         self._sock: socket.socket | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._errors = AcceptErrorLog(name)
         self.accepted = 0
         self.shed = 0  # clients closed unserved because the process ran out of descriptors

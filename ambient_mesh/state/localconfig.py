@@ -16,7 +16,7 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -25,6 +25,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from .. import yamlload
 from ..errors import ConfigError
 from ..net import IPAddress, ip_address
+from ..ports import HBONE_PORT
 from ..rbac import (
     Action,
     Authorization,
@@ -38,7 +39,6 @@ from ..rbac import (
     StringMatchKind,
 )
 from .model import (
-    HBONE_PORT,
     ApplicationTunnel,
     AppTunnelProtocol,
     Endpoint,
@@ -502,7 +502,7 @@ class _Parser:
     def match(self, node: Node) -> Match:
         keys = self._STRING_MATCH_LISTS | self._SA_LISTS | self._CIDR_LISTS | self._PORT_LISTS
         f = self.fields(node, "match", optional=set(keys))
-        kwargs: dict[str, tuple] = {}
+        kwargs: dict[str, tuple[Any, ...]] = {}
         for key, value in f.items():
             items = self.sequence(value, f"match.{key}")
             if key in self._STRING_MATCH_LISTS:
