@@ -7,17 +7,19 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from .errors import AmbientError
 
 
-def _run(coro) -> int:
+def _run(coro: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
-
-        return uvloop.run(coro)
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep stdlib asyncio usable
         return asyncio.run(coro)
+    status: int = uvloop.run(coro)
+    return status
 
 
 def cmd_ztunnel(_args: argparse.Namespace) -> int:
@@ -346,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         args = build_parser(env_help=any(a in ("-h", "--help") for a in argv)).parse_args(argv)
         try:
-            return args.func(args)
+            status: int = args.func(args)
+            return status
         except AmbientError as e:
             print(f"ambient {args.command}: {e}", file=sys.stderr)
             return 1

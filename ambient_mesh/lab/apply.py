@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -74,15 +74,15 @@ class Manifest:
 
     @property
     def kind(self) -> str:
-        return self.doc["kind"]
+        return str(self.doc["kind"])
 
     @property
     def namespace(self) -> str:
-        return self.doc["metadata"].get("namespace", "")
+        return str(self.doc["metadata"].get("namespace", ""))
 
     @property
     def name(self) -> str:
-        return self.doc["metadata"]["name"]
+        return str(self.doc["metadata"]["name"])
 
     @property
     def ref(self) -> str:
@@ -94,7 +94,7 @@ class Manifest:
 # -- reading and checking -------------------------------------------------------------------------
 
 
-def read_sources(paths: Sequence[str], stdin=None) -> list[tuple[str, str]]:
+def read_sources(paths: Sequence[str], stdin: IO[str] | None = None) -> list[tuple[str, str]]:
     """(name, text) for each `-f` argument: a file, every manifest in a directory, or `-`."""
     out: list[tuple[str, str]] = []
     for arg in paths:
@@ -129,7 +129,7 @@ def locate(node: yaml.Node, path: str) -> yaml.Mark:
     the key itself when it is the last step (an unknown or missing field), else the deepest
     value found along the path."""
     tokens = [int(i) if i else name for i, name in _PATH_TOKEN.findall(path)]
-    mark = node.start_mark
+    mark: yaml.Mark = node.start_mark
     i = 0
     while i < len(tokens):
         token = tokens[i]
@@ -149,7 +149,8 @@ def locate(node: yaml.Node, path: str) -> yaml.Mark:
                 if found is not None:
                     key_node, value_node = found
                     if j == len(tokens):
-                        return key_node.start_mark
+                        mark = key_node.start_mark
+                        return mark
                     node, mark, i = value_node, value_node.start_mark, j
                     break
             else:
@@ -159,8 +160,8 @@ def locate(node: yaml.Node, path: str) -> yaml.Mark:
     return mark
 
 
-def _label(doc: Mapping) -> str:
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+def _label(doc: Mapping[str, Any]) -> str:
+    meta: Mapping[str, Any] = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
     name = meta.get("name") if isinstance(meta.get("name"), str) else "?"
     ns = meta.get("namespace") if isinstance(meta.get("namespace"), str) else ""
     return f"{doc.get('kind')} {ns}/{name}" if ns else f"{doc.get('kind')} {name}"
@@ -197,7 +198,9 @@ def documents(text: str, file: str) -> list[tuple[yaml.Node, Any]]:
     ):
         if isinstance(doc, dict) and doc.get("kind") == "List" and isinstance(doc.get("items"), list):
             items = node.value if isinstance(node, yaml.MappingNode) else []
-            item_nodes = next((v.value for k, v in items if getattr(k, "value", None) == "items"), [])
+            item_nodes: list[Any] = next(
+                (v.value for k, v in items if getattr(k, "value", None) == "items"), []
+            )
             pairs.extend(zip(item_nodes, doc["items"], strict=False))
         else:
             pairs.append((node, doc))
@@ -262,7 +265,7 @@ def apply(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
     return lines
 
 
-def assign_cluster_ip(objects_dir: Path, doc: dict) -> None:
+def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:
     """A Service without `spec.clusterIP` gets one, as the API server allocates it; an update
     keeps the address the stored object has."""
     from .services import allocate_cluster_ip
@@ -350,7 +353,7 @@ def get_table(objects_dir: Path, kind: str, namespace: str | None) -> Table:
     return Table(title=kind, headers=(*head, *_COLUMNS.get(kind, ())), rows=tuple(rows))
 
 
-def get_documents(objects_dir: Path, kind: str, namespace: str | None) -> list[dict]:
+def get_documents(objects_dir: Path, kind: str, namespace: str | None) -> list[dict[str, Any]]:
     """The stored objects themselves (`-o yaml|json`)."""
     out = []
     for o in sorted(

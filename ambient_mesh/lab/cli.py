@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
@@ -36,15 +36,19 @@ from .lab import (
 from .status import headline, live_status, status_tables
 from .topofile import DEFAULT_TOPOLOGY, load_topology, pod_spec_from_object
 
+if TYPE_CHECKING:
+    from .apply import Manifest
+
 SUPERVISE_INTERVAL_S = 0.2
 FOLLOW_INTERVAL_S = 0.2
 LOG_READ_BYTES = 1 << 20
 COMPONENTS = ("control", "agent", "ztunnel")
 
 
-def read_record(state_dir: Path) -> dict:
+def read_record(state_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((state_dir / STATE_FILE).read_text())
+        record: dict[str, Any] = json.loads((state_dir / STATE_FILE).read_text())
+        return record
     except FileNotFoundError:
         state = journal_state(state_dir)
         if state == "running":
@@ -178,7 +182,7 @@ def _up(args: argparse.Namespace, state_dir: Path, out: IO[str]) -> int:
     config = lab_config(args, state_dir)  # before anything exists
     stop = False
 
-    def on_signal(*_):
+    def on_signal(*_: object) -> None:
         nonlocal stop
         stop = True
         # A second signal during start-up interrupts it; teardown still runs.
@@ -230,7 +234,7 @@ def _down(state_dir: Path, out: IO[str]) -> int:
     return 0
 
 
-def log_path(record: Mapping, component: str, node: str | None) -> Path:
+def log_path(record: Mapping[str, Any], component: str, node: str | None) -> Path:
     """Which log file `ambient lab logs COMPONENT [--node N]` means."""
     logs = Path(record["state_dir"]) / "logs"
     nodes = list(record["nodes"])
@@ -252,7 +256,7 @@ def log_path(record: Mapping, component: str, node: str | None) -> Path:
     )
 
 
-def _logs(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
+def _logs(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> int:
     path = log_path(record, args.component, args.node)
     try:
         f = open(path, "rb")  # noqa: SIM115 - kept open while following
@@ -276,7 +280,7 @@ def _logs(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
-def _objects(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
+def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> int:
     from . import apply as verbs
 
     if not same_process(int(record["pid"]), None):
@@ -321,7 +325,7 @@ def _objects(record: Mapping, args: argparse.Namespace, out: IO[str]) -> int:
     return 0 if ok else 1
 
 
-def check_new_pod(record: Mapping, manifest) -> None:
+def check_new_pod(record: Mapping[str, Any], manifest: Manifest) -> None:
     """A Pod applied to a running lab: the lab's kubelet (the `up` supervisor) will create its
     sandbox; it must name one of the lab's nodes and one of its apps, and be new (the lab does
     not change a running pod: delete it, then apply it again)."""
@@ -336,7 +340,7 @@ def check_new_pod(record: Mapping, manifest) -> None:
         )
 
 
-def _exec(record: Mapping, args: argparse.Namespace) -> int:
+def _exec(record: Mapping[str, Any], args: argparse.Namespace) -> int:
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]

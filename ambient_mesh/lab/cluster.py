@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -113,7 +114,7 @@ class ServiceSpec:
     ports: Mapping[int, int]  # service port -> target port
 
 
-def namespace_object(name: str, *, ambient: bool) -> dict:
+def namespace_object(name: str, *, ambient: bool) -> dict[str, Any]:
     labels = {LABEL_DATAPLANE_MODE: DATAPLANE_AMBIENT} if ambient else {}
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
 
@@ -125,16 +126,16 @@ def pod_object(
     ip: ipaddress.IPv4Address | str | None,
     ready: bool = True,
     ports: Iterable[int] = (),
-) -> dict:
+) -> dict[str, Any]:
     """A Pod as the API server would show a running one (what the control plane translates and
     what the node agent enrolls)."""
     labels = dict(spec.labels)
-    status: dict = {"phase": "Running" if ip is not None else "Pending"}
+    status: dict[str, Any] = {"phase": "Running" if ip is not None else "Pending"}
     if ip is not None:
         status["podIP"] = str(ip)
         status["podIPs"] = [{"ip": str(ip)}]
         status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
-    container: dict = {"name": "app", "image": spec.image}
+    container: dict[str, Any] = {"name": "app", "image": spec.image}
     if ports:
         container["ports"] = [{"containerPort": p} for p in ports]
     return {
@@ -160,7 +161,7 @@ def ztunnel_pod_spec(node: str) -> PodSpec:
     )
 
 
-def service_object(spec: ServiceSpec) -> dict:
+def service_object(spec: ServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -176,7 +177,7 @@ def service_object(spec: ServiceSpec) -> dict:
     }
 
 
-def agent_daemonset_object() -> dict:
+def agent_daemonset_object() -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -184,14 +185,14 @@ def agent_daemonset_object() -> dict:
     }
 
 
-def object_file_name(obj: Mapping) -> str:
+def object_file_name(obj: Mapping[str, Any]) -> str:
     """One file per object: `<kind>-<namespace>-<name>.yaml` (lowercase kind)."""
     meta = obj["metadata"]
     namespace = meta.get("namespace") or "_"
     return f"{obj['kind'].lower()}-{namespace}-{meta['name']}.yaml"
 
 
-def write_objects(directory: Path, objects: Iterable[Mapping]) -> list[Path]:
+def write_objects(directory: Path, objects: Iterable[Mapping[str, Any]]) -> list[Path]:
     """Write (or replace) each object in its own file, atomically (write a temporary, rename)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []

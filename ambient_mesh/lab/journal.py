@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner
@@ -85,7 +86,7 @@ class Journal:
     def __repr__(self) -> str:
         return f"Journal({self.path})"
 
-    def _write(self, entry: dict) -> None:
+    def _write(self, entry: dict[str, Any]) -> None:
         with self._lock:
             self._file.write(json.dumps(entry) + "\n")
             self._file.flush()

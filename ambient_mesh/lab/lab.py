@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -117,7 +118,7 @@ class LabConfig:
     pods: tuple[PodSpec, ...] = ()
     ambient_namespaces: frozenset[str] = frozenset()
     services: tuple[ServiceSpec, ...] = ()
-    objects: tuple[Mapping, ...] = ()  # more objects to serve from the start (topology file)
+    objects: tuple[Mapping[str, Any], ...] = ()  # more objects to serve from the start (topology file)
     cluster_dns: bool = True  # the lab's resolver, pods' resolv.conf, DNS capture in the mesh
     kube_proxy: bool = True  # ClusterIP DNAT in every node, for pods outside the mesh
     native_nftables: bool = False
@@ -163,7 +164,7 @@ class Program:
     name: str  # the component: control, agent-<node>, ztunnel-<node>, app-<ns>-<pod>
     netns: str
     log: Path
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     started_at: float = 0.0  # monotonic
     log_start: int = 0  # where this run's output begins in the log (it is appended across restarts)
 
@@ -305,8 +306,8 @@ class Lab:
         self._restart_fns: dict[str, Callable[[], object]] = {}
         self._restart_due: dict[str, float] = {}
         self._restart_delay: dict[str, float] = {}
-        self._services_stamp: tuple | None = None
-        self._pods_stamp: tuple | None = None
+        self._services_stamp: tuple[object, ...] | None = None
+        self._pods_stamp: tuple[object, ...] | None = None
         self._started = False
 
     def __repr__(self) -> str:
@@ -326,7 +327,7 @@ class Lab:
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     @property
@@ -434,7 +435,10 @@ class Lab:
     # -- objects -----------------------------------------------------------------------------------
 
     def _write_base_objects(self) -> None:
-        objects: list[dict] = [namespace_object(SYSTEM_NAMESPACE, ambient=False), agent_daemonset_object()]
+        objects: list[dict[str, Any]] = [
+            namespace_object(SYSTEM_NAMESPACE, ambient=False),
+            agent_daemonset_object(),
+        ]
         namespaces = {spec.namespace for spec in self.config.pods} | set(self.config.ambient_namespaces)
         objects += [
             namespace_object(ns, ambient=ns in self.config.ambient_namespaces) for ns in sorted(namespaces)
@@ -446,10 +450,10 @@ class Lab:
         objects += [service_object(s) for s in self.config.services]
         write_objects(self.objects_dir, objects)
         for doc in self.config.objects:
-            doc = copy.deepcopy(dict(doc))
-            if doc.get("kind") == "Service":
-                assign_cluster_ip(self.objects_dir, doc)
-            write_objects(self.objects_dir, [doc])
+            obj = copy.deepcopy(dict(doc))
+            if obj.get("kind") == "Service":
+                assign_cluster_ip(self.objects_dir, obj)
+            write_objects(self.objects_dir, [obj])
 
     def set_namespace(self, namespace: str, *, ambient: bool) -> None:
         write_objects(self.objects_dir, [namespace_object(namespace, ambient=ambient)])
@@ -797,7 +801,7 @@ class Lab:
             on_timeout=proxy.tail,
         )
 
-    def config_dump(self, name: str) -> dict:
+    def config_dump(self, name: str) -> dict[str, Any]:
         """The node proxy's /config_dump on `name`; {} when it does not answer."""
         try:
             status, body = self.proxy_get(name, ZTUNNEL_ADMIN_PORT, "/config_dump")
@@ -825,11 +829,12 @@ class Lab:
         for name, node in self.nodes.items():
             if node.proxy is None or not node.proxy.running:
                 continue
+            # wait_until calls both within this iteration, so they may close over `name`.
             wait_until(
-                lambda name=name: wanted <= self.known_ips(name),
+                lambda: wanted <= self.known_ips(name),  # noqa: B023
                 timeout_s=self.config.ready_timeout_s,
                 what=f"the node proxy on {name} to learn every pod from xDS",
-                on_timeout=lambda name=name: f"missing: {sorted(wanted - self.known_ips(name))}",
+                on_timeout=lambda: f"missing: {sorted(wanted - self.known_ips(name))}",  # noqa: B023
             )
 
     def stop_proxy(self, name: str) -> int:
@@ -946,7 +951,7 @@ class Lab:
         if stamp == self._pods_stamp:
             return []
         self._pods_stamp = stamp
-        present: dict[str, tuple[Path, dict]] = {}
+        present: dict[str, tuple[Path, dict[str, Any]]] = {}
         for path in sorted(self.objects_dir.glob("pod-*.yaml")):
             try:
                 doc = yaml.safe_load(path.read_text())
@@ -1046,11 +1051,11 @@ class Lab:
         text = pod.app.tail(chars=10**7) if pod.app is not None else ""
         return [line.split()[1] for line in text.splitlines() if line.startswith("accepted ")]
 
-    def record(self) -> dict:
+    def record(self) -> dict[str, Any]:
         """The lab's layout, processes and restarts, as lab.json keeps them for other shells
         (status.py adds what is live: process alive, readiness, enrollment, services)."""
 
-        def program(p: Program | None) -> dict | None:
+        def program(p: Program | None) -> dict[str, Any] | None:
             if p is None:
                 return None
             backoff = self.backoff(p.name)
@@ -1106,7 +1111,7 @@ class Lab:
             "pods": pods,
         }
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """The live view `ambient lab status` prints (status.py)."""
         from .status import live_status
 

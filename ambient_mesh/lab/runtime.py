@@ -30,6 +30,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner
@@ -77,7 +78,7 @@ def find_conflist(net_dir: Path) -> Path:
     return candidates[0]
 
 
-def chained_entries(conflist: Mapping) -> list[Mapping]:
+def chained_entries(conflist: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The entries a runtime runs after the primary plugin (the lab did the primary's work)."""
     plugins = conflist.get("plugins")
     if not isinstance(plugins, list) or not plugins:
@@ -85,7 +86,7 @@ def chained_entries(conflist: Mapping) -> list[Mapping]:
     return [p for p in plugins[1:] if isinstance(p, Mapping)]
 
 
-def prev_result(pod: PodNet, cni_version: str) -> dict:
+def prev_result(pod: PodNet, cni_version: str) -> dict[str, Any]:
     """The primary plugin's result, as a bridge plugin reports it."""
     return {
         "cniVersion": cni_version,
@@ -97,14 +98,14 @@ def prev_result(pod: PodNet, cni_version: str) -> dict:
 def plan_cni_call(
     command: str,
     *,
-    conflist: Mapping,
-    entry: Mapping,
+    conflist: Mapping[str, Any],
+    entry: Mapping[str, Any],
     pod: PodNet,
     namespace: str,
     name: str,
     uid: str,
     bin_dir: Path,
-    previous: Mapping | None,
+    previous: Mapping[str, Any] | None,
 ) -> CniCall:
     """The stdin and environment containerd gives a chained plugin (CNI spec, section "Execution")."""
     version = str(conflist.get("cniVersion", "1.0.0"))
@@ -142,11 +143,11 @@ class CniRuntime:
     def __repr__(self) -> str:
         return f"CniRuntime({self.node_netns}: {self.calls} calls, conf {self.net_dir})"
 
-    def _chain(self) -> tuple[dict, list[Mapping]]:
+    def _chain(self) -> tuple[dict[str, Any], list[Mapping[str, Any]]]:
         conflist = json.loads(find_conflist(self.net_dir).read_text())
         return conflist, chained_entries(conflist)
 
-    def _run(self, call: CniCall, command: str, pod: str) -> dict:
+    def _run(self, call: CniCall, command: str, pod: str) -> dict[str, Any]:
         self.calls += 1
         result = self.runner.run(call.argv(), input=call.stdin, netns=self.node_netns, check=False)
         try:
@@ -162,10 +163,10 @@ class CniRuntime:
             raise CniCallError(command, pod, f"{call.plugin.name} exit {result.returncode}: {detail}".strip())
         return out if isinstance(out, dict) else {}
 
-    def add(self, pod: PodNet, *, namespace: str, name: str, uid: str) -> dict:
+    def add(self, pod: PodNet, *, namespace: str, name: str, uid: str) -> dict[str, Any]:
         """CNI ADD through the chain; returns the last result (the sandbox may start)."""
         conflist, entries = self._chain()
-        result: Mapping = prev_result(pod, str(conflist.get("cniVersion", "1.0.0")))
+        result: Mapping[str, Any] = prev_result(pod, str(conflist.get("cniVersion", "1.0.0")))
         for entry in entries:
             call = plan_cni_call(
                 "ADD",

@@ -222,7 +222,7 @@ def serve_dns(objects_dir: str, listen: str) -> None:
     sock.settimeout(RECV_TIMEOUT_S)
     print(f"lab DNS for *.{CLUSTER_DOMAIN} on {listen}, from {objects_dir}", flush=True)
     names: dict[str, str] = {}
-    stamp: tuple | None = None
+    stamp: tuple[object, ...] | None = None
     next_reload = 0.0
     while True:
         now = time.monotonic()
@@ -242,7 +242,7 @@ def serve_dns(objects_dir: str, listen: str) -> None:
             sock.sendto(reply, peer)
 
 
-def objects_stamp(directory: str | os.PathLike) -> tuple:
+def objects_stamp(directory: str | os.PathLike[str]) -> tuple[object, ...]:
     """Changes whenever a file in the objects directory is written, replaced or removed."""
     try:
         return tuple(sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(directory)))

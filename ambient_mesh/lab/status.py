@@ -29,8 +29,10 @@ PROBE_TIMEOUT_S = 1.0
 TRUST_DOMAIN = "cluster.local"
 
 
-def _alive(program: Mapping | None) -> bool:
-    return bool(program) and same_process(int(program["pid"]), program.get("start"))
+def _alive(program: Mapping[str, Any] | None) -> bool:
+    if not program:
+        return False
+    return same_process(int(program["pid"]), program.get("start"))
 
 
 def _probe(netns: str, port: int, path: str) -> bool:
@@ -52,7 +54,7 @@ def _marks(run_dir: str) -> dict[str, str]:
     return {uid: m.get("value", "") for uid, m in pods.items() if isinstance(m, dict)}
 
 
-def _component(program: Mapping | None, *, ready: bool | None) -> dict[str, Any]:
+def _component(program: Mapping[str, Any] | None, *, ready: bool | None) -> dict[str, Any]:
     alive = _alive(program)
     state = "running" if alive else "exited"
     if program and program.get("backoff_s") is not None and not alive:
@@ -68,7 +70,7 @@ def _component(program: Mapping | None, *, ready: bool | None) -> dict[str, Any]
     }
 
 
-def live_status(record: Mapping, runner: CommandRunner) -> dict[str, Any]:
+def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, Any]:
     """`record` (lab.json) with what is live added."""
     lab_alive = same_process(int(record["pid"]), None)
     control = record["control"]
@@ -142,8 +144,8 @@ def live_status(record: Mapping, runner: CommandRunner) -> dict[str, Any]:
     }
 
 
-def _cell(component: Mapping) -> str:
-    text = component["state"]
+def _cell(component: Mapping[str, Any]) -> str:
+    text = str(component["state"])
     if component["state"] == "running" and component["ready"]:
         text = "ready"
     if component["restarts"]:
@@ -151,7 +153,7 @@ def _cell(component: Mapping) -> str:
     return text
 
 
-def status_tables(status: Mapping) -> list[Table]:
+def status_tables(status: Mapping[str, Any]) -> list[Table]:
     """The live status as three tables: components, nodes, pods."""
     components = [
         (
@@ -210,7 +212,7 @@ def status_tables(status: Mapping) -> list[Table]:
     ]
 
 
-def headline(status: Mapping) -> str:
+def headline(status: Mapping[str, Any]) -> str:
     state = "ready" if status["ready"] else ("starting" if status["running"] else "not running")
     return (
         f"lab {status['lab']} (pid {status['pid']}, {state}), control plane {status['control']['address']}, "

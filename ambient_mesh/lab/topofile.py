@@ -112,7 +112,7 @@ class TopologyFile:
     nftables: bool = False
 
 
-def _lab_section(doc: Mapping, where: str) -> tuple[tuple[str, ...], bool]:
+def _lab_section(doc: Mapping[str, Any], where: str) -> tuple[tuple[str, ...], bool]:
     for key in doc:
         if key not in LAB_FIELDS:
             raise ConfigError(where, f"Lab: unknown field {key!r} (expected one of {', '.join(LAB_FIELDS)})")
@@ -135,7 +135,7 @@ def _lab_section(doc: Mapping, where: str) -> tuple[tuple[str, ...], bool]:
     return names, nftables
 
 
-def pod_spec_from_object(doc: Mapping, where: str) -> PodSpec:
+def pod_spec_from_object(doc: Mapping[str, Any], where: str) -> PodSpec:
     """The lab pod a Pod object asks for (its node, service account, labels, app)."""
     meta, spec = doc["metadata"], doc.get("spec") or {}
     key = f"{meta.get('namespace')}/{meta['name']}"
@@ -167,7 +167,8 @@ def parse_topology(text: str, file: str) -> TopologyFile:
     lab_docs = [(n, d) for n, d in pairs if isinstance(d, dict) and d.get("kind") == LAB_KIND]
     if len(lab_docs) > 1:
         raise ConfigError(manifests.where(file, lab_docs[1][0]), "more than one Lab document")
-    nodes, nftables = (("node-1", "node-2"), False)
+    nodes: tuple[str, ...] = ("node-1", "node-2")
+    nftables = False
     if lab_docs:
         nodes, nftables = _lab_section(lab_docs[0][1], manifests.where(file, lab_docs[0][0]))
     rest = [(n, d) for n, d in pairs if not (isinstance(d, dict) and d.get("kind") == LAB_KIND)]

@@ -170,7 +170,7 @@ class Topology:
             raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _create(self, name: str) -> None:
