@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from .errors import AmbientError
+from .ports import XDS_CA_PORT
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -94,10 +95,19 @@ def cmd_ztunnel_config(args: argparse.Namespace) -> int:
     )
 
 
+def completion_table() -> dict[str, list[str]]:
+    """What `ambient completion` completes, read from the parsers of every command."""
+    from .cni.agent_config import SETTINGS
+    from .completion import command_words
+    from .lab.cli import build_parser as lab_parser
+
+    return command_words(build_parser(), lab_parser(), SETTINGS)
+
+
 def cmd_completion(args: argparse.Namespace) -> int:
     from .completion import run
 
-    sys.stdout.write(run(args.shell))
+    sys.stdout.write(run(args.shell, completion_table()))
     return 0
 
 
@@ -236,7 +246,9 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         default="./var/ambient-control",
         help="where the CA, the token key and root-cert.pem are kept (default: %(default)s)",
     )
-    p.add_argument("--listen", default="[::]:15012", help="TLS address for xDS and CA (default: %(default)s)")
+    p.add_argument(
+        "--listen", default=f"[::]:{XDS_CA_PORT}", help="TLS address for xDS and CA (default: %(default)s)"
+    )
     p.add_argument("--plaintext-listen", default=None, help="optional plaintext address (istiod's 15010)")
     p.add_argument(
         "--root-ca-dir",

@@ -3,14 +3,15 @@
 Counterpart: the `completion` command of kubectl and istioctl (cobra's generated scripts). The
 words each command takes (sub-commands, option names, fixed choices) are read from the argparse
 tree (`ambient`'s, the lab's, and the node agent's settings as flags), so the script cannot drift
-from the commands; the generated bash only looks the current command path up in a table.
+from the commands; the generated bash only looks the current command path up in a table. The
+program (`cli.py`) hands the parsers in, so this module imports no command.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 SHELLS = ("bash",)
 
@@ -34,21 +35,20 @@ def _words(
         yield from _words(sub, (*path, name))
 
 
-def command_words() -> dict[str, list[str]]:
-    """Command path (space-joined, "" for `ambient`) -> the words completed after it."""
-    from .cli import build_parser
-    from .cni.agent_config import SETTINGS
-    from .lab.cli import build_parser as lab_parser
-
-    table = {" ".join(path): words for path, words in _words(build_parser(), ())}
-    for path, words in _words(lab_parser(), ("lab",)):
+def command_words(
+    root: argparse.ArgumentParser, lab: argparse.ArgumentParser, agent_settings: Iterable[str]
+) -> dict[str, list[str]]:
+    """Command path (space-joined, "" for `ambient`) -> the words completed after it: `root` is
+    `ambient`'s parser, `lab` the lab's (`ambient lab` passes its arguments through), and the
+    node agent takes its settings as flags."""
+    table = {" ".join(path): words for path, words in _words(root, ())}
+    for path, words in _words(lab, ("lab",)):
         table[" ".join(path)] = words
-    table["cni-agent"] = sorted(f"--{name.lower().replace('_', '-')}" for name in SETTINGS) + ["--help"]
+    table["cni-agent"] = sorted(f"--{name.lower().replace('_', '-')}" for name in agent_settings) + ["--help"]
     return table
 
 
-def bash_script() -> str:
-    table = command_words()
+def bash_script(table: Mapping[str, list[str]]) -> str:
     entries = "\n".join(
         f"    [{shlex.quote(path or '_')}]={shlex.quote(' '.join(words))}"
         for path, words in sorted(table.items())
@@ -73,9 +73,9 @@ complete -F _ambient ambient
 """
 
 
-def run(shell: str) -> str:
+def run(shell: str, table: Mapping[str, list[str]]) -> str:
     if shell != "bash":
         from .errors import AmbientError
 
         raise AmbientError(f"no completion for {shell!r}", hint=f"supported: {', '.join(SHELLS)}")
-    return bash_script()
+    return bash_script(table)

@@ -44,15 +44,25 @@ from .env import parse_duration as parse_duration  # re-exported: callers parse 
 from .errors import ConfigError, ProtocolError
 from .logs import parse_level_spec
 from .net import IPAddress, SocketAddr, ip_address
+from .ports import (
+    ADMIN_PORT,
+    DNS_CAPTURE_PORT,
+    HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    OUTBOUND_PORT,
+    READINESS_PORT,
+    SOCKS5_PORT,
+    STATS_PORT,
+    XDS_CA_PORT,
+)
 
 log = logging.getLogger("ambient_mesh.config")
 
 KIB = 1024
 MIB = 1024 * KIB
 
-DEFAULT_CA_PORT = 15012
-DEFAULT_LOCAL_ISTIOD = f"https://localhost:{DEFAULT_CA_PORT}"
-DEFAULT_CLUSTER_ISTIOD = f"https://istiod.istio-system.svc:{DEFAULT_CA_PORT}"
+DEFAULT_LOCAL_ISTIOD = f"https://localhost:{XDS_CA_PORT}"
+DEFAULT_CLUSTER_ISTIOD = f"https://istiod.istio-system.svc:{XDS_CA_PORT}"
 DEFAULT_ROOT_CERT_PATH = "./var/run/secrets/istio/root-cert.pem"
 DEFAULT_TOKEN_PATH = "./var/run/secrets/tokens/istio-token"
 DEFAULT_INPOD_UDS = "/var/run/ztunnel/ztunnel.sock"
@@ -73,15 +83,6 @@ DEFAULT_KEEPALIVE_RETRIES = 9
 # 0x539: the mark istio-cni's rules use to let the proxy's own traffic through unredirected.
 DEFAULT_PACKET_MARK = 1337
 DEFAULT_TERMINATION_DEADLINE_S = 5.0
-DEFAULT_DNS_PROXY_PORT = 15053
-
-OUTBOUND_PORT = 15001
-INBOUND_PLAINTEXT_PORT = 15006
-INBOUND_PORT = 15008
-SOCKS5_PORT = 15080
-ADMIN_PORT = 15000
-STATS_PORT = 15020
-READINESS_PORT = 15021
 
 # RFC 9113 6.5.2: SETTINGS_MAX_FRAME_SIZE must lie in [2^14, 2^24 - 1]; windows are at most 2^31 - 1.
 MIN_HTTP2_FRAME_BYTES = 2**14
@@ -242,7 +243,7 @@ def _termination_deadline(env: EnvReader) -> float:
 
 def _dns_proxy_addr(value: str | None) -> SocketAddr:
     if value is None:
-        return SocketAddr.of("127.0.0.1", DEFAULT_DNS_PROXY_PORT)
+        return SocketAddr.of("127.0.0.1", DNS_CAPTURE_PORT)
     text = value.strip()
     if text.startswith("localhost:"):
         text = "127.0.0.1:" + text[len("localhost:") :]
@@ -286,7 +287,7 @@ class ZtunnelConfig:
     proxy_workload_info: ProxyWorkloadInfo | None = None
     enable_proxy: bool = True
     dns_proxy_enabled: bool = True
-    dns_proxy_addr: SocketAddr = SocketAddr.of("127.0.0.1", DEFAULT_DNS_PROXY_PORT)
+    dns_proxy_addr: SocketAddr = SocketAddr.of("127.0.0.1", DNS_CAPTURE_PORT)
 
     xds_address: str | None = DEFAULT_LOCAL_ISTIOD
     ca_address: str | None = DEFAULT_LOCAL_ISTIOD
@@ -344,7 +345,7 @@ class ZtunnelConfig:
     istio_meta_json: dict[str, Any] = field(default_factory=dict)
 
     outbound_addr: SocketAddr = SocketAddr.of("::", OUTBOUND_PORT)
-    inbound_addr: SocketAddr = SocketAddr.of("::", INBOUND_PORT)
+    inbound_addr: SocketAddr = SocketAddr.of("::", HBONE_PORT)
     inbound_plaintext_addr: SocketAddr = SocketAddr.of("::", INBOUND_PLAINTEXT_PORT)
     socks5_addr: SocketAddr = SocketAddr.of("127.0.0.1", SOCKS5_PORT)
     admin_addr: SocketAddr = SocketAddr.of("127.0.0.1", ADMIN_PORT)
@@ -354,7 +355,7 @@ class ZtunnelConfig:
     @property
     def illegal_ports(self) -> frozenset[int]:
         """Ports a connection may not target through the proxy itself (loops, trampolines)."""
-        ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, INBOUND_PORT}
+        ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT}
         if self.socks5_enabled:
             ports.add(SOCKS5_PORT)
         return frozenset(ports)
@@ -642,7 +643,7 @@ def _listeners(e: EnvReader, *, ipv6_enabled: bool) -> dict[str, Any]:
     return {
         "ipv6_enabled": ipv6_enabled,
         "outbound_addr": e.address("OUTBOUND_ADDR", SocketAddr.of(wildcard, OUTBOUND_PORT)),
-        "inbound_addr": e.address("INBOUND_ADDR", SocketAddr.of(wildcard, INBOUND_PORT)),
+        "inbound_addr": e.address("INBOUND_ADDR", SocketAddr.of(wildcard, HBONE_PORT)),
         "inbound_plaintext_addr": e.address(
             "INBOUND_PLAINTEXT_ADDR", SocketAddr.of(wildcard, INBOUND_PLAINTEXT_PORT)
         ),

@@ -33,8 +33,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from .errors import AmbientError
 from .lab import apply as manifests
 from .lab.journal import leftover_namespaces
-from .lab.lab import ZTUNNEL_STATS_PORT, Lab, LabConfig
+from .lab.lab import Lab, LabConfig
 from .lab.topofile import load_topology
+from .ports import STATS_PORT
 from .ztunnel_config import Table, render_tables
 
 CLIENT = "shop/client"
@@ -230,7 +231,7 @@ class Tour:
         metrics = {}
         for node in lab.nodes:
             try:
-                status, body = lab.proxy_get(node, ZTUNNEL_STATS_PORT, "/metrics")
+                status, body = lab.proxy_get(node, STATS_PORT, "/metrics")
             except (OSError, http.client.HTTPException, AmbientError):
                 status, body = 0, ""
             metrics[node] = body if status == 200 else ""

@@ -23,8 +23,9 @@ import yaml
 
 from .errors import AmbientError
 from .net import split_host_port
+from .ports import ADMIN_PORT
 
-DEFAULT_ADMIN = "127.0.0.1:15000"
+DEFAULT_ADMIN = f"127.0.0.1:{ADMIN_PORT}"
 FETCH_TIMEOUT_S = 5.0
 KINDS = ("workloads", "services", "policies", "certificates", "all", "connections")
 OUTPUTS = ("short", "table", "json", "yaml")  # istioctl's `short` summary; `table` is the same

@@ -32,6 +32,7 @@ from ..capture.hostprobe import PROBE_SET_PREFIX
 from ..capture.inpod import HOST_PROBE_SNAT_IPV4, HOST_PROBE_SNAT_IPV6
 from ..env import ISTIO_CNI_BOOLS, EnvReader
 from ..errors import ConfigError
+from ..ports import CNI_HEALTH_PORT, CNI_MONITORING_PORT
 from .cniconf import CNI_EVENT_SOCKET_NAME, DEFAULT_CNI_AGENT_RUN_DIR, LOG_SOCKET_NAME, PLUGIN_LOG_LEVELS
 from .enablement import DEFAULT_ENABLEMENT_SELECTORS, EnablementSelector, parse_enablement_selectors
 
@@ -39,8 +40,6 @@ DEFAULT_MOUNTED_CNI_NET_DIR = "/etc/cni/net.d"
 DEFAULT_CNI_BIN_DIR = "/opt/cni/bin"
 DEFAULT_ZTUNNEL_UDS_ADDRESS = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
-DEFAULT_MONITORING_PORT = 15014
-DEFAULT_HEALTH_PORT = 8000
 DEFAULT_SYSTEM_NAMESPACE = "istio-system"
 DEFAULT_EXCLUDE_NAMESPACES = ("kube-system",)
 DEFAULT_POD_SOURCE_POLL_INTERVAL_S = 1.0
@@ -158,8 +157,8 @@ class AgentConfig:
     pod_source_directory: str = ""
     pod_source_poll_interval_s: float = DEFAULT_POD_SOURCE_POLL_INTERVAL_S
     # servers
-    monitoring_port: int = DEFAULT_MONITORING_PORT
-    health_port: int = DEFAULT_HEALTH_PORT
+    monitoring_port: int = CNI_MONITORING_PORT
+    health_port: int = CNI_HEALTH_PORT
     ztunnel_uds_address: Path = Path(DEFAULT_ZTUNNEL_UDS_ADDRESS)
     # ambient
     ambient_enabled: bool = False
@@ -309,8 +308,8 @@ class AgentConfig:
                 DEFAULT_POD_SOURCE_POLL_INTERVAL_S,
                 maximum_s=MAX_POD_SOURCE_POLL_INTERVAL_S,
             ),
-            monitoring_port=e.integer("MONITORING_PORT", DEFAULT_MONITORING_PORT, minimum=-1, maximum=65535),
-            health_port=e.integer("HEALTH_PORT", DEFAULT_HEALTH_PORT, minimum=-1, maximum=65535),
+            monitoring_port=e.integer("MONITORING_PORT", CNI_MONITORING_PORT, minimum=-1, maximum=65535),
+            health_port=e.integer("HEALTH_PORT", CNI_HEALTH_PORT, minimum=-1, maximum=65535),
             ztunnel_uds_address=Path(e.text("ZTUNNEL_UDS_ADDRESS", DEFAULT_ZTUNNEL_UDS_ADDRESS)),
             ambient_enabled=e.boolean("AMBIENT_ENABLED", False),
             enablement_selectors=selectors,

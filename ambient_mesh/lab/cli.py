@@ -28,13 +28,13 @@ from .cluster import parse_pod_spec
 from .journal import read_journal, same_process, sweep
 from .lab import (
     DEFAULT_STATE_DIR,
-    MAX_LAB_NODES,
     STATE_FILE,
     Lab,
     LabConfig,
 )
 from .status import headline, live_status, status_tables
 from .topofile import DEFAULT_TOPOLOGY, load_topology, pod_spec_from_object
+from .topology import MAX_LAB_NODES
 
 if TYPE_CHECKING:
     from .apply import Manifest

@@ -50,6 +50,16 @@ from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from ..ports import (
+    ADMIN_PORT,
+    CNI_HEALTH_PORT,
+    CNI_MONITORING_PORT,
+    DNS_PORT,
+    HBONE_PORT,
+    READINESS_PORT,
+    STATS_PORT,
+    XDS_CA_PORT,
+)
 from .apply import assign_cluster_ip
 from .cluster import (
     AGENT_DAEMONSET,
@@ -72,22 +82,15 @@ from .cluster import (
 from .journal import Journal, prepare_state_dir, process_start_ticks, sweep
 from .runtime import CniCallError, CniRuntime
 from .services import (
-    DNS_PORT,
     kube_proxy_hooks,
     objects_stamp,
     render_kube_proxy_rules,
     resolv_conf,
     service_ports,
 )
-from .topology import MAX_PODS_PER_NODE, NodeNet, PodNet, Topology, pod_netns_name
+from .topology import MAX_LAB_NODES, MAX_PODS_PER_NODE, NodeNet, PodNet, Topology, pod_netns_name
 
-CONTROL_PORT = 15012
 APP_PORT = 8080
-AGENT_HEALTH_PORT = 8000
-AGENT_MONITORING_PORT = 15014
-ZTUNNEL_ADMIN_PORT = 15000
-ZTUNNEL_STATS_PORT = 15020
-ZTUNNEL_READINESS_PORT = 15021
 ISTIOD_HOSTNAME = "istiod.istio-system.svc"  # a name in the control plane's serving certificate
 DEFAULT_STATE_DIR = "/tmp/ambient-lab"  # short: unix socket paths must stay under 108 bytes
 READY_TIMEOUT_S = 30.0
@@ -101,7 +104,6 @@ SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
 ETC_NETNS = Path("/etc/netns")  # per-namespace /etc overrides that `ip netns exec` mounts
-MAX_LAB_NODES = 32  # each node runs two Python processes (about 60 MB each): more does not fit a laptop
 MAX_LAB_PODS = 256
 RESTART_BACKOFF_FIRST_S = 1.0  # kubelet's CrashLoopBackOff starts at 10 s and doubles to 5 min;
 RESTART_BACKOFF_MAX_S = 30.0  # the lab's components start in about a second, so it is scaled down
@@ -332,7 +334,7 @@ class Lab:
 
     @property
     def control_address(self) -> str:
-        return f"{self.topology.gateway}:{CONTROL_PORT}"
+        return f"{self.topology.gateway}:{XDS_CA_PORT}"
 
     def _record_netns(self, name: str) -> None:
         if self.journal is not None:
@@ -624,7 +626,7 @@ class Lab:
         if control is None:
             raise AmbientError("the control plane was not started")
         wait_until(
-            lambda: self._listening(self.topology.network_netns, CONTROL_PORT, control),
+            lambda: self._listening(self.topology.network_netns, XDS_CA_PORT, control),
             timeout_s=self.config.ready_timeout_s,
             what="the control plane to listen",
             on_timeout=control.tail,
@@ -653,8 +655,8 @@ class Lab:
             "POD_NAMESPACE": SYSTEM_NAMESPACE,
             "POD_NAME": f"{AGENT_DAEMONSET}-{node.net.name}",
             "LOG_OUTPUT_LEVEL": "info",
-            "MONITORING_PORT": str(AGENT_MONITORING_PORT),
-            "HEALTH_PORT": str(AGENT_HEALTH_PORT),
+            "MONITORING_PORT": str(CNI_MONITORING_PORT),
+            "HEALTH_PORT": str(CNI_HEALTH_PORT),
             "NATIVE_NFTABLES": "true" if self.config.native_nftables else "false",
         }
         if self.config.native_nftables:
@@ -696,7 +698,7 @@ class Lab:
         if not (node.run_dir / "pluginevent.sock").exists() or not self.plugin_installed(node.net.name):
             return False
         try:
-            status, _ = http_get(node.net.netns, "127.0.0.1", AGENT_HEALTH_PORT, "/readyz")
+            status, _ = http_get(node.net.netns, "127.0.0.1", CNI_HEALTH_PORT, "/readyz")
         except OSError:
             return False
         return status == 200
@@ -776,7 +778,7 @@ class Lab:
         if node.proxy is None or not node.proxy.running:
             return False
         try:
-            status, _ = http_get(node.net.netns, "127.0.0.1", ZTUNNEL_READINESS_PORT, "/healthz/ready")
+            status, _ = http_get(node.net.netns, "127.0.0.1", READINESS_PORT, "/healthz/ready")
         except OSError:
             return False
         return status == 200
@@ -804,7 +806,7 @@ class Lab:
     def config_dump(self, name: str) -> dict[str, Any]:
         """The node proxy's /config_dump on `name`; {} when it does not answer."""
         try:
-            status, body = self.proxy_get(name, ZTUNNEL_ADMIN_PORT, "/config_dump")
+            status, body = self.proxy_get(name, ADMIN_PORT, "/config_dump")
             return json.loads(body) if status == 200 else {}
         except (OSError, ValueError, AmbientError):
             return {}
@@ -1014,7 +1016,7 @@ class Lab:
 
     def proxied(self, key: str) -> bool:
         """Whether a node proxy listens inside the pod (its HBONE port 15008 is bound there)."""
-        return 15008 in listening_ports(self.runner, self.pods[key].netns)
+        return HBONE_PORT in listening_ports(self.runner, self.pods[key].netns)
 
     def exec(
         self, key: str, argv: Sequence[str], *, input: bytes | None = None, check: bool = True
@@ -1077,8 +1079,8 @@ class Lab:
                 "pod_cidr": str(node.net.pod_cidr),
                 "host_address": str(node.net.pod_gateway),
                 "run_dir": str(node.run_dir),
-                "admin": f"127.0.0.1:{ZTUNNEL_ADMIN_PORT}",
-                "stats": f"{node.net.uplink_ip}:{ZTUNNEL_STATS_PORT}",
+                "admin": f"127.0.0.1:{ADMIN_PORT}",
+                "stats": f"{node.net.uplink_ip}:{STATS_PORT}",
                 "agent": program(node.agent),
                 "ztunnel": program(node.proxy),
             }

@@ -48,7 +48,6 @@ ANSWER_TTL_S = 5  # the lab's Services change under `apply`: keep caches short
 MAX_DATAGRAM_BYTES = 4096  # queries are small; anything larger is not a query we answer
 RELOAD_INTERVAL_S = 0.5
 RECV_TIMEOUT_S = 0.5
-DNS_PORT = 53
 
 CHAIN_SERVICES = "LAB-SERVICES"
 CHAIN_POSTROUTING = "LAB-POSTROUTING"

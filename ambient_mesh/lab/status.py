@@ -18,13 +18,11 @@ from typing import Any
 from ..control.kube import Namespace, Service, load_directory
 from ..host.commands import CommandRunner
 from ..host.netns import http_get, listening_ports
+from ..ports import CNI_HEALTH_PORT, READINESS_PORT, XDS_CA_PORT
 from ..ztunnel_config import Table
 from .cluster import LABEL_DATAPLANE_MODE
 from .journal import same_process
 
-AGENT_HEALTH_PORT = 8000  # istio-cni's HEALTH_PORT default, as lab.py configures it
-ZTUNNEL_READINESS_PORT = 15021
-CONTROL_PORT = 15012
 PROBE_TIMEOUT_S = 1.0
 TRUST_DOMAIN = "cluster.local"
 
@@ -75,16 +73,14 @@ def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, A
     lab_alive = same_process(int(record["pid"]), None)
     control = record["control"]
     control_alive = _alive(control.get("process"))
-    control_ready = lab_alive and control_alive and CONTROL_PORT in listening_ports(runner, control["netns"])
+    control_ready = lab_alive and control_alive and XDS_CA_PORT in listening_ports(runner, control["netns"])
     nodes = {}
     for name, node in record["nodes"].items():
         agent_ready = (
-            lab_alive and _alive(node["agent"]) and _probe(node["netns"], AGENT_HEALTH_PORT, "/readyz")
+            lab_alive and _alive(node["agent"]) and _probe(node["netns"], CNI_HEALTH_PORT, "/readyz")
         )
         proxy_ready = (
-            lab_alive
-            and _alive(node["ztunnel"])
-            and _probe(node["netns"], ZTUNNEL_READINESS_PORT, "/healthz/ready")
+            lab_alive and _alive(node["ztunnel"]) and _probe(node["netns"], READINESS_PORT, "/healthz/ready")
         )
         nodes[name] = {
             **{k: node[k] for k in ("netns", "address", "pod_cidr", "admin", "stats")},

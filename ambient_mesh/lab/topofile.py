@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import apply as manifests
 from .cluster import APP_IMAGE_PREFIX, LABEL_DATAPLANE_MODE, PodSpec, check_name
+from .topology import MAX_LAB_NODES
 
 LAB_API_VERSION = "lab.ambient-mesh.io/v1"
 LAB_KIND = "Lab"
@@ -120,8 +121,6 @@ def _lab_section(doc: Mapping[str, Any], where: str) -> tuple[tuple[str, ...], b
         raise ConfigError(where, f"Lab: apiVersion must be {LAB_API_VERSION}")
     nodes = doc.get("nodes", 2)
     if isinstance(nodes, int) and not isinstance(nodes, bool):
-        from .lab import MAX_LAB_NODES
-
         if not 1 <= nodes <= MAX_LAB_NODES:
             raise ConfigError(where, f"Lab: nodes: {nodes}: the lab runs 1 to {MAX_LAB_NODES}")
         names = tuple(f"node-{i + 1}" for i in range(nodes))

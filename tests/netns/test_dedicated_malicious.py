@@ -37,10 +37,8 @@ from dataclasses import dataclass
 import pytest
 import yaml
 from test_dedicated_mesh import (
-    ADMIN_PORT,
     APP_PORT,
     PACKET_MARK,
-    READINESS_PORT,
     NodeProxy,
     node_proxy_missing,
     start_proxy,
@@ -49,13 +47,17 @@ from test_dedicated_mesh import (
 
 from ambient_mesh.capture.dedicated import apply_dedicated_rules, render_dedicated_rules
 from ambient_mesh.host.netns import Fabric, Node, netns_socket
+from ambient_mesh.ports import (
+    ADMIN_PORT,
+    HBONE_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    OUTBOUND_PORT,
+    READINESS_PORT,
+    STATS_PORT,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
-OUTBOUND_PORT = 15001
-INBOUND_PLAINTEXT_PORT = 15006
-HBONE_PORT = 15008
-STATS_PORT = 15020
 PROBE_TIMEOUT_S = 5.0
 LOG_WAIT_TIMEOUT_S = 10.0
 READ_BYTES = 65536

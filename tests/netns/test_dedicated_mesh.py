@@ -30,6 +30,7 @@ import yaml
 
 from ambient_mesh.capture.dedicated import apply_dedicated_rules, render_dedicated_rules
 from ambient_mesh.host.netns import Fabric, Node
+from ambient_mesh.ports import ADMIN_PORT, READINESS_PORT
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,8 +41,6 @@ SERVICE_PORT = 80
 SERVICE_HOST = "echo.shop.svc.cluster.local"
 CLIENT_ID = "spiffe://cluster.local/ns/shop/sa/frontend"
 SERVER_ID = "spiffe://cluster.local/ns/shop/sa/echo"
-ADMIN_PORT = 15000
-READINESS_PORT = 15021
 PROXY_READY_TIMEOUT_S = 30.0
 ACCESS_LOG_TIMEOUT_S = 10.0
 PAYLOAD = bytes(range(256)) * 256  # 64 KiB, every byte value

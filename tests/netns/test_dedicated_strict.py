@@ -37,11 +37,10 @@ from test_dedicated_mesh import (
 )
 
 from ambient_mesh.host.netns import Fabric, Node
+from ambient_mesh.ports import ADMIN_PORT, STATS_PORT
 
 pytestmark = pytest.mark.timeout(240)
 
-STATS_PORT = 15020
-ADMIN_PORT = 15000
 STRICT_POLICY = "istio-system/istio_converted_static_strict"
 METRICS_TIMEOUT_S = 10.0
 DENIED_PAYLOAD = b"plaintext that must never reach the app\n"

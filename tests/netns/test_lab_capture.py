@@ -24,13 +24,13 @@ from ambient_mesh.errors import AmbientError
 from ambient_mesh.lab.cluster import parse_pod_spec
 from ambient_mesh.lab.lab import (
     APP_PORT,
-    ZTUNNEL_STATS_PORT,
     Lab,
     LabConfig,
     access_events,
     tcp_roundtrip,
     wait_until,
 )
+from ambient_mesh.ports import STATS_PORT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,7 +100,7 @@ def test_cross_node_enrolled_pods_talk_hbone(lab):
     )
     assert outbound["dst.addr"] == f"{server.ip}:15008"
     assert outbound["dst.identity"] == "spiffe://cluster.local/ns/demo/sa/server"
-    status, metrics = lab.proxy_get("node-2", ZTUNNEL_STATS_PORT, "/metrics")
+    status, metrics = lab.proxy_get("node-2", STATS_PORT, "/metrics")
     assert status == 200
     opened = [
         line

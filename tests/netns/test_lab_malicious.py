@@ -34,19 +34,17 @@ from ambient_mesh.errors import AmbientError
 from ambient_mesh.lab.cluster import parse_pod_spec
 from ambient_mesh.lab.lab import (
     APP_PORT,
-    ZTUNNEL_ADMIN_PORT,
-    ZTUNNEL_READINESS_PORT,
-    ZTUNNEL_STATS_PORT,
     Lab,
     LabConfig,
     tcp_roundtrip,
     wait_until,
 )
+from ambient_mesh.ports import ADMIN_PORT, READINESS_PORT, STATS_PORT
 
 pytestmark = pytest.mark.timeout(180)
 
 OUTBOUND, INBOUND_PLAIN, HBONE = 15001, 15006, 15008
-ADMIN, STATS, READY = ZTUNNEL_ADMIN_PORT, ZTUNNEL_STATS_PORT, ZTUNNEL_READINESS_PORT
+ADMIN, STATS, READY = ADMIN_PORT, STATS_PORT, READINESS_PORT
 PODS = ("node-1:demo/client", "node-1:legacy/outside", "node-2:demo/server")
 LOG_WAIT_S = 10.0
 LOOP_PORTS = (OUTBOUND, INBOUND_PLAIN)

@@ -23,8 +23,9 @@ from ambient_mesh.lab.journal import (
     read_journal,
     same_process,
 )
-from ambient_mesh.lab.lab import MAX_LAB_NODES, RESTART_BACKOFF_FIRST_S, Lab, LabConfig, Program
+from ambient_mesh.lab.lab import RESTART_BACKOFF_FIRST_S, Lab, LabConfig, Program
 from ambient_mesh.lab.status import status_tables
+from ambient_mesh.lab.topology import MAX_LAB_NODES
 from ambient_mesh.ztunnel_config import Table, plain_table, render_tables
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ambient_mesh.cli import main
-from ambient_mesh.completion import bash_script, command_words
+from ambient_mesh.cli import completion_table, main
+from ambient_mesh.completion import bash_script
 from ambient_mesh.errors import AmbientError
 from ambient_mesh.ztunnel_config import (
     KIND_ALIASES,
@@ -140,11 +140,11 @@ def test_log_query_is_istioctls():
 
 
 def test_bash_completion_knows_every_command():
-    words = command_words()
+    words = completion_table()
     assert {"lab", "ztunnel-config", "zc", "demo", "completion"} <= set(words[""])
     assert {"up", "down", "status", "apply", "get", "logs"} <= set(words["lab"])
     assert "--cni-agent-run-dir" in words["cni-agent"]
-    script = bash_script()
+    script = bash_script(words)
     done = subprocess.run(
         [
             "bash",

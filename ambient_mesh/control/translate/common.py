@@ -15,8 +15,6 @@ from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
 from ..kube import LABEL_TOPOLOGY_REGION, LABEL_TOPOLOGY_SUBZONE, LABEL_TOPOLOGY_ZONE
 
-HBONE_MTLS_PORT = 15008
-
 ANNOTATION_REDIRECTION = "ambient.istio.io/redirection"
 ANNOTATION_SIDECAR_STATUS = "sidecar.istio.io/status"
 ANNOTATION_DRY_RUN = "istio.io/dry-run"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ...ports import HBONE_PORT
 from ...wire.istio.workload import workload_pb2 as wl
 from ..kube import (
     LABEL_GATEWAY_NAME,
@@ -24,7 +25,6 @@ from ..kube import (
 )
 from .common import (
     ANNOTATION_INBOUND_BINDING,
-    HBONE_MTLS_PORT,
     LABEL_GATEWAY_MANAGED,
     MANAGED_BY_MESH_CONTROLLERS,
     MeshSettings,
@@ -73,7 +73,7 @@ def gateway_waypoint(gw: Gateway, objects: ObjectLookup, settings: MeshSettings)
         if a.type == "Hostname":
             address = wl.GatewayAddress(
                 hostname=wl.NamespacedHostname(namespace=meta.namespace, hostname=a.value),
-                hbone_mtls_port=HBONE_MTLS_PORT,
+                hbone_mtls_port=HBONE_PORT,
             )
             break
     if address is None:
@@ -85,7 +85,7 @@ def gateway_waypoint(gw: Gateway, objects: ObjectLookup, settings: MeshSettings)
                     continue
                 address = wl.GatewayAddress(
                     address=wl.NetworkAddress(network=settings.network, address=ip),
-                    hbone_mtls_port=HBONE_MTLS_PORT,
+                    hbone_mtls_port=HBONE_PORT,
                 )
                 break
     if address is None and not gw.status_addresses:
@@ -93,7 +93,7 @@ def gateway_waypoint(gw: Gateway, objects: ObjectLookup, settings: MeshSettings)
             hostname = f"{meta.name}.{meta.namespace}.svc.{settings.domain_suffix}"
             address = wl.GatewayAddress(
                 hostname=wl.NamespacedHostname(namespace=meta.namespace, hostname=hostname),
-                hbone_mtls_port=HBONE_MTLS_PORT,
+                hbone_mtls_port=HBONE_PORT,
             )
     if address is None:
         return None
@@ -106,7 +106,7 @@ def gateway_waypoint(gw: Gateway, objects: ObjectLookup, settings: MeshSettings)
         elif binding[0] == wl.ApplicationTunnel.PROXY:
             listener = next((ln for ln in gw.listeners if ln.protocol == "istio.io/PROXY"), None)
     if listener is None:
-        listener = next((ln for ln in gw.listeners if ln.protocol == "HBONE" and ln.port == 15008), None)
+        listener = next((ln for ln in gw.listeners if ln.protocol == "HBONE" and ln.port == HBONE_PORT), None)
     if listener is not None and listener.allowed_from:
         allowed_from, allowed_selector = listener.allowed_from, listener.allowed_selector
     return Waypoint(
