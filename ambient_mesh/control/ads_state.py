@@ -27,13 +27,12 @@ from google.protobuf import any_pb2
 
 from ..errors import IdentityError, ProtocolError
 from ..identity.spiffe import Identity
+from ..wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
 
 log = logging.getLogger(__name__)
 
-ADDRESS_TYPE_URL = "type.googleapis.com/istio.workload.Address"
-AUTHORIZATION_TYPE_URL = "type.googleapis.com/istio.security.Authorization"
 # Pushes go out in this order, as ztunnel subscribes: workloads before the policies naming them.
 TYPE_URLS = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 SHORT_TYPE = {ADDRESS_TYPE_URL: "Address", AUTHORIZATION_TYPE_URL: "Authorization"}

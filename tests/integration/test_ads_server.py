@@ -20,8 +20,8 @@ from google.protobuf import struct_pb2
 from google.rpc import status_pb2
 
 from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
-from ambient_mesh.control.ads_state import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.identity.ca import CertificateAuthority
+from ambient_mesh.wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.wire.istio.security import authorization_pb2
 from ambient_mesh.wire.istio.workload import workload_pb2
 

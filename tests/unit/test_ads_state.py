@@ -14,8 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ambient_mesh.control.ads_state import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
     AdsRefused,
     DeltaConnectionState,
     ProxyInfo,
@@ -26,6 +24,7 @@ from ambient_mesh.control.ads_state import (
     check_connection_identity,
 )
 from ambient_mesh.errors import ProtocolError
+from ambient_mesh.wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.wire.istio.security import authorization_pb2
 from ambient_mesh.wire.istio.workload import workload_pb2
 

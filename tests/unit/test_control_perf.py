@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.control.ads import AdsServer
-from ambient_mesh.control.ads_state import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL, Snapshot
+from ambient_mesh.control.ads_state import Snapshot
 from ambient_mesh.control.kube import (
     DirectoryWatcher,
     KubeStore,
@@ -27,6 +27,7 @@ from ambient_mesh.control.kube import (
     parse_documents,
 )
 from ambient_mesh.control.translate import translate
+from ambient_mesh.wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.wire.istio.security import authorization_pb2
 from ambient_mesh.wire.istio.workload import workload_pb2
 
