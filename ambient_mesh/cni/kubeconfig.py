@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..host.files import atomic_write
 from ..kube.kubeconfig import KubeconfigError as KubeAccessError
 from ..kube.kubeconfig import KubeCredentials, in_cluster, load_kubeconfig, server_url
-from .install import InstallError, atomic_write
+from .install import InstallError
 from .podinfo import PLUGIN_KUBECONFIG_NAME
 
 log = logging.getLogger(__name__)

@@ -26,8 +26,6 @@ import contextlib
 import enum
 import json
 import logging
-import os
-import tempfile
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -37,6 +35,7 @@ from typing import Any, Protocol
 import yaml
 
 from ..errors import ConfigError, ProtocolError
+from ..host.files import atomic_write
 from ..kube.client import DAEMONSETS, NAMESPACES, PODS, KubeApiError, KubeClient, WatchEvent
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials
 from ..kube.reflector import Reflector
@@ -311,18 +310,7 @@ class EnrollmentState:
 
     def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = json.dumps({"pods": self._marks}, indent=2, sort_keys=True).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f"{self.path.name}.tmp.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(self.path, json.dumps({"pods": self._marks}, indent=2, sort_keys=True).encode())
 
 
 def pod_from_store(obj: Any) -> WatchedPod:

@@ -15,7 +15,6 @@ Everything here is pure but `write_objects`/`remove_object`, which only touch th
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -26,6 +25,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from ..host.files import atomic_write
 
 LABEL_DATAPLANE_MODE = "istio.io/dataplane-mode"
 DATAPLANE_AMBIENT = "ambient"
@@ -193,14 +193,14 @@ def object_file_name(obj: Mapping[str, Any]) -> str:
 
 
 def write_objects(directory: Path, objects: Iterable[Mapping[str, Any]]) -> list[Path]:
-    """Write (or replace) each object in its own file, atomically (write a temporary, rename)."""
+    """Write (or replace) each object in its own file, atomically (host/files.atomic_write)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for obj in objects:
         path = directory / object_file_name(obj)
-        tmp = directory / f".{path.name}.tmp"
-        tmp.write_text(yaml.safe_dump(dict(obj), sort_keys=False))
-        os.replace(tmp, path)
+        # The temporary's name does not end in .yaml, so the control plane's directory source
+        # never reads a half-written object.
+        atomic_write(path, yaml.safe_dump(dict(obj), sort_keys=False).encode())
         written.append(path)
     return written
 

@@ -47,6 +47,7 @@ import yaml
 from ..control.kube import load_directory
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
+from ..host.files import atomic_write
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
@@ -1120,7 +1121,4 @@ class Lab:
         return live_status(self.record(), self.runner)
 
     def write_state(self) -> None:
-        path = self.state_dir / STATE_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.record(), indent=2))
-        os.replace(tmp, path)
+        atomic_write(self.state_dir / STATE_FILE, json.dumps(self.record(), indent=2).encode())
