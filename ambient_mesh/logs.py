@@ -7,7 +7,8 @@ logger's name without the `ambient_mesh.` prefix (`ambient_mesh.proxy.outbound` 
 
 Plain lines are tab-separated, `<time>\\t<level>\\t<scope>\\t<message>\\t<k=v k=v>`; JSON lines are
 one object per line, `{"level", "time", "scope", "message", <fields>}`. Structured fields travel as
-`extra={"fields": {...}}`.
+`extra={"fields": {...}}`. `parse_plain_fields` and `access_events` read plain lines back (the
+lab, the demo and the netns tests read the access log with them).
 
 Level specs use the RUST_LOG shape ztunnel reads: comma-separated directives, each a level
 (`info`) or `target=level` (`access=debug`). Rust-style targets (`ztunnel::proxy`) are accepted
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -150,6 +152,30 @@ def _plain_value(value: Any) -> str:
     if not text or any(c.isspace() or c in '"\\=' for c in text):
         return json.dumps(text, ensure_ascii=False)
     return text
+
+
+# A plain line's `key=value` fields: a value is bare, or a JSON string when _plain_value quoted it.
+_PLAIN_FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def parse_plain_fields(line: str) -> dict[str, str]:
+    """The `key=value` fields of one plain-text line, as IstioFormatter wrote them. Never raises:
+    a quoted value that is not a JSON string is kept as written."""
+    fields = {}
+    for key, value in _PLAIN_FIELD.findall(line):
+        if value.startswith('"'):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        fields[key] = value
+    return fields
+
+
+def access_events(text: str) -> list[dict[str, str]]:
+    """The fields of every `connection complete` line (the access log) in plain-format output.
+    Lines end at "\n" only: a quoted value may hold U+0085 or U+2028, which splitlines() would cut."""
+    return [parse_plain_fields(line) for line in text.split("\n") if ACCESS_COMPLETE_MESSAGE in line]
 
 
 def _json_value(value: Any) -> Any:
@@ -341,12 +367,15 @@ def log_connection_opened(fields: AccessLogFields, logger: logging.Logger | None
         log.debug("connection opened", extra={"fields": fields.as_fields()})
 
 
+ACCESS_COMPLETE_MESSAGE = "connection complete"  # ztunnel's access-log message
+
+
 def log_connection_complete(fields: AccessLogFields, logger: logging.Logger | None = None) -> None:
     """INFO `connection complete`, or ERROR when the connection ended with an error."""
     log = logger or access_logger()
     level = logging.ERROR if fields.error else logging.INFO
     if log.isEnabledFor(level):
-        log.log(level, "connection complete", extra={"fields": fields.as_fields()})
+        log.log(level, ACCESS_COMPLETE_MESSAGE, extra={"fields": fields.as_fields()})
 
 
 def log_connection_failed(

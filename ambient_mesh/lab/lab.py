@@ -32,7 +32,6 @@ import copy
 import http.client
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from ..host.files import atomic_write
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from ..logs import access_events
 from ..ports import (
     ADMIN_PORT,
     CNI_HEALTH_PORT,
@@ -240,28 +240,6 @@ def http_get(
     except http.client.HTTPException as e:
         raise AmbientError(f"GET {host}:{port}{path} from {netns}: not an HTTP response: {e!r}") from e
     return status, body.decode(errors="replace")
-
-
-_FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')
-ACCESS_COMPLETE = "connection complete"
-
-
-def parse_log_fields(line: str) -> dict[str, str]:
-    """The `key=value` fields of one plain-text log line (quoted values are JSON strings)."""
-    fields = {}
-    for key, value in _FIELD.findall(line):
-        if value.startswith('"'):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                pass
-        fields[key] = value
-    return fields
-
-
-def access_events(text: str) -> list[dict[str, str]]:
-    """ztunnel's access log (`connection complete` lines) in a node proxy's output."""
-    return [parse_log_fields(line) for line in text.splitlines() if ACCESS_COMPLETE in line]
 
 
 def wait_until(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import yaml
 
 from ambient_mesh.capture.dedicated import apply_dedicated_rules, render_dedicated_rules
 from ambient_mesh.host.netns import Fabric, Node
+from ambient_mesh.logs import access_events
 from ambient_mesh.ports import ADMIN_PORT, READINESS_PORT
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,8 +44,6 @@ SERVER_ID = "spiffe://cluster.local/ns/shop/sa/echo"
 PROXY_READY_TIMEOUT_S = 30.0
 ACCESS_LOG_TIMEOUT_S = 10.0
 PAYLOAD = bytes(range(256)) * 256  # 64 KiB, every byte value
-
-_FIELD = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
 def node_proxy_missing() -> str | None:
@@ -62,11 +60,6 @@ def proxy_argv() -> list[str]:
     return [sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
 
 
-def parse_fields(line: str) -> dict[str, str]:
-    """`k=v` pairs of a plain-text log line; quoted values are JSON strings."""
-    return {key: json.loads(value) if value.startswith('"') else value for key, value in _FIELD.findall(line)}
-
-
 @dataclass(slots=True)
 class NodeProxy:
     node: Node
@@ -80,7 +73,7 @@ class NodeProxy:
         with open(self.log, "rb") as f:
             f.seek(since)
             text = f.read().decode(errors="replace")
-        return [parse_fields(line) for line in text.splitlines() if "connection complete" in line]
+        return access_events(text)
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

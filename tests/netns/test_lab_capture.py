@@ -26,10 +26,10 @@ from ambient_mesh.lab.lab import (
     APP_PORT,
     Lab,
     LabConfig,
-    access_events,
     tcp_roundtrip,
     wait_until,
 )
+from ambient_mesh.logs import access_events
 from ambient_mesh.ports import STATS_PORT
 
 pytestmark = pytest.mark.timeout(120)

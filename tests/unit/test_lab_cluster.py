@@ -27,9 +27,9 @@ from ambient_mesh.lab.cluster import (
     write_objects,
     ztunnel_pod_spec,
 )
-from ambient_mesh.lab.lab import access_events, parse_log_fields
 from ambient_mesh.lab.runtime import chained_entries, find_conflist, plan_cni_call, prev_result
 from ambient_mesh.lab.topology import host_veth_name, plan_node, plan_pod
+from ambient_mesh.logs import access_events, parse_plain_fields
 
 # --- cluster objects -------------------------------------------------------------------------------
 
@@ -235,6 +235,6 @@ def test_access_events_from_plain_log_lines():
 
 
 @given(st.text(max_size=200))
-def test_parse_log_fields_never_raises(line):
-    fields = parse_log_fields(line)
+def test_parse_plain_fields_never_raises(line):
+    fields = parse_plain_fields(line)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items())

@@ -248,3 +248,21 @@ def test_level_spec_parser_total(spec):
         return
     # What it prints parses back to itself.
     assert parse_level_spec(str(parsed)) == parsed
+
+
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z][a-z_.]{0,10}", fullmatch=True),
+        st.text(st.characters(blacklist_categories=("Cs",)), max_size=30),
+        max_size=6,
+    )
+)
+def test_plain_fields_read_back_what_the_formatter_wrote(fields):
+    """parse_plain_fields is the inverse of the plain format (the lab and tests rely on it)."""
+    record = logging.LogRecord(
+        "ambient_mesh.access", logging.INFO, __file__, 1, "connection complete", (), None
+    )
+    record.fields = fields
+    line = IstioFormatter().format(record)
+    assert logs.parse_plain_fields(line) == fields
+    assert logs.access_events(line + "\nother\tline\n") == [fields]
