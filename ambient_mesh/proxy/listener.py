@@ -28,9 +28,9 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from ..errors import BindError
+from ..host.sockets import KeepaliveSettings, SocketFactory, configure_accepted, listen_socket, plain_socket
 from ..net import SocketAddr
 from .inputs import ConnectionTracker
-from .sockets import KeepaliveSettings, SocketFactory, configure_accepted, listen_socket, plain_socket
 
 log = logging.getLogger("ambient_mesh.proxy.listener")
 

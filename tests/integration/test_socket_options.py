@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import Listener
-from ambient_mesh.proxy.sockets import TCP_USER_TIMEOUT, KeepaliveSettings
 
 from .mesh import TCP_IP, echo_handler, running_mesh
 
