@@ -92,9 +92,6 @@ class ConnectRequest:
                 return v
         return None
 
-    def header_values(self, name: str) -> list[str]:
-        return [v for k, v in self.headers if k == name]
-
 
 @dataclass(frozen=True, slots=True)
 class ConnectResponse:
