@@ -690,10 +690,6 @@ class Lab:
         node.agent = None
         return code
 
-    def restart_agent(self, name: str) -> Program:
-        self.stop_agent(name)
-        return self.start_agent(name)
-
     def plugin_installed(self, name: str) -> bool:
         from .runtime import find_conflist
 
