@@ -375,6 +375,20 @@ class ZtunnelConfig:
             and bool(self.service_account)
         )
 
+    def local_config_source(self) -> tuple[str, str] | None:
+        """The local config's text and its name for errors: LOCAL_XDS_PATH's file, read now, else
+        LOCAL_XDS; None when neither is set (ztunnel's ConfigSource::read_to_string). The program
+        calls this and hands the text to state/ (which reads no files)."""
+        if self.local_xds_path:
+            try:
+                with open(self.local_xds_path, encoding="utf-8") as f:
+                    return f.read(), self.local_xds_path
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(self.local_xds_path, f"cannot read local config: {exc}") from None
+        if self.local_xds:
+            return self.local_xds, "LOCAL_XDS"
+        return None
+
     def to_dump(self) -> dict[str, Any]:
         """The effective config, camelCase and JSON-able, for `/config_dump` under `config`."""
         out: dict[str, Any] = {}

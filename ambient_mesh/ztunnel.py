@@ -310,7 +310,7 @@ class Ztunnel:
         a.register_dump("services", lambda: dump_services(self.state))
         a.register_dump("policies", lambda: dump_policies(self.state))
         a.register_dump("stagedServices", lambda: dump_staged_services(self.state))
-        a.register_dump("staticConfig", lambda: dump_static_config(self.config))
+        a.register_dump("staticConfig", lambda: dump_static_config(self.config.local_config_source))
         a.register_dump("version", lambda: build_info(__version__))
         a.register_dump("config", self.config.to_dump)
         a.register_dump("certificates", self._dump_certificates)

@@ -15,16 +15,16 @@ from __future__ import annotations
 import base64
 import logging
 import platform
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
 from cryptography import x509
 
-from ..config import ProxyWorkloadInfo, ZtunnelConfig
+from ..config import ProxyWorkloadInfo
 from ..errors import AmbientError
 from ..rbac import Authorization, Match, ServiceAccountMatch, StringMatch, StringMatchKind
-from .localconfig import LocalConfig, load_local_config, parse_local_config
+from .localconfig import LocalConfig, parse_local_config
 from .model import (
     ApplicationTunnel,
     Endpoint,
@@ -259,25 +259,23 @@ def dump_local_config(local: LocalConfig) -> JSON:
     }
 
 
-def reload_static_config(config: ZtunnelConfig) -> LocalConfig | None:
-    """Read the local config again, as ztunnel's /config_dump handler does.
+def dump_static_config(read_source: Callable[[], tuple[str, str] | None]) -> JSON | None:
+    """`staticConfig`: the local config read again, as ztunnel's /config_dump handler does.
 
-    None when there is none, or when it no longer parses (the error is logged: the dump must
-    still answer, and the running state is in `workloads`/`services`/`policies` anyway).
+    `read_source` is the program's reader (`ZtunnelConfig.local_config_source`: the text and its
+    name, None when there is none); state/ reads no files. None also when it can no longer be
+    read or parsed (the error is logged: the dump must still answer, and the running state is in
+    `workloads`/`services`/`policies` anyway).
     """
     try:
-        if config.local_xds_path:
-            return load_local_config(config.local_xds_path)
-        if config.local_xds:
-            return parse_local_config(config.local_xds, "LOCAL_XDS")
+        source = read_source()
+        if source is None:
+            return None
+        local = parse_local_config(*source)
     except AmbientError as err:
         log.error("config_dump: cannot re-read the local config: %s", err)
-    return None
-
-
-def dump_static_config(config: ZtunnelConfig) -> JSON | None:
-    local = reload_static_config(config)
-    return None if local is None else dump_local_config(local)
+        return None
+    return dump_local_config(local)
 
 
 # -- version -------------------------------------------------------------------------------------
@@ -392,6 +390,5 @@ __all__ = [
     "dump_workload",
     "dump_workload_state",
     "dump_workloads",
-    "reload_static_config",
     "split_pems",
 ]

@@ -326,11 +326,14 @@ def test_static_config_reread_from_file_or_null(tmp_path: Path) -> None:
     path = tmp_path / "local.yaml"
     path.write_text(LOCAL_CONFIG)
     config = ZtunnelConfig(local_xds_path=str(path))
-    assert dump_static_config(config)["services"][0]["name"] == "cart"
-    assert dump_static_config(ZtunnelConfig(local_xds=LOCAL_CONFIG)) == dump_static_config(config)
+    assert dump_static_config(config.local_config_source)["services"][0]["name"] == "cart"
+    inline = ZtunnelConfig(local_xds=LOCAL_CONFIG)
+    assert dump_static_config(inline.local_config_source) == dump_static_config(config.local_config_source)
     path.write_text("workloads: [")  # broken after start: the dump still answers
-    assert dump_static_config(config) is None
-    assert dump_static_config(ZtunnelConfig()) is None
+    assert dump_static_config(config.local_config_source) is None
+    path.unlink()  # gone after start: the same
+    assert dump_static_config(config.local_config_source) is None
+    assert dump_static_config(ZtunnelConfig().local_config_source) is None
 
 
 def test_certificate_dump_decimal_serial_and_rfc3339() -> None:
