@@ -105,19 +105,7 @@ class DirectoryPodLookup:
         obj = self._load().get("Pod", namespace, name)
         if not isinstance(obj, Pod):
             return None
-        meta = obj.metadata
-        return PodInfo(
-            name=meta.name,
-            namespace=meta.namespace,
-            uid=meta.uid,
-            labels=dict(meta.labels),
-            annotations=dict(meta.annotations),
-            host_network=obj.host_network,
-            containers=tuple(c.name for c in obj.containers),
-            init_containers=tuple(c.name for c in obj.init_containers),
-            node_name=obj.node_name,
-            ips=obj.ips,
-        )
+        return pod_info_from_store(obj)
 
     def get_namespace(self, name: str) -> NamespaceInfo | None:
         from ..control.kube import Namespace
@@ -181,6 +169,23 @@ def _string_map(raw: Any) -> dict[str, str]:
 def _object(raw: Any, key: str) -> dict[str, Any]:
     value = raw.get(key)
     return value if isinstance(value, dict) else {}
+
+
+def pod_info_from_store(obj: Any, *, uid: str | None = None) -> PodInfo:
+    """control/kube.py's Pod (the YAML-directory source) -> PodInfo; `uid` replaces a missing one."""
+    meta = obj.metadata
+    return PodInfo(
+        name=meta.name,
+        namespace=meta.namespace,
+        uid=uid if uid is not None else meta.uid,
+        labels=dict(meta.labels),
+        annotations=dict(meta.annotations),
+        host_network=obj.host_network,
+        containers=tuple(c.name for c in obj.containers),
+        init_containers=tuple(c.name for c in obj.init_containers),
+        node_name=obj.node_name,
+        ips=obj.ips,
+    )
 
 
 def pod_info_from_json(obj: Any) -> PodInfo:

@@ -40,7 +40,14 @@ from ..kube.client import DAEMONSETS, NAMESPACES, PODS, KubeApiError, KubeClient
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials
 from ..kube.reflector import Reflector
 from .kubeconfig import agent_credentials
-from .podinfo import NamespaceInfo, PodInfo, PodLookupError, namespace_info_from_json, pod_info_from_json
+from .podinfo import (
+    NamespaceInfo,
+    PodInfo,
+    PodLookupError,
+    namespace_info_from_json,
+    pod_info_from_json,
+    pod_info_from_store,
+)
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
@@ -317,18 +324,7 @@ def pod_from_store(obj: Any) -> WatchedPod:
     """control/kube.py's Pod -> WatchedPod."""
     meta = obj.metadata
     return WatchedPod(
-        info=PodInfo(
-            name=meta.name,
-            namespace=meta.namespace,
-            uid=meta.uid or synthesized_uid(meta.namespace, meta.name),
-            labels=dict(meta.labels),
-            annotations=dict(meta.annotations),
-            host_network=obj.host_network,
-            containers=tuple(c.name for c in obj.containers),
-            init_containers=tuple(c.name for c in obj.init_containers),
-            node_name=obj.node_name,
-            ips=obj.ips,
-        ),
+        info=pod_info_from_store(obj, uid=meta.uid or synthesized_uid(meta.namespace, meta.name)),
         service_account=obj.service_account_name or "default",
         phase=obj.phase,
         deleting=bool(meta.deletion_timestamp),
