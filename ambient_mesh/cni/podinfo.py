@@ -166,7 +166,8 @@ def _string_map(raw: Any) -> dict[str, str]:
     return {str(k): v for k, v in raw.items() if isinstance(v, str)}
 
 
-def _object(raw: Any, key: str) -> dict[str, Any]:
+def object_field(raw: Any, key: str) -> dict[str, Any]:
+    """`raw[key]` when it is a JSON object, else {} (API objects' optional sub-objects)."""
     value = raw.get(key)
     return value if isinstance(value, dict) else {}
 
@@ -193,7 +194,7 @@ def pod_info_from_json(obj: Any) -> PodInfo:
     a pod without metadata.name/namespace is a PodLookupError (it cannot be the pod asked for)."""
     if not isinstance(obj, dict):
         raise PodLookupError("pod: expected a JSON object")
-    meta, spec, status = _object(obj, "metadata"), _object(obj, "spec"), _object(obj, "status")
+    meta, spec, status = object_field(obj, "metadata"), object_field(obj, "spec"), object_field(obj, "status")
     name, namespace = meta.get("name"), meta.get("namespace")
     if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
         raise PodLookupError("pod: metadata.name and metadata.namespace are required")
@@ -231,7 +232,7 @@ def pod_info_from_json(obj: Any) -> PodInfo:
 def namespace_info_from_json(obj: Any) -> NamespaceInfo:
     if not isinstance(obj, dict):
         raise PodLookupError("namespace: expected a JSON object")
-    meta = _object(obj, "metadata")
+    meta = object_field(obj, "metadata")
     name = meta.get("name")
     if not isinstance(name, str) or not name:
         raise PodLookupError("namespace: metadata.name is required")

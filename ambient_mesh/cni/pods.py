@@ -45,6 +45,7 @@ from .podinfo import (
     PodInfo,
     PodLookupError,
     namespace_info_from_json,
+    object_field,
     pod_info_from_json,
     pod_info_from_store,
 )
@@ -471,17 +472,16 @@ def pod_from_json(obj: Any) -> WatchedPod:
     # and a bad object in a list or watch is the API server breaking protocol, not a failed lookup.
     if not isinstance(obj, dict):
         raise ProtocolError("pod: expected an object")
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
-    status = obj.get("status") if isinstance(obj.get("status"), dict) else {}
+    meta, spec, status = object_field(obj, "metadata"), object_field(obj, "spec"), object_field(obj, "status")
     if not all(isinstance(meta.get(k), str) and meta.get(k) for k in ("name", "namespace", "uid")):
         raise ProtocolError("pod: metadata.name, metadata.namespace and metadata.uid are required")
     sa = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+    phase, version = status.get("phase"), meta.get("resourceVersion")
     return WatchedPod(
         info=pod_info_from_json(obj),
         service_account=sa if isinstance(sa, str) else "default",
-        phase=status.get("phase") if isinstance(status.get("phase"), str) else "",
-        resource_version=meta.get("resourceVersion") if isinstance(meta.get("resourceVersion"), str) else "",
+        phase=phase if isinstance(phase, str) else "",
+        resource_version=version if isinstance(version, str) else "",
         deleting=bool(meta.get("deletionTimestamp")),
     )
 
