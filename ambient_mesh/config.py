@@ -15,8 +15,12 @@ ambient-mesh extensions (ztunnel has no variables for its listener addresses):
 - `ROOT_CA_DIR`: an Istio plugged-in CA directory (ca-cert.pem, ca-key.pem, root-cert.pem,
   cert-chain.pem) for the embedded CA.
 
-Not supported (ztunnel features we do not have): ZTUNNEL_WORKER_THREADS and the CPU-limit
-variables, PROXY_CONFIG and the mesh config file, COMPLIANCE_POLICY. `log_startup` names every
+`ZTUNNEL_WORKER_THREADS` (ztunnel's grammar: a count, `N%` of the CPUs we may run on, or `0` for
+all of them) is the number of worker processes (ambient_mesh/workers/); our default is 1, not
+ztunnel's 2 (see DEFAULT_WORKER_THREADS).
+
+Not supported (ztunnel features we do not have): the CPU-limit variables, PROXY_CONFIG and the
+mesh config file, COMPLIANCE_POLICY. `log_startup` names every
 one that is set in one warning at start, then logs the effective configuration as YAML, as
 ztunnel logs its config at start.
 
@@ -83,6 +87,13 @@ DEFAULT_KEEPALIVE_RETRIES = 9
 # 0x539: the mark istio-cni's rules use to let the proxy's own traffic through unredirected.
 DEFAULT_PACKET_MARK = 1337
 DEFAULT_TERMINATION_DEADLINE_S = 5.0
+# ZTUNNEL_WORKER_THREADS: ztunnel's default is 2 threads sharing one state in memory. Ours are
+# processes (one Python interpreter cannot run two event loops on two cores), each with its own
+# copy of the state, its own interpreter's memory and a start-up of about a second, and more
+# than one pays only where a second core is free for the proxy. So 1 stays our default: the
+# single-process path, no extra hop; set 2 (or more) where the proxy has the cores.
+DEFAULT_WORKER_THREADS = 1
+MAX_WORKER_THREADS = 64  # a bound on what a typo ("1000") can spawn
 
 # RFC 9113 6.5.2: SETTINGS_MAX_FRAME_SIZE must lie in [2^14, 2^24 - 1]; windows are at most 2^31 - 1.
 MIN_HTTP2_FRAME_BYTES = 2**14
@@ -148,6 +159,14 @@ class AuthToken:
             return None
         # A static token is a credential: it never goes into /config_dump.
         return {self.kind.value: self.value if self.kind is AuthKind.TOKEN_FILE else "<redacted>"}
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as a container's cpuset limits it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def read_ipv6_disabled_on_lo() -> bool:
@@ -338,6 +357,7 @@ class ZtunnelConfig:
     crl_path: str | None = None
     authz_policy_info_logging: bool = False
     tls12_enabled: bool = False
+    worker_threads: int = DEFAULT_WORKER_THREADS
 
     log_format: str = "plain"
     log_level: str = "info"
@@ -411,11 +431,13 @@ class ZtunnelConfig:
         *,
         ipv6_disabled_on_lo: Callable[[], bool] = read_ipv6_disabled_on_lo,
         path_exists: Callable[[str], bool] = os.path.exists,
+        cpu_count: Callable[[], int] = available_cpus,
     ) -> ZtunnelConfig:
         """Build the config from `env` (normally os.environ); raise ConfigError on any bad value.
 
-        The two callables are the only reads outside `env`: whether the kernel has IPv6 off on
-        loopback, and whether a path names a file (for root certs and the auth token). Each
+        The callables are the only reads outside `env`: whether the kernel has IPv6 off on
+        loopback, whether a path names a file (for root certs and the auth token), and how many
+        CPUs we may run on (for ZTUNNEL_WORKER_THREADS=0 or N%). Each
         section below reads one group of ztunnel's variables (reference 2.1), in its order.
         """
         e = EnvReader(env)
@@ -430,6 +452,7 @@ class ZtunnelConfig:
             **_pool_and_http2(e),
             **_sockets(e, mode["proxy_mode"]),
             **_behaviour(e),
+            worker_threads=_worker_threads(e, cpu_count),
             **_logging(e),
             istio_meta=meta.istio_meta,
             istio_meta_json=meta.istio_meta_json,
@@ -633,6 +656,27 @@ def _behaviour(e: EnvReader) -> dict[str, Any]:
     }
 
 
+def _worker_threads(e: EnvReader, cpu_count: Callable[[], int]) -> int:
+    """ZTUNNEL_WORKER_THREADS as ztunnel reads it: a count, `N%` of the CPUs, or 0 for all."""
+    text = (e.string("ZTUNNEL_WORKER_THREADS") or "").strip()
+    if not text:
+        return DEFAULT_WORKER_THREADS
+    hint = f"use a count 1-{MAX_WORKER_THREADS}, N% of the CPUs, or 0 for one per CPU"
+    if text.endswith("%"):
+        percent = EnvReader.parse_integer("ZTUNNEL_WORKER_THREADS", text[:-1], minimum=1, maximum=100)
+        count = max(1, cpu_count() * percent // 100)
+    else:
+        try:
+            count = EnvReader.parse_integer(
+                "ZTUNNEL_WORKER_THREADS", text, minimum=0, maximum=MAX_WORKER_THREADS
+            )
+        except ConfigError as err:
+            raise ConfigError("ZTUNNEL_WORKER_THREADS", f"{text!r} is not a worker count; {hint}") from err
+        if count == 0:
+            count = cpu_count()
+    return min(count, MAX_WORKER_THREADS)
+
+
 def _logging(e: EnvReader) -> dict[str, Any]:
     """LOG_FORMAT and RUST_LOG (validated here, applied by the program)."""
     log_format = (e.string("LOG_FORMAT", "plain") or "plain").strip().lower()
@@ -673,10 +717,9 @@ def _listeners(e: EnvReader, *, ipv6_enabled: bool) -> dict[str, Any]:
 # Istio ztunnel variables (reference 2.1) this proxy does not implement, and what happens instead.
 UNSUPPORTED_VARIABLES: dict[str, str] = {
     "PROXY_CONFIG": "ProxyConfig overlays (and the mesh config file) are not read",
-    "ZTUNNEL_WORKER_THREADS": "the proxy runs one event loop thread",
-    "ZTUNNEL_CPU_LIMIT": "the proxy runs one event loop thread",
-    "ZTUNNEL_RESOURCE_CPU_LIMIT": "the proxy runs one event loop thread",
-    "ZTUNNEL_RESOURCE_CPU_REQUEST": "the proxy runs one event loop thread",
+    "ZTUNNEL_CPU_LIMIT": "the worker count comes from ZTUNNEL_WORKER_THREADS alone",
+    "ZTUNNEL_RESOURCE_CPU_LIMIT": "the worker count comes from ZTUNNEL_WORKER_THREADS alone",
+    "ZTUNNEL_RESOURCE_CPU_REQUEST": "the worker count comes from ZTUNNEL_WORKER_THREADS alone",
     "COMPLIANCE_POLICY": "key exchange is OpenSSL's default set, not restricted",
 }
 MESH_CONFIG_PATH = "./etc/istio/config/mesh"
@@ -713,4 +756,18 @@ def log_startup(
             "these Istio ztunnel settings are not supported and have no effect: %s; unset them",
             "; ".join(unsupported),
         )
-    log.info("effective configuration:\n%s", effective_config_yaml(config))
+    log.info("effective configuration:\n%s%s", effective_config_yaml(config), _workers_note(config))
+
+
+def _workers_note(config: ZtunnelConfig) -> str:
+    """A YAML comment under `workerThreads` saying what the count means here (and why 1)."""
+    if config.worker_threads == 1:
+        return (
+            "# workerThreads 1: one process, no worker hop. ztunnel's default is 2, ours is 1: each\n"
+            "# worker is a whole Python process with its own copy of the state, worth it only where\n"
+            "# the proxy has a second core; ZTUNNEL_WORKER_THREADS=2 runs two.\n"
+        )
+    return (
+        f"# workerThreads {config.worker_threads}: worker processes share each listener (SO_REUSEPORT);\n"
+        "# this process owns xDS, certificates, ZDS and the admin, stats and readiness servers.\n"
+    )

@@ -9,6 +9,7 @@ finish until the termination deadline, then close what is left.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -35,11 +36,19 @@ from .metrics import Metrics, WithoutCreated
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
-from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy
+from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_workload
 from .state.dump import dump_policies, dump_services, dump_workloads
-from .state.localconfig import load_local_config, parse_local_config
+from .state.localconfig import parse_local_config
 from .state.model import Workload
 from .state.store import ProxyState
+from .workers.owner import (
+    OwnerInpodManager,
+    PoolMetrics,
+    RemoteProxySet,
+    StateFeed,
+    WorkerPool,
+    read_local_config,
+)
 from .xds.client import XdsClient
 from .xds.updater import StateUpdater
 from .zds.client import ZdsClient
@@ -58,15 +67,16 @@ def build_certificate_authority(config: ZtunnelConfig) -> CertificateAuthority:
     return CertificateAuthority.insecure_test_ca()
 
 
-def load_local_state(config: ZtunnelConfig, updater: StateUpdater) -> None:
-    """LOCAL_XDS_PATH / LOCAL_XDS through the same updater xDS pushes go through."""
-    if config.local_xds_path:
-        local = load_local_config(config.local_xds_path)
-    elif config.local_xds:
-        local = parse_local_config(config.local_xds, "LOCAL_XDS")
-    else:
+def load_local_state(config: ZtunnelConfig, updater: StateUpdater, feed: StateFeed | None = None) -> None:
+    """LOCAL_XDS_PATH / LOCAL_XDS through the same updater xDS pushes go through (and, with
+    worker processes, the same text to every worker)."""
+    source = read_local_config(config)
+    if source is None:
         return
-    updater.apply_local_config(local)
+    text, name = source
+    updater.apply_local_config(parse_local_config(text, name))
+    if feed is not None:
+        feed.set_local_config(text, name)
 
 
 def check_supported(config: ZtunnelConfig) -> None:
@@ -113,6 +123,8 @@ class Ztunnel:
     readiness: Readiness = field(default_factory=Readiness)
     metrics: Metrics = field(default_factory=Metrics)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    env: Mapping[str, str] = field(default_factory=dict)  # handed to worker processes
+    feed: StateFeed | None = None  # what worker processes apply (ZTUNNEL_WORKER_THREADS > 1)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -126,10 +138,33 @@ class Ztunnel:
         self.workload_proxy: WorkloadProxy | None = None
         self.inpod: InpodManager | None = None
         self.zds: ZdsClient | None = None
+        # ZTUNNEL_WORKER_THREADS > 1: worker processes serve the listeners (workers/owner.py);
+        # this process keeps xDS, certificates, ZDS, DNS and the admin servers.
+        self.pool: WorkerPool | None = None
+        self.remote: RemoteProxySet | None = None
         # The DNS proxy (15053, ISTIO_META_DNS_CAPTURE): one per served workload; metrics shared.
         self.dns_metrics = DnsMetrics(self.metrics) if config.dns_proxy_enabled else None
         self.resolv = ResolvConf.read() if config.dns_proxy_enabled else None
-        if config.proxy_mode is ProxyMode.DEDICATED:
+        if config.worker_threads > 1:
+            if self.feed is None:
+                self.feed = StateFeed()
+            self.pool = WorkerPool(
+                config=config,
+                env=self.env,
+                feed=self.feed,
+                cert_manager=self.cert_manager,
+                metrics=self.metrics,
+            )
+        if self.pool is not None and config.proxy_mode is ProxyMode.DEDICATED:
+            self.remote = RemoteProxySet(
+                self.pool,
+                key="dedicated",
+                config=config,
+                served=self.served_workload,
+                transparent=config.enable_orig_src is True,
+                dns=self._dns_server("dedicated", self.served_workload, plain_socket),
+            )
+        elif config.proxy_mode is ProxyMode.DEDICATED:
             # One proxy set in our own network namespace, serving PROXY_WORKLOAD_INFO.
             self.workload_proxy = WorkloadProxy(
                 name="dedicated",
@@ -144,8 +179,12 @@ class Ztunnel:
                 dns=self._dns_server("dedicated", self.served_workload, plain_socket),
             )
         else:
-            # One proxy set per pod, inside each pod's netns, as the node agent hands them over.
-            self.inpod = InpodManager(
+            # One proxy set per pod, inside each pod's netns, as the node agent hands them over
+            # (with workers: the pod's sockets opened here, its proxies run by the workers).
+            manager: Callable[..., InpodManager] = (
+                InpodManager if self.pool is None else functools.partial(OwnerInpodManager, pool=self.pool)
+            )
+            self.inpod = manager(
                 config=config,
                 state=self.state,
                 cert_manager=self.cert_manager,
@@ -153,17 +192,30 @@ class Ztunnel:
                 metrics=self.metrics,
                 dns_factory=self._dns_server if config.dns_proxy_enabled else None,
             )
+        if self.inpod is not None:
             self._pods_ready = self.readiness.register("workload proxy manager")
             self.zds = ZdsClient(
                 config.inpod_uds, self.inpod, on_ready_change=self._on_zds_ready, metrics=self.metrics
             )
-        self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown)
-        self.stats = StatsServer(config.stats_addr, self.metrics)
+        pool = self.pool
+        refresh = pool.refresh_stats if pool is not None else None
+        self.admin = AdminServer(config.admin_addr, shutdown=self._request_shutdown, refresh=refresh)
+        self.stats = StatsServer(
+            config.stats_addr,
+            PoolMetrics(self.metrics, pool) if pool is not None else self.metrics,
+            refresh=refresh,
+        )
         self.readiness_server = ReadinessServer(config.readiness_addr, self.readiness)
         self._proxy_ready = self.readiness.register("proxy")
         self._state_ready = self.readiness.register("state manager")
         self.xds = (
-            XdsClient(config, self.updater, on_ready=self._on_state_synced, metrics=self.metrics)
+            XdsClient(
+                config,
+                self.updater,
+                on_ready=self._on_state_synced,
+                metrics=self.metrics,
+                on_push=self.feed.on_push if self.feed is not None else None,
+            )
             if config.xds_address
             else None
         )
@@ -232,13 +284,7 @@ class Ztunnel:
 
     # Which workload this proxy serves ---------------------------------------------------
     def served_workload(self) -> Workload | None:
-        info = self.config.proxy_workload_info
-        if info is None:
-            return None
-        for w in self.state.workloads.find_by_name(info.namespace, info.name):
-            if not w.service_account or not info.service_account or w.service_account == info.service_account:
-                return w
-        return None
+        return served_workload(self.config, self.state)
 
     def _prefetch_served(self) -> None:
         """Fetch the served workload's certificate as soon as the workload is known, so the
@@ -258,7 +304,14 @@ class Ztunnel:
             self.xds.start()  # ready once every subscribed type got its first push
         self._register_dumps()
         await self.admin.start()
-        if self.workload_proxy is not None:
+        if self.pool is not None:
+            await self.pool.start()
+        if self.remote is not None:
+            self.remote.start()
+            self.state.add_listener(lambda _state: self._prefetch_served())
+            self._prefetch_served()
+            listeners = self.remote.bound_addresses()
+        elif self.workload_proxy is not None:
             self.workload_proxy.start()
             self.state.add_listener(lambda _state: self._prefetch_served())
             self._prefetch_served()
@@ -314,7 +367,21 @@ class Ztunnel:
         a.register_dump("version", lambda: build_info(__version__))
         a.register_dump("config", self.config.to_dump)
         a.register_dump("certificates", self._dump_certificates)
+        if self.pool is not None:
+            a.register_dump("workers", self.pool.dump)
         # Our open connections, where ztunnel's shared mode shows them: per served workload.
+        if self.remote is not None:
+            remote = self.remote
+            a.register_dump(
+                "workloadState",
+                lambda: dump_workload_state(
+                    served=self.served_workload(),
+                    info=self.config.proxy_workload_info,
+                    inbound=remote.connections_dump()[0],
+                    outbound=remote.connections_dump()[1],
+                ),
+            )
+            return
         if self.inpod is not None:
             a.register_dump("workloadState", self.inpod.dump)
             return
@@ -362,7 +429,12 @@ class Ztunnel:
     async def drain(self, deadline_s: float | None = None) -> None:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
-        if self.workload_proxy is not None:
+        if self.remote is not None:
+            assert self.pool is not None
+            log.info("draining %d worker processes, deadline %.1fs", self.pool.count, deadline)
+            if self.remote.dns is not None:
+                await self.remote.dns.stop(deadline)
+        elif self.workload_proxy is not None:
             log.info(
                 "draining: %d open connections, deadline %.1fs", len(self.pi.connections.relays), deadline
             )
@@ -375,6 +447,8 @@ class Ztunnel:
                 starter.cancel()
             await self.zds.close(drain=False)
             await self.inpod.stop_all(graceful=deadline > 0)
+        if self.pool is not None:
+            await self.pool.drain(deadline)
         await self.stop_servers()
         self.stopped.set()
 
@@ -397,9 +471,10 @@ async def build(env: Mapping[str, str]) -> Ztunnel:
     check_supported(config)
     state = ProxyState()
     updater = StateUpdater(state)
-    load_local_state(config, updater)
+    feed = StateFeed() if config.worker_threads > 1 else None
+    load_local_state(config, updater, feed)
     ca = build_certificate_authority(config) if config.fake_ca else None
-    return Ztunnel(config=config, state=state, updater=updater, ca=ca)
+    return Ztunnel(config=config, state=state, updater=updater, ca=ca, env=dict(env), feed=feed)
 
 
 async def run(env: Mapping[str, str]) -> int:

@@ -12,7 +12,7 @@ import html
 import inspect
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -67,8 +67,11 @@ class AdminServer(HttpService):
         *,
         shutdown: ShutdownCallback,
         log_control: LogControl | None = None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._shutdown = shutdown
+        # Awaited before /config_dump is built: worker processes report their connections.
+        self._refresh = refresh
         self._log_control: LogControl = log_control if log_control is not None else StdlibLogControl()
         self._dumps: dict[str, DumpProvider] = {}
         self._shutdown_task: asyncio.Future[Any] | None = None
@@ -88,6 +91,8 @@ class AdminServer(HttpService):
         if path == "/":
             return self._index()
         if path == "/config_dump":
+            if self._refresh is not None:
+                await self._refresh()
             return self._handle_config_dump()
         if path == "/logging":
             if request.method != "POST":

@@ -7,6 +7,7 @@ a `MetricsRenderer` (the metrics registry); this module only answers, gzipped wh
 from __future__ import annotations
 
 import gzip
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Protocol
 
@@ -38,13 +39,23 @@ class StatsServer(HttpService):
 
     PATHS = frozenset({"/metrics", "/stats/prometheus"})
 
-    def __init__(self, address: SocketAddr, metrics: MetricsRenderer) -> None:
+    def __init__(
+        self,
+        address: SocketAddr,
+        metrics: MetricsRenderer,
+        *,
+        refresh: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._metrics = metrics
+        # Awaited before each scrape is rendered: worker processes report their counters.
+        self._refresh = refresh
         self.http = HttpServer("stats", address, self.handle)
 
     async def handle(self, request: Request) -> Response:
         if request.path not in self.PATHS:
             return not_found(request.path)
+        if self._refresh is not None:
+            await self._refresh()
         body, content_type = self._metrics.render(request.header("accept"))
         if len(body) >= MIN_GZIP_BYTES and _accepts_gzip(request.header("accept-encoding")):
             return Response(

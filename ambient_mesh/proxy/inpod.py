@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import ProxyWorkloadInfo, ZtunnelConfig
 from ..dns.server import DnsServer, DnsSocketFactory
@@ -37,8 +37,27 @@ from .workload_proxy import ListenerAddresses, WorkloadProxy
 
 log = logging.getLogger("ambient_mesh.inpod")
 
+
+class PodProxySet(Protocol):
+    """What the manager needs of a pod's proxy set: a WorkloadProxy, or (with worker
+    processes) the owner's stand-in for the one the workers run (workers/owner.py)."""
+
+    @property
+    def inbound(self) -> InboundProxy | None: ...
+
+    def start(self) -> None: ...
+
+    def bound_addresses(self) -> dict[str, str]: ...
+
+    def served_workload(self) -> Workload | None: ...
+
+    def connections_dump(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]: ...
+
+    async def drain(self, deadline_s: float) -> None: ...
+
+
 # Builds (does not start) the proxy set of one pod, creating its sockets through `netns`.
-PodProxyFactory = Callable[[ProxyWorkloadInfo, NetnsHandle], WorkloadProxy]
+PodProxyFactory = Callable[[ProxyWorkloadInfo, NetnsHandle], PodProxySet]
 
 
 # (name, the served workload, the pod's socket factory) -> the pod's DNS proxy
@@ -50,7 +69,7 @@ class PodProxy:
     uid: str
     info: ProxyWorkloadInfo
     netns: NetnsHandle
-    proxy: WorkloadProxy
+    proxy: PodProxySet
 
 
 class InpodManager:

@@ -206,7 +206,15 @@ class Listener:
         shed = f", {self.shed} shed" if self.shed else ""
         return f"Listener({self.name} on {where}, {self.accepted} accepted{shed})"
 
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve a socket that is already bound and listening (a worker process is handed its
+        member of the owner's SO_REUSEPORT group); `bind()` then keeps it."""
+        sock.setblocking(False)
+        self._sock = sock
+
     def bind(self) -> None:
+        if self._sock is not None:
+            return  # adopted
         try:
             self._sock = listen_socket(
                 self.address,

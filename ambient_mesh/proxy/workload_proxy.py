@@ -53,6 +53,36 @@ class ListenerAddresses:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ListenerSpec:
+    name: str
+    address: SocketAddr
+    transparent: bool  # IP_TRANSPARENT: the inbound sides, when original source is kept
+
+
+def listener_specs(addresses: ListenerAddresses, transparent: bool) -> tuple[ListenerSpec, ...]:
+    """The listeners of one proxy set, in bind order (the worker owner opens the same ones)."""
+    specs = [
+        ListenerSpec("outbound", addresses.outbound, False),
+        ListenerSpec("inbound", addresses.inbound, transparent),
+        ListenerSpec("inbound plaintext", addresses.inbound_plaintext, transparent),
+    ]
+    if addresses.socks5 is not None:
+        specs.append(ListenerSpec("socks5", addresses.socks5, False))
+    return tuple(specs)
+
+
+def served_workload(config: ZtunnelConfig, state: StateReader) -> Workload | None:
+    """The workload PROXY_WORKLOAD_INFO names (dedicated mode), once the state has it."""
+    info = config.proxy_workload_info
+    if info is None:
+        return None
+    for w in state.workloads.find_by_name(info.namespace, info.name):
+        if not w.service_account or not info.service_account or w.service_account == info.service_account:
+            return w
+    return None
+
+
 def hbone_settings(config: ZtunnelConfig) -> HboneSettings:
     return HboneSettings(
         stream_window_bytes=config.http2_stream_window_size,
@@ -126,20 +156,16 @@ class WorkloadProxy:
                 keepalive=self.pi.keepalive,
             )
 
-        self.listeners: dict[str, Listener] = {
-            "outbound": listener("outbound", addresses.outbound, self.outbound.handle_captured),
-            "inbound": listener("inbound", addresses.inbound, self.inbound.handle, transparent=transparent),
-            "inbound plaintext": listener(
-                "inbound plaintext",
-                addresses.inbound_plaintext,
-                self.passthrough.handle,
-                transparent=transparent,
-            ),
+        handlers: dict[str, Handler] = {
+            "outbound": self.outbound.handle_captured,
+            "inbound": self.inbound.handle,
+            "inbound plaintext": self.passthrough.handle,
+            "socks5": functools.partial(serve_socks5, outbound=self.outbound),
         }
-        if addresses.socks5 is not None:
-            self.listeners["socks5"] = listener(
-                "socks5", addresses.socks5, functools.partial(serve_socks5, outbound=self.outbound)
-            )
+        self.listeners: dict[str, Listener] = {
+            spec.name: listener(spec.name, spec.address, handlers[spec.name], transparent=spec.transparent)
+            for spec in listener_specs(addresses, transparent)
+        }
 
     def __repr__(self) -> str:
         return f"WorkloadProxy({self.name}, {self.pi.pool!r}, {self.pi.connections!r})"

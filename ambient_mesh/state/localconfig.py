@@ -76,13 +76,17 @@ class LocalConfig:
     policies: tuple[Authorization, ...] = ()
 
 
-def load_local_config(path: str | Path) -> LocalConfig:
-    """Read and parse the file at `path` (ztunnel's `LOCAL_XDS_PATH`)."""
+def read_local_text(path: str | Path) -> str:
+    """The text of the file at `path` (ztunnel's `LOCAL_XDS_PATH`)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(str(path), f"cannot read local config: {exc}") from None
-    return parse_local_config(text, str(path))
+
+
+def load_local_config(path: str | Path) -> LocalConfig:
+    """Read and parse the file at `path` (ztunnel's `LOCAL_XDS_PATH`)."""
+    return parse_local_config(read_local_text(path), str(path))
 
 
 def parse_local_config(text: str, source_name: str = "LOCAL_XDS") -> LocalConfig:

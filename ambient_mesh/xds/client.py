@@ -43,6 +43,7 @@ from ..metrics import (
 )
 from .session import (
     INITIAL_BACKOFF_S,
+    Push,
     StreamEnd,
     XdsSession,
     reconnect_delay,
@@ -184,6 +185,7 @@ class XdsClient:
         sleep: Sleep = asyncio.sleep,
         on_ready: Callable[[], None] | None = None,
         metrics: Metrics | None = None,
+        on_push: Callable[[DeltaDiscoveryResponse, Push], None] | None = None,
     ) -> None:
         self.config = config
         self.updater = updater
@@ -192,6 +194,8 @@ class XdsClient:
         self._token_reader = token_reader or (lambda: read_token(config.auth_token))
         self._sleep = sleep
         self._on_ready = on_ready
+        # After each applied push: the worker owner forwards what was accepted to its workers.
+        self._on_push = on_push
         self._metrics: XdsMetrics | None = metrics.xds if metrics is not None else None
         self.ready = asyncio.Event()
         self._call: AdsCall | None = None
@@ -314,6 +318,8 @@ class XdsClient:
         else:
             summary = self.updater.apply_push(push)
             log.info("xDS push applied: %s", summary)
+            if self._on_push is not None:
+                self._on_push(response, push)
         # The state is updated before waiters wake, so a woken lookup finds its answer.
         for key in outcome.answered:
             waiter = self._waiters.pop(key, None)

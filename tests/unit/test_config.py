@@ -452,7 +452,7 @@ def test_unsupported_istio_variables_are_named_in_one_warning(caplog):
         "PROXY_CONFIG": "{}",
         "ZTUNNEL_CPU_LIMIT": "2",
         "COMPLIANCE_POLICY": "pqc",
-        "ZTUNNEL_WORKER_THREADS": "",
+        "ZTUNNEL_WORKER_THREADS": "2",
     }
     caplog.set_level("INFO", logger="ambient_mesh.config")
     log_startup(build(env), env, path_exists=lambda p: p == "./etc/istio/config/mesh")
@@ -461,10 +461,9 @@ def test_unsupported_istio_variables_are_named_in_one_warning(caplog):
     (line,) = warnings
     for name in ("PROXY_CONFIG", "ZTUNNEL_CPU_LIMIT", "COMPLIANCE_POLICY", "./etc/istio/config/mesh"):
         assert name in line
-    assert "ZTUNNEL_WORKER_THREADS" not in line  # set but empty: not in use
+    assert "ZTUNNEL_WORKER_THREADS (" not in line  # supported now: never named as unsupported
     assert set(UNSUPPORTED_VARIABLES) == {
         "PROXY_CONFIG",
-        "ZTUNNEL_WORKER_THREADS",
         "ZTUNNEL_CPU_LIMIT",
         "ZTUNNEL_RESOURCE_CPU_LIMIT",
         "ZTUNNEL_RESOURCE_CPU_REQUEST",
@@ -502,3 +501,37 @@ def test_effective_configuration_is_logged_as_yaml_without_secrets(caplog):
     assert dumped["xdsHeaders"] == {"authorization": "<redacted>"}
     assert "s3cret" not in message
     assert "PROXY_CONFIG" in dumped["unsupported"]
+
+
+@pytest.mark.parametrize(
+    ("value", "cpus", "expected"),
+    [
+        (None, 4, 1),
+        ("", 4, 1),
+        ("1", 4, 1),
+        ("2", 4, 2),
+        ("0", 3, 3),
+        ("50%", 4, 2),
+        ("10%", 4, 1),
+        ("64", 1, 64),
+    ],
+)
+def test_worker_threads_follow_ztunnels_grammar(value, cpus, expected):
+    env = {} if value is None else {"ZTUNNEL_WORKER_THREADS": value}
+    assert ZtunnelConfig.from_env(env, cpu_count=lambda: cpus).worker_threads == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "65", "two", "0%", "101%", "1.5"])
+def test_bad_worker_threads_name_the_variable(value):
+    with pytest.raises(ConfigError) as info:
+        ZtunnelConfig.from_env({"ZTUNNEL_WORKER_THREADS": value})
+    assert info.value.source == "ZTUNNEL_WORKER_THREADS"
+
+
+def test_one_worker_says_why_at_start(caplog):
+    from ambient_mesh.config import log_startup
+
+    caplog.set_level("INFO", logger="ambient_mesh.config")
+    log_startup(build({}), {})
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "workerThreads: 1" in message and "ztunnel's default is 2, ours is 1" in message

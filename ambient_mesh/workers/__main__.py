@@ -1,0 +1,7 @@
+"""`python -m ambient_mesh.workers <channel fd> <index>`: one worker process (started by the owner)."""
+
+import sys
+
+from .worker import main
+
+sys.exit(main(sys.argv[1:]))
