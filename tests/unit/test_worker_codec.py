@@ -296,6 +296,7 @@ async def test_a_hostile_peer_closes_the_channel_and_keeps_no_descriptors():
     a, b = socket.socketpair()
     closed: list = []
     owner = owner_end(a, closed, 1 << 20)
+    assert not owner.closed
     b.send(HEADER.pack(1 << 30, Ready.KIND, 0, 0))
     for _ in range(100):
         if closed:
