@@ -658,7 +658,7 @@ def _behaviour(e: EnvReader) -> dict[str, Any]:
 
 def _worker_threads(e: EnvReader, cpu_count: Callable[[], int]) -> int:
     """ZTUNNEL_WORKER_THREADS as ztunnel reads it: a count, `N%` of the CPUs, or 0 for all."""
-    text = (e.string("ZTUNNEL_WORKER_THREADS") or "").strip()
+    text = (e.string("ZTUNNEL_WORKER_THREADS", str(DEFAULT_WORKER_THREADS)) or "").strip()
     if not text:
         return DEFAULT_WORKER_THREADS
     hint = f"use a count 1-{MAX_WORKER_THREADS}, N% of the CPUs, or 0 for one per CPU"

@@ -80,6 +80,7 @@ log = logging.getLogger("ambient_mesh.workers")
 WORKER_START_TIMEOUT_S = 30.0  # interpreter start and imports on a loaded 2-core machine
 STATS_TIMEOUT_S = 2.0  # a scrape or dump waits this long for each worker, then uses its last reply
 STOP_MARGIN_S = 5.0  # beyond the drain deadline, before a worker is killed
+EXIT_WAIT_S = 5.0  # from Drained to the process's exit (interpreter teardown, on a loaded machine)
 RESTART_BACKOFF_MIN_S = 0.5
 RESTART_BACKOFF_MAX_S = 30.0
 RESTART_BACKOFF_RESET_S = 60.0  # up this long: the next death restarts at the minimum again
@@ -301,11 +302,17 @@ class WorkerPool:
             code,
             backoff,
         )
-        await asyncio.sleep(backoff)
-        if self._draining:
-            return
-        worker.restarts += 1
-        await self._spawn(worker)
+        while not self._draining:
+            await asyncio.sleep(backoff)
+            if self._draining:
+                return
+            worker.restarts += 1
+            try:
+                await self._spawn(worker)
+                return
+            except Exception:  # noqa: BLE001 - e.g. out of processes: try again later
+                log.exception("worker %d could not be started again", worker.index)
+                backoff = min(RESTART_BACKOFF_MAX_S, backoff * 2)
 
     def _retire(self, worker: WorkerHandle) -> None:
         if worker.last_stats is not None:
@@ -494,7 +501,7 @@ class WorkerPool:
             process = worker.process
             assert process is not None
             try:
-                await asyncio.wait_for(process.wait(), 1.0)
+                await asyncio.wait_for(process.wait(), EXIT_WAIT_S)
             except TimeoutError:
                 log.warning("worker %d did not exit after draining; killing it", worker.index)
                 with contextlib.suppress(ProcessLookupError):

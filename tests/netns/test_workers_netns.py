@@ -1,0 +1,143 @@
+"""Shared (in-pod) mode with ZTUNNEL_WORKER_THREADS=2, across two nodes.
+
+Tier 3 (root). Each node proxy is an owner with two worker processes. The node agent's side
+(ZdsServer) hands each proxy its pod's network namespace; the owner opens the pod's listeners
+inside it, two SO_REUSEPORT members each, and hands one member and the namespace to each
+worker. Connections captured in the client pod are spread over the client node's two workers
+(16 new connections landing on one worker: 2 in 65,536) and reach the server pod over real
+HBONE through the server node's workers; the one view (/stats, /config_dump) counts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_shared_mode import APP_PORT, CLIENT_ID, NODE, PodTable, local_config, wait_for
+
+from ambient_mesh.capture.apply import Backend, apply_inpod_rules
+from ambient_mesh.capture.inpod import InpodConfig
+from ambient_mesh.config import ProxyWorkloadInfo
+from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric
+from ambient_mesh.zds.server import ZdsServer
+from ambient_mesh.ztunnel import Ztunnel, build
+
+pytestmark = pytest.mark.timeout(180)
+
+CONNECTIONS = 16
+
+
+def fetch(proxy: Ztunnel, which: str, path: str) -> bytes:
+    bound = (proxy.admin if which == "admin" else proxy.stats).bound_address
+    with urllib.request.urlopen(f"http://{bound.ip}:{bound.port}{path}", timeout=10) as reply:
+        return reply.read()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items())
+    )
+
+
+async def test_two_workers_per_node_proxy_serve_pods_over_hbone(
+    runner, start_echo, roundtrip, tmp_path: Path
+):
+    with Fabric(runner=runner) as fabric:
+        client = fabric.add_node("client")
+        server = fabric.add_node("server")
+        plain = fabric.add_node("plain")
+        start_echo(fabric, server, APP_PORT, tmp_path)
+        for pod in (client, server):
+            apply_inpod_rules(runner, pod.netns, InpodConfig(redirect_dns=False), Backend.IPTABLES)
+        config = local_config(client, server, plain, server_node="node-2")
+        proxies: list[Ztunnel] = []
+        servers, fds = [], []
+        try:
+            for node, pod, uid, name, sa in (
+                (NODE, client, "uid-client", "client", "frontend"),
+                ("node-2", server, "uid-server", "server", "echo"),
+            ):
+                fd = os.open(NETNS_RUN_DIR / pod.netns, os.O_RDONLY | os.O_CLOEXEC)
+                fds.append(fd)
+                table = PodTable()
+                table.pods[uid] = (ProxyWorkloadInfo(namespace="shop", name=name, service_account=sa), fd)
+                sock = str(tmp_path / f"{node}.sock")
+                zds = ZdsServer(sock, table)
+                await zds.start()
+                servers.append(zds)
+                proxy = await build(
+                    {
+                        "PROXY_MODE": "shared",
+                        "INPOD_UDS": sock,
+                        "FAKE_CA": "true",
+                        "XDS_ADDRESS": "",
+                        "LOCAL_XDS": config,
+                        "NODE_NAME": node,
+                        "ADMIN_ADDR": "127.0.0.1:0",
+                        "STATS_ADDR": "127.0.0.1:0",
+                        "READINESS_ADDR": "127.0.0.1:0",
+                        "ISTIO_META_DNS_CAPTURE": "false",
+                        "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+                        "ZTUNNEL_WORKER_THREADS": "2",
+                        # one stream per HBONE connection: concurrent connections spread on node-2 too
+                        "POOL_MAX_STREAMS_PER_CONNECTION": "1",
+                    }
+                )
+                proxies.append(proxy)
+                await proxy.start()
+            for proxy in proxies:
+                await wait_for(lambda proxy=proxy: proxy.readiness.ready, what="pod proxies ready")
+            client_proxy, server_proxy = proxies
+            assert client_proxy.pool is not None and server_proxy.pool is not None
+            assert set(client_proxy.inpod.pods) == {"uid-client"}
+            # The owner opened the pod's listeners in the pod's namespace, two members each.
+            handed = client_proxy.pool.proxies["uid-client"]
+            assert handed.netns is not None and {len(m) for m in handed.sockets.values()} == {2}
+
+            payload = b"across nodes, two workers" * 4000
+            results = await asyncio.gather(
+                *(
+                    asyncio.to_thread(roundtrip, client.netns, str(server.ipv4), APP_PORT, payload)
+                    for _ in range(CONNECTIONS)
+                )
+            )
+            assert all(got == payload for got in results)
+
+            client_dump = json.loads(await asyncio.to_thread(fetch, client_proxy, "admin", "/config_dump"))
+            outbound = [w["accepted"]["uid-client"]["outbound"] for w in client_dump["workers"]]
+            assert all(n > 0 for n in outbound) and sum(outbound) == CONNECTIONS, outbound
+            server_dump = json.loads(await asyncio.to_thread(fetch, server_proxy, "admin", "/config_dump"))
+            inbound = [w["accepted"]["uid-server"]["inbound"] for w in server_dump["workers"]]
+            assert sum(inbound) >= 1, inbound  # HBONE connections; pooled, so up to 16
+            metrics = (await asyncio.to_thread(fetch, server_proxy, "stats", "/metrics")).decode()
+            opened = sample(
+                metrics,
+                "istio_tcp_connections_opened_total",
+                reporter="destination",
+                source_principal=CLIENT_ID,
+            )
+            assert opened == CONNECTIONS  # every stream, from whichever worker, with the client's identity
+            metrics = (await asyncio.to_thread(fetch, client_proxy, "stats", "/metrics")).decode()
+            assert sample(metrics, "workload_manager_active_proxy_count") == 1  # the owner's, not per worker
+
+            # The pod leaves: the owner closes its copies and every worker stops the pod's proxy.
+            assert await servers[1].del_workload("uid-server") is None
+            await wait_for(
+                lambda: "uid-server" not in server_proxy.inpod.pods, what="server pod proxy stopped"
+            )
+            assert "uid-server" not in server_proxy.pool.proxies
+            await server_proxy.pool.refresh_stats()
+            assert all("uid-server" not in w["accepted"] for w in server_proxy.pool.dump())
+        finally:
+            for proxy in proxies:
+                await proxy.drain(0.5)
+            for zds in servers:
+                await zds.stop()
+            for fd in fds:
+                os.close(fd)
