@@ -170,3 +170,30 @@ async def test_a_dead_worker_is_restarted_and_served_again_without_losing_counte
         assert after == 2 * CONNECTIONS
         for _r, w in conns:
             w.close()
+
+
+async def test_sigterm_to_the_owner_drains_every_worker_and_exits_zero():
+    from .mesh import proxy_env
+    from .test_lifecycle import AMBIENT, wait_ready_line
+
+    env = {**os.environ, **proxy_env("server", "127.0.0.33", local_config()), "ZTUNNEL_WORKER_THREADS": "2"}
+    proc = await asyncio.create_subprocess_exec(
+        *AMBIENT, env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL
+    )
+    try:
+        fields = await wait_ready_line(proc)
+        assert fields["workers"] == "2"
+        with urllib.request.urlopen(f"http://{fields['admin']}/config_dump", timeout=10) as reply:
+            pids = [w["pid"] for w in json.loads(reply.read())["workers"]]
+        assert len(pids) == 2 and all(pids)
+        proc.send_signal(signal.SIGTERM)
+        rest = (await asyncio.wait_for(proc.stderr.read(), 30)).decode()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert "draining 2 worker processes" in rest
+        for pid in pids:  # the workers are gone too (not left behind as orphans)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
