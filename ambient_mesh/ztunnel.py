@@ -21,8 +21,7 @@ from typing import Any
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
 from .config import ProxyMode, ZtunnelConfig, log_startup
-from .dns.resolver import DnsSettings
-from .dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, UpstreamForwarder
+from .dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, workload_dns_server
 from .errors import AmbientError, ConfigError
 from .host.netns import NetnsHandle
 from .host.sockets import plain_socket, set_mark
@@ -253,26 +252,13 @@ class Ztunnel:
         mode synthesizes each pod's (reference/ztunnel.md section 10)."""
         if self.dns_metrics is None or self.resolv is None:
             return None
-        resolv = self.resolv
-        config = self.config
-        shared = config.proxy_mode is ProxyMode.SHARED
-        settings = DnsSettings(
-            cluster_domain=config.cluster_domain,
-            search_domains=None if shared else tuple(resolv.search),
-            prefered_service_namespace=config.prefered_service_namespace,
-            ipv6_enabled=config.ipv6_enabled,
-        )
-        forwarder = UpstreamForwarder(
-            resolv.nameservers, socket_factory=socket_factory, mark=config.packet_mark
-        )
-        return DnsServer(
-            name=name,
-            address=config.dns_proxy_addr,
+        return workload_dns_server(
+            self.config,
             state=self.state,
-            settings=settings,
-            client=client,
-            forwarder=forwarder,
+            resolv=self.resolv,
             metrics=self.dns_metrics,
+            name=name,
+            client=client,
             socket_factory=socket_factory,
         )
 

@@ -32,6 +32,7 @@ import dns.rdatatype
 from prometheus_client import Counter, Histogram
 from prometheus_client.registry import Collector
 
+from ..config import ProxyMode, ZtunnelConfig
 from ..errors import BindError
 from ..host.sockets import LISTEN_BACKLOG, plain_socket, set_mark
 from ..metrics import UNKNOWN, WithoutCreated
@@ -682,11 +683,44 @@ def _access_log(request: DnsRequest, client: Workload | None, result: str, endpo
     )
 
 
+def workload_dns_server(
+    config: ZtunnelConfig,
+    *,
+    state: StateReader,
+    resolv: ResolvConf,
+    metrics: DnsMetrics,
+    name: str,
+    client: Callable[[], Workload | None],
+    socket_factory: DnsSocketFactory,
+) -> DnsServer:
+    """The DNS proxy of one served workload, from the node proxy's config: dedicated mode uses
+    our resolv.conf search list, shared mode synthesizes each pod's (reference/ztunnel.md 10)."""
+    shared = config.proxy_mode is ProxyMode.SHARED
+    settings = DnsSettings(
+        cluster_domain=config.cluster_domain,
+        search_domains=None if shared else tuple(resolv.search),
+        prefered_service_namespace=config.prefered_service_namespace,
+        ipv6_enabled=config.ipv6_enabled,
+    )
+    forwarder = UpstreamForwarder(resolv.nameservers, socket_factory=socket_factory, mark=config.packet_mark)
+    return DnsServer(
+        name=name,
+        address=config.dns_proxy_addr,
+        state=state,
+        settings=settings,
+        client=client,
+        forwarder=forwarder,
+        metrics=metrics,
+        socket_factory=socket_factory,
+    )
+
+
 __all__ = [
     "DNS_PORT",
     "DnsMetrics",
     "DnsServer",
     "DnsSocketFactory",
+    "workload_dns_server",
     "Forwarder",
     "ResolvConf",
     "UpstreamFailure",

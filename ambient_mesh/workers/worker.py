@@ -10,7 +10,7 @@ pod's network namespace, for the sockets the proxy opens towards apps and peers)
 The worker runs no xDS client, CA client, ZDS client nor admin server: certificates come from
 the owner (`OwnerCaClient`, behind the usual SecretManager), and its counters and connections
 go to the owner on request (`StatsRequest`), which serves one view of all workers. The DNS
-proxy stays in the owner. It exits when told to drain, or when the owner goes away (the
+proxy (15053) stays in the owner; SOCKS5 domain names are resolved here with the same logic. It exits when told to drain, or when the owner goes away (the
 channel closes); SIGINT is the owner's to handle (a terminal's Ctrl-C reaches the whole group).
 """
 
@@ -22,15 +22,17 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryResponse
 from google.protobuf.message import DecodeError
 
 from ..config import ProxyMode, ProxyWorkloadInfo, ZtunnelConfig
+from ..dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, workload_dns_server
 from ..errors import AmbientError, IdentityError
 from ..host.netns import NetnsHandle
+from ..host.sockets import plain_socket
 from ..identity.certificate import WorkloadCertificate
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
@@ -40,6 +42,7 @@ from ..metrics import Metrics, WithoutCreated
 from ..proxy.inpod import InpodManager
 from ..proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_workload
 from ..state.localconfig import parse_local_config
+from ..state.model import Workload
 from ..state.store import ProxyState
 from ..xds.session import XdsSession
 from ..xds.updater import StateUpdater
@@ -105,16 +108,27 @@ class OwnerCaClient:
 class WorkerInpodManager(InpodManager):
     """In-pod proxies in a worker: the listening sockets are the owner's, handed over."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, resolver: ResolverFactory | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.handed: dict[str, socket.socket] = {}
         self.built: WorkloadProxy | None = None
+        self._resolver = resolver
 
     def _new_proxy(self, info: ProxyWorkloadInfo, netns: NetnsHandle) -> WorkloadProxy:
         proxy = super()._new_proxy(info, netns)
         adopt_listeners(proxy, self.handed)
+        if self._resolver is not None:
+            dns = self._resolver(
+                f"{info.namespace}/{info.name}", lambda: self.workload_for(info), netns.socket
+            )
+            proxy.outbound.resolve_name = dns.resolve
         self.built = proxy
         return proxy
+
+
+# (name, the served workload, socket factory) -> a DNS proxy that is never bound: the owner
+# serves 15053; a worker only resolves SOCKS5 domain names with the same logic.
+ResolverFactory = Callable[[str, Callable[[], Workload | None], DnsSocketFactory], DnsServer]
 
 
 def adopt_listeners(proxy: WorkloadProxy, handed: Mapping[str, socket.socket]) -> None:
@@ -242,8 +256,21 @@ class Worker:
             self.metrics.register(WithoutCreated((crl.metrics.rejections,)))
         self.cert_manager = SecretManager(OwnerCaClient(self))
         self.tls = TlsContextCache(tls12=config.tls12_enabled, crl=crl)
+        self.resolver: ResolverFactory | None = None
+        if config.dns_proxy_enabled and config.socks5_enabled:
+            dns_metrics, resolv = DnsMetrics(self.metrics), ResolvConf.read()
+            self.resolver = lambda name, client, factory: workload_dns_server(
+                config,
+                state=self.state,
+                resolv=resolv,
+                metrics=dns_metrics,
+                name=name,
+                client=client,
+                socket_factory=factory,
+            )
         if config.proxy_mode is ProxyMode.SHARED:
             self.inpod = WorkerInpodManager(
+                resolver=self.resolver,
                 config=config,
                 state=self.state,
                 cert_manager=self.cert_manager,
@@ -285,6 +312,11 @@ class Worker:
                     transparent=config.enable_orig_src is True,
                 )
                 adopt_listeners(proxy, handed)
+                if self.resolver is not None:
+                    dns = self.resolver(
+                        DEDICATED_KEY, lambda: served_workload(config, self.state), plain_socket
+                    )
+                    proxy.outbound.resolve_name = dns.resolve
                 proxy.start()
                 self.proxies[message.key] = proxy
                 if config.proxy_workload_info is not None:

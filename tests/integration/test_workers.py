@@ -197,3 +197,35 @@ async def test_sigterm_to_the_owner_drains_every_worker_and_exits_zero():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_socks5_domain_names_resolve_in_every_worker():
+    config = local_config()
+    echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
+    client = server = None
+    try:
+        server = await start_proxy("server", SERVER_IP, config)
+        client = await start_proxy("client", CLIENT_IP, config, ZTUNNEL_WORKER_THREADS="2")
+        assert client.remote is not None
+        host, _, port = client.remote.bound_addresses()["socks5"].rpartition(":")
+        name = b"echo.default.svc.cluster.local"
+        for i in range(CONNECTIONS):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"\x05\x01\x00\x05\x01\x00\x03" + bytes([len(name)]) + name + (80).to_bytes(2, "big")
+            )
+            await writer.drain()
+            reply = await asyncio.wait_for(reader.readexactly(12), 10)
+            assert reply[:4] == b"\x05\x00\x05\x00", reply  # resolved (the mesh service's VIP) and connected
+            writer.write(b"hello %d\n" % i)
+            assert await asyncio.wait_for(reader.readline(), 10) == b"hello %d\n" % i
+            writer.close()
+        assert client.pool is not None
+        await client.pool.refresh_stats()
+        assert all(w["accepted"]["dedicated"]["socks5"] > 0 for w in client.pool.dump())
+    finally:
+        for proxy in (client, server):
+            if proxy is not None:
+                await proxy.drain(0.5)
+        echo.close()
+        await echo.wait_closed()
