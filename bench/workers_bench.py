@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -277,7 +278,12 @@ class Proxy:
             self.process.wait(timeout=10)
 
 
-def run_generator(args: argparse.Namespace, proxy: Proxy, test: str, port: int) -> dict:
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_generator(args: argparse.Namespace, proxy: Proxy, server_pid: int, test: str, port: int) -> dict:
     argv = [sys.executable, __file__, "--worker", "client", "--socks", f"{proxy.socks[0]}:{proxy.socks[1]}"]
     argv += ["--test", test, "--port", str(port), "--concurrency", str(args.concurrency)]
     argv += [
@@ -291,12 +297,18 @@ def run_generator(args: argparse.Namespace, proxy: Proxy, test: str, port: int) 
     prefix = [] if args.no_pin else ["taskset", "-c", "0"]
     load_before = os.getloadavg()[0]
     cpu_before = proxy.cpu_s()
+    generator_before, server_before = children_cpu_s(), hb.proc_cpu_s(server_pid)
     out = subprocess.run(prefix + argv, capture_output=True, timeout=MAX_SECONDS * 3, check=False)
     cpu = proxy.cpu_s() - cpu_before
+    # What the load generator and the bench server cost: they share CPU0 with worker 0.
+    generator_cpu = children_cpu_s() - generator_before
+    server_cpu = hb.proc_cpu_s(server_pid) - server_before
     if out.returncode != 0:
         raise RuntimeError(f"generator failed:\n{out.stderr.decode()[-3000:]}")
     result = json.loads(out.stdout.decode().strip().splitlines()[-1])
     result["proxy_cpu_s"] = cpu
+    result["generator_cpu_s"] = generator_cpu
+    result["server_cpu_s"] = server_cpu
     result["load_before"] = load_before
     result["load_after"] = os.getloadavg()[0]
     if test == "connections" and result["connections"]:
@@ -348,7 +360,7 @@ def main() -> int:
                         time.sleep(0.5)  # let start-up (certificates, imports) settle
                         for test in tests:
                             port = echo_port if test == "connections" else sink_port
-                            result = run_generator(args, proxy, test, port)
+                            result = run_generator(args, proxy, server.pid, test, port)
                             results[test][str(workers)].append(result)
                             print(
                                 f"round {round_no + 1} {workers} worker(s) {test}: {json.dumps(result)}",
@@ -380,8 +392,16 @@ def print_and_save(args: argparse.Namespace, results: dict, pin: bool) -> None:
         if test == "connections":
             cpu1 = statistics.median(r.get("proxy_cpu_ms_per_conn", 0) for r in by["1"])
             cpu2 = statistics.median(r.get("proxy_cpu_ms_per_conn", 0) for r in by["2"])
-            print(f"{'  cpu/conn':<12} {cpu1:>9.2f} ms {cpu2:>9.2f} ms")
+            print(f"{'  cpu/conn':<12} {cpu1:>9.2f} ms {cpu2:>9.2f} ms   (proxy: owner and workers)")
             summary["proxy_cpu_ms_per_conn"] = {"1": cpu1, "2": cpu2}
+            gen = statistics.median(
+                (r["generator_cpu_s"] + r["server_cpu_s"]) * 1000 / r["connections"]
+                for w in ("1", "2")
+                for r in by[w]
+                if r["connections"]
+            )
+            print(f"{'  load gen':<12} {gen:>9.2f} ms per connection (generator + bench server, CPU0)")
+            summary["generator_and_server_cpu_ms_per_conn"] = gen
     print("target: 2 workers >= 1.6x 1 worker (issue 11)")
     out = {
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
