@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 from test_shared_mode import APP_PORT, CLIENT_ID, NODE, PodTable, local_config, wait_for
 
 from ambient_mesh.capture.apply import Backend, apply_inpod_rules
@@ -126,6 +128,23 @@ async def test_two_workers_per_node_proxy_serve_pods_over_hbone(
             metrics = (await asyncio.to_thread(fetch, client_proxy, "stats", "/metrics")).decode()
             assert sample(metrics, "workload_manager_active_proxy_count") == 1  # the owner's, not per worker
 
+            # A client worker dies: it is restarted, given the pod's sockets and namespace again,
+            # and the pod's traffic flows through both workers once more.
+            victim = client_proxy.pool.workers[0]
+            old_pid = victim.pid
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            await wait_for(lambda: victim.state == "up" and victim.pid != old_pid, what="worker 0 restarted")
+            results = await asyncio.gather(
+                *(
+                    asyncio.to_thread(roundtrip, client.netns, str(server.ipv4), APP_PORT, payload)
+                    for _ in range(CONNECTIONS)
+                )
+            )
+            assert all(got == payload for got in results)
+            await client_proxy.pool.refresh_stats()
+            assert all(w["accepted"]["uid-client"]["outbound"] > 0 for w in client_proxy.pool.dump())
+
             # The pod leaves: the owner closes its copies and every worker stops the pod's proxy.
             assert await servers[1].del_workload("uid-server") is None
             await wait_for(
@@ -141,3 +160,60 @@ async def test_two_workers_per_node_proxy_serve_pods_over_hbone(
                 await zds.stop()
             for fd in fds:
                 os.close(fd)
+
+
+async def test_dns_captured_in_the_pod_is_answered_by_the_owner_with_two_workers(runner, tmp_path: Path):
+    """The DNS proxy stays in the owner: with two workers, a pod's captured query is answered
+    from the pod's 15053, which the owner opened in the pod's namespace."""
+    from test_shared_mode import dns_query
+
+    with Fabric(runner=runner) as fabric:
+        client = fabric.add_node("client")
+        server = fabric.add_node("server")
+        plain = fabric.add_node("plain")
+        apply_inpod_rules(runner, client.netns, InpodConfig(redirect_dns=True), Backend.IPTABLES)
+        config = yaml.safe_load(local_config(client, server, plain))
+        config["workloads"][1]["services"] = {"shop/echo.shop.svc.cluster.local": {80: APP_PORT}}
+        config["services"] = [
+            {
+                "name": "echo",
+                "namespace": "shop",
+                "hostname": "echo.shop.svc.cluster.local",
+                "vips": ["/10.96.0.50"],
+                "ports": {80: APP_PORT},
+            }
+        ]
+        table = PodTable()
+        fd = os.open(NETNS_RUN_DIR / client.netns, os.O_RDONLY | os.O_CLOEXEC)
+        table.pods["uid-client"] = (
+            ProxyWorkloadInfo(namespace="shop", name="client", service_account="frontend"),
+            fd,
+        )
+        zds = ZdsServer(str(tmp_path / "ztunnel.sock"), table)
+        await zds.start()
+        proxy = await build(
+            {
+                "PROXY_MODE": "shared",
+                "INPOD_UDS": str(tmp_path / "ztunnel.sock"),
+                "FAKE_CA": "true",
+                "XDS_ADDRESS": "",
+                "LOCAL_XDS": yaml.safe_dump(config),
+                "NODE_NAME": NODE,
+                "ADMIN_ADDR": "127.0.0.1:0",
+                "STATS_ADDR": "127.0.0.1:0",
+                "READINESS_ADDR": "127.0.0.1:0",
+                "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+                "ZTUNNEL_WORKER_THREADS": "2",
+            }
+        )
+        try:
+            await proxy.start()
+            await wait_for(lambda: proxy.readiness.ready, what="the pod's proxy")
+            got = await asyncio.to_thread(
+                dns_query, client.netns, "10.96.0.10", "echo.shop.svc.cluster.local."
+            )
+            assert got == ["10.96.0.50"]
+        finally:
+            await proxy.drain(0.5)
+            await zds.stop()
+            os.close(fd)
