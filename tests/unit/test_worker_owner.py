@@ -130,3 +130,102 @@ def test_a_dead_workers_counters_are_kept_and_its_gauges_dropped():
     retired.add([counter])
     (metric,) = merge_families(retired.families.values())
     assert metric.name == "c" and [s.value for s in metric.samples] == [8.0]
+
+
+# -- certificates: the owner answers from its SecretManager, waiting for its rotation -------------
+
+
+class FakeManager:
+    """The owner's SecretManager as _answer_cert sees it: the current certificate per identity."""
+
+    def __init__(self, certs) -> None:
+        self.certs = list(certs)
+        self.calls = 0
+
+    async def fetch_certificate(self, identity):
+        self.calls += 1
+        return self.certs[0]
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> bool:
+        self.sent.append(message)
+        return True
+
+
+def issued(n: int):
+    from datetime import UTC, datetime
+
+    from ambient_mesh.identity.ca import CertificateAuthority
+    from ambient_mesh.identity.spiffe import Identity
+
+    ca = CertificateAuthority.insecure_test_ca()
+    identity = Identity("cluster.local", "ns", "sa")
+    return identity, [ca.issue(identity, 3600, now=datetime.now(UTC)) for _ in range(n)]
+
+
+def pool_with(manager) -> owner.WorkerPool:
+    return owner.WorkerPool(
+        config=ZtunnelConfig.from_env({"ZTUNNEL_WORKER_THREADS": "2"}),
+        env={},
+        feed=StateFeed(),
+        cert_manager=manager,  # type: ignore[arg-type]
+        metrics=None,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_worker_gets_the_owners_certificate_and_can_rebuild_it():
+    from ambient_mesh.identity.certificate import WorkloadCertificate
+    from ambient_mesh.workers.codec import CertRequest
+
+    identity, (cert,) = issued(1)
+    worker = FakeWorker()
+    await pool_with(FakeManager([cert]))._answer_cert(worker, CertRequest(1, str(identity), ""))
+    (reply,) = worker.sent
+    assert reply.request == 1 and not reply.error
+    rebuilt = WorkloadCertificate.from_ca_response(identity, reply.key_pem.encode(), list(reply.chain))
+    assert rebuilt.serial_number == cert.serial_number and rebuilt.not_after == cert.not_after
+
+
+async def test_at_rotation_the_owner_answers_once_it_has_the_new_certificate(monkeypatch):
+    import asyncio
+
+    from ambient_mesh.workers.codec import CertRequest
+
+    monkeypatch.setattr(owner, "CERT_ROTATION_POLL_S", 0.01)
+    identity, (old, new) = issued(2)
+    manager = FakeManager([old])
+    worker = FakeWorker()
+    task = asyncio.ensure_future(
+        pool_with(manager)._answer_cert(worker, CertRequest(2, str(identity), old.serial_number))
+    )
+    await asyncio.sleep(0.1)
+    assert not worker.sent and manager.calls > 1  # the worker holds this one: wait for the next
+    manager.certs = [new]  # the owner's SecretManager rotated
+    await asyncio.wait_for(task, 2)
+    (reply,) = worker.sent
+    assert not reply.error and new.leaf_pem.decode() == reply.chain[0]
+
+
+async def test_a_rotation_that_does_not_come_is_an_error_the_worker_backs_off_on(monkeypatch):
+    from ambient_mesh.workers.codec import CertRequest
+
+    monkeypatch.setattr(owner, "CERT_ROTATION_POLL_S", 0.01)
+    monkeypatch.setattr(owner, "CERT_ROTATION_WAIT_S", 0.05)
+    identity, (old,) = issued(1)
+    worker = FakeWorker()
+    await pool_with(FakeManager([old]))._answer_cert(worker, CertRequest(3, str(identity), old.serial_number))
+    (reply,) = worker.sent
+    assert "rotation still pending" in reply.error and reply.key_pem == ""
+
+
+async def test_a_bad_identity_from_a_worker_is_an_error_reply():
+    from ambient_mesh.workers.codec import CertRequest
+
+    worker = FakeWorker()
+    await pool_with(FakeManager([]))._answer_cert(worker, CertRequest(4, "not-a-spiffe-id", ""))
+    (reply,) = worker.sent
+    assert "not a SPIFFE id" in reply.error
