@@ -38,8 +38,8 @@ import yaml
 
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.ports import HBONE_PORT
 
-HBONE_PORT = 15008
 ENVOY_START_TIMEOUT_S = 30.0
 ENVOY_STOP_TIMEOUT_S = 5.0
 ADMIN_TIMEOUT_S = 5.0

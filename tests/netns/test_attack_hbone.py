@@ -29,17 +29,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_dedicated_mesh import APP_PORT, READINESS_PORT, capture, start_proxy, wait_ready, workload
+from test_dedicated_mesh import APP_PORT, capture, start_proxy, wait_ready, workload
 
 from ambient_mesh.host.netns import Fabric
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.ports import HBONE_PORT, READINESS_PORT
 from tests.interop import h2attack
 from tests.interop.h2attack import FLOODS, HonestClient, RssWatch, Target, run_aborted_uploads, run_flood
 
 pytestmark = pytest.mark.timeout(300)
 
-HBONE_PORT = 15008
 SLOW_APP_PORT = 8081
 FLOOD_MAX_SECONDS = 15.0
 RSS_GROWTH_MAX_BYTES = 48 * 1024 * 1024
