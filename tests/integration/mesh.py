@@ -13,6 +13,7 @@ import hashlib
 import socket
 from dataclasses import dataclass, field
 
+from ambient_mesh.ports import HBONE_PORT
 from ambient_mesh.ztunnel import Ztunnel, build
 
 CLIENT_IP = "127.0.0.2"
@@ -78,16 +79,13 @@ services:
 """
 
 
-def proxy_env(name: str, ip: str, config: str, **extra: str) -> dict[str, str]:
-    env = {
-        "PROXY_MODE": "dedicated",
-        "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
-        "FAKE_CA": "true",
-        "XDS_ADDRESS": "",
-        "LOCAL_XDS": config,
+def listener_env(ip: str) -> dict[str, str]:
+    """Every listener of an in-process proxy on `ip`: HBONE on its real port (peers dial it),
+    the rest on kernel-chosen ports; SOCKS5 on, so tests can send through the outbound path."""
+    return {
         "UNSTABLE_ENABLE_SOCKS5": "true",
         "OUTBOUND_ADDR": f"{ip}:0",
-        "INBOUND_ADDR": f"{ip}:15008",
+        "INBOUND_ADDR": f"{ip}:{HBONE_PORT}",
         "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
         "SOCKS5_ADDR": f"{ip}:0",
         "ADMIN_ADDR": f"{ip}:0",
@@ -95,6 +93,17 @@ def proxy_env(name: str, ip: str, config: str, **extra: str) -> dict[str, str]:
         "READINESS_ADDR": f"{ip}:0",
         "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0",
         "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+    }
+
+
+def proxy_env(name: str, ip: str, config: str, **extra: str) -> dict[str, str]:
+    env = {
+        "PROXY_MODE": "dedicated",
+        "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
+        "FAKE_CA": "true",
+        "XDS_ADDRESS": "",
+        "LOCAL_XDS": config,
+        **listener_env(ip),
     }
     env.update(extra)
     return env

@@ -20,7 +20,7 @@ from ambient_mesh.net import SocketAddr
 from ambient_mesh.ztunnel import Ztunnel
 from ambient_mesh.ztunnel import build as build_proxy
 
-from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler
+from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler, listener_env
 
 NAMESPACE = """
 apiVersion: v1
@@ -91,16 +91,7 @@ def proxy_env(tmp: Path, plane_port: int, name: str, ip: str, **extra: str) -> d
         "AUTH_TOKEN": str(token),
         "POD_NAME": name,
         "POD_NAMESPACE": "default",
-        "UNSTABLE_ENABLE_SOCKS5": "true",
-        "OUTBOUND_ADDR": f"{ip}:0",
-        "INBOUND_ADDR": f"{ip}:15008",
-        "INBOUND_PLAINTEXT_ADDR": f"{ip}:0",
-        "SOCKS5_ADDR": f"{ip}:0",
-        "ADMIN_ADDR": f"{ip}:0",
-        "STATS_ADDR": f"{ip}:0",
-        "READINESS_ADDR": f"{ip}:0",
-        "ISTIO_META_DNS_PROXY_ADDR": f"{ip}:0",
-        "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+        **listener_env(ip),
     }
     env.update(extra)
     return env
