@@ -46,7 +46,6 @@ from .workers.owner import (
     RemoteProxySet,
     StateFeed,
     WorkerPool,
-    read_local_config,
 )
 from .xds.client import XdsClient
 from .xds.updater import StateUpdater
@@ -69,7 +68,7 @@ def build_certificate_authority(config: ZtunnelConfig) -> CertificateAuthority:
 def load_local_state(config: ZtunnelConfig, updater: StateUpdater, feed: StateFeed | None = None) -> None:
     """LOCAL_XDS_PATH / LOCAL_XDS through the same updater xDS pushes go through (and, with
     worker processes, the same text to every worker)."""
-    source = read_local_config(config)
+    source = config.local_config_source()
     if source is None:
         return
     text, name = source

@@ -15,7 +15,6 @@ import enum
 import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
@@ -74,19 +73,6 @@ class LocalConfig:
     workloads: tuple[Workload, ...] = ()
     services: tuple[Service, ...] = ()
     policies: tuple[Authorization, ...] = ()
-
-
-def read_local_text(path: str | Path) -> str:
-    """The text of the file at `path` (ztunnel's `LOCAL_XDS_PATH`)."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(str(path), f"cannot read local config: {exc}") from None
-
-
-def load_local_config(path: str | Path) -> LocalConfig:
-    """Read and parse the file at `path` (ztunnel's `LOCAL_XDS_PATH`)."""
-    return parse_local_config(read_local_text(path), str(path))
 
 
 def parse_local_config(text: str, source_name: str = "LOCAL_XDS") -> LocalConfig:

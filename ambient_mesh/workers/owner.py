@@ -47,7 +47,6 @@ from ..metrics import Metrics
 from ..net import SocketAddr
 from ..proxy.inpod import InpodManager
 from ..proxy.workload_proxy import ListenerAddresses, listener_specs
-from ..state.localconfig import read_local_text
 from ..state.model import Workload
 from ..xds.session import WATCHED_TYPES, Push
 from .channel import Channel
@@ -743,15 +742,6 @@ class OwnerInpodManager(InpodManager):
         )
 
 
-def read_local_config(config: ZtunnelConfig) -> tuple[str, str] | None:
-    """The local config's text and name (LOCAL_XDS_PATH, else LOCAL_XDS), read once at start."""
-    if config.local_xds_path:
-        return read_local_text(config.local_xds_path), config.local_xds_path
-    if config.local_xds:
-        return config.local_xds, "LOCAL_XDS"
-    return None
-
-
 __all__ = [
     "OwnerInpodManager",
     "PoolMetrics",
@@ -759,5 +749,4 @@ __all__ = [
     "StateFeed",
     "WorkerPool",
     "merge_families",
-    "read_local_config",
 ]

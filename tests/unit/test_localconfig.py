@@ -11,9 +11,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ambient_mesh.config import ZtunnelConfig
 from ambient_mesh.errors import ConfigError
 from ambient_mesh.rbac import Action, Scope, ServiceAccountMatch, StringMatch, StringMatchKind
-from ambient_mesh.state.localconfig import LocalConfig, load_local_config, parse_local_config
+from ambient_mesh.state.localconfig import LocalConfig, parse_local_config
 from ambient_mesh.state.model import (
     AppTunnelProtocol,
     GatewayAddress,
@@ -148,7 +149,9 @@ def test_reference_example_parses() -> None:
 def test_reference_example_loads_into_state(tmp_path) -> None:
     path = tmp_path / "local.yaml"
     path.write_text(REFERENCE_EXAMPLE)
-    config = load_local_config(path)
+    source = ZtunnelConfig(local_xds_path=str(path)).local_config_source()
+    assert source is not None
+    config = parse_local_config(*source)
     state = ProxyState()
     load(state, config.workloads, config.services, config.policies)
     svc = state.services.get("shop/cart.shop.svc.cluster.local")
@@ -158,7 +161,7 @@ def test_reference_example_loads_into_state(tmp_path) -> None:
 
 def test_missing_file_is_config_error(tmp_path) -> None:
     with pytest.raises(ConfigError) as info:
-        load_local_config(tmp_path / "absent.yaml")
+        ZtunnelConfig(local_xds_path=str(tmp_path / "absent.yaml")).local_config_source()
     assert info.value.source.endswith("absent.yaml")
 
 
