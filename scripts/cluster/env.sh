@@ -21,3 +21,15 @@ CONTAINERD_SOCK=$RUN/containerd/containerd.sock
 CNI_BIN=$CL/cni/bin
 CNI_NET=$CL/cni/net.d
 export KUBECONFIG=$CL/kubeconfig
+
+# podman's image store for the project's images (image.sh builds, up.sh loads into containerd),
+# under the same cache: a storage.conf written there, so another AMBIENT_CACHE is another store.
+# The default cache keeps the run root it always had (podman refuses a store whose run root moved).
+podman_env() {
+  local runroot=/run/ambient-mesh-containers
+  [ "$CACHE" = /var/cache/ambient-mesh ] || runroot=$runroot-$(printf %s "$CACHE" | sha256sum | cut -c1-8)
+  mkdir -p "$CACHE/containers"
+  printf '[storage]\ndriver = "overlay"\nrunroot = "%s"\ngraphroot = "%s"\n' "$runroot" "$CACHE/containers" \
+    > "$CACHE/storage.conf"
+  export CONTAINERS_CONF=$(dirname "${BASH_SOURCE[0]}")/containers.conf CONTAINERS_STORAGE_CONF=$CACHE/storage.conf
+}

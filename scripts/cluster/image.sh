@@ -10,8 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=$PWD/scripts/cluster
-CACHE=${AMBIENT_CACHE:-/var/cache/ambient-mesh}
-export CONTAINERS_CONF=$HERE/containers.conf CONTAINERS_STORAGE_CONF=$HERE/storage.conf
+. "$HERE/env.sh"
+podman_env
 BASE_TAG=localhost/ambient-mesh-base:bookworm
 IMAGE=localhost/ambient-mesh
 BASE=""

@@ -13,7 +13,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/env.sh"
 IMAGE=${1:?usage: up.sh IMAGE (from image.sh)}
-export CONTAINERS_CONF=$HERE/containers.conf CONTAINERS_STORAGE_CONF=$HERE/storage.conf
+podman_env
 log() { echo "cluster: $*" >&2; }
 t_start=$(date +%s)
 
