@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
@@ -140,7 +141,8 @@ def check_connection_identity(proxy: ProxyInfo, identities: Sequence[str]) -> Id
 def _struct_text(value: object) -> str:
     kind = value.WhichOneof("kind")  # type: ignore[attr-defined]
     if kind == "string_value":
-        return value.string_value  # type: ignore[attr-defined]
+        text: str = value.string_value  # type: ignore[attr-defined]
+        return text
     if kind == "bool_value":
         return "true" if value.bool_value else "false"  # type: ignore[attr-defined]
     if kind == "number_value":
@@ -432,9 +434,10 @@ def _ip_text(raw: bytes) -> str:
     return str(ipaddress.ip_address(raw))
 
 
-def _serialize(message) -> bytes:
+def _serialize(message: Any) -> bytes:
     # Deterministic serialization keeps map order stable, so equal content hashes equal.
-    return message.SerializeToString(deterministic=True)
+    data: bytes = message.SerializeToString(deterministic=True)
+    return data
 
 
 def _pack_bytes(

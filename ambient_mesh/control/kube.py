@@ -19,7 +19,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import yaml
 
@@ -347,6 +347,10 @@ class _FieldError(Exception):
 
 
 _MISSING = object()
+# _Fields has methods named str, int and bool: in its body those names are the methods
+_Str: TypeAlias = str
+_Int: TypeAlias = int
+_Bool: TypeAlias = bool
 
 
 class _Fields:
@@ -378,7 +382,7 @@ class _Fields:
             raise _FieldError(self._child(key), "expected a string")
         return value
 
-    def int(self, key: str, default: int = 0, *, lo: int = 0, hi: int = 2**31 - 1) -> int:
+    def int(self, key: _Str, default: _Int = 0, *, lo: _Int = 0, hi: _Int = 2**31 - 1) -> _Int:
         value = self._get(key)
         if value is _MISSING:
             return default
@@ -388,7 +392,7 @@ class _Fields:
             raise _FieldError(self._child(key), f"{value} out of range {lo}-{hi}")
         return value
 
-    def bool(self, key: str, default: bool = False) -> bool:
+    def bool(self, key: _Str, default: _Bool = False) -> _Bool:
         value = self._get(key)
         if value is _MISSING:
             return default
@@ -396,19 +400,19 @@ class _Fields:
             raise _FieldError(self._child(key), "expected true or false")
         return value
 
-    def enum(self, key: str, allowed: tuple[str, ...], default: str) -> str:
+    def enum(self, key: _Str, allowed: tuple[_Str, ...], default: _Str) -> _Str:
         value = self.str(key, default)
         if value not in allowed:
             raise _FieldError(self._child(key), f"{value!r} is not one of {', '.join(allowed)}")
         return value
 
-    def sub(self, key: str) -> _Fields | None:
+    def sub(self, key: _Str) -> _Fields | None:
         value = self._get(key)
         if value is _MISSING:
             return None
         return _Fields(value, self._child(key))
 
-    def items(self, key: str) -> list[_Fields]:
+    def items(self, key: _Str) -> list[_Fields]:
         value = self._get(key)
         if value is _MISSING:
             return []
@@ -416,7 +420,7 @@ class _Fields:
             raise _FieldError(self._child(key), "expected a list")
         return [_Fields(v, f"{self._child(key)}[{i}]") for i, v in enumerate(value)]
 
-    def strings(self, key: str) -> tuple[str, ...]:
+    def strings(self, key: _Str) -> tuple[_Str, ...]:
         value = self._get(key)
         if value is _MISSING:
             return ()
@@ -427,7 +431,7 @@ class _Fields:
                 raise _FieldError(f"{self._child(key)}[{i}]", "expected a string")
         return tuple(value)
 
-    def string_map(self, key: str) -> dict[str, str]:
+    def string_map(self, key: _Str) -> dict[_Str, _Str]:
         value = self._get(key)
         if value is _MISSING:
             return {}
@@ -438,7 +442,7 @@ class _Fields:
                 raise _FieldError(f"{self._child(key)}.{k}", "expected a string")
         return dict(value)
 
-    def only(self, *allowed: str) -> _Fields:
+    def only(self, *allowed: _Str) -> _Fields:
         """Refuse a field the CRD's schema does not have, as the API server's strict field
         validation does: a typo (`principal:`) must not silently widen or void a policy."""
         for key in self._data:
@@ -448,7 +452,7 @@ class _Fields:
                 )
         return self
 
-    def port_map(self, key: str) -> dict[str, int]:
+    def port_map(self, key: _Str) -> dict[_Str, _Int]:
         value = self._get(key)
         if value is _MISSING:
             return {}
@@ -501,7 +505,7 @@ def _timestamp(m: _Fields, key: str) -> str:
     if raw is _MISSING:
         return ""
     if hasattr(raw, "isoformat"):
-        return raw.isoformat().replace("+00:00", "Z")
+        return str(raw.isoformat()).replace("+00:00", "Z")
     return m.str(key)
 
 
@@ -804,7 +808,7 @@ def _parse_gateway(doc: _Fields) -> Gateway:
             )
         )
     status = doc.sub("status")
-    addresses = ()
+    addresses: tuple[GatewayAddress, ...] = ()
     if status is not None:
         addresses = tuple(
             GatewayAddress(type=a.str("type", "IPAddress"), value=a.str("value"))
@@ -996,7 +1000,8 @@ def _parse_one(doc: Any, file: str, index: int) -> tuple[KubeObject | None, Load
         return None, LoadError(file=file, object=where, field="kind", message="missing"), None
     if not isinstance(api_version, str) or not api_version:
         return None, LoadError(file=file, object=where, field="apiVersion", message="missing"), None
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    raw_meta = doc.get("metadata")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     name = meta.get("name") if isinstance(meta.get("name"), str) else "?"
     ns = meta.get("namespace") if isinstance(meta.get("namespace"), str) else ""
     label = f"{kind} {ns}/{name}" if ns else f"{kind} {name}"
@@ -1305,7 +1310,7 @@ class DirectoryWatcher:
             for error in change.result.errors:
                 log.warning("config object skipped: %s", error)
             outcome = self._on_change(change)
-            if hasattr(outcome, "__await__"):
+            if outcome is not None:
                 await outcome
         return change
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from cryptography.hazmat.primitives import serialization
@@ -38,6 +39,7 @@ from ..identity.spiffe import Identity
 from ..kube.client import KubeClient
 from ..kube.kubeconfig import KubeCredentials
 from ..net import SocketAddr
+from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
 from .kube import KubeStore, ObjectKey, Pod
@@ -46,9 +48,13 @@ from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
 
+if TYPE_CHECKING:  # rich is imported only where the tables are drawn
+    from rich.console import Console
+    from rich.table import Table
+
 log = logging.getLogger("ambient_mesh.control")
 
-DEFAULT_LISTEN = "[::]:15012"
+DEFAULT_LISTEN = f"[::]:{XDS_CA_PORT}"
 SERVING_CERT_TTL_S = 365 * 24 * 3600
 POLL_INTERVAL_S = 1.0
 CA_DIR_NAME = "cacerts"
@@ -207,7 +213,7 @@ class ControlPlane:
         self.source = build_source(self.config, self.kube_client)
         self.server: grpc.aio.Server | None = None
         self.bound: dict[str, SocketAddr] = {}
-        self._watch_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self.loaded = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -225,8 +231,8 @@ class ControlPlane:
         return self._translation
 
     # Authentication of xDS callers ------------------------------------------------------
-    async def _authenticate(self, metadata):
-        items = list(metadata.items()) if hasattr(metadata, "items") else list(metadata)
+    async def _authenticate(self, metadata: Mapping[str, str]) -> Authenticated | Unauthenticated:
+        items = list(metadata.items())
         caller = await self.ca_server.authenticate(items, time.time())
         if isinstance(caller, Refusal):
             return Unauthenticated(reason=caller.reason)
@@ -360,7 +366,7 @@ def mint_token(
 STATUS_INTERVAL_S = 2.0
 
 
-def status_table(plane: ControlPlane):
+def status_table(plane: ControlPlane) -> Table:
     """What each connected proxy has been sent: one row per proxy and type."""
     from rich.table import Table
 
@@ -383,7 +389,7 @@ def status_table(plane: ControlPlane):
     return table
 
 
-def loaded_table(plane: ControlPlane):
+def loaded_table(plane: ControlPlane) -> Table:
     from rich.table import Table
 
     table = Table(title=f"loaded from {plane.source.location}", title_justify="left")
@@ -399,7 +405,7 @@ def loaded_table(plane: ControlPlane):
     return table
 
 
-async def run(config: ControlPlaneConfig, *, console=None) -> int:
+async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> int:
     """Serve until SIGTERM/SIGINT, printing what was loaded and what each proxy was sent."""
     import signal
 
@@ -417,7 +423,7 @@ async def run(config: ControlPlaneConfig, *, console=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    shown: tuple = ()
+    shown: tuple[object, ...] = ()
     try:
         while not stop.is_set():
             view = (id(plane.translation), tuple((c.conn_id, c.types) for c in plane.ads.connections()))

@@ -184,10 +184,14 @@ class KubeApiSource:
     # -- objects -----------------------------------------------------------------------------
     @staticmethod
     def _raw_key(kind: Resource, obj: dict[str, Any]) -> ObjectKey:
-        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-        name = meta.get("name") if isinstance(meta.get("name"), str) else ""
-        namespace = meta.get("namespace") if isinstance(meta.get("namespace"), str) else ""
-        return (kind.kind, namespace if kind.namespaced else "", name)
+        raw_meta = obj.get("metadata")
+        meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+        name, namespace = meta.get("name"), meta.get("namespace")
+        return (
+            kind.kind,
+            namespace if kind.namespaced and isinstance(namespace, str) else "",
+            name if isinstance(name, str) else "",
+        )
 
     def _store(self, kind: Resource, obj: dict[str, Any]) -> str:
         """Parse one object into the cache; returns added / updated / unchanged / error."""

@@ -91,7 +91,8 @@ def caller_from_review(status: Any, audiences: Sequence[str]) -> Caller:
     namespace, service_account = parts[2], parts[3]
     if not is_kubernetes_name(namespace) or not is_kubernetes_name(service_account):
         raise AuthenticationError(f"the token review's username {username!r} does not name a service account")
-    extra = user.get("extra") if isinstance(user.get("extra"), dict) else {}
+    raw_extra = user.get("extra")
+    extra: dict[str, Any] = raw_extra if isinstance(raw_extra, dict) else {}
     pod_name, pod_uid = _single(extra, EXTRA_POD_NAME), _single(extra, EXTRA_POD_UID)
     if (pod_name is None) != (pod_uid is None) or (pod_name is not None and not is_kubernetes_name(pod_name)):
         raise AuthenticationError("the token review names a pod without its UID, or an invalid pod name")

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import CertificateError, ProtocolError
+from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 from .certificate import WorkloadCertificate, spiffe_ids
 from .spiffe import Identity
-from .tls_crl import REPORTER_DESTINATION, REPORTER_SOURCE, CrlChecker
+from .tls_crl import CrlChecker
 
 ALPN_H2 = "h2"
 # TLS12_ENABLED's suites (OpenSSL names): ECDHE with ECDSA or RSA, AES-GCM only, as ztunnel.

@@ -32,6 +32,7 @@ from cryptography import x509
 from prometheus_client import Counter
 
 from ..errors import CertificateError, ConfigError
+from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 
 log = logging.getLogger("ambient_mesh.identity.crl")
 
@@ -41,8 +42,6 @@ MAX_CRL_FILE_BYTES = 32 * 1024 * 1024
 # a handshake burst from doing thousands).
 CRL_RECHECK_INTERVAL_S = 1.0
 
-REPORTER_SOURCE = "source"  # we were the client, checking the server's chain
-REPORTER_DESTINATION = "destination"  # we were the server, checking the client's chain
 
 _PEM_CRL = re.compile(rb"-----BEGIN X509 CRL-----\r?\n.+?\r?\n-----END X509 CRL-----", re.DOTALL)
 

@@ -201,9 +201,10 @@ def _list_version(pages: Any) -> str:
     from lightkube import NotReadyError
 
     try:
-        return pages.resourceVersion
+        version: str = pages.resourceVersion
     except NotReadyError:
         return ""
+    return version
 
 
 def _selector(values: Mapping[str, str] | None) -> str:
@@ -217,8 +218,8 @@ def _status_message(status: int, body: bytes) -> tuple[str, str]:
     except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict) and isinstance(doc.get("message"), str):
-        reason = doc.get("reason") if isinstance(doc.get("reason"), str) else ""
-        return doc["message"][:500], reason
+        reason = doc.get("reason")
+        return str(doc["message"])[:500], reason if isinstance(reason, str) else ""
     return body[:300].decode("utf-8", "replace").strip(), ""
 
 
@@ -254,6 +255,7 @@ class KubeClient:
             cluster=Cluster(server=credentials.server, insecure=credentials.insecure_skip_tls_verify),
             user=User(token=credentials.token or None, token_file=credentials.token_file or None),
         ).get()
+        assert config is not None  # from_one makes its one context the current one
         timeout = httpx2.Timeout(timeout_s)
         # trust_env off: the API server is reached directly, never through HTTP(S)_PROXY.
         self._api = lightkube.AsyncClient(
@@ -264,7 +266,8 @@ class KubeClient:
             ConnectionParams(
                 timeout=httpx2.Timeout(timeout_s, read=WATCH_TIMEOUT_S + WATCH_READ_SLACK_S),
                 trust_env=False,
-                transport=httpx2.AsyncHTTPTransport(verify=tls),
+                # lightkube annotates a sync transport; its async adapter takes the async one
+                transport=httpx2.AsyncHTTPTransport(verify=tls),  # type: ignore[arg-type]
             ),
         )
         self._stream.headers["User-Agent"] = user_agent

@@ -10,10 +10,11 @@ ENABLE_WDS_DRY_RUN_AUTHZ_POLICY is on.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ...wire.istio.security import authorization_pb2 as sec
-from ..kube import AuthorizationPolicy, AuthorizationRule
+from ..kube import AuthorizationPolicy, AuthorizationRule, Operation, Source
 from .common import ANNOTATION_DRY_RUN, MeshSettings
 
 
@@ -71,7 +72,7 @@ def _ips(values: tuple[str, ...]) -> list[sec.Address]:
 
 # `when` keys ztunnel can check, and the Match fields (values, notValues) each one fills;
 # anything else is an HTTP attribute.
-_WHEN_FIELDS: dict[str, tuple[str, str, Callable[[tuple[str, ...]], list]]] = {
+_WHEN_FIELDS: dict[str, tuple[str, str, Callable[[tuple[str, ...]], list[Any]]]] = {
     "source.namespace": ("namespaces", "not_namespaces", _string_matches),
     "source.principal": ("principals", "not_principals", _string_matches),
     "source.ip": ("source_ips", "not_source_ips", _ips),
@@ -81,13 +82,13 @@ _WHEN_FIELDS: dict[str, tuple[str, str, Callable[[tuple[str, ...]], list]]] = {
 L4_WHEN_KEYS = frozenset(_WHEN_FIELDS)
 
 
-def _http_operation_fields(op) -> list[str]:
+def _http_operation_fields(op: Operation) -> list[str]:
     names = ("hosts", "notHosts", "methods", "notMethods", "paths", "notPaths")
     values = (op.hosts, op.not_hosts, op.methods, op.not_methods, op.paths, op.not_paths)
     return [n for n, v in zip(names, values, strict=True) if v]
 
 
-def _http_source_fields(src) -> list[str]:
+def _http_source_fields(src: Source) -> list[str]:
     names = (
         "remoteIpBlocks",
         "notRemoteIpBlocks",
@@ -159,7 +160,7 @@ def _convert_rule(
     return clauses, http
 
 
-def _has_effective_rules(rules) -> bool:
+def _has_effective_rules(rules: Iterable[Any]) -> bool:
     for rule in rules:
         if not rule.clauses:
             return True

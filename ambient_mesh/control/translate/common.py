@@ -118,13 +118,13 @@ def _istio_protocol(name: str) -> str | None:
     return prefix if prefix in _ISTIO_PROTOCOLS else None
 
 
-def app_protocol(name: str) -> int:
+def app_protocol(name: str) -> wl.AppProtocol:
     """The wire AppProtocol of a ServiceEntry port's protocol name."""
     proto = _istio_protocol(name)
     return _APP_PROTOCOLS.get(proto, wl.UNKNOWN) if proto is not None else wl.UNKNOWN
 
 
-def kube_app_protocol(port: int, name: str, protocol: str, app_protocol: str | None) -> int:
+def kube_app_protocol(port: int, name: str, protocol: str, app_protocol: str | None) -> wl.AppProtocol:
     """The wire AppProtocol of a Kubernetes Service port (appProtocol, else the name's prefix)."""
     if protocol == "UDP":
         return wl.UNKNOWN

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
@@ -62,7 +63,9 @@ _SERVICE_PRIORITY = (0,)
 # A change of at least this many objects, half the index or more, is translated from scratch.
 FULL_RECOMPUTE_MIN_CHANGES = 64
 
-Priority = tuple  # (0,) for services; (1 + kind rank, namespace, name, endpoint index) for workloads
+Priority: TypeAlias = tuple[
+    int | str, ...
+]  # (0,) for services; (1 + kind rank, namespace, name, endpoint index) for workloads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -540,9 +543,9 @@ class _Run:
             elif isinstance(obj, ServiceEntry):
                 workloads = service_entry_workloads(ctx, obj)
             index._set_notes("workload", key, notes)
-            claims = []
+            claims: list[tuple[str, Priority]] = []
             for i, w in enumerate(workloads):
-                priority = (rank[kind], namespace, name, i)
+                priority: Priority = (rank[kind], namespace, name, i)
                 claims.append((w.uid, priority))
                 current = index._claims.winners.get(w.uid)
                 address = wl.Address(workload=w)
@@ -580,13 +583,13 @@ class _Run:
                 addresses[name] = after
         authorizations: dict[str, sec.Authorization] = {}
         removed_authorizations = set()
-        for name, before in self.authorization_before.items():
-            after = index._authorization(name)
-            if after is None:
-                if before is not None:
+        for name, policy_before in self.authorization_before.items():
+            policy_after = index._authorization(name)
+            if policy_after is None:
+                if policy_before is not None:
                     removed_authorizations.add(name)
-            elif before is None or after != before:
-                authorizations[name] = after
+            elif policy_before is None or policy_after != policy_before:
+                authorizations[name] = policy_after
         return TranslationDelta(
             addresses=addresses,
             removed_addresses=frozenset(removed_addresses),

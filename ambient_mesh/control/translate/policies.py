@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
+from ...kube.labels import LabelSelector
 from ...wire.istio.security import authorization_pb2 as sec
-from ..kube import AuthorizationPolicy, KubeStore, LabelSelector, PeerAuthentication
+from ..kube import AuthorizationPolicy, KubeStore, PeerAuthentication
 from .authorization import convert_authorization_policy
 from .common import MeshSettings
 from .peer_authentication import (

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ...kube.labels import LabelSelector
 from ...ports import HBONE_PORT
 from ...wire.istio.workload import workload_pb2 as wl
 from ..kube import (
@@ -20,7 +21,6 @@ from ..kube import (
     LABEL_WAYPOINT_FOR,
     Gateway,
     KubeStore,
-    LabelSelector,
     ObjectMeta,
 )
 from .common import (
@@ -41,14 +41,14 @@ class Waypoint:
     traffic_type: str
     allowed_from: str = "Same"
     allowed_selector: LabelSelector | None = None
-    binding: tuple[int, int] | None = None  # (ApplicationTunnel.Protocol, port)
+    binding: tuple[wl.ApplicationTunnel.Protocol, int] | None = None  # (protocol, port)
 
     @property
     def resource_name(self) -> str:
         return f"{self.namespace}/{self.name}"
 
 
-def _inbound_binding(gateway: Gateway) -> tuple[int, int] | None:
+def _inbound_binding(gateway: Gateway) -> tuple[wl.ApplicationTunnel.Protocol, int] | None:
     raw = gateway.metadata.annotations.get(ANNOTATION_INBOUND_BINDING)
     if raw is None:
         return None
