@@ -105,6 +105,7 @@ LOOPBACK_IPS = {
 ENVOY_LISTENER = "outbound"
 
 PROXY_READY_TIMEOUT_S = 30.0
+PROCESS_STOP_GRACE_S = 3.0
 WORKER_TIMEOUT_S = 120.0
 IO_TIMEOUT_S = 30.0
 LISTEN_BACKLOG = 4096
@@ -366,6 +367,30 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def spawn_member(argv: list[str], **kwargs) -> subprocess.Popen:
+    """Start a bench process (server, proxy) in the bench's own process group.
+
+    Not a session or group leader of its own, on purpose: killpg() can only reach group
+    leaders, and this host's other test runs used to killpg() pids of processes they had
+    already reaped, SIGKILLing whichever new group leader had been given the recycled pid
+    (the bench servers refusing connections in round 2; fixed in host/netns.py
+    `stop_process`, but runs of older trees still do it). Stopped by pid with `stop_member`.
+    """
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
+
+
+def stop_member(process: subprocess.Popen, grace_s: float = PROCESS_STOP_GRACE_S) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; by pid, on a process not reaped yet (no reuse)."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=grace_s)
+
+
 def parse_fields(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
 
@@ -432,6 +457,7 @@ class Topology:
         self.with_envoy = envoy
         self.proxies: dict[str, subprocess.Popen] = {}  # "client", "server"
         self.servers: list[subprocess.Popen] = []
+        self.members: list[subprocess.Popen] = []  # every process spawned, for stop_members
         self.logs: dict[str, Path] = {}
         self.envoys: dict = {}  # "client", "server" -> tests.interop.envoy.EnvoyProcess
         self.envoy_port = 0  # the client Envoy's listener (port 0, read back from its admin)
@@ -507,11 +533,24 @@ class Topology:
 
     def restart_proxies(self) -> None:
         """Fresh proxy processes: a memory measurement must not reuse memory freed by earlier tests."""
-        from ambient_mesh.host.netns import stop_process
-
         for process in self.proxies.values():
-            stop_process(process)
+            stop_member(process)
         self._start_proxies()
+
+    def _spawn(self, argv: list[str], netns: str | None = None, **kwargs) -> subprocess.Popen:
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        process = spawn_member(argv, **kwargs)
+        self.members.append(process)
+        return process
+
+    def stop_members(self) -> None:
+        for process in self.members:
+            if process.poll() is None:
+                process.terminate()  # all first, so they stop side by side
+        for process in reversed(self.members):
+            stop_member(process)
+        self.members.clear()
 
     def close(self) -> None:
         raise NotImplementedError
@@ -540,7 +579,7 @@ class NetnsTopology(Topology):
         try:
             self._start()
         except BaseException:
-            self.fabric.close()
+            self.close()
             raise
 
     def _start(self) -> None:
@@ -553,8 +592,7 @@ class NetnsTopology(Topology):
         self.server = fab.add_node("server")
         self.plain = fab.add_node("plain")
         for node in (self.server, self.plain):
-            process = fab.spawn(
-                node,
+            process = self._spawn(
                 [
                     sys.executable,
                     __file__,
@@ -565,6 +603,7 @@ class NetnsTopology(Topology):
                     "--port",
                     str(BENCH_PORT),
                 ],
+                netns=node.netns,
                 stdout=subprocess.PIPE,
             )
             read_listening_port(process)
@@ -583,8 +622,7 @@ class NetnsTopology(Topology):
         if self.with_envoy:
             self.envoy_a = fab.add_node("envoy-a")
             self.envoy_b = fab.add_node("envoy-b")
-            process = fab.spawn(
-                self.envoy_b,
+            process = self._spawn(
                 [
                     sys.executable,
                     __file__,
@@ -595,6 +633,7 @@ class NetnsTopology(Topology):
                     "--port",
                     str(BENCH_PORT),
                 ],
+                netns=self.envoy_b.netns,
                 stdout=subprocess.PIPE,
             )
             read_listening_port(process)
@@ -622,7 +661,9 @@ class NetnsTopology(Topology):
             ADMIN_ADDR="127.0.0.1:15000",
         )
         with open(self.logs[name], "wb") as out:
-            return self.fabric.spawn(node, proxy_argv(), env=env, cwd=self.workdir, stdout=out, stderr=out)
+            return self._spawn(
+                proxy_argv(), netns=node.netns, env=env, cwd=self.workdir, stdout=out, stderr=out
+            )
 
     def target(self, mode: str) -> Target:
         if mode == "direct":
@@ -640,8 +681,9 @@ class NetnsTopology(Topology):
     def close(self) -> None:
         try:
             self.stop_envoys()
+            self.stop_members()
         finally:
-            self.fabric.close()  # stops proxies and servers, deletes every namespace
+            self.fabric.close()  # deletes every namespace
 
 
 class LoopbackTopology(Topology):
@@ -654,9 +696,6 @@ class LoopbackTopology(Topology):
         except BaseException:
             self.close()
             raise
-
-    def _spawn(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
 
     def _start(self) -> None:
         ips = LOOPBACK_IPS
@@ -723,11 +762,10 @@ class LoopbackTopology(Topology):
         return Target(host=ips["server"], port=self.ports["server"], socks=self.socks)
 
     def close(self) -> None:
-        from ambient_mesh.host.netns import stop_process
-
-        self.stop_envoys()
-        for process in [*self.proxies.values(), *self.servers]:
-            stop_process(process)
+        try:
+            self.stop_envoys()
+        finally:
+            self.stop_members()
 
 
 def choose_topology(kind: str, workdir: Path, *, envoy: bool = False) -> Topology:

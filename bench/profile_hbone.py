@@ -1,14 +1,18 @@
-"""Profile both node proxies under the HBONE throughput test with py-spy (sampling, no code changes).
+"""Profile both node proxies under one HBONE bench test with py-spy (sampling, no code changes).
 
 Builds the same topology as hbone_bench.py (netns when root, else loopback), warms the HBONE
 path up, attaches `py-spy record --format raw` to the client (outbound) and server (inbound)
-proxy processes, pushes --size-mib through one HBONE connection (or --parallel of them), stops
-the samplers and prints, per proxy, the functions with the most self samples and the most
-inclusive samples. Samples are of active CPU only: py-spy leaves out threads that are idle in
+proxy processes, runs one test through them, stops the samplers and prints, per proxy, the
+functions with the most self samples and the most inclusive samples. `--test throughput`
+(default) pushes --size-mib through one HBONE connection (or --parallel of them): the
+per-message path; `--test connections` opens --connections tunnels one after another
+(connect, 1-byte round trip, close): the per-connection path; `--test latency` does
+--round-trips 1-byte ping-pongs on one tunnel: the per-message path for small messages. Samples are of active CPU only: py-spy leaves out threads that are idle in
 epoll. Raw folded stacks are kept in a directory printed at the end (flamegraph-ready).
 
     .venv/bin/pip install py-spy        # once
-    sudo .venv/bin/python bench/profile_hbone.py [--size-mib 2048] [--native] [--top 25]
+    sudo .venv/bin/python bench/profile_hbone.py [--test throughput|connections|latency]
+        [--size-mib 2048] [--connections 3000] [--round-trips 20000] [--native] [--top 25]
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hbone_bench import Bench, choose_topology, proc_cpu_s  # noqa: E402
+from hbone_bench import ROOT, Bench, choose_topology, proc_cpu_s  # noqa: E402
 
 PYSPY_START_S = 1.0  # py-spy needs a moment to attach before the traffic starts
 PYSPY_STOP_TIMEOUT_S = 30.0
@@ -44,7 +48,7 @@ def pyspy_binary() -> str:
 def frame_name(frame: str) -> str:
     """`send_data (h2/connection.py:880)` -> `send_data (h2/connection.py)`: one row per function."""
     frame = _LINE.sub(")", frame.strip())
-    return re.sub(r"\(.*?site-packages/", "(", re.sub(r"\(/work/main/", "(", frame))
+    return re.sub(r"\(.*?site-packages/", "(", frame.replace(f"({ROOT}/", "("))
 
 
 def fold(path: Path) -> tuple[collections.Counter, collections.Counter, int]:
@@ -72,6 +76,10 @@ def main() -> int:
     p.add_argument("--topology", choices=("auto", "netns", "loopback"), default="auto")
     p.add_argument("--size-mib", type=int, default=2048)
     p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--test", choices=("throughput", "connections", "latency"), default="throughput")
+    p.add_argument("--connections", type=int, default=3000, help="tunnels for --test connections")
+    p.add_argument("--round-trips", type=int, default=20000, help="ping-pongs for --test latency")
+    p.add_argument("--max-seconds", type=float, default=60.0, help="bound of --test connections")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--native", action="store_true", help="include C frames (OpenSSL, CPython)")
     p.add_argument("--top", type=int, default=25)
@@ -86,7 +94,7 @@ def main() -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="hbone-profile-"))
     bench_args = argparse.Namespace(
         modes=["hbone"],
-        size_mib=args.size_mib,
+        size_mib=args.size_mib if args.test == "throughput" else 64,  # warm-up transfer
         parallel=args.parallel,
         latency_bytes=1,
         round_trips=0,
@@ -120,9 +128,15 @@ def main() -> int:
         time.sleep(PYSPY_START_S)
         size = args.size_mib * 1024 * 1024
         cpu0 = {n: proc_cpu_s(pid) for n, pid in topo.pids().items()}
-        result = bench.run_client(
-            "hbone", "--test", "throughput", "--size", str(size), "--parallel", str(args.parallel)
-        )
+        if args.test == "throughput":
+            test_argv = ["--test", "throughput", "--size", str(size), "--parallel", str(args.parallel)]
+        elif args.test == "connections":
+            test_argv = ["--test", "connections", "--connections", str(args.connections)]
+            test_argv += ["--max-seconds", str(args.max_seconds)]
+        else:
+            test_argv = ["--test", "latency", "--latency-bytes", "1", "--warmup", "0"]
+            test_argv += ["--round-trips", str(args.round_trips)]
+        result = bench.run_client("hbone", *test_argv)
         cpu = {n: proc_cpu_s(pid) - cpu0[n] for n, pid in topo.pids().items()}
         for name, sampler in samplers.items():
             sampler.send_signal(signal.SIGINT)
@@ -141,10 +155,18 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     console.print(f"topology: {topo.label}")
+    if args.test == "throughput":
+        what = f"{result['gbit_s']:.2f} Gbit/s, {args.parallel} x {args.size_mib} MiB"
+    elif args.test == "connections":
+        n = result["connections"]
+        what = f"{result['conn_s']:.0f} conn/s, {n} connections; proxy CPU ms per connection: " + ", ".join(
+            f"{k} {v * 1000 / n:.3f}" for k, v in cpu.items()
+        )
+    else:
+        what = f"p50 {result['p50_us']:.1f} µs, p99 {result['p99_us']:.1f} µs, {result['count']} round trips"
     console.print(
-        f"hbone throughput under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
-        f"frames): {result['gbit_s']:.2f} Gbit/s, {args.parallel} x {args.size_mib} MiB; proxy CPU s: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+        f"hbone {args.test} under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
+        f"frames): {what}; proxy CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
     )
     for name, role in (("client", "outbound (TCP -> HBONE)"), ("server", "inbound (HBONE -> TCP)")):
         path = out_dir / f"{name}.folded"

@@ -437,8 +437,43 @@ def spawn_in_netns(
     )
 
 
+def process_group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Pids of the processes whose process group is `pgid` (proc(5): field 5 of /proc/<pid>/stat)."""
+    members = []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (proc / entry.name / "stat").read_bytes()
+        except OSError:
+            continue  # exited while we listed
+        fields = stat.rpartition(b")")[2].split()  # after "pid (comm)": state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def leftover_group(pgid: int, members: Sequence[int]) -> bool:
+    """Are `members` (the processes of group `pgid`) what a reaped leader `pgid` left behind?
+
+    Linux keeps a pid number allocated while any process still uses it as its process group,
+    so a group with survivors keeps its leader's pid from being reused. A group that emptied
+    frees the number, and a new process given it that calls setsid() (start_new_session: the
+    proxies and bench servers of every other test run on this host) forms a new group
+    `pgid`, with a member whose pid is `pgid`. That group is not ours and must not be killed.
+    """
+    return bool(members) and pgid not in members
+
+
 def stop_process(process: subprocess.Popen[bytes], *, grace_s: float = PROCESS_TERM_GRACE_S) -> int:
-    """SIGTERM the process group, SIGKILL it after `grace_s`; return the exit code."""
+    """SIGTERM the process group, SIGKILL it after `grace_s`; return the exit code.
+
+    Signals go to the group only while the leader is unreaped (its pid cannot be reused
+    then). For a leader already reaped, the group is killed only if `leftover_group` says its
+    members are the leader's leftovers: a blind killpg of a reaped leader's pid SIGKILLed
+    other runs' processes that had been given the recycled pid (bench servers refusing
+    connections mid-run while other test suites ran, bench/README.md).
+    """
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -448,8 +483,8 @@ def stop_process(process: subprocess.Popen[bytes], *, grace_s: float = PROCESS_T
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=grace_s)
-    else:
-        # The leader is gone but children it left in the group may not be.
+    elif leftover_group(process.pid, process_group_members(process.pid)):
+        # The leader is gone but children it left in the group are not.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
     return process.returncode

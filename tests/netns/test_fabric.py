@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,3 +72,62 @@ def test_stale_namespaces_of_dead_runs_are_removed(runner):
     finally:
         if stale in list_netns(runner):
             runner.run(["ip", "netns", "delete", stale], check=False)
+
+
+# The pid-reuse case of stop_process, run in a private pid namespace (unshare --pid --fork
+# --mount-proc) so that the recycled pid is forced (ns_last_pid) and no other process on the
+# host is involved. Before the fix, stop_process SIGKILLed the stranger: bench servers of one
+# run died while other runs' suites stopped their own, already reaped, processes.
+_PID_REUSE_SCRIPT = r"""
+import os, subprocess, sys, time
+from ambient_mesh.host.netns import stop_process
+first = subprocess.Popen(["true"], start_new_session=True)
+first.wait()
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(first.pid - 1))
+stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+assert stranger.pid == first.pid, (stranger.pid, first.pid)
+stop_process(first)
+time.sleep(0.2)
+alive = stranger.poll() is None
+stranger.kill()
+stranger.wait()
+print("stranger alive" if alive else f"stranger killed ({stranger.returncode})")
+"""
+
+
+def test_stop_process_of_a_reaped_leader_spares_the_process_that_reused_its_pid():
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _PID_REUSE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "stranger alive"
+
+
+def test_stop_process_of_a_reaped_leader_still_kills_its_leftover_children():
+    # The leader starts a child in its group and exits; the child (pid != pgid) must die.
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '30']).pid)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    child = int(leader.stdout.readline())
+    leader.wait()
+    from ambient_mesh.host.netns import pid_alive, stop_process
+
+    assert pid_alive(child)
+    stop_process(leader)
+    for _ in range(100):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    break  # killed; a zombie until init reaps it
+        except FileNotFoundError:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail(f"leftover child {child} still running")
