@@ -194,7 +194,12 @@ def dial(target: Target) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, SO_MARK, target.mark)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if target.socks is None:
-            sock.connect((target.host, target.port))
+            try:
+                sock.connect((target.host, target.port))
+            except ConnectionRefusedError as e:
+                # The source port lets the orchestrator look the flow up (Topology.diagnose).
+                port = sock.getsockname()[1]
+                raise ConnectionRefusedError(f"{e} (from local port {port})") from None
             return sock
         sock.connect(target.socks)
         # RFC 1928: greeting (no auth) and CONNECT to an IPv4 address in one write.
@@ -555,6 +560,22 @@ class Topology:
     def close(self) -> None:
         raise NotImplementedError
 
+    def health(self) -> str:
+        """Which bench processes still run; an exit code -N is signal N (-9: SIGKILLed)."""
+        named = [
+            *(f"server {p.pid}" for p in self.servers),
+            *(f"proxy {n} {p.pid}" for n, p in self.proxies.items()),
+        ]
+        procs = [*self.servers, *self.proxies.values()]
+        return ", ".join(
+            f"{name}: {'running' if p.poll() is None else f'exited {p.returncode}'}"
+            for name, p in zip(named, procs, strict=True)
+        )
+
+    def diagnose(self, mode: str, stderr: str) -> str:
+        """What the network says about a refused connection (netns topology only)."""
+        return ""
+
     def pids(self, mode: str = "hbone") -> dict[str, int]:
         """The proxies a mode goes through: Envoy's in `envoy` mode, ours otherwise."""
         if mode == "envoy":
@@ -677,6 +698,36 @@ class NetnsTopology(Topology):
     def client_prefix(self, mode: str) -> list[str]:
         node = self.envoy_a if mode == "envoy" else self.client
         return ["ip", "netns", "exec", node.netns]
+
+    def diagnose(self, mode: str, stderr: str) -> str:
+        match = re.search(r"from local port (\d+)", stderr)
+        node = self.envoy_a if mode == "envoy" else self.client
+        lines = []
+
+        def run(argv: list[str]) -> str:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+            return (out.stdout + out.stderr).strip()
+
+        target = self.target(mode)
+        dst = {self.plain.ipv4: self.plain, self.server.ipv4: self.server}.get(
+            __import__("ipaddress").ip_address(target.host)
+        )
+        if dst is not None:
+            lines.append(
+                f"listeners in {dst.name}: " + run(["ip", "netns", "exec", dst.netns, "ss", "-Hltn"])
+            )
+        if match and shutil.which("conntrack"):
+            port = match.group(1)
+            for ns in (node.netns, self.fabric.network_netns):
+                lines.append(
+                    f"conntrack in {ns} for port {port}: "
+                    + run(["ip", "netns", "exec", ns, "conntrack", "-L", "-p", "tcp", "--sport", port])
+                )
+            lines.append(
+                f"sockets in {node.name} on port {port}: "
+                + run(["ip", "netns", "exec", node.netns, "ss", "-Htan", f"( sport = :{port} )"])
+            )
+        return "\n".join(lines)
 
     def close(self) -> None:
         try:
@@ -826,7 +877,11 @@ class Bench:
             stdin=subprocess.DEVNULL,
         )
         if out.returncode != 0:
-            raise RuntimeError(f"client ({mode} {' '.join(extra)}) failed:\n{out.stderr.decode()[-3000:]}")
+            stderr = out.stderr.decode()[-3000:]
+            raise RuntimeError(
+                f"client ({mode} {' '.join(extra)}) failed:\n{stderr}\n"
+                f"bench processes: {self.topo.health()}\n{self.topo.diagnose(mode, stderr)}"
+            )
         return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
     def cpu(self, mode: str) -> dict[str, float]:

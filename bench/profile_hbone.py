@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hbone_bench  # noqa: E402
 from hbone_bench import ROOT, Bench, choose_topology, proc_cpu_s  # noqa: E402
 
 PYSPY_START_S = 1.0  # py-spy needs a moment to attach before the traffic starts
@@ -84,7 +85,15 @@ def main() -> int:
     p.add_argument("--native", action="store_true", help="include C frames (OpenSSL, CPython)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-pin", action="store_true")
+    p.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="run the proxies under cProfile instead of py-spy (exact call counts per connection, "
+        "deterministic overhead on every Python call)",
+    )
     args = p.parse_args()
+    if args.cprofile:
+        return cprofile_main(args)
 
     from rich.console import Console
     from rich.table import Table
@@ -185,6 +194,77 @@ def main() -> int:
                 t.add_row(f"{100 * n / total:.1f}", str(n), fn)
             console.print(t)
     console.print(f"folded stacks kept in {out_dir}")
+    return 0
+
+
+def cprofile_main(args: argparse.Namespace) -> int:
+    """The proxies under `python -m cProfile`: top functions by own time, with calls per unit."""
+    import pstats
+
+    from rich.console import Console
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    workdir = Path(tempfile.mkdtemp(prefix="hbone-bench-"))
+    outputs = [workdir / "cprofile-client.out", workdir / "cprofile-server.out"]
+    spawned = iter(outputs * 2)
+    hbone_bench.proxy_argv = lambda: [  # _start_proxies spawns the client, then the server
+        sys.executable,
+        "-m",
+        "cProfile",
+        "-o",
+        str(next(spawned)),
+        "-m",
+        "ambient_mesh.cli",
+        "ztunnel",
+    ]
+    bench_args = argparse.Namespace(
+        modes=["hbone"],
+        size_mib=args.size_mib if args.test == "throughput" else 64,
+        parallel=args.parallel,
+        latency_bytes=1,
+        round_trips=0,
+        warmup=0,
+        connections=0,
+        idle_connections=0,
+    )
+    topo = choose_topology(args.topology, workdir)
+    try:
+        bench = Bench(topo=topo, args=bench_args, pin=not args.no_pin)
+        bench.apply_layout("spread")
+        bench.warm_up()
+        if args.test == "connections":
+            test_argv = ["--test", "connections", "--connections", str(args.connections)]
+            test_argv += ["--max-seconds", str(args.max_seconds)]
+            units, unit = args.connections, "connection"
+        elif args.test == "latency":
+            test_argv = ["--test", "latency", "--latency-bytes", "1", "--warmup", "0"]
+            test_argv += ["--round-trips", str(args.round_trips)]
+            units, unit = args.round_trips, "round trip"
+        else:
+            size = args.size_mib * 1024 * 1024
+            test_argv = ["--test", "throughput", "--size", str(size), "--parallel", str(args.parallel)]
+            units, unit = args.size_mib, "MiB"
+        result = bench.run_client("hbone", *test_argv)
+        for process in topo.proxies.values():
+            hbone_bench.stop_member(process, grace_s=20.0)  # cProfile writes its file at exit
+    finally:
+        topo.close()
+    console.print(f"topology: {topo.label}; {args.test}: {result}")
+    for name, path in zip(("client", "server"), outputs, strict=True):
+        if not path.exists():
+            console.print(f"no cProfile output for {name}")
+            continue
+        stats = pstats.Stats(str(path))
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # own time
+        total = sum(v[2] for _k, v in rows)
+        console.print(f"[bold]{name} proxy[/bold]: {total:.2f} s own time in Python-visible calls")
+        for (file, line, fn), (_cc, ncalls, tt, ct, _callers) in rows[: args.top]:
+            where = file.replace(f"{ROOT}/", "").split("site-packages/")[-1]
+            console.print(
+                f"  {100 * tt / total:5.1f}%  {tt * 1e6 / units:8.1f} µs/{unit}  "
+                f"{ncalls / units:7.2f} calls/{unit}  cum {ct * 1e6 / units:8.1f}  {fn} ({where}:{line})"
+            )
+    console.print(f"cProfile files kept in {workdir}")
     return 0
 
 
