@@ -129,13 +129,19 @@ def parse_level_spec(spec: str) -> LevelSpec:
 # --- formatting -----------------------------------------------------------------------------
 
 
+_last_second: list[Any] = [None, ""]  # the last whole second formatted, and its text
+
+
 def format_time(created: float) -> str:
     """RFC 3339 UTC with microseconds, as ztunnel prints it: 2024-05-01T12:00:00.123456Z."""
     seconds = int(created)
     micros = int(round((created - seconds) * 1_000_000))
     if micros == 1_000_000:
         seconds, micros = seconds + 1, 0
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{micros:06d}Z"
+    if _last_second[0] != seconds:  # strftime once per second, not once per line
+        _last_second[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _last_second[0] = seconds
+    return f"{_last_second[1]}.{micros:06d}Z"
 
 
 def scope_of(logger_name: str) -> str:
@@ -146,10 +152,14 @@ def scope_of(logger_name: str) -> str:
     return logger_name
 
 
+# What makes a plain value need quotes: whitespace (as str.isspace), a quote, a backslash, `=`.
+_NEEDS_QUOTES = re.compile(r'[\s"\\=]')
+
+
 def _plain_value(value: Any) -> str:
     text = value if isinstance(value, str) else str(value)
     # Quoting keeps each line splittable on spaces into k=v pairs.
-    if not text or any(c.isspace() or c in '"\\=' for c in text):
+    if not text or _NEEDS_QUOTES.search(text):
         return json.dumps(text, ensure_ascii=False)
     return text
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import choose_encoder
@@ -33,6 +34,8 @@ REPORTERS = frozenset({REPORTER_SOURCE, REPORTER_DESTINATION})
 RESPONSE_FLAGS = frozenset(ResponseFlag)
 
 MUTUAL_TLS = "mutual_tls"
+# Label sets whose bound counter children are kept for reuse (Metrics.bound_children).
+BOUND_CHILDREN_MAX_ENTRIES = 4096
 
 # istio_xds_connection_terminations_total{reason}: ztunnel's ConnectionTerminationReason values.
 TERMINATION_CONNECTION_ERROR = "ConnectionError"  # no stream: connect failed, no response headers
@@ -131,9 +134,9 @@ class ConnectionRecorder:
         self._metrics = metrics
         self.labels = labels
         # Bound children: the hot path is one locked add, no label lookup.
-        values = _with_flag(labels, NO_FLAG)
-        self._received = metrics.received_bytes.labels(*values)
-        self._sent = metrics.sent_bytes.labels(*values)
+        bound = metrics.bound_children(labels)
+        self._received = bound[3]
+        self._sent = bound[4]
         self.received_bytes = 0
         self.sent_bytes = 0
         self.response_flag: ResponseFlag | None = None
@@ -346,6 +349,7 @@ class Metrics:
             # No namespace: ztunnel exports process_open_fds / process_max_fds without a prefix.
             ProcessCollector(namespace="", registry=self.registry)
         self._open = {reporter: self.sockets_open.labels(reporter) for reporter in REPORTERS}
+        self._bound: dict[int, list[Any]] = {}
         self._open_count = dict.fromkeys(REPORTERS, 0)
 
     def register(self, collector: Collector) -> None:
@@ -361,8 +365,32 @@ class Metrics:
             self.register(WithoutCreated(self._workload_manager.collectors()))
         return self._workload_manager
 
+    def bound_children(self, labels: ConnectionLabels) -> list[Any]:
+        """[labels, opened, closed, received, sent] children of `labels` with no response flag;
+        `closed` is None until the first close (no series before a connection closed).
+
+        Four `labels(*26 values)` lookups per connection were most of the metrics' cost; label
+        sets repeat (proxy/telemetry.py reuses its ConnectionLabels objects), so they are kept,
+        keyed by the object (held in the entry, so its id is not reused), and dropped when full.
+        """
+        hit = self._bound.get(id(labels))
+        if hit is not None and hit[0] is labels:
+            return hit
+        values = _with_flag(labels, NO_FLAG)
+        hit = [
+            labels,
+            self.connections_opened.labels(*values),
+            None,
+            self.received_bytes.labels(*values),
+            self.sent_bytes.labels(*values),
+        ]
+        if len(self._bound) >= BOUND_CHILDREN_MAX_ENTRIES:
+            self._bound.clear()
+        self._bound[id(labels)] = hit
+        return hit
+
     def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:
-        self.connections_opened.labels(*_with_flag(labels, NO_FLAG)).inc()
+        self.bound_children(labels)[1].inc()
         self._open[labels.reporter].inc()
         self._open_count[labels.reporter] += 1
         return ConnectionRecorder(self, labels)
@@ -374,9 +402,14 @@ class Metrics:
         self.connections_failed.labels(*_with_flag(labels, response_flag)).inc()
 
     def _record_close(self, labels: ConnectionLabels, response_flag: ResponseFlag) -> None:
-        values = _with_flag(labels, response_flag)
-        self.connections_closed.labels(*values).inc()
-        if response_flag != NO_FLAG:
+        if response_flag == NO_FLAG:
+            bound = self.bound_children(labels)
+            if bound[2] is None:
+                bound[2] = self.connections_closed.labels(*_with_flag(labels, NO_FLAG))
+            bound[2].inc()
+        else:
+            values = _with_flag(labels, response_flag)
+            self.connections_closed.labels(*values).inc()
             self.connections_failed.labels(*values).inc()
         self._open[labels.reporter].dec()
         self._open_count[labels.reporter] -= 1

@@ -76,14 +76,29 @@ class SocketAddr:
         return cls(ip, port)
 
 
+# Addresses parsed from text, kept (they repeat: every accepted connection's getpeername() and
+# getsockname()); ipaddress parses in pure Python, several µs per call. Bounded by LRU.
+IP_TEXT_CACHE_ENTRIES = 4096
+
+
 def ip_address(value: str | bytes | IPAddress) -> IPAddress:
     """An IP address; IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) are unmapped to IPv4."""
     if isinstance(value, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
         ip = value
+    elif isinstance(value, str):
+        return _ip_from_text(value)
     else:
-        if isinstance(value, str) and "%" in value:
-            value = value.split("%", 1)[0]
         ip = ipaddress.ip_address(value)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+@functools.lru_cache(maxsize=IP_TEXT_CACHE_ENTRIES)
+def _ip_from_text(value: str) -> IPAddress:
+    if "%" in value:
+        value = value.split("%", 1)[0]
+    ip = ipaddress.ip_address(value)
     if ip.version == 6 and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip

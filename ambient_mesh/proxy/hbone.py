@@ -24,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import AmbientError
 from . import http2
@@ -33,6 +34,17 @@ from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
 from .http2.frames import ErrorCode
 from .relay import Endpoint
+
+if TYPE_CHECKING:
+    from ..identity.spiffe import Identity
+    from .relay import Relay
+
+
+class Cancellable(Protocol):
+    """What `on_request` may hand back (the task serving a stream): cancelled on an early reset."""
+
+    def cancel(self) -> object: ...
+
 
 log = logging.getLogger("ambient_mesh.hbone")
 
@@ -153,7 +165,8 @@ class HboneStream(Endpoint):
         self._held: list[tuple[bytes, int]] = []  # DATA received before a relay is attached
         self._held_end = False
         self._reset: int | None = None
-        self._cancel = None  # what on_request started (the app connect): cancelled on an early reset
+        # What on_request started (the app connect): cancelled on an early reset.
+        self._cancel: Cancellable | None = None
 
     def __repr__(self) -> str:
         return f"HboneStream(id={self.stream_id}, {self.state.value}, pending={len(self._pending)}B)"
@@ -169,7 +182,7 @@ class HboneStream(Endpoint):
         return StreamState.OPEN
 
     # Relay-facing verbs ----------------------------------------------------------------
-    def attach(self, relay) -> None:
+    def attach(self, relay: Relay) -> None:
         self.relay = relay
         self._cancel = None
         held, self._held = self._held, []
@@ -305,7 +318,7 @@ class HboneConnection(asyncio.Protocol):
         self.on_request = on_request
         self.on_closed = on_closed
         self.on_connected = on_connected
-        self.peer_identity = None  # set by on_connected from the peer's certificate
+        self.peer_identity: Identity | None = None  # set by on_connected from the peer's certificate
         self.core = http2.Connection(
             http2.CoreSettings(
                 client_side=client_side,
@@ -340,14 +353,14 @@ class HboneConnection(asyncio.Protocol):
 
     # asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream transport (TCP + TLS)
         if self.on_connected is not None:
             # TLS is complete here: check the peer before a single HTTP/2 byte is exchanged.
             try:
                 self.on_connected(self)
             except Exception as e:
                 self._error = e
-                transport.abort()
+                self.transport.abort()
                 return
         self.core.initiate(self.loop.time())
         self.flush()
@@ -363,7 +376,9 @@ class HboneConnection(asyncio.Protocol):
         if self.core.deadline != self._timer_at:
             self._arm_timer()
 
-    def _dispatch(self, events: list) -> None:
+    def _dispatch(self, events: list[Any]) -> None:
+        # ev.Event items; dispatched on `type(event) is` (cheaper per frame than isinstance or
+        # match), which mypy does not narrow, hence Any.
         streams = self.streams
         for event in events:
             t = type(event)
@@ -602,9 +617,9 @@ class HboneConnection(asyncio.Protocol):
             return
         started = self.on_request(stream)
         if started is not None and hasattr(started, "cancel") and stream.relay is None:
-            stream._cancel = started
+            stream._cancel = cast(Cancellable, started)
 
-    def respond(self, stream: HboneStream, status: int, headers: list[tuple[str, str]] = ()) -> None:
+    def respond(self, stream: HboneStream, status: int, headers: Sequence[tuple[str, str]] = ()) -> None:
         """Answer a CONNECT. Non-200 answers end the stream."""
         if stream.stream_id not in self.streams:
             return

@@ -121,8 +121,7 @@ class InboundProxy:
             # Called once the TLS handshake is done, so the transport is there.
             assert conn.transport is not None
             # CRL_PATH, then the SPIFFE identity and trust domain (TlsContextCache.verify_client).
-            # hbone.py (helper hbone-core's) leaves `peer_identity` unannotated, so mypy takes it for None.
-            conn.peer_identity = self.pi.tls.verify_client(  # type: ignore[assignment]
+            conn.peer_identity = self.pi.tls.verify_client(
                 conn.transport.get_extra_info("ssl_object"), trust_domain
             )
 
@@ -285,7 +284,7 @@ class InboundProxy:
         if pi.config.enable_response_baggage:
             response_headers.append(("baggage", hbone_headers.baggage_for(workload)))
         conn.respond(stream, 200, response_headers)
-        await self.carry(admitted, stream)
+        self.start_carry(admitted, stream)  # this task ends here; the relay carries on
 
     async def admit(
         self,
@@ -344,28 +343,45 @@ class InboundProxy:
             upstream.write(proxy_header)  # the app reads who called before any stream byte
         return Admitted(result=result, upstream=upstream, rbac_conn=rbac_conn, workload=workload, peer=peer)
 
+    def start_carry(
+        self,
+        admitted: Admitted,
+        downstream: TcpEndpoint | HboneStream,
+        also: Callable[[int, int], None] | None = None,
+        on_done: Callable[[Relay, BaseException | None], None] | None = None,
+    ) -> Relay:
+        """Relay between the caller's side and the app, tracked for policy re-checks; returns at
+        once. The end (untrack, metrics, access log, then `on_done`) runs from `relay.done`."""
+        pi = self.pi
+        result = admitted.result
+        progress = result.progress if also is None else _both(result.progress, also)
+        relay = Relay(downstream, admitted.upstream, on_progress=progress)
+        pi.connections.track(relay, result)
+        untrack = pi.connection_manager.register(
+            admitted.rbac_conn, admitted.workload, relay.abort, f"{admitted.peer} -> {result.dst_addr}"
+        )
+
+        def finished(done: asyncio.Future[BaseException | None]) -> None:
+            untrack()
+            err = done.result()
+            result.complete(relay, err)
+            if on_done is not None:
+                on_done(relay, err)
+
+        relay.done.add_done_callback(finished)
+        admitted.upstream.attach(relay)
+        downstream.attach(relay)
+        return relay
+
     async def carry(
         self,
         admitted: Admitted,
         downstream: TcpEndpoint | HboneStream,
         also: Callable[[int, int], None] | None = None,
     ) -> tuple[Relay, BaseException | None]:
-        """Relay between the caller's side and the app, tracked for policy re-checks."""
-        pi = self.pi
-        result = admitted.result
-        progress = result.progress if also is None else _both(result.progress, also)
-        relay = Relay(downstream, admitted.upstream, on_progress=progress)
-        pi.connections.track(relay, result.dump_info())
-        untrack = pi.connection_manager.register(
-            admitted.rbac_conn, admitted.workload, relay.abort, f"{admitted.peer} -> {result.dst_addr}"
-        )
-        admitted.upstream.attach(relay)
-        downstream.attach(relay)
-        try:
-            err = await relay.done
-        finally:
-            untrack()
-        result.complete(relay, err)
+        """`start_carry`, then wait until the relay has ended and been recorded."""
+        relay = self.start_carry(admitted, downstream, also)
+        err = await relay.done  # `finished` was registered first, so it has run by now
         return relay, err
 
     def _delivery(
@@ -489,12 +505,13 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         relay = Relay(downstream, upstream, on_progress=result.progress)
-        pi.connections.track(relay, result.dump_info())
+        pi.connections.track(relay, result)
         untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
+
+        def finished(done: asyncio.Future[BaseException | None]) -> None:
+            untrack()
+            result.complete(relay, done.result())
+
+        relay.done.add_done_callback(finished)  # the task ends here; the relay carries on
         upstream.attach(relay)
         downstream.attach(relay)
-        try:
-            err = await relay.done
-        finally:
-            untrack()
-        result.complete(relay, err)

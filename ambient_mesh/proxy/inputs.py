@@ -13,7 +13,7 @@ import socket
 import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import ZtunnelConfig
 from ..host.sockets import KeepaliveSettings, SocketFactory, new_socket, plain_socket, set_transparent
@@ -31,18 +31,32 @@ from .relay import Relay
 WORKLOAD_WAIT_S = 5.0
 
 
+class Dumpable(Protocol):
+    """What a tracked relay is described by (telemetry.ConnectionResult): its /config_dump row."""
+
+    direction: str
+
+    def dump_info(self) -> dict[str, Any]: ...
+
+
 @dataclass(eq=False)
 class ConnectionTracker:
-    """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager)."""
+    """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager).
 
-    relays: dict[Relay, dict[str, Any]] = field(default_factory=dict)
+    A connection is a task while it is being set up (accept, route, connect) and a relay once
+    its bytes flow; the task ends when the relay starts, so an idle tunnel holds no task or
+    coroutine frames (bench/README.md: idle memory), and the relay's end is handled by a
+    callback on `relay.done`. Draining waits for both.
+    """
+
+    relays: dict[Relay, Dumpable] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     def __repr__(self) -> str:
         return f"ConnectionTracker({len(self.relays)} relays, {len(self.tasks)} tasks)"
 
-    def track(self, relay: Relay, info: dict[str, Any]) -> None:
-        self.relays[relay] = info
+    def track(self, relay: Relay, about: Dumpable) -> None:
+        self.relays[relay] = about
         relay.done.add_done_callback(lambda _f: self.relays.pop(relay, None))
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -52,7 +66,11 @@ class ConnectionTracker:
         return task
 
     def dump(self, direction: str) -> list[dict[str, Any]]:
-        return [info for info in self.relays.values() if info.get("direction") == direction]
+        return [about.dump_info() for about in self.relays.values() if about.direction == direction]
+
+    def pending(self) -> set[asyncio.Future[Any]]:
+        """What a drain waits for: connections being set up, and relays still carrying bytes."""
+        return {*self.tasks, *(relay.done for relay in self.relays)}
 
 
 @dataclass(eq=False, kw_only=True)

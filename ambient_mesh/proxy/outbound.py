@@ -164,20 +164,24 @@ class OutboundProxy:
         return OutboundUpstream(route=route, result=result, endpoint=endpoint)
 
     async def carry(self, upstream: OutboundUpstream, downstream: TcpEndpoint) -> None:
-        """Relay between the client and an upstream `open` reached, until both sides end."""
+        """Relay between the client and an upstream `open` reached: starts it and returns.
+
+        The calling task ends here and an idle tunnel keeps no task or coroutine frames; the
+        relay's end is recorded from `relay.done` (a callback), as the connection tracker drains.
+        """
         result = upstream.result
         if upstream.admitted is not None:
             assert upstream.inbound is not None
-            relay, err = await upstream.inbound.carry(upstream.admitted, downstream, also=result.progress)
-            result.complete(relay, err)
+            upstream.inbound.start_carry(
+                upstream.admitted, downstream, also=result.progress, on_done=result.complete
+            )
             return
         assert upstream.endpoint is not None
         relay = Relay(downstream, upstream.endpoint, on_progress=result.progress)
-        self.pi.connections.track(relay, result.dump_info())
+        self.pi.connections.track(relay, result)
+        relay.done.add_done_callback(lambda done: result.complete(relay, done.result()))
         upstream.endpoint.attach(relay)
         downstream.attach(relay)
-        err = await relay.done
-        result.complete(relay, err)
 
     async def _same_node(
         self, inbound: InboundProxy, route: Route, peer: SocketAddr

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from ..identity.spiffe import Identity
@@ -50,7 +51,9 @@ class WorkloadKey:
     src: IPAddress | None
 
     @classmethod
-    def of(cls, src_id: Identity, dst_ids, dst: SocketAddr, src: IPAddress | None) -> WorkloadKey:
+    def of(
+        cls, src_id: Identity, dst_ids: Iterable[Identity], dst: SocketAddr, src: IPAddress | None
+    ) -> WorkloadKey:
         return cls(src_id, tuple(sorted(set(dst_ids))), dst, src)
 
     def __str__(self) -> str:
@@ -203,7 +206,7 @@ class HboneConnector:
         *,
         fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
         verify_server: Callable[[object, tuple[Identity, ...]], Identity],
-        open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[object]],
+        open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[socket.socket]],
         settings: HboneSettings = DEFAULT_SETTINGS,
     ) -> None:
         self._fetch_client_context = fetch_client_context
@@ -228,6 +231,7 @@ class HboneConnector:
         loop = asyncio.get_running_loop()
 
         def check_server(conn: HboneConnection) -> None:
+            assert conn.transport is not None  # called from connection_made
             conn.peer_identity = self._verify_server(conn.transport.get_extra_info("ssl_object"), key.dst_id)
 
         conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)

@@ -43,6 +43,56 @@ def response_flag_of(error: BaseException) -> ResponseFlag:
     return ResponseFlag.CONNECT
 
 
+# Label sets kept for reuse (workloads, services and identities repeat from one connection to the
+# next); cleared when full, so churning workloads cannot grow it.
+LABELS_CACHE_MAX_ENTRIES = 4096
+_labels_cache: dict[tuple[object, ...], tuple[tuple[object, ...], ConnectionLabels]] = {}
+
+
+def cached_connection_labels(
+    reporter: str,
+    source_workload: Workload | None,
+    source_identity: Identity | None,
+    destination_workload: Workload | None,
+    destination_service: Service | None,
+    destination_identity: Identity | None,
+    mtls: bool,
+) -> ConnectionLabels:
+    """`connection_labels`, built once per set of peers: about 25 label values and a dataclass
+    per connection were a tenth of the per-connection CPU (bench/README.md, profile).
+
+    Workloads and services are frozen objects replaced (never mutated) by state updates, so
+    they are keyed by identity; the entry holds them, so an id cannot be reused while cached.
+    Identities are small values, keyed by equality (a workload makes a new one on each call).
+    """
+    objects = (source_workload, destination_workload, destination_service)
+    key = (
+        reporter,
+        mtls,
+        id(source_workload),
+        id(destination_workload),
+        id(destination_service),
+        source_identity,
+        destination_identity,
+    )
+    hit = _labels_cache.get(key)
+    if hit is not None and hit[0][0] is objects[0] and hit[0][1] is objects[1] and hit[0][2] is objects[2]:
+        return hit[1]
+    labels = connection_labels(
+        reporter,
+        source_workload,
+        source_identity,
+        destination_workload,
+        destination_service,
+        destination_identity,
+        mtls,
+    )
+    if len(_labels_cache) >= LABELS_CACHE_MAX_ENTRIES:
+        _labels_cache.clear()
+    _labels_cache[key] = (objects, labels)
+    return labels
+
+
 def connection_labels(
     reporter: str,
     source_workload: Workload | None = None,
@@ -136,7 +186,7 @@ class ConnectionResult:
         self.started = time.monotonic()
         self._done = False
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        labels = connection_labels(
+        labels = cached_connection_labels(
             reporter, source, source_identity, destination, service, destination_identity, mtls
         )
         self.recorder = pi.metrics.connection_opened(labels)

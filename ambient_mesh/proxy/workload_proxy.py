@@ -217,7 +217,7 @@ class WorkloadProxy:
         self.inbound.drain()
         if self.pi.pool is not None:
             self.pi.pool.close()
-        tasks = set(self.pi.connections.tasks)
+        tasks = self.pi.connections.pending()
         if tasks:
             _done, pending = (
                 await asyncio.wait(tasks, timeout=deadline_s) if deadline_s > 0 else (set(), tasks)
@@ -227,6 +227,6 @@ class WorkloadProxy:
                 for relay in list(self.pi.connections.relays):
                     relay.abort(AmbientError("node proxy shutting down"))
                 for task in pending:
-                    task.cancel()
+                    task.cancel()  # setup tasks; a relay's `done` is already resolved by abort
                 await asyncio.wait(pending, timeout=1.0)
         self.pi.connection_manager.close()

@@ -58,13 +58,16 @@ What the core enforces (budgets are per connection; the names are the constants 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from ...errors import ProtocolError
 from . import frames as f
 from .events import (
     ConnectionTerminated,
     DataReceived,
+    Event,
     GoawayReceived,
     RequestReceived,
     RequestRefused,
@@ -211,10 +214,10 @@ class Connection:
         self.client_side = settings.client_side
         self.streams: dict[int, _Stream] = {}
         self.terminated: ConnectionTerminated | None = None
-        self._events: list = []
+        self._events: list[Event | None] = []  # None: an event withdrawn (rapid reset)
         self._fresh: dict[int, list[int]] = {}  # streams announced in this batch -> event indexes
         self._nulled = False
-        self._outbox: list = []
+        self._outbox: list[bytes | memoryview] = []
         self._outbox_bytes = 0
         self._control_queued = 0
         self._decoder = BlockDecoder(max_list_bytes=settings.max_header_list_bytes)
@@ -324,7 +327,7 @@ class Connection:
     def initiate(self, now: float) -> None:
         """Queue the connection preface: (client preface), SETTINGS, the connection window."""
         s = self.settings
-        values = {
+        values: dict[int, int] = {
             f.Setting.ENABLE_PUSH: 0,
             f.Setting.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
             f.Setting.MAX_FRAME_SIZE: s.max_frame_bytes,
@@ -343,7 +346,7 @@ class Connection:
             self._next_ping_at = now + s.ping_interval_s
         self._update_deadline()
 
-    def receive(self, data: bytes, now: float) -> list:
+    def receive(self, data: bytes, now: float) -> list[Event]:
         """Feed bytes from the peer; returns the events they caused (and any still pending)."""
         if self.terminated is None:
             self._now = now
@@ -356,7 +359,7 @@ class Connection:
             self._flush_credit()
         return self.take_events()
 
-    def handle_timeout(self, now: float) -> list:
+    def handle_timeout(self, now: float) -> list[Event]:
         """Run the keepalive and drain timers that are due at `now`."""
         if self.terminated is None:
             self._now = now
@@ -394,23 +397,23 @@ class Connection:
         times = [t for t in (self._next_ping_at, self._ping_deadline, self._drain_deadline) if t is not None]
         self.deadline = min(times) if times else None
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[Event]:
         events = self._events
         if not events:
-            return events
+            return []
         self._events = []
         self._fresh.clear()
         if self._nulled:
             self._nulled = False
-            events = [e for e in events if e is not None]
-        return events
+            return [e for e in events if e is not None]
+        return cast(list[Event], events)  # None only ever appears with _nulled set
 
     @property
     def has_events(self) -> bool:
         return bool(self._events)
 
     # Output -----------------------------------------------------------------------------
-    def data_to_send(self) -> list:
+    def data_to_send(self) -> list[bytes | memoryview]:
         """Everything queued, small pieces joined; the caller writes it in order."""
         out = self._outbox
         if not out:
@@ -421,9 +424,9 @@ class Connection:
         if len(out) == 1:
             return out
         if len(out) == 2 and len(out[1]) < COALESCE_BELOW_BYTES:
-            return [out[0] + out[1]]  # one small DATA frame: its header and its payload
-        joined: list = []
-        small: list = []
+            return [b"".join(out)]  # one small DATA frame: its header and its payload
+        joined: list[bytes | memoryview] = []
+        small: list[bytes | memoryview] = []
         for piece in out:
             if len(piece) >= COALESCE_BELOW_BYTES:
                 if small:
@@ -436,7 +439,7 @@ class Connection:
             joined.append(b"".join(small) if len(small) > 1 else small[0])
         return joined
 
-    def _queue(self, data) -> None:
+    def _queue(self, data: bytes) -> None:
         self._outbox.append(data)
         self._outbox_bytes += len(data)
 
@@ -451,7 +454,7 @@ class Connection:
             )
             raise _ConnectionError(E.ENHANCE_YOUR_CALM, "outbound control frames")
 
-    def _emit(self, event) -> None:
+    def _emit(self, event: Event) -> None:
         sid = getattr(event, "stream_id", None)
         if sid is not None and sid in self._fresh:
             self._fresh[sid].append(len(self._events))
@@ -484,7 +487,7 @@ class Connection:
             return "only the client side opens streams"
         return f"peer allows {self.peer_max_concurrent_streams} concurrent streams"
 
-    def send_response(self, sid: int, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    def send_response(self, sid: int, status: int, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Server: answer a CONNECT. Anything but 200 ends the stream (and resets what we will not read)."""
         s = self.streams.get(sid)
         if s is None or s.local or s.answered or self.terminated is not None:
@@ -507,7 +510,7 @@ class Connection:
                 self._maybe_close(s)
         self._flush_credit()
 
-    def send_data(self, sid: int, data) -> int:
+    def send_data(self, sid: int, data: bytes | bytearray | memoryview) -> int:
         """Queue DATA frames for as much of `data` as the windows allow; returns the bytes taken.
 
         `bytes` and read-only memoryviews are framed without a copy; anything else is copied.
@@ -519,12 +522,14 @@ class Connection:
         n = min(size, self._send_window, s.send_window)
         if n <= 0:
             return 0
-        immutable = isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly)
+        frozen: bytes | memoryview | None = (
+            data if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly) else None
+        )
         max_frame = self._peer_max_frame
         outbox = self._outbox
         if n == size and n <= max_frame:
             outbox.append(f.frame_header(n, f.DATA, 0, sid))
-            outbox.append(data if immutable else bytes(data))
+            outbox.append(frozen if frozen is not None else bytes(data))
             self._data_frames_sent += 1
         else:
             view = memoryview(data)
@@ -532,7 +537,7 @@ class Connection:
             while off < n:
                 k = min(max_frame, n - off)
                 outbox.append(f.frame_header(k, f.DATA, 0, sid))
-                outbox.append(view[off : off + k] if immutable else bytes(view[off : off + k]))
+                outbox.append(view[off : off + k] if frozen is not None else bytes(view[off : off + k]))
                 self._data_frames_sent += 1
                 off += k
         self._outbox_bytes += n
@@ -1255,7 +1260,9 @@ class _Malformed:
         self.reason = reason
 
 
-def _check_request(headers: list[tuple[bytes, bytes]]):
+def _check_request(
+    headers: list[tuple[bytes, bytes]],
+) -> tuple[str, tuple[tuple[str, str], ...]] | str | _Malformed:
     """(authority, regular fields) for a plain CONNECT; a reason (str) for a 400; or _Malformed."""
     pseudo: dict[bytes, bytes] = {}
     regular: list[tuple[str, str]] = []

@@ -104,7 +104,7 @@ def frame_header(length: int, frame_type: int, flags: int, stream_id: int) -> by
     return _HEADER.pack(length >> 16, length & 0xFFFF, frame_type, flags, stream_id)
 
 
-def parse_frame_header(buf, offset: int = 0) -> tuple[int, int, int, int]:
+def parse_frame_header(buf: bytes | bytearray, offset: int = 0) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id); the reserved bit of the stream id is ignored (4.1)."""
     hi, lo, frame_type, flags, sid = _HEADER.unpack_from(buf, offset)
     return (hi << 16) | lo, frame_type, flags, sid & 0x7FFFFFFF
@@ -139,7 +139,8 @@ def goaway_frame(last_stream_id: int, code: int, debug: bytes = b"") -> bytes:
 
 
 def parse_u32(payload: bytes, offset: int = 0) -> int:
-    return _U32.unpack_from(payload, offset)[0]
+    value: int = _U32.unpack_from(payload, offset)[0]
+    return value
 
 
 def parse_goaway(payload: bytes) -> tuple[int, int, bytes]:
