@@ -84,7 +84,9 @@ sys.path.insert(0, str(ROOT))
 RESULTS = Path(__file__).resolve().parent / "results" / "hbone.json"
 MODES = ("direct", "tcp", "hbone", "envoy")
 ENVOY_WORKERS = 1  # Envoy's --concurrency, matched to our one event loop per proxy
-TESTS = ("throughput", "throughput_xN", "latency", "connections", "memory")
+TESTS = ("throughput", "throughput_xN", "latency", "connections", "memory", "tunnels")
+DEFAULT_TESTS = TESTS[:-1]  # `tunnels` (10,000 held at once) on request: about a minute per mode
+TUNNEL_MODES = ("tcp", "hbone", "envoy")
 LAYOUTS = ("one-core", "spread")
 
 PACKET_MARK = 1337
@@ -94,6 +96,8 @@ CHUNK_BYTES = 1024 * 1024
 ECHO_READ_BYTES = 65536
 CMD_ECHO = b"E"
 CMD_SINK = b"S"
+CMD_HOLD = b"H"  # echo, served by one selector thread with all held connections (no thread each)
+HOLD_READ_BYTES = 4096
 SINK_READY = b"R"
 LOOPBACK_IPS = {
     "client": "127.0.77.2",
@@ -137,6 +141,10 @@ def _serve_connection(conn: socket.socket) -> None:
             if cmd == CMD_ECHO:
                 while data := conn.recv(ECHO_READ_BYTES):
                     conn.sendall(data)
+            elif cmd == CMD_HOLD:
+                conn.setblocking(False)
+                _HOLD.add(conn.detach())
+                return
             elif cmd == CMD_SINK:
                 total = int.from_bytes(recv_exact(conn, 8), "big")
                 conn.sendall(SINK_READY)
@@ -154,7 +162,64 @@ def _serve_connection(conn: socket.socket) -> None:
             pass
 
 
+class _HeldEchoes:
+    """Every CMD_HOLD connection of the bench server, echoed by one thread (10,000 tunnels
+    would otherwise be 10,000 threads)."""
+
+    def __init__(self) -> None:
+        import selectors
+
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._new: list[int] = []
+        self._lock = threading.Lock()
+        self.selector.register(self._wake_r, 1)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def add(self, fd: int) -> None:
+        with self._lock:
+            self._new.append(fd)
+        self._wake_w.send(b"x")
+
+    def _run(self) -> None:
+        while True:
+            for key, _events in self.selector.select():
+                sock = key.fileobj
+                if sock is self._wake_r:
+                    self._wake_r.recv(4096)
+                    with self._lock:
+                        new, self._new = self._new, []
+                    for fd in new:
+                        self.selector.register(socket.socket(fileno=fd), 1)
+                    continue
+                try:
+                    data = sock.recv(HOLD_READ_BYTES)
+                    if data:
+                        sock.sendall(data)  # a few bytes: the socket buffer always takes them
+                        continue
+                except OSError:
+                    pass
+                self.selector.unregister(sock)
+                sock.close()
+
+
+_HOLD: _HeldEchoes
+
+
+def raise_fd_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (10,000 tunnels need more than the usual 1,024);
+    the proxies and Envoys the bench starts inherit it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def run_server_worker(bind: str, port: int) -> int:
+    global _HOLD
+    _HOLD = _HeldEchoes()
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((bind, port))
@@ -324,6 +389,42 @@ def client_idle(target: Target, count: int) -> None:
     print(json.dumps({"closed": len(socks)}), flush=True)
 
 
+def client_tunnels(target: Target, count: int, max_seconds: float) -> None:
+    """Open up to `count` tunnels at once (each pinged), report, and on stdin's go ping every one
+    again (all still carried?) and close them. Bounded by `max_seconds` for the opening."""
+    socks: list[socket.socket] = []
+    error = None
+    begin = time.monotonic()
+    try:
+        while len(socks) < count:
+            if time.monotonic() - begin > max_seconds:
+                error = f"time bound: {max_seconds}s"
+                break
+            try:
+                sock = dial(target)
+                sock.sendall(CMD_HOLD + b"x")
+                recv_exact(sock, 1)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+                break
+            socks.append(sock)
+        opened_s = time.monotonic() - begin
+        print(json.dumps({"open": len(socks), "seconds": opened_s, "error": error}), flush=True)
+        sys.stdin.readline()
+        alive = 0
+        for sock in socks:
+            try:
+                sock.sendall(b"y")
+                if recv_exact(sock, 1) == b"y":
+                    alive += 1
+            except OSError:
+                pass
+    finally:
+        for sock in socks:
+            sock.close()
+    print(json.dumps({"alive": alive}), flush=True)
+
+
 def run_client_worker(args: argparse.Namespace) -> int:
     socks = None
     if args.socks:
@@ -338,6 +439,9 @@ def run_client_worker(args: argparse.Namespace) -> int:
         result = client_connections(target, args.connections, args.max_seconds)
     elif args.test == "idle":
         client_idle(target, args.connections)
+        return 0
+    elif args.test == "tunnels":
+        client_tunnels(target, args.connections, args.max_seconds)
         return 0
     else:
         raise SystemExit(f"unknown client test {args.test!r}")
@@ -995,6 +1099,59 @@ class Bench:
             },
         )
 
+    def tunnels(self, mode: str) -> None:
+        """--tunnels held at once through the pair: how many open, are all alive when all are
+        open, proxies' RSS and descriptors per tunnel. Bounded by --tunnel-seconds to open."""
+        self.apply_layout("spread")
+        pids = self.topo.pids(mode)
+        before = {k: proc_rss_kib(p) for k, p in pids.items()}
+        fds_before = {k: len(os.listdir(f"/proc/{p}/fd")) for k, p in pids.items()}
+        argv = self.client_argv(
+            mode,
+            "--test",
+            "tunnels",
+            "--connections",
+            str(self.args.tunnels),
+            "--max-seconds",
+            str(self.args.tunnel_seconds),
+        )
+        process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"tunnels client failed:\n{process.stderr.read().decode()[-3000:]}")
+            opened = json.loads(line)
+            time.sleep(0.5)  # the proxies finish the last tunnels' bookkeeping
+            during = {k: proc_rss_kib(p) for k, p in pids.items()}
+            fds = {k: len(os.listdir(f"/proc/{p}/fd")) for k, p in pids.items()}
+            process.stdin.write(b"go\n")
+            process.stdin.flush()
+            out, err = process.communicate(timeout=WORKER_TIMEOUT_S)
+            lines = out.decode().strip().splitlines()
+            if not lines:
+                raise RuntimeError(f"tunnels client failed after opening:\n{err.decode()[-3000:]}")
+            alive = json.loads(lines[-1])["alive"]
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        n = max(opened["open"], 1)
+        self.record(
+            "tunnels",
+            mode,
+            {
+                "asked": self.args.tunnels,
+                "opened": opened["open"],
+                "alive_when_all_open": alive,
+                "open_seconds": opened["seconds"],
+                "error": opened["error"],
+                "kib_per_tunnel": {k: (during[k] - before[k]) / n for k in pids},
+                "fds_per_tunnel": {k: (fds[k] - fds_before[k]) / n for k in pids},
+            },
+        )
+
     def warm_up(self) -> None:
         """First use of each path: certificates, the pooled HBONE connection, code paths.
 
@@ -1037,6 +1194,8 @@ class Bench:
                             self.connections(mode, layout)
                     elif test == "memory":
                         self.memory(mode)
+                    elif test == "tunnels" and r == 0 and mode in TUNNEL_MODES:
+                        self.tunnels(mode)  # a capacity check: the first round only
                 if test == "memory" and r + 1 < self.args.rounds:
                     self.warm_up()  # the proxies were restarted
             console.print(
@@ -1155,6 +1314,11 @@ def summarize(results: dict) -> dict:
                         k: statistics.median(r["proxy_cpu_ms_per_conn"][k] for r in rounds)
                         for k in rounds[0]["proxy_cpu_ms_per_conn"]
                     }
+            elif test == "tunnels":
+                r = rounds[0]
+                s = {k: r[k] for k in ("asked", "opened", "alive_when_all_open", "open_seconds", "error")}
+                s["kib_per_tunnel"] = r["kib_per_tunnel"]
+                s["fds_per_tunnel"] = r["fds_per_tunnel"]
             elif test == "memory":
                 s["kib_per_conn"] = {
                     k: statistics.median(r["kib_per_conn"][k] for r in rounds)
@@ -1270,6 +1434,28 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
                     _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"),
                 )
+        elif test == "tunnels":
+            t = Table(title=f"tunnels: {args.tunnels} held at once (opened within {args.tunnel_seconds:g}s)")
+            for col in (
+                "mode",
+                "opened",
+                "alive when all open",
+                "seconds to open",
+                "KiB per tunnel",
+                "fds per tunnel",
+                "error",
+            ):
+                t.add_column(col)
+            for mode, s in per_mode.items():
+                t.add_row(
+                    mode,
+                    str(s["opened"]),
+                    str(s["alive_when_all_open"]),
+                    f"{s['open_seconds']:.1f}",
+                    _per_proxy(s["kib_per_tunnel"], "{:.2f}"),
+                    _per_proxy(s["fds_per_tunnel"], "{:.2f}"),
+                    s["error"] or "",
+                )
         elif test == "memory":
             t = Table(title=f"memory: RSS delta per idle connection ({args.idle_connections} connections)")
             t.add_column("mode")
@@ -1297,7 +1483,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", choices=("auto", "netns", "loopback"), default="auto")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--tests", default=",".join(TESTS))
+    p.add_argument("--tests", default=",".join(DEFAULT_TESTS), help=f"of {','.join(TESTS)}")
     p.add_argument("--size-mib", type=int, default=256, help="bytes per throughput connection")
     p.add_argument("--parallel", type=int, default=4, help="connections in throughput_xN")
     p.add_argument("--latency-bytes", type=int, default=1)
@@ -1306,10 +1492,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="CPU layouts for latency and connections")
     p.add_argument("--connections", type=int, default=1000, help="connections per connection-rate run")
     p.add_argument("--idle-connections", type=int, default=1000)
+    p.add_argument("--tunnels", type=int, default=10000, help="tunnels held at once (`tunnels` test)")
+    p.add_argument("--tunnel-seconds", type=float, default=120.0, help="bound on opening them")
     p.add_argument("--no-pin", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the work directory (proxy logs)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    fd_limit = raise_fd_limit()
 
     if args.worker == "server":
         return run_server_worker(args.bind, args.port)
@@ -1332,7 +1521,10 @@ def main(argv: list[str] | None = None) -> int:
     with workdir(args.keep) as wd:
         topo = choose_topology(args.topology, wd, envoy="envoy" in args.modes)
         try:
-            console.print(f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}")
+            console.print(
+                f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}; "
+                f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+            )
             if topo.envoys:
                 console.print(
                     f"envoy: {envoy_version()}, {ENVOY_WORKERS} worker thread(s) each (--concurrency "
@@ -1352,6 +1544,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
+        "load_average_at_end": os.getloadavg(),
         "topology": topo.label,
         "envoy": (
             {"version": envoy_version(), "workers": ENVOY_WORKERS, "ours": "one process, one event loop"}
@@ -1377,6 +1570,8 @@ def main(argv: list[str] | None = None) -> int:
                 "layouts",
                 "connections",
                 "idle_connections",
+                "tunnels",
+                "tunnel_seconds",
             )
         },
         "summary": summary,
