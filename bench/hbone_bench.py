@@ -110,6 +110,8 @@ ENVOY_LISTENER = "outbound"
 
 PROXY_READY_TIMEOUT_S = 30.0
 PROCESS_STOP_GRACE_S = 3.0
+REFUSED_RETRIES = 1
+REFUSED_RETRY_DELAY_S = 1.0
 WORKER_TIMEOUT_S = 120.0
 IO_TIMEOUT_S = 30.0
 LISTEN_BACKLOG = 4096
@@ -831,6 +833,13 @@ class NetnsTopology(Topology):
                 f"sockets in {node.name} on port {port}: "
                 + run(["ip", "netns", "exec", node.netns, "ss", "-Htan", f"( sport = :{port} )"])
             )
+        if shutil.which("nstat") and dst is not None:
+            counters = ["TcpOutRsts", "TcpExtListenOverflows", "TcpExtListenDrops", "TcpExtTCPReqQFullDrop"]
+            for who in (node, dst):
+                lines.append(
+                    f"nstat in {who.name} (since boot): "
+                    + run(["ip", "netns", "exec", who.netns, "nstat", "-az", *counters]).replace("\n", "; ")
+                )
         return "\n".join(lines)
 
     def close(self) -> None:
@@ -945,6 +954,7 @@ class Bench:
     pin: bool
     layout: str = ""
     results: dict = field(default_factory=dict)  # test -> mode -> [per-round dict]
+    refused: list = field(default_factory=list)  # client runs retried after a refused connect
 
     def apply_layout(self, layout: str) -> None:
         """Pin proxies and bench servers; the client gets its CPUs through taskset."""
@@ -974,19 +984,28 @@ class Bench:
         ]
 
     def run_client(self, mode: str, *extra: str) -> dict:
-        out = subprocess.run(
-            self.client_argv(mode, *extra),
-            capture_output=True,
-            timeout=WORKER_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
-        if out.returncode != 0:
+        for attempt in range(1 + REFUSED_RETRIES):
+            out = subprocess.run(
+                self.client_argv(mode, *extra),
+                capture_output=True,
+                timeout=WORKER_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
+            if out.returncode == 0:
+                return json.loads(out.stdout.decode().strip().splitlines()[-1])
             stderr = out.stderr.decode()[-3000:]
-            raise RuntimeError(
+            what = (
                 f"client ({mode} {' '.join(extra)}) failed:\n{stderr}\n"
                 f"bench processes: {self.topo.health()}\n{self.topo.diagnose(mode, stderr)}"
             )
-        return json.loads(out.stdout.decode().strip().splitlines()[-1])
+            if "ConnectionRefusedError" not in stderr or attempt == REFUSED_RETRIES:
+                raise RuntimeError(what)
+            # A refused connect with every bench process alive and listening (bench/README.md,
+            # "refused connections"): recorded with what the network said, then run again.
+            self.refused.append({"mode": mode, "test": " ".join(extra), "diagnosis": what[-2000:]})
+            print(f"refused, retrying once: {what[-1500:]}", file=sys.stderr, flush=True)
+            time.sleep(REFUSED_RETRY_DELAY_S)
+        raise AssertionError("unreachable")
 
     def cpu(self, mode: str) -> dict[str, float]:
         return {name: proc_cpu_s(pid) for name, pid in self.topo.pids(mode).items()}
@@ -1576,6 +1595,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "summary": summary,
         "rounds": bench.results,
+        "refused_connects_retried": bench.refused,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -125,6 +125,7 @@ class StreamState(enum.Enum):
 
 
 _ORDERLY_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
+_NOTHING_HELD: list[tuple[bytes, int]] = []  # shared, always empty: nothing is held once attached
 
 
 class HboneStream(Endpoint):
@@ -185,7 +186,7 @@ class HboneStream(Endpoint):
     def attach(self, relay: Relay) -> None:
         self.relay = relay
         self._cancel = None
-        held, self._held = self._held, []
+        held, self._held = self._held, _NOTHING_HELD  # no new list per idle tunnel
         for chunk, flow in held:
             relay.data_from(self, chunk)
             self._credit(flow)

@@ -284,6 +284,9 @@ class InboundProxy:
         if pi.config.enable_response_baggage:
             response_headers.append(("baggage", hbone_headers.baggage_for(workload)))
         conn.respond(stream, 200, response_headers)
+        # The request's headers have served their purpose (routing, telemetry); an idle tunnel
+        # would otherwise keep their decoded text (about 700 B) for its whole life.
+        stream.request = None
         self.start_carry(admitted, stream)  # this task ends here; the relay carries on
 
     async def admit(
@@ -356,19 +359,17 @@ class InboundProxy:
         result = admitted.result
         progress = result.progress if also is None else _both(result.progress, also)
         relay = Relay(downstream, admitted.upstream, on_progress=progress)
-        pi.connections.track(relay, result)
         untrack = pi.connection_manager.register(
             admitted.rbac_conn, admitted.workload, relay.abort, f"{admitted.peer} -> {result.dst_addr}"
         )
 
-        def finished(done: asyncio.Future[BaseException | None]) -> None:
+        def finished(relay: Relay, err: BaseException | None) -> None:
             untrack()
-            err = done.result()
             result.complete(relay, err)
             if on_done is not None:
                 on_done(relay, err)
 
-        relay.done.add_done_callback(finished)
+        pi.connections.track(relay, result, on_end=finished)
         admitted.upstream.attach(relay)
         downstream.attach(relay)
         return relay
@@ -381,7 +382,7 @@ class InboundProxy:
     ) -> tuple[Relay, BaseException | None]:
         """`start_carry`, then wait until the relay has ended and been recorded."""
         relay = self.start_carry(admitted, downstream, also)
-        err = await relay.done  # `finished` was registered first, so it has run by now
+        err = await relay.done  # the tracker's callback was registered first: it has run by now
         return relay, err
 
     def _delivery(
@@ -505,13 +506,12 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         relay = Relay(downstream, upstream, on_progress=result.progress)
-        pi.connections.track(relay, result)
         untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
 
-        def finished(done: asyncio.Future[BaseException | None]) -> None:
+        def finished(relay: Relay, err: BaseException | None) -> None:
             untrack()
-            result.complete(relay, done.result())
+            result.complete(relay, err)
 
-        relay.done.add_done_callback(finished)  # the task ends here; the relay carries on
+        pi.connections.track(relay, result, on_end=finished)  # the task ends here; the relay carries on
         upstream.attach(relay)
         downstream.attach(relay)

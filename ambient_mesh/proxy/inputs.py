@@ -8,6 +8,7 @@ HBONE pool, and the connections it is carrying (for draining and for /config_dum
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import socket
 import ssl
@@ -55,9 +56,26 @@ class ConnectionTracker:
     def __repr__(self) -> str:
         return f"ConnectionTracker({len(self.relays)} relays, {len(self.tasks)} tasks)"
 
-    def track(self, relay: Relay, about: Dumpable) -> None:
+    def track(
+        self,
+        relay: Relay,
+        about: Dumpable,
+        on_end: Callable[[Relay, BaseException | None], None] | None = None,
+    ) -> None:
+        """Track `relay` until it ends, then call `on_end(relay, error)`: one callback per relay
+        (each closure on `relay.done` is about 200 B an idle tunnel keeps)."""
         self.relays[relay] = about
-        relay.done.add_done_callback(lambda _f: self.relays.pop(relay, None))
+        relay.done.add_done_callback(functools.partial(self._ended, relay, on_end))
+
+    def _ended(
+        self,
+        relay: Relay,
+        on_end: Callable[[Relay, BaseException | None], None] | None,
+        done: asyncio.Future[BaseException | None],
+    ) -> None:
+        self.relays.pop(relay, None)
+        if on_end is not None:
+            on_end(relay, done.result())
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

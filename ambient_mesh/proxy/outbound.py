@@ -178,8 +178,7 @@ class OutboundProxy:
             return
         assert upstream.endpoint is not None
         relay = Relay(downstream, upstream.endpoint, on_progress=result.progress)
-        self.pi.connections.track(relay, result)
-        relay.done.add_done_callback(lambda done: result.complete(relay, done.result()))
+        self.pi.connections.track(relay, result, on_end=result.complete)
         upstream.endpoint.attach(relay)
         downstream.attach(relay)
 

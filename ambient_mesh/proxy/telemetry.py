@@ -153,8 +153,6 @@ class ConnectionResult:
         "recorder",
         "started",
         "_done",
-        "_add_received",
-        "_add_sent",
     )
 
     def __init__(
@@ -190,8 +188,6 @@ class ConnectionResult:
             reporter, source, source_identity, destination, service, destination_identity, mtls
         )
         self.recorder = pi.metrics.connection_opened(labels)
-        self._add_received = self.recorder.add_received
-        self._add_sent = self.recorder.add_sent
 
     def __repr__(self) -> str:
         return f"ConnectionResult({self.direction} {self.src_addr} -> {self.dst_addr}, {self.recorder!r})"
@@ -218,9 +214,9 @@ class ConnectionResult:
     def progress(self, up: int, down: int) -> None:
         # client -> server bytes are "received" in Istio's metric vocabulary, the reverse "sent"
         if up:
-            self._add_received(up)
+            self.recorder.add_received(up)
         if down:
-            self._add_sent(down)
+            self.recorder.add_sent(down)
 
     def dump_info(self) -> dict[str, Any]:
         return {
