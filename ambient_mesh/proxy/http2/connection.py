@@ -105,6 +105,9 @@ MAX_RESET_STREAMS_REMEMBERED = 1000
 INITIAL_PEER_MAX_CONCURRENT_STREAMS = 100
 # A drain's PING that is not answered in this time is treated as answered.
 DRAIN_PING_TIMEOUT_S = 1.0
+# DATA payloads at least this long are handed out as views of the received bytes, not copies
+# (a TLS read holds a frame header and up to 256 KiB of payload; the slice was a full copy).
+ZERO_COPY_SLICE_BYTES = 16 * 1024
 # Writes smaller than this are joined into one buffer (one TLS record instead of several).
 COALESCE_BELOW_BYTES = 16 * 1024
 GOAWAY_DEBUG_BYTES = 128
@@ -749,7 +752,12 @@ class Connection:
             left = self._data_left
             if left:
                 k = min(left, n - pos)
-                chunk = data if (pos == 0 and k == n) else data[pos : pos + k]
+                if pos == 0 and k == n:
+                    chunk: bytes | memoryview = data
+                elif k >= ZERO_COPY_SLICE_BYTES:
+                    chunk = memoryview(data)[pos : pos + k]  # `data` is bytes: a read-only view
+                else:
+                    chunk = data[pos : pos + k]
                 pos += k
                 self._data_left = left - k
                 self._data_chunk(chunk)
@@ -955,7 +963,7 @@ class Connection:
             self._data_stream = s
             self._data_left = length
 
-    def _data_chunk(self, chunk: bytes) -> None:
+    def _data_chunk(self, chunk: bytes | memoryview) -> None:
         s = self._data_stream
         if s is not None and self.streams.get(self._data_sid) is s:
             s.unacked += len(chunk)

@@ -43,7 +43,7 @@ class DataReceived:
     """Stream bytes, in order. Acknowledge them (Connection.acknowledge) to return window credit."""
 
     stream_id: int
-    data: bytes
+    data: bytes | memoryview  # a read-only view of the received bytes for long payloads
 
 
 @dataclass(frozen=True, slots=True)
