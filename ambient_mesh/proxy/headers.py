@@ -48,11 +48,29 @@ class Baggage:
     zone: str = ""
 
 
+# `baggage` values already built, per workload object (one per CONNECT otherwise); the entry
+# holds the workload, so its id is not reused while cached. Cleared when full.
+BAGGAGE_CACHE_MAX_ENTRIES = 4096
+_baggage_cache: dict[int, tuple[Workload, str]] = {}
+
+
 def baggage_for(workload: Workload) -> str:
     """The `baggage` value describing `workload`, keys in ztunnel's order, empty values left out.
 
     Values are not percent-encoded: they are Kubernetes names, which cannot hold `,` or `=`.
+    Workloads are frozen (a state update replaces them), so the value is built once per object.
     """
+    hit = _baggage_cache.get(id(workload))
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    value = _baggage(workload)
+    if len(_baggage_cache) >= BAGGAGE_CACHE_MAX_ENTRIES:
+        _baggage_cache.clear()
+    _baggage_cache[id(workload)] = (workload, value)
+    return value
+
+
+def _baggage(workload: Workload) -> str:
     pairs = [
         (_CLUSTER, workload.cluster_id),
         (_NAMESPACE, workload.namespace),

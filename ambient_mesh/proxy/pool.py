@@ -54,7 +54,10 @@ class WorkloadKey:
     def of(
         cls, src_id: Identity, dst_ids: Iterable[Identity], dst: SocketAddr, src: IPAddress | None
     ) -> WorkloadKey:
-        return cls(src_id, tuple(sorted(set(dst_ids))), dst, src)
+        ids = dst_ids if isinstance(dst_ids, tuple) else tuple(dst_ids)
+        if len(ids) > 1:  # one SAN (a workload) is the common case: no set, no sort
+            ids = tuple(sorted(set(ids)))
+        return cls(src_id, ids, dst, src)
 
     def __str__(self) -> str:
         ids = ",".join(str(i) for i in self.dst_id)
