@@ -229,3 +229,17 @@ async def test_socks5_domain_names_resolve_in_every_worker():
                 await proxy.drain(0.5)
         echo.close()
         await echo.wait_closed()
+
+
+async def test_workers_refuse_inpod_port_reuse_off_at_start():
+    from ambient_mesh.errors import ConfigError
+    from ambient_mesh.ztunnel import build
+
+    env = {
+        "PROXY_MODE": "shared",
+        "XDS_ADDRESS": "",
+        "ZTUNNEL_WORKER_THREADS": "2",
+        "INPOD_PORT_REUSE": "false",
+    }
+    with pytest.raises(ConfigError, match="INPOD_PORT_REUSE: false, but the 2 worker processes"):
+        await build(env)
