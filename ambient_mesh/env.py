@@ -80,8 +80,7 @@ def format_duration(seconds: float) -> str:
     if seconds == 0:
         return "0s"
     if seconds < 1:
-        ms = seconds * 1000
-        return f"{ms:g}ms"
+        return f"{_decimal(seconds * 1000, 6)}ms"
     whole = int(seconds)
     frac = seconds - whole
     hours, rest = divmod(whole, 3600)
@@ -92,8 +91,14 @@ def format_duration(seconds: float) -> str:
     if minutes:
         out += f"{minutes}m"
     if secs or frac:
-        out += f"{secs + frac:g}s"
+        out += f"{_decimal(secs + frac, 9)}s"
     return out
+
+
+def _decimal(value: float, places: int) -> str:
+    """`value` to the nanosecond (Go's duration resolution) without trailing zeros or an
+    exponent: `:g` kept 6 significant digits, so 10.84375 s came back as 10.8438 s."""
+    return f"{value:.{places}f}".rstrip("0").rstrip(".")
 
 
 _DIGITS = {10: re.compile(r"[0-9]+"), 8: re.compile(r"(?:0o)?[0-7]+"), 16: re.compile(r"(?:0x)?[0-9a-fA-F]+")}

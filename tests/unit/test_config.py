@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ambient_mesh.config import (
@@ -334,6 +334,7 @@ def test_parse_duration_total(text):
 
 
 @given(st.floats(min_value=0.001, max_value=10_000_000, allow_nan=False))
+@example(10.84375)  # :g formatting kept 6 significant digits and gave 10.8438s
 def test_format_duration_round_trips(seconds):
     assert parse_duration(format_duration(seconds)) == pytest.approx(seconds, rel=1e-6, abs=1e-6)
 
