@@ -10,14 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor import FieldDescriptor
 
 # Imported at collection: in a fresh clone's whole-suite run (not in a run of the unit tier, of
 # the other tiers plus this file, or in an older venv) `from grpc_tools import protoc` inside
 # regenerate.render failed late in the session with "cannot import name 'protoc'"; what
 # earlier test breaks a first import of that submodule is not found yet.
 from grpc_tools import protoc  # noqa: F401
-from google.protobuf import descriptor_pb2
-from google.protobuf.descriptor import FieldDescriptor
 
 from ambient_mesh.wire import regenerate
 from ambient_mesh.wire.istio.security import authorization_pb2 as auth
