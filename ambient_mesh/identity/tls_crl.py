@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from cryptography import x509
 from prometheus_client import Counter
 
-from ..errors import CertificateError, ConfigError
+from ..errors import CertificateError, ConfigError, ResponseFlag
 from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 
 log = logging.getLogger("ambient_mesh.identity.crl")
@@ -49,7 +49,7 @@ _PEM_CRL = re.compile(rb"-----BEGIN X509 CRL-----\r?\n.+?\r?\n-----END X509 CRL-
 class CertificateRevoked(CertificateError):
     """The peer's chain holds a certificate its issuer's CRL revokes."""
 
-    response_flag = "CERT_REVOKED"
+    response_flag = ResponseFlag.CERT_REVOKED
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

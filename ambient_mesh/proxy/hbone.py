@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from ..errors import AmbientError
+from ..errors import ProxyError, ResponseFlag
 from . import http2
 from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
@@ -58,20 +58,9 @@ PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 
 
-class HboneError(AmbientError):
-    """An HBONE connection or stream failed. `response_flag` is Istio's flag for metrics."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        response_flag: str = "CONNECT",
-        status: int | None = None,
-        hint: str | None = None,
-    ) -> None:
-        super().__init__(message, hint=hint)
-        self.response_flag = response_flag
-        self.status = status
+class HboneError(ProxyError):
+    """An HBONE connection or stream failed; `response_flag` (a ResponseFlag) is what the metrics
+    and the access log record for it, CONNECT unless the failure says otherwise."""
 
 
 class HboneStreamRefused(HboneError):
@@ -437,7 +426,11 @@ class HboneConnection(asyncio.Protocol):
             transport.close()
             return
         if self._error is None:
-            flag = "CONNECT" if event.error_code == ErrorCode.NO_ERROR else "H2_HANDSHAKE_FAILURE"
+            flag = (
+                ResponseFlag.CONNECT
+                if event.error_code == ErrorCode.NO_ERROR
+                else ResponseFlag.H2_HANDSHAKE_FAILURE
+            )
             self._error = HboneError(f"HTTP/2 connection ended: {event.reason}", response_flag=flag)
         log.debug("HBONE connection terminated: %s", event.reason)
         out = self.core.data_to_send()  # the GOAWAY, written even while paused: then abort
@@ -588,7 +581,7 @@ class HboneConnection(asyncio.Protocol):
     ) -> tuple[HboneStream, ConnectResponse]:
         """Send a CONNECT and wait for the response headers. Non-200 is returned, not raised."""
         if not self.usable:
-            raise HboneError("HBONE connection is closing", response_flag="CONNECT")
+            raise HboneError("HBONE connection is closing", response_flag=ResponseFlag.CONNECT)
         request = [(b":method", b"CONNECT"), (b":authority", authority.encode())]
         request += [(k.encode(), v.encode()) for k, v in headers]
         try:

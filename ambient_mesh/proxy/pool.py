@@ -20,6 +20,7 @@ import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
+from ..errors import ResponseFlag
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
 from .hbone import (
@@ -224,12 +225,12 @@ class HboneConnector:
         except TimeoutError:
             raise HboneError(
                 f"timed out connecting to {key.dst}",
-                response_flag="NETWORK_POLICY",
+                response_flag=ResponseFlag.NETWORK_POLICY,
                 hint="is a NetworkPolicy blocking port 15008?",
             ) from None
         except OSError as e:
             raise HboneError(
-                f"cannot connect to {key.dst}: {e.strerror or e}", response_flag="CONNECT"
+                f"cannot connect to {key.dst}: {e.strerror or e}", response_flag=ResponseFlag.CONNECT
             ) from None
         loop = asyncio.get_running_loop()
 
@@ -250,10 +251,11 @@ class HboneConnector:
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()
             raise HboneError(
-                f"TLS handshake with {key.dst} failed: {e}", response_flag="TLS_FAILURE"
+                f"TLS handshake with {key.dst} failed: {e}", response_flag=ResponseFlag.TLS_FAILURE
             ) from None
         if conn.error is not None:
             raise HboneError(
-                f"{key.dst} presented the wrong identity: {conn.error}", response_flag="TLS_FAILURE"
+                f"{key.dst} presented the wrong identity: {conn.error}",
+                response_flag=ResponseFlag.TLS_FAILURE,
             )
         return conn

@@ -23,7 +23,6 @@ from ..metrics import (
 )
 from ..net import SocketAddr
 from ..state.model import Service, Workload
-from .hbone import HboneError
 from .routing import Route, RouteKind
 
 if TYPE_CHECKING:
@@ -36,10 +35,6 @@ def response_flag_of(error: BaseException) -> ResponseFlag:
     timed out: ztunnel's catch-all for an upstream that could not be reached)."""
     if isinstance(error, ProxyError):
         return error.response_flag
-    if isinstance(error, HboneError):
-        # proxy/hbone.py (helper hbone-core's in this session) keeps its own flag strings and
-        # does not derive from ProxyError yet.
-        return ResponseFlag(error.response_flag)
     return ResponseFlag.CONNECT
 
 
