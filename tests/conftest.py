@@ -6,5 +6,7 @@ Speed is measured by the scripts under bench/, never by the suite."""
 
 from hypothesis import settings
 
+import ambient_mesh  # noqa: F401 - first, so that its process settings precede any gRPC import
+
 settings.register_profile("ambient-mesh", deadline=None)
 settings.load_profile("ambient-mesh")

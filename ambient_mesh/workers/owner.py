@@ -241,6 +241,8 @@ class WorkerPool:
         try:
             worker.process = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-X",
+                "faulthandler",
                 "-m",
                 "ambient_mesh.workers",
                 str(theirs.fileno()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import random
 import socket
 
@@ -22,6 +23,7 @@ from ambient_mesh.state.store import ProxyState
 from tests.state_writes import load
 
 LOOPBACK = SocketAddr.of("127.0.0.1", 0)
+PORT_ATTEMPTS = 20
 CLIENT = Workload(
     uid="client",
     name="client",
@@ -69,23 +71,31 @@ class FakeUpstream:
             def datagram_received(self, data: bytes, addr) -> None:
                 self.transport.sendto(upstream.answer(data, "udp"), addr)
 
-        self._transport, _ = await loop.create_datagram_endpoint(Datagram, local_addr=("127.0.0.1", 0))
-        port = self._transport.get_extra_info("sockname")[1]
-
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # UDP and TCP on one port: the kernel picks a free UDP port, and the TCP one may be taken
+        # by someone else's ephemeral connection meanwhile, so try a bounded number of ports.
+        for attempt in range(PORT_ATTEMPTS):
+            self._transport, _ = await loop.create_datagram_endpoint(Datagram, local_addr=("127.0.0.1", 0))
+            port = self._transport.get_extra_info("sockname")[1]
             try:
-                while True:
-                    size = int.from_bytes(await reader.readexactly(2), "big")
-                    wire = self.answer(await reader.readexactly(size), "tcp")
-                    writer.write(len(wire).to_bytes(2, "big") + wire)
-                    await writer.drain()
-            except asyncio.IncompleteReadError:
-                pass
-            finally:
-                writer.close()
-
-        self._server = await asyncio.start_server(serve, "127.0.0.1", port)
+                self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+                break
+            except OSError as e:
+                self._transport.close()
+                if e.errno != errno.EADDRINUSE or attempt == PORT_ATTEMPTS - 1:
+                    raise
         self.address = SocketAddr.of("127.0.0.1", port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                size = int.from_bytes(await reader.readexactly(2), "big")
+                wire = self.answer(await reader.readexactly(size), "tcp")
+                writer.write(len(wire).to_bytes(2, "big") + wire)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
 
     async def stop(self) -> None:
         if self._transport is not None:
