@@ -198,7 +198,7 @@ class _EnvHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def cmd_cni_plugin(_args: argparse.Namespace) -> int:
-    from .cni.plugin import main as plugin_main
+    from .cni.plugin_handoff import main as plugin_main
 
     return plugin_main()
 

@@ -1,7 +1,10 @@
 """Time of one CNI ADD through the installed executable, as a container runtime sees it.
 
 Cases: a pod that is not ambient (pod lookup, no agent call) and an ambient pod (lookup plus
-POST /cmdadd to a local fake agent socket answering 200), each through the two launchers
+POST /cmdadd to a local fake agent socket answering 200), with the plugin deciding by itself (no
+agent to hand the run to: plugin_handoff falls back to the whole plugin), and "handed to the
+agent": the run goes to a real CniPluginServer (the agent's code, over the same YAML pods,
+with an add handler that only counts) on `pluginrun.sock`. Each through the two launchers
 install.py writes for a checkout (`python -I -m ...` and `python -I -S -c ...` with explicit
 sys.path) and through the frozen bundle the image ships (scripts/cluster/plugin.sh, PyInstaller
 onedir; `--bundle`, default the cached build), plus the bare interpreter start as a floor.
@@ -15,6 +18,7 @@ the 100 ms budget of an ADD is about. Prints p50/p90/max, writes bench/results/c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.server
 import ipaddress
 import json
@@ -32,8 +36,12 @@ import threading
 import time
 from pathlib import Path
 
+from ambient_mesh.cni.cni_server import CniPluginServer
+from ambient_mesh.cni.cniconf import CniAddEvent
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.install import fast_sys_path, launcher_script
+from ambient_mesh.cni.plugin_basics import PLUGIN_RUN_SOCKET_NAME
+from ambient_mesh.cni.pods import DirectoryPodSource
 
 POD_YAML = """\
 apiVersion: v1
@@ -173,6 +181,46 @@ def start_api_server(work: Path) -> http.server.ThreadingHTTPServer:
     return server
 
 
+class BenchAgent:
+    """The node agent's plugin server (real code) on its own loop thread, over the YAML pods;
+    its add handler counts the adds instead of changing a netns."""
+
+    def __init__(self, run_dir: Path, pods_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.pods_dir = pods_dir
+        self.adds = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: CniPluginServer | None = None
+
+    async def _on_add(self, _event: CniAddEvent) -> str | None:
+        self.adds += 1
+        return None
+
+    async def _start(self) -> None:
+        source = DirectoryPodSource(self.pods_dir, node_name="", state_file=self.run_dir / "state.json")
+        await source.start()
+        self.server = CniPluginServer(
+            self.run_dir / "pluginevent.sock",
+            None,
+            self._on_add,
+            run_socket=self.run_dir / PLUGIN_RUN_SOCKET_NAME,
+            pods=source,
+        )
+        await self.server.start()
+
+    def start(self) -> None:
+        self.run_dir.mkdir()
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -216,6 +264,9 @@ def main() -> None:
             "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.244.1.5/24", "interface": 0}]},
         }
         stdin = json.dumps(config).encode()
+        agent = BenchAgent(work / "agent", work / "pods")
+        agent.start()
+        agent_stdin = json.dumps({**config, "cni_agent_run_dir": str(agent.run_dir)}).encode()
         # the cluster's case: pods from the API server (the kubeconfig the agent writes)
         api = start_api_server(work)
         api_stdin = json.dumps({k: v for k, v in config.items() if k != "ambient_pod_source"}).encode()
@@ -244,7 +295,12 @@ def main() -> None:
             paths["onefile"] = args.onefile
             sizes["onefile"] = tree_bytes(args.onefile)
         api_cases: set[str] = set()
+        agent_cases: set[str] = set()
         for name, path in paths.items():
+            for pod, ns, what in (("db-0", "plain", "non-ambient"), ("web-0", "apps", "ambient")):
+                label = f"{what} ADD handed to the agent, {name}"
+                agent_cases.add(label)
+                cases.append((label, [str(path)], env(pod, ns)))
             # start-up and imports only: what an ADD costs before it does anything
             cases.append((f"VERSION, {name}", [str(path)], {"CNI_COMMAND": "VERSION"}))
             cases.append((f"non-ambient ADD, {name}", [str(path)], env("db-0", "plain")))
@@ -261,7 +317,8 @@ def main() -> None:
             cpu: list[float] = []
             for _ in range(args.runs):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                wall, code, out = run_once(argv, api_stdin if label in api_cases else stdin, environ)
+                data = api_stdin if label in api_cases else agent_stdin if label in agent_cases else stdin
+                wall, code, out = run_once(argv, data, environ)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 times.append(wall)
                 cpu.append((after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) * 1000)
@@ -279,6 +336,9 @@ def main() -> None:
                 }
             )
         posts = server.posts  # type: ignore[attr-defined]
+        assert agent.server is not None
+        handed = (agent.server.plugin_runs, agent.adds)
+        agent.stop()
         server.shutdown()
         server.server_close()
         api.shutdown()
@@ -293,7 +353,9 @@ def main() -> None:
             f"{r['case']:<{width}}  {r['p50_ms']:>8.1f}  {r['p90_ms']:>8.1f}  {r['max_ms']:>8.1f}"
             f"  {r['cpu_p50_ms']:>8.1f}  {r['cpu_p90_ms']:>8.1f}"
         )
-    print(f"(fake agent received {posts} POSTs)")
+    print(
+        f"(fake agent received {posts} POSTs; the agent ran {handed[0]} handed-over runs, {handed[1]} adds)"
+    )
     for name, size in sizes.items():
         print(f"size of {name}: {size / 1e6:.1f} MB")
 

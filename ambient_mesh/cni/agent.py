@@ -189,6 +189,8 @@ class CniAgent:
                 cfg.log_uds_address,
                 handler,
                 on_response=lambda code: self.metrics.plugin_requests.labels(response_code=str(code)).inc(),
+                run_socket=cfg.plugin_run_address,
+                pods=source,
             )
             self.metrics.ztunnel_connected.set_function(lambda: self.zds.connected if self.zds else 0)
         self.health = self._server("health", cfg.health_port, self._health)
@@ -395,6 +397,11 @@ class CniAgent:
             out["pods"] = self.dataplane.cache.dump()
         if self.zds is not None:
             out["ztunnels"] = list(self.zds.connections)
+        if self.plugin_server is not None:
+            out["plugin_runs"] = {
+                "handed_over": self.plugin_server.plugin_runs,
+                "refused": self.plugin_server.plugin_runs_refused,
+            }
         return out
 
 

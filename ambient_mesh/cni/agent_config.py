@@ -33,8 +33,9 @@ from ..capture.inpod import HOST_PROBE_SNAT_IPV4, HOST_PROBE_SNAT_IPV6
 from ..env import ISTIO_CNI_BOOLS, EnvReader
 from ..errors import ConfigError
 from ..ports import CNI_HEALTH_PORT, CNI_MONITORING_PORT
-from .cniconf import CNI_EVENT_SOCKET_NAME, DEFAULT_CNI_AGENT_RUN_DIR, LOG_SOCKET_NAME, PLUGIN_LOG_LEVELS
+from .cniconf import CNI_EVENT_SOCKET_NAME, LOG_SOCKET_NAME, PLUGIN_LOG_LEVELS
 from .enablement import DEFAULT_ENABLEMENT_SELECTORS, EnablementSelector, parse_enablement_selectors
+from .plugin_basics import DEFAULT_CNI_AGENT_RUN_DIR, PLUGIN_RUN_SOCKET_NAME
 
 DEFAULT_MOUNTED_CNI_NET_DIR = "/etc/cni/net.d"
 DEFAULT_CNI_BIN_DIR = "/opt/cni/bin"
@@ -187,6 +188,11 @@ class AgentConfig:
     def cni_event_address(self) -> Path:
         """Since istio 1.24 derived from the run dir (was CNI_EVENT_ADDRESS)."""
         return self.cni_agent_run_dir / CNI_EVENT_SOCKET_NAME
+
+    @property
+    def plugin_run_address(self) -> Path:
+        """Where the plugin's handoff sends its runs (plugin_handoff.py; ours)."""
+        return self.cni_agent_run_dir / PLUGIN_RUN_SOCKET_NAME
 
     @property
     def log_uds_address(self) -> Path:

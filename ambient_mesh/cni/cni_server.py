@@ -11,6 +11,12 @@ server (cni/pkg/log/uds.go); facts from reference/istio-cni.md 2.1 and 2.5.
   know them yet), and the CNI-provided netns path is opened (under HOST_PREFIX).
 - `<run dir>/log.sock`, `POST /log`: a JSON array of JSON-object strings, the plugin's log lines,
   re-emitted under the `cni-plugin` scope.
+- `<run dir>/pluginrun.sock` (ours): whole plugin runs handed over by the plugin's entry
+  (plugin_handoff.py says the exchange). The plugin's own code runs them, in a thread, with the
+  agent's pod cache as its pod lookup and this server's `/cmdadd` as its event socket, so the
+  outcome is the one the plugin would reach by itself. Bounded: request size, read time, and at
+  most MAX_CONCURRENT_PLUGIN_RUNS at once; a run over that or a bad request is closed without a
+  reply, and the plugin then runs by itself.
 
 Sockets: the directory is created 0750, a stale socket is removed, the socket is made 0666 (the
 runtime runs the plugin as whatever user it likes).
@@ -19,20 +25,25 @@ runtime runs the plugin as whatever user it likes).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 
 from ..errors import AmbientError, ProtocolError
-from ..http1 import Request, Response
+from ..http1 import ClientResponse, Request, Response
 from ..http1.server import serve_connection
 from .cniconf import CNI_ADD_EVENT_PATH, UDS_LOG_PATH, CniAddEvent, decode_add_event
 from .dataplane import DataplaneError, MeshDataplane
 from .informer import Enablement
+from .plugin import Outcome, Plugin
+from .plugin_basics import DELEGATED_ENV_PREFIX, MAX_PLUGIN_STDIN_BYTES
+from .podinfo import API_LOOKUP_TIMEOUT_S, NamespaceInfo, PodInfo, PodLookupError
 from .pods import PodSource, PodSourceError, WatchedPod
 
 log = logging.getLogger("ambient_mesh.cni-agent")
@@ -43,6 +54,12 @@ POD_LOOKUP_INTERVAL_S = 0.01
 REQUEST_READ_TIMEOUT_S = 10.0
 # Plugin log batches can exceed the admin servers' body limit.
 MAX_LOG_BODY_BYTES = 4 * 1024 * 1024
+# A run's request: the config (bounded as the plugin bounds its stdin) plus the CNI_* variables.
+MAX_PLUGIN_RUN_REQUEST_BYTES = MAX_PLUGIN_STDIN_BYTES + 64 * 1024
+MAX_PLUGIN_RUN_ENV_VARS = 32
+# Runs in flight at once (each holds a thread while it looks a pod up or waits for /cmdadd);
+# the kubelet starts a node's sandboxes a few at a time.
+MAX_CONCURRENT_PLUGIN_RUNS = 8
 RUN_DIR_MODE = 0o750
 SOCKET_MODE = 0o666
 
@@ -118,6 +135,12 @@ def emit_plugin_lines(body: bytes) -> int:
         raise ProtocolError(f"log body is not JSON: {exc}") from None
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise ProtocolError("log body must be a JSON array of strings")
+    emit_plugin_records(lines)
+    return len(lines)
+
+
+def emit_plugin_records(lines: list[str]) -> None:
+    """Log each of the plugin's JSON-object lines under the `cni-plugin` scope."""
     for line in lines:
         try:
             record = json.loads(line)
@@ -128,7 +151,102 @@ def emit_plugin_lines(body: bytes) -> int:
         level = _LEVELS.get(str(record.get("level", "info")).lower(), logging.INFO)
         fields = {k: v for k, v in record.items() if k not in ("level", "msg", "time")}
         plugin_log.log(level, "%s", record.get("msg", ""), extra={"fields": fields} if fields else None)
-    return len(lines)
+
+
+# -- plugin runs handed over by the plugin's entry ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PluginRunRequest:
+    environ: Mapping[str, str]
+    stdin: bytes
+    netns_is_own: bool
+
+
+def decode_plugin_run(data: bytes) -> PluginRunRequest:
+    """The plugin handoff's request (plugin_handoff.encode_request); ProtocolError otherwise."""
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise ProtocolError(f"plugin run request is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("plugin run request must be a JSON object")
+    env, stdin, own = doc.get("env"), doc.get("stdin"), doc.get("netns_is_own")
+    if not isinstance(env, dict) or len(env) > MAX_PLUGIN_RUN_ENV_VARS:
+        raise ProtocolError(
+            f"plugin run request: env must be an object of at most {MAX_PLUGIN_RUN_ENV_VARS} names"
+        )
+    for key, value in env.items():
+        if not key.startswith(DELEGATED_ENV_PREFIX) or not isinstance(value, str):
+            raise ProtocolError(f"plugin run request: env may hold only CNI_* strings, not {key!r}")
+    if not isinstance(stdin, str) or not isinstance(own, bool):
+        raise ProtocolError("plugin run request: stdin must be a string and netns_is_own a boolean")
+    return PluginRunRequest(environ=env, stdin=stdin.encode("utf-8"), netns_is_own=own)
+
+
+def encode_outcome(outcome: Outcome) -> bytes:
+    """The reply plugin_handoff.decode_reply reads."""
+    reply = {
+        "exit_code": outcome.exit_code,
+        "stdout": outcome.stdout.decode("utf-8", "replace"),
+        "stderr": outcome.stderr.decode("utf-8", "replace"),
+    }
+    return json.dumps(reply).encode("utf-8")
+
+
+class AgentPodLookup:
+    """The plugin's `PodLookup` over the agent's pod cache, for a run in a worker thread: a pod the
+    watch has not delivered yet is fetched from the source on the agent's loop."""
+
+    __slots__ = ("source", "loop")
+
+    def __init__(self, source: PodSource, loop: asyncio.AbstractEventLoop) -> None:
+        self.source = source
+        self.loop = loop
+
+    def __repr__(self) -> str:
+        return f"AgentPodLookup({self.source!r})"
+
+    def get_pod(self, namespace: str, name: str) -> PodInfo | None:
+        pod = self.source.pod(namespace, name)
+        if pod is None:
+            future = asyncio.run_coroutine_threadsafe(self.source.fetch_pod(namespace, name), self.loop)
+            try:
+                pod = future.result(API_LOOKUP_TIMEOUT_S)
+            except TimeoutError:
+                future.cancel()
+                raise PodLookupError(
+                    f"the agent's pod source did not return pod {namespace}/{name} within "
+                    f"{API_LOOKUP_TIMEOUT_S:g}s"
+                ) from None
+        return None if pod is None else pod.info
+
+    def get_namespace(self, name: str) -> NamespaceInfo | None:
+        return self.source.namespace(name)
+
+
+class InProcessTransport:
+    """The plugin's `AgentTransport` for a run in a worker thread: its POST goes to this agent's
+    own handler on the agent's loop instead of over the event socket."""
+
+    __slots__ = ("server", "loop")
+
+    def __init__(self, server: CniPluginServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+
+    def __repr__(self) -> str:
+        return f"InProcessTransport({self.server.event_socket})"
+
+    def post(self, path: str, body: bytes, *, timeout_s: float) -> ClientResponse:
+        request = Request(method="POST", target=path, path=path, body=body)
+        future = asyncio.run_coroutine_threadsafe(self.server.handle(request), self.loop)
+        try:
+            response = future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the agent's add handler did not answer within {timeout_s:g}s") from None
+        return ClientResponse(status=int(response.status), body=response.body)
 
 
 class CniPluginServer:
@@ -141,27 +259,44 @@ class CniPluginServer:
         on_add: AddHandler,
         *,
         on_response: Callable[[int], None] | None = None,
+        run_socket: str | Path | None = None,
+        pods: PodSource | None = None,
     ) -> None:
         self.event_socket = Path(event_socket)
         self.log_socket = Path(log_socket) if log_socket is not None else None
+        # Plugin runs are served only with a pod cache to run them against.
+        self.run_socket = Path(run_socket) if run_socket is not None and pods is not None else None
+        self.pods = pods
         self._on_add = on_add
         self._on_response = on_response
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._runs: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runs_active = 0
         self.requests = 0
         self.log_lines = 0
+        self.plugin_runs = 0
+        self.plugin_runs_refused = 0
 
     def __repr__(self) -> str:
         state = "listening" if self._servers else "stopped"
         return f"CniPluginServer({self.event_socket}, {state}, {self.requests} requests, {len(self._tasks)} active)"
 
     async def start(self) -> None:
-        sockets = [self.event_socket] + ([self.log_socket] if self.log_socket is not None else [])
-        for path in sockets:
+        sockets: list[tuple[Path, Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]]]
+        sockets = [(self.event_socket, self._serve)]
+        if self.log_socket is not None:
+            sockets.append((self.log_socket, self._serve))
+        if self.run_socket is not None:
+            self._runs = concurrent.futures.ThreadPoolExecutor(
+                MAX_CONCURRENT_PLUGIN_RUNS, thread_name_prefix="plugin-run"
+            )
+            sockets.append((self.run_socket, self._serve_run))
+        for path, serve in sockets:
             path.parent.mkdir(mode=RUN_DIR_MODE, parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a previous agent's
-            server = await asyncio.start_unix_server(self._serve, path=str(path))
+            server = await asyncio.start_unix_server(serve, path=str(path))
             os.chmod(path, SOCKET_MODE)
             self._servers.append(server)
             log.info("CNI plugin server listening on %s", path)
@@ -176,10 +311,13 @@ class CniPluginServer:
         for server in servers:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
-        for path in (self.event_socket, self.log_socket):
+        for path in (self.event_socket, self.log_socket, self.run_socket):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
+        if self._runs is not None:
+            self._runs.shutdown(wait=False, cancel_futures=True)
+            self._runs = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -197,6 +335,66 @@ class CniPluginServer:
                 self.requests += 1
         finally:
             self._tasks.discard(task)
+
+    async def _serve_run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            if self._runs is None or self._runs_active >= MAX_CONCURRENT_PLUGIN_RUNS:
+                self.plugin_runs_refused += 1
+                log.warning(
+                    "plugin run refused: %d runs in flight (the plugin runs by itself)", self._runs_active
+                )
+                return
+            self._runs_active += 1
+            try:
+                reply = await self._run(reader)
+            finally:
+                self._runs_active -= 1
+            if reply is not None:
+                writer.write(reply)
+                await writer.drain()
+        except (ConnectionError, OSError) as exc:
+            log.warning("plugin run connection failed: %s", exc)
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _run(self, reader: asyncio.StreamReader) -> bytes | None:
+        try:
+            async with asyncio.timeout(REQUEST_READ_TIMEOUT_S):
+                data = await reader.read(MAX_PLUGIN_RUN_REQUEST_BYTES + 1)
+                while len(data) <= MAX_PLUGIN_RUN_REQUEST_BYTES and not reader.at_eof():
+                    data += await reader.read(MAX_PLUGIN_RUN_REQUEST_BYTES + 1 - len(data))
+            if len(data) > MAX_PLUGIN_RUN_REQUEST_BYTES:
+                raise ProtocolError(f"plugin run request is larger than {MAX_PLUGIN_RUN_REQUEST_BYTES} bytes")
+            request = decode_plugin_run(data)
+        except TimeoutError:
+            log.warning("plugin run request not complete within %gs", REQUEST_READ_TIMEOUT_S)
+            return None
+        except ProtocolError as exc:
+            log.warning("plugin run request rejected: %s", exc)
+            return None
+        pods = self.pods
+        assert self._runs is not None and pods is not None
+        loop = asyncio.get_running_loop()
+        plugin = Plugin(
+            lookup_factory=lambda _conf: AgentPodLookup(pods, loop),
+            transport_factory=lambda _path: InProcessTransport(self, loop),
+            same_netns=lambda _path: request.netns_is_own,
+        )
+        outcome = await loop.run_in_executor(self._runs, plugin.run, request.environ, request.stdin)
+        self.plugin_runs += 1
+        log.info(
+            "plugin run handed over: %s of container %s, exit %d",
+            request.environ.get("CNI_COMMAND", "?"),
+            request.environ.get("CNI_CONTAINERID", "?"),
+            outcome.exit_code,
+        )
+        level = outcome.conf.plugin_log_level if outcome.conf is not None else "info"
+        emit_plugin_records(plugin.log.lines(level))
+        return encode_outcome(outcome)
 
     async def handle(self, request: Request) -> Response:
         if request.path == UDS_LOG_PATH:
@@ -240,4 +438,4 @@ class CniPluginServer:
         return Response(status=HTTPStatus.OK)
 
 
-__all__ = ["CniAddHandler", "CniPluginServer", "emit_plugin_lines"]
+__all__ = ["AgentPodLookup", "CniAddHandler", "CniPluginServer", "InProcessTransport", "emit_plugin_lines"]

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import AmbientError, ConfigError, ProtocolError
 from .enablement import EnablementSelector, parse_enablement_selectors
+from .plugin_basics import DEFAULT_CNI_AGENT_RUN_DIR
 
 # Versions whose prevResult has the `ips[]` shape (0.3.0 onwards). 0.1.0/0.2.0 results
 # (`ip4`/`ip6`) are not accepted.
@@ -33,7 +34,6 @@ CURRENT_VERSION = "1.1.0"
 UNSPECIFIED_VERSION = "0.1.0"
 
 PLUGIN_TYPE = "istio-cni"
-DEFAULT_CNI_AGENT_RUN_DIR = "/var/run/istio-cni"
 CNI_EVENT_SOCKET_NAME = "pluginevent.sock"
 LOG_SOCKET_NAME = "log.sock"
 CNI_ADD_EVENT_PATH = "/cmdadd"

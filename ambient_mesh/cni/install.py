@@ -41,8 +41,9 @@ from typing import Any
 
 from ..errors import AmbientError
 from ..host.files import atomic_write
-from .cniconf import DEFAULT_CNI_AGENT_RUN_DIR, PLUGIN_TYPE
+from .cniconf import PLUGIN_TYPE
 from .enablement import DEFAULT_ENABLEMENT_SELECTORS, EnablementSelector
+from .plugin_basics import DEFAULT_CNI_AGENT_RUN_DIR
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,10 @@ def launcher_script(python: str = sys.executable, *, sys_path: Sequence[str] | N
     directories on the path directly, which starts faster; see bench/cni_plugin_bench.py.
     """
     if sys_path is None:
-        return f'#!/bin/sh\nexec {shlex.quote(python)} -I -m ambient_mesh.cni.plugin "$@"\n'
+        return f'#!/bin/sh\nexec {shlex.quote(python)} -I -m ambient_mesh.cni.plugin_handoff "$@"\n'
     code = (
         f"import sys; sys.path[:0] = {json.dumps(list(sys_path))}; "
-        "from ambient_mesh.cni.plugin import main; sys.exit(main())"
+        "from ambient_mesh.cni.plugin_handoff import main; sys.exit(main())"
     )
     return f'#!/bin/sh\nexec {shlex.quote(python)} -I -S -c {shlex.quote(code)} "$@"\n'
 

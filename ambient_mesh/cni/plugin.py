@@ -13,7 +13,9 @@ stdout carries only the CNI result or error object. Log lines are kept in memory
 run ends, POSTed to the agent's `<run dir>/log.sock` (`/log`, a JSON array of JSON-object
 strings); without that socket they go to stderr, and only at `plugin_log_level: debug`.
 
-The runtime starts a process per pod, so imports stay few: no asyncio, no logging, no HTTP
+The executable's entry is plugin_handoff.py: it hands the run to the node agent, which runs this
+module's `Plugin` over its pod cache (cni_server.py). This module runs in the plugin's own process
+only when the agent does not answer. Even then imports stay few: no asyncio, no logging, no HTTP
 library (the requests are written by hand), and YAML only when a pod must be looked up in a
 directory; `ssl` only when the API server is asked.
 """
@@ -59,6 +61,7 @@ from .cniconf import (
     version_tuple,
 )
 from .enablement import AmbientDecision, could_be_ambient, decide
+from .plugin_basics import MAX_PLUGIN_STDIN_BYTES, netns_is_own
 from .podinfo import (
     PLUGIN_KUBECONFIG_NAME,
     DirectoryPodLookup,
@@ -180,17 +183,6 @@ def default_lookup(conf: PluginConf) -> PodLookup:
     return KubeApiPodLookup(kubeconfig)
 
 
-def is_own_netns(path: str) -> bool:
-    """Whether `path` is the network namespace this process runs in (skel refuses that: the
-    agent would put redirection rules on the host)."""
-    try:
-        target = os.stat(path)
-        own = os.stat("/proc/self/ns/net")
-    except OSError:
-        return False
-    return (target.st_dev, target.st_ino) == (own.st_dev, own.st_ino)
-
-
 def _peek_version(stdin: bytes) -> str:
     try:
         version = json.loads(stdin).get("cniVersion")
@@ -210,7 +202,7 @@ class Plugin:
         lookup_factory: LookupFactory = default_lookup,
         transport_factory: TransportFactory = UnixHttpTransport,
         sleep: Callable[[float], None] = time.sleep,
-        same_netns: Callable[[str], bool] = is_own_netns,
+        same_netns: Callable[[str], bool] = netns_is_own,
         log: PluginLog | None = None,
     ) -> None:
         self.log = log if log is not None else PluginLog()
@@ -235,6 +227,12 @@ class Plugin:
             env = parse_env(environ)
             if env.command == "VERSION":
                 return Outcome(exit_code=0, stdout=render_version())
+            if len(stdin) > MAX_PLUGIN_STDIN_BYTES:
+                raise CniError(
+                    ErrorCode.INVALID_NETWORK_CONFIG,
+                    "invalid network config",
+                    f"the config on stdin is larger than {MAX_PLUGIN_STDIN_BYTES} bytes",
+                )
             conf = parse_plugin_conf(stdin)
             if env.command in ("ADD", "CHECK"):
                 validate_container_id(env.container_id)
@@ -398,11 +396,14 @@ class Plugin:
                 pass
 
 
-def main() -> int:
+def main(stdin: bytes | None = None) -> int:
+    """Run here; `stdin` when plugin_handoff has read it already."""
     environ = os.environ
     command = environ.get("CNI_COMMAND", "")
-    # VERSION's stdin is ignored (skel does the same); reading a terminal by hand would block.
-    stdin = sys.stdin.buffer.read() if command and command != "VERSION" else b""
+    if stdin is None:
+        # VERSION's stdin is ignored (skel does the same); reading a terminal by hand would block.
+        wanted = command and command != "VERSION"
+        stdin = sys.stdin.buffer.read(MAX_PLUGIN_STDIN_BYTES + 1) if wanted else b""
     plugin = Plugin()
     outcome = plugin.run(environ, stdin)
     if outcome.stdout:
@@ -413,7 +414,3 @@ def main() -> int:
         sys.stderr.buffer.flush()
     plugin.flush_log(outcome)
     return outcome.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

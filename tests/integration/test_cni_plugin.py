@@ -8,7 +8,6 @@ import asyncio
 import io
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.plugin import Plugin, PluginLog
 from ambient_mesh.cni.podinfo import NamespaceInfo, PodInfo, PodLookupError
 from ambient_mesh.http1 import ClientResponse
+from tests.integration.cni_plugin_run import POD_YAML, run_plugin
 
 AMBIENT = {"istio.io/dataplane-mode": "ambient"}
 PREV = {
@@ -287,26 +287,6 @@ def test_arbitrary_input_gives_a_result_or_our_error(command, cni_args, data):
 
 # -- subprocess, against a fake agent socket ------------------------------------------------------
 
-POD_YAML = """\
-apiVersion: v1
-kind: Namespace
-metadata: {name: apps, labels: {istio.io/dataplane-mode: ambient}}
----
-apiVersion: v1
-kind: Namespace
-metadata: {name: plain}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: web-0, namespace: apps}
-spec: {containers: [{name: app}]}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: db-0, namespace: plain}
-spec: {containers: [{name: app}]}
-"""
-
 
 class FakeAgent:
     """The node agent's plugin-facing sockets: /cmdadd on pluginevent.sock, /log on log.sock."""
@@ -354,21 +334,6 @@ def run_dir():
     (d / "pods" / "objects.yaml").write_text(POD_YAML)
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-async def run_plugin(environ, data: bytes) -> tuple[int, bytes, bytes]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-I",
-        "-m",
-        "ambient_mesh.cni.plugin",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=environ,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(data), timeout=30)
-    return proc.returncode, out, err
 
 
 def plugin_stdin(run_dir: Path, **extra) -> bytes:

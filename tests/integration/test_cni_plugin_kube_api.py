@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from ambient_mesh.cni.cniconf import ErrorCode
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.kubeconfig import KubeconfigInputs, KubeconfigWriter
 from ambient_mesh.cni.podinfo import PLUGIN_KUBECONFIG_NAME
+from tests.integration.cni_plugin_run import run_plugin
 
 from .kube_fake import FakeApiServer, api_tls, self_signed
 
@@ -28,7 +28,6 @@ PREV = {
     "interfaces": [{"name": "eth0", "sandbox": "/var/run/netns/cni-1"}],
     "ips": [{"address": "10.244.1.5/24", "gateway": "10.244.1.1", "interface": 0}],
 }
-PLUGIN_TIMEOUT_S = 30
 
 
 def pod(name: str, namespace: str, labels: dict | None = None) -> dict:
@@ -103,19 +102,9 @@ def plugin_stdin(run_dir: Path) -> bytes:
     ).encode()
 
 
-async def run_plugin(environ: dict[str, str], data: bytes) -> tuple[int, dict, bytes]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-I",
-        "-m",
-        "ambient_mesh.cni.plugin",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=environ,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(data), timeout=PLUGIN_TIMEOUT_S)
-    return proc.returncode, json.loads(out), err
+async def run_plugin_json(environ: dict[str, str], data: bytes) -> tuple[int, dict, bytes]:
+    code, out, err = await run_plugin(environ, data)
+    return code, json.loads(out), err
 
 
 class Node:
@@ -162,7 +151,7 @@ async def world():
 
 async def test_ambient_pod_is_looked_up_and_handed_to_the_agent(world):
     api, node, agent = world
-    code, out, err = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, err = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, out, err) == (0, PREV, b"")
     assert api.gets() == ["/api/v1/namespaces/apps", "/api/v1/namespaces/apps/pods/web-0"]
     assert set(api.authorizations) == {"Bearer tok-1"}
@@ -174,7 +163,7 @@ async def test_ambient_pod_is_looked_up_and_handed_to_the_agent(world):
 @pytest.mark.parametrize(("name", "ns"), [("opt-out", "apps"), ("db-0", "plain")])
 async def test_non_ambient_pod_is_not_handed_over(world, name, ns):
     api, node, agent = world
-    code, out, _ = await run_plugin(cni_env(name, ns), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env(name, ns), plugin_stdin(node.run_dir))
     assert (code, out, agent.adds()) == (0, PREV, [])
     assert api.gets()[-1] == f"/api/v1/namespaces/{ns}/pods/{name}"
 
@@ -182,7 +171,7 @@ async def test_non_ambient_pod_is_not_handed_over(world, name, ns):
 async def test_api_server_down_fails_closed(world):
     api, node, agent = world
     await api.stop()
-    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert code == 1 and agent.adds() == []
     assert (out["cniVersion"], out["code"]) == ("1.0.0", int(ErrorCode.TRY_AGAIN_LATER))
     assert out["msg"] == "istio-cni cmdAdd failed to decide whether the pod is ambient"
@@ -192,11 +181,11 @@ async def test_api_server_down_fails_closed(world):
 async def test_rotated_token_fails_closed_until_the_agent_rewrites_the_kubeconfig(world):
     api, node, agent = world
     api.token = "tok-2"  # the API server no longer accepts the old token
-    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, agent.adds()) == (1, []) and "answered 401" in out["details"]
     (node.sa / "token").write_text("tok-2")  # kubelet rotated the projected token
     assert node.writer.sync() is True
-    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, out, [a["PodName"] for a in agent.adds()]) == (0, PREV, ["web-0"])
 
 
@@ -205,7 +194,7 @@ async def test_untrusted_api_server_certificate_fails_closed(world):
     other_ca, _ = self_signed("someone-else")
     (node.sa / "ca.crt").write_bytes(other_ca)
     node.writer.sync()
-    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, agent.adds()) == (1, []) and "CERTIFICATE_VERIFY_FAILED" in out["details"]
     assert api.gets() == []
 
@@ -213,6 +202,6 @@ async def test_untrusted_api_server_certificate_fails_closed(world):
 async def test_missing_kubeconfig_fails_closed(world):
     api, node, agent = world
     node.writer.remove()
-    code, out, _ = await run_plugin(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
+    code, out, _ = await run_plugin_json(cni_env("web-0", "apps"), plugin_stdin(node.run_dir))
     assert (code, agent.adds(), api.requests) == (1, [], [])
     assert "istio-cni-kubeconfig does not exist" in out["details"]

@@ -321,6 +321,8 @@ async def test_2_cni_add_enrolls_pod(scenario, proxies):
     result = await scenario.cni_add("pa")
     assert result.returncode == 0, (result.stdout, result.stderr, scenario.agent_log()[-3000:])
     assert json.loads(result.stdout)["ips"][0]["address"] == f"{scenario.ip('pa')}/24"
+    # the installed plugin handed the run to the agent (plugin_handoff.py) rather than deciding itself
+    assert "plugin run handed over: ADD of container sandbox-pa, exit 0" in scenario.agent_log()
     rules = scenario.istio_rules("pa")
     assert (
         "-A ISTIO_OUTPUT ! -d 127.0.0.1/32 -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001"

@@ -136,7 +136,7 @@ def test_validity_and_primary_selection():
 def test_launcher_scripts():
     assert (
         launcher_script("/venv/bin/python")
-        == '#!/bin/sh\nexec /venv/bin/python -I -m ambient_mesh.cni.plugin "$@"\n'
+        == '#!/bin/sh\nexec /venv/bin/python -I -m ambient_mesh.cni.plugin_handoff "$@"\n'
     )
     fast = launcher_script("/v/python", sys_path=["/src"])
     assert fast.startswith("#!/bin/sh\nexec /v/python -I -S -c ")

@@ -75,3 +75,36 @@ def test_no_plugin_module_imports_an_excluded_module_lazily():
 def test_seeded_excluded_import_is_caught():
     assert is_excluded("asyncio.events", excluded_modules())
     assert not is_excluded("asynciox", excluded_modules())
+
+
+# What the handoff may not load: each costs the start-up an ADD is measured by
+# (bench/cni_plugin_bench.py); the whole plugin loads them only when the agent does not answer.
+HEAVY_FOR_THE_HANDOFF = (
+    "dataclasses",
+    "typing",
+    "inspect",
+    "ast",
+    "ssl",
+    "yaml",
+    "asyncio",
+    "http",
+    "logging",
+)
+
+
+def test_the_handoff_loads_only_what_sending_a_run_needs():
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); before = set(sys.modules); "
+        "import ambient_mesh.cni.plugin_handoff; print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    ours = [m for m in loaded if m.startswith("ambient_mesh")]
+    assert ours == [
+        "ambient_mesh",
+        "ambient_mesh.cni",
+        "ambient_mesh.cni.plugin_basics",
+        "ambient_mesh.cni.plugin_handoff",
+    ]
+    heavy = [m for m in loaded if m.split(".")[0] in HEAVY_FOR_THE_HANDOFF]
+    assert heavy == [], f"plugin_handoff imports {heavy}: the handoff's start-up grows"
