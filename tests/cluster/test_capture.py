@@ -61,8 +61,11 @@ def test_ambient_pod_is_captured_by_the_chained_plugin(cluster):
     logs = cluster.kubectl("logs", "-n", "istio-system", "-l", "k8s-app=istio-cni-node", "--tail=-1")
     plugin_lines = [line for line in logs.splitlines() if "server" in line and ns in line]
     assert plugin_lines, logs[-3000:]
+    # the frozen plugin handed its run to the agent (plugin_handoff.py), not deciding by itself
+    handed = [line for line in logs.splitlines() if "plugin run handed over: ADD" in line]
+    assert handed, logs[-3000:]
     print(f"\n{ns}/server: {REDIRECTION}=enabled; in-pod rules present; agent log:")
-    print("\n".join(plugin_lines[-4:]))
+    print("\n".join(plugin_lines[-4:] + handed[-1:]))
 
 
 def test_non_ambient_pod_is_not_captured(cluster):
