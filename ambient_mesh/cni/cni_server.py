@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -273,6 +274,9 @@ class CniPluginServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._runs: concurrent.futures.ThreadPoolExecutor | None = None
         self._runs_active = 0
+        # Set at stop: a run's retry sleep in its thread then returns at once (its lookups and
+        # its add then fail with the loop gone, and the run ends with an error object).
+        self._stopping = threading.Event()
         self.requests = 0
         self.log_lines = 0
         self.plugin_runs = 0
@@ -288,6 +292,7 @@ class CniPluginServer:
         if self.log_socket is not None:
             sockets.append((self.log_socket, self._serve))
         if self.run_socket is not None:
+            self._stopping.clear()
             self._runs = concurrent.futures.ThreadPoolExecutor(
                 MAX_CONCURRENT_PLUGIN_RUNS, thread_name_prefix="plugin-run"
             )
@@ -316,6 +321,7 @@ class CniPluginServer:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
         if self._runs is not None:
+            self._stopping.set()
             self._runs.shutdown(wait=False, cancel_futures=True)
             self._runs = None
 
@@ -383,6 +389,7 @@ class CniPluginServer:
             lookup_factory=lambda _conf: AgentPodLookup(pods, loop),
             transport_factory=lambda _path: InProcessTransport(self, loop),
             same_netns=lambda _path: request.netns_is_own,
+            sleep=self._stopping.wait,
         )
         outcome = await loop.run_in_executor(self._runs, plugin.run, request.environ, request.stdin)
         self.plugin_runs += 1

@@ -201,7 +201,7 @@ class Plugin:
         *,
         lookup_factory: LookupFactory = default_lookup,
         transport_factory: TransportFactory = UnixHttpTransport,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
         same_netns: Callable[[str], bool] = netns_is_own,
         log: PluginLog | None = None,
     ) -> None:
