@@ -30,7 +30,7 @@ from ambient_mesh.cni.cni_server import CniAddHandler, CniPluginServer
 from ambient_mesh.cni.cniconf import CniAddEvent, IPConfig, encode_add_event
 from ambient_mesh.cni.dataplane import DataplaneError
 from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
-from ambient_mesh.cni.informer import Enablement
+from ambient_mesh.cni.informer import Enablement, PodAction
 from ambient_mesh.cni.install import Installer, PluginInstall, plugin_entry
 from ambient_mesh.cni.netns_discovery import NetnsCandidate
 from ambient_mesh.cni.plugin import Plugin, UnixHttpTransport
@@ -311,7 +311,7 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 
 @pytest.fixture
-async def agent_world(short_dir):
+async def agent_world(short_dir, request):
     for d in ("net.d", "bin", "pods"):
         (short_dir / d).mkdir()
     write_pods(short_dir / "pods", {"name": "web"})
@@ -331,6 +331,12 @@ async def agent_world(short_dir):
         },
         hostname="h",
     )
+    # An enrollment state left by a previous agent (indirect parametrization): it must exist
+    # before the pod source is built, which reads it once, as a restarted agent's source does.
+    left_state = getattr(request, "param", {}).get("enrollment_state")
+    if left_state is not None:
+        cfg.cni_agent_run_dir.mkdir(parents=True)
+        cfg.enrollment_state_file.write_text(json.dumps(left_state))
     source = DirectoryPodSource(
         cfg.pod_source_directory,
         node_name=cfg.node_name,
@@ -471,14 +477,16 @@ async def test_agent_upgrade_shutdown_keeps_the_plugin(agent_world):
     assert not probe.destroyed
 
 
+@pytest.mark.parametrize(
+    "agent_world",
+    [{"enrollment_state": {"pods": {"uid-web": {"value": "enabled", "namespace": "demo", "name": "web"}}}}],
+    indirect=True,
+)
 async def test_agent_restores_enrolled_pods_before_serving_node_proxies(agent_world):
     agent, cfg, proxies, client, probe, runner = agent_world
+    assert agent.source.state.marks() == {"uid-web": "enabled"}  # the state the source started from
     (cfg.mounted_cni_net_dir / "10-net.conflist").write_text(
         json.dumps({"cniVersion": "0.3.1", "name": "net", "plugins": [{"type": "bridge"}]})
-    )
-    cfg.cni_agent_run_dir.mkdir(parents=True)
-    cfg.enrollment_state_file.write_text(
-        json.dumps({"pods": {"uid-web": {"value": "enabled", "namespace": "demo", "name": "web"}}})
     )
 
     class ProcHasIt:
@@ -489,10 +497,26 @@ async def test_agent_restores_enrolled_pods_before_serving_node_proxies(agent_wo
             }
 
     agent.dataplane.locator = ProcHasIt()
+    # What the probe set held when the node proxy was handed each pod.
+    probe_when_started: dict[str, dict] = {}
+    start_proxy = proxies.start_proxy
+
+    async def recording_start_proxy(uid, info, netns_fd):
+        probe_when_started[uid] = dict(probe.members)
+        await start_proxy(uid, info, netns_fd)
+
+    proxies.start_proxy = recording_start_proxy
+    client.start()  # already dialling (and retrying) while the agent starts, as a node proxy would
     await agent.start()
-    client.start()
     await wait_until(lambda: "uid-web" in proxies.running, "snapshot delivered")
+    # Restored before the ZDS server listened: the node proxy's snapshot had the pod, and the
+    # probe set held it by then.
+    assert probe_when_started == {"uid-web": {ipaddress.ip_address("10.1.0.99"): "uid-web"}}
     assert probe.members == {ipaddress.ip_address("10.1.0.99"): "uid-web"}
     assert any(c.argv[0] == "iptables-restore" for c in runner.calls)  # reconciled on start
+    # The start-up pass finds the pod already enrolled: it came back through the restore and the
+    # snapshot, not through a fresh ADD (whose node proxy call precedes its probe set write).
+    await wait_until(lambda: ("demo", "web") in agent.informer.last_actions, "start-up pass")
+    assert agent.informer.last_actions[("demo", "web")] is PodAction.NONE
     with contextlib.suppress(Exception):
         await agent.shutdown(upgrade=True)
