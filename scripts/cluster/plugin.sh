@@ -20,7 +20,7 @@ mkdir -p "$P"
 # (deploy/plugin/excludes.txt says why, and a unit test holds the plugin to it).
 mapfile -t EXCLUDES < <(grep -v '^\s*\(#\|$\)' deploy/plugin/excludes.txt)
 
-stamp=$( { echo "$PYINSTALLER_VERSION ${EXCLUDES[*]}"; python3 -VV;
+stamp=$( { echo "$PYINSTALLER_VERSION ${EXCLUDES[*]}"; python3 -VV; sed -n '/^sed -i/p' "$0";
   cat deploy/plugin/istio-cni.py; find ambient_mesh -name '*.py' | sort | xargs cat; } | sha256sum | cut -c1-16)
 if [ -x "$OUT/istio-cni" ] && [ "$(cat "$P/dist/.stamp" 2>/dev/null)" = "$stamp" ]; then
   [ "${1:-}" = --print-dir ] && echo "$OUT" || echo "plugin: cached $OUT"
@@ -37,9 +37,16 @@ t0=$(date +%s)
 args=()
 for m in "${EXCLUDES[@]}"; do args+=(--exclude-module "$m"); done
 rm -rf "$P/work" "$P/dist.new"
-"$P/venv/bin/pyinstaller" -y --log-level WARN --onedir --strip --name istio-cni "${args[@]}" \
-  --paths "$PWD" --distpath "$P/dist.new" --workpath "$P/work" --specpath "$P/work" \
-  deploy/plugin/istio-cni.py >&2
+mkdir -p "$P/work"
+"$P/venv/bin/pyi-makespec" --log-level WARN --onedir --strip --name istio-cni "${args[@]}" \
+  --paths "$PWD" --specpath "$P/work" deploy/plugin/istio-cni.py >/dev/null
+# PyInstaller adds a runtime hook that imports `inspect` (with ast, dis, tokenize...) at every
+# start, so that inspect can find the source of frozen modules; nothing here asks for source,
+# and the import is about a third of a handed-over ADD's CPU (bench/cni_plugin_bench.py).
+sed -i 's/^pyz = PYZ(a.pure)$/a.scripts = [s for s in a.scripts if s[0] != "pyi_rth_inspect"]\n&/' "$P/work/istio-cni.spec"
+grep -q pyi_rth_inspect "$P/work/istio-cni.spec" || { echo "plugin.sh: the spec's PYZ line moved; fix the runtime-hook filter" >&2; exit 1; }
+"$P/venv/bin/pyinstaller" -y --log-level WARN --distpath "$P/dist.new" --workpath "$P/work" "$P/work/istio-cni.spec" >&2
+! grep -aq pyi_rth_inspect "$P/dist.new/istio-cni/istio-cni" || { echo "plugin.sh: the inspect runtime hook is still in the bundle" >&2; exit 1; }
 # the bundle must answer VERSION before it replaces the cached one
 CNI_COMMAND=VERSION "$P/dist.new/istio-cni/istio-cni" | grep -q supportedVersions
 rm -rf "$P/dist"; mv "$P/dist.new" "$P/dist"; echo "$stamp" > "$P/dist/.stamp"
