@@ -479,6 +479,13 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_user_cpu_s(pid: int) -> float:
+    """utime of a process (all its threads), in seconds: the interpreter's share, without the kernel's."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -1058,8 +1065,10 @@ class Bench:
 
     def latency(self, mode: str, layout: str) -> None:
         self.apply_layout(layout)
+        pids = self.topo.pids(mode)
+        user0 = {name: proc_user_cpu_s(pid) for name, pid in pids.items()}
         try:
-            result = self.run_client(
+            result, cpu = self.measured(
                 mode,
                 "--test",
                 "latency",
@@ -1072,6 +1081,13 @@ class Bench:
             )
         finally:
             self.apply_layout("spread")
+        if mode != "direct":
+            # CPU per round trip is steadier than the wall-clock percentiles on a shared host; the
+            # client run does the warm-up round trips too, so they are counted.
+            trips = self.args.round_trips + self.args.warmup
+            user = {name: proc_user_cpu_s(pid) - user0[name] for name, pid in pids.items()}
+            result["proxy_cpu_us_per_rt"] = {k: v * 1e6 / trips for k, v in cpu.items()}
+            result["proxy_user_cpu_us_per_rt"] = {k: v * 1e6 / trips for k, v in user.items()}
         self.record(f"latency/{layout}", mode, result)
 
     def connections(self, mode: str, layout: str) -> None:
@@ -1296,6 +1312,12 @@ def ratios_to_envoy(test: str, per_mode: dict) -> dict:
             "p50_us": same_round_ratio(per_mode, "hbone", lambda r: r["p50_us"], base="envoy"),
             "added_p50_us": added_ratio_to_envoy(per_mode, "p50_us"),
             "added_p99_us": added_ratio_to_envoy(per_mode, "p99_us"),
+            "proxy_cpu_us_per_rt": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["proxy_cpu_us_per_rt"]), base="envoy"
+            ),
+            "proxy_user_cpu_us_per_rt": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["proxy_user_cpu_us_per_rt"]), base="envoy"
+            ),
         }
     if test.startswith("connections"):
         return {
@@ -1345,6 +1367,9 @@ def summarize(results: dict) -> dict:
                     s[p] = spread([r[p] for r in rounds])
                 s["added_p50_us"] = same_round_delta(per_mode, mode, lambda r: r["p50_us"])
                 s["added_p99_us"] = same_round_delta(per_mode, mode, lambda r: r["p99_us"])
+                for key in ("proxy_cpu_us_per_rt", "proxy_user_cpu_us_per_rt"):
+                    if key in rounds[0]:
+                        s[key] = {k: statistics.median(r[key][k] for r in rounds) for k in rounds[0][key]}
             elif test.startswith("connections"):
                 s["conn_s"] = spread([r["conn_s"] for r in rounds])
                 s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["conn_s"])
@@ -1383,6 +1408,13 @@ def _per_proxy(d: dict | None, fmt: str) -> str:
     if not d:
         return "–"
     return " / ".join(f"{k} {fmt.format(v)}" for k, v in sorted(d.items()))
+
+
+def _cpu_per_rt(s: dict) -> str:
+    cpu, user = s.get("proxy_cpu_us_per_rt"), s.get("proxy_user_cpu_us_per_rt")
+    if not cpu or not user:
+        return "–"
+    return " / ".join(f"{k} {cpu[k]:.0f} ({user[k]:.0f})" for k in sorted(cpu))
 
 
 def _envoy_ratios(s: dict, keys: tuple[str, ...]) -> str:
@@ -1441,6 +1473,8 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 "added p50 vs direct",
                 "added p99 vs direct",
                 "ours / Envoy: added p50, added p99",
+                "proxy CPU µs per round trip (user)",
+                "ours / Envoy: CPU, user CPU",
             ):
                 t.add_column(col)
             for mode, s in per_mode.items():
@@ -1452,6 +1486,8 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     _opt(s["added_p50_us"], "{:+.1f}"),
                     _opt(s["added_p99_us"], "{:+.1f}"),
                     _envoy_ratios(s, ("added_p50_us", "added_p99_us")),
+                    _cpu_per_rt(s),
+                    _envoy_ratios(s, ("proxy_cpu_us_per_rt", "proxy_user_cpu_us_per_rt")),
                 )
         elif test.startswith("connections"):
             t = Table(

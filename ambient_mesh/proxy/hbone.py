@@ -188,10 +188,22 @@ class HboneStream(Endpoint):
     def write(self, data: bytes) -> None:
         if self._reset is not None or self._end_sent:
             return
-        if self._pending:
+        conn = self.conn
+        if not self._pending and not self._blocked and not conn._write_paused:
+            # The common case, `pump`'s first step without its bookkeeping: the window takes the
+            # whole chunk and it goes out now (one call fewer per message than through `pump`).
+            try:
+                taken = conn.core.send_data(self.stream_id, data)
+            except StreamClosedError:
+                taken = 0  # `pump` reports it
+            if taken == len(data):
+                conn.flush()
+                return
+            data = memoryview(data)[taken:] if taken else data
+        elif self._pending:
             self._pending += data
             data = b""
-        self.conn.pump(self, data)
+        conn.pump(self, data)
 
     def write_eof(self) -> None:
         if self._reset is not None or self._end_sent:
@@ -233,7 +245,10 @@ class HboneStream(Endpoint):
             self._held.append((data, len(data)))  # credit is returned when a relay takes them
             return
         relay.data_from(self, data)
-        self._credit(len(data))
+        if self._ack_paused:  # `_credit`, inlined: this runs once per DATA frame
+            self._unacked += len(data)
+        else:
+            self.conn.core.acknowledge(self.stream_id, len(data))
 
     def on_end(self) -> None:
         self._remote_ended = True

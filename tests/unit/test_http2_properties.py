@@ -129,6 +129,58 @@ def test_any_frame_sequence_keeps_the_core_bounded_and_credit_conserved(data, cl
     assert core.buffered_bytes == 0
 
 
+def _general_path_only(core: Connection) -> Connection:
+    core._data_fast = lambda *_args: False  # every DATA frame through _frame_start/_data_target
+    return core
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.booleans())
+def test_whole_data_frame_fast_path_matches_the_general_path(data, client_side):
+    """The same wire, cut the same way, into a core with its one-read DATA fast path and one
+    without: the same events, bytes out, credit, windows and termination."""
+    settings_ = CoreSettings(client_side=client_side, stream_window_bytes=60_000, max_concurrent_streams=None)
+    fast, slow = Connection(settings_, now=0.0), _general_path_only(Connection(settings_, now=0.0))
+    encoder = hpack.Encoder()
+    wire = bytearray() if client_side else bytearray(f.CLIENT_PREFACE)
+    wire += f.settings_frame({})
+    if not client_side:
+        wire += f.header_block_frames(1, encoder.encode(CONNECT), False, f.DEFAULT_MAX_FRAME_BYTES)[0]
+    for core in (fast, slow):
+        core.initiate(0.0)
+        if client_side:
+            core.send_request(CONNECT)
+    for _ in range(data.draw(st.integers(1, 30))):
+        if data.draw(st.integers(0, 3)):
+            sid = data.draw(st.sampled_from([1, 1, 1, 3, 0]))
+            flags = data.draw(st.sampled_from([0, 0, 0, 1, 8, 0x20]))
+            payload = b"d" * data.draw(st.sampled_from([0, 1, 1, 9, 700, 16384, 20_000, 70_000]))
+            wire += f.frame_header(len(payload), f.DATA, flags, sid) + payload
+        else:
+            wire += data.draw(frames(encoder))
+        if data.draw(st.booleans()):
+            cut = data.draw(st.integers(0, len(wire)))
+            chunk, wire[:] = bytes(wire[:cut]), wire[cut:]
+            got = [
+                [
+                    (type(e), getattr(e, "stream_id", None), bytes(getattr(e, "data", b"")))
+                    for e in core.receive(chunk, 0.0)
+                ]
+                for core in (fast, slow)
+            ]
+            assert got[0] == got[1]
+            for core in (fast, slow):
+                for sid, n in [(e[1], len(e[2])) for e in got[0] if e[0] is ev.DataReceived]:
+                    core.acknowledge(sid, n)
+        out = [b"".join(bytes(p) for p in core.data_to_send()) for core in (fast, slow)]
+        assert out[0] == out[1]
+        assert fast.credit_balance() == slow.credit_balance()
+        assert [(s.sid, s.recv_window, s.unacked, s.remote_closed) for s in fast.streams.values()] == [
+            (s.sid, s.recv_window, s.unacked, s.remote_closed) for s in slow.streams.values()
+        ]
+        assert fast.terminated == slow.terminated
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

@@ -79,6 +79,10 @@ from .events import (
 from .hpack_block import BlockDecoder, BlockEncoder, HeaderListTooLarge, HpackError
 
 E = f.ErrorCode
+_unpack_header = f.HEADER.unpack_from
+_pack_header = f.HEADER.pack
+_DATA = f.DATA
+_NOT_END_STREAM = 0xFF & ~f.FLAG_END_STREAM
 
 # Header blocks: encoded bytes may exceed the decoded list only by padding (<= 256 per HEADERS
 # frame), priority fields and table size updates; Huffman is only used when it is shorter.
@@ -229,6 +233,12 @@ class Connection:
         self._preface_left = b"" if settings.client_side else f.CLIENT_PREFACE
         self._got_settings = False
         self._buf = bytearray()
+        self._max_frame_in = settings.max_frame_bytes
+        # Credit is returned once 1/8 of a window is owed or less than half of it is left.
+        self._stream_credit_step = settings.stream_window_bytes >> 3
+        self._stream_credit_floor = settings.stream_window_bytes >> 1
+        self._connection_credit_step = settings.connection_window_bytes >> 3
+        self._connection_credit_floor = settings.connection_window_bytes >> 1
         self._hdr: tuple[int, int, int, int] | None = None  # frame whose payload is being buffered
         self._data_left = 0
         self._data_stream: _Stream | None = None
@@ -359,8 +369,15 @@ class Connection:
                 self._feed(data)
             except _ConnectionError as e:
                 self._terminate(e.code, str(e))
-            self._flush_credit()
-        return self.take_events()
+            if self._recv_credit:
+                self._flush_credit()
+        events = self._events
+        if not events:
+            return []
+        if self._fresh or self._nulled:
+            return self.take_events()
+        self._events = []
+        return cast(list[Event], events)
 
     def handle_timeout(self, now: float) -> list[Event]:
         """Run the keepalive and drain timers that are due at `now`."""
@@ -526,13 +543,17 @@ class Connection:
         if n <= 0:
             return 0
         frozen: bytes | memoryview | None = (
-            data if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly) else None
+            data if type(data) is bytes or (isinstance(data, memoryview) and data.readonly) else None
         )
         max_frame = self._peer_max_frame
         outbox = self._outbox
         if n == size and n <= max_frame:
-            outbox.append(f.frame_header(n, f.DATA, 0, sid))
-            outbox.append(frozen if frozen is not None else bytes(data))
+            header = _pack_header(n >> 16, n & 0xFFFF, _DATA, 0, sid)
+            if n < COALESCE_BELOW_BYTES:
+                outbox.append(header + data)  # one piece: data_to_send need not join it
+            else:
+                outbox.append(header)
+                outbox.append(frozen if frozen is not None else bytes(data))
             self._data_frames_sent += 1
         else:
             view = memoryview(data)
@@ -574,17 +595,25 @@ class Connection:
         s = self.streams.get(sid)
         if s is None or n <= 0 or self.terminated is not None:
             return  # gone streams already gave their credit back
-        n = min(n, s.unacked)
-        if not n:
-            return
+        if n > s.unacked:
+            n = s.unacked
+            if not n:
+                return
         s.unacked -= n
-        self._recv_credit += n
+        credit = self._recv_credit + n
+        self._recv_credit = credit
         if not s.remote_closed:
-            try:
-                self._stream_credit(s, n)
-            except _ConnectionError:
-                return  # outbox overflow: the connection is terminated
-        self._flush_credit()
+            # `_stream_credit`'s rule inlined for the common case that owes no frame yet.
+            stream_credit = s.recv_credit + n
+            if stream_credit < self._stream_credit_step and s.recv_window >= self._stream_credit_floor:
+                s.recv_credit = stream_credit
+            else:
+                try:
+                    self._stream_credit(s, n)
+                except _ConnectionError:
+                    return  # outbox overflow: the connection is terminated
+        if credit >= self._connection_credit_step or self._recv_window < self._connection_credit_floor:
+            self._flush_credit()
 
     def start_drain(self, now: float) -> None:
         """Graceful shutdown: no new streams; open ones finish; terminated when none is left."""
@@ -712,8 +741,7 @@ class Connection:
         credit = self._recv_credit
         if not credit or self.terminated is not None:
             return
-        target = self.settings.connection_window_bytes
-        if credit >= target >> 3 or self._recv_window < target >> 1:
+        if credit >= self._connection_credit_step or self._recv_window < self._connection_credit_floor:
             self._recv_credit = 0
             self._recv_window += credit
             try:
@@ -724,8 +752,7 @@ class Connection:
     def _stream_credit(self, s: _Stream, n: int) -> None:
         """The same rule for one stream's window (raises on outbox overflow)."""
         credit = s.recv_credit + n
-        target = self.settings.stream_window_bytes
-        if credit >= target >> 3 or s.recv_window < target >> 1:
+        if credit >= self._stream_credit_step or s.recv_window < self._stream_credit_floor:
             s.recv_credit = 0
             s.recv_window += credit
             self._queue_control(f.window_update_frame(s.sid, credit))
@@ -783,7 +810,22 @@ class Connection:
                     buf += data[pos:]
                     return
                 else:
-                    header = f.parse_frame_header(data, pos)
+                    hi, lo, ftype, flags, sid = _unpack_header(data, pos)
+                    length = (hi << 16) | lo
+                    sid &= 0x7FFFFFFF  # the reserved bit is ignored (RFC 9113 4.1)
+                    end = pos + f.FRAME_HEADER_BYTES + length
+                    if (
+                        ftype == _DATA
+                        and end <= n
+                        and 0 < length <= self._max_frame_in
+                        and not flags & _NOT_END_STREAM
+                        and self._block is None
+                        and self._got_settings
+                        and self._data_fast(data, pos + f.FRAME_HEADER_BYTES, end, flags, sid)
+                    ):
+                        pos = end
+                        continue
+                    header = (length, ftype, flags, sid)
                     pos += f.FRAME_HEADER_BYTES
                 self._frame_start(*header)
                 continue
@@ -951,6 +993,32 @@ class Connection:
             return None
         s.recv_window -= length
         return s
+
+    def _data_fast(self, data: bytes, start: int, end: int, flags: int, sid: int) -> bool:
+        """One whole unpadded DATA frame within one read, for an open stream with window for it:
+        the checks of `_frame_start` and `_data_target` for that case in one call (small messages
+        arrive so, one frame per TLS record; the general path cost six calls per frame). False
+        leaves the frame to the general path, which raises whatever error it is."""
+        s = self.streams.get(sid)
+        length = end - start
+        if s is None or s.remote_closed or length > self._recv_window or length > s.recv_window:
+            return False
+        self._empty_run = 0
+        self._recv_window -= length
+        s.recv_window -= length
+        s.unacked += length
+        event = DataReceived(
+            sid, data[start:end] if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
+        )
+        if self._fresh:
+            self._emit(event)
+        else:
+            self._events.append(event)
+        if flags:  # END_STREAM, the only flag let through
+            s.remote_closed = True
+            self._emit(StreamEnded(sid))
+            self._maybe_close(s)
+        return True
 
     def _data_begin(self, length: int, flags: int, sid: int) -> None:
         s = self._data_target(length, flags, sid)

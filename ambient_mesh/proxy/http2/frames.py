@@ -94,19 +94,19 @@ class Setting(enum.IntEnum):
     ENABLE_CONNECT_PROTOCOL = 0x8
 
 
-_HEADER = struct.Struct(">BHBBI")
+HEADER = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
 _U32 = struct.Struct(">I")
 _SETTING = struct.Struct(">HI")
 _GOAWAY = struct.Struct(">II")
 
 
 def frame_header(length: int, frame_type: int, flags: int, stream_id: int) -> bytes:
-    return _HEADER.pack(length >> 16, length & 0xFFFF, frame_type, flags, stream_id)
+    return HEADER.pack(length >> 16, length & 0xFFFF, frame_type, flags, stream_id)
 
 
 def parse_frame_header(buf: bytes | bytearray, offset: int = 0) -> tuple[int, int, int, int]:
     """(length, type, flags, stream id); the reserved bit of the stream id is ignored (4.1)."""
-    hi, lo, frame_type, flags, sid = _HEADER.unpack_from(buf, offset)
+    hi, lo, frame_type, flags, sid = HEADER.unpack_from(buf, offset)
     return (hi << 16) | lo, frame_type, flags, sid & 0x7FFFFFFF
 
 
