@@ -199,8 +199,9 @@ class HboneStream(Endpoint):
             if taken == len(data):
                 conn.flush()
                 return
-            data = memoryview(data)[taken:] if taken else data
-        elif self._pending:
+            conn.pump(self, memoryview(data)[taken:] if taken else data)
+            return
+        if self._pending:
             self._pending += data
             data = b""
         conn.pump(self, data)
@@ -500,7 +501,7 @@ class HboneConnection(asyncio.Protocol):
                 else:
                     transport.writelines(out)
 
-    def pump(self, stream: HboneStream, data: bytes = b"") -> None:
+    def pump(self, stream: HboneStream, data: bytes | memoryview = b"") -> None:
         """Move bytes into DATA frames as far as the windows allow; the rest waits in `_pending`.
 
         `data` is a fresh chunk from the socket when nothing is pending: in the common case
