@@ -43,6 +43,7 @@ from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
 from .kube import KubeStore, ObjectKey, Pod
+from .namespace_controller import NamespaceController
 from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
@@ -211,6 +212,13 @@ class ControlPlane:
             cluster_id=mesh.cluster_id,
         )
         self.source = build_source(self.config, self.kube_client)
+        # istiod's namespace controller: the root bundle as a ConfigMap in every namespace.
+        self.namespace_controller = (
+            NamespaceController(self.kube_client, self.ca.root_pem.decode())
+            if self.kube_client is not None
+            else None
+        )
+        self._namespace_task: asyncio.Task[None] | None = None
         self.server: grpc.aio.Server | None = None
         self.bound: dict[str, SocketAddr] = {}
         self._watch_task: asyncio.Task[None] | None = None
@@ -258,6 +266,11 @@ class ControlPlane:
         for error in self.load_errors:
             log.warning("skipped: %s", error)
         delta = self.index.update(store, changed)
+        controller = self.namespace_controller
+        if controller is not None and (
+            not self.loaded.is_set() or any(kind == "Namespace" for kind, _, _ in delta.objects)
+        ):
+            controller.set_namespaces(ns.metadata.name for ns in store.namespaces)
         # The index and the node index follow the same snapshots, so its changed keys are theirs.
         self.node_index.update(store, delta.objects)
         notes = frozenset(self.index.notes)
@@ -317,14 +330,19 @@ class ControlPlane:
         self._watch_task = asyncio.get_running_loop().create_task(
             self.source.run(self._on_change), name=f"source {self.source.location}"
         )
+        if self.namespace_controller is not None:
+            self._namespace_task = asyncio.get_running_loop().create_task(
+                self.namespace_controller.run(), name="namespace controller"
+            )
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            try:
-                await self._watch_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._watch_task, self._namespace_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.source.close()

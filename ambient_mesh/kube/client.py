@@ -45,6 +45,7 @@ WATCH_EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERRO
 
 __all__ = [
     "API_TIMEOUT_S",
+    "CONFIG_MAPS",
     "DAEMONSETS",
     "NAMESPACES",
     "NODES",
@@ -105,6 +106,7 @@ PODS = Resource("", "v1", "Pod", "pods")
 NAMESPACES = Resource("", "v1", "Namespace", "namespaces", namespaced=False)
 SERVICES = Resource("", "v1", "Service", "services")
 SERVICE_ACCOUNTS = Resource("", "v1", "ServiceAccount", "serviceaccounts")
+CONFIG_MAPS = Resource("", "v1", "ConfigMap", "configmaps")
 NODES = Resource("", "v1", "Node", "nodes", namespaced=False)
 DAEMONSETS = Resource("apps", "v1", "DaemonSet", "daemonsets")
 TOKEN_REVIEWS = Resource("authentication.k8s.io", "v1", "TokenReview", "tokenreviews", namespaced=False)
@@ -391,6 +393,17 @@ class KubeClient:
             obj = await self._api.create(cls(dict(body)))
         except self._failures() as exc:
             raise self._error(f"create {resource}", exc) from None
+        return self._plain(obj, resource)
+
+    async def replace(self, resource: Resource, body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT a whole object; the server refuses it with 409 when its resourceVersion is stale."""
+        self.requests += 1
+        cls = self._class(resource)
+        meta = body.get("metadata", {})
+        try:
+            obj = await self._api.replace(cls(dict(body)), meta.get("name"), namespace=meta.get("namespace"))
+        except self._failures() as exc:
+            raise self._error(f"replace {resource} {meta.get('namespace')}/{meta.get('name')}", exc) from None
         return self._plain(obj, resource)
 
     async def watch(

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Give a whole-mesh install (deploy/overlays/mesh) its CA, in Istio's plugged-in CA layout:
 # Secret istio-system/cacerts (ca-cert.pem, ca-key.pem, root-cert.pem, cert-chain.pem), which
-# `ambient control` signs with (ROOT_CA_DIR), and ConfigMap istio-system/istio-ca-root-cert
-# (root-cert.pem), which the node proxies trust. An existing DIR with those files is used as is.
+# `ambient control` signs with (ROOT_CA_DIR). The proxies' ConfigMap istio-ca-root-cert is
+# written by `ambient control` itself into every namespace, as istiod's namespace controller
+# does. An existing DIR with those files is used as is.
 #   scripts/cluster/mesh-ca.sh DIR     (kubectl talks to the cluster in $KUBECONFIG)
 set -euo pipefail
 D=${1:?usage: mesh-ca.sh DIR}
@@ -20,6 +21,4 @@ fi
 kubectl create namespace istio-system --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 kubectl create secret generic cacerts -n istio-system --from-file="$D/ca-cert.pem" --from-file="$D/ca-key.pem" \
   --from-file="$D/root-cert.pem" --from-file="$D/cert-chain.pem" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-kubectl create configmap istio-ca-root-cert -n istio-system --from-file="$D/root-cert.pem" \
-  --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-echo "mesh-ca: cacerts and istio-ca-root-cert in istio-system from $D"
+echo "mesh-ca: cacerts in istio-system from $D"

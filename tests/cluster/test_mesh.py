@@ -5,11 +5,14 @@ with kubectl, traffic across restarts of the node agent and the node proxy, and
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from .kube import wait_for
+from .kube import CL, wait_for
+
+CA_ROOT_CERT = "istio-ca-root-cert"
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +91,25 @@ def test_traffic_resumes_after_agent_and_proxy_restarts(cluster, mesh):
         cluster.kubectl("delete", "pod", "-n", "istio-system", old, "--wait=true", timeout=120)
         wait_for(lambda: cluster.http_get(ns, "client", url) == "200", f"traffic after restarting {old}", 120)
     print(f"\nGET {url}: 200 after restarting the node agent and the node proxy")
+
+
+def test_control_plane_writes_the_root_cert_configmap_in_every_namespace(cluster, mesh):
+    ns, _ = mesh
+    root = (CL / "mesh-ca" / "root-cert.pem").read_text()
+
+    def configmap():
+        out = cluster.kubectl("get", "configmap", "-n", ns, CA_ROOT_CERT, "-o", "json", check=False)
+        return json.loads(out) if out.strip().startswith("{") else None
+
+    cm = wait_for(configmap, f"{ns}/{CA_ROOT_CERT}", 60)
+    assert cm["data"]["root-cert.pem"] == root and cm["metadata"]["labels"] == {"istio.io/config": "true"}
+    # the node proxies' own (istio-system), written by the control plane too: mesh-ca.sh no longer does
+    system = json.loads(cluster.kubectl("get", "configmap", "-n", "istio-system", CA_ROOT_CERT, "-o", "json"))
+    assert system["data"]["root-cert.pem"] == root
+    cluster.kubectl("delete", "configmap", "-n", ns, CA_ROOT_CERT)
+    again = wait_for(configmap, f"{ns}/{CA_ROOT_CERT} made again after its deletion", 60)
+    assert again["data"]["root-cert.pem"] == root
+    print(f"\n{ns}/{CA_ROOT_CERT} and istio-system/{CA_ROOT_CERT} hold the mesh root; deleted, it came back")
 
 
 def test_ztunnel_config_lists_the_pods(cluster, mesh):

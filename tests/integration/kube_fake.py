@@ -5,9 +5,10 @@ otherwise); list of any kind, cluster-wide or in a namespace, with `fieldSelecto
 and the list's resourceVersion; watch as chunked JSON lines from a resourceVersion, with BOOKMARK
 events when asked (`allowWatchBookmarks`), and 410 Gone for a version older than the compaction
 point (as an ERROR event, or as the watch response's status with `gone_as_http_status`); GET;
-merge PATCH on `pods/status`; POST of TokenReviews answered from `token_reviews`. Plain HTTP, or
-TLS with the given server context. Every request is
-recorded as (method, target, content-type, body).
+merge PATCH on `pods/status`; POST of TokenReviews answered from `token_reviews`; for
+ConfigMaps also `fieldSelector=metadata.name=`, POST (409 when it exists) and PUT (409 when its
+resourceVersion is not the current one). Plain HTTP, or TLS with the given server context. Every request is recorded as
+(method, target, content-type, body).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ KINDS = {
     "serviceentries": "ServiceEntry",
     "workloadentries": "WorkloadEntry",
     "gateways": "Gateway",
+    "configmaps": "ConfigMap",
 }
 
 
@@ -96,6 +98,7 @@ class FakeApiServer:
         self.gone_as_http_status = False
         self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
         self.unserved: set[str] = set()  # plurals answered 404, as for a CRD not installed
+        self.forbidden_namespaces: set[str] = set()  # writes there are answered 403
         self.requests: list[tuple[str, str, str, bytes]] = []
         self.authorizations: list[str | None] = []
         self.changed = asyncio.Condition()
@@ -145,15 +148,17 @@ class FakeApiServer:
         return [t for m, t, _, _ in self.requests if "watch=true" in t and urlsplit(t).path.endswith(plural)]
 
     @staticmethod
-    def _matches(obj: dict, namespace: str | None, node: str | None) -> bool:
+    def _matches(obj: dict, namespace: str | None, node: str | None, name: str | None = None) -> bool:
         if namespace is not None and obj["metadata"].get("namespace", "") != namespace:
+            return False
+        if name is not None and obj["metadata"].get("name") != name:
             return False
         return node is None or obj.get("spec", {}).get("nodeName") == node
 
-    def _list(self, kind: str, namespace: str | None, node: str | None) -> dict:
+    def _list(self, kind: str, namespace: str | None, node: str | None, name: str | None = None) -> dict:
         items = []
         for (k, _, _), obj in sorted(self.objects.items()):
-            if k == kind and self._matches(obj, namespace, node):
+            if k == kind and self._matches(obj, namespace, node, name):
                 item = _copy(obj)
                 # Like the real server: list items carry neither kind nor apiVersion.
                 item.pop("kind", None)
@@ -199,7 +204,20 @@ class FakeApiServer:
             await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "no such path"})
             return
         kind = KINDS[rest[0]]
-        node = query.get("fieldSelector", "").removeprefix("spec.nodeName=") or None
+        selector = query.get("fieldSelector", "")
+        node = selector.removeprefix("spec.nodeName=") if selector.startswith("spec.nodeName=") else None
+        name = selector.removeprefix("metadata.name=") if selector.startswith("metadata.name=") else None
+        if request.method in ("POST", "PUT", "PATCH") and namespace in self.forbidden_namespaces:
+            await self._reply(writer, 403, {"kind": "Status", "code": 403, "reason": "Forbidden"})
+            return
+        if len(rest) == 1 and request.method == "POST" and kind == "ConfigMap":
+            obj = json.loads(request.body)
+            obj["metadata"]["namespace"] = namespace or ""
+            if (kind, namespace or "", obj["metadata"]["name"]) in self.objects:
+                await self._reply(writer, 409, {"kind": "Status", "code": 409, "reason": "AlreadyExists"})
+            else:
+                await self._reply(writer, 201, await self.put({**obj, "kind": kind}))
+            return
         if len(rest) == 1:
             if query.get("watch") in ("1", "true"):
                 await self._watch(
@@ -209,13 +227,21 @@ class FakeApiServer:
                     node,
                     int(query.get("resourceVersion") or 0),
                     bookmarks=query.get("allowWatchBookmarks") == "true",
+                    name=name,
                 )
             else:
-                await self._reply(writer, 200, self._list(kind, namespace, node))
+                await self._reply(writer, 200, self._list(kind, namespace, node, name))
             return
         key = (kind, namespace or "", rest[1])
         if key not in self.objects:
             await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "not found"})
+        elif request.method == "PUT" and kind == "ConfigMap" and not rest[2:]:
+            obj = json.loads(request.body)
+            current = self.objects[key]["metadata"]["resourceVersion"]
+            if obj.get("metadata", {}).get("resourceVersion") != current:
+                await self._reply(writer, 409, {"kind": "Status", "code": 409, "reason": "Conflict"})
+            else:
+                await self._reply(writer, 200, await self.put({**obj, "kind": kind}))
         elif request.method == "PATCH" and rest[2:] == ["status"]:
             patch = json.loads(request.body)
             obj = _copy(self.objects[key])
@@ -265,6 +291,7 @@ class FakeApiServer:
         since: int,
         *,
         bookmarks: bool,
+        name: str | None = None,
     ) -> None:
         if since < self.compacted_before and self.gone_as_http_status:
             await self._reply(
@@ -289,7 +316,7 @@ class FakeApiServer:
         try:
             while True:
                 for rv, k, kind_of_event, obj in self.log:
-                    if rv > sent and k == kind and self._matches(obj, namespace, node):
+                    if rv > sent and k == kind and self._matches(obj, namespace, node, name):
                         send({"type": kind_of_event, "object": obj})
                     sent = max(sent, rv)
                 if bookmarks:
