@@ -266,3 +266,49 @@ def test_plain_fields_read_back_what_the_formatter_wrote(fields):
     line = IstioFormatter().format(record)
     assert logs.parse_plain_fields(line) == fields
     assert logs.access_events(line + "\nother\tline\n") == [fields]
+
+
+def test_access_record_names_its_caller_like_find_caller():
+    """The access line skips Logger.findCaller; its record still names the frame that logged."""
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    keep = Keep()
+    access = logs.access_logger()
+    assert access is logging.getLogger("ambient_mesh.access")
+    access.addHandler(keep)
+    old_level = access.level
+    access.setLevel(logging.INFO)
+    try:
+        log_connection_complete(SAMPLE)
+    finally:
+        access.removeHandler(keep)
+        access.setLevel(old_level)
+    (rec,) = seen
+    assert (rec.funcName, rec.pathname, rec.levelno) == (
+        "log_connection_complete",
+        logs.__file__,
+        logging.INFO,
+    )
+    assert rec.getMessage() == "connection complete" and rec.fields == SAMPLE.as_fields()
+    assert rec.lineno > logs.log_connection_complete.__code__.co_firstlineno
+
+
+@given(
+    st.dictionaries(
+        st.from_regex(r"[a-z][a-z_.]{0,10}", fullmatch=True),
+        st.one_of(st.text(max_size=12), st.integers(), st.none()),
+        max_size=8,
+    )
+)
+def test_plain_fields_quote_each_value_as_plain_value(fields):
+    """The one-search fast path writes what quoting value by value writes."""
+    record = logging.LogRecord("ambient_mesh.access", logging.INFO, __file__, 1, "m", (), None)
+    record.fields = fields
+    kept = {k: v for k, v in fields.items() if v is not None}
+    expected = " ".join(f"{k}={logs._plain_value(v)}" for k, v in kept.items())
+    line = IstioFormatter().format(record)
+    assert line.split("\t")[4:] == ([expected] if kept else [])
