@@ -312,3 +312,95 @@ def test_plain_fields_quote_each_value_as_plain_value(fields):
     expected = " ".join(f"{k}={logs._plain_value(v)}" for k, v in kept.items())
     line = IstioFormatter().format(record)
     assert line.split("\t")[4:] == ([expected] if kept else [])
+
+
+def _only_ours(monkeypatch, handler: logging.Handler) -> None:
+    """The logger chain of a running proxy: our handler on the root, nothing else on the way
+    (pytest's capture handlers, and whatever earlier tests left, set aside for the test)."""
+    for logger in (logs.access_logger(), logging.getLogger("ambient_mesh")):
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "filters", [])
+        monkeypatch.setattr(logger, "propagate", True)
+        monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    monkeypatch.setattr(logging.getLogger(), "filters", [])
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_access_line_without_a_record_is_the_formatted_record(captured, monkeypatch, json_lines):
+    """With only our handler installed the line is written without a LogRecord: the same text."""
+    handler = configure_logging("json" if json_lines else "plain", "info", stream=captured)
+    _only_ours(monkeypatch, handler)
+    monkeypatch.setattr(logs.time, "time", lambda: CREATED)
+    made = []
+    monkeypatch.setattr(logging.Logger, "makeRecord", lambda *a, **k: made.append(a))
+    log_connection_complete(SAMPLE)
+    log_connection_complete(AccessLogFields(src_addr="1.1.1.1:1", direction="inbound", error="reset"))
+    log_connection_failed(src_addr="a", dst_addr="b", direction="outbound", error="no route")
+    monkeypatch.undo()
+    assert made == []
+    fmt = IstioFormatter(json_lines=json_lines)
+    expected = [
+        fmt.format(record("ambient_mesh.access", logging.INFO, "connection complete", SAMPLE.as_fields())),
+        fmt.format(
+            record(
+                "ambient_mesh.access",
+                logging.ERROR,
+                "connection complete",
+                {"src.addr": "1.1.1.1:1", "direction": "inbound", "error": "reset"},
+            )
+        ),
+        fmt.format(
+            record(
+                "ambient_mesh.access",
+                logging.WARNING,
+                "connection failed",
+                {"src.addr": "a", "dst.addr": "b", "direction": "outbound", "error": "no route"},
+            )
+        ),
+    ]
+    assert captured.getvalue() == "".join(line + "\n" for line in expected)
+
+
+def test_access_line_goes_through_logging_when_anything_else_listens(captured, monkeypatch):
+    """A filter, or a second handler anywhere on the way up: records, as Logger.log makes them."""
+    handler = configure_logging("plain", "info", stream=captured)
+    _only_ours(monkeypatch, handler)
+    seen: list[logging.LogRecord] = []
+
+    def keep(rec: logging.LogRecord) -> bool:
+        seen.append(rec)
+        return True
+
+    class Keep(logging.Handler):
+        def emit(self, rec: logging.LogRecord) -> None:
+            keep(rec)
+
+    access, package, other = logs.access_logger(), logging.getLogger("ambient_mesh"), Keep()
+    for attach, detach in (
+        (lambda: access.addFilter(keep), lambda: access.removeFilter(keep)),
+        (lambda: handler.addFilter(keep), lambda: handler.removeFilter(keep)),
+        (lambda: package.addHandler(other), lambda: package.removeHandler(other)),
+    ):
+        attach()
+        try:
+            log_connection_complete(SAMPLE)
+        finally:
+            detach()
+    assert [r.funcName for r in seen] == ["log_connection_complete"] * 3
+    assert len(captured.getvalue().splitlines()) == 3
+
+
+def test_access_line_write_failure_is_reported_by_the_handler(captured, monkeypatch):
+    handler = configure_logging("plain", "info", stream=captured)
+    _only_ours(monkeypatch, handler)
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+
+    def broken(_text: str) -> int:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(captured, "write", broken)
+    log_connection_complete(SAMPLE)
+    assert [r.getMessage() for r in reported] == ["connection complete"]
+    assert reported[0].fields == SAMPLE.as_fields()
