@@ -331,8 +331,7 @@ class InboundProxy:
             result.fail(str(denied), denied.response_flag)
             return InboundRefusal(status=401, reason=str(denied), response_flag=denied.response_flag)
         try:
-            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
-                sock = await pi.connect(address, connect_from)
+            sock = await pi.connect(address, connect_from, timeout_s=APP_CONNECT_TIMEOUT_S)
             try:
                 upstream = await wrap_socket(sock)
             except BaseException:
@@ -495,8 +494,7 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         try:
-            async with asyncio.timeout(APP_CONNECT_TIMEOUT_S):
-                upstream_sock = await pi.connect(target, peer.ip)
+            upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S)
             upstream = await wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
             result.fail(

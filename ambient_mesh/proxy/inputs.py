@@ -8,7 +8,9 @@ HBONE pool, and the connections it is carrying (for draining and for /config_dum
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import os
 import random
 import socket
 import ssl
@@ -136,8 +138,11 @@ class ProxyInputs:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.server(cert)
 
-    async def connect(self, dst: SocketAddr, src: IPAddress | None = None) -> socket.socket:
-        """A marked TCP socket connected to `dst`, from `src` when original source is kept."""
+    async def connect(
+        self, dst: SocketAddr, src: IPAddress | None = None, *, timeout_s: float | None = None
+    ) -> socket.socket:
+        """A marked TCP socket connected to `dst`, from `src` when original source is kept;
+        TimeoutError after `timeout_s`."""
         sock = new_socket(dst.family, mark=self.mark, factory=self.socket_factory)
         try:
             if src is not None and src.version == dst.ip.version:
@@ -149,7 +154,7 @@ class ProxyInputs:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:  # set in __post_init__ from the config
                 self.keepalive.apply(sock)
-            await asyncio.get_running_loop().sock_connect(sock, dst.sockaddr())
+            await connect_socket(sock, dst.sockaddr(), timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -177,6 +182,51 @@ class ProxyInputs:
             return found
         finally:
             remove()
+
+
+# What a non-blocking connect() answers while the handshake goes on (BlockingIOError's errnos, and
+# EINTR, as the event loops' sock_connect take them).
+_CONNECT_PENDING = frozenset({errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EINTR})
+
+
+async def connect_socket(
+    sock: socket.socket, address: tuple[Any, ...], timeout_s: float | None = None
+) -> None:
+    """Connect a non-blocking socket to a numeric address, as `loop.sock_connect` does (same
+    errors and messages) but without its name resolution, and with the deadline as one timer.
+
+    uvloop's sock_connect resolves even a numeric address (getaddrinfo, IDNA-encoding the host)
+    and, with asyncio.timeout around it, took about twice the CPU of this per connection
+    (bench/README.md, connection path): every inbound stream connects to its app this way.
+    """
+    err = sock.connect_ex(address)
+    if err == 0:
+        return
+    if err not in _CONNECT_PENDING:
+        raise OSError(err, os.strerror(err))
+    loop = asyncio.get_running_loop()
+    writable: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(sock, _set_done, writable)
+    timer = loop.call_later(timeout_s, _set_timed_out, writable) if timeout_s is not None else None
+    try:
+        await writable
+    finally:
+        loop.remove_writer(sock)
+        if timer is not None:
+            timer.cancel()
+    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    if err:
+        raise OSError(err, f"Connect call failed {address}")
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_timed_out(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 def _bind_if_local(sock: socket.socket, src: IPAddress) -> None:
