@@ -12,6 +12,7 @@ collectors on `Metrics.registry`; the stats server only calls `render`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -348,9 +349,13 @@ class Metrics:
         if process_metrics:
             # No namespace: ztunnel exports process_open_fds / process_max_fds without a prefix.
             ProcessCollector(namespace="", registry=self.registry)
-        self._open = {reporter: self.sockets_open.labels(reporter) for reporter in REPORTERS}
         self._bound: dict[int, list[Any]] = {}
         self._open_count = dict.fromkeys(REPORTERS, 0)
+        # The gauge reads the open count when scraped: no locked inc and dec per connection.
+        for reporter in REPORTERS:
+            self.sockets_open.labels(reporter).set_function(
+                functools.partial(self._open_count.__getitem__, reporter)
+            )
 
     def register(self, collector: Collector) -> None:
         """Add another package's collector (xDS, DNS, workload manager) to what /metrics serves."""
@@ -391,7 +396,6 @@ class Metrics:
 
     def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:
         self.bound_children(labels)[1].inc()
-        self._open[labels.reporter].inc()
         self._open_count[labels.reporter] += 1
         return ConnectionRecorder(self, labels)
 
@@ -411,7 +415,6 @@ class Metrics:
             values = _with_flag(labels, response_flag)
             self.connections_closed.labels(*values).inc()
             self.connections_failed.labels(*values).inc()
-        self._open[labels.reporter].dec()
         self._open_count[labels.reporter] -= 1
 
     def render(self, accept_header: str | None = None) -> tuple[bytes, str]:

@@ -47,8 +47,8 @@ class SocketAddr:
     def sockaddr(self) -> tuple[str, int] | tuple[str, int, int, int]:
         """The tuple the socket module wants for this address."""
         if self.ip.version == 6:
-            return (str(self.ip), self.port, 0, 0)
-        return (str(self.ip), self.port)
+            return (_ip_text(self.ip), self.port, 0, 0)
+        return (_ip_text(self.ip), self.port)
 
     @classmethod
     def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:

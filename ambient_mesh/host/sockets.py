@@ -11,7 +11,7 @@ import math
 import socket
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import ZtunnelConfig
 from ..errors import AmbientError
@@ -106,6 +106,21 @@ class KeepaliveSettings:
     interval_s: float = 180.0
     retries: int = 9
     user_timeout: bool = False
+    # (level, option, value) for `apply`, worked out once: two sockets per proxied connection.
+    options: tuple[tuple[int, int, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        options = []
+        if self.enabled:
+            options += [
+                (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _whole_s(self.time_s, MAX_TCP_KEEPIDLE_S)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _whole_s(self.interval_s, MAX_TCP_KEEPINTVL_S)),
+                (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, min(self.retries, MAX_TCP_KEEPCNT))),
+            ]
+        if self.user_timeout:
+            options.append((socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self.user_timeout_ms))
+        object.__setattr__(self, "options", tuple(options))
 
     @classmethod
     def from_config(cls, config: ZtunnelConfig) -> KeepaliveSettings:
@@ -123,19 +138,8 @@ class KeepaliveSettings:
         return min(ms, MAX_TCP_USER_TIMEOUT_MS)
 
     def apply(self, sock: socket.socket) -> None:
-        if self.enabled:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, _whole_s(self.time_s, MAX_TCP_KEEPIDLE_S)
-            )
-            sock.setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, _whole_s(self.interval_s, MAX_TCP_KEEPINTVL_S)
-            )
-            sock.setsockopt(
-                socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, min(self.retries, MAX_TCP_KEEPCNT))
-            )
-        if self.user_timeout:
-            sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, self.user_timeout_ms)
+        for level, option, value in self.options:
+            sock.setsockopt(level, option, value)
 
 
 def _whole_s(seconds: float, maximum: int) -> int:

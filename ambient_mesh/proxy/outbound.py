@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import ProxyError, ResponseFlag
 from ..host.sockets import original_destination
+from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
 from . import headers as hbone_headers
@@ -151,7 +152,12 @@ class OutboundProxy:
         result = ConnectionResult.outbound(pi, route, peer)
         try:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
-                endpoint: HboneStream | TcpEndpoint = await self._open_hbone(route, peer)
+                # The source identity ConnectionResult.outbound made (a Workload makes a new one
+                # on each `identity` read).
+                assert result.source_identity is not None
+                endpoint: HboneStream | TcpEndpoint = await self._open_hbone(
+                    route, peer, result.source_identity
+                )
             else:
                 sock = await pi.connect(
                     route.actual_destination, _source_ip(source, route.actual_destination)
@@ -215,11 +221,10 @@ class OutboundProxy:
         self.fast_path_connections += 1
         return OutboundUpstream(route=route, result=result, inbound=inbound, admitted=admitted)
 
-    async def _open_hbone(self, route: Route, peer: SocketAddr) -> HboneStream:
+    async def _open_hbone(self, route: Route, peer: SocketAddr, src_id: Identity) -> HboneStream:
         pi = self.pi
         if pi.pool is None:
             raise ProxyError("no HBONE connection pool: the proxy is not started")
-        src_id = route.source_workload.identity
         key = WorkloadKey.of(
             src_id,
             route.upstream_sans,
