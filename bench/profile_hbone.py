@@ -83,6 +83,13 @@ def main() -> int:
     p.add_argument("--max-seconds", type=float, default=60.0, help="bound of --test connections")
     p.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--native", action="store_true", help="include C frames (OpenSSL, CPython)")
+    p.add_argument(
+        "--perf",
+        action="store_true",
+        help="sample with `perf record` (cpu-clock, user and kernel) instead of py-spy: shares by "
+        "shared object and by C symbol, which py-spy's Python view hides (the interpreter, uvloop, "
+        "OpenSSL, the kernel)",
+    )
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-pin", action="store_true")
     p.add_argument(
@@ -99,7 +106,9 @@ def main() -> int:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
-    spy = pyspy_binary()
+    spy = shutil.which("perf") if args.perf else pyspy_binary()
+    if spy is None:
+        raise SystemExit("perf is not installed (apt-get install linux-perf)")
     out_dir = Path(tempfile.mkdtemp(prefix="hbone-profile-"))
     bench_args = argparse.Namespace(
         modes=["hbone"],
@@ -119,6 +128,11 @@ def main() -> int:
         bench.warm_up()
         samplers = {}
         for name, pid in topo.pids().items():
+            if args.perf:
+                argv = [spy, "record", "-e", "cpu-clock", "-F", str(args.rate), "-p", str(pid)]
+                argv += ["-o", str(out_dir / f"{name}.perf")]
+                samplers[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                continue
             argv = [
                 spy,
                 "record",
@@ -174,10 +188,13 @@ def main() -> int:
     else:
         what = f"p50 {result['p50_us']:.1f} µs, p99 {result['p99_us']:.1f} µs, {result['count']} round trips"
     console.print(
-        f"hbone {args.test} under py-spy ({args.rate} Hz, {'native' if args.native else 'python'} "
+        f"hbone {args.test} under {'perf' if args.perf else 'py-spy'} ({args.rate} Hz, {'native' if args.native or args.perf else 'python'} "
         f"frames): {what}; proxy CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
     )
     for name, role in (("client", "outbound (TCP -> HBONE)"), ("server", "inbound (HBONE -> TCP)")):
+        if args.perf:
+            print_perf(console, out_dir / f"{name}.perf", f"{name} proxy, {role}", args.top)
+            continue
         path = out_dir / f"{name}.folded"
         if not path.exists():
             console.print(f"no samples for {name}")
@@ -195,6 +212,24 @@ def main() -> int:
             console.print(t)
     console.print(f"folded stacks kept in {out_dir}")
     return 0
+
+
+def print_perf(console, path: Path, title: str, top: int) -> None:
+    """`perf report` of one proxy: the share of each shared object, then of each symbol."""
+    if not path.exists():
+        console.print(f"no perf samples for {title}")
+        return
+    for sort in ("dso", "dso,sym"):
+        report = subprocess.run(
+            ["perf", "report", "-i", str(path), "--stdio", "--sort", sort, "--percent-limit", "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ).stdout
+        rows = [line for line in report.splitlines() if line.strip() and not line.startswith("#")]
+        console.print(f"[bold]{title}[/bold]: perf samples by {sort}")
+        for line in rows[:top]:
+            console.print("  " + line.strip())
 
 
 def cprofile_main(args: argparse.Namespace) -> int:

@@ -190,8 +190,14 @@ class HboneStream(Endpoint):
             return
         conn = self.conn
         if not self._pending and not self._blocked and not conn._write_paused:
-            # The common case, `pump`'s first step without its bookkeeping: the window takes the
-            # whole chunk and it goes out now (one call fewer per message than through `pump`).
+            # The common cases without `pump`'s bookkeeping: a small chunk with nothing queued
+            # becomes one frame written at once; otherwise the window takes the whole chunk.
+            frame = conn.core.data_frame(self.stream_id, data)
+            if frame is not None:
+                transport = conn.transport
+                if transport is not None and not transport.is_closing():
+                    transport.write(frame)
+                return
             try:
                 taken = conn.core.send_data(self.stream_id, data)
             except StreamClosedError:
@@ -375,11 +381,13 @@ class HboneConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._error is not None:
             return
-        events = self.core.receive(data, self.loop.time())
+        core = self.core
+        events = core.receive(data, self.loop.time())
         if events:
             self._dispatch(events)
-        self.flush()
-        if self.core.deadline != self._timer_at:
+        if core.events or core.outbox_bytes:
+            self.flush()
+        if core.deadline != self._timer_at:
             self._arm_timer()
 
     def _dispatch(self, events: list[Any]) -> None:
@@ -488,7 +496,7 @@ class HboneConnection(asyncio.Protocol):
     def flush(self) -> None:
         """Dispatch events that API calls caused, then write what the core has queued."""
         core = self.core
-        if core.has_events:
+        if core.events:
             self._dispatch(core.take_events())
         if self._write_paused:
             return  # backpressure: the core holds (and bounds) what waits

@@ -181,6 +181,66 @@ def test_whole_data_frame_fast_path_matches_the_general_path(data, client_side):
         assert fast.terminated == slow.terminated
 
 
+def _open_pair() -> tuple[Connection, Connection, int]:
+    client = Connection(CoreSettings(client_side=True, max_concurrent_streams=None), now=0.0)
+    server = Connection(CoreSettings(client_side=False), now=0.0)
+    for core in (client, server):
+        core.initiate(0.0)
+    sid = client.send_request(CONNECT)
+    for _ in range(3):
+        server.receive(b"".join(bytes(p) for p in client.data_to_send()), 0.0)
+        client.receive(b"".join(bytes(p) for p in server.data_to_send()), 0.0)
+    return client, server, sid
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["data", "control", "end", "drain"]), st.integers(0, 70_000)), max_size=12
+    )
+)
+def test_data_frame_is_send_data_when_it_applies(steps):
+    """`data_frame` (one small frame, written at once) gives the bytes and windows `send_data`
+    would have queued, and declines whenever anything is queued, the chunk is empty or large, or
+    the windows do not take it whole."""
+    direct, _server_of_direct, sid = _open_pair()
+    twin, _server, _sid = _open_pair()
+    for action, n in steps:
+        if action == "data":
+            data = b"z" * n
+            frame = direct.data_frame(sid, data)
+            window = twin.send_window(sid)
+            if frame is None:
+                assert direct.outbox_bytes or not 0 < n < c.COALESCE_BELOW_BYTES or n > window
+                try:
+                    direct.send_data(sid, data)
+                    twin.send_data(sid, data)
+                except Http2Error:
+                    continue
+            else:
+                assert not twin.outbox_bytes and 0 < n <= window
+                twin.send_data(sid, data)
+                assert frame == b"".join(bytes(p) for p in twin.data_to_send())
+        elif action == "control":
+            for core in (direct, twin):
+                core.reset_stream(sid + 2)  # an idle stream: nothing happens; then a PING answer
+                core.receive(f.ping_frame(b"12345678"), 0.0)
+        elif action == "end":
+            for core in (direct, twin):
+                try:
+                    core.end_stream(sid)
+                except Http2Error:
+                    pass
+        else:
+            for core in (direct, twin):
+                core.start_drain(0.0)
+        assert direct.send_window(sid) == twin.send_window(sid)
+        if n % 3 == 0:
+            assert b"".join(bytes(p) for p in direct.data_to_send()) == b"".join(
+                bytes(p) for p in twin.data_to_send()
+            )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(

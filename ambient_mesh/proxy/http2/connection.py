@@ -221,11 +221,14 @@ class Connection:
         self.client_side = settings.client_side
         self.streams: dict[int, _Stream] = {}
         self.terminated: ConnectionTerminated | None = None
-        self._events: list[Event | None] = []  # None: an event withdrawn (rapid reset)
+        # Events not taken yet (None: one withdrawn, rapid reset) and the bytes queued to send:
+        # plain attributes the shell tests once per message (read-only there; a property call
+        # per message cost more), taken with take_events / data_to_send.
+        self.events: list[Event | None] = []
         self._fresh: dict[int, list[int]] = {}  # streams announced in this batch -> event indexes
         self._nulled = False
         self._outbox: list[bytes | memoryview] = []
-        self._outbox_bytes = 0
+        self.outbox_bytes = 0
         self._control_queued = 0
         self._decoder = BlockDecoder(max_list_bytes=settings.max_header_list_bytes)
         self._encoder = BlockEncoder()
@@ -332,10 +335,6 @@ class Connection:
         """Peer bytes held by the core: a partial frame and an unfinished header block."""
         return len(self._buf) + (len(self._block) if self._block is not None else 0)
 
-    @property
-    def outbox_bytes(self) -> int:
-        return self._outbox_bytes
-
     # Input ------------------------------------------------------------------------------
     def initiate(self, now: float) -> None:
         """Queue the connection preface: (client preface), SETTINGS, the connection window."""
@@ -369,15 +368,18 @@ class Connection:
                 self._feed(data)
             except _ConnectionError as e:
                 self._terminate(e.code, str(e))
-            if self._recv_credit:
+            credit = self._recv_credit
+            if credit and (
+                credit >= self._connection_credit_step or self._recv_window < self._connection_credit_floor
+            ):
                 self._flush_credit()
-        events = self._events
+        events = self.events
         if not events:
             return []
         if self._fresh or self._nulled:
             return self.take_events()
-        self._events = []
-        return cast(list[Event], events)
+        self.events = []
+        return events  # type: ignore[return-value]  # None only ever appears with _nulled set
 
     def handle_timeout(self, now: float) -> list[Event]:
         """Run the keepalive and drain timers that are due at `now`."""
@@ -418,19 +420,15 @@ class Connection:
         self.deadline = min(times) if times else None
 
     def take_events(self) -> list[Event]:
-        events = self._events
+        events = self.events
         if not events:
             return []
-        self._events = []
+        self.events = []
         self._fresh.clear()
         if self._nulled:
             self._nulled = False
             return [e for e in events if e is not None]
-        return cast(list[Event], events)  # None only ever appears with _nulled set
-
-    @property
-    def has_events(self) -> bool:
-        return bool(self._events)
+        return events  # type: ignore[return-value]  # None only ever appears with _nulled set
 
     # Output -----------------------------------------------------------------------------
     def data_to_send(self) -> list[bytes | memoryview]:
@@ -439,7 +437,7 @@ class Connection:
         if not out:
             return out
         self._outbox = []
-        self._outbox_bytes = 0
+        self.outbox_bytes = 0
         self._control_queued = 0
         if len(out) == 1:
             return out
@@ -461,11 +459,11 @@ class Connection:
 
     def _queue(self, data: bytes) -> None:
         self._outbox.append(data)
-        self._outbox_bytes += len(data)
+        self.outbox_bytes += len(data)
 
     def _queue_control(self, frame: bytes) -> None:
         self._outbox.append(frame)
-        self._outbox_bytes += len(frame)
+        self.outbox_bytes += len(frame)
         self._control_queued += 1
         if self._control_queued > MAX_OUTBOUND_CONTROL_FRAMES and self.terminated is None:
             self._terminate(
@@ -477,8 +475,8 @@ class Connection:
     def _emit(self, event: Event) -> None:
         sid = getattr(event, "stream_id", None)
         if sid is not None and sid in self._fresh:
-            self._fresh[sid].append(len(self._events))
-        self._events.append(event)
+            self._fresh[sid].append(len(self.events))
+        self.events.append(event)
 
     # Stream operations (the shell) --------------------------------------------------------
     def send_request(self, headers: list[tuple[bytes, bytes]], end_stream: bool = False) -> int:
@@ -564,10 +562,33 @@ class Connection:
                 outbox.append(view[off : off + k] if frozen is not None else bytes(view[off : off + k]))
                 self._data_frames_sent += 1
                 off += k
-        self._outbox_bytes += n
+        self.outbox_bytes += n
         self._send_window -= n
         s.send_window -= n
         return n
+
+    def data_frame(self, sid: int, data: bytes) -> bytes | None:
+        """`send_data` for the small-message case, without the outbox: when nothing is queued, the
+        windows take all of `data` and it fits one frame below COALESCE_BELOW_BYTES, the DATA frame
+        (counted as sent) for the shell to write at once; otherwise None, and `send_data` applies
+        (it also raises for a stream not open for sending)."""
+        n = len(data)
+        if self._outbox or not 0 < n < COALESCE_BELOW_BYTES:
+            return None
+        s = self.streams.get(sid)
+        if (
+            s is None
+            or s.local_closed
+            or self.terminated is not None
+            or n > self._send_window
+            or n > s.send_window
+            or n > self._peer_max_frame
+        ):
+            return None
+        self._send_window -= n
+        s.send_window -= n
+        self._data_frames_sent += 1
+        return _pack_header(n >> 16, n & 0xFFFF, _DATA, 0, sid) + data
 
     def end_stream(self, sid: int) -> None:
         """Half-close our side (an empty DATA frame with END_STREAM)."""
@@ -705,7 +726,7 @@ class Connection:
             last = self._highest_peer_sid if self._goaway_last is None else self._goaway_last
             frame = f.goaway_frame(last, code, reason.encode("ascii", "replace")[:GOAWAY_DEBUG_BYTES])
             self._outbox.append(frame)
-            self._outbox_bytes += len(frame)
+            self.outbox_bytes += len(frame)
         self.terminated = ConnectionTerminated(code, reason, by_peer, clean)
         self._release()
         self._next_ping_at = self._ping_deadline = self._drain_deadline = None
@@ -1013,7 +1034,7 @@ class Connection:
         if self._fresh:
             self._emit(event)
         else:
-            self._events.append(event)
+            self.events.append(event)
         if flags:  # END_STREAM, the only flag let through
             s.remote_closed = True
             self._emit(StreamEnded(sid))
@@ -1038,7 +1059,7 @@ class Connection:
             if self._fresh:
                 self._emit(DataReceived(self._data_sid, chunk))
             else:
-                self._events.append(DataReceived(self._data_sid, chunk))
+                self.events.append(DataReceived(self._data_sid, chunk))
         else:
             self._recv_credit += len(chunk)  # the stream went away mid-frame
 
@@ -1169,8 +1190,8 @@ class Connection:
             self.send_response(sid, 400)
             return
         authority, regular = verdict
-        self._fresh[sid] = [len(self._events)]
-        self._events.append(RequestReceived(sid, authority, regular, end_stream))
+        self._fresh[sid] = [len(self.events)]
+        self.events.append(RequestReceived(sid, authority, regular, end_stream))
 
     def _response(self, s: _Stream, headers: list[tuple[bytes, bytes]], end_stream: bool) -> None:
         status = None
@@ -1258,7 +1279,7 @@ class Connection:
         if fresh is not None:
             # Announced in this very batch: the shell never sees the request (nor its data).
             for i in fresh:
-                self._events[i] = None
+                self.events[i] = None
             self._nulled = True
             return
         self._emit(StreamReset(sid, code, s.answered))
