@@ -60,7 +60,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from ...errors import ProtocolError
 from . import frames as f
