@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import ProtocolError
-from ..xds.client import MAX_RECEIVE_BYTES
+from ..xds.session import MAX_RECEIVE_BYTES
 
 MIB = 1024 * 1024
 HEADER = struct.Struct(">IBBH")

@@ -6,39 +6,5 @@ ACK/NACK, resume, readiness, on-demand), `updater` (the one writer of ProxyState
 (the grpc.aio shell).
 """
 
-from .client import XdsClient, make_channel
-from .convert import (
-    ADDRESS_TYPE_URL,
-    AUTHORIZATION_TYPE_URL,
-    XdsRejection,
-    address_from_resource,
-    authorization_from_proto,
-    authorization_from_resource,
-    service_from_proto,
-    workload_from_proto,
-)
-from .session import Added, Outcome, Push, Rejected, StreamEnd, XdsSession, build_node, reconnect_delay
-from .updater import StateUpdater, UpdateSummary
-
-__all__ = [
-    "ADDRESS_TYPE_URL",
-    "AUTHORIZATION_TYPE_URL",
-    "Added",
-    "Outcome",
-    "Push",
-    "Rejected",
-    "StateUpdater",
-    "StreamEnd",
-    "UpdateSummary",
-    "XdsClient",
-    "XdsRejection",
-    "XdsSession",
-    "address_from_resource",
-    "authorization_from_proto",
-    "authorization_from_resource",
-    "build_node",
-    "make_channel",
-    "reconnect_delay",
-    "service_from_proto",
-    "workload_from_proto",
-]
+# Nothing is imported here: the worker processes use the session and the updater without the
+# gRPC client, and importing gRPC costs each of them about 10 MiB (ZTUNNEL_WORKER_THREADS).

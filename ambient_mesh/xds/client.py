@@ -31,7 +31,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DeltaDiscoveryResponse
 
-from ..config import MIB, AuthKind, AuthToken, RootCert, RootCertKind, ZtunnelConfig
+from ..config import AuthKind, AuthToken, RootCert, RootCertKind, ZtunnelConfig
 from ..errors import AmbientError, ConfigError
 from ..metrics import (
     TERMINATION_COMPLETE,
@@ -43,6 +43,7 @@ from ..metrics import (
 )
 from .session import (
     INITIAL_BACKOFF_S,
+    MAX_RECEIVE_BYTES,
     Push,
     StreamEnd,
     XdsSession,
@@ -54,7 +55,6 @@ log = logging.getLogger("ambient_mesh.xds")
 # One delta ADS stream: requests out, responses in.
 AdsCall = grpc.aio.StreamStreamCall[DeltaDiscoveryRequest, DeltaDiscoveryResponse]
 
-MAX_RECEIVE_BYTES = 200 * MIB  # istiod pushes can be large; gRPC's 4 MiB default is too small
 KEEPALIVE_TIME_S = 30.0
 KEEPALIVE_TIMEOUT_S = 10.0
 ON_DEMAND_TIMEOUT_S = 5.0

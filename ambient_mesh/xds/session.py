@@ -23,7 +23,7 @@ from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, Delt
 from google.protobuf import json_format, struct_pb2
 from google.rpc import status_pb2
 
-from ..config import ZtunnelConfig
+from ..config import MIB, ZtunnelConfig
 from ..rbac import Authorization
 from ..state.model import Service, Workload
 from .convert import (
@@ -40,6 +40,9 @@ WATCHED_TYPES = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 
 # Node.id's last part is literally this suffix, whatever the cluster domain (spec 4.4).
 NODE_ID_SUFFIX = "svc.cluster.local"
+
+# The largest response accepted: istiod's pushes can be large; gRPC's 4 MiB default is too small.
+MAX_RECEIVE_BYTES = 200 * MIB
 
 # Reconnect backoff (spec 4.1, ztunnel INITIAL_BACKOFF / MAX_BACKOFF).
 INITIAL_BACKOFF_S = 0.010
