@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -56,6 +57,10 @@ SERVER_MAX_HEADER_LIST_BYTES = 64 * 1024
 SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
+# TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
+# over at most (uvloop's own SSL read limit). A read asks for room for what waits encrypted;
+# more than this is read in the next round.
+RECEIVE_BUFFER_BYTES = 256 * 1024
 
 
 class HboneError(ProxyError):
@@ -306,7 +311,30 @@ class HboneStream(Endpoint):
             self.relay.unblocked(self)
 
 
-class HboneConnection(asyncio.Protocol):
+class _ReceiveBuffer:
+    """The process's one receive buffer: connections read into it one at a time (the event loop
+    runs one read callback at a time), so it is reused while nothing refers to its bytes. The
+    HTTP/2 core copies what it keeps of a read below its zero-copy size, so views of it are left
+    only as long DATA payloads still on their way (a held stream, a full socket); then the next
+    read gets a new buffer and the old one goes when its last view does."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray(RECEIVE_BUFFER_BYTES)
+
+    def take(self) -> bytearray:
+        # CPython: the attribute and the call's argument are the only references when no
+        # memoryview of the buffer is alive (every view holds one).
+        if sys.getrefcount(self.buf) > 2:
+            self.buf = bytearray(RECEIVE_BUFFER_BYTES)
+        return self.buf
+
+
+_RECEIVE = _ReceiveBuffer()
+
+
+class HboneConnection(asyncio.BufferedProtocol):
     """One HTTP/2 connection over TLS carrying CONNECT streams; client or server side.
 
     The server side calls `on_request(stream)` for each new CONNECT stream; the handler must
@@ -378,7 +406,16 @@ class HboneConnection(asyncio.Protocol):
         self.flush()
         self._arm_timer()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """BufferedProtocol: TLS decrypts straight into the shared receive buffer (no bytes object
+        allocated per TLS read and no join of several reads; bench/README.md, HBONE profiles). A
+        view, not the bytearray: asyncio's SSL protocol slices what it gets to fill it in parts."""
+        return memoryview(_RECEIVE.take())
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(memoryview(_RECEIVE.buf)[:nbytes].toreadonly())
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._error is not None:
             return
         core = self.core

@@ -258,3 +258,56 @@ async def test_ping_every_interval_and_drop_without_answer():
     assert "no PING answer" in str(silent.error)
     answered._cancel_timers()
     silent._cancel_timers()
+
+
+class KeepingEndpoint(RecordingEndpoint):
+    """Keeps every chunk object as written (a socket that could not send them yet holds them so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list = []
+
+    def write(self, data) -> None:
+        self.chunks.append(data)
+
+
+def _read_into_buffer(ours: HboneConnection, data: bytes) -> int:
+    """What uvloop's SSL protocol does for a BufferedProtocol: decrypt into get_buffer's buffer
+    (and let go of it). Returns the buffer's id."""
+    buf = ours.get_buffer(len(data))
+    buf[: len(data)] = data
+    which = id(buf.obj)
+    buf.release()
+    ours.buffer_updated(len(data))
+    return which
+
+
+async def test_receive_buffer_is_reused_only_once_no_view_of_it_is_left():
+    """TLS decrypts into one shared buffer. Small DATA payloads are copied out of it, so the next
+    read reuses it; a long payload still held (here: an endpoint that keeps what it is written)
+    is a view of it, so the next read gets a new buffer and the held bytes stay intact."""
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, _tcp, _relay, sid = await _open(ours, transport, server)
+    keeper = KeepingEndpoint()
+    stream.relay = Relay(keeper, stream)
+
+    server.send_data(sid, b"small")
+    first = _read_into_buffer(ours, server.data_to_send())
+    assert [bytes(c) for c in keeper.chunks] == [b"small"] and type(keeper.chunks[0]) is bytes
+    assert _read_into_buffer(ours, b"") == first  # nothing refers to it: reused
+
+    big = bytes(range(256)) * 128  # 32 KiB, above the core's zero-copy size
+    server.send_data(sid, big)
+    held = _read_into_buffer(ours, server.data_to_send())
+    assert held == first
+    assert isinstance(keeper.chunks[1], memoryview) and keeper.chunks[1].readonly
+    server.send_data(sid, b"x" * 40_000)
+    again = _read_into_buffer(ours, server.data_to_send())
+    assert again != held  # the held view pins the old buffer: the read went to a new one
+    assert bytes(keeper.chunks[1]) == big and bytes(keeper.chunks[2]) == b"x" * 40_000
+    keeper.chunks.clear()
+    assert _read_into_buffer(ours, b"") == _read_into_buffer(ours, b"") == again
+    ours._cancel_timers()

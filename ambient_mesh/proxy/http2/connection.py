@@ -357,11 +357,15 @@ class Connection:
             self._next_ping_at = now + s.ping_interval_s
         self._update_deadline()
 
-    def receive(self, data: bytes, now: float) -> list[Event]:
-        """Feed bytes from the peer; returns the events they caused (and any still pending)."""
+    def receive(self, data: bytes | memoryview, now: float) -> list[Event]:
+        """Feed bytes from the peer; returns the events they caused (and any still pending).
+
+        `data` may be a read-only memoryview of a buffer the shell reuses: what the core keeps or
+        hands out from it below ZERO_COPY_SLICE_BYTES is copied; longer DATA payloads are views
+        of it, so the shell reuses the buffer only once no view is left."""
         if self.terminated is None:
             self._now = now
-            if not isinstance(data, bytes):
+            if type(data) is not bytes and not (isinstance(data, memoryview) and data.readonly):
                 data = bytes(data)
             try:
                 self._feed(data)
@@ -780,7 +784,7 @@ class Connection:
             s.recv_credit = credit
 
     # Internals: frame parsing -------------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes | memoryview) -> None:
         n = len(data)
         pos = 0
         if self._preface_left:
@@ -799,12 +803,13 @@ class Connection:
             left = self._data_left
             if left:
                 k = min(left, n - pos)
-                if pos == 0 and k == n:
-                    chunk: bytes | memoryview = data
-                elif k >= ZERO_COPY_SLICE_BYTES:
-                    chunk = memoryview(data)[pos : pos + k]  # `data` is bytes: a read-only view
+                chunk: bytes | memoryview
+                if k < ZERO_COPY_SLICE_BYTES:
+                    chunk = bytes(data[pos : pos + k])  # a copy (of bytes: the slice already is)
+                elif pos == 0 and k == n:
+                    chunk = data
                 else:
-                    chunk = data[pos : pos + k]
+                    chunk = memoryview(data)[pos : pos + k]  # read-only, as `data` is
                 pos += k
                 self._data_left = left - k
                 self._data_chunk(chunk)
@@ -851,7 +856,7 @@ class Connection:
                 continue
             length = hdr[0]
             if not buf and n - pos >= length:
-                payload = data[pos : pos + length]
+                payload = bytes(data[pos : pos + length])
                 pos += length
             else:
                 take = data[pos : pos + length - len(buf)]
@@ -1014,7 +1019,7 @@ class Connection:
         s.recv_window -= length
         return s
 
-    def _data_fast(self, data: bytes, start: int, end: int, flags: int, sid: int) -> bool:
+    def _data_fast(self, data: bytes | memoryview, start: int, end: int, flags: int, sid: int) -> bool:
         """One whole unpadded DATA frame within one read, for an open stream with window for it:
         the checks of `_frame_start` and `_data_target` for that case in one call (small messages
         arrive so, one frame per TLS record; the general path cost six calls per frame). False
@@ -1028,7 +1033,7 @@ class Connection:
         s.recv_window -= length
         s.unacked += length
         event = DataReceived(
-            sid, data[start:end] if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
+            sid, bytes(data[start:end]) if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
         )
         if self._fresh:
             self._emit(event)
