@@ -11,6 +11,7 @@ relative to `protos/`, and the package `__init__.py` files are rendered here wit
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ GENERATED_DIR = "ambient_mesh/wire/istio"
 # Only these files declare services; the others would get empty *_pb2_grpc.py modules.
 GRPC_PROTOS = ("ambient_mesh/wire/istio/v1/auth/ca.proto",)
 GENERATED_SUFFIXES = (".py", ".pyi")
+PROTOC_TIMEOUT_S = 120.0
+MAX_PROTOC_ERROR_CHARS = 2000  # the end of protoc's stderr, in the error
 
 
 def proto_files(proto_root: Path = PROTO_ROOT) -> list[str]:
@@ -32,27 +35,40 @@ def proto_files(proto_root: Path = PROTO_ROOT) -> list[str]:
     return sorted(p.relative_to(proto_root).as_posix() for p in proto_root.rglob("*.proto"))
 
 
+def _protoc(args: list[str]) -> None:
+    """Run grpcio-tools' protoc in an interpreter of its own (`python -I -m grpc_tools.protoc`,
+    which adds the well-known protos' include directory itself).
+
+    Not imported here: importing `grpc_tools.protoc` puts two finders on `sys.meta_path` and its
+    include directory on `sys.path` for the rest of the process, and a first import late in a
+    long test session depends on whatever that session did to the import system (once, in a
+    fresh clone's whole-suite run, it failed with "cannot import name 'protoc'"). A child
+    interpreter starts from a clean import state every time and leaves ours alone."""
+    argv = [sys.executable, "-I", "-m", "grpc_tools.protoc", *args]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROTOC_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AmbientError(f"protoc did not run: {exc}: {' '.join(argv)}") from None
+    if done.returncode != 0:
+        raise AmbientError(
+            f"protoc failed with exit code {done.returncode}: {' '.join(argv)}: "
+            f"{done.stderr.strip()[-MAX_PROTOC_ERROR_CHARS:]}",
+            hint="grpcio-tools comes with the test extra: pip install -e '.[test]'",
+        )
+
+
 def render(proto_root: Path = PROTO_ROOT) -> dict[str, bytes]:
     """Run protoc and return every generated file: repository-relative path -> contents."""
-    from grpc_tools import protoc  # build-time tool: imported only when regenerating
-
     if not proto_root.is_dir():
         raise AmbientError(
             f"no proto sources at {proto_root}",
             hint="regenerate from a source checkout, not an installed package",
         )
     protos = proto_files(proto_root)
-    well_known = Path(protoc.__file__).resolve().parent / "_proto"
     with tempfile.TemporaryDirectory(prefix="ambient-wire-") as out:
-        includes = [f"-I{proto_root}", f"-I{well_known}"]
-        runs = [
-            [*includes, f"--python_out={out}", f"--pyi_out={out}", *protos],
-            [*includes, f"--grpc_python_out={out}", *GRPC_PROTOS],
-        ]
-        for args in runs:
-            code = protoc.main(["grpc_tools.protoc", *args])
-            if code != 0:
-                raise AmbientError(f"protoc failed with exit code {code}: protoc {' '.join(args)}")
+        include = f"-I{proto_root}"
+        _protoc([include, f"--python_out={out}", f"--pyi_out={out}", *protos])
+        _protoc([include, f"--grpc_python_out={out}", *GRPC_PROTOS])
         files = {p.relative_to(out).as_posix(): p.read_bytes() for p in Path(out).rglob("*") if p.is_file()}
     for path in list(files):
         parent = path.rpartition("/")[0]

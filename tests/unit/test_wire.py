@@ -7,18 +7,14 @@ strings check the numbers against bytes we wrote ourselves rather than bytes pro
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import FieldDescriptor
 
-# Imported at collection: in a fresh clone's whole-suite run (not in a run of the unit tier, of
-# the other tiers plus this file, or in an older venv) `from grpc_tools import protoc` inside
-# regenerate.render failed late in the session with "cannot import name 'protoc'"; what
-# earlier test breaks a first import of that submodule is not found yet.
-from grpc_tools import protoc  # noqa: F401
-
+from ambient_mesh.errors import AmbientError
 from ambient_mesh.wire import regenerate
 from ambient_mesh.wire.istio.security import authorization_pb2 as auth
 from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
@@ -51,7 +47,18 @@ def field(message: type, name: str) -> FieldDescriptor:
 
 
 def test_committed_generated_code_matches_protos() -> None:
+    meta_path, path = list(sys.meta_path), list(sys.path)
     assert regenerate.check() == []
+    # protoc ran in an interpreter of its own: this one's import system is as it was.
+    assert (sys.meta_path, sys.path) == (meta_path, path)
+    assert "grpc_tools.protoc" not in sys.modules
+
+
+def test_protoc_errors_name_the_file_and_the_problem(tmp_path: Path) -> None:
+    (tmp_path / "protos").mkdir()
+    (tmp_path / "protos" / "broken.proto").write_text('syntax = "proto3";\nmessage Broken {\n')
+    with pytest.raises(AmbientError, match=r"protoc failed with exit code 1: .*broken\.proto:3"):
+        regenerate.render(tmp_path / "protos")
 
 
 def test_check_reports_edited_missing_and_stale_files(tmp_path: Path) -> None:
