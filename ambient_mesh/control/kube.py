@@ -13,6 +13,7 @@ snapshot to a callback, with the objects that were added, updated and removed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
@@ -26,7 +27,7 @@ import yaml
 from .. import yamlload
 from ..errors import ConfigError
 from ..kube.labels import LabelSelector  # only matchLabels is parsed: these kinds have no expressions
-from .kube_yaml import FastCSafeLoader
+from .kube_yaml import FastCSafeLoader, NotPlainYaml, plain_documents
 
 log = logging.getLogger(__name__)
 
@@ -353,19 +354,37 @@ _Int: TypeAlias = int
 _Bool: TypeAlias = bool
 
 
+# Where a _Fields is in its document: the path itself, or (parent, key, list index or None), made
+# into text only for an error (a 10,000-pod file has about 100,000 mappings and lists).
+_At: TypeAlias = "str | tuple[_Fields, str, int | None]"
+
+
+def _where(at: _At) -> str:
+    if isinstance(at, str):
+        return at
+    parent, key, index = at
+    path = parent._child(key)
+    return path if index is None else f"{path}[{index}]"
+
+
 class _Fields:
     """Typed access to one mapping of a decoded YAML document, tracking the field path."""
 
-    __slots__ = ("_data", "_path")
+    __slots__ = ("_data", "_at")
 
-    def __init__(self, data: Any, path: str) -> None:
+    def __init__(self, data: Any, at: _At) -> None:
         if not isinstance(data, dict):
-            raise _FieldError(path or "<document>", "expected a mapping")
+            raise _FieldError(_where(at) or "<document>", "expected a mapping")
         self._data = data
-        self._path = path
+        self._at = at
+
+    @property
+    def _path(self) -> str:
+        return _where(self._at)
 
     def _child(self, key: str) -> str:
-        return f"{self._path}.{key}" if self._path else key
+        path = self._path
+        return f"{path}.{key}" if path else key
 
     def _get(self, key: str) -> Any:
         value = self._data.get(key, _MISSING)
@@ -375,8 +394,8 @@ class _Fields:
         return self._get(key) is not _MISSING
 
     def str(self, key: str, default: str = "") -> str:
-        value = self._get(key)
-        if value is _MISSING:
+        value = self._data.get(key)  # _get inlined: this is most of the per-field cost
+        if value is None:
             return default
         if not isinstance(value, str):
             raise _FieldError(self._child(key), "expected a string")
@@ -407,18 +426,18 @@ class _Fields:
         return value
 
     def sub(self, key: _Str) -> _Fields | None:
-        value = self._get(key)
-        if value is _MISSING:
+        value = self._data.get(key)
+        if value is None:
             return None
-        return _Fields(value, self._child(key))
+        return _Fields(value, (self, key, None))
 
     def items(self, key: _Str) -> list[_Fields]:
-        value = self._get(key)
-        if value is _MISSING:
+        value = self._data.get(key)
+        if value is None:
             return []
         if not isinstance(value, list):
             raise _FieldError(self._child(key), "expected a list")
-        return [_Fields(v, f"{self._child(key)}[{i}]") for i, v in enumerate(value)]
+        return [_Fields(v, (self, key, i)) for i, v in enumerate(value)]
 
     def strings(self, key: _Str) -> tuple[_Str, ...]:
         value = self._get(key)
@@ -920,6 +939,8 @@ def _libyaml_takes(text: str) -> bool:
 def decode_yaml(text: str) -> list[Any]:
     """Every document of a YAML stream, as `yaml.safe_load_all` returns them (same errors too),
     with aliases bounded by `yamlload` (libyaml is not, so it only gets alias-free text)."""
+    with contextlib.suppress(NotPlainYaml):
+        return list(plain_documents(text))  # the plain block subset: kube_yaml's docstring
     if _libyaml_takes(text):
         try:
             return list(yaml.load_all(text, Loader=_CSafeLoader))
@@ -935,6 +956,12 @@ _CONSTRUCTOR_ERRORS = (ValueError, IndexError, AttributeError, TypeError, Recurs
 
 def parse_documents(text: str, file: str) -> LoadResult:
     """Parse one file's text (one or more `---` separated documents, or a `kind: List`)."""
+    # The plain block subset that tools write is read directly (kube_yaml's docstring); a text
+    # that leaves it, even in its last document, is parsed again from the start below.
+    with contextlib.suppress(NotPlainYaml):
+        plain = _parse_stream(plain_documents(text), file)
+        assert plain is not None  # plain_documents raises no YAMLError
+        return plain
     if _libyaml_takes(text):
         # One document at a time: the decoded documents of a 10,000-pod file, all held at once,
         # were most of the parse's peak memory. Any YAML error goes the way below, so errors

@@ -233,6 +233,251 @@ def test_fast_loader_memos_are_bounded_and_share_strings(monkeypatch) -> None:
     assert docs[0]["k1"][1] is docs[0]["k99"][1]  # one "TCP" for the whole stream
 
 
+# -- the plain block subset (kube_yaml.plain_documents) -------------------------------------------------
+
+# Line pieces: the subset's own shapes and, next to each, what it must not mistake for them
+# (continuations, comments after values, indicators, tags, anchors, block scalars, merge keys,
+# constructor errors, odd indentation, document markers).
+_INDENTS = ["", " ", "  ", "   ", "    ", "      "]
+_KEYS = [
+    "a", "b", "name", "app.kubernetes.io/name", "80", "0x1f", "yes", "null", "~", "2024-05-01",
+    "'q'", '"d"', "'a: b'", "''", "<<", "=", "a b", "-x", "k:v", "? a", "&a a", "*a", "!!str a", "[a]",
+]  # fmt: skip
+_VALUES = [
+    "", "1", "-1", "-.5", "+1", "0o17", "0x1f", "1_000", "1:20", ".inf", ".NaN", "~", "null", "yes",
+    "On", "true", "x", "-x", "x y", "x  y", "x - y", "x:y", "x:", "x: y", "x #c", "x#c", "#c",
+    "2024-05-01", "2024-05-01T10:00:00Z", "2001-12-14 21:59:43.10 -5", "2020-13-45", "'s'",
+    "'it''s'", "'a: #b'", "'\u00e9'", '"d"', '"a\\"b"', '"a\\nb"', "''", '""', "{}", "[]",
+    "{a: 1}", "[1]", "[", "=", "<<", "<x", "*a", "&a x", "!!str x", "!x y", "|", "|-", ">", "@x",
+    "%x", "`x`", "---", "...", "- x", "-", "a,b", "(x)", "$x", "^x", ";x", "10.1.0.9",
+    "spiffe://cluster.local/ns/a/sa/b", "\u00e9", "x ",
+]  # fmt: skip
+_SPECIAL_LINES = ["---", "--- ", "--- x", "...", "# c", "  # c", "", "   ", "%YAML 1.1", "-", "- ", "- - x"]
+
+
+@st.composite
+def _plain_like_line(draw) -> str:
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.sampled_from(_SPECIAL_LINES))
+    line = draw(st.sampled_from(_INDENTS)) + draw(st.sampled_from(["", "", "- ", "-  ", "-"]))
+    if draw(st.booleans()):
+        line += draw(st.sampled_from(_KEYS)) + draw(st.sampled_from([":", ": ", ":  ", " :"]))
+    return line + draw(st.sampled_from(_VALUES))
+
+
+def _plain(text: str) -> tuple[str, str] | None:
+    """What the subset reader makes of `text` as comparable text; None when it declines."""
+    from ambient_mesh.control.kube_yaml import NotPlainYaml, plain_documents
+
+    try:
+        return "ok", repr(list(plain_documents(text)))
+    except NotPlainYaml:
+        return None
+
+
+@settings(max_examples=500)
+@given(st.lists(_plain_like_line(), max_size=12).map("\n".join), st.booleans())
+def test_plain_subset_is_exactly_pyyaml_or_declines(text: str, newline: bool) -> None:
+    text += "\n" if newline else ""
+    plain = _plain(text)
+    if plain is not None:
+        assert plain == _reference(text)
+
+
+@settings(max_examples=300)
+@given(_DOCS)
+def test_plain_subset_reads_block_dumps(doc: object) -> None:
+    text = yaml.safe_dump(doc, allow_unicode=True, default_flow_style=False)
+    plain = _plain(text)
+    if plain is not None:
+        assert plain == _reference(text)
+
+
+_SUBSET_KEYS = [
+    "a",
+    "b",
+    "name",
+    "app.kubernetes.io/name",
+    "80",
+    "yes",
+    "null",
+    "Off",
+    "1.5",
+    "'q'",
+    '"d"',
+    "''",
+]
+_SUBSET_SCALARS = [
+    "1", "-1", "-.5", "+1", "0o17", "0x1f", "1_000", "1:20", ".inf", ".NaN", "~", "null", "Null", "yes",
+    "On", "n", "true", "x", "-x1", "x y", "x  y", "x - y", "x:y", "a,b", "(x)", "10.1.0.9", "2024-05-01",
+    "2024-05-01T10:00:00Z", "'s'", "' s '", "'a: #b'", '"d"', '"a\'b"', "''", '""', "{}", "[]", "<x",
+    "=x", "~x", "spiffe://cluster.local/ns/a/sa/b", "$x", ";x",
+]  # fmt: skip
+
+
+@st.composite
+def _subset_block(draw, indent: int, depth: int) -> list[str]:
+    """Lines of one block node at `indent`, in the subset's styles (some lines left over for
+    PyYAML to refuse: a sequence entry in a mapping written at the key's column is one)."""
+    pad = " " * indent
+    lines: list[str] = []
+    as_sequence = draw(st.booleans())
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.integers(0, 6)) == 0:
+            lines.append(draw(st.sampled_from(["", pad + "# c", "#", "   "])))
+        lead = pad + ("-" + " " * draw(st.integers(1, 2)) if as_sequence else "")
+        inner = len(lead)
+        if as_sequence and draw(st.integers(0, 3)) == 0:
+            lines.append(pad + "-")  # an entry whose node starts on the next line, or null
+            if depth < 3 and draw(st.booleans()):
+                lines += draw(_subset_block(indent + draw(st.integers(1, 3)), depth + 1))
+            continue
+        if as_sequence and draw(st.booleans()):
+            lines.append(lead + draw(st.sampled_from(_SUBSET_SCALARS)))
+            continue
+        key = draw(st.sampled_from(_SUBSET_KEYS))
+        if depth < 3 and draw(st.booleans()):
+            lines.append(lead + key + ":")
+            nested = inner + draw(st.sampled_from([0, 0, 1, 2, 4]))  # 0: at the key's column
+            lines += draw(_subset_block(nested, depth + 1))
+        else:
+            spaces = " " * draw(st.integers(1, 2))
+            lines.append(lead + key + ":" + spaces + draw(st.sampled_from(_SUBSET_SCALARS)))
+        if as_sequence and draw(st.booleans()):
+            # more keys of the entry's mapping, at its first key's column
+            lines.append(" " * inner + draw(st.sampled_from(_SUBSET_KEYS)) + ": x")
+    return lines
+
+
+@st.composite
+def _subset_text(draw) -> str:
+    docs = [draw(_subset_block(draw(st.sampled_from([0, 0, 2])), 0)) for _ in range(draw(st.integers(1, 3)))]
+    text = "\n---\n".join("\n".join(doc) for doc in docs)
+    return draw(st.sampled_from(["", "---\n", "# c\n"])) + text + draw(st.sampled_from(["", "\n", "\n---\n"]))
+
+
+@settings(max_examples=400)
+@given(_subset_text())
+def test_plain_subset_is_exactly_pyyaml_on_subset_shaped_text(text: str) -> None:
+    plain = _plain(text)
+    if plain is not None:
+        assert plain == _reference(text)
+    else:  # declined: the general way still gives PyYAML's result
+        assert _decoded(text) == _reference(text)
+
+
+KUBECTL_STYLE = """\
+# a comment before the first document
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web-1
+  namespace: demo
+  uid: 9d000000000000000000000000000001
+  creationTimestamp: "2024-05-01T10:00:00Z"
+  labels:
+    app: web
+    pod-template-hash: "5e000001"
+  annotations: {}
+  ownerReferences:
+  - apiVersion: apps/v1
+    kind: ReplicaSet
+    name: web-5e000001
+    controller: true
+spec:
+  nodeName: node-1
+  containers:
+  - name: app
+    ports:
+    - name: http
+      containerPort: 8080
+      protocol: TCP
+    -
+      name: grpc
+      containerPort: 9090
+  tolerations: []
+status:
+  phase: Running
+  podIP: 10.1.0.9
+  podIPs:
+  - ip: 10.1.0.9
+  conditions:
+  - type: Ready
+    status: "True"
+    lastProbeTime:
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: flow-style, namespace: demo}
+"""
+
+
+def test_plain_subset_reads_kubectl_style_and_hands_on_at_the_first_line_outside(monkeypatch) -> None:
+    from ambient_mesh.control import kube_yaml
+
+    first = KUBECTL_STYLE.split("---\n")[0]
+    assert _plain(first) == _reference(first)
+    # The flow mapping with content in the second document is outside the subset: the whole
+    # stream goes the general way, first document included, with the same result.
+    assert _plain(KUBECTL_STYLE) is None
+    assert _decoded(KUBECTL_STYLE) == _reference(KUBECTL_STYLE)
+    # parse_documents takes the subset for the first document alone, and never calls libyaml.
+    monkeypatch.setattr(kube_yaml.yaml, "load_all", None)
+    result = parse_documents(first, "pods.yaml")
+    assert result.errors == () and [o.metadata.name for o in result.objects] == ["web-1"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: 1\n---\nb: c: d\n",  # the first document is plain, the second is not YAML
+        "a: 1\n---\nb:\n  - 1\n - 2\n",
+        "a: 1\nb: 2020-13-45\n",  # a constructor error inside the subset's shapes
+    ],
+)
+def test_plain_subset_leaves_errors_to_pyyaml(text: str) -> None:
+    assert _plain(text) is None
+    assert _decoded(text) == _reference(text)
+    general = parse_documents(text, "bad.yaml")
+    assert general.objects == () and len(general.errors) == 1
+
+
+def test_plain_subset_bounds_nesting_and_memos(monkeypatch) -> None:
+    from ambient_mesh.control import kube_yaml
+
+    deep = (
+        "".join(f"{'  ' * i}k{i}:\n" for i in range(kube_yaml.MAX_PLAIN_NESTING + 2)) + "  " * 70 + "v: 1\n"
+    )
+    assert _plain(deep) is None  # deeper than the subset goes: the general way decides
+    assert _decoded(deep) == _reference(deep)
+    shallow = "".join(f"{'  ' * i}k{i}:\n" for i in range(kube_yaml.MAX_PLAIN_NESTING - 2))
+    assert _plain(shallow) == _reference(shallow)
+
+    monkeypatch.setattr(kube_yaml, "MAX_PLAIN_SCALARS", 8)
+    monkeypatch.setattr(kube_yaml, "MAX_SHARED_STRINGS", 8)
+    text = "".join(f"k{i}:\n- v{i}\n- TCP\n- '{i}'\n- {i}\n" for i in range(100))
+    reader = kube_yaml.PlainReader()
+    docs = list(reader.documents(text))
+    assert repr(docs) == repr(list(yaml.safe_load_all(text)))
+    assert len(reader._lines) <= 8 and len(reader._scalars) <= 8 and len(reader._strings) <= 8
+    assert docs[0]["k1"][1] is docs[0]["k99"][1]  # one "TCP" for the whole stream
+    long_line = "a: " + "x" * (kube_yaml.MAX_SHARED_STRING_CHARS + 1) + "\n"
+    reader = kube_yaml.PlainReader()
+    assert list(reader.documents(long_line)) == list(yaml.safe_load_all(long_line))
+    assert long_line.rstrip("\n") not in reader._lines  # too long to remember
+    assert long_line.strip()[3:] not in reader._scalars
+
+
+def test_plain_subset_reads_across_chunks(monkeypatch) -> None:
+    from ambient_mesh.control import kube_yaml
+
+    text = KUBECTL_STYLE.split("---\n")[0] + "---\n\n---\nlast:\n- 1\n"
+    expected = _reference(text)
+    for chunk in (1, 2, 7, 64):
+        monkeypatch.setattr(kube_yaml, "PLAIN_CHUNK_CHARS", chunk)
+        assert _plain(text) == expected, chunk
+
+
 # -- the directory watcher's parse cache ------------------------------------------------------------
 
 
