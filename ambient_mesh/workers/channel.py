@@ -58,6 +58,9 @@ class Channel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.sent_frames = 0
+        # Set when the other side is being stopped: its end closing then is news, not trouble
+        # (a worker signalled with the owner's process group drains and exits by itself).
+        self.close_expected = False
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._queued_bytes} bytes queued"
@@ -170,5 +173,10 @@ class Channel:
         self._decoder.close()
         self._sock.close()
         if error is not None:
-            log.warning("%s: channel closed: %s", self.name, error)
+            log.log(
+                logging.INFO if self.close_expected else logging.WARNING,
+                "%s: channel closed: %s",
+                self.name,
+                error,
+            )
         self._on_close(error)

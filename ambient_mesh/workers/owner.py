@@ -491,6 +491,8 @@ class WorkerPool:
             proxy.close()
         self.proxies.clear()
         for worker in self.workers:
+            if worker.channel is not None:
+                worker.channel.close_expected = True
             if worker.state in ("up", "starting") and not worker.send(Drain(deadline_s)):
                 worker.drained.set()
         live = [w for w in self.workers if w.process is not None and w.process.returncode is None]
