@@ -361,7 +361,7 @@ class CniPluginServer:
             if reply is not None:
                 writer.write(reply)
                 await writer.drain()
-        except (ConnectionError, OSError) as exc:
+        except OSError as exc:  # the plugin went away, or the reply could not be written
             log.warning("plugin run connection failed: %s", exc)
         finally:
             self._tasks.discard(task)
