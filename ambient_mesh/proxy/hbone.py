@@ -58,7 +58,7 @@ SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 # TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
-# over at most (uvloop's own SSL read limit). A read asks for room for what waits encrypted;
+# over at most (uvloop's own TLS read limit). A read asks for room for what waits encrypted;
 # more than this is read in the next round.
 RECEIVE_BUFFER_BYTES = 256 * 1024
 
@@ -119,7 +119,8 @@ class StreamState(enum.Enum):
 
 
 _ORDERLY_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
-_NOTHING_HELD: list[tuple[bytes, int]] = []  # shared, always empty: nothing is held once attached
+_Held = list[tuple[bytes | memoryview, int]]  # DATA payloads with the credit they carry
+_NOTHING_HELD: _Held = []  # shared, always empty: nothing is held once attached
 
 
 class HboneStream(Endpoint):
@@ -157,7 +158,7 @@ class HboneStream(Endpoint):
         self._unacked = 0  # received bytes whose window credit is held back
         self._ack_paused = False
         self._blocked = False  # we told the relay to stop feeding us
-        self._held: list[tuple[bytes, int]] = []  # DATA received before a relay is attached
+        self._held: _Held = []  # DATA received before a relay is attached
         self._held_end = False
         self._reset: int | None = None
         # What on_request started (the app connect): cancelled on an early reset.
@@ -190,7 +191,7 @@ class HboneStream(Endpoint):
             relay.eof_from(self)
         self.conn.flush()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self._reset is not None or self._end_sent:
             return
         conn = self.conn
@@ -251,7 +252,7 @@ class HboneStream(Endpoint):
         else:
             self.conn.core.acknowledge(self.stream_id, flow)
 
-    def on_data(self, data: bytes) -> None:
+    def on_data(self, data: bytes | memoryview) -> None:
         relay = self.relay
         if relay is None:
             self._held.append((data, len(data)))  # credit is returned when a relay takes them
@@ -312,26 +313,35 @@ class HboneStream(Endpoint):
 
 
 class _ReceiveBuffer:
-    """The process's one receive buffer: connections read into it one at a time (the event loop
-    runs one read callback at a time), so it is reused while nothing refers to its bytes. The
-    HTTP/2 core copies what it keeps of a read below its zero-copy size, so views of it are left
-    only as long DATA payloads still on their way (a held stream, a full socket); then the next
-    read gets a new buffer and the old one goes when its last view does."""
+    """The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
+    time (the event loop runs one read callback at a time), so it is reused while nothing
+    refers to its bytes. What a read hands on is a read-only view of it; whoever keeps
+    bytes past the call either copies them (the HTTP/2 core, below its zero-copy size; pending
+    bytes of a closed window) or holds the view (a socket that could not send it yet, bytes
+    held before a relay is attached), and then the next read gets a new buffer and the old one
+    goes when its last view does."""
 
     __slots__ = ("buf",)
 
     def __init__(self) -> None:
         self.buf = bytearray(RECEIVE_BUFFER_BYTES)
 
-    def take(self) -> bytearray:
-        # CPython: the attribute and the call's argument are the only references when no
-        # memoryview of the buffer is alive (every view holds one).
-        if sys.getrefcount(self.buf) > 2:
-            self.buf = bytearray(RECEIVE_BUFFER_BYTES)
-        return self.buf
-
 
 _RECEIVE = _ReceiveBuffer()
+
+
+def _receive_into(_protocol: object, sizehint: int) -> memoryview:
+    """`HboneConnection.get_buffer`: the shared receive buffer, or a new one while a view of the
+    current one is alive. A view, not the bytearray: asyncio's TLS protocol slices what it gets
+    to fill it in parts. A plain function assigned in the class: one Python call per read.
+    Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the two callbacks cost
+    more per small message than the copy saves (bench/README.md)."""
+    buf = _RECEIVE.buf
+    # CPython: the attribute, `buf` and the call's argument are the only references when no
+    # memoryview of the buffer is alive (every view holds one).
+    if sys.getrefcount(buf) > 3:
+        buf = _RECEIVE.buf = bytearray(RECEIVE_BUFFER_BYTES)
+    return memoryview(buf)
 
 
 class HboneConnection(asyncio.BufferedProtocol):
@@ -406,11 +416,9 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.flush()
         self._arm_timer()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        """BufferedProtocol: TLS decrypts straight into the shared receive buffer (no bytes object
-        allocated per TLS read and no join of several reads; bench/README.md, HBONE profiles). A
-        view, not the bytearray: asyncio's SSL protocol slices what it gets to fill it in parts."""
-        return memoryview(_RECEIVE.take())
+    # BufferedProtocol: TLS decrypts straight into the shared receive buffer (no bytes object
+    # allocated per TLS read and no join of several reads; bench/README.md, HBONE profiles).
+    get_buffer = _receive_into
 
     def buffer_updated(self, nbytes: int) -> None:
         self.data_received(memoryview(_RECEIVE.buf)[:nbytes].toreadonly())

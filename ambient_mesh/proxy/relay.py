@@ -25,7 +25,7 @@ class Endpoint:
 
     relay: Relay | None = None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
 
     def write_eof(self) -> None:
@@ -91,7 +91,7 @@ class Relay:
     def _other(self, side: Endpoint) -> Endpoint:
         return self.upstream if side is self.downstream else self.downstream
 
-    def data_from(self, side: Endpoint, data: bytes) -> None:
+    def data_from(self, side: Endpoint, data: bytes | memoryview) -> None:
         n = len(data)
         if side is self.downstream:
             self.bytes_up += n
@@ -154,7 +154,9 @@ class Relay:
             self.done.set_result(exc)
 
 
-_NOTHING_HELD: list[bytes] = []  # shared and always empty: nothing is held once a relay is attached
+_NOTHING_HELD: list[
+    bytes | memoryview
+] = []  # shared and always empty: nothing is held once a relay is attached
 
 
 class TcpEndpoint(asyncio.Protocol, Endpoint):
@@ -169,7 +171,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.relay = None
-        self._held: list[bytes] = []
+        self._held: list[bytes | memoryview] = []
         self._held_eof = False
         self._lost: BaseException | None | bool = False
         self._eof_sent = False
@@ -182,7 +184,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         relay = self.relay
         if relay is None:
             self._held.append(data)
@@ -227,7 +229,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 

@@ -271,9 +271,9 @@ class KeepingEndpoint(RecordingEndpoint):
         self.chunks.append(data)
 
 
-def _read_into_buffer(ours: HboneConnection, data: bytes) -> int:
-    """What uvloop's SSL protocol does for a BufferedProtocol: decrypt into get_buffer's buffer
-    (and let go of it). Returns the buffer's id."""
+def _read_into_buffer(ours: asyncio.BufferedProtocol, data: bytes) -> int:
+    """What uvloop does for a BufferedProtocol: read (or decrypt) into get_buffer's buffer and
+    let go of it. Returns the buffer's id."""
     buf = ours.get_buffer(len(data))
     buf[: len(data)] = data
     which = id(buf.obj)

@@ -570,7 +570,7 @@ class Connection:
         s.send_window -= n
         return n
 
-    def data_frame(self, sid: int, data: bytes) -> bytes | None:
+    def data_frame(self, sid: int, data: bytes | memoryview) -> bytes | None:
         """`send_data` for the small-message case, without the outbox: when nothing is queued, the
         windows take all of `data` and it fits one frame below COALESCE_BELOW_BYTES, the DATA frame
         (counted as sent) for the shell to write at once; otherwise None, and `send_data` applies
