@@ -87,6 +87,8 @@ def ip_address(value: str | bytes | IPAddress) -> IPAddress:
         ip = value
     elif isinstance(value, str):
         return _ip_from_text(value)
+    elif isinstance(value, bytes):
+        return _ip_from_packed(value)
     else:
         ip = ipaddress.ip_address(value)
     if ip.version == 6 and ip.ipv4_mapped is not None:
@@ -94,11 +96,31 @@ def ip_address(value: str | bytes | IPAddress) -> IPAddress:
     return ip
 
 
-@functools.lru_cache(maxsize=IP_TEXT_CACHE_ENTRIES)
+# str(ip) by the address object: ipaddress formats in pure Python, and every access log line
+# and CONNECT `forwarded` header formats the same few addresses again. Keyed by id() (an
+# ipaddress hash is three Python calls; the addresses come from the caches here, so they repeat
+# as objects); each entry holds its address, so the id is not reused while cached.
+_ip_texts: dict[int, tuple[IPAddress, str]] = {}
+
+
 def _ip_text(ip: IPAddress) -> str:
-    """str(ip), kept: ipaddress formats in pure Python, and every access log line and CONNECT
-    `forwarded` header formats the same few addresses again (about 4x the cost of the lookup)."""
-    return str(ip)
+    hit = _ip_texts.get(id(ip))
+    if hit is not None and hit[0] is ip:
+        return hit[1]
+    text = str(ip)
+    if len(_ip_texts) >= IP_TEXT_CACHE_ENTRIES:
+        _ip_texts.clear()
+    _ip_texts[id(ip)] = (ip, text)
+    return text
+
+
+@functools.lru_cache(maxsize=IP_TEXT_CACHE_ENTRIES)
+def _ip_from_packed(value: bytes) -> IPAddress:
+    """Addresses from SO_ORIGINAL_DST's raw bytes (every captured connection), kept as text is."""
+    ip = ipaddress.ip_address(value)
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 @functools.lru_cache(maxsize=IP_TEXT_CACHE_ENTRIES)

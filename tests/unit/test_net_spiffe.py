@@ -187,3 +187,27 @@ def test_identity_defaults_for_workload() -> None:
     assert str(identity) == "spiffe://cluster.local/ns/ns1/sa/default"
     with pytest.raises(IdentityError):
         Identity.for_workload(trust_domain="", namespace="", service_account="")
+
+
+def test_packed_addresses_are_kept_and_unmapped():
+    """SO_ORIGINAL_DST hands raw bytes: parsed once per address, IPv4-mapped IPv6 unmapped."""
+    from ambient_mesh.net import ip_address
+
+    v4 = ip_address(b"\x0a\x00\x00\x01")
+    assert v4 == ipaddress.IPv4Address("10.0.0.1") and ip_address(b"\x0a\x00\x00\x01") is v4
+    mapped = ip_address(b"\x00" * 10 + b"\xff\xff" + b"\x0a\x00\x00\x01")
+    assert mapped == v4 and mapped.version == 4
+    assert ip_address(b"\x20\x01" + b"\x00" * 13 + b"\x01") == ipaddress.IPv6Address("2001::1")
+
+
+def test_address_text_stays_right_past_the_cache_bound():
+    """The text cache is keyed by object: every address, new or kept, prints as itself."""
+    from ambient_mesh import net
+
+    addresses = [SocketAddr(ipaddress.IPv4Address(n), 80) for n in range(net.IP_TEXT_CACHE_ENTRIES + 50)]
+    for _ in range(2):
+        assert [str(a) for a in addresses] == [
+            f"{ipaddress.IPv4Address(n)}:80" for n in range(len(addresses))
+        ]
+    assert len(net._ip_texts) <= net.IP_TEXT_CACHE_ENTRIES
+    assert str(SocketAddr.parse("[2001:db8::1]:8080")) == "[2001:db8::1]:8080"
