@@ -377,9 +377,15 @@ class AccessLogFields:
         ]
         out: dict[str, Any] = {}
         for key, value in ordered:
-            if value is None or value == "":
+            if value is None:
                 continue
-            out[key] = value if isinstance(value, (int, str)) else str(value)
+            if isinstance(value, str):
+                if value:  # empty values are left out
+                    out[key] = value
+            elif isinstance(value, int):
+                out[key] = value
+            else:  # addresses, identities: an `== ""` on them was a dataclass __eq__ call each
+                out[key] = str(value)
         return out
 
 

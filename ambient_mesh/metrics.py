@@ -129,15 +129,13 @@ class WithoutCreated(Collector):
 class ConnectionRecorder:
     """Counts one connection's bytes as they move and records its end exactly once."""
 
-    __slots__ = ("_metrics", "labels", "_received", "_sent", "received_bytes", "sent_bytes", "response_flag")
+    __slots__ = ("_metrics", "labels", "_bound", "received_bytes", "sent_bytes", "response_flag")
 
-    def __init__(self, metrics: Metrics, labels: ConnectionLabels) -> None:
+    def __init__(self, metrics: Metrics, labels: ConnectionLabels, bound: list[Any] | None = None) -> None:
         self._metrics = metrics
         self.labels = labels
-        # Bound children: the hot path is one locked add, no label lookup.
-        bound = metrics.bound_children(labels)
-        self._received = bound[3]
-        self._sent = bound[4]
+        # Bound children (Metrics.bound_children): the hot path is one locked add, no label lookup.
+        self._bound = bound if bound is not None else metrics.bound_children(labels)
         self.received_bytes = 0
         self.sent_bytes = 0
         self.response_flag: ResponseFlag | None = None
@@ -149,13 +147,13 @@ class ConnectionRecorder:
     def add_received(self, n: int) -> None:
         """Bytes from the client towards the server."""
         if n > 0:
-            self._received.inc(n)
+            self._bound[3].inc(n)
             self.received_bytes += n
 
     def add_sent(self, n: int) -> None:
         """Bytes from the server back to the client."""
         if n > 0:
-            self._sent.inc(n)
+            self._bound[4].inc(n)
             self.sent_bytes += n
 
     def close(self, response_flag: ResponseFlag = NO_FLAG) -> bool:
@@ -165,7 +163,7 @@ class ConnectionRecorder:
         if response_flag not in RESPONSE_FLAGS:
             raise ValueError(f"unknown response flag {response_flag!r}")
         self.response_flag = response_flag
-        self._metrics._record_close(self.labels, response_flag)
+        self._metrics._record_close(self.labels, response_flag, self._bound)
         return True
 
     def __repr__(self) -> str:
@@ -395,9 +393,10 @@ class Metrics:
         return hit
 
     def connection_opened(self, labels: ConnectionLabels) -> ConnectionRecorder:
-        self.bound_children(labels)[1].inc()
+        bound = self.bound_children(labels)
+        bound[1].inc()
         self._open_count[labels.reporter] += 1
-        return ConnectionRecorder(self, labels)
+        return ConnectionRecorder(self, labels, bound)
 
     def connection_failed(self, labels: ConnectionLabels, response_flag: ResponseFlag) -> None:
         """A connection that failed before it was counted as opened (only the failure counter moves)."""
@@ -405,9 +404,12 @@ class Metrics:
             raise ValueError(f"{response_flag!r} is not a failure response flag")
         self.connections_failed.labels(*_with_flag(labels, response_flag)).inc()
 
-    def _record_close(self, labels: ConnectionLabels, response_flag: ResponseFlag) -> None:
+    def _record_close(
+        self, labels: ConnectionLabels, response_flag: ResponseFlag, bound: list[Any] | None = None
+    ) -> None:
         if response_flag == NO_FLAG:
-            bound = self.bound_children(labels)
+            if bound is None or bound[0] is not labels:
+                bound = self.bound_children(labels)
             if bound[2] is None:
                 bound[2] = self.connections_closed.labels(*_with_flag(labels, NO_FLAG))
             bound[2].inc()

@@ -40,7 +40,9 @@ class TrackedConnection:
     conn: RbacConnection
     workload_uid: str
     close: Callable[[PolicyDenied], None]
-    description: str
+    # For the log line when a policy change closes it; formatted then, not per connection.
+    src: object
+    dst: object
 
 
 class ConnectionManager:
@@ -80,12 +82,13 @@ class ConnectionManager:
         conn: RbacConnection,
         workload: Workload,
         close: Callable[[PolicyDenied], None],
-        description: str,
+        src: object,
+        dst: object,
     ) -> Callable[[], None]:
-        """Track a connection; returns the function that stops tracking it."""
+        """Track a connection (`src -> dst` in logs); returns the function that stops tracking it."""
         key = self._next_id
         self._next_id += 1
-        self._tracked[key] = TrackedConnection(conn, workload.uid, close, description)
+        self._tracked[key] = TrackedConnection(conn, workload.uid, close, src, dst)
 
         def untrack() -> None:
             self._tracked.pop(key, None)
@@ -108,7 +111,9 @@ class ConnectionManager:
                 continue  # the workload is going away; its own removal closes it
             decision = self.state.policies.check(workload, tracked.conn)
             if not decision.allowed:
-                log.info("connection %s is no longer allowed: %s", tracked.description, decision.reason)
+                log.info(
+                    "connection %s -> %s is no longer allowed: %s", tracked.src, tracked.dst, decision.reason
+                )
                 self._tracked.pop(key, None)
                 tracked.close(PolicyDenied(decision, closing=True))
                 closed += 1

@@ -359,7 +359,7 @@ class InboundProxy:
         progress = result.progress if also is None else _both(result.progress, also)
         relay = Relay(downstream, admitted.upstream, on_progress=progress)
         untrack = pi.connection_manager.register(
-            admitted.rbac_conn, admitted.workload, relay.abort, f"{admitted.peer} -> {result.dst_addr}"
+            admitted.rbac_conn, admitted.workload, relay.abort, admitted.peer, result.dst_addr
         )
 
         def finished(relay: Relay, err: BaseException | None) -> None:
@@ -504,7 +504,7 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         relay = Relay(downstream, upstream, on_progress=result.progress)
-        untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, f"{peer} -> {target}")
+        untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, peer, target)
 
         def finished(relay: Relay, err: BaseException | None) -> None:
             untrack()
