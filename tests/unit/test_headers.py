@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ambient_mesh.net import SocketAddr
+from ambient_mesh.proxy import headers
 from ambient_mesh.proxy.headers import (
     TRACEPARENT_LENGTH,
     Baggage,
@@ -296,3 +297,11 @@ def test_forwarded_round_trip(ip, port: int, host: str) -> None:
     assert SocketAddr.parse(quoted) == client
     if isinstance(client.ip, ipaddress.IPv6Address):
         assert quoted.startswith("[")
+
+
+@given(st.text(alphabet=st.sampled_from(list('ab=;, "\\\t\u00e9')), max_size=40))
+def test_split_unquoted_without_a_character_loop_splits_the_same(value: str) -> None:
+    """The split that skips the per-character loop (no backslash escapes) is the loop's split."""
+    for separators in (",;", ","):
+        expected = headers._split_unquoted_by_character(value, separators)
+        assert headers._split_unquoted(value, separators) == expected
