@@ -276,9 +276,14 @@ class PlainReader:
         if tag not in _SCALAR_TAGS:
             raise NotPlainYaml(f"plain scalar {value!r} resolves to {tag}")
         try:
-            return SafeConstructor.yaml_constructors[tag](self._constructor, ScalarNode(tag, value))
+            made = SafeConstructor.yaml_constructors[tag](self._constructor, ScalarNode(tag, value))
         except Exception as exc:  # noqa: BLE001 - the general way reports it, as PyYAML does
             raise NotPlainYaml(f"{value!r}: {exc}") from None
+        if made != made:
+            # NaN: remembered, every `.nan` would be one object, and two NaN objects are not the
+            # same dict key or list member; PyYAML makes a new one each time.
+            raise NotPlainYaml("NaN")
+        return made
 
     def _scalar(self, text: str) -> Any:
         """A key or value as written on its line: plain, quoted, `{}` or `[]` (as _EMPTY_MAP or
