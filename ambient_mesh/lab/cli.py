@@ -24,7 +24,7 @@ import yaml
 from ..errors import AmbientError, ConfigError
 from ..host.commands import SubprocessRunner
 from ..ztunnel_config import render_tables
-from .cluster import parse_pod_spec
+from .cluster import parse_pod_spec, pod_uid
 from .journal import read_journal, same_process, sweep
 from .lab import (
     DEFAULT_STATE_DIR,
@@ -316,6 +316,10 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
         for m in manifests:
             if m.kind == "Pod":
                 check_new_pod(record, m)
+                # The API server gives a Pod its uid when it is created, before anything reads
+                # it: the node agent must never see the object without the uid the lab's
+                # kubelet then runs the sandbox (and ZDS) under.
+                m.doc["metadata"]["uid"] = pod_uid(record["lab"], m.namespace, m.doc["metadata"]["name"])
         lines = verbs.apply(objects_dir, manifests)
         ok = True
     else:

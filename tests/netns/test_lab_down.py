@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ambient_mesh.host.netns import list_netns
 from ambient_mesh.lab.journal import read_journal
@@ -188,6 +189,10 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         extra.write_text(EXTRA_POD)
         applied = lab(state_dir, "apply", "-f", str(extra))
         assert applied.returncode == 0 and "pod/extra created" in applied.stdout, applied.stderr
+        # written with its uid, as the API server creates a Pod: the node agent never sees it
+        # without the uid the lab's kubelet runs the sandbox under
+        (written,) = (state_dir / "objects").glob("*extra*")
+        assert yaml.safe_load(written.read_text())["metadata"]["uid"], written.read_text()
 
         def extra_pod() -> dict | None:
             pods = json.loads(lab(state_dir, "status", "-o", "json").stdout)["pods"]
