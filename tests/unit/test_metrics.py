@@ -97,6 +97,27 @@ def test_label_order_puts_response_flags_after_protocol():
     assert len(TRAFFIC_LABEL_NAMES) == len(set(TRAFFIC_LABEL_NAMES)) == 27
 
 
+def test_bytes_are_counted_once_across_scrapes_and_the_close():
+    """The data path counts in plain ints; each collection and the close add only what is new."""
+    m = Metrics(process_metrics=False)
+    labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
+    first, second = m.connection_opened(labels), m.connection_opened(labels)
+    first.add_received(10)
+    second.add_received(5)
+    assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 15
+    assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 15  # a second scrape adds nothing
+    first.add_received(1)
+    first.add_sent(4)
+    assert first.close() is True
+    # counted at the close, with no scrape in between; a closed recorder is no longer followed
+    assert m._live.keys() == {id(second)}
+    first.add_received(1000)  # after the close: not counted
+    assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 16
+    assert sample(m, "istio_tcp_sent_bytes_total", **full(labels)) == 4
+    second.close()
+    assert not m._live
+
+
 def test_connection_lifecycle_counts():
     m = Metrics(process_metrics=False)
     labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
