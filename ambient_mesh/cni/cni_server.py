@@ -31,10 +31,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..errors import AmbientError, ProtocolError
 from ..http1 import ClientResponse, Request, Response
@@ -48,6 +49,7 @@ from .podinfo import API_LOOKUP_TIMEOUT_S, NamespaceInfo, PodInfo, PodLookupErro
 from .pods import PodSource, PodSourceError, WatchedPod
 
 log = logging.getLogger("ambient_mesh.cni-agent")
+T = TypeVar("T")
 plugin_log = logging.getLogger("ambient_mesh.cni-plugin")
 
 POD_LOOKUP_ATTEMPTS = 10
@@ -195,6 +197,17 @@ def encode_outcome(outcome: Outcome) -> bytes:
     return json.dumps(reply).encode("utf-8")
 
 
+def run_on_loop(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop, timeout_s: float) -> T:
+    """`coro`'s result, run on the agent's loop from a plugin run's thread; TimeoutError (the
+    coroutine cancelled) when it takes longer than `timeout_s`."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout_s)
+    except TimeoutError:
+        future.cancel()
+        raise
+
+
 class AgentPodLookup:
     """The plugin's `PodLookup` over the agent's pod cache, for a run in a worker thread: a pod the
     watch has not delivered yet is fetched from the source on the agent's loop."""
@@ -211,11 +224,9 @@ class AgentPodLookup:
     def get_pod(self, namespace: str, name: str) -> PodInfo | None:
         pod = self.source.pod(namespace, name)
         if pod is None:
-            future = asyncio.run_coroutine_threadsafe(self.source.fetch_pod(namespace, name), self.loop)
             try:
-                pod = future.result(API_LOOKUP_TIMEOUT_S)
+                pod = run_on_loop(self.source.fetch_pod(namespace, name), self.loop, API_LOOKUP_TIMEOUT_S)
             except TimeoutError:
-                future.cancel()
                 raise PodLookupError(
                     f"the agent's pod source did not return pod {namespace}/{name} within "
                     f"{API_LOOKUP_TIMEOUT_S:g}s"
@@ -241,11 +252,9 @@ class InProcessTransport:
 
     def post(self, path: str, body: bytes, *, timeout_s: float) -> ClientResponse:
         request = Request(method="POST", target=path, path=path, body=body)
-        future = asyncio.run_coroutine_threadsafe(self.server.handle(request), self.loop)
         try:
-            response = future.result(timeout_s)
+            response = run_on_loop(self.server.handle(request), self.loop, timeout_s)
         except TimeoutError:
-            future.cancel()
             raise TimeoutError(f"the agent's add handler did not answer within {timeout_s:g}s") from None
         return ClientResponse(status=int(response.status), body=response.body)
 
