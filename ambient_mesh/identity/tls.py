@@ -12,11 +12,9 @@ ztunnel adds (reference 6.5); otherwise 1.2 and older are refused on both sides.
 CRL_PATH: `TlsContextCache.verify_server` / `verify_client` also check the peer's verified chain
 against the CRLs (identity/tls_crl.py), so both sides of every handshake refuse revoked peers.
 
-Cipher suites: ztunnel allows only TLS13_AES_256_GCM_SHA384 and TLS13_AES_128_GCM_SHA256.
-Python 3.11's `ssl` has no way to set TLS 1.3 suites (`set_ciphers` only governs TLS 1.2 and
-older), so OpenSSL's defaults stay, which add CHACHA20_POLY1305. Both our sides offer
-AES-256-GCM first, and a ztunnel peer never picks ChaCha20, so the suite negotiated is always
-one ztunnel allows.
+Cipher suites: ztunnel allows only TLS13_AES_256_GCM_SHA384 and TLS13_AES_128_GCM_SHA256, and so
+do both our contexts (identity/tls_suites.py sets them, AES-128-GCM first, since Python's `ssl`
+cannot), so OpenSSL's default ChaCha20-Poly1305 is neither offered nor accepted.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 from .certificate import WorkloadCertificate, spiffe_ids
 from .spiffe import Identity
 from .tls_crl import CrlChecker
+from .tls_suites import set_tls13_suites
 
 ALPN_H2 = "h2"
 # TLS12_ENABLED's suites (OpenSSL names): ECDHE with ECDSA or RSA, AES-GCM only, as ztunnel.
@@ -82,6 +81,7 @@ def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate, tls12: bool = Fal
     else:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    set_tls13_suites(ctx)
     ctx.set_alpn_protocols([ALPN_H2])
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_NO_TICKET  # ztunnel disables session resumption

@@ -30,6 +30,7 @@ from ambient_mesh.identity import (
     verify_server_identity,
 )
 from ambient_mesh.identity.certificate import load_pem_certificates
+from ambient_mesh.identity.tls_suites import set_tls13_suites
 
 NOW = datetime.now(UTC)
 SERVER = Identity("cluster.local", "ns1", "server")
@@ -134,8 +135,49 @@ async def test_mutual_handshake_tls13_h2_without_sni(
 
     assert listener.accepted == [CLIENT]
     assert listener.sni == [None]  # no server name was sent
-    # Python cannot restrict TLS 1.3 suites (see tls.py); both sides prefer AES-256-GCM.
+    # ztunnel's two suites only, AES-128-GCM first (identity/tls_suites.py).
+    assert listener.tls == [("TLSv1.3", "h2", "TLS_AES_128_GCM_SHA256")]
+
+
+def only_suites(ctx: ssl.SSLContext, *suites: str) -> ssl.SSLContext:
+    set_tls13_suites(ctx, suites)
+    return ctx
+
+
+async def test_client_offering_ztunnels_order_gets_a_suite_ztunnel_allows(
+    server_cert: WorkloadCertificate, client_cert: WorkloadCertificate
+) -> None:
+    # ztunnel's client offers AES-256-GCM first; our server keeps its own preference.
+    ctx = only_suites(client_context(client_cert), "TLS_AES_256_GCM_SHA384", "TLS_AES_128_GCM_SHA256")
+    async with hbone_listener(server_cert) as listener:
+        assert await exchange(listener.port, ctx) == f"hello {CLIENT}".encode()
+    assert listener.tls == [("TLSv1.3", "h2", "TLS_AES_128_GCM_SHA256")]
+    # A client that offers only AES-256-GCM gets it.
+    ctx = only_suites(client_context(client_cert), "TLS_AES_256_GCM_SHA384")
+    async with hbone_listener(server_cert) as listener:
+        assert await exchange(listener.port, ctx) == f"hello {CLIENT}".encode()
     assert listener.tls == [("TLSv1.3", "h2", "TLS_AES_256_GCM_SHA384")]
+
+
+async def test_chacha20_is_refused_both_ways(
+    server_cert: WorkloadCertificate, client_cert: WorkloadCertificate
+) -> None:
+    # OpenSSL's default TLS 1.3 list has ChaCha20-Poly1305; ztunnel's has not, nor have we.
+    chacha = only_suites(client_context(client_cert), "TLS_CHACHA20_POLY1305_SHA256")
+    async with hbone_listener(server_cert) as listener:
+        outcome = await exchange(listener.port, chacha)
+    assert isinstance(outcome, (ssl.SSLError, ConnectionError)) or outcome == b""
+    assert listener.accepted == listener.rejected == []  # no handshake completed
+
+    chacha_server = only_suites(server_context(server_cert), "TLS_CHACHA20_POLY1305_SHA256")
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=chacha_server)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            await open_hbone(port, client_context(client_cert))
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_fake_ca_proxies_in_different_processes_trust_each_other() -> None:

@@ -23,6 +23,7 @@ from ambient_mesh.identity import (
     WorkloadCertificate,
     client_context,
     server_context,
+    tls_suites,
     verify_client_identity,
     verify_server_identity,
 )
@@ -92,6 +93,55 @@ def test_client_context_settings(ca: CertificateAuthority) -> None:
     assert ctx.verify_mode == ssl.CERT_REQUIRED
     assert ctx.check_hostname is False
     assert ctx.options & ssl.OP_NO_TICKET
+
+
+def tls13_suites(ctx: ssl.SSLContext) -> list[str]:
+    return [c["name"] for c in ctx.get_ciphers() if c["protocol"] == "TLSv1.3"]
+
+
+def test_both_contexts_offer_exactly_ztunnels_tls13_suites(ca: CertificateAuthority) -> None:
+    cert = ca.issue(ALICE, 3600, now=NOW)
+    for ctx in (server_context(cert), client_context(cert)):
+        assert tls13_suites(ctx) == ["TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384"]
+    assert "TLS_CHACHA20_POLY1305_SHA256" in tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+
+
+def test_suites_are_not_written_through_a_pointer_that_fails_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = tls_suites._openssl()
+    writes: list[object] = []
+
+    class Skewed:
+        get_verify_mode = real.get_verify_mode
+
+        @staticmethod
+        def get_options(pointer: int) -> int:
+            return int(real.get_options(pointer)) ^ 1  # what another layout would read
+
+        @staticmethod
+        def set_ciphersuites(pointer: int, names: bytes) -> int:
+            writes.append(names)
+            return 1
+
+    monkeypatch.setattr(tls_suites, "_openssl", lambda: Skewed)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    with pytest.raises(CertificateError, match="cannot find the OpenSSL context"):
+        tls_suites.set_tls13_suites(ctx)
+    assert writes == []
+    assert "TLS_CHACHA20_POLY1305_SHA256" in tls13_suites(ctx)
+
+
+def test_suites_are_refused_on_an_unchecked_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tls_suites, "_CHECKED_VERSIONS", ((3, 0), (3, 1)))
+    with pytest.raises(CertificateError, match="cannot set TLS 1.3 cipher suites on cpython"):
+        tls_suites.set_tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+
+
+def test_an_unknown_suite_name_is_an_error() -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    with pytest.raises(CertificateError, match="OpenSSL refused the TLS 1.3 cipher suites TLS_NO_SUCH"):
+        tls_suites.set_tls13_suites(ctx, ("TLS_NO_SUCH",))
 
 
 def test_building_contexts_leaves_no_key_file_behind(
