@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from ambient_mesh.host.netns import Fabric, cleanup_stale_namespaces, create_netns, list_netns
+from ambient_mesh.host.netns import (
+    Fabric,
+    cleanup_stale_namespaces,
+    create_netns,
+    list_netns,
+    set_sysctl,
+)
 
 
 def test_nodes_reach_each_other_over_tcp_v4_and_v6(fabric, start_echo, roundtrip, tmp_path):
@@ -30,10 +36,28 @@ def test_three_nodes_share_one_subnet(fabric, start_echo, roundtrip, tmp_path):
 
 
 def test_sysctls_apply_inside_the_fabric_namespace_only(fabric, runner):
-    node = fabric.add_node("a")
-    forward = ["sysctl", "-n", "net.ipv4.ip_forward"]
-    assert runner.run(forward, netns=fabric.network_netns).text.strip() == "1"
-    assert runner.run(forward, netns=node.netns).text.strip() == "0"
+    # A new namespace's ip_forward is not a fixed 0: with net.core.devconf_inherit_init_net at
+    # its default (0), the kernel copies the host's (init_net's) devconf into it, not the
+    # creator's (Documentation/networking/ip-sysctl.rst). So a node reads whatever the host had
+    # when the node was made: 1 on a router host, or while a cluster-tier run (scripts/cluster/
+    # up.sh turns the host's on) shares the machine. What the fabric owns is checked instead:
+    # the network namespace forwards, and a sysctl set in one namespace changes no other.
+    forward = "net.ipv4.ip_forward"
+
+    def read(netns: str | None) -> str:
+        return runner.run(["sysctl", "-n", forward], netns=netns).text.strip()
+
+    own = read(None)  # the test's namespace: the host's in CI, a private one under `unshare --net`
+    a = fabric.add_node("a")
+    b = fabric.add_node("b")
+    assert read(fabric.network_netns) == "1"  # Fabric.open sets it: the bridge routes between nodes
+    before_b = read(b.netns)
+    flipped = "0" if read(a.netns) == "1" else "1"
+    set_sysctl(runner, netns=a.netns, key=forward, value=flipped)
+    assert read(a.netns) == flipped
+    assert read(b.netns) == before_b
+    assert read(fabric.network_netns) == "1"
+    assert read(None) == own
 
 
 def test_teardown_removes_namespaces_and_stops_processes(runner):
