@@ -148,27 +148,50 @@ def match_pods(
     wanted: Mapping[str, Iterable[str]],
     addresses: Callable[[NetnsCandidate], set[str]],
 ) -> dict[str, NetnsCandidate]:
-    """Pure given `addresses`: pod uid -> its netns, for pods whose IP is inside exactly that netns.
+    """Pure given `addresses`: pod uid -> its netns, for pods whose IP is inside exactly one netns.
 
     A candidate whose cgroup names a different pod is not taken for this one (it belongs to a
-    pod that shares the IP space, e.g. a stale sandbox). The first (oldest) match wins.
+    pod that shares the IP space, e.g. a stale sandbox); one whose cgroup names this pod is
+    preferred over those without a cgroup. Otherwise the IP is the only proof, and it proves
+    nothing when it is held twice: a pod whose IP is in more than one namespace, or in one that
+    also holds another wanted pod's IP, is not matched (logged). Taking the oldest instead put a
+    pod's rules and proxy into another pod's namespace whenever another lab on the same host, a
+    nested cluster or a stale sandbox held the same address (istio/istio#55139 is the same
+    lesson for the host netns). So every candidate is probed, not only until each pod has one.
     """
     want = {uid: {str(ipaddress.ip_address(ip)) for ip in ips} for uid, ips in wanted.items()}
     want = {uid: ips for uid, ips in want.items() if ips}  # no IP, no proof: deferred
-    found: dict[str, NetnsCandidate] = {}
+    holders: dict[str, list[NetnsCandidate]] = {uid: [] for uid in want}
     for cand in candidates:
-        if len(found) == len(want):
-            break
-        if cand.pod_uid and cand.pod_uid in found:
-            continue
-        open_uids = [uid for uid in want if uid not in found and (not cand.pod_uid or cand.pod_uid == uid)]
+        open_uids = [uid for uid in want if not cand.pod_uid or cand.pod_uid == uid]
         if not open_uids:
             continue
         addrs = addresses(cand)
         for uid in open_uids:
             if want[uid] & addrs:
-                found[uid] = cand
-                break
+                holders[uid].append(cand)
+    claims: dict[tuple[int, int], int] = {}
+    for cands in holders.values():
+        for cand in cands:
+            claims[cand.key] = claims.get(cand.key, 0) + 1
+    found: dict[str, NetnsCandidate] = {}
+    for uid, cands in holders.items():
+        proven = [c for c in cands if c.pod_uid == uid] or cands
+        if len(proven) == 1 and claims[proven[0].key] == 1:
+            found[uid] = proven[0]
+        elif proven:
+            log.warning(
+                "pod %s: its IPs %s are held by %s, not by one namespace of its own: none is taken "
+                "for it (check for another node's or lab's pod, or a stale sandbox, with the same address)",
+                uid,
+                ", ".join(sorted(want[uid])),
+                "; ".join(
+                    f"{c.path} (inode {c.inode}"
+                    + (", also another pod's address" if claims[c.key] > 1 else "")
+                    + ")"
+                    for c in proven
+                ),
+            )
     return found
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..control.kube import load_directory
 from ..errors import AmbientError, ConfigError
@@ -657,6 +658,7 @@ class Lab:
         )
         if wait:
             self.wait_agent_ready(name)
+            self.wait_proxy_synced(name)
         return node.agent
 
     def wait_agent_ready(self, name: str) -> None:
@@ -681,6 +683,46 @@ class Lab:
         except OSError:
             return False
         return status == 200
+
+    def agent_connected_proxies(self, name: str) -> int | None:
+        """istio-cni's `ztunnel_connected` on `name`'s node agent; None when it does not answer."""
+        try:
+            status, body = http_get(self.nodes[name].net.netns, "127.0.0.1", CNI_MONITORING_PORT, "/metrics")
+        except (OSError, AmbientError):
+            return None
+        if status != 200:
+            return None
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == "ztunnel_connected":
+                    return int(sample.value)
+        return None
+
+    def wait_proxy_synced(self, name: str) -> None:
+        """After a node agent (re)start: until the node proxy on `name`, if one runs, has
+        connected to this agent and taken its snapshot. The agent counting a connection means
+        the proxy's connection to the previous agent is over (it dials again only after that),
+        and the proxy's readiness is then about the new one: ready once its snapshot is applied
+        and no pod waits for a retry (ztunnel's rule). Until then the node's pods may be without
+        a proxy, e.g. while one that the snapshot restarted waits out its retry."""
+        node = self.nodes[name]
+        proxy = node.proxy
+        if proxy is None or not proxy.running:
+            return
+
+        def synced() -> bool:
+            if not proxy.running:
+                raise AmbientError(
+                    f"{proxy.name} exited with code {proxy.process.returncode}:\n{proxy.tail()}"
+                )
+            return bool(self.agent_connected_proxies(name)) and self.proxy_ready(name)
+
+        wait_until(
+            synced,
+            timeout_s=self.config.ready_timeout_s,
+            what=f"the node proxy on {name} to take the node agent's snapshot and be ready",
+            on_timeout=lambda: f"{proxy.name}:\n{proxy.tail()}",
+        )
 
     def stop_agent(self, name: str) -> int:
         node = self.nodes[name]

@@ -554,6 +554,31 @@ def test_match_pods_requires_the_ip_and_agreeing_cgroup():
     assert {uid: c.pid for uid, c in found.items()} == {"u": 3}
 
 
+def test_match_pods_takes_no_namespace_when_the_ip_is_held_twice():
+    # Another lab (or a nested cluster, or a stale sandbox) on the same host with the same pod
+    # address: the older namespace is not the pod's just because it is older.
+    other = NetnsCandidate(pid=1, path="/p/1", dev=1, inode=10, starttime=1)
+    own = NetnsCandidate(pid=2, path="/p/2", dev=1, inode=11, starttime=2)
+    addrs = {10: {"10.244.1.10"}, 11: {"10.244.1.10"}}
+    assert match_pods([other, own], {"u": ["10.244.1.10"]}, lambda c: addrs[c.inode]) == {}
+
+
+def test_match_pods_prefers_the_namespace_whose_cgroup_names_the_pod():
+    bare = NetnsCandidate(pid=1, path="/p/1", dev=1, inode=10, starttime=1)
+    named = NetnsCandidate(pid=2, path="/p/2", dev=1, inode=11, starttime=2, pod_uid="u")
+    addrs = {10: {"10.0.0.5"}, 11: {"10.0.0.5"}}
+    found = match_pods([bare, named], {"u": ["10.0.0.5"]}, lambda c: addrs[c.inode])
+    assert {uid: c.pid for uid, c in found.items()} == {"u": 2}
+
+
+def test_match_pods_a_namespace_holding_two_pods_ips_is_neithers():
+    both = NetnsCandidate(pid=1, path="/p/1", dev=1, inode=10, starttime=1)
+    own_v = NetnsCandidate(pid=2, path="/p/2", dev=1, inode=11, starttime=2)
+    addrs = {10: {"10.0.0.5", "10.0.0.6"}, 11: {"10.0.0.6"}}
+    found = match_pods([both, own_v], {"u": ["10.0.0.5"], "v": ["10.0.0.6"]}, lambda c: addrs[c.inode])
+    assert found == {}
+
+
 def test_finder_asks_each_namespace_once(tmp_path):
     ns_a = tmp_path / "ns-a"
     ns_a.write_text("")
