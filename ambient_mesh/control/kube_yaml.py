@@ -57,6 +57,20 @@ MAX_PLAIN_SCALARS = 16384
 # would be tens of MiB of small strings.
 PLAIN_CHUNK_CHARS = 1 << 16
 
+
+class SharedStrings(dict[str, str]):
+    """`strings[value]` is the one object kept for text equal to `value` (a 10,000-pod directory
+    repeats most keys and values); a hit is a plain dict lookup. At most MAX_SHARED_STRINGS are
+    kept, each at most MAX_SHARED_STRING_CHARS long; other text is returned as it is."""
+
+    __slots__ = ()
+
+    def __missing__(self, value: str) -> str:
+        if len(value) <= MAX_SHARED_STRING_CHARS and len(self) < MAX_SHARED_STRINGS:
+            self[value] = value
+        return value
+
+
 _STR = "tag:yaml.org,2002:str"
 _MAP = "tag:yaml.org,2002:map"
 _SEQ = "tag:yaml.org,2002:seq"
@@ -90,7 +104,7 @@ if CSafeLoader is not None:
             # Only valid while nobody registered path resolvers (PyYAML's add_path_resolver).
             self._fast = not self.yaml_path_resolvers
             self._resolved: dict[str, str] = {}
-            self._strings: dict[str, str] = {}
+            self._strings = SharedStrings()
             self._seen: set[int] = set()
             # Without an anchor (`&`) there can be no alias, so no node is reached twice.
             self._track_aliases = not isinstance(stream, str) or "&" in stream
@@ -143,16 +157,6 @@ if CSafeLoader is not None:
                     pass
             return self.construct_document(node)
 
-        def _string(self, value: str) -> str:
-            if len(value) > MAX_SHARED_STRING_CHARS:
-                return value
-            shared = self._strings.get(value)
-            if shared is not None:
-                return shared
-            if len(self._strings) < MAX_SHARED_STRINGS:
-                self._strings[value] = value
-            return value
-
         def _build(self, node: Any) -> Any:
             if self._track_aliases:
                 ident = id(node)
@@ -163,13 +167,13 @@ if CSafeLoader is not None:
             cls = type(node)
             if cls is ScalarNode:
                 if tag == _STR:
-                    return self._string(node.value)
+                    return self._strings[node.value]
                 if tag in _SCALAR_TAGS:
                     return self.yaml_constructors[tag](self, node)
                 raise _Slow
             if cls is MappingNode and tag == _MAP:
                 out = {}
-                string = self._string
+                strings = self._strings
                 build = self._build
                 for key_node, value_node in node.value:
                     if type(key_node) is not ScalarNode or key_node.tag != _STR or self._track_aliases:
@@ -177,9 +181,9 @@ if CSafeLoader is not None:
                         # scalar tags) and collection keys (unhashable to SafeConstructor too).
                         key = build(key_node)
                     else:
-                        key = string(key_node.value)
+                        key = strings[key_node.value]
                     if type(value_node) is ScalarNode and value_node.tag == _STR and not self._track_aliases:
-                        out[key] = string(value_node.value)
+                        out[key] = strings[value_node.value]
                     else:
                         out[key] = build(value_node)
                 return out
@@ -248,21 +252,11 @@ class PlainReader:
     def __init__(self) -> None:
         self._lines: dict[str, tuple[int, int, Any, Any]] = {}  # a line -> what it says (most repeat)
         self._scalars: dict[str, Any] = {}  # a key or value as written -> its (immutable) value
-        self._strings: dict[str, str] = {}
+        self._strings = SharedStrings()
         resolvers = yaml.SafeLoader.yaml_implicit_resolvers
         self._wildcard = tuple(resolvers.get(None, []))
         self._by_first = {first: tuple(entries) + self._wildcard for first, entries in resolvers.items()}
         self._constructor = SafeConstructor()
-
-    def _string(self, value: str) -> str:
-        if len(value) > MAX_SHARED_STRING_CHARS:
-            return value
-        shared = self._strings.get(value)
-        if shared is not None:
-            return shared
-        if len(self._strings) < MAX_SHARED_STRINGS:
-            self._strings[value] = value
-        return value
 
     def _plain(self, value: str) -> Any:
         """A plain scalar as BaseResolver.resolve and SafeConstructor make it."""
@@ -272,7 +266,7 @@ class PlainReader:
                 tag = candidate
                 break
         if tag == _STR:
-            return self._string(value)
+            return self._strings[value]
         if tag not in _SCALAR_TAGS:
             raise NotPlainYaml(f"plain scalar {value!r} resolves to {tag}")
         try:
@@ -300,7 +294,7 @@ class PlainReader:
         elif group == "flow":
             value = _EMPTY_MAP if text == "{}" else _EMPTY_SEQ
         else:
-            value = self._string(match.group("sq") if group == "sq" else match.group("dq"))
+            value = self._strings[match.group("sq") if group == "sq" else match.group("dq")]
         if len(self._scalars) < MAX_PLAIN_SCALARS and len(text) <= MAX_SHARED_STRING_CHARS:
             self._scalars[text] = value
         return value
