@@ -35,8 +35,8 @@ class SocketAddr:
 
     def __str__(self) -> str:
         if self.ip.version == 6:
-            return f"[{_ip_text(self.ip)}]:{self.port}"
-        return f"{_ip_text(self.ip)}:{self.port}"
+            return f"[{ip_text(self.ip)}]:{self.port}"
+        return f"{ip_text(self.ip)}:{self.port}"
 
     @property
     def family(self) -> int:
@@ -47,8 +47,8 @@ class SocketAddr:
     def sockaddr(self) -> tuple[str, int] | tuple[str, int, int, int]:
         """The tuple the socket module wants for this address."""
         if self.ip.version == 6:
-            return (_ip_text(self.ip), self.port, 0, 0)
-        return (_ip_text(self.ip), self.port)
+            return (ip_text(self.ip), self.port, 0, 0)
+        return (ip_text(self.ip), self.port)
 
     @classmethod
     def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:
@@ -103,7 +103,8 @@ def ip_address(value: str | bytes | IPAddress) -> IPAddress:
 _ip_texts: dict[int, tuple[IPAddress, str]] = {}
 
 
-def _ip_text(ip: IPAddress) -> str:
+def ip_text(ip: IPAddress) -> str:
+    """`str(ip)`, cached by the address object (see above)."""
     hit = _ip_texts.get(id(ip))
     if hit is not None and hit[0] is ip:
         return hit[1]

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import ssl
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
-from ..net import IPAddress, SocketAddr
+from ..net import IPAddress, SocketAddr, ip_text
 from ..state.model import Workload
 from ..state.store import StateReader
 from .connection_manager import ConnectionManager
@@ -32,6 +33,10 @@ from .pool import HbonePool
 from .relay import Relay
 
 WORKLOAD_WAIT_S = 5.0
+# Source addresses remembered as not local (a bind that failed with EADDRNOTAVAIL), and how long
+# before one is tried again (an address can be added to the namespace later).
+NOT_LOCAL_SOURCES_MAX_ENTRIES = 4096
+NOT_LOCAL_RECHECK_S = 10.0
 
 
 class Dumpable(Protocol):
@@ -93,6 +98,39 @@ class ConnectionTracker:
         return {*self.tasks, *(relay.done for relay in self.relays)}
 
 
+@dataclass(eq=False)
+class LocalSourceBinder:
+    """Use a workload's own address as a socket's source when it is an address of this host.
+
+    In a pod network namespace that is the pod IP anyway; when several workloads share one host
+    (loopback tests, the demo) it keeps source addresses telling which workload called. An
+    address the kernel refused as not local (EADDRNOTAVAIL: a client on another node, the usual
+    inbound case) is not tried again for NOT_LOCAL_RECHECK_S: that bind was a failing syscall and
+    an exception per inbound connection (bench/README.md, connection path). Any other bind error
+    is ignored as before, and not remembered.
+    """
+
+    not_local: dict[str, float] = field(default_factory=dict)  # address text -> when to retry
+
+    def bind(self, sock: socket.socket, src: IPAddress, now: float) -> bool:
+        """Bind `sock` to `src` port 0 if `src` is local; True when it was bound."""
+        text = ip_text(src)
+        retry_at = self.not_local.get(text)
+        if retry_at is not None:
+            if now < retry_at:
+                return False
+            del self.not_local[text]
+        try:
+            sock.bind((text, 0) if src.version == 4 else (text, 0, 0, 0))
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                if len(self.not_local) >= NOT_LOCAL_SOURCES_MAX_ENTRIES:
+                    self.not_local.clear()
+                self.not_local[text] = now + NOT_LOCAL_RECHECK_S
+            return False
+        return True
+
+
 @dataclass(eq=False, kw_only=True)
 class ProxyInputs:
     config: ZtunnelConfig
@@ -112,8 +150,12 @@ class ProxyInputs:
     illegal_ports: frozenset[int] = frozenset()
     self_ips: frozenset[IPAddress] = frozenset()
     keepalive: KeepaliveSettings | None = None  # from the config unless given
+    # Binds the client's address as source when it is local here (the sockets of one
+    # ProxyInputs are all made in one network namespace, so its memo holds there).
+    local_sources: LocalSourceBinder = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.local_sources = LocalSourceBinder()
         self.connection_manager = ConnectionManager(
             self.state, info_logging=self.config.authz_policy_info_logging
         )
@@ -150,7 +192,7 @@ class ProxyInputs:
                     set_transparent(sock, dst.family)
                     sock.bind(SocketAddr(src, 0).sockaddr())
                 else:
-                    _bind_if_local(sock, src)
+                    self.local_sources.bind(sock, src, time.monotonic())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:  # set in __post_init__ from the config
                 self.keepalive.apply(sock)
@@ -227,15 +269,3 @@ def _set_done(future: asyncio.Future[None]) -> None:
 def _set_timed_out(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
-
-
-def _bind_if_local(sock: socket.socket, src: IPAddress) -> None:
-    """Use the workload's own address as source when it is an address of this host.
-
-    In a pod network namespace that is the pod IP anyway; when several workloads share one
-    host (loopback tests, the demo) it keeps source addresses telling which workload called.
-    """
-    try:
-        sock.bind(SocketAddr(src, 0).sockaddr())
-    except OSError:
-        pass

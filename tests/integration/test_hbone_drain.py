@@ -11,6 +11,8 @@ import asyncio
 
 import pytest
 
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.hbone import HboneConnection, HboneError, HboneStreamRefused
 from ambient_mesh.proxy.pool import HbonePool, WorkloadKey
 from ambient_mesh.proxy.relay import Endpoint, Relay
@@ -144,7 +146,7 @@ async def test_drain_lets_a_live_tunnel_keep_sending_after_goaway(echo_server):
 async def test_pool_replaces_a_connection_that_received_goaway(echo_server):
     port, server_conns = echo_server
     pool = HbonePool(lambda key: connect(port))
-    key = WorkloadKey.of("src", [], "127.0.0.1:1", None)
+    key = WorkloadKey.of(Identity("td", "ns", "src"), [], SocketAddr.parse("127.0.0.1:1"), None)
     first, _ = await pool.open_stream(key, "10.0.0.3:80", [])
     assert pool.connections_opened == 1
     server_conns[0].drain()
@@ -181,7 +183,7 @@ async def test_pool_retries_a_stream_refused_by_goaway_on_a_new_connection(echo_
         return conn
 
     pool = HbonePool(connector)
-    key = WorkloadKey.of("src", [], "127.0.0.1:1", None)
+    key = WorkloadKey.of(Identity("td", "ns", "src"), [], SocketAddr.parse("127.0.0.1:1"), None)
     stream, response = await pool.open_stream(key, "10.0.0.3:80", [])
     assert response.status == 200 and len(made) == 2 and stream.conn is made[1]
     pool.close()

@@ -1,0 +1,101 @@
+"""Pieces of the per-connection path that were reshaped for speed (bench/README.md, issue 11):
+they must still mean what the plain versions meant."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.net import SocketAddr, ip_address
+from ambient_mesh.proxy.inputs import NOT_LOCAL_RECHECK_S, NOT_LOCAL_SOURCES_MAX_ENTRIES, LocalSourceBinder
+from ambient_mesh.proxy.pool import WorkloadKey
+
+_names = st.sampled_from(["a", "b", "default"])
+_identities = st.builds(Identity, _names, _names, _names)
+_ips = st.sampled_from(["10.0.0.1", "10.0.0.2", "::1", "fd00::1", "::ffff:10.0.0.1"]).map(ip_address)
+_addrs = st.builds(SocketAddr, _ips, st.sampled_from([15008, 80]))
+_keys = st.tuples(_identities, st.lists(_identities, max_size=3), _addrs, st.none() | _ips)
+
+
+@given(_keys, _keys)
+def test_workload_keys_are_equal_exactly_when_their_fields_are(a, b):
+    ka, kb = WorkloadKey.of(*a), WorkloadKey.of(*b)
+    fields_a = (ka.src_id, ka.dst_id, ka.dst, ka.src)
+    fields_b = (kb.src_id, kb.dst_id, kb.dst, kb.src)
+    assert (ka == kb) is (fields_a == fields_b)
+    if ka == kb:
+        assert hash(ka) == hash(kb)
+        assert {ka: 1}[kb] == 1
+
+
+def test_workload_key_ignores_san_order_and_repeats():
+    x, y = Identity("td", "ns", "x"), Identity("td", "ns", "y")
+    dst = SocketAddr.parse("10.0.0.3:15008")
+    assert WorkloadKey.of(x, [x, y, x], dst, None) == WorkloadKey.of(x, (y, x), dst, None)
+    assert WorkloadKey.of(x, [x], dst, None) != WorkloadKey.of(x, [y], dst, None)
+    assert WorkloadKey.of(x, [], dst, None) != WorkloadKey.of(x, [], dst, ip_address("10.0.0.1"))
+
+
+class _Sock:
+    """Records binds; refuses the addresses in `refuse` as the kernel does a non-local one."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+        self.binds: list[tuple] = []
+
+    def bind(self, address: tuple) -> None:
+        self.binds.append(address)
+        if address[0] in self.refuse:
+            raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+
+def test_a_source_that_is_not_local_is_not_tried_again_until_the_recheck():
+    binder = LocalSourceBinder()
+    remote = ip_address("192.0.2.7")
+    first = _Sock({"192.0.2.7"})
+    assert binder.bind(first, remote, now=100.0) is False and first.binds == [("192.0.2.7", 0)]
+    later = _Sock({"192.0.2.7"})
+    assert binder.bind(later, remote, now=100.0 + NOT_LOCAL_RECHECK_S - 1) is False
+    assert later.binds == []  # no syscall, no exception
+    # After the recheck interval it is tried again; now local, it is bound.
+    again = _Sock(set())
+    assert binder.bind(again, remote, now=100.0 + NOT_LOCAL_RECHECK_S) is True
+    assert again.binds == [("192.0.2.7", 0)] and not binder.not_local
+
+
+def test_local_sources_are_bound_every_time_and_other_errors_are_not_remembered():
+    binder = LocalSourceBinder()
+    v6 = ip_address("fd00::5")
+    for _ in range(3):
+        sock = _Sock(set())
+        assert binder.bind(sock, v6, now=1.0) is True and sock.binds == [("fd00::5", 0, 0, 0)]
+
+    class InUse(_Sock):
+        def bind(self, address: tuple) -> None:
+            self.binds.append(address)
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+
+    sock = InUse(set())
+    assert binder.bind(sock, ip_address("10.1.1.1"), now=1.0) is False
+    assert not binder.not_local
+
+
+def test_the_memo_is_bounded():
+    binder = LocalSourceBinder()
+    for i in range(NOT_LOCAL_SOURCES_MAX_ENTRIES + 10):
+        ip = ip_address(f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}")
+        binder.bind(_Sock({str(ip)}), ip, now=0.0)
+    assert len(binder.not_local) <= NOT_LOCAL_SOURCES_MAX_ENTRIES
+
+
+def test_a_real_socket_binds_a_loopback_source_and_not_a_foreign_one():
+    binder = LocalSourceBinder()
+    with socket.socket() as local, socket.socket() as foreign:
+        assert binder.bind(local, ip_address("127.0.0.1"), now=0.0) is True
+        assert local.getsockname()[0] == "127.0.0.1"
+        assert binder.bind(foreign, ip_address("192.0.2.1"), now=0.0) is False  # TEST-NET-1
+        assert foreign.getsockname() == ("0.0.0.0", 0) and "192.0.2.1" in binder.not_local
