@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ProxyError, ResponseFlag
 from ..identity.spiffe import Identity
-from ..logs import AccessLogFields, log_connection_complete, log_connection_failed
+from ..logs import AccessLogFields, AccessPeers, log_access_complete, log_connection_failed
 from ..metrics import (
     MUTUAL_TLS,
     REPORTER_DESTINATION,
@@ -41,10 +41,12 @@ def response_flag_of(error: BaseException) -> ResponseFlag:
 # Label sets kept for reuse (workloads, services and identities repeat from one connection to the
 # next); cleared when full, so churning workloads cannot grow it.
 LABELS_CACHE_MAX_ENTRIES = 4096
-_labels_cache: dict[tuple[object, ...], tuple[tuple[object, ...], ConnectionLabels]] = {}
+# Each entry: [(source, destination, service) objects, their labels, their AccessPeers or None
+# until the first connection between them ends].
+_labels_cache: dict[tuple[object, ...], list[Any]] = {}
 
 
-def cached_connection_labels(
+def _peers_entry(
     reporter: str,
     source_workload: Workload | None,
     source_identity: Identity | None,
@@ -52,9 +54,11 @@ def cached_connection_labels(
     destination_service: Service | None,
     destination_identity: Identity | None,
     mtls: bool,
-) -> ConnectionLabels:
+) -> list[Any]:
     """`connection_labels`, built once per set of peers: about 25 label values and a dataclass
-    per connection were a tenth of the per-connection CPU (bench/README.md, profile).
+    per connection were a tenth of the per-connection CPU (bench/README.md, profile). The
+    entry also keeps the peers' part of the access line (`AccessPeers`), which the same values
+    decide (the reporter follows the direction), once a connection between them has ended.
 
     Workloads and services are frozen objects replaced (never mutated) by state updates, so
     they are keyed by identity; the entry holds them, so an id cannot be reused while cached.
@@ -72,7 +76,7 @@ def cached_connection_labels(
     )
     hit = _labels_cache.get(key)
     if hit is not None and hit[0][0] is objects[0] and hit[0][1] is objects[1] and hit[0][2] is objects[2]:
-        return hit[1]
+        return hit
     labels = connection_labels(
         reporter,
         source_workload,
@@ -84,8 +88,9 @@ def cached_connection_labels(
     )
     if len(_labels_cache) >= LABELS_CACHE_MAX_ENTRIES:
         _labels_cache.clear()
-    _labels_cache[key] = (objects, labels)
-    return labels
+    entry = [objects, labels, None]
+    _labels_cache[key] = entry
+    return entry
 
 
 def connection_labels(
@@ -148,6 +153,7 @@ class ConnectionResult:
         "recorder",
         "started",
         "_done",
+        "_peers",
     )
 
     def __init__(
@@ -179,10 +185,10 @@ class ConnectionResult:
         self.started = time.monotonic()
         self._done = False
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        labels = cached_connection_labels(
+        self._peers = _peers_entry(
             reporter, source, source_identity, destination, service, destination_identity, mtls
         )
-        self.recorder = pi.metrics.connection_opened(labels)
+        self.recorder = pi.metrics.connection_opened(self._peers[1])
 
     def __repr__(self) -> str:
         return f"ConnectionResult({self.direction} {self.src_addr} -> {self.dst_addr}, {self.recorder!r})"
@@ -239,28 +245,33 @@ class ConnectionResult:
             return
         self._done = True
         self.recorder.close(flag)
-        src, dst = self.source, self.destination
-        log_connection_complete(
-            AccessLogFields(
-                src_addr=self.src_addr,
-                src_workload=(src.workload_name or src.name) if src else None,
-                src_namespace=src.namespace if src else None,
-                src_identity=self.source_identity,
-                src_cluster=src.cluster_id if src else None,
-                dst_addr=self.dst_addr,
-                dst_hbone_addr=self.hbone_addr,
-                dst_service=self.service.hostname if self.service else None,
-                dst_workload=(dst.workload_name or dst.name) if dst else None,
-                dst_namespace=dst.namespace if dst else None,
-                dst_identity=self.destination_identity,
-                dst_cluster=dst.cluster_id if dst else None,
-                direction=self.direction,
-                bytes_sent=down,
-                bytes_recv=up,
-                duration_ms=int((time.monotonic() - self.started) * 1000),
-                error=error,
-                mtls=self.mtls,
+        peers: AccessPeers | None = self._peers[2]
+        if peers is None:
+            src, dst = self.source, self.destination
+            peers = self._peers[2] = AccessPeers.of(
+                AccessLogFields(
+                    src_workload=(src.workload_name or src.name) if src else None,
+                    src_namespace=src.namespace if src else None,
+                    src_identity=self.source_identity,
+                    src_cluster=src.cluster_id if src else None,
+                    dst_service=self.service.hostname if self.service else None,
+                    dst_workload=(dst.workload_name or dst.name) if dst else None,
+                    dst_namespace=dst.namespace if dst else None,
+                    dst_identity=self.destination_identity,
+                    dst_cluster=dst.cluster_id if dst else None,
+                    direction=self.direction,
+                    mtls=self.mtls,
+                )
             )
+        log_access_complete(
+            peers,
+            src_addr=self.src_addr,
+            dst_addr=self.dst_addr,
+            hbone_addr=self.hbone_addr,
+            bytes_sent=down,
+            bytes_recv=up,
+            duration_ms=int((time.monotonic() - self.started) * 1000),
+            error=error,
         )
 
     @staticmethod

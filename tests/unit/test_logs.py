@@ -404,3 +404,91 @@ def test_access_line_write_failure_is_reported_by_the_handler(captured, monkeypa
     log_connection_complete(SAMPLE)
     assert [r.getMessage() for r in reported] == ["connection complete"]
     assert reported[0].fields == SAMPLE.as_fields()
+
+
+_texts = st.one_of(
+    st.none(),
+    st.sampled_from(["", "a b", 'q"uote', "k=v", "back\\slash", "ünï", "x\ty"]),
+    st.text(max_size=6),
+)
+_addresses = st.one_of(
+    st.none(), st.sampled_from([SocketAddr.of("10.0.0.1", 1), SocketAddr.of("fd00::1", 15008)]), _texts
+)
+_access_fields = st.builds(
+    AccessLogFields,
+    src_addr=_addresses,
+    src_workload=_texts,
+    src_namespace=_texts,
+    src_identity=st.one_of(st.none(), st.just(Identity("cluster.local", "ns", "sa"))),
+    src_cluster=_texts,
+    dst_addr=_addresses,
+    dst_hbone_addr=_addresses,
+    dst_service=_texts,
+    dst_workload=_texts,
+    dst_namespace=_texts,
+    dst_identity=st.one_of(st.none(), st.just(Identity("td", "ns", "sa"))),
+    dst_cluster=_texts,
+    direction=st.sampled_from(["outbound", "inbound"]),
+    bytes_sent=st.integers(0, 10**12),
+    bytes_recv=st.integers(0, 10**12),
+    duration_ms=st.integers(0, 10**7),
+    error=_texts,
+    mtls=st.booleans(),
+)
+
+
+def _both_ways(fields: AccessLogFields) -> None:
+    logs.log_connection_complete(fields)
+    logs.log_access_complete(
+        logs.AccessPeers.of(fields),
+        src_addr=fields.src_addr,
+        dst_addr=fields.dst_addr,
+        hbone_addr=fields.dst_hbone_addr,
+        bytes_sent=fields.bytes_sent,
+        bytes_recv=fields.bytes_recv,
+        duration_ms=fields.duration_ms,
+        error=fields.error,
+    )
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+@given(fields=_access_fields)
+def test_access_line_from_cached_peers_is_the_line_of_its_fields(json_lines, fields):
+    """What proxy/telemetry.py writes (the peers' part worked out once) is what
+    log_connection_complete writes for the same AccessLogFields, plain and JSON."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        stream = io.StringIO()
+        handler = configure_logging("json" if json_lines else "plain", "info", stream=stream)
+        try:
+            _only_ours(monkeypatch, handler)
+            monkeypatch.setattr(logs.time, "time", lambda: CREATED)
+            _both_ways(fields)
+        finally:
+            monkeypatch.undo()
+            logs.unconfigure_logging()
+    first, second, _end = stream.getvalue().split("\n")  # a value may hold U+0085
+    assert first == second
+
+
+@given(fields=_access_fields)
+def test_access_record_from_cached_peers_has_the_fields_of_its_fields(fields):
+    """With another handler on the way (a test's capture) the record carries the same fields."""
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    keep = Keep()
+    access = logs.access_logger()
+    access.addHandler(keep)
+    old_level = access.level
+    access.setLevel(logging.INFO)
+    try:
+        _both_ways(fields)
+    finally:
+        access.removeHandler(keep)
+        access.setLevel(old_level)
+    first, second = seen
+    assert first.fields == second.fields == fields.as_fields()
+    assert (first.levelno, first.getMessage()) == (second.levelno, second.getMessage())
