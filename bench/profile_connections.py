@@ -178,11 +178,12 @@ def main() -> int:
 
     # Access lines go where a proxy writes them (the handler configure_logging installs), to a
     # file rather than the terminal.
-    log_file = tempfile.NamedTemporaryFile("w", prefix="profile-connections-", suffix=".log", delete=False)
+    fd, log_path = tempfile.mkstemp(prefix="profile-connections-", suffix=".log")
+    log_file = os.fdopen(fd, "w")  # a plain file object: NamedTemporaryFile wraps every write
     configure_logging("plain", "info", stream=log_file)
     profile, wall_s, cpu_s = uvloop.run(run(args))
     log_file.close()
-    os.unlink(log_file.name)
+    os.unlink(log_path)
     n = args.connections
     if args.no_profile:
         print(
