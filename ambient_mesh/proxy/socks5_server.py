@@ -39,31 +39,59 @@ SOCKS5_RECV_BYTES = 4096
 Resolver = Callable[[str], Awaitable[list[IPAddress]]]
 
 
-async def _send(sock: socket.socket, data: bytes) -> bool:
-    """Write `data`; False when the client is gone (its error is not ours to raise)."""
+async def _send(sock: socket.socket, data: bytes, deadline: float | None = None) -> bool:
+    """Write `data` (by the loop time `deadline`, if given: TimeoutError after it); False when
+    the client is gone (its error is not ours to raise)."""
     if not data:
         return True
     try:
-        await asyncio.get_running_loop().sock_sendall(sock, data)
+        try:
+            sent = sock.send(data)  # a reply is a few bytes: the socket buffer takes it at once
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                await loop.sock_sendall(sock, data[sent:])
+            else:
+                async with asyncio.timeout_at(deadline):
+                    await loop.sock_sendall(sock, data[sent:])
+    except TimeoutError:
+        raise
     except OSError as e:
         log.debug("SOCKS5 client gone before our reply: %s", e)
         return False
     return True
 
 
-async def _handshake(sock: socket.socket, hs: Socks5Handshake, peer: SocketAddr) -> ConnectRequest | None:
-    loop = asyncio.get_running_loop()
+async def _recv(sock: socket.socket, deadline: float) -> bytes:
+    """What the client sent (b"" at its EOF), waiting until the loop time `deadline` at most.
+
+    The bytes are usually there already (a client sends its greeting and request together,
+    right after connecting): read them at once. uvloop's sock_recv always registers a reader
+    and waits for a turn of the loop (a future and two epoll_ctl calls per connection), and the
+    handshake's deadline needs a timer only when there is something to wait for.
+    """
     try:
-        async with asyncio.timeout(SOCKS5_HANDSHAKE_TIMEOUT_S):
-            while True:
-                data = await loop.sock_recv(sock, SOCKS5_RECV_BYTES)
-                if not data:
-                    raise hs.client_closed()
-                event = hs.receive_data(data)
-                if not await _send(sock, hs.data_to_send()):
-                    return None
-                if isinstance(event, ConnectRequest):
-                    return event
+        return sock.recv(SOCKS5_RECV_BYTES)
+    except (BlockingIOError, InterruptedError):
+        pass
+    async with asyncio.timeout_at(deadline):
+        return await asyncio.get_running_loop().sock_recv(sock, SOCKS5_RECV_BYTES)
+
+
+async def _handshake(sock: socket.socket, hs: Socks5Handshake, peer: SocketAddr) -> ConnectRequest | None:
+    deadline = asyncio.get_running_loop().time() + SOCKS5_HANDSHAKE_TIMEOUT_S
+    try:
+        while True:
+            data = await _recv(sock, deadline)
+            if not data:
+                raise hs.client_closed()
+            event = hs.receive_data(data)
+            if not await _send(sock, hs.data_to_send(), deadline):
+                return None
+            if isinstance(event, ConnectRequest):
+                return event
     except Socks5Error as e:
         await _send(sock, hs.data_to_send())
         log.info("SOCKS5 handshake from %s refused: %s", peer, e.message)

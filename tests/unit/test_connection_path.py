@@ -99,3 +99,44 @@ def test_a_real_socket_binds_a_loopback_source_and_not_a_foreign_one():
         assert local.getsockname()[0] == "127.0.0.1"
         assert binder.bind(foreign, ip_address("192.0.2.1"), now=0.0) is False  # TEST-NET-1
         assert foreign.getsockname() == ("0.0.0.0", 0) and "192.0.2.1" in binder.not_local
+
+
+async def test_a_socks5_request_already_received_is_read_without_waiting(monkeypatch):
+    """Greeting and request sent together (as clients and the benches send them): the handshake
+    reads them at once, without the loop's reader (which waits a turn); a slow client still gets
+    the reader, and the deadline."""
+    import asyncio
+
+    from ambient_mesh.proxy import socks5_server
+    from ambient_mesh.proxy.socks5 import ConnectRequest, Socks5Handshake
+
+    loop = asyncio.get_running_loop()
+    waits = []
+    real_sock_recv = loop.sock_recv
+
+    async def sock_recv(sock, n):
+        waits.append(n)
+        return await real_sock_recv(sock, n)
+
+    monkeypatch.setattr(loop, "sock_recv", sock_recv)
+    request = b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton("10.0.0.3") + (8080).to_bytes(2, "big")
+    peer = SocketAddr.parse("10.0.0.2:1")
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        b.sendall(request)
+        got = await socks5_server._handshake(a, Socks5Handshake(), peer)
+        assert isinstance(got, ConnectRequest) and got.port == 8080 and waits == []
+        assert b.recv(100) == b"\x05\x00"  # the method reply went out
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        loop.call_later(0.05, b.sendall, request)
+        got = await socks5_server._handshake(a, Socks5Handshake(), peer)
+        assert isinstance(got, ConnectRequest) and waits
+    monkeypatch.setattr(socks5_server, "SOCKS5_HANDSHAKE_TIMEOUT_S", 0.1)
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        assert await socks5_server._handshake(a, Socks5Handshake(), peer) is None
+        assert b.recv(100) == b"\x05\xff"  # no method acceptable: the refusal a stalled greeting gets
