@@ -224,3 +224,39 @@ def test_render_openmetrics_when_asked():
     assert content_type.startswith("application/openmetrics-text")
     assert body.endswith(b"# EOF\n")
     assert b"_created" not in body
+
+
+def test_counts_survive_label_sets_dropped_while_their_connections_are_open(monkeypatch):
+    """Opens, clean closes and bytes wait in plain ints until a collection; a label set dropped
+    from the bound-children cache (full) hands its counts over, and a connection still open on
+    it gives its own at close."""
+    from ambient_mesh import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "BOUND_CHILDREN_MAX_ENTRIES", 2)
+    m = Metrics(process_metrics=False)
+    sets = [
+        connection_labels("source", SRC, Identity("cluster.local", "default", f"sa{i}")) for i in range(5)
+    ]
+    recs = [m.connection_opened(labels) for labels in sets]  # each new set past 2 drops the others
+    for i, rec in enumerate(recs):
+        rec.add_received(10 + i)
+        rec.add_sent(i)
+    for rec in recs[:3]:
+        rec.close()
+    for i, labels in enumerate(sets):
+        assert sample(m, "istio_tcp_connections_opened_total", **full(labels)) == 1
+        assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 10 + i
+        closed = sample(m, "istio_tcp_connections_closed_total", **full(labels))
+        assert closed == (1 if i < 3 else None)
+    for rec in recs[3:]:
+        rec.add_received(1)
+    recs[3].close("CONNECT")  # a failure: its bytes still reach the dropped set's counter
+    recs[4].close()
+    m.connection_opened(sets[0]).close()  # a set seen again after it was dropped
+    assert sample(m, "istio_tcp_connections_opened_total", **full(sets[0])) == 2
+    assert sample(m, "istio_tcp_connections_closed_total", **full(sets[0])) == 2
+    for i in (3, 4):
+        assert sample(m, "istio_tcp_received_bytes_total", **full(sets[i])) == 11 + i
+    assert sample(m, "istio_tcp_connections_closed_total", **full(sets[3], "CONNECT")) == 1
+    assert sample(m, "istio_tcp_connections_closed_total", **full(sets[4])) == 1
+    assert sample(m, "istio_tcp_sockets_open", reporter="source") == 0
