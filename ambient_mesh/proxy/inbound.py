@@ -26,6 +26,7 @@ from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
+from .routing import workload_identity
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
@@ -313,7 +314,7 @@ class InboundProxy:
             source_identity=src_id,
             destination=workload,
             service=target.service,
-            destination_identity=workload.identity,
+            destination_identity=workload_identity(workload),
             mtls=True,
         )
         # Authorization sees the peer's address, its certificate identity and the real target

@@ -324,8 +324,34 @@ def _select_ip(workload: Workload, requested: IPAddress, service: Service | None
     return allowed[0] if allowed else None
 
 
+# Identities and upstream SANs by workload (and service) object: a Workload makes a new Identity,
+# with its checks, on every `identity` read, three or four times per connection (bench/README.md,
+# connection path). Workloads and services are frozen and replaced, never changed, by state
+# updates, so an entry keyed by id() holds its objects (the id cannot be reused while cached) and
+# is exact; cleared when full.
+IDENTITY_CACHE_MAX_ENTRIES = 4096
+_identities: dict[int, tuple[Workload, Identity]] = {}
+_sans_cache: dict[tuple[int, int], tuple[Workload, Service | None, tuple[Identity, ...]]] = {}
+
+
+def workload_identity(workload: Workload) -> Identity:
+    """`workload.identity`, the same object for the same workload object (IdentityError as it)."""
+    hit = _identities.get(id(workload))
+    if hit is not None and hit[0] is workload:
+        return hit[1]
+    identity = workload.identity
+    if len(_identities) >= IDENTITY_CACHE_MAX_ENTRIES:
+        _identities.clear()
+    _identities[id(workload)] = (workload, identity)
+    return identity
+
+
 def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
     """The workload's identity, then the service's subject alt names that are SPIFFE ids."""
+    key = (id(workload), id(service))
+    hit = _sans_cache.get(key)
+    if hit is not None and hit[0] is workload and hit[1] is service:
+        return hit[2]
     sans: list[Identity] = []
     identity = _identity(workload)
     if identity is not None:
@@ -338,14 +364,18 @@ def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
                 continue  # not a SPIFFE id we could ever match a certificate against
             if parsed not in sans:
                 sans.append(parsed)
-    return tuple(sans)
+    found = tuple(sans)
+    if len(_sans_cache) >= IDENTITY_CACHE_MAX_ENTRIES:
+        _sans_cache.clear()
+    _sans_cache[key] = (workload, service, found)
+    return found
 
 
 def _identity(workload: Workload) -> Identity | None:
     try:
-        return workload.identity
+        return workload_identity(workload)
     except IdentityError:
         return None
 
 
-__all__ = ["Route", "RouteKind", "RouteRefused", "build_request"]
+__all__ = ["Route", "RouteKind", "RouteRefused", "build_request", "workload_identity"]

@@ -140,3 +140,28 @@ async def test_a_socks5_request_already_received_is_read_without_waiting(monkeyp
         a.setblocking(False)
         assert await socks5_server._handshake(a, Socks5Handshake(), peer) is None
         assert b.recv(100) == b"\x05\xff"  # no method acceptable: the refusal a stalled greeting gets
+
+
+def test_workload_identity_is_kept_per_workload_object_and_follows_replacements():
+    import dataclasses
+
+    import pytest
+
+    from ambient_mesh.errors import IdentityError
+    from ambient_mesh.proxy import routing
+    from ambient_mesh.state.model import Service, Workload
+
+    w = Workload(uid="c//Pod/ns/a", name="a", namespace="ns", trust_domain="td", service_account="a")
+    first = routing.workload_identity(w)
+    assert first == w.identity and routing.workload_identity(w) is first
+    moved = dataclasses.replace(w, service_account="b")  # a state update replaces the object
+    assert routing.workload_identity(moved) == Identity("td", "ns", "b")
+    with pytest.raises(IdentityError):
+        routing.workload_identity(dataclasses.replace(w, namespace="bad/ns"))
+    svc = Service(
+        name="s", namespace="ns", hostname="s.ns.svc", subject_alt_names=("spiffe://td/ns/ns/sa/x",)
+    )
+    assert routing._sans(w, svc) == (first, Identity("td", "ns", "x"))
+    other = dataclasses.replace(svc, subject_alt_names=("spiffe://td/ns/ns/sa/y", "not-spiffe"))
+    assert routing._sans(w, other) == (first, Identity("td", "ns", "y"))
+    assert routing._sans(w, None) == (first,)
