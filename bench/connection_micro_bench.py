@@ -1,0 +1,241 @@
+"""Microbenchmarks of the per-connection path's pieces, for two source trees, alternated.
+
+Each piece is timed in a fresh process per tree (`--tree` picks the ambient_mesh package), the
+trees alternated ABAB for `--rounds` rounds; a figure is the minimum over the rounds of the mean
+CPU time (`time.thread_time`) per operation in a batch, which is what a loaded 2-vCPU host lets
+one compare (bench/README.md, issue 11: the connection path). The pieces:
+
+- accept: one connection accepted by a `Listener` and its handler task run (uvloop; the client
+  connects, the loop turns until the handler has run), per connection;
+- connect: `inputs.connect_socket` to a loopback listener, per connect;
+- socks5: the SOCKS5 handshake of a client that sent greeting and request together;
+- finish: one `ConnectionResult` opened and completed (metrics and access line, to /dev/null);
+- pool key: the pool key as the outbound path makes it (source identity, upstream SANs, a new
+  destination address) and the pool's dict lookup;
+- identity: a workload's Identity as the per-connection code reads it.
+
+    .venv/bin/python bench/connection_micro_bench.py before=<worktree of main> after=$PWD [--rounds 5]
+
+Writes results/connection_micro.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PIECES = ("accept", "connect", "socks5", "finish", "pool key", "identity")
+BATCH = 300
+MAX_ROUNDS = 50
+CHILD_TIMEOUT_S = 120.0
+
+
+def child(tree: str) -> dict[str, float]:
+    """Run in a subprocess: every piece once, µs of CPU per operation."""
+    sys.path.insert(0, tree)
+    import asyncio
+    import logging
+    import socket
+    import time
+    import timeit
+    import types
+
+    import uvloop
+
+    from ambient_mesh.logs import configure_logging
+    from ambient_mesh.metrics import Metrics
+    from ambient_mesh.net import SocketAddr, ip_address
+    from ambient_mesh.proxy import inputs, routing, socks5_server
+    from ambient_mesh.proxy.listener import Listener
+    from ambient_mesh.proxy.pool import WorkloadKey
+    from ambient_mesh.proxy.socks5 import Socks5Handshake
+    from ambient_mesh.proxy.telemetry import ConnectionResult
+    from ambient_mesh.state.model import Workload
+
+    configure_logging("plain", "info", stream=open(os.devnull, "w"))  # noqa: SIM115 - process-long
+    logging.getLogger("ambient_mesh.proxy.listener").setLevel(logging.WARNING)
+    out: dict[str, float] = {}
+
+    async def pieces() -> None:
+        loop = asyncio.get_running_loop()
+        # accept
+        served: list[int] = []
+
+        async def handler(conn: socket.socket) -> None:
+            served.append(1)
+            conn.close()
+
+        listener = Listener("bench", SocketAddr.parse("127.0.0.1:0"), handler, inputs.ConnectionTracker())
+        listener.start()
+        address = listener.bound_address.sockaddr()
+        cpu = 0.0
+        for _ in range(BATCH):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(address)
+            before = len(served)
+            t0 = time.thread_time()
+            while len(served) == before:
+                await asyncio.sleep(0)
+            cpu += time.thread_time() - t0
+            client.close()
+        listener.close()
+        out["accept"] = cpu / BATCH * 1e6
+        # connect
+        server = socket.create_server(("127.0.0.1", 0), backlog=BATCH + 10)
+        server.setblocking(False)
+        cpu = 0.0
+        for _ in range(BATCH):
+            client = socket.socket()
+            client.setblocking(False)
+            t0 = time.thread_time()
+            await inputs.connect_socket(client, server.getsockname(), 10.0)
+            cpu += time.thread_time() - t0
+            client.close()
+            server.accept()[0].close()
+        server.close()
+        out["connect"] = cpu / BATCH * 1e6
+        # socks5
+        request = b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton("10.0.0.3") + (8080).to_bytes(2, "big")
+        peer = SocketAddr.parse("10.0.0.2:1")
+        pairs = []
+        for _ in range(BATCH):
+            a, b = socket.socketpair()
+            a.setblocking(False)
+            b.sendall(request)
+            pairs.append((a, b))
+        t0 = time.thread_time()
+        for a, _b in pairs:
+            await socks5_server._handshake(a, Socks5Handshake(), peer)
+        out["socks5"] = (time.thread_time() - t0) / BATCH * 1e6
+        for a, b in pairs:
+            a.close()
+            b.close()
+        del loop
+
+    uvloop.run(pieces())
+
+    # finish: the telemetry of one connection, open to access line
+    class Inputs:
+        metrics = Metrics(process_metrics=False)
+
+    src = Workload(
+        uid="c//Pod/default/client",
+        name="client",
+        namespace="default",
+        trust_domain="td",
+        service_account="a",
+    )
+    dst = Workload(
+        uid="c//Pod/default/server",
+        name="server",
+        namespace="default",
+        trust_domain="td",
+        service_account="b",
+    )
+    peer_addr, app_addr = SocketAddr.parse("10.0.0.2:40000"), SocketAddr.parse("10.0.0.3:8080")
+    ended = types.SimpleNamespace(bytes_up=1, bytes_down=1)  # what complete() reads of a relay
+
+    def finish() -> None:
+        result = ConnectionResult(
+            Inputs,  # type: ignore[arg-type]
+            direction="inbound",
+            src_addr=peer_addr,
+            dst_addr=app_addr,
+            hbone_addr="10.0.0.3:8080",
+            source=src,
+            source_identity=src.identity,
+            destination=dst,
+            service=None,
+            destination_identity=dst.identity,
+            mtls=True,
+        )
+        result.complete(ended, None)  # type: ignore[arg-type]
+
+    n = 2000
+    out["finish"] = min(timeit.repeat(finish, number=n, repeat=5)) / n * 1e6
+    # pool key, as the outbound path makes it per connection: the source identity, the upstream
+    # SANs (routing), a new destination address (routing builds one per connection), the lookup
+    read = getattr(routing, "workload_identity", None) or (lambda w: w.identity)
+    dst_ip, src_ip = ip_address("10.0.0.3"), ip_address("10.0.0.2")
+    pool = {WorkloadKey.of(read(src), routing._sans(dst, None), SocketAddr(dst_ip, 15008), src_ip): 1}
+
+    def pool_key() -> None:
+        key = WorkloadKey.of(read(src), routing._sans(dst, None), SocketAddr(dst_ip, 15008), src_ip)
+        assert pool.get(key) == 1
+
+    n = 20000
+    out["pool key"] = min(timeit.repeat(pool_key, number=n, repeat=5)) / n * 1e6
+    # identity: what the code of this tree reads per connection
+    out["identity"] = min(timeit.repeat(lambda: read(src), number=n, repeat=5)) / n * 1e6
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(child(sys.argv[2])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trees", nargs=2, metavar="NAME=PATH", help="two source trees: first the baseline")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "connection_micro.json"))
+    args = p.parse_args()
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        raise SystemExit(f"--rounds 1-{MAX_ROUNDS}")
+    trees = [tuple(t.split("=", 1)) for t in args.trees]
+    for name, path in trees:
+        if not (Path(path) / "ambient_mesh" / "proxy").is_dir():
+            raise SystemExit(f"{name}={path}: no ambient_mesh package there")
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    for i in range(args.rounds):
+        for name, path in trees if i % 2 == 0 else trees[::-1]:
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", path],
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT_S,
+                check=False,
+                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            )
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: {done.stderr.strip()[-2000:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    from rich.console import Console
+    from rich.table import Table
+
+    (base, _), (other, _) = trees
+    best = {name: {k: min(r[k] for r in rs) for k in PIECES} for name, rs in runs.items()}
+    table = Table(title=f"per-connection pieces, µs CPU per operation, min of {args.rounds} rounds")
+    for column in ("piece", base, other, f"{other} / {base}"):
+        table.add_column(column)
+    for k in PIECES:
+        table.add_row(
+            k, f"{best[base][k]:.2f}", f"{best[other][k]:.2f}", f"{best[other][k] / best[base][k]:.2f}"
+        )
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "trees": dict(trees),
+                "runs": runs,
+                "best_us": best,
+                "python": platform.python_version(),
+                "load_average": os.getloadavg(),
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
