@@ -28,6 +28,7 @@ from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .routing import workload_identity
 from .telemetry import ConnectionResult
+from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
 
@@ -126,7 +127,6 @@ class InboundProxy:
                 conn.transport.get_extra_info("ssl_object"), trust_domain
             )
 
-        loop = asyncio.get_running_loop()
         conn = HboneConnection(
             client_side=False,
             settings=self.settings,
@@ -134,10 +134,8 @@ class InboundProxy:
             on_request=lambda s: self._on_request(s, local, peer, workload),
         )
         try:
-            # uvloop returns its SSL protocol here, not ours: keep our own reference.
-            await loop.connect_accepted_socket(
-                lambda: conn, sock, ssl=ctx, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
-            )
+            # OpenSSL on the socket itself (tls_transport.py).
+            await start_tls(sock, ctx, conn, server_side=True, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             log.info("HBONE TLS handshake from %s failed: %s", peer, e)
             sock.close()

@@ -32,6 +32,7 @@ from .hbone import (
     HboneStream,
     HboneStreamRefused,
 )
+from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.pool")
 
@@ -266,7 +267,6 @@ class HboneConnector:
             raise HboneError(
                 f"cannot connect to {key.dst}: {e.strerror or e}", response_flag=ResponseFlag.CONNECT
             ) from None
-        loop = asyncio.get_running_loop()
 
         def check_server(conn: HboneConnection) -> None:
             assert conn.transport is not None  # called from connection_made
@@ -274,14 +274,8 @@ class HboneConnector:
 
         conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)
         try:
-            # uvloop returns its SSL protocol here, not ours: keep our own reference.
-            await loop.create_connection(
-                lambda: conn,
-                sock=sock,
-                ssl=ctx,
-                server_hostname="",
-                ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S,
-            )
+            # OpenSSL on the socket itself (tls_transport.py); no SNI, as ztunnel.
+            await start_tls(sock, ctx, conn, server_side=False, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()
             raise HboneError(

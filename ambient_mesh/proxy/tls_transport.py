@@ -1,0 +1,550 @@
+"""HBONE's TLS over the socket itself: OpenSSL reads and writes the non-blocking socket (a socket
+BIO), and a thin asyncio transport drives it from the event loop's readiness callbacks.
+
+Counterparts: ztunnel's rustls over tokio's TcpStream (tokio-rustls), which also encrypts into and
+decrypts out of the buffers it hands the socket; asyncio's sslproto and uvloop's SSLProtocol,
+which this replaces for HBONE. Those run OpenSSL over a memory BIO: every received record is
+copied into the BIO and out of it again, every sent record into the BIO and out into a new bytes
+object before the socket write (OpenSSL zeroes the BIO's buffer as it grows), and each message goes
+through the Python-level `ssl.SSLObject.read` / `write` plus a raised SSLWantReadError
+(bench/README.md, issue 11: 9-10% of each proxy's CPU in memmove, 2-3% in memset).
+
+Facts this relies on (OpenSSL's SSL_read(3) / SSL_write(3), RFC 8446):
+- Without SSL_MODE_ENABLE_PARTIAL_WRITE (CPython never sets it) SSL_write sends the whole buffer
+  or reports WANT_WRITE after some of its records; the call must then be repeated with the same
+  bytes, and only then is the next buffer written. CPython sets SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER,
+  so the repeat may pass another object with the same bytes (`WriteBacklog` keeps the same one).
+- With read-ahead off (CPython's default) SSL_read returns at most one record's plaintext (2^14
+  bytes, RFC 8446 5.1) and reads nothing beyond that record from the socket; what a short buffer
+  could not take is counted by SSL_pending, and no readiness event will announce it.
+- TLS 1.3 has no renegotiation, but post-handshake messages (KeyUpdate, RFC 8446 4.6.3) let a read
+  want to write and a write want to read: both are waited for, never spun on.
+- OpenSSL reports a TCP reset and a TCP FIN without close_notify alike (SSL_ERROR_SSL, unexpected
+  EOF): both end the connection with an error; only close_notify is an EOF.
+- Closing sends close_notify (RFC 8446 6.1) and then waits, at most SHUTDOWN_TIMEOUT_S, for the
+  peer's EOF so that unread bytes in our socket do not turn our last records into a TCP reset.
+
+`ctx.wrap_socket` is the public way in; the hot path then calls the SSLSocket's C object
+(`_sslobj`) directly: `SSLSocket.recv_into` / `send` are three Python frames per record in front
+of the same C calls (CPython's ssl.py), which is the per-message cost this module exists to cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import logging
+import socket
+import ssl
+from typing import Any
+
+log = logging.getLogger("ambient_mesh.tls")
+
+# What waits in our backlog (beyond the socket's own buffer) before the protocol is told to stop
+# writing, and below which it may start again; asyncio's flow-control contract.
+WRITE_HIGH_WATER_BYTES = 256 * 1024
+WRITE_LOW_WATER_BYTES = 64 * 1024
+# A protocol that keeps writing after pause_writing is cut off here (HboneConnection stops; its
+# core holds and bounds what waits, up to the 16 MiB connection window, hbone.py).
+MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
+# Decrypted bytes handed to the protocol per readiness callback before other callbacks run (the
+# socket is polled level-triggered: what is left is read on the next round).
+READ_BYTES_PER_WAKE = 1024 * 1024
+# RFC 8446 5.1: a record carries at most 2^14 bytes of plaintext. A shorter read means the peer's
+# message ended there (as far as it wrote it), so the read loop stops without another read that
+# would only fail with WANT_READ.
+MAX_RECORD_PLAINTEXT_BYTES = 16 * 1024
+# How long close waits for the backlog to drain and for the peer's EOF after close_notify (uvloop's
+# default ssl_shutdown_timeout).
+SHUTDOWN_TIMEOUT_S = 30.0
+# Read and thrown away while closing (after close_notify): one record at a time.
+_DISCARD = bytearray(MAX_RECORD_PLAINTEXT_BYTES)
+
+_WANT_IO = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class TlsBacklogOverflow(ConnectionError):
+    """The protocol wrote past MAX_WRITE_BACKLOG_BYTES while the peer was not reading."""
+
+
+class WriteBacklog:
+    """What the socket has not taken yet, oldest first, with the flow-control marks (sans-IO).
+
+    The head is the buffer OpenSSL reported WANT_WRITE for: it goes out again as it is.
+    """
+
+    __slots__ = ("pieces", "bytes", "high_water_bytes", "low_water_bytes", "max_bytes", "paused")
+
+    def __init__(
+        self,
+        *,
+        high_water_bytes: int = WRITE_HIGH_WATER_BYTES,
+        low_water_bytes: int = WRITE_LOW_WATER_BYTES,
+        max_bytes: int = MAX_WRITE_BACKLOG_BYTES,
+    ) -> None:
+        self.pieces: collections.deque[bytes | memoryview] = collections.deque()
+        self.bytes = 0
+        self.high_water_bytes = high_water_bytes
+        self.low_water_bytes = low_water_bytes
+        self.max_bytes = max_bytes
+        self.paused = False  # the protocol was told to pause_writing and not yet to resume
+
+    def set_limits(self, high: int | None = None, low: int | None = None) -> None:
+        """asyncio's `set_write_buffer_limits` rule: low defaults to high / 4, high to 4 x low."""
+        if high is None:
+            high = WRITE_HIGH_WATER_BYTES if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self.high_water_bytes = high
+        self.low_water_bytes = low
+
+    def push(self, data: bytes | memoryview) -> bool:
+        """Queue `data`; True when the protocol must now be told to pause writing.
+
+        Raises TlsBacklogOverflow past `max_bytes`."""
+        if self.bytes + len(data) > self.max_bytes:
+            raise TlsBacklogOverflow(
+                f"TLS write backlog would exceed {self.max_bytes} bytes: the peer is not reading "
+                "and the protocol kept writing after pause_writing"
+            )
+        self.pieces.append(data)
+        self.bytes += len(data)
+        if not self.paused and self.bytes > self.high_water_bytes:
+            self.paused = True
+            return True
+        return False
+
+    def head(self) -> bytes | memoryview:
+        return self.pieces[0]
+
+    def pop(self) -> bool:
+        """The head was written; True when the protocol must now be told to resume writing."""
+        self.bytes -= len(self.pieces.popleft())
+        if self.paused and self.bytes <= self.low_water_bytes:
+            self.paused = False
+            return True
+        return False
+
+    def clear(self) -> None:
+        self.pieces.clear()
+        self.bytes = 0
+
+
+def _ready(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    if writable:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    return fut
+
+
+async def _handshake(loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, timeout_s: float) -> None:
+    fd = tls.fileno()
+    sslobj = tls._sslobj  # type: ignore[attr-defined]
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    sslobj.do_handshake()
+                    return
+                except ssl.SSLWantReadError:
+                    writable = False
+                except ssl.SSLWantWriteError:
+                    writable = True
+                try:
+                    await _ready(loop, fd, writable)
+                finally:
+                    if writable:
+                        loop.remove_writer(fd)
+                    else:
+                        loop.remove_reader(fd)
+    except TimeoutError:
+        raise TimeoutError(f"TLS handshake did not complete within {timeout_s} s") from None
+
+
+async def start_tls(
+    sock: socket.socket,
+    ctx: ssl.SSLContext,
+    protocol: asyncio.BufferedProtocol,
+    *,
+    server_side: bool,
+    handshake_timeout_s: float,
+) -> TlsTransport:
+    """TLS on the connected `sock`, then `protocol.connection_made(transport)`; the transport.
+
+    The socket becomes the transport's (detached from `sock` by `wrap_socket`, closed on any
+    failure). No SNI is sent (server_hostname None, as ztunnel); the peer is identified by its
+    certificate afterwards (`get_extra_info("ssl_object")`). Raises ssl.SSLError / OSError for a
+    failed handshake and TimeoutError after `handshake_timeout_s`.
+    """
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    try:
+        tls = ctx.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        await _handshake(loop, tls, handshake_timeout_s)
+    except BaseException:
+        tls.close()
+        raise
+    transport = TlsTransport(loop, tls, protocol)
+    protocol.connection_made(transport)
+    transport._start()
+    return transport
+
+
+class TlsTransport(asyncio.Transport):
+    """A TLS stream transport over an SSLSocket whose handshake is done (see `start_tls`).
+
+    Reads decrypt straight into the BufferedProtocol's buffer; writes encrypt straight into the
+    socket; what the socket does not take waits in a bounded `WriteBacklog`. Write EOF is not
+    offered (close sends close_notify): HBONE ends streams in HTTP/2, not with half-closes.
+    """
+
+    __slots__ = (
+        "_loop",
+        "_tls",
+        "_ssl",
+        "_fd",
+        "_protocol",
+        "_backlog",
+        "_reading",
+        "_read_paused",
+        "_read_wants_write",
+        "_write_wants_read",
+        "_writer_on",
+        "_closing",
+        "_eof",
+        "_closed",
+        "_close_timer",
+    )
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, protocol: asyncio.BufferedProtocol
+    ):
+        super().__init__()
+        self._loop = loop
+        self._tls = tls
+        self._ssl = tls._sslobj  # type: ignore[attr-defined]
+        self._fd = tls.fileno()
+        self._protocol = protocol
+        self._backlog = WriteBacklog()
+        self._reading = False  # our reader is registered with the loop
+        self._read_paused = False  # the protocol asked us to pause reading
+        self._read_wants_write = False  # OpenSSL's read needs the socket writable first
+        self._write_wants_read = False  # OpenSSL's write needs a read first
+        self._writer_on = False
+        self._closing = False
+        self._eof = False  # the peer's close_notify or TCP EOF was read
+        self._closed = False  # the socket is closed and connection_lost is scheduled
+        self._close_timer: asyncio.TimerHandle | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "closing" if self._closing else "open"
+        return f"TlsTransport(fd={self._fd}, {state}, backlog={self._backlog.bytes}B)"
+
+    def _start(self) -> None:
+        if not self._closing and not self._read_paused:
+            self._add_reader()
+            if self._ssl.pending():  # bytes that came with the handshake's last flight
+                self._loop.call_soon(self._on_readable)
+
+    # Extra info: what the callers and the identity checks read ---------------------------------
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        tls = self._tls
+        if name in ("ssl_object", "socket"):
+            return tls
+        try:
+            if name == "peername":
+                return tls.getpeername()
+            if name == "sockname":
+                return tls.getsockname()
+        except OSError:
+            return default
+        if name == "peercert":
+            return tls.getpeercert()
+        if name == "cipher":
+            return tls.cipher()
+        if name == "sslcontext":
+            return tls.context
+        if name == "compression":
+            return tls.compression()
+        return default
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        raise NotImplementedError("TlsTransport keeps the protocol it was started with")
+
+    # Reading ---------------------------------------------------------------------------
+    def _add_reader(self) -> None:
+        if not self._reading:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _remove_reader(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+
+    def _on_readable(self) -> None:
+        if self._closing or self._read_paused or self._eof:
+            return
+        protocol = self._protocol
+        read = self._ssl.read
+        budget = READ_BYTES_PER_WAKE
+        while True:
+            buf = protocol.get_buffer(-1)
+            size = len(buf)
+            if not size:
+                self._fatal(RuntimeError("get_buffer() returned an empty buffer"))
+                return
+            try:
+                n = read(size, buf)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLWantWriteError:
+                # A post-handshake message needs an answer the socket cannot take yet: stop
+                # reading (readable would spin) until it is writable.
+                self._read_wants_write = True
+                self._remove_reader()
+                self._add_writer()
+                return
+            except ssl.SSLEOFError:
+                # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446 6.1:
+                # a truncation): an error, as uvloop's SSL protocol never called it an EOF either.
+                self._fatal(ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)"))
+                return
+            except OSError as e:  # ssl.SSLError is one
+                self._fatal(e)
+                return
+            finally:
+                # Our view must not outlive the read: the protocol reuses its buffer only while
+                # nothing else refers to it (hbone._receive_into).
+                del buf
+            if not n:
+                self._on_eof()
+                return
+            protocol.buffer_updated(n)
+            if self._closing or self._read_paused:
+                return
+            budget -= n
+            if self._ssl.pending():
+                if budget <= 0:
+                    self._loop.call_soon(self._on_readable)  # no readiness event announces these
+                    return
+                continue
+            if n < MAX_RECORD_PLAINTEXT_BYTES or budget <= 0:
+                break  # the message ended here; level-triggered polling brings any more
+        if self._write_wants_read:
+            self._write_wants_read = False
+            self._flush()
+
+    def _on_eof(self) -> None:
+        self._eof = True
+        self._remove_reader()
+        if not self._protocol.eof_received():
+            self.close()
+
+    def is_reading(self) -> bool:
+        return not self._read_paused and not self._closing and not self._eof
+
+    def pause_reading(self) -> None:
+        if self._closing or self._read_paused:
+            return
+        self._read_paused = True
+        self._remove_reader()
+
+    def resume_reading(self) -> None:
+        if self._closing or not self._read_paused:
+            return
+        self._read_paused = False
+        if self._eof:
+            return
+        if not self._read_wants_write:
+            self._add_reader()
+        if self._ssl.pending():
+            self._loop.call_soon(self._on_readable)
+
+    # Writing ---------------------------------------------------------------------------
+    def _add_writer(self) -> None:
+        if not self._writer_on:
+            self._loop.add_writer(self._fd, self._on_writable)
+            self._writer_on = True
+
+    def _remove_writer(self) -> None:
+        if self._writer_on:
+            self._loop.remove_writer(self._fd)
+            self._writer_on = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing or not data:
+            return
+        backlog = self._backlog
+        if not backlog.bytes:
+            try:
+                self._ssl.write(data)
+                return
+            except ssl.SSLWantWriteError:
+                self._add_writer()
+            except ssl.SSLWantReadError:
+                self._write_wants_read = True
+            except OSError as e:
+                self._fatal(e)
+                return
+        if not isinstance(data, bytes) and not (isinstance(data, memoryview) and data.readonly):
+            data = bytes(data)  # the caller may change it before it goes out
+        try:
+            pause = backlog.push(data)
+        except TlsBacklogOverflow as e:
+            self._fatal(e)
+            return
+        if pause:
+            try:
+                self._protocol.pause_writing()
+            except Exception:
+                log.exception("pause_writing failed")
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def _on_writable(self) -> None:
+        if self._read_wants_write:
+            self._read_wants_write = False
+            if not self._backlog.bytes:
+                self._remove_writer()
+            if not self._read_paused and not self._closing:
+                self._add_reader()
+                self._on_readable()
+            if self._closed:
+                return
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the backlog, oldest first, the head as it was."""
+        backlog = self._backlog
+        write = self._ssl.write
+        resume = False
+        while backlog.bytes:
+            try:
+                write(backlog.head())
+            except ssl.SSLWantWriteError:
+                self._add_writer()
+                break
+            except ssl.SSLWantReadError:
+                self._write_wants_read = True
+                self._remove_writer()
+                break
+            except OSError as e:
+                self._fatal(e)
+                return
+            resume = backlog.pop() or resume
+        else:
+            if not self._read_wants_write:
+                self._remove_writer()
+            if self._closing:
+                self._shutdown()
+                return
+        if resume and not self._closing:
+            try:
+                self._protocol.resume_writing()
+            except Exception:
+                log.exception("resume_writing failed")
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("TLS write EOF is not offered: close() sends close_notify")
+
+    def get_write_buffer_size(self) -> int:
+        return self._backlog.bytes
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self._backlog.low_water_bytes, self._backlog.high_water_bytes)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._backlog.set_limits(high, low)
+
+    # Closing ---------------------------------------------------------------------------
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        """Write what waits, send close_notify, wait (bounded) for the peer's EOF, then close."""
+        if self._closing:
+            return
+        self._closing = True
+        self._remove_reader()
+        self._close_timer = self._loop.call_later(SHUTDOWN_TIMEOUT_S, self._shutdown_timed_out)
+        if not self._backlog.bytes:
+            self._shutdown()
+        # otherwise _flush calls _shutdown once the backlog is out
+
+    def _shutdown(self) -> None:
+        try:
+            self._ssl.shutdown()  # close_notify; raises WANT_READ while the peer's is still due
+        except (OSError, ValueError):
+            pass  # WANT_READ / WANT_WRITE, or the peer is gone: nothing more to do for it
+        if self._eof:
+            self._finish(None)
+            return
+        # Read (and drop) until the peer's EOF, so our unread bytes do not reset the connection.
+        self._remove_writer()
+        self._loop.add_reader(self._fd, self._drain_to_eof)
+        self._reading = True
+
+    def _drain_to_eof(self) -> None:
+        while True:
+            try:
+                if not self._ssl.read(len(_DISCARD), _DISCARD):
+                    break
+            except _WANT_IO:
+                return
+            except (OSError, ValueError):
+                break
+        self._finish(None)
+
+    def _shutdown_timed_out(self) -> None:
+        self._close_timer = None
+        if not self._closed:
+            log.debug("TLS close did not finish within %s s; aborting", SHUTDOWN_TIMEOUT_S)
+            self._finish(None)
+
+    def abort(self) -> None:
+        self._finish(None)
+
+    def _fatal(self, exc: BaseException) -> None:
+        log.debug("TLS connection failed: %s", exc)
+        self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True
+        self._remove_reader()
+        self._remove_writer()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
+        self._backlog.clear()
+        try:
+            self._tls.close()
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                raise
+        self._loop.call_soon(self._protocol.connection_lost, exc)

@@ -1,0 +1,339 @@
+"""The HBONE TLS transport (proxy/tls_transport.py) over real loopback sockets: handshake bound,
+backpressure and its bounds, EOF and close_notify both ways, resets, byte-exact delivery after
+WANT_WRITE, and what the identity checks read from it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import ssl
+import struct
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+import pytest
+
+from ambient_mesh.identity import (
+    CertificateAuthority,
+    Identity,
+    client_context,
+    server_context,
+    verify_client_identity,
+    verify_server_identity,
+)
+from ambient_mesh.identity.tls_crl import verified_chain
+from ambient_mesh.proxy import tls_transport
+from ambient_mesh.proxy.tls_transport import TlsBacklogOverflow, TlsTransport, start_tls
+
+SERVER = Identity("cluster.local", "ns1", "server")
+CLIENT = Identity("cluster.local", "ns2", "client")
+CA = CertificateAuthority.insecure_test_ca()
+STEP_TIMEOUT_S = 10.0
+
+
+def _cert(identity: Identity):
+    return CA.issue(identity, 3600, now=datetime.now(UTC))
+
+
+SERVER_CERT = _cert(SERVER)
+CLIENT_CERT = _cert(CLIENT)
+
+
+class Collector(asyncio.BufferedProtocol):
+    """Keeps what arrives, records the flow-control calls and the end."""
+
+    def __init__(self, buffer_bytes: int = 64 * 1024) -> None:
+        loop = asyncio.get_running_loop()
+        self.buf = bytearray(buffer_bytes)
+        self.data = bytearray()
+        self.transport: TlsTransport | None = None
+        self.eof = loop.create_future()
+        self.lost: asyncio.Future[BaseException | None] = loop.create_future()
+        self.paused = 0
+        self.resumed = 0
+        self.refcounts: list[int] = []
+        self.grew = asyncio.Event()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def get_buffer(self, sizehint):
+        self.refcounts.append(sys.getrefcount(self.buf))
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes):
+        self.data += self.buf[:nbytes]
+        self.grew.set()
+
+    def eof_received(self):
+        if not self.eof.done():
+            self.eof.set_result(None)
+        return False
+
+    def pause_writing(self):
+        self.paused += 1
+
+    def resume_writing(self):
+        self.resumed += 1
+
+    def connection_lost(self, exc):
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+    async def wait_for_bytes(self, n: int) -> None:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            while len(self.data) < n:
+                self.grew.clear()
+                await self.grew.wait()
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """(server side, client side) of one loopback TCP connection."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return server, client
+
+
+@asynccontextmanager
+async def tls_pair(
+    server_proto: asyncio.BufferedProtocol | None = None, client_proto: asyncio.BufferedProtocol | None = None
+) -> AsyncIterator[tuple[Collector, Collector]]:
+    s, c = tcp_pair()
+    sp = server_proto or Collector()
+    cp = client_proto or Collector()
+    server_ctx = server_context(SERVER_CERT)
+    sni: list[str | None] = []
+    server_ctx.sni_callback = lambda _obj, name, _ctx: sni.append(name)
+    st, ct = await asyncio.gather(
+        start_tls(s, server_ctx, sp, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
+        start_tls(c, client_context(CLIENT_CERT), cp, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
+    )
+    assert sni == [None]  # no SNI, as ztunnel
+    try:
+        yield sp, cp  # type: ignore[misc]
+    finally:
+        st.abort()
+        ct.abort()
+
+
+async def test_identity_checks_read_the_peer_certificate_and_alpn():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        client_tls = client.transport.get_extra_info("ssl_object")
+        server_tls = server.transport.get_extra_info("ssl_object")
+        assert verify_server_identity(client_tls, [SERVER]) == SERVER
+        assert verify_client_identity(server_tls, "cluster.local") == CLIENT
+        assert client_tls.selected_alpn_protocol() == "h2"
+        assert client_tls.version() == "TLSv1.3"
+        assert len(verified_chain(client_tls)) >= 2  # leaf and root, for the CRL check
+        peer = client.transport.get_extra_info("peername")
+        assert peer == server.transport.get_extra_info("sockname")
+        assert client.transport.get_extra_info("socket") is client_tls
+        assert client.transport.get_extra_info("no-such-thing", 7) == 7
+
+
+async def test_handshake_times_out_against_a_silent_peer():
+    s, c = tcp_pair()
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError, match="did not complete within 0.3 s"):
+            await start_tls(
+                s, server_context(SERVER_CERT), Collector(), server_side=True, handshake_timeout_s=0.3
+            )
+        assert loop.time() - started < 3.0
+        assert s.fileno() == -1  # the socket went with the failure
+        c.settimeout(STEP_TIMEOUT_S)
+        assert c.recv(100) == b""  # closed: the silent client sees EOF
+    finally:
+        c.close()
+
+
+async def test_handshake_failure_raises_an_ssl_error():
+    s, c = tcp_pair()
+    other_ca = CertificateAuthority.self_signed("cluster.local")
+    stranger = client_context(other_ca.issue(CLIENT, 3600, now=datetime.now(UTC)))
+    results = await asyncio.gather(
+        start_tls(s, server_context(SERVER_CERT), Collector(), server_side=True, handshake_timeout_s=5),
+        start_tls(c, stranger, Collector(), server_side=False, handshake_timeout_s=5),
+        return_exceptions=True,
+    )
+    assert any(isinstance(r, ssl.SSLError) for r in results), results
+    for r in results:
+        if isinstance(r, TlsTransport):
+            r.abort()
+
+
+async def test_bytes_arrive_in_order_both_ways_and_the_receive_buffer_is_not_held():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        client.transport.write(payload)
+        server.transport.writelines([b"a", memoryview(b"bc"), bytearray(b"d")])
+        await server.wait_for_bytes(len(payload))
+        await client.wait_for_bytes(4)
+        assert bytes(server.data) == payload
+        assert bytes(client.data) == b"abcd"
+        # The transport holds no view of the protocol's buffer between reads: the count seen at
+        # every get_buffer is the same (a leftover view would raise it).
+        assert len(set(server.refcounts)) == 1, set(server.refcounts)
+
+
+async def test_close_sends_close_notify_and_the_peer_sees_eof_then_a_clean_end():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None
+        client.transport.write(b"last words")
+        client.transport.close()
+        assert client.transport.is_closing()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await server.eof
+            assert await server.lost is None
+            assert await client.lost is None
+        assert bytes(server.data) == b"last words"
+
+
+async def test_server_close_reaches_the_client_too():
+    async with tls_pair() as (server, client):
+        assert server.transport is not None
+        server.transport.write(b"bye")
+        server.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await client.eof
+            assert await client.lost is None
+            assert await server.lost is None
+        assert bytes(client.data) == b"bye"
+
+
+async def test_tcp_eof_without_close_notify_is_an_error_not_an_eof():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None
+        client.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)  # FIN, no alert
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            exc = await server.lost
+        assert isinstance(exc, ConnectionResetError) and "without close_notify" in str(exc)
+        assert not server.eof.done()  # a truncation is not the peer's orderly end
+
+
+async def test_abrupt_reset_ends_the_connection_with_an_error():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None
+        sock = client.transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.transport.abort()  # close with linger 0: RST
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            exc = await server.lost
+        assert isinstance(exc, OSError), exc
+        assert await client.lost is None
+
+
+async def test_a_peer_that_never_reads_pauses_the_writer_and_the_backlog_stays_bounded():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        assert not server.transport.is_reading()
+        chunk = b"x" * (64 * 1024)
+        written = 0
+        while not client.paused and written < 256 * 1024 * 1024:
+            client.transport.write(chunk)
+            written += len(chunk)
+            if written % (4 * 1024 * 1024) == 0:
+                await asyncio.sleep(0)  # let the loop run its callbacks; the peer still reads nothing
+        assert client.paused == 1
+        high = tls_transport.WRITE_HIGH_WATER_BYTES
+        assert high < client.transport.get_write_buffer_size() <= high + len(chunk)
+        assert client.transport.get_write_buffer_limits() == (tls_transport.WRITE_LOW_WATER_BYTES, high)
+        # Reading again drains the backlog and the writer is told to resume.
+        server.transport.resume_reading()
+        await server.wait_for_bytes(written)
+        assert client.resumed == 1
+        assert client.transport.get_write_buffer_size() == 0
+        assert bytes(server.data) == b"x" * written
+
+
+async def test_a_writer_that_ignores_pause_writing_is_cut_off_at_the_backlog_bound():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        client.transport._backlog.max_bytes = 1024 * 1024  # the bound under test, made small
+        chunk = b"y" * (64 * 1024)
+        for _ in range(10_000):
+            client.transport.write(chunk)
+            if client.lost.done():
+                break
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            exc = await client.lost
+        assert isinstance(exc, TlsBacklogOverflow)
+        assert "1048576 bytes" in str(exc)
+        assert client.paused == 1
+
+
+async def test_big_writes_retried_after_want_write_arrive_byte_exact():
+    """Writes of many sizes, most of them while the socket is full (WANT_WRITE, then the same
+    bytes again), some as views: what arrives is exactly what was written."""
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        sizes = [
+            1,
+            100,
+            16 * 1024 - 1,
+            16 * 1024,
+            16 * 1024 + 1,
+            300_000,
+            1024 * 1024 + 7,
+            5,
+            2 * 1024 * 1024,
+        ]
+        pieces = []
+        for i, size in enumerate(sizes * 3):
+            block = hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1)
+            pieces.append(block[:size])
+        digest = hashlib.sha256()
+        for i, piece in enumerate(pieces):
+            client.transport.write(memoryview(piece) if i % 2 else piece)
+            digest.update(piece)
+            if i == 3:
+                await asyncio.sleep(0.05)  # the socket buffers fill; the rest waits in the backlog
+        assert client.transport.get_write_buffer_size() > 0  # WANT_WRITE happened
+        server.transport.resume_reading()
+        total = sum(len(p) for p in pieces)
+        await server.wait_for_bytes(total)
+        assert len(server.data) == total
+        assert hashlib.sha256(server.data).hexdigest() == digest.hexdigest()
+
+
+async def test_write_after_close_is_dropped_and_close_is_idempotent():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None
+        client.transport.close()
+        client.transport.write(b"too late")
+        client.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await server.lost
+        assert bytes(server.data) == b""
+        assert not client.transport.can_write_eof()
+        with pytest.raises(NotImplementedError):
+            client.transport.write_eof()
+
+
+async def test_close_waits_for_the_backlog_then_closes():
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        data = b"z" * (8 * 1024 * 1024)
+        client.transport.write(data)
+        assert client.transport.get_write_buffer_size() > 0
+        client.transport.close()
+        await asyncio.sleep(0.05)
+        assert not client.lost.done()  # still writing what waits
+        server.transport.resume_reading()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await server.eof
+            assert await client.lost is None
+        assert len(server.data) == len(data)

@@ -1,0 +1,54 @@
+"""The TLS transport's write backlog (proxy/tls_transport.WriteBacklog): order, marks, bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from ambient_mesh.proxy.tls_transport import TlsBacklogOverflow, WriteBacklog
+
+
+def test_pause_once_above_high_and_resume_once_at_or_below_low():
+    b = WriteBacklog(high_water_bytes=100, low_water_bytes=40, max_bytes=1000)
+    assert not b.push(b"a" * 60)
+    assert not b.push(b"b" * 40)  # 100: not above high
+    assert b.push(b"c" * 10)  # 110: pause
+    assert not b.push(b"d" * 10)  # already paused: told once
+    assert b.paused and b.bytes == 120
+    assert b.head() == b"a" * 60
+    assert not b.pop()  # 60 left: above low
+    assert b.head() == b"b" * 40
+    assert b.pop()  # 20: resume
+    assert not b.paused
+    assert not b.pop() and not b.pop()
+    assert b.bytes == 0 and not b.pieces
+
+
+def test_the_head_stays_until_it_is_written():
+    b = WriteBacklog()
+    first = memoryview(b"first")
+    b.push(first)
+    b.push(b"second")
+    assert b.head() is first
+    assert b.head() is first  # a retry after WANT_WRITE gets the same object
+    b.pop()
+    assert b.head() == b"second"
+
+
+def test_overflow_is_refused_before_anything_is_queued():
+    b = WriteBacklog(high_water_bytes=10, low_water_bytes=5, max_bytes=100)
+    b.push(b"x" * 100)
+    with pytest.raises(TlsBacklogOverflow, match="exceed 100 bytes"):
+        b.push(b"y")
+    assert b.bytes == 100 and len(b.pieces) == 1
+
+
+def test_limits_follow_asyncio_rules():
+    b = WriteBacklog()
+    b.set_limits(high=1000)
+    assert (b.low_water_bytes, b.high_water_bytes) == (250, 1000)
+    b.set_limits(low=100)
+    assert (b.low_water_bytes, b.high_water_bytes) == (100, 400)
+    with pytest.raises(ValueError):
+        b.set_limits(high=10, low=20)
+    b.clear()
+    assert b.bytes == 0
