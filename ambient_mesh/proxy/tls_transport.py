@@ -306,8 +306,8 @@ class TlsTransport(asyncio.Transport):
         read = self._ssl.read
         budget = READ_BYTES_PER_WAKE
         while True:
-            buf = protocol.get_buffer(-1)
-            size = len(buf)
+            buf = memoryview(protocol.get_buffer(-1))  # already one for HboneConnection: no copy
+            size = buf.nbytes
             if not size:
                 self._fatal(RuntimeError("get_buffer() returned an empty buffer"))
                 return
@@ -527,11 +527,11 @@ class TlsTransport(asyncio.Transport):
     def abort(self) -> None:
         self._finish(None)
 
-    def _fatal(self, exc: BaseException) -> None:
+    def _fatal(self, exc: Exception) -> None:
         log.debug("TLS connection failed: %s", exc)
         self._finish(exc)
 
-    def _finish(self, exc: BaseException | None) -> None:
+    def _finish(self, exc: Exception | None) -> None:
         if self._closed:
             return
         self._closed = True
