@@ -62,6 +62,11 @@ SHUTDOWN_TIMEOUT_S = 30.0
 _DISCARD = bytearray(MAX_RECORD_PLAINTEXT_BYTES)
 
 _WANT_IO = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+# Why `_fill` stopped (besides an exception object).
+_FULL = "full"
+_DRAINED = "drained"
+_EOF = "eof"
+_WANTS_WRITE = "wants-write"
 
 
 class TlsBacklogOverflow(ConnectionError):
@@ -303,54 +308,71 @@ class TlsTransport(asyncio.Transport):
         if self._closing or self._read_paused or self._eof:
             return
         protocol = self._protocol
-        read = self._ssl.read
         budget = READ_BYTES_PER_WAKE
         while True:
             buf = memoryview(protocol.get_buffer(-1))  # already one for HboneConnection: no copy
-            size = buf.nbytes
-            if not size:
-                self._fatal(RuntimeError("get_buffer() returned an empty buffer"))
-                return
-            try:
-                n = read(size, buf)
-            except ssl.SSLWantReadError:
-                break
-            except ssl.SSLWantWriteError:
-                # A post-handshake message needs an answer the socket cannot take yet: stop
-                # reading (readable would spin) until it is writable.
-                self._read_wants_write = True
-                self._remove_reader()
-                self._add_writer()
-                return
-            except ssl.SSLEOFError:
-                # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446 6.1:
-                # a truncation): an error, as uvloop's SSL protocol never called it an EOF either.
-                self._fatal(ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)"))
-                return
-            except OSError as e:  # ssl.SSLError is one
-                self._fatal(e)
-                return
-            finally:
-                # Our view must not outlive the read: the protocol reuses its buffer only while
-                # nothing else refers to it (hbone._receive_into).
-                del buf
-            if not n:
-                self._on_eof()
-                return
-            protocol.buffer_updated(n)
-            if self._closing or self._read_paused:
-                return
-            budget -= n
-            if self._ssl.pending():
-                if budget <= 0:
-                    self._loop.call_soon(self._on_readable)  # no readiness event announces these
+            filled, end = self._fill(buf)
+            # Our view must not outlive the reads: the protocol reuses its buffer only while
+            # nothing else refers to it (hbone._receive_into).
+            del buf
+            if filled:
+                protocol.buffer_updated(filled)
+                if self._closing or self._read_paused:
                     return
-                continue
-            if n < MAX_RECORD_PLAINTEXT_BYTES or budget <= 0:
-                break  # the message ended here; level-triggered polling brings any more
+            if end is not _FULL:
+                break
+            budget -= filled
+            if budget <= 0:
+                if self._ssl.pending():
+                    self._loop.call_soon(self._on_readable)  # no readiness event announces these
+                return  # what waits in the socket: level-triggered polling calls us again
+        if end is _EOF:
+            self._on_eof()
+            return
+        if end is _WANTS_WRITE:
+            # A post-handshake message needs an answer the socket cannot take yet: stop reading
+            # (readable would spin) until it is writable.
+            self._read_wants_write = True
+            self._remove_reader()
+            self._add_writer()
+            return
+        if isinstance(end, Exception):
+            self._fatal(end)
+            return
         if self._write_wants_read:
             self._write_wants_read = False
             self._flush()
+
+    def _fill(self, buf: memoryview) -> tuple[int, object]:
+        """Decrypt records into `buf` (how many bytes, and why it stopped): until it has no room
+        for another whole record (_FULL), the socket has no more (WANT_READ) or a short record
+        ended a message (_DRAINED), the peer's close_notify (_EOF), _WANTS_WRITE, or an error.
+        Several records per buffer: the protocol above runs once per buffer, not per record."""
+        read = self._ssl.read
+        size = buf.nbytes
+        if not size:
+            return 0, RuntimeError("get_buffer() returned an empty buffer")
+        filled = 0
+        try:
+            while True:
+                n = read(size - filled, buf[filled:] if filled else buf)
+                if not n:
+                    return filled, _EOF
+                filled += n
+                if size - filled < MAX_RECORD_PLAINTEXT_BYTES:
+                    return filled, _FULL
+                if n < MAX_RECORD_PLAINTEXT_BYTES and not self._ssl.pending():
+                    return filled, _DRAINED  # level-triggered polling brings any more
+        except ssl.SSLWantReadError:
+            return filled, _DRAINED
+        except ssl.SSLWantWriteError:
+            return filled, _WANTS_WRITE
+        except ssl.SSLEOFError:
+            # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446 6.1: a
+            # truncation): an error, as uvloop's SSL protocol never called it an EOF either.
+            return filled, ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)")
+        except OSError as e:  # ssl.SSLError is one
+            return filled, e
 
     def _on_eof(self) -> None:
         self._eof = True
