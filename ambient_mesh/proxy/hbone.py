@@ -58,8 +58,8 @@ SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 # TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
-# over at most (uvloop's own TLS read limit). A read asks for room for what waits encrypted;
-# more than this is read in the next round.
+# over at most (tls_transport fills it with the records that wait, uvloop's TLS reads this
+# much). More than this is read in the next round.
 RECEIVE_BUFFER_BYTES = 256 * 1024
 
 
@@ -332,8 +332,8 @@ _RECEIVE = _ReceiveBuffer()
 
 def _receive_into(_protocol: object, sizehint: int) -> memoryview:
     """`HboneConnection.get_buffer`: the shared receive buffer, or a new one while a view of the
-    current one is alive. A view, not the bytearray: asyncio's TLS protocol slices what it gets
-    to fill it in parts. A plain function assigned in the class: one Python call per read.
+    current one is alive. A view, not the bytearray: the TLS transport slices what it gets to
+    fill it in parts. A plain function assigned in the class: one Python call per read.
     Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the two callbacks cost
     more per small message than the copy saves (bench/README.md)."""
     buf = _RECEIVE.buf

@@ -337,3 +337,25 @@ async def test_close_waits_for_the_backlog_then_closes():
             await server.eof
             assert await client.lost is None
         assert len(server.data) == len(data)
+
+
+async def test_records_waiting_together_are_decrypted_into_one_buffer():
+    """The protocol runs once per filled buffer, not once per 16 KiB record."""
+    calls = []
+
+    class Counting(Collector):
+        def buffer_updated(self, nbytes):
+            calls.append(nbytes)
+            super().buffer_updated(nbytes)
+
+    async with tls_pair(server_proto=Counting(buffer_bytes=256 * 1024)) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        total = 2 * 1024 * 1024
+        client.transport.write(b"r" * total)
+        await asyncio.sleep(0.1)  # the records wait in the socket (and the sender's backlog)
+        server.transport.resume_reading()
+        await server.wait_for_bytes(total)
+        full = tls_transport.MAX_RECORD_PLAINTEXT_BYTES
+        assert max(calls) > full  # more than one record per call
+        assert len(calls) < total // full // 2, calls
