@@ -257,6 +257,11 @@ class HboneStream(Endpoint):
         if relay is None:
             self._held.append((data, len(data)))  # credit is returned when a relay takes them
             return
+        if self._ack_paused and type(data) is memoryview:
+            # The peer socket is not taking more: what it is handed now waits in its buffer, and
+            # a view would pin a whole receive buffer (RECEIVE_BUFFER_BYTES) for it, so a slow
+            # app would hold several times the stream window (tests/netns/test_attack_hbone.py).
+            data = bytes(data)
         relay.data_from(self, data)
         if self._ack_paused:  # `_credit`, inlined: this runs once per DATA frame
             self._unacked += len(data)
