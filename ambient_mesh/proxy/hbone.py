@@ -496,7 +496,13 @@ class HboneConnection(asyncio.BufferedProtocol):
         if transport is None:
             return
         if event.clean:
-            self.flush()
+            # Everything queued goes before close_notify, even while writing is paused: close()
+            # writes the transport's backlog out first, and nothing would resume us afterwards.
+            if self.core.events:
+                self._dispatch(self.core.take_events())
+            out = self.core.data_to_send()
+            if out and not transport.is_closing():
+                transport.writelines(out)
             transport.close()
             return
         if self._error is None:
