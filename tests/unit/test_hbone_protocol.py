@@ -311,3 +311,24 @@ async def test_receive_buffer_is_reused_only_once_no_view_of_it_is_left():
     keeper.chunks.clear()
     assert _read_into_buffer(ours, b"") == _read_into_buffer(ours, b"") == again
     ours._cancel_timers()
+
+
+async def test_a_clean_end_while_writing_is_paused_still_writes_what_the_core_holds():
+    # Draining, writing paused by the transport, the last stream reset: the connection ends
+    # cleanly at once, and its RST_STREAM must reach the wire before the close (nothing resumes a
+    # closing transport).
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, _tcp, _relay, sid = await _open(ours, transport, server)
+    ours.drain()
+    exchange(ours, transport, server)
+    ours.pause_writing()
+    stream.abort()
+    assert transport.closed
+    # (h2 has closed its side on our GOAWAY, so the frame is looked for in the bytes: RFC 9113
+    # 6.4, length 4, type RST_STREAM, no flags, the stream id, CANCEL.)
+    rst = bytes([0, 0, 4, 3, 0]) + sid.to_bytes(4, "big") + (8).to_bytes(4, "big")
+    assert rst in transport.take()
+    ours._cancel_timers()
