@@ -237,6 +237,13 @@ def _decide(
     any_allow: bool = False,
 ) -> Decision:
     """`any_allow` says an enforced ALLOW applies even though pruning left it out of `allow`."""
+    if not (deny or allow or dry_deny or dry_allow):
+        # Nothing to match: the connection's values are not needed.
+        return Decision(
+            allowed=not any_allow,
+            policy=None,
+            reason=REASON_NOT_ALLOWED if any_allow else REASON_NO_ALLOW_POLICIES,
+        )
     values = _peer_values(conn)
     dry: list[str] = [p.key for p in dry_deny if p._matches(values)]
     for policy in deny:

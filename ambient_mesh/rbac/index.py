@@ -15,7 +15,7 @@ from typing import Protocol
 
 from .compiled import CompiledPolicy, _decide
 from .keys import Key, KeyLength, RuleFilter, conn_keys, rule_filters
-from .model import Authorization, Decision, RbacConnection, Scope
+from .model import REASON_NO_ALLOW_POLICIES, Authorization, Decision, RbacConnection, Scope
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ def policies_for(state_policies: Mapping[str, Authorization], workload: PolicyTa
     result.extend(p for _key, p in _selected(state_policies.get, workload))
     return result
 
+
+# `_decide` of empty lists: nothing denies, no ALLOW exists, so allowed (a frozen value, shared).
+_NOTHING_APPLIES = Decision(allowed=True, policy=None, reason=REASON_NO_ALLOW_POLICIES, dry_run_matches=())
 
 # Below this many policies a bucket is matched in full: computing the connection's keys and
 # looking them up costs about as much as matching a few policies (bench/rbac_bench.py).
@@ -264,6 +267,8 @@ class PolicyIndex(MutableMapping[str, Authorization]):
         return self._by_namespace.get(namespace)
 
     def _own(self, workload: PolicyTarget) -> list[CompiledPolicy]:
+        if not workload.authorization_policies:
+            return []
         by_key = self._by_key
 
         def lookup(key: str) -> Authorization | None:
@@ -323,6 +328,16 @@ class PolicyIndex(MutableMapping[str, Authorization]):
         ALLOW, and the dry-run matches, are the same in the full list and in the candidates;
         only "are there any enforced ALLOWs" needs the full set, and the buckets count those.
         """
+        by_namespace = self._by_namespace
+        if (
+            not workload.authorization_policies
+            and GLOBAL_INDEX not in by_namespace
+            and workload.namespace not in by_namespace
+        ):
+            # No policy applies (Istio's default: allowed): what `_decide` returns for empty
+            # lists, without the connection's values (the common case of a mesh without policies
+            # for this namespace, every inbound connection).
+            return _NOTHING_APPLIES
         policies, any_allow = self.candidates(workload, conn)
         deny: list[CompiledPolicy] = []
         allow: list[CompiledPolicy] = []

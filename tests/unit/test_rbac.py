@@ -531,6 +531,35 @@ def test_scoping_decides() -> None:
     assert index.check(target("ns1", "ns3/sel"), conn()).policy == "ns3/sel"
 
 
+def test_check_without_applicable_policies_is_the_default_allow(caplog: pytest.LogCaptureFixture) -> None:
+    """No policy for the namespace, none global, none listed: Istio's default, as evaluate([])
+    gives it, also once the index held and lost a policy there; a listed key still goes the full
+    way (its warning), and a policy arriving for the namespace is matched at once."""
+    empty = Decision(allowed=True, policy=None, reason=REASON_NO_ALLOW_POLICIES)
+    index = PolicyIndex([NS2, OTHER_SELECTOR])
+    for c in (conn(), conn(None), conn(dst="fd00::1")):
+        assert index.check(target("ns1"), c) == evaluate([], c) == reference.evaluate([], c) == empty
+    assert PolicyIndex().check(target(""), conn()) == empty
+    deny_ns1 = policy(Rule(), name="deny-all", namespace="ns1", scope=Scope.NAMESPACE, action=Action.DENY)
+    index.insert(deny_ns1)
+    assert not index.check(target("ns1"), conn()).allowed
+    index.remove(deny_ns1.key)
+    assert index.check(target("ns1"), conn()) == empty
+    with caplog.at_level(logging.WARNING, logger="ambient_mesh.rbac"):
+        assert index.check(target("ns1", "ns1/gone"), conn()) == empty
+    assert [r.getMessage() for r in caplog.records] == ["skipping unknown policy ns1/gone"]
+    # An enforced ALLOW pruned away by the index still makes "none allowed" (no values matched).
+    ns1_allows = [policy(one(Match(destination_ports=(9,))), name=f"a{i}") for i in range(20)]
+    pruned = PolicyIndex(ns1_allows, min_indexed=1)
+    assert pruned.candidates(target("ns1"), conn()) == ([], True)
+    assert (
+        pruned.check(target("ns1"), conn())
+        == evaluate(ns1_allows, conn())
+        == reference.evaluate(ns1_allows, conn())
+    )
+    assert pruned.check(target("ns1"), conn()).reason == REASON_NOT_ALLOWED
+
+
 # -- PolicyIndex ----------------------------------------------------------------------------------------------
 
 
