@@ -297,6 +297,11 @@ def _dump_value(value: Any) -> Any:
 
 # --- the config ---------------------------------------------------------------------------------
 
+# `ZtunnelConfig.illegal_ports`: the proxy's own listener ports (ztunnel's illegal_ports), with
+# SOCKS5's when it is enabled.
+_ILLEGAL_PORTS = frozenset({OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT})
+_ILLEGAL_PORTS_WITH_SOCKS5 = _ILLEGAL_PORTS | {SOCKS5_PORT}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ZtunnelConfig:
@@ -374,11 +379,10 @@ class ZtunnelConfig:
 
     @property
     def illegal_ports(self) -> frozenset[int]:
-        """Ports a connection may not target through the proxy itself (loops, trampolines)."""
-        ports = {OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT}
-        if self.socks5_enabled:
-            ports.add(SOCKS5_PORT)
-        return frozenset(ports)
+        """Ports a connection may not target through the proxy itself (loops, trampolines).
+
+        Read per inbound connection: one of two sets made once, not a new set each time."""
+        return _ILLEGAL_PORTS_WITH_SOCKS5 if self.socks5_enabled else _ILLEGAL_PORTS
 
     @property
     def istio_version(self) -> str:

@@ -12,7 +12,10 @@ one compare (bench/README.md, issue 11: the connection path). The pieces:
 - finish: one `ConnectionResult` opened and completed (metrics and access line, to /dev/null);
 - pool key: the pool key as the outbound path makes it (source identity, upstream SANs, a new
   destination address) and the pool's dict lookup;
-- identity: a workload's Identity as the per-connection code reads it.
+- identity: a workload's Identity as the per-connection code reads it;
+- authorize: `PolicyIndex.check` of an inbound connection to a workload with no applicable
+  policy (no policies at all, as in hbone_bench; and with 40 NAMESPACE policies elsewhere);
+- illegal ports: `ZtunnelConfig.illegal_ports`, read per inbound stream.
 
     .venv/bin/python bench/connection_micro_bench.py before=<worktree of main> after=$PWD [--rounds 5]
 
@@ -30,7 +33,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PIECES = ("accept", "connect", "socks5", "finish", "pool key", "identity")
+PIECES = (
+    "accept",
+    "connect",
+    "socks5",
+    "finish",
+    "pool key",
+    "identity",
+    "authorize",
+    "authorize, policies elsewhere",
+    "illegal ports",
+)
 BATCH = 300
 MAX_ROUNDS = 50
 CHILD_TIMEOUT_S = 120.0
@@ -174,6 +187,21 @@ def child(tree: str) -> dict[str, float]:
     out["pool key"] = min(timeit.repeat(pool_key, number=n, repeat=5)) / n * 1e6
     # identity: what the code of this tree reads per connection
     out["identity"] = min(timeit.repeat(lambda: read(src), number=n, repeat=5)) / n * 1e6
+    # authorize: what ConnectionManager.authorize asks of the policies per inbound connection
+    from ambient_mesh.config import ZtunnelConfig
+    from ambient_mesh.rbac import Authorization, PolicyIndex, RbacConnection, Scope
+
+    rbac_conn = RbacConnection(src_identity=read(src), src_ip=src_ip, dst_ip=dst_ip, dst_port=8080)
+    empty = PolicyIndex()
+    out["authorize"] = min(timeit.repeat(lambda: empty.check(dst, rbac_conn), number=n, repeat=5)) / n * 1e6
+    elsewhere = PolicyIndex(
+        Authorization(name=f"p{i}", namespace=f"other{i % 4}", scope=Scope.NAMESPACE) for i in range(40)
+    )
+    out["authorize, policies elsewhere"] = (
+        min(timeit.repeat(lambda: elsewhere.check(dst, rbac_conn), number=n, repeat=5)) / n * 1e6
+    )
+    config = ZtunnelConfig()
+    out["illegal ports"] = min(timeit.repeat(lambda: config.illegal_ports, number=n, repeat=5)) / n * 1e6
     return out
 
 

@@ -26,7 +26,6 @@ from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
-from .routing import workload_identity
 from .telemetry import ConnectionResult
 from .tls_transport import start_tls
 
@@ -312,7 +311,7 @@ class InboundProxy:
             source_identity=src_id,
             destination=workload,
             service=target.service,
-            destination_identity=workload_identity(workload),
+            destination_identity=workload.identity,
             mtls=True,
         )
         # Authorization sees the peer's address, its certificate identity and the real target

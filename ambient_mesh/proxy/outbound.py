@@ -25,7 +25,7 @@ from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
 from .relay import Relay, TcpEndpoint, wrap_socket
-from .routing import Route, RouteKind, RouteRefused, build_request, workload_identity
+from .routing import Route, RouteKind, RouteRefused, build_request
 from .telemetry import ConnectionResult, response_flag_of
 
 log = logging.getLogger("ambient_mesh.proxy.outbound")
@@ -207,7 +207,7 @@ class OutboundProxy:
         else:
             admitted = await inbound.admit(
                 peer=peer,
-                src_id=workload_identity(route.source_workload),
+                src_id=route.source_workload.identity,
                 source=route.source_workload,
                 workload=workload,
                 local=target,

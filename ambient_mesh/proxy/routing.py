@@ -324,26 +324,12 @@ def _select_ip(workload: Workload, requested: IPAddress, service: Service | None
     return allowed[0] if allowed else None
 
 
-# Identities and upstream SANs by workload (and service) object: a Workload makes a new Identity,
-# with its checks, on every `identity` read, three or four times per connection (bench/README.md,
-# connection path). Workloads and services are frozen and replaced, never changed, by state
-# updates, so an entry keyed by id() holds its objects (the id cannot be reused while cached) and
-# is exact; cleared when full.
+# Upstream SANs by workload and service object (the workload's Identity is kept on the workload
+# itself, `Workload.identity`). Workloads and services are frozen and replaced, never changed, by
+# state updates, so an entry keyed by id() holds its objects (the id cannot be reused while
+# cached) and is exact; cleared when full.
 IDENTITY_CACHE_MAX_ENTRIES = 4096
-_identities: dict[int, tuple[Workload, Identity]] = {}
 _sans_cache: dict[tuple[int, int], tuple[Workload, Service | None, tuple[Identity, ...]]] = {}
-
-
-def workload_identity(workload: Workload) -> Identity:
-    """`workload.identity`, the same object for the same workload object (IdentityError as it)."""
-    hit = _identities.get(id(workload))
-    if hit is not None and hit[0] is workload:
-        return hit[1]
-    identity = workload.identity
-    if len(_identities) >= IDENTITY_CACHE_MAX_ENTRIES:
-        _identities.clear()
-    _identities[id(workload)] = (workload, identity)
-    return identity
 
 
 def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
@@ -373,9 +359,9 @@ def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
 
 def _identity(workload: Workload) -> Identity | None:
     try:
-        return workload_identity(workload)
+        return workload.identity
     except IdentityError:
         return None
 
 
-__all__ = ["Route", "RouteKind", "RouteRefused", "build_request", "workload_identity"]
+__all__ = ["Route", "RouteKind", "RouteRefused", "build_request"]

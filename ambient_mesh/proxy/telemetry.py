@@ -23,7 +23,7 @@ from ..metrics import (
 )
 from ..net import SocketAddr
 from ..state.model import Service, Workload
-from .routing import Route, RouteKind, workload_identity
+from .routing import Route, RouteKind
 
 if TYPE_CHECKING:
     from .inputs import ProxyInputs
@@ -203,13 +203,11 @@ class ConnectionResult:
             dst_addr=route.actual_destination,
             hbone_addr=route.hbone_target if hbone else None,
             source=route.source_workload,
-            source_identity=workload_identity(route.source_workload) if hbone else None,
+            source_identity=route.source_workload.identity if hbone else None,
             destination=route.destination_workload,
             service=route.destination_service,
             destination_identity=(
-                workload_identity(route.destination_workload)
-                if hbone and route.destination_workload
-                else None
+                route.destination_workload.identity if hbone and route.destination_workload else None
             ),
             mtls=hbone,
         )

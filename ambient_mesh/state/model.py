@@ -143,12 +143,21 @@ class Workload:
     cluster_id: str = ""
     locality: Locality = field(default_factory=Locality)
     capacity: int = 1
+    # `identity`, made and checked on the first read and kept: a workload is frozen and replaced,
+    # never changed, by state updates (`dataclasses.replace` starts the copy without it). The
+    # per-connection path reads it three or four times (bench/README.md, issue 11). Not kept
+    # when the fields make no valid Identity: every read raises IdentityError again.
+    _identity: Identity | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
     @property
     def identity(self) -> Identity:
-        return Identity.for_workload(
-            trust_domain=self.trust_domain, namespace=self.namespace, service_account=self.service_account
-        )
+        identity = self._identity
+        if identity is None:
+            identity = Identity.for_workload(
+                trust_domain=self.trust_domain, namespace=self.namespace, service_account=self.service_account
+            )
+            object.__setattr__(self, "_identity", identity)  # frozen: a cache, set once
+        return identity
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

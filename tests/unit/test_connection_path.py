@@ -144,6 +144,7 @@ async def test_a_socks5_request_already_received_is_read_without_waiting(monkeyp
 
 def test_workload_identity_is_kept_per_workload_object_and_follows_replacements():
     import dataclasses
+    import pickle
 
     import pytest
 
@@ -152,12 +153,20 @@ def test_workload_identity_is_kept_per_workload_object_and_follows_replacements(
     from ambient_mesh.state.model import Service, Workload
 
     w = Workload(uid="c//Pod/ns/a", name="a", namespace="ns", trust_domain="td", service_account="a")
-    first = routing.workload_identity(w)
-    assert first == w.identity and routing.workload_identity(w) is first
+    first = w.identity
+    assert first == Identity("td", "ns", "a") and w.identity is first
+    # The kept Identity is no part of the value: equality, hash and repr as without it.
+    fresh = Workload(uid="c//Pod/ns/a", name="a", namespace="ns", trust_domain="td", service_account="a")
+    assert fresh == w and hash(fresh) == hash(w) and repr(fresh) == repr(w)
+    assert "_identity" not in repr(w)
+    assert pickle.loads(pickle.dumps(w)).identity == first
     moved = dataclasses.replace(w, service_account="b")  # a state update replaces the object
-    assert routing.workload_identity(moved) == Identity("td", "ns", "b")
-    with pytest.raises(IdentityError):
-        routing.workload_identity(dataclasses.replace(w, namespace="bad/ns"))
+    assert moved.identity == Identity("td", "ns", "b")
+    assert Workload(uid="u", namespace="ns").identity == Identity("cluster.local", "ns", "default")
+    bad = dataclasses.replace(w, namespace="bad/ns")
+    for _ in range(2):  # not kept: every read raises again
+        with pytest.raises(IdentityError):
+            _ = bad.identity
     svc = Service(
         name="s", namespace="ns", hostname="s.ns.svc", subject_alt_names=("spiffe://td/ns/ns/sa/x",)
     )
