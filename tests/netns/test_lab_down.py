@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from ambient_mesh.host.netns import list_netns
+from ambient_mesh.lab.cluster import object_file_name
 from ambient_mesh.lab.journal import read_journal
 
 pytestmark = pytest.mark.timeout(180)
@@ -83,6 +84,21 @@ def wait_for(predicate, what: str, up: subprocess.Popen) -> None:
         assert up.poll() is None, f"`lab up` exited with {up.returncode} before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(POLL_S)
+
+
+def zc_workloads(state_dir: Path, node: str, *, check: bool = True) -> list[list[str]]:
+    """`ambient zc w --node <node>`: the rows of that node proxy's workloads table (without
+    `check`, none when the node proxy does not answer)."""
+    zc = subprocess.run(
+        [sys.executable, "-m", "ambient_mesh", "zc", "w", "--node", node, "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if zc.returncode != 0 and not check:
+        return []
+    assert zc.returncode == 0, zc.stdout + zc.stderr
+    return [line.split() for line in zc.stdout.splitlines()]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -190,8 +206,9 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         applied = lab(state_dir, "apply", "-f", str(extra))
         assert applied.returncode == 0 and "pod/extra created" in applied.stdout, applied.stderr
         # written with its uid, as the API server creates a Pod: the node agent never sees it
-        # without the uid the lab's kubelet runs the sandbox under
-        (written,) = (state_dir / "objects").glob("*extra*")
+        # without the uid the lab's kubelet runs the sandbox under. (The object's own file: a
+        # glob also caught the lab's kubelet's atomic_write temp file beside it, mid-update.)
+        written = state_dir / "objects" / object_file_name(yaml.safe_load(EXTRA_POD))
         assert yaml.safe_load(written.read_text())["metadata"]["uid"], written.read_text()
 
         def extra_pod() -> dict | None:
@@ -200,6 +217,19 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
 
         wait_for(lambda: (extra_pod() or {}).get("enrolled"), "the applied pod to be enrolled", up)
         pod = extra_pod()
+        # Enrolled is not yet reachable: the destination's node proxy turns away a connection
+        # to a pod it has no workload for ("no local workload has address"), and the workload
+        # comes by xDS once the control plane has read the pod's status. So, as Lab.add_pod
+        # does with its wait: until both node proxies list it (`zc w`, their config_dump).
+        wait_for(
+            lambda: all(
+                ["shop", "extra", pod["ip"], "node-2"]
+                in [r[:4] for r in zc_workloads(state_dir, node, check=False)]
+                for node in ("node-1", "node-2")
+            ),
+            "both node proxies to learn the applied pod from xDS",
+            up,
+        )
         assert pod["node"] == "node-2" and pod["services"] == ["echo"]
         call = lab(
             state_dir, "exec", "shop/client", "--", "curl", "-s", "-m", "5", f"http://{pod['ip']}:8080/"
@@ -209,26 +239,8 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         wait_for(lambda: extra_pod() is None, "the deleted pod to go", up)
         assert pod["netns"] not in list_netns(runner)
         # ztunnel-config picks a lab node's proxy by node name; logs by component and node.
-        zc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ambient_mesh",
-                "zc",
-                "w",
-                "--node",
-                "node-2",
-                "--state-dir",
-                str(state_dir),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        rows = [line.split() for line in zc.stdout.splitlines()]
-        assert zc.returncode == 0 and ["shop", "echo-2", live["pods"]["shop/echo-2"]["ip"], "node-2"] in [
-            r[:4] for r in rows
-        ], zc.stdout + zc.stderr
+        rows = zc_workloads(state_dir, "node-2")
+        assert ["shop", "echo-2", live["pods"]["shop/echo-2"]["ip"], "node-2"] in [r[:4] for r in rows], rows
         logs = lab(state_dir, "logs", "ztunnel", "--node", "node-2", "--tail", "50")
         assert (
             logs.returncode == 0
