@@ -966,6 +966,11 @@ class Lab:
         whose object is gone is torn down. Returns what it did, one line each."""
         from .topofile import pod_spec_from_object
 
+        # Stamped before reading, and only then: a write that lands while this pass runs (an
+        # `apply` whose atomic_write was still a temp file when the pass listed the directory)
+        # changes the stamp, so the next pass sees it. Stamping again at the end, to absorb the
+        # pass's own writes, absorbed that one too and the Pod was never started. The pass's own
+        # writes cost one more pass, which finds nothing to do.
         stamp = objects_stamp(self.objects_dir)
         if stamp == self._pods_stamp:
             return []
@@ -1001,7 +1006,6 @@ class Lab:
         for key in [k for k in self.pods if k not in present]:
             self.delete_pod(key)
             events.append(f"pod {key} deleted")
-        self._pods_stamp = objects_stamp(self.objects_dir)
         return events
 
     def delete_pod(self, key: str) -> None:

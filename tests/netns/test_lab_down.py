@@ -60,29 +60,48 @@ def lab(state_dir: Path, *args: str, timeout_s: float = 90.0) -> subprocess.Comp
     )
 
 
+UP_LOG_TAIL_CHARS = 4000
+
+
+def up_log(state_dir: Path) -> Path:
+    """`lab up`'s own output (its supervisor's events): beside the state directory, which `up`
+    empties when it starts."""
+    return state_dir.parent / f"{state_dir.name}-up.log"
+
+
 def start_up(state_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ambient_mesh.cli",
-            "lab",
-            "--state-dir",
-            str(state_dir),
-            "up",
-            "--nodes",
-            "2",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with open(up_log(state_dir), "ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ambient_mesh.cli",
+                "lab",
+                "--state-dir",
+                str(state_dir),
+                "up",
+                "--nodes",
+                "2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def up_tail(state_dir: Path) -> str:
+    try:
+        text = up_log(state_dir).read_text(errors="replace")[-UP_LOG_TAIL_CHARS:]
+    except OSError:
+        text = "(no output)"
+    return f"\n--- `lab up` output (end) ---\n{text}"
 
 
 def wait_for(predicate, what: str, up: subprocess.Popen) -> None:
+    state_dir = Path(up.args[up.args.index("--state-dir") + 1])
     deadline = time.monotonic() + START_TIMEOUT_S
     while not predicate():
-        assert up.poll() is None, f"`lab up` exited with {up.returncode} before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert up.poll() is None, f"`lab up` exited with {up.returncode} before {what}" + up_tail(state_dir)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + up_tail(state_dir)
         time.sleep(POLL_S)
 
 

@@ -142,6 +142,34 @@ def test_supervisor_restarts_with_doubling_backoff(tmp_path):
     assert record["nodes"] == {} and record["ready"] is False
 
 
+def test_a_pod_applied_while_the_kubelet_pass_runs_is_started_by_the_next_pass(tmp_path, monkeypatch):
+    lab = Lab(LabConfig(state_dir=tmp_path), runner=RecordingRunner())
+    lab.objects_dir.mkdir(parents=True)
+    lab.logs_dir.mkdir(parents=True)
+    lab.nodes["node-2"] = None  # type: ignore[assignment]  # only its name is looked at
+    lab.pods["shop/old"] = None  # type: ignore[assignment]  # its object is gone: the pass deletes it
+    pending = lab.objects_dir / "pod-shop-extra.yaml.tmp.abc123"  # `apply`'s atomic_write, mid-way
+    pending.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: extra, namespace: shop, uid: u-1}\n"
+        "spec: {nodeName: node-2, serviceAccountName: echo, containers: [{name: app}]}\n"
+    )
+    added = []
+
+    def delete_pod(key):
+        del lab.pods[key]
+        pending.replace(lab.objects_dir / "pod-shop-extra.yaml")  # the apply lands mid-pass
+
+    def add_pod(spec, *, wait=True):
+        added.append(spec.key)
+        lab.pods[spec.key] = type("Pod", (), {"ip": "10.244.2.12"})()
+
+    monkeypatch.setattr(lab, "delete_pod", delete_pod)
+    monkeypatch.setattr(lab, "add_pod", add_pod)
+    assert lab.reconcile_pods() == ["pod shop/old deleted"]
+    assert lab.reconcile_pods() == ["pod shop/extra started on node-2 (10.244.2.12)"]
+    assert added == ["shop/extra"] and lab.reconcile_pods() == []
+
+
 def test_status_tables_show_state_restarts_and_pods():
     component = {"state": "running", "pid": 7, "ready": True, "restarts": 2, "log": "x"}
     status = {
