@@ -15,7 +15,9 @@ one compare (bench/README.md, issue 11: the connection path). The pieces:
 - identity: a workload's Identity as the per-connection code reads it;
 - authorize: `PolicyIndex.check` of an inbound connection to a workload with no applicable
   policy (no policies at all, as in hbone_bench; and with 40 NAMESPACE policies elsewhere);
-- illegal ports: `ZtunnelConfig.illegal_ports`, read per inbound stream.
+- illegal ports: `ZtunnelConfig.illegal_ports`, read per inbound stream;
+- forwarded host: `headers.parse_forwarded_host` of the `forwarded` value a CONNECT to a
+  workload address carries (`for` only), per inbound stream.
 
     .venv/bin/python bench/connection_micro_bench.py before=<worktree of main> after=$PWD [--rounds 5]
 
@@ -43,6 +45,7 @@ PIECES = (
     "authorize",
     "authorize, policies elsewhere",
     "illegal ports",
+    "forwarded host",
 )
 BATCH = 300
 MAX_ROUNDS = 50
@@ -202,6 +205,12 @@ def child(tree: str) -> dict[str, float]:
     )
     config = ZtunnelConfig()
     out["illegal ports"] = min(timeit.repeat(lambda: config.illegal_ports, number=n, repeat=5)) / n * 1e6
+    from ambient_mesh.proxy import headers
+
+    forwarded = headers.forwarded_for(peer_addr, None)
+    out["forwarded host"] = (
+        min(timeit.repeat(lambda: headers.parse_forwarded_host(forwarded), number=n, repeat=5)) / n * 1e6
+    )
     return out
 
 

@@ -151,6 +151,14 @@ def forwarded_for(client: SocketAddr, service_hostname: str | None) -> str:
 
 def parse_forwarded_host(value: str) -> str | None:
     """The first `host=` parameter in a `forwarded` value (RFC 7239), or None."""
+    if "host" not in value.lower():
+        # No parameter can be named host (the name is matched lowercased): nothing to split.
+        # The usual case, every inbound CONNECT to a workload address (ztunnel sends only `for`).
+        return None
+    return _first_host(value)
+
+
+def _first_host(value: str) -> str | None:
     for pair in _split_unquoted(value, ",;"):
         name, sep, raw = pair.partition("=")
         if not sep or name.strip().lower() != "host":

@@ -244,11 +244,11 @@ class Socks5Handshake:
         host: str | IPAddress
         if atyp == ATYP_DOMAIN:
             host = self._domain(raw)
-        elif atyp == ATYP_IPV4:
-            host = ipaddress.IPv4Address(raw)
         else:
-            # Unmapped like every other address in the proxy, so ::ffff:a.b.c.d means a.b.c.d.
-            host = ip_address(ipaddress.IPv6Address(raw))
+            # 4 bytes IPv4, 16 IPv6, unmapped like every other address in the proxy (so
+            # ::ffff:a.b.c.d means a.b.c.d); net's cache of packed addresses returns the same
+            # object for the same target, whose text is then cached too (net.ip_text).
+            host = ip_address(raw)
         self.request = ConnectRequest(host=host, port=port)
         self.state = Socks5State.CONNECTING
         return self.request

@@ -305,3 +305,14 @@ def test_split_unquoted_without_a_character_loop_splits_the_same(value: str) -> 
     for separators in (",;", ","):
         expected = headers._split_unquoted_by_character(value, separators)
         assert headers._split_unquoted(value, separators) == expected
+
+
+_forwarded_pieces = st.sampled_from(
+    ["host", "HoSt", "ho", "st", "for", "=", ";", ",", '"', "\\", " ", "x", "a.example", "\u0130", "\u017f"]
+)
+
+
+@given(st.lists(_forwarded_pieces, max_size=12).map("".join) | st.text(max_size=40))
+def test_parse_forwarded_host_skips_only_values_without_a_host_name(value: str) -> None:
+    """The shortcut for values that cannot name `host` gives what the full parse gives."""
+    assert parse_forwarded_host(value) == headers._first_host(value)
