@@ -152,8 +152,7 @@ class OutboundProxy:
         result = ConnectionResult.outbound(pi, route, peer)
         try:
             if route.kind in (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT):
-                # The source identity ConnectionResult.outbound made (a Workload makes a new one
-                # on each `identity` read).
+                # The source identity ConnectionResult.outbound read (HBONE routes always have it).
                 assert result.source_identity is not None
                 endpoint: HboneStream | TcpEndpoint = await self._open_hbone(
                     route, peer, result.source_identity

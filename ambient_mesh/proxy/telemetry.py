@@ -62,7 +62,8 @@ def _peers_entry(
 
     Workloads and services are frozen objects replaced (never mutated) by state updates, so
     they are keyed by identity; the entry holds them, so an id cannot be reused while cached.
-    Identities are small values, keyed by equality (a workload makes a new one on each call).
+    Identities are small values, keyed by equality (an inbound peer's comes from its certificate,
+    not from the workload object).
     """
     objects = (source_workload, destination_workload, destination_service)
     key = (
