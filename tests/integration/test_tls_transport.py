@@ -359,3 +359,27 @@ async def test_records_waiting_together_are_decrypted_into_one_buffer():
         full = tls_transport.MAX_RECORD_PLAINTEXT_BYTES
         assert max(calls) > full  # more than one record per call
         assert len(calls) < total // full // 2, calls
+
+
+async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind():
+    """Small records that arrived together are read from the socket in one go (read-ahead) and
+    all decrypted before the callback returns: no readiness event would announce the ones
+    OpenSSL already holds."""
+    calls = []
+
+    class Counting(Collector):
+        def buffer_updated(self, nbytes):
+            calls.append(nbytes)
+            super().buffer_updated(nbytes)
+
+    async with tls_pair(server_proto=Counting()) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        assert tls_transport.read_ahead(server.transport.get_extra_info("ssl_object")) is not None
+        server.transport.pause_reading()
+        for i in range(50):
+            client.transport.write(b"m%02d" % i)  # one record each
+        await asyncio.sleep(0.1)
+        server.transport.resume_reading()
+        await server.wait_for_bytes(150)
+        assert bytes(server.data) == b"".join(b"m%02d" % i for i in range(50))
+        assert len(calls) < 10, calls  # without read-ahead: one callback per record
