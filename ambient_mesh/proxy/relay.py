@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from ssl import SSLContext
 
 
 class Endpoint:
@@ -262,28 +261,10 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
             self.transport.pause_reading()
 
 
-async def wrap_socket(
-    sock: socket.socket,
-    *,
-    ssl: SSLContext | None = None,
-    server_side: bool = False,
-    server_hostname: str | None = None,
-    handshake_timeout: float | None = None,
-) -> TcpEndpoint:
-    """Hand a connected socket to the event loop as a (paused) TcpEndpoint."""
-    loop = asyncio.get_running_loop()
+async def wrap_socket(sock: socket.socket) -> TcpEndpoint:
+    """Hand a connected plain socket (accepted or dialled) to the event loop as a (paused)
+    TcpEndpoint. HBONE's TLS has its own transport (proxy/tls_transport.py)."""
     endpoint = TcpEndpoint()
-    if server_side:
-        await loop.connect_accepted_socket(
-            lambda: endpoint, sock, ssl=ssl, ssl_handshake_timeout=handshake_timeout if ssl else None
-        )
-    else:
-        await loop.create_connection(
-            lambda: endpoint,
-            sock=sock,
-            ssl=ssl,
-            server_hostname=server_hostname,
-            ssl_handshake_timeout=handshake_timeout if ssl else None,
-        )
+    await asyncio.get_running_loop().create_connection(lambda: endpoint, sock=sock)
     endpoint.hold_reading()
     return endpoint

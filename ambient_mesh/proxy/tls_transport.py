@@ -31,9 +31,8 @@ Read-ahead: with it off, OpenSSL reads each record from the socket in two `recv`
 Python's `ssl` offers neither SSL_set_read_ahead nor SSL_has_pending (which, unlike SSL_pending,
 also counts read-ahead bytes not yet decrypted: they would otherwise sit there with no readiness
 event to announce them), so both are called through ctypes on the `SSL *` inside the C object,
-as identity/tls_suites.py does for the `SSL_CTX *`. The pointer is the second field after the
-object header of CPython's PySSLSocket (`PyObject *Socket`, then `SSL *ssl`; Modules/_ssl.c,
-3.7 to 3.13) and is used only once `SSL_get_fd` on it returns the socket's descriptor; otherwise
+as identity/tls_suites.py does for the `SSL_CTX *` (both through identity/openssl_native.py). The
+pointer is the second field of CPython's PySSLSocket and is used only once `SSL_get_fd` on it returns the socket's descriptor; otherwise
 read-ahead stays off and SSL_pending does.
 
 `ctx.wrap_socket` is the public way in; the hot path then calls the SSLSocket's C object
@@ -45,15 +44,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import errno
 import functools
 import logging
 import socket
 import ssl
-import sys
 from collections.abc import Callable
 from typing import Any
+
+from ..identity import openssl_native
 
 log = logging.getLogger("ambient_mesh.tls")
 
@@ -85,50 +84,18 @@ _EOF = "eof"
 _WANTS_WRITE = "wants-write"
 
 
-# Modules/_ssl.c layouts checked (see the module docstring), and OpenSSL's SSL_CTRL_SET_READ_AHEAD.
-_CHECKED_VERSIONS = ((3, 7), (3, 13))
+# OpenSSL's SSL_CTRL_SET_READ_AHEAD (ssl.h).
 _SSL_CTRL_SET_READ_AHEAD = 41
-
-
-class _OpenSsl:
-    """The libssl entry points for read-ahead, resolved through the `_ssl` extension module."""
-
-    def __init__(self) -> None:
-        import _ssl  # the extension module: its handle reaches the libssl it was linked with
-
-        lib = ctypes.CDLL(_ssl.__file__)
-        self.ctrl = lib.SSL_ctrl
-        self.ctrl.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p)
-        self.ctrl.restype = ctypes.c_long
-        self.has_pending = lib.SSL_has_pending
-        self.has_pending.argtypes = (ctypes.c_void_p,)
-        self.has_pending.restype = ctypes.c_int
-        self.get_fd = lib.SSL_get_fd
-        self.get_fd.argtypes = (ctypes.c_void_p,)
-        self.get_fd.restype = ctypes.c_int
-
-
-@functools.cache
-def _openssl() -> _OpenSsl | None:
-    if sys.implementation.name != "cpython" or not (
-        _CHECKED_VERSIONS[0] <= sys.version_info[:2] <= _CHECKED_VERSIONS[1]
-    ):
-        return None
-    try:
-        return _OpenSsl()
-    except (OSError, AttributeError):  # no shared libssl, or one without these functions
-        return None
 
 
 def read_ahead(tls: ssl.SSLSocket) -> Callable[[], int] | None:
     """Switch read-ahead on for `tls`; what then tells whether OpenSSL holds received bytes
     (SSL_has_pending), or None when the `SSL *` cannot be found (read-ahead stays off)."""
-    lib = _openssl()
+    lib = openssl_native.libssl()
     sslobj = getattr(tls, "_sslobj", None)
     if lib is None or type(sslobj).__name__ != "_SSLSocket":
         return None
-    address = id(sslobj) + object.__basicsize__ + ctypes.sizeof(ctypes.c_void_p)
-    pointer = ctypes.c_void_p.from_address(address).value
+    pointer = openssl_native.field_pointer(sslobj, 1)  # PySSLSocket: `Socket`, then `SSL *ssl`
     if not pointer or lib.get_fd(pointer) != tls.fileno():
         return None
     lib.ctrl(pointer, _SSL_CTRL_SET_READ_AHEAD, 1, None)

@@ -22,6 +22,7 @@ from ambient_mesh.identity import (
     TlsContextCache,
     WorkloadCertificate,
     client_context,
+    openssl_native,
     server_context,
     tls_suites,
     verify_client_identity,
@@ -109,22 +110,23 @@ def test_both_contexts_offer_exactly_ztunnels_tls13_suites(ca: CertificateAuthor
 def test_suites_are_not_written_through_a_pointer_that_fails_the_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real = tls_suites._openssl()
+    real = openssl_native.libssl()
+    assert real is not None
     writes: list[object] = []
 
     class Skewed:
-        get_verify_mode = real.get_verify_mode
+        ctx_get_verify_mode = real.ctx_get_verify_mode
 
         @staticmethod
-        def get_options(pointer: int) -> int:
-            return int(real.get_options(pointer)) ^ 1  # what another layout would read
+        def ctx_get_options(pointer: int) -> int:
+            return int(real.ctx_get_options(pointer)) ^ 1  # what another layout would read
 
         @staticmethod
         def set_ciphersuites(pointer: int, names: bytes) -> int:
             writes.append(names)
             return 1
 
-    monkeypatch.setattr(tls_suites, "_openssl", lambda: Skewed)
+    monkeypatch.setattr(openssl_native, "libssl", lambda: Skewed)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     with pytest.raises(CertificateError, match="cannot find the OpenSSL context"):
         tls_suites.set_tls13_suites(ctx)
@@ -133,9 +135,16 @@ def test_suites_are_not_written_through_a_pointer_that_fails_the_check(
 
 
 def test_suites_are_refused_on_an_unchecked_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tls_suites, "_CHECKED_VERSIONS", ((3, 0), (3, 1)))
-    with pytest.raises(CertificateError, match="cannot set TLS 1.3 cipher suites on cpython"):
-        tls_suites.set_tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    monkeypatch.setattr(openssl_native, "CHECKED_CPYTHON", ((3, 0), (3, 1)))
+    openssl_native.libssl.cache_clear()
+    try:
+        assert not openssl_native.interpreter_checked() and openssl_native.libssl() is None
+        with pytest.raises(CertificateError, match="cannot set TLS 1.3 cipher suites on cpython"):
+            tls_suites.set_tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+    finally:
+        monkeypatch.undo()
+        openssl_native.libssl.cache_clear()
+    assert openssl_native.libssl() is not None
 
 
 def test_an_unknown_suite_name_is_an_error() -> None:

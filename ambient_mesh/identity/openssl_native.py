@@ -1,0 +1,73 @@
+"""The few OpenSSL calls Python 3.11's `ssl` does not offer, on the objects it made.
+
+Two users: identity/tls_suites.py sets TLS 1.3 cipher suites on the `SSL_CTX *` of an
+`ssl.SSLContext`, and proxy/tls_transport.py switches read-ahead on (and asks SSL_has_pending) on
+the `SSL *` of a connection's `_ssl._SSLSocket`. Both pointers are fields of CPython's own
+objects (Modules/_ssl.c, unchanged from 3.7 to 3.13): `PySSLContext` starts with `SSL_CTX *ctx`
+right after the object header, `PySSLSocket` with `PyObject *Socket` and then `SSL *ssl`. A pointer
+read that way is only a candidate: each user checks it with an OpenSSL getter whose answer it
+knows (the context's options and verify mode, the socket's descriptor) before writing through it.
+
+The functions are resolved through the `_ssl` extension module's handle, which reaches the libssl
+it was linked with, whichever that is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import ssl
+import sys
+from typing import Any
+
+# CPython releases whose _ssl object layouts are the ones described above.
+CHECKED_CPYTHON = ((3, 7), (3, 13))
+
+
+class LibSsl:
+    """The libssl entry points used, with their C signatures."""
+
+    def __init__(self) -> None:
+        import _ssl  # the extension module: its handle reaches the libssl it was linked with
+
+        lib = ctypes.CDLL(_ssl.__file__)
+        ptr, c_int = ctypes.c_void_p, ctypes.c_int
+        self.set_ciphersuites = _bind(lib.SSL_CTX_set_ciphersuites, (ptr, ctypes.c_char_p), c_int)
+        # uint64_t since OpenSSL 3.0, unsigned long before.
+        options_t = ctypes.c_uint64 if ssl.OPENSSL_VERSION_INFO[0] >= 3 else ctypes.c_ulong
+        self.ctx_get_options = _bind(lib.SSL_CTX_get_options, (ptr,), options_t)
+        self.ctx_get_verify_mode = _bind(lib.SSL_CTX_get_verify_mode, (ptr,), c_int)
+        self.ctrl = _bind(lib.SSL_ctrl, (ptr, c_int, ctypes.c_long, ptr), ctypes.c_long)
+        self.has_pending = _bind(lib.SSL_has_pending, (ptr,), c_int)
+        self.get_fd = _bind(lib.SSL_get_fd, (ptr,), c_int)
+
+
+def _bind(function: Any, argtypes: tuple[type, ...], restype: type) -> Any:
+    function.argtypes = argtypes
+    function.restype = restype
+    return function
+
+
+def interpreter_checked() -> bool:
+    """The running interpreter is a CPython whose _ssl layouts are the ones described above."""
+    return sys.implementation.name == "cpython" and (
+        CHECKED_CPYTHON[0] <= sys.version_info[:2] <= CHECKED_CPYTHON[1]
+    )
+
+
+@functools.cache
+def libssl() -> LibSsl | None:
+    """The entry points, or None on another interpreter or a libssl without them."""
+    if not interpreter_checked():
+        return None
+    try:
+        return LibSsl()
+    except (OSError, AttributeError):  # no shared libssl, or one without these functions
+        return None
+
+
+def field_pointer(obj: object, index: int) -> int | None:
+    """The `index`-th pointer-sized field after `obj`'s object header: a candidate only (see the
+    module docstring); None when it is NULL."""
+    address = id(obj) + object.__basicsize__ + index * ctypes.sizeof(ctypes.c_void_p)
+    return ctypes.c_void_p.from_address(address).value
