@@ -61,6 +61,13 @@ PING_TIMEOUT_S = 20.0
 # over at most (tls_transport fills it with the records that wait, uvloop's TLS reads this
 # much). More than this is read in the next round.
 RECEIVE_BUFFER_BYTES = 256 * 1024
+# After a connection error (a flood, a protocol error) our GOAWAY goes out and the transport
+# closes gracefully (TLS: close_notify, then reading and dropping until the peer's EOF), so
+# that the peer's unread bytes do not make our close a TCP reset that can destroy the GOAWAY
+# in flight (RFC 9113 5.4.1 and 6.8: the GOAWAY is sent before closing the connection). A
+# peer that neither ends nor reads is cut off (abort) after this long: the connection was
+# hostile or broken, so it gets less than the transport's own close bound.
+ERROR_CLOSE_LINGER_S = 2.0
 
 
 class HboneError(ProxyError):
@@ -398,6 +405,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._error: BaseException | None = None
+        self._linger: asyncio.TimerHandle | None = None  # aborts an error close that lingers
         self.last_used = self.loop.time()
         self.total_streams = 0
 
@@ -513,10 +521,14 @@ class HboneConnection(asyncio.BufferedProtocol):
             )
             self._error = HboneError(f"HTTP/2 connection ended: {event.reason}", response_flag=flag)
         log.debug("HBONE connection terminated: %s", event.reason)
-        out = self.core.data_to_send()  # the GOAWAY, written even while paused: then abort
+        out = self.core.data_to_send()  # the GOAWAY, written even while paused
         if out and not transport.is_closing():
             transport.writelines(out)
-        transport.abort()
+        # Not abort(): an abort with the attacker's bytes still unread resets the connection and
+        # the GOAWAY can be lost (a rapid-reset attacker saw only the reset). A bounded close.
+        transport.close()
+        if self._linger is None:
+            self._linger = self.loop.call_later(ERROR_CLOSE_LINGER_S, transport.abort)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -533,6 +545,9 @@ class HboneConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         self.core.close()
         err = self._error or exc or HboneError("HBONE connection closed")
         for stream in list(self.streams.values()):

@@ -47,6 +47,7 @@ import collections
 import errno
 import functools
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Callable
@@ -73,8 +74,10 @@ MAX_RECORD_PLAINTEXT_BYTES = 16 * 1024
 # How long close waits for the backlog to drain and for the peer's EOF after close_notify (uvloop's
 # default ssl_shutdown_timeout).
 SHUTDOWN_TIMEOUT_S = 30.0
-# Read and thrown away while closing (after close_notify): one record at a time.
-_DISCARD = bytearray(MAX_RECORD_PLAINTEXT_BYTES)
+# Read and thrown away while closing (after close_notify): one record, or raw bytes, per call.
+_DISCARD = bytearray(64 * 1024)
+# Dropping raw bytes while closing (see _drain_raw) ends after this long without any.
+DRAIN_IDLE_S = 1.0
 
 _WANT_IO = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
 # Why `_fill` stopped (besides an exception object).
@@ -266,6 +269,7 @@ class TlsTransport(asyncio.Transport):
         "_eof",
         "_closed",
         "_close_timer",
+        "_idle_timer",
         "_has_pending",
     )
 
@@ -288,6 +292,7 @@ class TlsTransport(asyncio.Transport):
         self._eof = False  # the peer's close_notify or TCP EOF was read
         self._closed = False  # the socket is closed and connection_lost is scheduled
         self._close_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None  # see _drain_raw
         # Whether OpenSSL holds received bytes no readiness event will announce: SSL_has_pending
         # with read-ahead on, SSL_pending (the rest of a record a short buffer did not take)
         # without it.
@@ -558,28 +563,68 @@ class TlsTransport(asyncio.Transport):
         # otherwise _flush calls _shutdown once the backlog is out
 
     def _shutdown(self) -> None:
+        dead = False
         try:
             self._ssl.shutdown()  # close_notify; raises WANT_READ while the peer's is still due
+        except _WANT_IO:
+            pass
         except (OSError, ValueError):
-            pass  # WANT_READ / WANT_WRITE, or the peer is gone: nothing more to do for it
+            # CPython's shutdown() calls SSL_shutdown a second time, and that one reads: the
+            # peer's application data still arriving fails it (APPLICATION_DATA_AFTER_CLOSE_NOTIFY)
+            # and every later SSL_read with it (SSLEOFError); the peer gone fails it too.
+            dead = True
         if self._eof:
             self._finish(None)
             return
         # Read (and drop) until the peer's EOF, so our unread bytes do not reset the connection.
         self._remove_writer()
-        self._loop.add_reader(self._fd, self._drain_to_eof)
+        self._loop.add_reader(self._fd, self._drain_raw if dead else self._drain_to_eof)
         self._reading = True
+        if dead:
+            self._drain_raw()
 
     def _drain_to_eof(self) -> None:
-        while True:
+        budget = READ_BYTES_PER_WAKE  # a peer that keeps sending cannot hold the loop here
+        while budget > 0:
             try:
-                if not self._ssl.read(len(_DISCARD), _DISCARD):
-                    break
+                n = self._ssl.read(len(_DISCARD), _DISCARD)
             except _WANT_IO:
                 return
             except (OSError, ValueError):
-                break
+                # A real truncation, or OpenSSL failed on data after our close_notify (above):
+                # the socket's raw bytes from here on; its FIN (or silence) ends the wait.
+                self._loop.add_reader(self._fd, self._drain_raw)
+                self._drain_raw()
+                return
+            if not n:
+                break  # the peer's close_notify
+            budget -= n
+        else:
+            if self._has_pending():
+                self._loop.call_soon(self._drain_to_eof)  # no readiness event announces these
+            return
         self._finish(None)
+
+    def _drain_raw(self) -> None:
+        """Drop the socket's raw bytes until the peer's FIN, or DRAIN_IDLE_S without any (a peer
+        that is itself waiting for our FIN): nothing after our close_notify needs decrypting."""
+        if self._closed:
+            return
+        budget = READ_BYTES_PER_WAKE
+        while budget > 0:
+            try:
+                n = os.readv(self._fd, (_DISCARD,))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                n = 0
+            if not n:
+                self._finish(None)
+                return
+            budget -= n
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self._loop.call_later(DRAIN_IDLE_S, self._finish, None)
 
     def _shutdown_timed_out(self) -> None:
         self._close_timer = None
@@ -604,6 +649,9 @@ class TlsTransport(asyncio.Transport):
         if self._close_timer is not None:
             self._close_timer.cancel()
             self._close_timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._backlog.clear()
         try:
             self._tls.close()

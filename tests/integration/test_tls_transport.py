@@ -339,6 +339,53 @@ async def test_close_waits_for_the_backlog_then_closes():
         assert len(server.data) == len(data)
 
 
+class KeepsSending(Collector):
+    """Stays open after the peer's close_notify (TLS 1.3 half-close), to write on."""
+
+    def eof_received(self):
+        super().eof_received()
+        return True
+
+
+async def test_a_close_with_the_peers_data_unread_keeps_reading_until_its_fin():
+    # The peer's records wait unread when we close: CPython's shutdown() then fails in OpenSSL
+    # (application data after close_notify) and so does every later SSL_read. Closing at that
+    # point would reset the connection (unread bytes); the close drops raw bytes until the FIN.
+    async with tls_pair(client_proto=KeepsSending()) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        client.transport.write(b"u" * 64 * 1024)
+        await asyncio.sleep(0.05)
+        server.transport.write(b"bye")
+        server.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await client.eof
+        for _ in range(20):  # still sending after our close_notify, for longer than it takes
+            client.transport.write(b"more")
+            await asyncio.sleep(0.01)
+        assert not server.lost.done()  # still reading (and dropping) the peer's bytes
+        client.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            assert await server.lost is None
+            assert await client.lost is None
+        assert bytes(client.data) == b"bye"
+
+
+async def test_a_close_whose_peer_goes_quiet_without_a_fin_ends_after_the_idle_bound(monkeypatch):
+    monkeypatch.setattr(tls_transport, "DRAIN_IDLE_S", 0.2)
+    async with tls_pair(client_proto=KeepsSending()) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        server.transport.pause_reading()
+        client.transport.write(b"u" * 1024)
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        server.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            assert await server.lost is None
+        assert loop.time() - started < 2.0  # the idle bound, not SHUTDOWN_TIMEOUT_S
+
+
 async def test_records_waiting_together_are_decrypted_into_one_buffer():
     """The protocol runs once per filled buffer, not once per 16 KiB record."""
     calls = []
