@@ -478,10 +478,11 @@ async def _echo_round(reader, writer, n: int, seed: bytes) -> bool:
     return got == block
 
 
-async def test_our_drain_lets_envoys_stream_keep_sending_after_goaway(tmp_path, certs):
+async def test_our_drain_lets_envoys_stream_keep_sending_after_goaway(tmp_path, certs, caplog):
     # Our node proxy drains (SIGTERM's path) while Envoy has a tunnel open through it. RFC 9113
     # §6.8: the GOAWAY refuses new streams only; the open one carries data both ways until it
     # ends, and the drain finishes when it has, well before the deadline.
+    caplog.set_level(logging.INFO, logger="ambient_mesh.access")  # for the failure message
     app = await App("echo").start()
     try:
         async with envoy_client_direction(tmp_path, certs, app.port) as d:
@@ -492,9 +493,21 @@ async def test_our_drain_lets_envoys_stream_keep_sending_after_goaway(tmp_path, 
             # Envoy counts the GOAWAY it received as a close notification on its upstream connection.
             await _wait_stat(d.envoy, "cluster.hbone_peer.upstream_cx_close_notify")
             assert not drain.done(), "the drain ended while a tunnel was still open"
-            sent, got = await asyncio.wait_for(
-                transfer(reader, writer, AFTER_GOAWAY_BYTES), TRANSFER_TIMEOUT_S
-            )
+            try:
+                sent, got = await asyncio.wait_for(
+                    transfer(reader, writer, AFTER_GOAWAY_BYTES), TRANSFER_TIMEOUT_S
+                )
+            except AssertionError as e:
+                # Seen in about 1 of 40 runs under load, cause not found: which side lost bytes
+                # (the app echoes what it received; Envoy counts what it got from us and whether
+                # we closed with its request active; our access line counts what we relayed).
+                c = app.connections[0]
+                raise AssertionError(
+                    f"{e}; the app received {c.received - 1024 * 1024} of {AFTER_GOAWAY_BYTES} after "
+                    f"GOAWAY and ended {c.end!r}; drain done: {drain.done()}; Envoy: "
+                    f"{_bytes_stats(await asyncio.to_thread(d.envoy.stats))}; our access lines: "
+                    f"{[vars(r).get('fields') for r in caplog.records if r.name == 'ambient_mesh.access']}"
+                ) from None
             assert sent == got, "the tunnel did not carry the same bytes after GOAWAY"
             await asyncio.wait_for(drain, DRAIN_DEADLINE_S)
             elapsed = asyncio.get_running_loop().time() - started
@@ -536,6 +549,12 @@ async def test_envoys_drain_goaway_lets_our_stream_keep_sending(tmp_path, certs)
         assert stats["http.hbone.downstream_rq_tx_reset"] == 0, stats
     finally:
         await app.close()
+
+
+def _bytes_stats(stats: dict[str, int]) -> dict[str, int]:
+    """Envoy's counters of bytes, closes and resets on both sides of its tunnel, for a failure."""
+    prefixes = ("tcp.outbound.", "cluster.hbone_peer.upstream_cx", "cluster.hbone_peer.upstream_rq")
+    return {k: v for k, v in stats.items() if k.startswith(prefixes) and v}
 
 
 def _drain_stats(stats: dict[str, int]) -> dict[str, int]:
