@@ -479,7 +479,11 @@ ACCESS_COMPLETE_MESSAGE = "connection complete"  # ztunnel's access-log message
 
 
 def log_connection_complete(fields: AccessLogFields, logger: logging.Logger | None = None) -> None:
-    """INFO `connection complete`, or ERROR when the connection ended with an error."""
+    """INFO `connection complete`, or ERROR when the connection ended with an error.
+
+    The reference form of the line, every field from one AccessLogFields. The proxies log through
+    `log_access_complete` (the peers' part worked out once); property tests in test_logs.py hold
+    the two to the same line and the same record fields."""
     log = logger or access_logger()
     level = logging.ERROR if fields.error else logging.INFO
     if log.isEnabledFor(level):
