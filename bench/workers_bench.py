@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -316,6 +317,23 @@ def run_generator(args: argparse.Namespace, proxy: Proxy, server_pid: int, test:
     return result
 
 
+@contextlib.contextmanager
+def bench_server(pin: bool) -> Iterator[tuple[int, int, int]]:
+    """The echo and sink server in its own process: (pid, echo port, sink port)."""
+    server = subprocess.Popen(
+        ([] if not pin else ["taskset", "-c", "0"]) + [sys.executable, __file__, "--worker", "server"],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().decode().split()
+        yield server.pid, int(line[1]), int(line[2])
+    finally:
+        server.kill()
+        server.wait()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", choices=("server", "client"), help=argparse.SUPPRESS)
@@ -341,18 +359,13 @@ def main() -> int:
     results: dict[str, dict[str, list[dict]]] = {t: {"1": [], "2": []} for t in tests}
     with tempfile.TemporaryDirectory(prefix="workers-bench-") as tmp:
         workdir = Path(tmp)
-        server = subprocess.Popen(
-            ([] if not pin else ["taskset", "-c", "0"]) + [sys.executable, __file__, "--worker", "server"],
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        try:
-            assert server.stdout is not None
-            line = server.stdout.readline().decode().split()
-            echo_port, sink_port = int(line[1]), int(line[2])
-            for round_no in range(args.rounds):
-                order = (1, 2) if round_no % 2 == 0 else (2, 1)
-                for workers in order:
+        for round_no in range(args.rounds):
+            order = (1, 2) if round_no % 2 == 0 else (2, 1)
+            for workers in order:
+                # A new bench server (new ports) and a new proxy (new SOCKS5 port) per
+                # configuration, so no run connects into a 4-tuple space that an earlier
+                # run's TIME_WAIT sockets (thousands per 5 s run) fill.
+                with bench_server(pin) as (server_pid, echo_port, sink_port):
                     proxy = Proxy(workers, workdir)
                     try:
                         if pin:
@@ -360,7 +373,7 @@ def main() -> int:
                         time.sleep(0.5)  # let start-up (certificates, imports) settle
                         for test in tests:
                             port = echo_port if test == "connections" else sink_port
-                            result = run_generator(args, proxy, server.pid, test, port)
+                            result = run_generator(args, proxy, server_pid, test, port)
                             results[test][str(workers)].append(result)
                             print(
                                 f"round {round_no + 1} {workers} worker(s) {test}: {json.dumps(result)}",
@@ -368,9 +381,6 @@ def main() -> int:
                             )
                     finally:
                         proxy.close()
-        finally:
-            server.kill()
-            server.wait()
     print_and_save(args, results, pin)
     return 0
 

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..config import ZtunnelConfig
-from ..host.sockets import KeepaliveSettings, SocketFactory, new_socket, plain_socket, set_transparent
+from ..host.sockets import (
+    KeepaliveSettings,
+    SocketFactory,
+    bind_source,
+    new_socket,
+    plain_socket,
+    set_transparent,
+)
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..identity.tls import TlsContextCache
@@ -121,7 +128,7 @@ class LocalSourceBinder:
                 return False
             del self.not_local[text]
         try:
-            sock.bind((text, 0) if src.version == 4 else (text, 0, 0, 0))
+            bind_source(sock, src)
         except OSError as e:
             if e.errno == errno.EADDRNOTAVAIL:
                 if len(self.not_local) >= NOT_LOCAL_SOURCES_MAX_ENTRIES:
@@ -190,7 +197,7 @@ class ProxyInputs:
             if src is not None and src.version == dst.ip.version:
                 if self.transparent:
                     set_transparent(sock, dst.family)
-                    sock.bind(SocketAddr(src, 0).sockaddr())
+                    bind_source(sock, src)
                 else:
                     self.local_sources.bind(sock, src, time.monotonic())
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -46,6 +46,10 @@ class _Sock:
     def __init__(self, refuse: set[str]) -> None:
         self.refuse = refuse
         self.binds: list[tuple] = []
+        self.options: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self.options.append((level, option, value))
 
     def bind(self, address: tuple) -> None:
         self.binds.append(address)
