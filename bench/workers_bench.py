@@ -5,8 +5,10 @@ istio/ztunnel#1174). One proxy only, in the `tcp` mode of bench/hbone_bench.py: 
 client enters the proxy through SOCKS5 and the destination is a TCP workload, so the proxy
 under test does the whole outbound path (SOCKS5, routing, authorization, upstream connect,
 relay, access log, metrics) and no second proxy competes for the cores. The load generator
-(uvloop, many connections at once) and the bench server are far cheaper per connection than
-the proxy; they are pinned to CPU0.
+and the bench server are pinned to CPU0. For the connection test they are the C ones of
+bench/loadgen.c (built with gcc at start; --python-generator, or no gcc, takes the uvloop ones):
+on 2 cores they share a core with a worker, and in Python they cost more CPU per connection
+than the proxy (0.6 ms against 0.5), which hid any gain from a second worker; in C, 0.08 ms.
 
   connections  --concurrency clients, each looping connect + SOCKS5 + 1-byte round trip +
                close for --seconds: conn/s, and proxy CPU-ms per connection
@@ -32,6 +34,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import socket
 import statistics
 import subprocess
@@ -52,6 +55,7 @@ IO_TIMEOUT_S = 10.0
 MAX_SECONDS = 30.0  # bound on any one measurement
 MAX_ROUNDS = 5
 CHUNK_BYTES = 256 * 1024
+LOADGEN_SOURCE = Path(__file__).resolve().parent / "loadgen.c"
 
 
 # ================================================================================================
@@ -284,26 +288,39 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_generator(args: argparse.Namespace, proxy: Proxy, server_pid: int, test: str, port: int) -> dict:
-    argv = [sys.executable, __file__, "--worker", "client", "--socks", f"{proxy.socks[0]}:{proxy.socks[1]}"]
-    argv += ["--test", test, "--port", str(port), "--concurrency", str(args.concurrency)]
-    argv += [
-        "--seconds",
-        str(args.seconds),
-        "--parallel",
-        str(args.parallel),
-        "--size-mib",
-        str(args.size_mib),
-    ]
+def run_generator(
+    args: argparse.Namespace, proxy: Proxy, server_pids: list[int], test: str, port: int, loadgen: Path | None
+) -> dict:
+    if test == "connections" and loadgen is not None:
+        argv = [str(loadgen), "client", proxy.socks[0], str(proxy.socks[1]), PROXY_IP, SERVER_IP, str(port)]
+        argv += [str(args.concurrency), str(args.seconds)]
+    else:
+        argv = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "client",
+            "--socks",
+            f"{proxy.socks[0]}:{proxy.socks[1]}",
+        ]
+        argv += ["--test", test, "--port", str(port), "--concurrency", str(args.concurrency)]
+        argv += [
+            "--seconds",
+            str(args.seconds),
+            "--parallel",
+            str(args.parallel),
+            "--size-mib",
+            str(args.size_mib),
+        ]
     prefix = [] if args.no_pin else ["taskset", "-c", "0"]
     load_before = os.getloadavg()[0]
     cpu_before = proxy.cpu_s()
-    generator_before, server_before = children_cpu_s(), hb.proc_cpu_s(server_pid)
+    generator_before, server_before = children_cpu_s(), sum(hb.proc_cpu_s(pid) for pid in server_pids)
     out = subprocess.run(prefix + argv, capture_output=True, timeout=MAX_SECONDS * 3, check=False)
     cpu = proxy.cpu_s() - cpu_before
     # What the load generator and the bench server cost: they share CPU0 with worker 0.
     generator_cpu = children_cpu_s() - generator_before
-    server_cpu = hb.proc_cpu_s(server_pid) - server_before
+    server_cpu = sum(hb.proc_cpu_s(pid) for pid in server_pids) - server_before
     if out.returncode != 0:
         raise RuntimeError(f"generator failed:\n{out.stderr.decode()[-3000:]}")
     result = json.loads(out.stdout.decode().strip().splitlines()[-1])
@@ -318,20 +335,45 @@ def run_generator(args: argparse.Namespace, proxy: Proxy, server_pid: int, test:
 
 
 @contextlib.contextmanager
-def bench_server(pin: bool) -> Iterator[tuple[int, int, int]]:
-    """The echo and sink server in its own process: (pid, echo port, sink port)."""
-    server = subprocess.Popen(
-        ([] if not pin else ["taskset", "-c", "0"]) + [sys.executable, __file__, "--worker", "server"],
-        stdout=subprocess.PIPE,
-        start_new_session=True,
-    )
+def bench_server(pin: bool, loadgen: Path | None) -> Iterator[tuple[list[int], int, int]]:
+    """The bench servers: ([pids], echo port, sink port). The echo is the C one when `loadgen`
+    is built, and the Python process serves the sink (throughput)."""
+    taskset = [] if not pin else ["taskset", "-c", "0"]
+    started: list[subprocess.Popen[bytes]] = []
     try:
+        server = subprocess.Popen(
+            taskset + [sys.executable, __file__, "--worker", "server"],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        started.append(server)
         assert server.stdout is not None
         line = server.stdout.readline().decode().split()
-        yield server.pid, int(line[1]), int(line[2])
+        echo_port, sink_port = int(line[1]), int(line[2])
+        if loadgen is not None:
+            echo = subprocess.Popen(
+                taskset + [str(loadgen), "server", SERVER_IP], stdout=subprocess.PIPE, start_new_session=True
+            )
+            started.append(echo)
+            assert echo.stdout is not None
+            echo_port = int(echo.stdout.readline().decode().split()[1])
+        yield [p.pid for p in started], echo_port, sink_port
     finally:
-        server.kill()
-        server.wait()
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+def build_loadgen(workdir: Path) -> Path | None:
+    """bench/loadgen.c built with gcc, or None (the Python generator, with a note) without it."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        print("generator: Python (gcc not found); it costs more CPU per connection than the proxy")
+        return None
+    out = workdir / "loadgen"
+    subprocess.run([gcc, "-O2", "-o", str(out), str(LOADGEN_SOURCE)], check=True, timeout=120)
+    print(f"generator: C ({LOADGEN_SOURCE.name}, gcc -O2) for the connection test; Python for throughput")
+    return out
 
 
 def main() -> int:
@@ -348,6 +390,9 @@ def main() -> int:
     p.add_argument("--size-mib", type=int, default=64, help="bytes per throughput connection")
     p.add_argument("--tests", default="connections,throughput")
     p.add_argument("--no-pin", action="store_true")
+    p.add_argument(
+        "--python-generator", action="store_true", help="the Python connection generator, not loadgen.c"
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.worker:
@@ -359,13 +404,14 @@ def main() -> int:
     results: dict[str, dict[str, list[dict]]] = {t: {"1": [], "2": []} for t in tests}
     with tempfile.TemporaryDirectory(prefix="workers-bench-") as tmp:
         workdir = Path(tmp)
+        loadgen = None if args.python_generator else build_loadgen(workdir)
         for round_no in range(args.rounds):
             order = (1, 2) if round_no % 2 == 0 else (2, 1)
             for workers in order:
                 # A new bench server (new ports) and a new proxy (new SOCKS5 port) per
                 # configuration, so no run connects into a 4-tuple space that an earlier
                 # run's TIME_WAIT sockets (thousands per 5 s run) fill.
-                with bench_server(pin) as (server_pid, echo_port, sink_port):
+                with bench_server(pin, loadgen) as (server_pids, echo_port, sink_port):
                     proxy = Proxy(workers, workdir)
                     try:
                         if pin:
@@ -373,7 +419,7 @@ def main() -> int:
                         time.sleep(0.5)  # let start-up (certificates, imports) settle
                         for test in tests:
                             port = echo_port if test == "connections" else sink_port
-                            result = run_generator(args, proxy, server_pid, test, port)
+                            result = run_generator(args, proxy, server_pids, test, port, loadgen)
                             results[test][str(workers)].append(result)
                             print(
                                 f"round {round_no + 1} {workers} worker(s) {test}: {json.dumps(result)}",
