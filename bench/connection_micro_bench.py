@@ -5,8 +5,9 @@ trees alternated ABAB for `--rounds` rounds; a figure is the minimum over the ro
 CPU time (`time.thread_time`) per operation in a batch, which is what a loaded 2-vCPU host lets
 one compare (bench/README.md, issue 11: the connection path). The pieces:
 
-- accept: one connection accepted by a `Listener` and its handler task run (uvloop; the client
-  connects, the loop turns until the handler has run), per connection;
+- accept: one connection accepted by a `Listener` with the proxy's default keepalive settings
+  and its handler task run (uvloop; the client connects, the loop turns until the handler has
+  run), per connection;
 - connect: `inputs.connect_socket` to a loopback listener, per connect;
 - socks5: the SOCKS5 handshake of a client that sent greeting and request together;
 - finish: one `ConnectionResult` opened and completed (metrics and access line, to /dev/null);
@@ -17,7 +18,10 @@ one compare (bench/README.md, issue 11: the connection path). The pieces:
   policy (no policies at all, as in hbone_bench; and with 40 NAMESPACE policies elsewhere);
 - illegal ports: `ZtunnelConfig.illegal_ports`, read per inbound stream;
 - forwarded host: `headers.parse_forwarded_host` of the `forwarded` value a CONNECT to a
-  workload address carries (`for` only), per inbound stream.
+  workload address carries (`for` only), per inbound stream;
+- traceparent: `headers.new_traceparent()`, per CONNECT;
+- pool ready: `HbonePool._ready_connection` finding the one pooled connection to a destination
+  (usable, below its stream limit), per CONNECT.
 
     .venv/bin/python bench/connection_micro_bench.py before=<worktree of main> after=$PWD [--rounds 5]
 
@@ -46,6 +50,8 @@ PIECES = (
     "authorize, policies elsewhere",
     "illegal ports",
     "forwarded host",
+    "traceparent",
+    "pool ready",
 )
 BATCH = 300
 MAX_ROUNDS = 50
@@ -64,6 +70,7 @@ def child(tree: str) -> dict[str, float]:
 
     import uvloop
 
+    from ambient_mesh.host.sockets import KeepaliveSettings
     from ambient_mesh.logs import configure_logging
     from ambient_mesh.metrics import Metrics
     from ambient_mesh.net import SocketAddr, ip_address
@@ -87,7 +94,13 @@ def child(tree: str) -> dict[str, float]:
             served.append(1)
             conn.close()
 
-        listener = Listener("bench", SocketAddr.parse("127.0.0.1:0"), handler, inputs.ConnectionTracker())
+        listener = Listener(
+            "bench",
+            SocketAddr.parse("127.0.0.1:0"),
+            handler,
+            inputs.ConnectionTracker(),
+            keepalive=KeepaliveSettings(),  # KEEPALIVE_ENABLED's default, as the proxies run
+        )
         listener.start()
         address = listener.bound_address.sockaddr()
         cpu = 0.0
@@ -182,6 +195,8 @@ def child(tree: str) -> dict[str, float]:
     dst_ip, src_ip = ip_address("10.0.0.3"), ip_address("10.0.0.2")
     pool = {WorkloadKey.of(read(src), routing._sans(dst, None), SocketAddr(dst_ip, 15008), src_ip): 1}
 
+    key = WorkloadKey.of(read(src), routing._sans(dst, None), SocketAddr(dst_ip, 15008), src_ip)
+
     def pool_key() -> None:
         key = WorkloadKey.of(read(src), routing._sans(dst, None), SocketAddr(dst_ip, 15008), src_ip)
         assert pool.get(key) == 1
@@ -210,6 +225,16 @@ def child(tree: str) -> dict[str, float]:
     forwarded = headers.forwarded_for(peer_addr, None)
     out["forwarded host"] = (
         min(timeit.repeat(lambda: headers.parse_forwarded_host(forwarded), number=n, repeat=5)) / n * 1e6
+    )
+    out["traceparent"] = min(timeit.repeat(headers.new_traceparent, number=n, repeat=5)) / n * 1e6
+    from ambient_mesh.proxy.pool import HbonePool
+
+    hbone_pool = HbonePool(lambda key: None)  # type: ignore[arg-type,return-value]
+    pooled = types.SimpleNamespace(usable=True, open_streams=1, max_streams=100)
+    hbone_pool._connections[key] = [pooled]  # type: ignore[list-item]
+    assert hbone_pool._ready_connection(key) is pooled  # type: ignore[comparison-overlap]
+    out["pool ready"] = (
+        min(timeit.repeat(lambda: hbone_pool._ready_connection(key), number=n, repeat=5)) / n * 1e6
     )
     return out
 

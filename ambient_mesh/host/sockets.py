@@ -89,8 +89,13 @@ def bind_source(sock: socket.socket, ip: IPAddress) -> None:
     sock.bind((ip_text(ip), 0) if ip.version == 4 else (ip_text(ip), 0, 0, 0))
 
 
-def configure_accepted(sock: socket.socket, *, keepalive: KeepaliveSettings | None) -> None:
-    sock.setblocking(False)
+def configure_listener(sock: socket.socket, *, keepalive: KeepaliveSettings | None) -> None:
+    """TCP_NODELAY and the keepalive and user-timeout options, set on a listening socket for the
+    sockets it accepts: a Linux TCP socket made by accept() is a copy of its listener
+    (inet_csk_clone_lock), so it inherits the options and, with SO_KEEPALIVE, starts with its
+    keepalive timer armed (tcp_create_openreq_child). Set once here instead of five setsockopt
+    calls per accepted socket (bench/README.md, connection path); test_socket_options reads them
+    back from real accepted sockets."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if keepalive is not None:
         keepalive.apply(sock)
@@ -110,8 +115,9 @@ class KeepaliveSettings:
 
     As ztunnel's socket setup: with KEEPALIVE_ENABLED, SO_KEEPALIVE plus idle time, probe
     interval and probe count; with USER_TIMEOUT_ENABLED, TCP_USER_TIMEOUT = time + retries x
-    interval, so unacknowledged data gives up when keepalive would have. Applied to every socket
-    the proxy listeners accept and every socket the proxy connects (apps, peers on 15008).
+    interval, so unacknowledged data gives up when keepalive would have. Set on the proxy's
+    listening sockets, whose accepted sockets inherit them (`configure_listener`), and on every
+    socket the proxy connects (apps, peers on 15008).
     The kernel counts keepalive in whole seconds: durations round up, to at least one second.
     """
 

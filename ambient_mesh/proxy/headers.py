@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import string
 from collections.abc import Callable, Iterable
@@ -115,10 +116,27 @@ def parse_baggage(values: Iterable[str]) -> Baggage:
     return Baggage(**fields)  # type: ignore[arg-type]
 
 
-def new_traceparent(random_bytes: Callable[[int], bytes] = os.urandom) -> str:
-    """A fresh W3C `traceparent` (version 00, flags 00), as ztunnel sends per CONNECT."""
-    trace_id = random_bytes(_TRACE_ID_HEX // 2).hex()
-    parent_id = random_bytes(_PARENT_ID_HEX // 2).hex()
+# Trace ids need to be unlikely to collide, not to be unguessable: a generator seeded once per
+# process from the OS (as ztunnel's rand::thread_rng is), not two getrandom calls per CONNECT
+# (bench/README.md, connection path). A forked child reseeds, so it draws ids of its own.
+_TRACE_ID_RNG = random.Random()
+os.register_at_fork(after_in_child=_TRACE_ID_RNG.seed)
+_IDS_BYTES = (_TRACE_ID_HEX + _PARENT_ID_HEX) // 2
+_ZERO_TRACE_ID = "0" * _TRACE_ID_HEX
+_ZERO_PARENT_ID = "0" * _PARENT_ID_HEX
+
+
+def new_traceparent(random_bytes: Callable[[int], bytes] = _TRACE_ID_RNG.randbytes) -> str:
+    """A fresh W3C `traceparent` (version 00, flags 00), as ztunnel sends per CONNECT.
+
+    Both ids from one `random_bytes(24)`; an all-zero id, which W3C Trace Context 3.2.2 makes
+    invalid, ends in 1 instead, so every value sent parses."""
+    ids = random_bytes(_IDS_BYTES).hex()
+    trace_id, parent_id = ids[:_TRACE_ID_HEX], ids[_TRACE_ID_HEX:]
+    if trace_id == _ZERO_TRACE_ID:
+        trace_id = _ZERO_TRACE_ID[:-1] + "1"
+    if parent_id == _ZERO_PARENT_ID:
+        parent_id = _ZERO_PARENT_ID[:-1] + "1"
     return f"00-{trace_id}-{parent_id}-00"
 
 

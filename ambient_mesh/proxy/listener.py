@@ -28,7 +28,7 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from ..errors import BindError
-from ..host.sockets import KeepaliveSettings, SocketFactory, configure_accepted, listen_socket, plain_socket
+from ..host.sockets import KeepaliveSettings, SocketFactory, configure_listener, listen_socket, plain_socket
 from ..net import SocketAddr
 from .inputs import ConnectionTracker
 
@@ -199,6 +199,7 @@ class Listener:
         self._spare = spare
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._accepted_kind = (0, 0, 0)  # family, type, proto of accepted sockets: set by start()
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._backoff_s = ACCEPT_BACKOFF_MIN_S
         self._errors = AcceptErrorLog(name)
@@ -241,8 +242,15 @@ class Listener:
             self.bind()
         if self._spare is None:
             self._spare = process_spare()
+        sock = self._sock
+        assert sock is not None
+        # Once here, not per accepted socket: accepted sockets inherit them (configure_listener).
+        configure_listener(sock, keepalive=self._keepalive)
+        # As ints: socket.accept() reads the listener's family and type as enums for every
+        # accepted socket (two Python-level conversions per connection).
+        self._accepted_kind = (int(sock.family), int(sock.type), sock.proto)
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._sock, self._on_readable)  # type: ignore[arg-type]
+        self._loop.add_reader(sock, self._on_readable)
 
     def _on_readable(self) -> None:
         """Accept what waits in the backlog (up to MAX_ACCEPTS_PER_WAKEUP) and start a handler
@@ -256,9 +264,12 @@ class Listener:
         sock, loop = self._sock, self._loop
         if sock is None or loop is None:
             return
+        family, type_, proto = self._accepted_kind
         for _ in range(MAX_ACCEPTS_PER_WAKEUP):
             try:
-                conn, _addr = sock.accept()
+                # What socket.accept() does (the C `_accept`, accept4 with SOCK_CLOEXEC, then a
+                # socket object on the descriptor), without its enum reads of family and type.
+                fd, _addr = sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError):
                 return  # the backlog is empty: wait for the next readiness
             except OSError as e:
@@ -281,12 +292,13 @@ class Listener:
                 self._errors.flush(loop.time())
             self.accepted += 1
             try:
-                configure_accepted(conn, keepalive=self._keepalive)
-            except OSError as e:
-                # The client reset between accept() and setsockopt(): nothing to serve.
-                log.debug("%s listener: client gone before it was served: %s", self.name, e)
-                conn.close()
-                continue
+                conn = socket.socket(family, type_, proto, fileno=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            # Non-blocking, as the handlers' event-loop calls need; TCP_NODELAY and keepalive
+            # came with it from the listener (configure_listener).
+            conn.setblocking(False)
             self._tracker.spawn(self._guard(conn))
 
     def _resume(self) -> None:

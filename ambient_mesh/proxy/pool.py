@@ -138,6 +138,15 @@ class HbonePool:
         conns = self._connections.get(key)
         if not conns:
             return None
+        for conn in conns:
+            if not conn.usable:
+                break
+            if conn.open_streams < self._limit(conn):
+                return conn  # every connection before it is usable: nothing to drop yet
+        else:
+            return None  # all usable, all full
+        # Some connection is no longer usable (GOAWAY, closed): drop those, then look again.
+        # Only then is the list rebuilt, not on every stream (bench/README.md, connection path).
         conns[:] = [c for c in conns if c.usable]
         if not conns:
             del self._connections[key]

@@ -14,6 +14,16 @@ from ambient_mesh.proxy.listener import Listener
 from .mesh import TCP_IP, echo_handler, running_mesh
 
 PLAIN_PORT = 8081
+# What KEEPALIVE_TIME 45s, KEEPALIVE_INTERVAL 7s, KEEPALIVE_RETRIES 4 and USER_TIMEOUT_ENABLED
+# give: TCP_USER_TIMEOUT = time + retries * interval (ztunnel's rule), 45 + 4 * 7 = 73 s.
+CONFIGURED_OPTIONS = {
+    "keepalive": 1,
+    "idle": 45,
+    "interval": 7,
+    "count": 4,
+    "user_timeout_ms": 73_000,
+    "nodelay": 1,
+}
 
 
 def options(sock) -> dict[str, int]:
@@ -78,17 +88,8 @@ async def test_configured_keepalive_and_user_timeout_on_accepted_and_upstream_so
         "USER_TIMEOUT_ENABLED": "true",
     }
     down, up = await _relayed_sockets(env)
-    # TCP_USER_TIMEOUT = time + retries * interval (ztunnel's rule): 45 + 4 * 7 = 73 s.
-    expected = {
-        "keepalive": 1,
-        "idle": 45,
-        "interval": 7,
-        "count": 4,
-        "user_timeout_ms": 73_000,
-        "nodelay": 1,
-    }
-    assert down == expected
-    assert up == expected
+    assert down == CONFIGURED_OPTIONS
+    assert up == CONFIGURED_OPTIONS
 
 
 async def test_defaults_are_ztunnels_and_keepalive_can_be_turned_off():
@@ -99,3 +100,74 @@ async def test_defaults_are_ztunnels_and_keepalive_can_be_turned_off():
         assert got["user_timeout_ms"] == 0
     down, up = await _relayed_sockets({"KEEPALIVE_ENABLED": "false"})
     assert down["keepalive"] == 0 and up["keepalive"] == 0
+
+
+# /proc/net/tcp's "tr" column (timer_active): 2 is the keepalive timer of an established socket.
+PROC_TIMER_KEEPALIVE = 2
+
+
+def _timer_of(local_port: int, remote_port: int) -> int:
+    """The timer_active of the established loopback socket with these ports (IPv4 or IPv6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for row in f:
+                cols = row.split()
+                local, remote, state, timer = cols[1], cols[2], cols[3], cols[5]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == local_port:
+                    if int(remote.rsplit(":", 1)[1], 16) == remote_port:
+                        return int(timer.split(":")[0], 16)
+    raise AssertionError(f"no established socket {local_port} <- {remote_port} in /proc/net/tcp")
+
+
+async def _accepted_options(listener_address: str, keepalive: KeepaliveSettings | None, change=None):
+    """Options read back from a socket the listener accepted (and its keepalive timer), after
+    `change(listening_socket)` if given."""
+    seen: list[tuple[dict[str, int], int]] = []
+    done = asyncio.Event()
+
+    async def handler(conn: socket.socket) -> None:
+        local, peer = conn.getsockname()[1], conn.getpeername()[1]
+        seen.append((options(conn), _timer_of(local, peer)))
+        conn.close()
+        done.set()
+
+    listener = Listener(
+        "ka", SocketAddr.parse(listener_address), handler, ConnectionTracker(), keepalive=keepalive
+    )
+    listener.start()
+    try:
+        listening = listener._sock
+        assert listening is not None
+        if change is not None:
+            change(listening)
+        with socket.create_connection(("127.0.0.1", listener.bound_address.port)):
+            await asyncio.wait_for(done.wait(), 5)
+        return options(listening), seen[0]
+    finally:
+        listener.close()
+
+
+async def test_accepted_sockets_inherit_the_listeners_options_and_keepalive_timer():
+    # The options are set once on the listening socket; the accepted socket carries them because
+    # Linux copies them at accept(), not because anything sets them again per connection: a value
+    # changed on the listening socket after start is the one the accepted socket has.
+    keepalive = KeepaliveSettings(enabled=True, time_s=45, interval_s=7, retries=4, user_timeout=True)
+    for address in ("127.0.0.1:0", "[::]:0"):  # and a dual-stack listener with an IPv4 client
+        listening, (accepted, timer) = await _accepted_options(address, keepalive)
+        assert listening == CONFIGURED_OPTIONS
+        assert accepted == CONFIGURED_OPTIONS
+        assert timer == PROC_TIMER_KEEPALIVE  # keepalive probing is armed on the accepted socket
+    _, (accepted, _) = await _accepted_options(
+        "127.0.0.1:0", keepalive, lambda s: s.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 99)
+    )
+    assert accepted["idle"] == 99
+
+
+async def test_accepted_sockets_without_keepalive_have_none():
+    listening, (accepted, timer) = await _accepted_options("127.0.0.1:0", KeepaliveSettings(enabled=False))
+    assert listening["keepalive"] == 0 and accepted["keepalive"] == 0
+    assert accepted["nodelay"] == 1
+    assert timer != PROC_TIMER_KEEPALIVE
+    _, (accepted, _) = await _accepted_options("127.0.0.1:0", None)
+    assert accepted["keepalive"] == 0 and accepted["nodelay"] == 1

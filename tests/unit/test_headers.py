@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+from unittest import mock
 
 import pytest
 from hypothesis import given
@@ -184,8 +186,8 @@ def test_new_traceparent_uses_the_random_source() -> None:
         return bytes(range(1, n + 1))
 
     value = new_traceparent(counting)
-    assert value == "00-0102030405060708090a0b0c0d0e0f10-0102030405060708-00"
-    assert calls == [16, 8]
+    assert value == "00-0102030405060708090a0b0c0d0e0f10-1112131415161718-00"
+    assert calls == [24]  # both ids from one draw
     assert len(value) == TRACEPARENT_LENGTH == 55
     assert parse_traceparent(value) == value
 
@@ -194,6 +196,33 @@ def test_new_traceparent_default_is_random() -> None:
     a, b = new_traceparent(), new_traceparent()
     assert parse_traceparent(a) == a
     assert a != b
+
+
+def test_new_traceparent_is_drawn_from_a_seeded_generator_not_the_os() -> None:
+    # One generator seeded per process: no getrandom per CONNECT (os.urandom is not called).
+    with mock.patch("os.urandom", side_effect=AssertionError("os.urandom called")):
+        values = {new_traceparent() for _ in range(1000)}
+    assert len(values) == 1000
+    assert all(parse_traceparent(v) == v for v in values)
+
+
+def test_new_traceparent_in_a_forked_child_differs_from_the_parent() -> None:
+    # The generator reseeds after fork: a forked worker would otherwise repeat the parent's ids.
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write its next id and leave without running the test session's exit
+        try:
+            os.write(write, new_traceparent().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        child = os.read(read, 100).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert parse_traceparent(child) == child
+    assert child != new_traceparent()
 
 
 @pytest.mark.parametrize(
@@ -230,10 +259,11 @@ def test_parse_traceparent_any_text(value: str) -> None:
 
 @given(st.binary(min_size=16, max_size=16), st.binary(min_size=8, max_size=8))
 def test_traceparent_round_trip(trace_id: bytes, parent_id: bytes) -> None:
-    chunks = iter([trace_id, parent_id])
-    value = new_traceparent(lambda n: next(chunks))
-    valid = any(trace_id) and any(parent_id)
-    assert parse_traceparent(value) == (value if valid else None)
+    value = new_traceparent(lambda n: trace_id + parent_id)
+    assert parse_traceparent(value) == value  # every value sent parses, even from all-zero draws
+    trace_hex, parent_hex = value.split("-")[1:3]
+    assert trace_hex == (trace_id.hex() if any(trace_id) else "0" * 31 + "1")
+    assert parent_hex == (parent_id.hex() if any(parent_id) else "0" * 15 + "1")
 
 
 # ---------------------------------------------------------------------------- forwarded
