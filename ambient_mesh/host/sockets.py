@@ -51,6 +51,17 @@ def original_destination(sock: socket.socket) -> SocketAddr:
         return SocketAddr.from_sockaddr(sock.getsockname())
 
 
+def is_own_listener(sock: socket.socket, target: SocketAddr, listener_ports: frozenset[int]) -> bool:
+    """`target` (the original destination of accepted `sock`) is the listener `sock` came
+    from: the client dialed the capture listener itself, it was not redirected there.
+
+    An accepted socket's local port is its listener's, so a target on any other port cannot be
+    it: the local address (a getsockname call) is read only when `target.port` is one of the
+    proxy's listener ports (`listener_ports`, ProxyInputs.illegal_ports once the listeners are
+    bound), not for every redirected connection (bench/README.md, connection path)."""
+    return target.port in listener_ports and target == SocketAddr.from_sockaddr(sock.getsockname())
+
+
 def set_mark(sock: socket.socket, mark: int) -> None:
     """Mark the socket so capture rules skip the proxy's own traffic (ztunnel PACKET_MARK)."""
     try:

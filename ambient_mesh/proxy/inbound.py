@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import AmbientError, ProtocolError, ResponseFlag
-from ..host.sockets import original_destination
+from ..host.sockets import is_own_listener, original_destination
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
@@ -329,7 +329,7 @@ class InboundProxy:
             result.fail(str(denied), denied.response_flag)
             return InboundRefusal(status=401, reason=str(denied), response_flag=denied.response_flag)
         try:
-            sock = await pi.connect(address, connect_from, timeout_s=APP_CONNECT_TIMEOUT_S)
+            sock = await pi.connect(address, connect_from, timeout_s=APP_CONNECT_TIMEOUT_S, nodelay=False)
             try:
                 upstream = await wrap_socket(sock)
             except BaseException:
@@ -429,7 +429,7 @@ class InboundPassthroughProxy:
         pi = self.pi
         target = original_destination(sock)
         peer = SocketAddr.from_sockaddr(sock.getpeername())
-        if target == SocketAddr.from_sockaddr(sock.getsockname()):
+        if is_own_listener(sock, target, pi.illegal_ports):
             # Not redirected: the client dialed the listener itself. Forwarding would loop.
             ConnectionResult.failed(
                 pi,
@@ -492,7 +492,7 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         try:
-            upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S)
+            upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S, nodelay=False)
             upstream = await wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
             result.fail(

@@ -188,10 +188,19 @@ class ProxyInputs:
         return self.tls.server(cert)
 
     async def connect(
-        self, dst: SocketAddr, src: IPAddress | None = None, *, timeout_s: float | None = None
+        self,
+        dst: SocketAddr,
+        src: IPAddress | None = None,
+        *,
+        timeout_s: float | None = None,
+        nodelay: bool = True,
     ) -> socket.socket:
         """A marked TCP socket connected to `dst`, from `src` when original source is kept;
-        TimeoutError after `timeout_s`."""
+        TimeoutError after `timeout_s`.
+
+        `nodelay=False` for a socket handed to the event loop's TCP transport (`wrap_socket`),
+        which sets TCP_NODELAY itself (uvloop and asyncio alike): one setsockopt fewer per app
+        connection (bench/README.md, connection path)."""
         sock = new_socket(dst.family, mark=self.mark, factory=self.socket_factory)
         try:
             if src is not None and src.version == dst.ip.version:
@@ -200,7 +209,8 @@ class ProxyInputs:
                     bind_source(sock, src)
                 else:
                     self.local_sources.bind(sock, src, time.monotonic())
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if nodelay:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:  # set in __post_init__ from the config
                 self.keepalive.apply(sock)
             await connect_socket(sock, dst.sockaddr(), timeout_s)

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..errors import ProxyError, ResponseFlag
-from ..host.sockets import original_destination
+from ..host.sockets import is_own_listener, original_destination
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr
 from ..state.model import Workload
@@ -86,7 +86,7 @@ class OutboundProxy:
         """A connection accepted on 15001: its real target is the pre-REDIRECT destination."""
         target = original_destination(sock)
         peer = SocketAddr.from_sockaddr(sock.getpeername())
-        if target == SocketAddr.from_sockaddr(sock.getsockname()):
+        if is_own_listener(sock, target, self.pi.illegal_ports):
             # Not redirected: the client dialed the outbound listener itself. Forwarding would loop.
             ConnectionResult.failed(
                 self.pi,
@@ -159,7 +159,7 @@ class OutboundProxy:
                 )
             else:
                 sock = await pi.connect(
-                    route.actual_destination, _source_ip(source, route.actual_destination)
+                    route.actual_destination, _source_ip(source, route.actual_destination), nodelay=False
                 )
                 endpoint = await wrap_socket(sock)
         except (ProxyError, HboneError, OSError, TimeoutError) as e:

@@ -4,14 +4,16 @@ back with getsockopt from the sockets a running proxy accepted and opened."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
-from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings
+from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings, is_own_listener
+from ambient_mesh.logs import access_logger
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import Listener
 
-from .mesh import TCP_IP, echo_handler, running_mesh
+from .mesh import ECHO_PORT, SERVER_IP, TCP_IP, echo_handler, running_mesh
 
 PLAIN_PORT = 8081
 # What KEEPALIVE_TIME 45s, KEEPALIVE_INTERVAL 7s, KEEPALIVE_RETRIES 4 and USER_TIMEOUT_ENABLED
@@ -171,3 +173,68 @@ async def test_accepted_sockets_without_keepalive_have_none():
     assert timer != PROC_TIMER_KEEPALIVE
     _, (accepted, _) = await _accepted_options("127.0.0.1:0", None)
     assert accepted["keepalive"] == 0 and accepted["nodelay"] == 1
+
+
+class _NoSockname:
+    """An accepted socket whose local address must not be needed."""
+
+    def getsockname(self):
+        raise AssertionError("getsockname called for a target on a port no listener has")
+
+
+class _Sockname:
+    def __init__(self, addr: SocketAddr) -> None:
+        self.addr = addr
+
+    def getsockname(self):
+        return self.addr.sockaddr()
+
+
+def test_own_listener_is_decided_by_port_first_then_the_local_address():
+    listener_ports = frozenset({15001, 15006})
+    # Redirected to an app port: no listener has it, so the local address is never read.
+    assert not is_own_listener(_NoSockname(), SocketAddr.parse("10.0.0.3:8080"), listener_ports)  # type: ignore[arg-type]
+    local = SocketAddr.parse("10.0.0.2:15001")
+    assert is_own_listener(_Sockname(local), local, listener_ports)  # type: ignore[arg-type]
+    # A listener port, but another address (redirected to a proxy port of another host): not ours.
+    assert not is_own_listener(_Sockname(local), SocketAddr.parse("10.0.0.9:15001"), listener_ports)  # type: ignore[arg-type]
+
+
+async def test_a_client_that_dials_the_outbound_listener_itself_is_refused(caplog):
+    # No redirect: the original destination is the listener's own address (the kernel-chosen
+    # port, which ProxyInputs.illegal_ports holds once bound), so forwarding would loop.
+    caplog.set_level(logging.WARNING, logger=access_logger().name)
+    async with running_mesh(echo=False) as mesh:
+        outbound = mesh.client.listeners["outbound"].bound_address
+        assert outbound.port in mesh.client.pi.illegal_ports
+        reader, writer = await asyncio.open_connection(str(outbound.ip), outbound.port)
+        try:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unserved
+        finally:
+            writer.close()
+    failed = [r for r in caplog.records if r.getMessage() == "connection failed"]
+    assert [r.fields["error"] for r in failed] == [  # type: ignore[attr-defined]
+        "connection to the outbound listener itself (not redirected) refused"
+    ]
+    assert failed[0].fields["dst.addr"] == str(outbound)  # type: ignore[attr-defined]
+
+
+async def test_the_app_socket_of_an_inbound_stream_has_nodelay_and_keepalive():
+    # ProxyInputs.connect leaves TCP_NODELAY to the event loop's TCP transport for sockets that
+    # wrap_socket takes (nodelay=False): read back, the app socket of an HBONE stream has it.
+    env = {
+        "KEEPALIVE_TIME": "45s",
+        "KEEPALIVE_INTERVAL": "7s",
+        "KEEPALIVE_RETRIES": "4",
+        "USER_TIMEOUT_ENABLED": "true",
+    }
+    async with running_mesh(server_env=env) as mesh:
+        reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
+        try:
+            writer.write(b"x")
+            assert await asyncio.wait_for(reader.readexactly(1), 10) == b"x"
+            (relay,) = mesh.server.pi.connections.relays
+            app = options(relay.upstream.transport.get_extra_info("socket"))
+        finally:
+            writer.close()
+    assert app == CONFIGURED_OPTIONS
