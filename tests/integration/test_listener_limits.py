@@ -172,3 +172,63 @@ def test_accept_error_log_says_one_line_per_interval_with_counts(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert "accept failed 1 times" in lines[0]
     assert "accept failed 1000 times" in lines[1] and "closed 1999 waiting clients" in lines[1]
+
+
+class _CountingListenSocket(socket.socket):
+    """A listening socket that counts its accept calls, and those that found nothing (EAGAIN)."""
+
+    accepts = 0
+    empty = 0
+
+    def _accept(self):  # type: ignore[override]
+        type(self).accepts += 1
+        try:
+            return super()._accept()  # type: ignore[misc]
+        except BlockingIOError:
+            type(self).empty += 1
+            raise
+
+
+async def test_a_wakeup_accepts_what_waits_without_an_accept_that_finds_nothing():
+    # One client per wakeup (the usual case) and a burst that waited before the listener
+    # started: every client is accepted, and no accept() call came back empty (EAGAIN), since
+    # the listener asks poll() whether another client waits.
+    class Counting(_CountingListenSocket):
+        accepts = 0
+        empty = 0
+
+    served: list[int] = []
+    got = asyncio.Event()
+
+    async def handler(conn: socket.socket) -> None:
+        served.append(conn.getpeername()[1])
+        conn.close()
+        got.set()
+
+    listener = Listener(
+        "count",
+        SocketAddr.parse("127.0.0.1:0"),
+        handler,
+        ConnectionTracker(),
+        socket_factory=lambda family: Counting(family, socket.SOCK_STREAM),
+    )
+    listener.bind()
+    port = listener.bound_address.port
+    burst = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]  # waiting in the backlog
+    listener.start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(served) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert sorted(served) == sorted(c.getsockname()[1] for c in burst)
+        for _ in range(3):  # one at a time
+            got.clear()
+            with socket.create_connection(("127.0.0.1", port)):
+                await asyncio.wait_for(got.wait(), 5)
+        assert len(served) == 8
+        assert Counting.accepts == 8
+        assert Counting.empty == 0
+    finally:
+        listener.close()
+        for c in burst:
+            c.close()
