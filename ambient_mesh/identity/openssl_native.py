@@ -2,7 +2,8 @@
 
 Two users: identity/tls_suites.py sets TLS 1.3 cipher suites on the `SSL_CTX *` of an
 `ssl.SSLContext`, and proxy/tls_transport.py switches read-ahead on (and asks SSL_has_pending) on
-the `SSL *` of a connection's `_ssl._SSLSocket`. Both pointers are fields of CPython's own
+the `SSL *` of a connection's `_ssl._SSLSocket`, and puts a buffering BIO in front of its socket
+BIO for writes (BIO_f_buffer, the BIO OpenSSL itself buffers handshake flights with). Both pointers are fields of CPython's own
 objects (Modules/_ssl.c, unchanged from 3.7 to 3.13): `PySSLContext` starts with `SSL_CTX *ctx`
 right after the object header, `PySSLSocket` with `PyObject *Socket` and then `SSL *ssl`. A pointer
 read that way is only a candidate: each user checks it with an OpenSSL getter whose answer it
@@ -40,9 +41,20 @@ class LibSsl:
         self.ctrl = _bind(lib.SSL_ctrl, (ptr, c_int, ctypes.c_long, ptr), ctypes.c_long)
         self.has_pending = _bind(lib.SSL_has_pending, (ptr,), c_int)
         self.get_fd = _bind(lib.SSL_get_fd, (ptr,), c_int)
+        self.get_rbio = _bind(lib.SSL_get_rbio, (ptr,), ptr)
+        self.get_wbio = _bind(lib.SSL_get_wbio, (ptr,), ptr)
+        self.set0_wbio = _bind(lib.SSL_set0_wbio, (ptr, ptr), None)
+        # libcrypto's, reached through the same handle (a dependency of _ssl).
+        self.bio_f_buffer = _bind(lib.BIO_f_buffer, (), ptr)
+        self.bio_new = _bind(lib.BIO_new, (ptr,), ptr)
+        self.bio_push = _bind(lib.BIO_push, (ptr, ptr), ptr)
+        self.bio_up_ref = _bind(lib.BIO_up_ref, (ptr,), c_int)
+        self.bio_free = _bind(lib.BIO_free, (ptr,), c_int)
+        self.bio_ctrl = _bind(lib.BIO_ctrl, (ptr, c_int, ctypes.c_long, ptr), ctypes.c_long)
+        self.bio_test_flags = _bind(lib.BIO_test_flags, (ptr, c_int), c_int)
 
 
-def _bind(function: Any, argtypes: tuple[type, ...], restype: type) -> Any:
+def _bind(function: Any, argtypes: tuple[type, ...], restype: type | None) -> Any:
     function.argtypes = argtypes
     function.restype = restype
     return function

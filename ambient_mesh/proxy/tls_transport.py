@@ -35,6 +35,18 @@ as identity/tls_suites.py does for the `SSL_CTX *` (both through identity/openss
 pointer is the second field of CPython's PySSLSocket and is used only once `SSL_get_fd` on it returns the socket's descriptor; otherwise
 read-ahead stays off and SSL_pending does.
 
+Write coalescing: with the socket BIO, one SSL_write of a 256 KiB chunk is sixteen records and
+sixteen `send` calls of 16 KiB each, plus one for the DATA frame's header record (strace of
+hbone_bench's client proxy: 72,832 writes per GiB, every one a trip through TCP, netfilter and the
+bridge with its own segment). A connection's first write of more than one record puts a
+buffering BIO (BIO_f_buffer, WRITE_COALESCE_BYTES) in front of the socket BIO for writes only, the
+way OpenSSL buffers its own handshake flights; the records of a write then go out together and
+the buffer is flushed after each write. Its bytes are copied once more (into the buffer), which
+costs less than the sends it saves (bench/README.md, issue 11, the per-message path for large
+messages). Connections that only ever carry small messages never get it (no memory, no flush
+call). What the buffer holds is part of what close waits for; a flush the socket refuses is
+retried when it is writable, and while it waits new writes join the backlog.
+
 `ctx.wrap_socket` is the public way in; the hot path then calls the SSLSocket's C object
 (`_sslobj`) directly: `SSLSocket.recv_into` / `send` are three Python frames per record in front
 of the same C calls (CPython's ssl.py), which is the per-message cost this module exists to cut.
@@ -44,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import errno
 import functools
 import logging
@@ -64,6 +77,12 @@ WRITE_LOW_WATER_BYTES = 64 * 1024
 # A protocol that keeps writing after pause_writing is cut off here (HboneConnection stops; its
 # core holds and bounds what waits, up to the 16 MiB connection window, hbone.py).
 MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
+# The write-side buffering BIO (module docstring): one 256 KiB chunk's 17 records (16 KiB of
+# plaintext each plus TLS 1.3's 22 bytes: header, content type, AES-GCM tag) and its DATA frame
+# header's record fit, so a chunk leaves in one send. Allocated per connection, and only on the
+# first write of at least COALESCE_FROM_BYTES.
+WRITE_COALESCE_BYTES = 288 * 1024
+COALESCE_FROM_BYTES = 32 * 1024
 # Decrypted bytes handed to the protocol per readiness callback before other callbacks run (the
 # socket is polled level-triggered: what is left is read on the next round).
 READ_BYTES_PER_WAKE = 1024 * 1024
@@ -87,8 +106,12 @@ _EOF = "eof"
 _WANTS_WRITE = "wants-write"
 
 
-# OpenSSL's SSL_CTRL_SET_READ_AHEAD (ssl.h).
+# OpenSSL's SSL_CTRL_SET_READ_AHEAD (ssl.h); BIO_C_SET_BUFF_SIZE, BIO_CTRL_FLUSH and
+# BIO_FLAGS_SHOULD_RETRY (bio.h).
 _SSL_CTRL_SET_READ_AHEAD = 41
+_BIO_C_SET_BUFF_SIZE = 117
+_BIO_CTRL_FLUSH = 11
+_BIO_FLAGS_SHOULD_RETRY = 8
 
 
 def read_ahead(tls: ssl.SSLSocket) -> Callable[[], int] | None:
@@ -103,6 +126,47 @@ def read_ahead(tls: ssl.SSLSocket) -> Callable[[], int] | None:
         return None
     lib.ctrl(pointer, _SSL_CTRL_SET_READ_AHEAD, 1, None)
     return functools.partial(lib.has_pending, pointer)
+
+
+class _Coalescer:
+    """The buffering BIO in front of one connection's socket BIO (module docstring)."""
+
+    __slots__ = ("flush", "should_retry")
+
+    def __init__(self, lib: openssl_native.LibSsl, bio: int) -> None:
+        self.flush: Callable[[], int] = functools.partial(lib.bio_ctrl, bio, _BIO_CTRL_FLUSH, 0, None)
+        self.should_retry: Callable[[], int] = functools.partial(
+            lib.bio_test_flags, bio, _BIO_FLAGS_SHOULD_RETRY
+        )
+
+
+def coalesce_writes(tls: ssl.SSLSocket, size: int = WRITE_COALESCE_BYTES) -> _Coalescer | None:
+    """Put a `size`-byte buffering BIO in front of `tls`'s socket BIO for writes; None (writes
+    stay as they are) when the `SSL *` cannot be found or its BIOs are not the one socket BIO
+    CPython set up. Only between writes: nothing may be pending in OpenSSL's write path."""
+    lib = openssl_native.libssl()
+    sslobj = getattr(tls, "_sslobj", None)
+    if lib is None or type(sslobj).__name__ != "_SSLSocket":
+        return None
+    pointer = openssl_native.field_pointer(sslobj, 1)  # PySSLSocket: `Socket`, then `SSL *ssl`
+    if not pointer or lib.get_fd(pointer) != tls.fileno():
+        return None
+    sock_bio = lib.get_rbio(pointer)
+    if not sock_bio or lib.get_wbio(pointer) != sock_bio:
+        return None  # not SSL_set_fd's single BIO (or OpenSSL's handshake buffer is still on)
+    bio = lib.bio_new(lib.bio_f_buffer())
+    if not bio:
+        return None
+    output = ctypes.c_int(1)  # BIO_set_write_buffer_size: the output side only
+    if lib.bio_ctrl(bio, _BIO_C_SET_BUFF_SIZE, size, ctypes.byref(output)) != 1:
+        lib.bio_free(bio)
+        return None
+    # SSL_set0_wbio drops one reference to the old write BIO (the socket BIO, which stays the read
+    # BIO too); the buffer holds it as its next BIO, so it needs a reference of its own.
+    lib.bio_up_ref(sock_bio)
+    lib.bio_push(bio, sock_bio)
+    lib.set0_wbio(pointer, bio)
+    return _Coalescer(lib, bio)
 
 
 class TlsBacklogOverflow(ConnectionError):
@@ -271,6 +335,10 @@ class TlsTransport(asyncio.Transport):
         "_close_timer",
         "_idle_timer",
         "_has_pending",
+        "_coalescer",
+        "_coalesce",
+        "_unflushed",
+        "_batching",
     )
 
     def __init__(
@@ -297,6 +365,10 @@ class TlsTransport(asyncio.Transport):
         # with read-ahead on, SSL_pending (the rest of a record a short buffer did not take)
         # without it.
         self._has_pending: Callable[[], int] = read_ahead(tls) or self._ssl.pending
+        self._coalescer: _Coalescer | None = None  # installed on the first bulk write
+        self._coalesce = True  # whether to try (once)
+        self._unflushed = False  # the coalescing buffer holds bytes the socket refused
+        self._batching = False  # in writelines: one flush after all its pieces
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "closing" if self._closing else "open"
@@ -461,16 +533,22 @@ class TlsTransport(asyncio.Transport):
         if self._closing or not data:
             return
         backlog = self._backlog
-        if not backlog.bytes:
+        if not backlog.bytes and not self._unflushed:
+            coalescer = self._coalescer
+            if coalescer is None and self._coalesce and len(data) >= COALESCE_FROM_BYTES:
+                coalescer = self._start_coalescing()
             try:
                 self._ssl.write(data)
-                return
             except ssl.SSLWantWriteError:
                 self._add_writer()
             except ssl.SSLWantReadError:
                 self._write_wants_read = True
             except OSError as e:
                 self._fatal(e)
+                return
+            else:
+                if coalescer is not None and not self._batching and coalescer.flush() <= 0:
+                    self._flush_refused(coalescer)
                 return
         if not isinstance(data, bytes) and not (isinstance(data, memoryview) and data.readonly):
             data = bytes(data)  # the caller may change it before it goes out
@@ -486,8 +564,18 @@ class TlsTransport(asyncio.Transport):
                 log.exception("pause_writing failed")
 
     def writelines(self, list_of_data: Any) -> None:
-        for data in list_of_data:
-            self.write(data)
+        """Each piece as `write` does it, with one flush of the coalescing buffer at the end: a
+        DATA frame's header and its payload (hbone.py writes them as two pieces) in one send."""
+        self._batching = True
+        try:
+            for data in list_of_data:
+                self.write(data)
+        finally:
+            self._batching = False
+        coalescer = self._coalescer
+        if coalescer is not None and not self._closed and not self._backlog.bytes and not self._unflushed:
+            if coalescer.flush() <= 0:
+                self._flush_refused(coalescer)
 
     def _on_writable(self) -> None:
         if self._read_wants_write:
@@ -502,8 +590,11 @@ class TlsTransport(asyncio.Transport):
         self._flush()
 
     def _flush(self) -> None:
-        """Write the backlog, oldest first, the head as it was."""
+        """Write the backlog, oldest first, the head as it was; then the coalescing buffer."""
         backlog = self._backlog
+        coalescer = self._coalescer
+        if self._unflushed and coalescer is not None and not self._flush_coalescer(coalescer):
+            return  # the socket is still full (or failed): nothing after those bytes may go
         write = self._ssl.write
         resume = False
         while backlog.bytes:
@@ -521,16 +612,52 @@ class TlsTransport(asyncio.Transport):
                 return
             resume = backlog.pop() or resume
         else:
-            if not self._read_wants_write:
-                self._remove_writer()
-            if self._closing:
-                self._shutdown()
+            if coalescer is None or self._flush_coalescer(coalescer):
+                if not self._read_wants_write:
+                    self._remove_writer()
+                if self._closing:
+                    self._shutdown()
+                    return
+            elif self._closed:
                 return
         if resume and not self._closing:
             try:
                 self._protocol.resume_writing()
             except Exception:
                 log.exception("resume_writing failed")
+
+    # Write coalescing (module docstring) -------------------------------------------------
+    def _start_coalescing(self) -> _Coalescer | None:
+        self._coalesce = False  # one try per connection
+        self._coalescer = coalesce_writes(self._tls)
+        return self._coalescer
+
+    def _flush_coalescer(self, coalescer: _Coalescer) -> bool:
+        """Send what the buffer holds; False when the socket refused it (see _flush_refused)."""
+        if coalescer.flush() > 0:
+            self._unflushed = False
+            return True
+        self._flush_refused(coalescer)
+        return False
+
+    def _flush_refused(self, coalescer: _Coalescer) -> None:
+        if coalescer.should_retry():
+            # The socket is full: what the buffer holds goes first once it is writable, and
+            # writes meanwhile join the backlog (their order is the stream's).
+            self._unflushed = True
+            self._add_writer()
+            return
+        code = self._tls.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) or errno.EPIPE
+        self._fatal(OSError(code, f"TLS socket write failed: {os.strerror(code)}"))
+
+    def _flush_close(self) -> None:
+        """close_notify waited in the coalescing buffer for a writable socket (see _shutdown)."""
+        coalescer = self._coalescer
+        if coalescer is not None and coalescer.flush() <= 0 and coalescer.should_retry():
+            return  # still full; SHUTDOWN_TIMEOUT_S bounds the wait
+        self._remove_writer()
+        if self._eof:
+            self._finish(None)
 
     def can_write_eof(self) -> bool:
         return False
@@ -558,9 +685,9 @@ class TlsTransport(asyncio.Transport):
         self._closing = True
         self._remove_reader()
         self._close_timer = self._loop.call_later(SHUTDOWN_TIMEOUT_S, self._shutdown_timed_out)
-        if not self._backlog.bytes:
+        if not self._backlog.bytes and not self._unflushed:
             self._shutdown()
-        # otherwise _flush calls _shutdown once the backlog is out
+        # otherwise _flush calls _shutdown once the backlog and the coalescing buffer are out
 
     def _shutdown(self) -> None:
         dead = False
@@ -573,11 +700,18 @@ class TlsTransport(asyncio.Transport):
             # peer's application data still arriving fails it (APPLICATION_DATA_AFTER_CLOSE_NOTIFY)
             # and every later SSL_read with it (SSLEOFError); the peer gone fails it too.
             dead = True
+        self._remove_writer()
+        coalescer = self._coalescer
+        if coalescer is not None and coalescer.flush() <= 0 and coalescer.should_retry():
+            # OpenSSL flushes after its alert, but the socket was full: close_notify waits in
+            # the coalescing buffer until it is writable.
+            self._loop.add_writer(self._fd, self._flush_close)
+            self._writer_on = True
         if self._eof:
-            self._finish(None)
+            if not self._writer_on:
+                self._finish(None)
             return
         # Read (and drop) until the peer's EOF, so our unread bytes do not reset the connection.
-        self._remove_writer()
         self._loop.add_reader(self._fd, self._drain_raw if dead else self._drain_to_eof)
         self._reading = True
         if dead:

@@ -90,21 +90,29 @@ class Collector(asyncio.BufferedProtocol):
                 await self.grew.wait()
 
 
-def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    """(server side, client side) of one loopback TCP connection."""
+def tcp_pair(buffer_bytes: int | None = None) -> tuple[socket.socket, socket.socket]:
+    """(server side, client side) of one loopback TCP connection; `buffer_bytes` fixes both
+    sockets' SO_SNDBUF and SO_RCVBUF (so that a peer that stops reading fills them soon)."""
     with socket.socket() as listener:
+        client = socket.socket()
+        if buffer_bytes is not None:
+            for s in (listener, client):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        client = socket.create_connection(listener.getsockname())
+        client.connect(listener.getsockname())
         server, _ = listener.accept()
     return server, client
 
 
 @asynccontextmanager
 async def tls_pair(
-    server_proto: asyncio.BufferedProtocol | None = None, client_proto: asyncio.BufferedProtocol | None = None
+    server_proto: asyncio.BufferedProtocol | None = None,
+    client_proto: asyncio.BufferedProtocol | None = None,
+    buffer_bytes: int | None = None,
 ) -> AsyncIterator[tuple[Collector, Collector]]:
-    s, c = tcp_pair()
+    s, c = tcp_pair(buffer_bytes)
     sp = server_proto or Collector()
     cp = client_proto or Collector()
     server_ctx = server_context(SERVER_CERT)
@@ -430,3 +438,113 @@ async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind
         await server.wait_for_bytes(150)
         assert bytes(server.data) == b"".join(b"m%02d" % i for i in range(50))
         assert len(calls) < 10, calls  # without read-ahead: one callback per record
+
+
+def _write_syscalls() -> int:
+    """This process's write-type system calls so far (`syscw` in /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("syscw:"):
+                return int(line.split()[1])
+    raise AssertionError("/proc/self/io has no syscw")
+
+
+async def test_a_bulk_write_leaves_in_one_send_and_small_writes_never_buffer():
+    """A write of many records goes out through the coalescing buffer in one `write` call, not
+    one per 16 KiB record, and so does a `writelines` of a frame header and its payload; a
+    connection that only carries small messages never gets the buffer."""
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        for i in range(20):
+            client.transport.write(b"s%02d" % i)
+        await server.wait_for_bytes(60)
+        assert client.transport._coalescer is None
+        chunk = hashlib.sha256(b"bulk").digest() * (256 * 1024 // 32)
+        header = b"h" * 9
+        calls = []
+        expected = bytearray()
+        for i in range(8):
+            before = _write_syscalls()
+            if i % 2:
+                client.transport.writelines([header, chunk])
+                expected += header
+            else:
+                client.transport.write(chunk)
+            calls.append(_write_syscalls() - before)
+            expected += chunk
+            await server.wait_for_bytes(60 + len(expected))
+        assert client.transport._coalescer is not None
+        # Without the buffer: 16 records, 16 sends each (17 with the header). The socket has
+        # room for all of it here, so one send each.
+        assert calls == [1] * 8, calls
+        assert bytes(server.data[60:]) == expected
+        assert client.transport.get_write_buffer_size() == 0 and not client.transport._unflushed
+
+
+def _count_refused_flushes(monkeypatch) -> list[int]:
+    refused = [0]
+    original = TlsTransport._flush_refused
+
+    def counting(self, coalescer):
+        refused[0] += 1
+        original(self, coalescer)
+
+    monkeypatch.setattr(TlsTransport, "_flush_refused", counting)
+    return refused
+
+
+async def test_coalesced_writes_arrive_byte_exact_while_the_socket_fills_and_drains(monkeypatch):
+    """With the coalescing buffer on, writes of every size while the peer stops and starts
+    reading: bytes the socket refused in the buffer go before anything written after them."""
+    refused = _count_refused_flushes(monkeypatch)
+    async with tls_pair(buffer_bytes=64 * 1024) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        client.transport.write(b"w" * COALESCE_FROM)
+        await server.wait_for_bytes(COALESCE_FROM)
+        assert client.transport._coalescer is not None
+        sizes = [1, 100, 16 * 1024 + 1, 300_000, 5, 64 * 1024, 7, 1024 * 1024 + 3]
+        digest = hashlib.sha256(b"w" * COALESCE_FROM)
+        total = COALESCE_FROM
+        seen_backlog = False
+        for i in range(400):
+            size = sizes[i % len(sizes)]
+            piece = (hashlib.sha256(str(i).encode()).digest() * (size // 32 + 1))[:size]
+            client.transport.write(memoryview(piece) if i % 3 else piece)
+            digest.update(piece)
+            total += size
+            seen_backlog = seen_backlog or client.transport.get_write_buffer_size() > 0
+            if i % 16 == 0:
+                server.transport.pause_reading()
+            elif i % 16 == 9:
+                server.transport.resume_reading()
+            await asyncio.sleep(0)
+        server.transport.resume_reading()
+        await server.wait_for_bytes(total)
+        assert seen_backlog and refused[0], (seen_backlog, refused)
+        assert hashlib.sha256(server.data).hexdigest() == digest.hexdigest()
+        assert not client.transport._unflushed and client.transport.get_write_buffer_size() == 0
+
+
+async def test_close_sends_what_the_coalescing_buffer_holds_before_close_notify():
+    """Bytes the socket refused wait in the buffer; close writes them, then close_notify."""
+    async with tls_pair(buffer_bytes=64 * 1024) as (server, client):
+        assert client.transport is not None and server.transport is not None
+        client.transport.write(b"c" * COALESCE_FROM)
+        await server.wait_for_bytes(COALESCE_FROM)
+        server.transport.pause_reading()
+        sent = COALESCE_FROM
+        while not client.transport._unflushed and sent < 64 * 1024 * 1024:
+            client.transport.write(b"c" * 100)  # fits the buffer; its flush meets a full socket
+            sent += 100
+        assert client.transport._unflushed and not client.transport.get_write_buffer_size()
+        client.transport.close()
+        await asyncio.sleep(0.05)
+        assert not client.lost.done()
+        server.transport.resume_reading()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await server.eof
+            assert await client.lost is None
+        assert bytes(server.data) == b"c" * sent
+
+
+COALESCE_FROM = tls_transport.COALESCE_FROM_BYTES
