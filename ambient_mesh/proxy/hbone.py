@@ -35,6 +35,7 @@ from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
 from .http2.frames import ErrorCode
 from .relay import Endpoint
+from .tls_transport import TlsTransport
 
 if TYPE_CHECKING:
     from ..identity.spiffe import Identity
@@ -128,6 +129,7 @@ class StreamState(enum.Enum):
 _ORDERLY_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
 _Held = list[tuple[bytes | memoryview, int]]  # DATA payloads with the credit they carry
 _NOTHING_HELD: _Held = []  # shared, always empty: nothing is held once attached
+_DataReceived = ev.DataReceived
 
 
 class HboneStream(Endpoint):
@@ -207,6 +209,10 @@ class HboneStream(Endpoint):
             # becomes one frame written at once; otherwise the window takes the whole chunk.
             frame = conn.core.data_frame(self.stream_id, data)
             if frame is not None:
+                tls_write = conn._tls_write
+                if tls_write is not None:
+                    tls_write(frame)
+                    return
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
                     transport.write(frame)
@@ -397,6 +403,10 @@ class HboneConnection(asyncio.BufferedProtocol):
             now=self.loop.time(),
         )
         self.transport: asyncio.Transport | None = None
+        # TlsTransport.write drops what comes once the transport is closing, so a frame goes to
+        # it without asking is_closing first (a Python call per message); other transports are
+        # asked (bench/README.md, issue 11, per message).
+        self._tls_write: Callable[[bytes], None] | None = None
         self.streams: dict[int, HboneStream] = {}
         self.closed: asyncio.Future[None] = self.loop.create_future()
         self.goaway_received = False  # a GOAWAY went either way: no new streams
@@ -417,6 +427,8 @@ class HboneConnection(asyncio.BufferedProtocol):
     # asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport (TCP + TLS)
+        if type(transport) is TlsTransport:
+            self._tls_write = transport.write
         if self.on_connected is not None:
             # TLS is complete here: check the peer before a single HTTP/2 byte is exchanged.
             try:
@@ -434,7 +446,37 @@ class HboneConnection(asyncio.BufferedProtocol):
     get_buffer = _receive_into
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(memoryview(_RECEIVE.buf)[:nbytes].toreadonly())
+        # `data_received` of a view of the buffer, with that call inlined: this runs once per TLS
+        # read (bench/README.md, issue 11, the per-message path).
+        if self._error is not None:
+            return
+        core = self.core
+        events = core.receive(memoryview(_RECEIVE.buf)[:nbytes].toreadonly(), self.loop.time())
+        if events:
+            event = events[0]
+            # One DATA frame per read is the small-message case: delivered without `_dispatch`,
+            # and while the stream's relay takes it, with `on_data` inlined.
+            if (
+                len(events) == 1
+                and type(event) is _DataReceived
+                and (stream := self.streams.get(event.stream_id)) is not None
+            ):
+                relay = stream.relay
+                if relay is None or stream._ack_paused:
+                    stream.on_data(event.data)
+                else:
+                    data = event.data
+                    relay.data_from(stream, data)
+                    if stream._ack_paused:  # the write paused the peer socket: credit held
+                        stream._unacked += len(data)
+                    else:
+                        core.acknowledge(event.stream_id, len(data))
+            else:
+                self._dispatch(events)
+        if core.events or core.outbox_bytes:
+            self.flush()
+        if core.deadline != self._timer_at:
+            self._arm_timer()
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self._error is not None:

@@ -425,7 +425,9 @@ class TlsTransport(asyncio.Transport):
         protocol = self._protocol
         budget = READ_BYTES_PER_WAKE
         while True:
-            buf = memoryview(protocol.get_buffer(-1))  # already one for HboneConnection: no copy
+            buf = protocol.get_buffer(-1)
+            if type(buf) is not memoryview:  # HboneConnection's already is one
+                buf = memoryview(buf)
             filled, end = self._fill(buf)
             # Our view must not outlive the reads: the protocol reuses its buffer only while
             # nothing else refers to it (hbone._receive_into).

@@ -129,8 +129,18 @@ def test_any_frame_sequence_keeps_the_core_bounded_and_credit_conserved(data, cl
     assert core.buffered_bytes == 0
 
 
+class _GeneralPathOnly(Connection):
+    """Every DATA frame through _frame_start/_data_target (Connection has slots: a subclass, not
+    an instance attribute)."""
+
+    __slots__ = ()
+
+    def _data_fast(self, *_args: object) -> bool:
+        return False
+
+
 def _general_path_only(core: Connection) -> Connection:
-    core._data_fast = lambda *_args: False  # every DATA frame through _frame_start/_data_target
+    core.__class__ = _GeneralPathOnly
     return core
 
 

@@ -82,6 +82,12 @@ _unpack_header = f.HEADER.unpack_from
 _pack_header = f.HEADER.pack
 _DATA = f.DATA
 _NOT_END_STREAM = 0xFF & ~f.FLAG_END_STREAM
+# A DataReceived per DATA frame made without the frozen dataclass's generated __init__ (a Python
+# frame that sets each field through object.__setattr__): the slots are set directly, so it is
+# the same frozen object, for about half the cost (bench/README.md, issue 11, per message).
+_new_object = object.__new__
+_set_event_sid = DataReceived.stream_id.__set__  # type: ignore[attr-defined]
+_set_event_data = DataReceived.data.__set__  # type: ignore[attr-defined]
 
 # Header blocks: encoded bytes may exceed the decoded list only by padding (<= 256 per HEADERS
 # frame), priority fields and table size updates; Huffman is only used when it is shorter.
@@ -214,6 +220,71 @@ def _text(value: bytes) -> str:
 
 class Connection:
     """One HTTP/2 connection, client or server side, carrying CONNECT streams."""
+
+    # Slots, not an instance dict: with more than 30 attributes CPython 3.11 cannot share the
+    # instance dict's keys, so every attribute read and write on the per-message path became a
+    # dict lookup instead of a fixed offset (bench/README.md, issue 11, per message).
+    __slots__ = (
+        "settings",
+        "client_side",
+        "streams",
+        "terminated",
+        "events",
+        "_fresh",
+        "_nulled",
+        "_outbox",
+        "outbox_bytes",
+        "_control_queued",
+        "_decoder",
+        "_encoder",
+        "_preface_left",
+        "_got_settings",
+        "_buf",
+        "_max_frame_in",
+        "_stream_credit_step",
+        "_stream_credit_floor",
+        "_connection_credit_step",
+        "_connection_credit_floor",
+        "_hdr",
+        "_data_left",
+        "_data_stream",
+        "_data_sid",
+        "_data_end",
+        "_skip_left",
+        "_block",
+        "_block_sid",
+        "_block_end_stream",
+        "_empty_run",
+        "_next_local_sid",
+        "_highest_peer_sid",
+        "_reset_allowance",
+        "_streams_total",
+        "_send_window",
+        "_recv_window",
+        "_recv_credit",
+        "_peer_initial_window",
+        "_peer_max_frame",
+        "peer_max_concurrent_streams",
+        "_goaway_last",
+        "_goaway_first_sent",
+        "goaway_received",
+        "_drain_ping",
+        "_drain_deadline",
+        "_ping_counter",
+        "_keepalive_ping",
+        "_next_ping_at",
+        "_ping_deadline",
+        "deadline",
+        "_early_resets",
+        "_settings_budget",
+        "_ping_budget",
+        "_rst_budget",
+        "_stream_error_budget",
+        "_ignored_budget",
+        "_window_updates_received",
+        "_data_frames_sent",
+        "_now",
+    )
 
     def __init__(self, settings: CoreSettings, now: float = 0.0) -> None:
         self.settings = settings
@@ -367,8 +438,92 @@ class Connection:
             self._now = now
             if type(data) is not bytes and not (isinstance(data, memoryview) and data.readonly):
                 data = bytes(data)
+            # The frame parser, inlined here (it was `_feed`): one Python call per read fewer on
+            # the per-message path (bench/README.md, issue 11).
             try:
-                self._feed(data)
+                n = len(data)
+                pos = 0
+                if self._preface_left:
+                    want = self._preface_left
+                    k = min(len(want), n)
+                    if data[:k] != want[:k]:
+                        raise _ConnectionError(
+                            E.PROTOCOL_ERROR, "the client did not send the HTTP/2 connection preface"
+                        )
+                    self._preface_left = want[k:]
+                    pos = k
+                buf = self._buf
+                while pos < n:
+                    if self.terminated is not None:
+                        break
+                    left = self._data_left
+                    if left:
+                        k = min(left, n - pos)
+                        chunk: bytes | memoryview
+                        if k < ZERO_COPY_SLICE_BYTES:
+                            chunk = bytes(data[pos : pos + k])  # a copy (of bytes: the slice already is)
+                        elif pos == 0 and k == n:
+                            chunk = data
+                        else:
+                            chunk = memoryview(data)[pos : pos + k]  # read-only, as `data` is
+                        pos += k
+                        self._data_left = left - k
+                        self._data_chunk(chunk)
+                        if not self._data_left:
+                            self._data_finish()
+                        continue
+                    if self._skip_left:
+                        k = min(self._skip_left, n - pos)
+                        pos += k
+                        self._skip_left -= k
+                        continue
+                    hdr = self._hdr
+                    if hdr is None:
+                        if buf:
+                            take = data[pos : pos + f.FRAME_HEADER_BYTES - len(buf)]
+                            buf += take
+                            pos += len(take)
+                            if len(buf) < f.FRAME_HEADER_BYTES:
+                                break
+                            header = f.parse_frame_header(buf)
+                            buf.clear()
+                        elif n - pos < f.FRAME_HEADER_BYTES:
+                            buf += data[pos:]
+                            break
+                        else:
+                            hi, lo, ftype, flags, sid = _unpack_header(data, pos)
+                            length = (hi << 16) | lo
+                            sid &= 0x7FFFFFFF  # the reserved bit is ignored (RFC 9113 4.1)
+                            end = pos + f.FRAME_HEADER_BYTES + length
+                            if (
+                                ftype == _DATA
+                                and end <= n
+                                and 0 < length <= self._max_frame_in
+                                and not flags & _NOT_END_STREAM
+                                and self._block is None
+                                and self._got_settings
+                                and self._data_fast(data, pos + f.FRAME_HEADER_BYTES, end, flags, sid)
+                            ):
+                                pos = end
+                                continue
+                            header = (length, ftype, flags, sid)
+                            pos += f.FRAME_HEADER_BYTES
+                        self._frame_start(*header)
+                        continue
+                    length = hdr[0]
+                    if not buf and n - pos >= length:
+                        payload = bytes(data[pos : pos + length])
+                        pos += length
+                    else:
+                        take = data[pos : pos + length - len(buf)]
+                        buf += take
+                        pos += len(take)
+                        if len(buf) < length:
+                            break
+                        payload = bytes(buf)
+                        buf.clear()
+                    self._hdr = None
+                    self._frame(hdr, payload)
             except _ConnectionError as e:
                 self._terminate(e.code, str(e))
             credit = self._recv_credit
@@ -784,91 +939,7 @@ class Connection:
             s.recv_credit = credit
 
     # Internals: frame parsing -------------------------------------------------------------
-    def _feed(self, data: bytes | memoryview) -> None:
-        n = len(data)
-        pos = 0
-        if self._preface_left:
-            want = self._preface_left
-            k = min(len(want), n)
-            if data[:k] != want[:k]:
-                raise _ConnectionError(
-                    E.PROTOCOL_ERROR, "the client did not send the HTTP/2 connection preface"
-                )
-            self._preface_left = want[k:]
-            pos = k
-        buf = self._buf
-        while pos < n:
-            if self.terminated is not None:
-                return
-            left = self._data_left
-            if left:
-                k = min(left, n - pos)
-                chunk: bytes | memoryview
-                if k < ZERO_COPY_SLICE_BYTES:
-                    chunk = bytes(data[pos : pos + k])  # a copy (of bytes: the slice already is)
-                elif pos == 0 and k == n:
-                    chunk = data
-                else:
-                    chunk = memoryview(data)[pos : pos + k]  # read-only, as `data` is
-                pos += k
-                self._data_left = left - k
-                self._data_chunk(chunk)
-                if not self._data_left:
-                    self._data_finish()
-                continue
-            if self._skip_left:
-                k = min(self._skip_left, n - pos)
-                pos += k
-                self._skip_left -= k
-                continue
-            hdr = self._hdr
-            if hdr is None:
-                if buf:
-                    take = data[pos : pos + f.FRAME_HEADER_BYTES - len(buf)]
-                    buf += take
-                    pos += len(take)
-                    if len(buf) < f.FRAME_HEADER_BYTES:
-                        return
-                    header = f.parse_frame_header(buf)
-                    buf.clear()
-                elif n - pos < f.FRAME_HEADER_BYTES:
-                    buf += data[pos:]
-                    return
-                else:
-                    hi, lo, ftype, flags, sid = _unpack_header(data, pos)
-                    length = (hi << 16) | lo
-                    sid &= 0x7FFFFFFF  # the reserved bit is ignored (RFC 9113 4.1)
-                    end = pos + f.FRAME_HEADER_BYTES + length
-                    if (
-                        ftype == _DATA
-                        and end <= n
-                        and 0 < length <= self._max_frame_in
-                        and not flags & _NOT_END_STREAM
-                        and self._block is None
-                        and self._got_settings
-                        and self._data_fast(data, pos + f.FRAME_HEADER_BYTES, end, flags, sid)
-                    ):
-                        pos = end
-                        continue
-                    header = (length, ftype, flags, sid)
-                    pos += f.FRAME_HEADER_BYTES
-                self._frame_start(*header)
-                continue
-            length = hdr[0]
-            if not buf and n - pos >= length:
-                payload = bytes(data[pos : pos + length])
-                pos += length
-            else:
-                take = data[pos : pos + length - len(buf)]
-                buf += take
-                pos += len(take)
-                if len(buf) < length:
-                    return
-                payload = bytes(buf)
-                buf.clear()
-            self._hdr = None
-            self._frame(hdr, payload)
-
+    # Internals: frame parsing (the loop itself is in `receive`) ---------------------------
     def _frame_start(self, length: int, ftype: int, flags: int, sid: int) -> None:
         """Checks that need only the frame header, before a payload byte is buffered."""
         if length > self.settings.max_frame_bytes:
@@ -1032,8 +1103,10 @@ class Connection:
         self._recv_window -= length
         s.recv_window -= length
         s.unacked += length
-        event = DataReceived(
-            sid, bytes(data[start:end]) if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
+        event = _new_object(DataReceived)
+        _set_event_sid(event, sid)
+        _set_event_data(
+            event, bytes(data[start:end]) if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
         )
         if self._fresh:
             self._emit(event)
