@@ -86,8 +86,8 @@ _NOT_END_STREAM = 0xFF & ~f.FLAG_END_STREAM
 # frame that sets each field through object.__setattr__): the slots are set directly, so it is
 # the same frozen object, for about half the cost (bench/README.md, issue 11, per message).
 _new_object = object.__new__
-_set_event_sid = DataReceived.stream_id.__set__  # type: ignore[attr-defined]
-_set_event_data = DataReceived.data.__set__  # type: ignore[attr-defined]
+_set_event_sid = vars(DataReceived)["stream_id"].__set__  # the slots' member descriptors
+_set_event_data = vars(DataReceived)["data"].__set__
 
 # Header blocks: encoded bytes may exceed the decoded list only by padding (<= 256 per HEADERS
 # frame), priority fields and table size updates; Huffman is only used when it is shorter.
