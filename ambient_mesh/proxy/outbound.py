@@ -85,12 +85,11 @@ class OutboundProxy:
     async def handle_captured(self, sock: socket.socket) -> None:
         """A connection accepted on 15001: its real target is the pre-REDIRECT destination."""
         target = original_destination(sock)
-        peer = SocketAddr.from_sockaddr(sock.getpeername())
         if is_own_listener(sock, target, self.pi.illegal_ports):
             # Not redirected: the client dialed the outbound listener itself. Forwarding would loop.
             ConnectionResult.failed(
                 self.pi,
-                src=peer,
+                src=SocketAddr.from_sockaddr(sock.getpeername()),
                 dst=target,
                 direction="outbound",
                 error="connection to the outbound listener itself (not redirected) refused",
@@ -98,7 +97,16 @@ class OutboundProxy:
             sock.close()
             return
         downstream = await wrap_socket(sock)
-        await self.proxy_to(downstream, peer, target)
+        # The client's address as the transport read it when it was made (uvloop and asyncio
+        # both read and keep it): not a getpeername of our own before the same call of theirs
+        # (bench/README.md, connection path). None: the client reset before it was served.
+        transport = downstream.transport
+        peername = transport.get_extra_info("peername") if transport is not None else None
+        if peername is None:
+            log.debug("captured connection to %s: client gone before it was served", target)
+            downstream.abort()
+            return
+        await self.proxy_to(downstream, SocketAddr.from_sockaddr(peername), target)
 
     async def proxy_to(self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr) -> None:
         upstream = await self.open(peer, target)

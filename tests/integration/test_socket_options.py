@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 
 from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings, is_own_listener
 from ambient_mesh.logs import access_logger
@@ -238,3 +239,28 @@ async def test_the_app_socket_of_an_inbound_stream_has_nodelay_and_keepalive():
         finally:
             writer.close()
     assert app == CONFIGURED_OPTIONS
+
+
+async def test_a_captured_client_that_reset_before_it_was_served_is_one_debug_line(caplog):
+    # handle_captured takes the client's address from the transport (which read it when it was
+    # made) instead of its own getpeername: for a client that reset first, the transport has
+    # none, and the connection ends quietly, as the getpeername error did before.
+    caplog.set_level(logging.DEBUG, logger="ambient_mesh.proxy")
+    async with running_mesh(echo=False) as mesh:
+        assert mesh.client.workload_proxy is not None
+        outbound = mesh.client.workload_proxy.outbound
+        listening = socket.create_server(("127.0.0.1", 0))
+        try:
+            client = socket.create_connection(listening.getsockname())
+            accepted, _ = listening.accept()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # RST before the proxy serves it
+            await asyncio.sleep(0.05)
+            accepted.setblocking(False)
+            await asyncio.wait_for(outbound.handle_captured(accepted), 5)
+        finally:
+            listening.close()
+        assert not mesh.client.pi.connections.relays
+    records = [r for r in caplog.records if r.name.startswith("ambient_mesh.proxy")]
+    assert not [r for r in records if r.exc_info or r.levelno >= logging.WARNING], records
+    assert [r for r in records if "client gone before it was served" in r.getMessage()]
