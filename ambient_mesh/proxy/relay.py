@@ -10,13 +10,30 @@ half-closed connections keep working; an error on either side aborts both.
 Protocol callbacks keep the hot path free of awaits: a chunk goes from `data_received` to the
 peer's `write` in one call (see reference/performance.md: Protocols run 2.4-3.8x faster than
 Streams here).
+
+Bulk reads: uvloop reads a plain socket into its own 256,000-byte buffer and copies every read
+into a new bytes object for `data_received`. A read that fills that buffer means more was
+waiting (a bulk transfer), and from then on the endpoint reads through `_BulkReader`, a
+BufferedProtocol, straight into a reused buffer (`_APP_RECEIVE`): no copy, no allocation per
+read. Small messages stay on `data_received`, which costs one Python callback per read where a
+BufferedProtocol costs two (bench/README.md: the BufferedProtocol for every app socket was tried
+and dropped for that); an endpoint that goes back to small reads goes back to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 from collections.abc import Callable
+
+# uvloop's read buffer (UV_STREAM_RECV_BUF_SIZE): a `data_received` this long filled it.
+UVLOOP_READ_BYTES = 256_000
+# What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
+# write of this many bytes per read.
+APP_RECEIVE_BUFFER_BYTES = 256 * 1024
+# Back to `data_received` after this many reads in a row shorter than a quarter of the buffer.
+SMALL_READS_TO_LEAVE_BULK = 16
 
 
 class Endpoint:
@@ -158,6 +175,72 @@ _NOTHING_HELD: list[
 ] = []  # shared and always empty: nothing is held once a relay is attached
 
 
+class _AppReceiveBuffer:
+    """The process's one buffer for bulk reads of plain sockets (the event loop runs one read
+    callback at a time). What a read hands on is a read-only view of it; whoever keeps the bytes
+    past the call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's
+    outbox while writing is paused), and then the next read gets a new buffer and the old one
+    goes when its last view does (hbone.py's TLS receive buffer works the same way)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
+
+    def take(self) -> bytearray:
+        buf = self.buf
+        # CPython: the attribute, `buf` and getrefcount's argument are the only references when
+        # no memoryview of the buffer is alive (every view holds one).
+        if sys.getrefcount(buf) > 3:
+            buf = self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
+        return buf
+
+
+_APP_RECEIVE = _AppReceiveBuffer()
+_QUARTER_BUFFER = APP_RECEIVE_BUFFER_BYTES // 4
+
+
+class _BulkReader(asyncio.BufferedProtocol):
+    """A TcpEndpoint's protocol while it reads in bulk (module docstring)."""
+
+    __slots__ = ("endpoint", "_small_reads")
+
+    def __init__(self, endpoint: TcpEndpoint) -> None:
+        self.endpoint = endpoint
+        self._small_reads = 0
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return _APP_RECEIVE.take()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        endpoint = self.endpoint
+        relay = endpoint.relay
+        if relay is None:  # not reached: an endpoint reads in bulk only once it is relaying
+            endpoint.data_received(bytes(_APP_RECEIVE.buf[:nbytes]))
+        else:
+            relay.data_from(endpoint, memoryview(_APP_RECEIVE.buf)[:nbytes].toreadonly())
+        if nbytes >= _QUARTER_BUFFER:
+            self._small_reads = 0
+            return
+        self._small_reads += 1
+        if self._small_reads >= SMALL_READS_TO_LEAVE_BULK:
+            transport = endpoint.transport
+            if transport is not None and not transport.is_closing():
+                transport.set_protocol(endpoint)
+
+    def eof_received(self) -> bool:
+        return self.endpoint.eof_received()
+
+    def pause_writing(self) -> None:
+        self.endpoint.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.endpoint.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint.connection_lost(exc)
+
+
 class TcpEndpoint(asyncio.Protocol, Endpoint):
     """A plain TCP connection as a relay endpoint.
 
@@ -191,6 +274,10 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
                 self.transport.pause_reading()
             return
         relay.data_from(self, data)
+        if len(data) >= UVLOOP_READ_BYTES:
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.set_protocol(_BulkReader(self))
 
     def eof_received(self) -> bool:
         if self.relay is None:
