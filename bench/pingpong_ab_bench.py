@@ -46,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ROUND_TRIPS = 1_000_000
+MAX_BULK_KIB = 64 * 1024
 WARMUP_ROUND_TRIPS = 2000
 TRIAL_TIMEOUT_S = 300.0
 ROUND_TRIP_TIMEOUT_S = 10.0
@@ -77,7 +78,20 @@ class PingClient(asyncio.Protocol):
         self.transport.write(b"x")  # type: ignore[attr-defined]
         return self.done
 
+    def bulk(self, size: int) -> asyncio.Future[None]:
+        """`size` bytes in one write, echoed back: the tunnel has carried a bulk write before the
+        ping-pong, as in hbone_bench (its warm-up transfer) and on a long-lived pooled connection."""
+        self.remaining = -size
+        self.done = self.loop.create_future()
+        self.transport.write(b"b" * size)  # type: ignore[attr-defined]
+        return self.done
+
     def data_received(self, data: bytes) -> None:
+        if self.remaining < 0:  # a bulk echo
+            self.remaining += len(data)
+            if not self.remaining and not self.done.done():
+                self.done.set_result(None)
+            return
         self.remaining -= len(data)
         if self.remaining > 0:
             self.transport.write(b"x")  # type: ignore[attr-defined]
@@ -106,7 +120,7 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, socks: tuple[str, int]) -> Pi
     return client
 
 
-async def child_run(round_trips: int, profile: bool) -> dict:
+async def child_run(round_trips: int, profile: bool, bulk_kib: int) -> dict:
     from profile_connections import CLIENT_IP, ECHO_PORT, SERVER_IP, proxy_env
 
     from ambient_mesh.ztunnel import build
@@ -121,6 +135,8 @@ async def child_run(round_trips: int, profile: bool) -> dict:
             proxies.append(proxy)
         bound = proxies[0].listeners["socks5"].bound_address
         client = await _tunnel(loop, (str(bound.ip), bound.port))
+        if bulk_kib:
+            await asyncio.wait_for(client.bulk(bulk_kib * 1024), TRIAL_TIMEOUT_S)
         await asyncio.wait_for(client.start(WARMUP_ROUND_TRIPS), TRIAL_TIMEOUT_S)
         prof = cProfile.Profile(time.thread_time) if profile else None
         # Several slices per trial, the least CPU per round trip kept: a slice that another
@@ -169,7 +185,7 @@ def child_main(args: argparse.Namespace) -> int:
     log_file = os.fdopen(fd, "w")
     configure_logging("plain", "info", stream=log_file)
     try:
-        result = uvloop.run(child_run(args.round_trips, args.profile))
+        result = uvloop.run(child_run(args.round_trips, args.profile, args.bulk_kib))
     finally:
         log_file.close()
         os.unlink(log_path)
@@ -177,8 +193,9 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def trial(tree: str, round_trips: int, profile: bool) -> dict:
+def trial(tree: str, round_trips: int, profile: bool, bulk_kib: int = 0) -> dict:
     inner = [sys.executable, __file__, "--child", "--tree", tree, "--round-trips", str(round_trips)]
+    inner += ["--bulk-kib", str(bulk_kib)]
     if profile:
         inner.append("--profile")
     script = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in inner)
@@ -281,6 +298,12 @@ def main() -> int:
     p.add_argument("--round-trips", type=int, default=5000, help="per slice (5 slices per trial)")
     p.add_argument("--profile", action="store_true")
     p.add_argument(
+        "--bulk-kib",
+        type=int,
+        default=0,
+        help="in-process: first send this much through the tunnel in one write (echoed back)",
+    )
+    p.add_argument(
         "--netns",
         action="store_true",
         help="two trees' proxies in hbone_bench's netns topology instead, latency batches alternated "
@@ -293,6 +316,8 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.round_trips <= MAX_ROUND_TRIPS or not 1 <= args.trials <= 100:
         raise SystemExit(f"--round-trips 1-{MAX_ROUND_TRIPS}, --trials 1-100")
+    if not 0 <= args.bulk_kib <= MAX_BULK_KIB:
+        raise SystemExit(f"--bulk-kib 0-{MAX_BULK_KIB}")
     if args.child:
         return child_main(args)
     trees = dict(t.split("=", 1) for t in args.trees) if args.trees else {"this": str(ROOT)}
@@ -309,7 +334,7 @@ def main() -> int:
         return 0
     if args.profile:
         for name, tree in trees.items():
-            result = trial(tree, args.round_trips, profile=True)
+            result = trial(tree, args.round_trips, profile=True, bulk_kib=args.bulk_kib)
             rows = result["profile"]
             calls = sum(r["calls_per_rt"] for r in rows)
             print(
@@ -326,7 +351,7 @@ def main() -> int:
     for i in range(args.trials):
         order = list(trees) if i % 2 == 0 else list(reversed(trees))
         for name in order:
-            cpu[name].append(trial(trees[name], args.round_trips, profile=False)["cpu_us_per_rt"])
+            cpu[name].append(trial(trees[name], args.round_trips, False, args.bulk_kib)["cpu_us_per_rt"])
         print(
             f"trial {i + 1}/{args.trials}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in cpu.items()),
             flush=True,

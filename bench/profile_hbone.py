@@ -95,8 +95,8 @@ def main() -> int:
     p.add_argument(
         "--cprofile",
         action="store_true",
-        help="run the proxies under cProfile instead of py-spy (exact call counts per connection, "
-        "deterministic overhead on every Python call)",
+        help="run the proxies under cProfile (timer: time.thread_time) instead of py-spy (exact call "
+        "counts per connection or round trip, deterministic overhead on every Python call)",
     )
     args = p.parse_args()
     if args.cprofile:
@@ -232,6 +232,23 @@ def print_perf(console, path: Path, title: str, top: int) -> None:
             console.print("  " + line.strip())
 
 
+# The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on
+# one core a wall-clock profile puts the woken peer's run time on the waking write; bench/README.md,
+# issue 11). Written when the proxy exits (stop_member's SIGTERM drains it).
+_CPROFILE_THREAD_TIME = """
+import cProfile, runpy, sys, time
+out = sys.argv[1]
+sys.argv = ["ambient_mesh.cli", "ztunnel"]
+profile = cProfile.Profile(time.thread_time)
+profile.enable()
+try:
+    runpy.run_module("ambient_mesh.cli", run_name="__main__", alter_sys=True)
+finally:
+    profile.disable()
+    profile.dump_stats(out)
+"""
+
+
 def cprofile_main(args: argparse.Namespace) -> int:
     """The proxies under `python -m cProfile`: top functions by own time, with calls per unit."""
     import pstats
@@ -244,13 +261,9 @@ def cprofile_main(args: argparse.Namespace) -> int:
     spawned = iter(outputs * 2)
     hbone_bench.proxy_argv = lambda: [  # _start_proxies spawns the client, then the server
         sys.executable,
-        "-m",
-        "cProfile",
-        "-o",
+        "-c",
+        _CPROFILE_THREAD_TIME,
         str(next(spawned)),
-        "-m",
-        "ambient_mesh.cli",
-        "ztunnel",
     ]
     bench_args = argparse.Namespace(
         modes=["hbone"],
