@@ -200,8 +200,13 @@ def listen_socket(
     transparent: bool = False,
     reuse_port: bool = False,
     factory: SocketFactory = plain_socket,
+    keepalive: KeepaliveSettings | None = None,
 ) -> socket.socket:
-    """A listening socket bound as ztunnel binds: `[::]` listeners are dual-stack."""
+    """A listening socket bound as ztunnel binds: `[::]` listeners are dual-stack.
+
+    TCP_NODELAY and `keepalive` are set before listen(): the kernel makes an accepted socket
+    when its handshake completes, from the listener's options at that moment, so a client
+    that connects before the listener is served (bound, not yet started) gets them too."""
     sock = factory(addr.family)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -214,6 +219,7 @@ def listen_socket(
         if transparent:
             set_transparent(sock, addr.family)
         sock.bind(addr.sockaddr())
+        configure_listener(sock, keepalive=keepalive)
         sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except BaseException:

@@ -230,6 +230,7 @@ class Listener:
                 transparent=self._transparent,
                 reuse_port=self._reuse_port,
                 factory=self._socket_factory,
+                keepalive=self._keepalive,  # set before listen(): see listen_socket
             )
         except OSError as e:
             raise BindError(self.name, str(self.address), e) from None
@@ -246,7 +247,9 @@ class Listener:
             self._spare = process_spare()
         sock = self._sock
         assert sock is not None
-        # Once here, not per accepted socket: accepted sockets inherit them (configure_listener).
+        # Not per accepted socket: accepted sockets inherit them (configure_listener). Set in
+        # listen_socket before listen() for a socket bound here; again here for an adopted one
+        # (its owner sets them before listen() too, see workers/owner.py), where it is a no-op.
         configure_listener(sock, keepalive=self._keepalive)
         # As ints: socket.accept() reads the listener's family and type as enums for every
         # accepted socket (two Python-level conversions per connection).

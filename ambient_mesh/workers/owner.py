@@ -40,7 +40,7 @@ from ..config import ProxyWorkloadInfo, ZtunnelConfig
 from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..host.netns import NetnsHandle
-from ..host.sockets import listen_socket, plain_socket
+from ..host.sockets import KeepaliveSettings, listen_socket, plain_socket
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..metrics import Metrics
@@ -595,6 +595,9 @@ def open_member_sockets(
     """`count` listening sockets per listener, one SO_REUSEPORT group each (port 0: the kernel's
     choice for the first, the same port for the rest)."""
     opened: dict[str, list[socket.socket]] = {}
+    # Set before listen(), as a worker's own Listener would: a client that connects before its
+    # worker serves the socket gets its options from the socket as it was then (listen_socket).
+    keepalive = KeepaliveSettings.from_config(config)
     try:
         for spec in listener_specs(addresses, transparent):
             members: list[socket.socket] = []
@@ -607,6 +610,7 @@ def open_member_sockets(
                     transparent=spec.transparent,
                     reuse_port=True,
                     factory=factory,
+                    keepalive=keepalive,
                 )
                 members.append(sock)
                 if address.port == 0:

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 import struct
 
+from ambient_mesh.config import ZtunnelConfig
 from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings, is_own_listener
 from ambient_mesh.logs import access_logger
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import Listener
+from ambient_mesh.proxy.workload_proxy import ListenerAddresses
+from ambient_mesh.workers.owner import open_member_sockets
 
 from .mesh import ECHO_PORT, SERVER_IP, TCP_IP, echo_handler, running_mesh
 
 PLAIN_PORT = 8081
 # What KEEPALIVE_TIME 45s, KEEPALIVE_INTERVAL 7s, KEEPALIVE_RETRIES 4 and USER_TIMEOUT_ENABLED
 # give: TCP_USER_TIMEOUT = time + retries * interval (ztunnel's rule), 45 + 4 * 7 = 73 s.
+CONFIGURED_KEEPALIVE = KeepaliveSettings(enabled=True, time_s=45, interval_s=7, retries=4, user_timeout=True)
 CONFIGURED_OPTIONS = {
     "keepalive": 1,
     "idle": 45,
@@ -40,7 +45,8 @@ def options(sock) -> dict[str, int]:
     }
 
 
-async def test_listener_applies_keepalive_to_accepted_sockets():
+def _option_recorder():
+    """A listener handler that records the options of each socket it is handed, and closes it."""
     seen: list[dict[str, int]] = []
     done = asyncio.Event()
 
@@ -49,20 +55,31 @@ async def test_listener_applies_keepalive_to_accepted_sockets():
         conn.close()
         done.set()
 
-    keepalive = KeepaliveSettings(enabled=True, time_s=45, interval_s=7, retries=4, user_timeout=True)
+    return seen, done, handler
+
+
+async def test_listener_applies_keepalive_to_accepted_sockets():
+    # Also to a client that connected before the listener started: Linux copies a listener's
+    # options into the socket it makes when the handshake completes, not at accept(), so a
+    # client already waiting in the backlog (WorkloadProxy.start binds every listener before
+    # starting any) finds them only because they are set before listen().
+    seen, done, handler = _option_recorder()
     listener = Listener(
-        "ka", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker(), keepalive=keepalive
+        "ka", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker(), keepalive=CONFIGURED_KEEPALIVE
     )
-    listener.start()
+    listener.bind()
     try:
         port = listener.bound_address.port
+        with socket.create_connection(("127.0.0.1", port)):  # waits in the backlog
+            await asyncio.sleep(0.05)
+            listener.start()
+            await asyncio.wait_for(done.wait(), 5)
+        done.clear()
         with socket.create_connection(("127.0.0.1", port)):
             await asyncio.wait_for(done.wait(), 5)
     finally:
         listener.close()
-    assert seen == [
-        {"keepalive": 1, "idle": 45, "interval": 7, "count": 4, "user_timeout_ms": 73_000, "nodelay": 1}
-    ]
+    assert seen == [CONFIGURED_OPTIONS, CONFIGURED_OPTIONS]
 
 
 async def _relayed_sockets(env: dict[str, str]):
@@ -155,7 +172,7 @@ async def test_accepted_sockets_inherit_the_listeners_options_and_keepalive_time
     # The options are set once on the listening socket; the accepted socket carries them because
     # Linux copies them at accept(), not because anything sets them again per connection: a value
     # changed on the listening socket after start is the one the accepted socket has.
-    keepalive = KeepaliveSettings(enabled=True, time_s=45, interval_s=7, retries=4, user_timeout=True)
+    keepalive = CONFIGURED_KEEPALIVE
     for address in ("127.0.0.1:0", "[::]:0"):  # and a dual-stack listener with an IPv4 client
         listening, (accepted, timer) = await _accepted_options(address, keepalive)
         assert listening == CONFIGURED_OPTIONS
@@ -264,3 +281,27 @@ async def test_a_captured_client_that_reset_before_it_was_served_is_one_debug_li
     records = [r for r in caplog.records if r.name.startswith("ambient_mesh.proxy")]
     assert not [r for r in records if r.exc_info or r.levelno >= logging.WARNING], records
     assert [r for r in records if "client gone before it was served" in r.getMessage()]
+
+
+def test_worker_member_sockets_carry_the_options_before_any_worker_serves_them():
+    # ZTUNNEL_WORKER_THREADS: the owner binds and listens; a worker adopts the socket later. A
+    # client that connects in between is accepted with the options the socket had before listen().
+    config = ZtunnelConfig(
+        keepalive_time_s=45, keepalive_interval_s=7, keepalive_retries=4, user_timeout_enabled=True
+    )
+    here = SocketAddr.parse("127.0.0.1:0")
+    addresses = ListenerAddresses(outbound=here, inbound=here, inbound_plaintext=here, socks5=None)
+    members = open_member_sockets(config, addresses, False, 2)
+    try:
+        for group in members.values():
+            assert [options(s) for s in group] == [CONFIGURED_OPTIONS] * 2
+        group = members["outbound"]
+        with socket.create_connection(group[0].getsockname()):
+            ready, _, _ = select.select(group, [], [], 5)  # the kernel picks the group member
+            accepted, _ = ready[0].accept()
+            with accepted:
+                assert options(accepted) == CONFIGURED_OPTIONS
+    finally:
+        for group in members.values():
+            for s in group:
+                s.close()
