@@ -48,6 +48,7 @@ class LibSsl:
         self.bio_f_buffer = _bind(lib.BIO_f_buffer, (), ptr)
         self.bio_new = _bind(lib.BIO_new, (ptr,), ptr)
         self.bio_push = _bind(lib.BIO_push, (ptr, ptr), ptr)
+        self.bio_pop = _bind(lib.BIO_pop, (ptr,), ptr)
         self.bio_up_ref = _bind(lib.BIO_up_ref, (ptr,), c_int)
         self.bio_free = _bind(lib.BIO_free, (ptr,), c_int)
         self.bio_ctrl = _bind(lib.BIO_ctrl, (ptr, c_int, ctypes.c_long, ptr), ctypes.c_long)

@@ -44,7 +44,8 @@ way OpenSSL buffers its own handshake flights; the records of a write then go ou
 the buffer is flushed after each write. Its bytes are copied once more (into the buffer), which
 costs less than the sends it saves (bench/README.md, issue 11, the per-message path for large
 messages). Connections that only ever carry small messages never get it (no memory, no flush
-call). What the buffer holds is part of what close waits for; a flush the socket refuses is
+call), and one that goes back to small messages gives it back after
+SMALL_WRITES_BEFORE_UNCOALESCING of them in a row (the next bulk write puts it back). What the buffer holds is part of what close waits for; a flush the socket refuses is
 retried when it is writable, and while it waits new writes join the backlog.
 
 `ctx.wrap_socket` is the public way in; the hot path then calls the SSLSocket's C object
@@ -83,6 +84,11 @@ MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
 # first write of at least COALESCE_FROM_BYTES.
 WRITE_COALESCE_BYTES = 288 * 1024
 COALESCE_FROM_BYTES = 32 * 1024
+# After this many small writes in a row (each under COALESCE_FROM_BYTES) the buffering BIO is
+# taken out again: a pooled connection that carried one bulk transfer would otherwise keep its
+# WRITE_COALESCE_BYTES for life, and copy every small message through it. The next bulk write
+# puts it back.
+SMALL_WRITES_BEFORE_UNCOALESCING = 16
 # Decrypted bytes handed to the protocol per readiness callback before other callbacks run (the
 # socket is polled level-triggered: what is left is read on the next round).
 READ_BYTES_PER_WAKE = 1024 * 1024
@@ -131,13 +137,25 @@ def read_ahead(tls: ssl.SSLSocket) -> Callable[[], int] | None:
 class _Coalescer:
     """The buffering BIO in front of one connection's socket BIO (module docstring)."""
 
-    __slots__ = ("flush", "should_retry")
+    __slots__ = ("flush", "should_retry", "_lib", "_ssl", "_bio")
 
-    def __init__(self, lib: openssl_native.LibSsl, bio: int) -> None:
+    def __init__(self, lib: openssl_native.LibSsl, ssl_pointer: int, bio: int) -> None:
+        self._lib, self._ssl, self._bio = lib, ssl_pointer, bio
         self.flush: Callable[[], int] = functools.partial(lib.bio_ctrl, bio, _BIO_CTRL_FLUSH, 0, None)
         self.should_retry: Callable[[], int] = functools.partial(
             lib.bio_test_flags, bio, _BIO_FLAGS_SHOULD_RETRY
         )
+
+    def remove(self) -> None:
+        """Put the socket BIO back as the write BIO and free the buffer. Only once a flush sent
+        everything and no write is pending in OpenSSL (between writes, as for installing).
+
+        BIO_pop first: it detaches the socket BIO, whose reference the buffer held, and that
+        reference becomes the write BIO's; SSL_set0_wbio then frees the old write BIO with
+        BIO_free_all, which is the buffer alone. The socket BIO's references are as they were
+        before `coalesce_writes`: the read BIO's and the write BIO's."""
+        lib, bio = self._lib, self._bio
+        lib.set0_wbio(self._ssl, lib.bio_pop(bio))
 
 
 def coalesce_writes(tls: ssl.SSLSocket, size: int = WRITE_COALESCE_BYTES) -> _Coalescer | None:
@@ -166,7 +184,7 @@ def coalesce_writes(tls: ssl.SSLSocket, size: int = WRITE_COALESCE_BYTES) -> _Co
     lib.bio_up_ref(sock_bio)
     lib.bio_push(bio, sock_bio)
     lib.set0_wbio(pointer, bio)
-    return _Coalescer(lib, bio)
+    return _Coalescer(lib, pointer, bio)
 
 
 class TlsBacklogOverflow(ConnectionError):
@@ -337,6 +355,7 @@ class TlsTransport(asyncio.Transport):
         "_has_pending",
         "_coalescer",
         "_coalesce",
+        "_small_writes",
         "_unflushed",
         "_batching",
     )
@@ -366,7 +385,8 @@ class TlsTransport(asyncio.Transport):
         # without it.
         self._has_pending: Callable[[], int] = read_ahead(tls) or self._ssl.pending
         self._coalescer: _Coalescer | None = None  # installed on the first bulk write
-        self._coalesce = True  # whether to try (once)
+        self._coalesce = True  # whether to try (False when coalesce_writes found no way in)
+        self._small_writes = 0  # small writes in a row while the coalescer is in
         self._unflushed = False  # the coalescing buffer holds bytes the socket refused
         self._batching = False  # in writelines: one flush after all its pieces
 
@@ -549,8 +569,16 @@ class TlsTransport(asyncio.Transport):
                 self._fatal(e)
                 return
             else:
-                if coalescer is not None and not self._batching and coalescer.flush() <= 0:
-                    self._flush_refused(coalescer)
+                if coalescer is not None:
+                    if len(data) >= COALESCE_FROM_BYTES:
+                        self._small_writes = 0
+                    else:
+                        self._small_writes += 1
+                    if not self._batching:
+                        if coalescer.flush() <= 0:
+                            self._flush_refused(coalescer)
+                        elif self._small_writes >= SMALL_WRITES_BEFORE_UNCOALESCING:
+                            self._stop_coalescing(coalescer)
                 return
         if not isinstance(data, bytes) and not (isinstance(data, memoryview) and data.readonly):
             data = bytes(data)  # the caller may change it before it goes out
@@ -630,9 +658,15 @@ class TlsTransport(asyncio.Transport):
 
     # Write coalescing (module docstring) -------------------------------------------------
     def _start_coalescing(self) -> _Coalescer | None:
-        self._coalesce = False  # one try per connection
         self._coalescer = coalesce_writes(self._tls)
+        self._coalesce = self._coalescer is not None  # no way in: not tried again
+        self._small_writes = 0
         return self._coalescer
+
+    def _stop_coalescing(self, coalescer: _Coalescer) -> None:
+        """The buffer was just flushed whole: take it out (SMALL_WRITES_BEFORE_UNCOALESCING)."""
+        coalescer.remove()
+        self._coalescer = None
 
     def _flush_coalescer(self, coalescer: _Coalescer) -> bool:
         """Send what the buffer holds; False when the socket refused it (see _flush_refused)."""

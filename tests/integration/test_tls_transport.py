@@ -20,6 +20,7 @@ from ambient_mesh.identity import (
     CertificateAuthority,
     Identity,
     client_context,
+    openssl_native,
     server_context,
     verify_client_identity,
     verify_server_identity,
@@ -525,8 +526,58 @@ async def test_coalesced_writes_arrive_byte_exact_while_the_socket_fills_and_dra
         assert not client.transport._unflushed and client.transport.get_write_buffer_size() == 0
 
 
-async def test_close_sends_what_the_coalescing_buffer_holds_before_close_notify():
+def _write_bio_is_the_socket_bio(transport: TlsTransport) -> bool:
+    lib = openssl_native.libssl()
+    assert lib is not None
+    pointer = openssl_native.field_pointer(transport.get_extra_info("ssl_object")._sslobj, 1)
+    return lib.get_wbio(pointer) == lib.get_rbio(pointer)
+
+
+async def test_the_coalescing_buffer_leaves_after_small_writes_and_comes_back_for_bulk():
+    """A connection that carried bulk and then only small messages gives the buffer back (its
+    WRITE_COALESCE_BYTES, and a copy of every small message): after
+    SMALL_WRITES_BEFORE_UNCOALESCING small writes in a row the socket BIO is the write BIO again;
+    the next bulk write puts the buffer back. Many rounds, then a clean close: the BIO
+    references stay right (a wrong count frees the socket BIO twice or never)."""
+    small_run = tls_transport.SMALL_WRITES_BEFORE_UNCOALESCING
+    chunk = hashlib.sha256(b"again").digest() * (COALESCE_FROM // 32)
+    async with tls_pair() as (server, client):
+        assert client.transport is not None and server.transport is not None
+        expected = bytearray()
+        for round_no in range(30):
+            client.transport.write(chunk)
+            expected += chunk
+            assert client.transport._coalescer is not None
+            assert not _write_bio_is_the_socket_bio(client.transport)
+            for i in range(small_run):
+                assert client.transport._coalescer is not None, (round_no, i)
+                before = _write_syscalls()
+                piece = b"%d.%d;" % (round_no, i)
+                client.transport.write(piece)
+                expected += piece
+                assert _write_syscalls() - before == 1  # flushed at once, as before
+            assert client.transport._coalescer is None
+            assert _write_bio_is_the_socket_bio(client.transport)
+            client.transport.write(b"after;")  # straight to the socket BIO
+            expected += b"after;"
+            await server.wait_for_bytes(len(expected))
+        # A bulk writelines resets the run: its small header piece does not count toward it.
+        client.transport.write(chunk)
+        for _ in range(small_run):
+            client.transport.writelines([b"h" * 9, chunk])
+        assert client.transport._coalescer is not None
+        expected += chunk + (b"h" * 9 + chunk) * small_run
+        await server.wait_for_bytes(len(expected))
+        assert bytes(server.data) == expected
+        client.transport.close()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await server.eof
+            assert await client.lost is None
+
+
+async def test_close_sends_what_the_coalescing_buffer_holds_before_close_notify(monkeypatch):
     """Bytes the socket refused wait in the buffer; close writes them, then close_notify."""
+    monkeypatch.setattr(tls_transport, "SMALL_WRITES_BEFORE_UNCOALESCING", 1 << 30)  # keep it in
     async with tls_pair(buffer_bytes=64 * 1024) as (server, client):
         assert client.transport is not None and server.transport is not None
         client.transport.write(b"c" * COALESCE_FROM)
