@@ -13,6 +13,7 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+import pytest
 
 from ambient_mesh.proxy.hbone import (
     CONNECTION_WINDOW_BYTES,
@@ -331,4 +332,47 @@ async def test_a_clean_end_while_writing_is_paused_still_writes_what_the_core_ho
     # 6.4, length 4, type RST_STREAM, no flags, the stream id, CANCEL.)
     rst = bytes([0, 0, 4, 3, 0]) + sid.to_bytes(4, "big") + (8).to_bytes(4, "big")
     assert rst in transport.take()
+    ours._cancel_timers()
+
+
+class PausingEndpoint(RecordingEndpoint):
+    """A socket whose buffer fills with what it is written: each write makes the relay pause the
+    other side, as TcpEndpoint's pause_writing does."""
+
+    def write(self, data) -> None:
+        super().write(data)
+        assert self.relay is not None
+        self.relay.blocked(self)
+
+
+def _stream_credit(events: list, sid: int) -> int:
+    return sum(e.delta for e in events if isinstance(e, h2.events.WindowUpdated) and e.stream_id == sid)
+
+
+@pytest.mark.parametrize("pausing", [False, True])
+async def test_one_data_frame_per_read_credits_only_while_the_reader_keeps_up(pausing):
+    """`buffer_updated` hands a read that is one DATA frame to the relay itself (on_data inlined):
+    its credit goes back when the socket took it, and is held when that very write paused the
+    socket (returned on resume), as on_data does."""
+    from ambient_mesh.proxy.hbone import HboneSettings
+
+    # A 1 MiB stream window: credit goes back in a WINDOW_UPDATE once 1/8 of it (128 KiB) is owed,
+    # so each chunk's credit shows on the wire by itself.
+    ours = HboneConnection(client_side=True, settings=HboneSettings(stream_window_bytes=1024 * 1024))
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, _tcp, _relay, sid = await _open(ours, transport, server)
+    tcp = PausingEndpoint() if pausing else RecordingEndpoint()
+    Relay(tcp, stream)
+    chunk = 200 * 1024  # one DATA frame, one read of the 256 KiB receive buffer
+    for _ in range(3):
+        server.send_data(sid, b"z" * chunk)
+        _read_into_buffer(ours, server.data_to_send())
+    assert bytes(tcp.received) == b"z" * (3 * chunk)
+    credit = _stream_credit(server.receive_data(transport.take()), sid)
+    assert credit == (0 if pausing else 3 * chunk)
+    if pausing:
+        stream.resume_reading()
+        assert _stream_credit(server.receive_data(transport.take()), sid) == 3 * chunk
     ours._cancel_timers()
