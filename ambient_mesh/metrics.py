@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from prometheus_client.exposition import choose_encoder
@@ -134,20 +134,40 @@ class WithoutCreated(Collector):
                 yield metric
 
 
-class ConnectionRecorder:
-    """Counts one connection's bytes as they move and records its end exactly once.
+class ByteTotals(Protocol):
+    """Where a connection's byte counts are read: `bytes_up` from the client towards the
+    server, `bytes_down` back (proxy/relay.py's Relay is one)."""
 
-    Bytes are counted in plain ints on the data path; the byte counters catch up with every open
-    recorder when the registry is collected (a scrape, a worker's stats) and with each recorder
-    when it closes. A locked counter add per read and per write was about a tenth of a proxy's
-    user time per small message (bench/README.md)."""
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(slots=True)
+class ByteCount:
+    """A ByteTotals of its own (tests, and a recorder that follows nothing yet)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+_NO_BYTES = ByteCount()  # shared, never written: a recorder follows it until `follow`
+
+
+class ConnectionRecorder:
+    """Counts one connection's bytes and records its end exactly once.
+
+    The bytes are read from what carries them (`follow`: the relay's own counts), not reported
+    per chunk: the byte counters catch up with every open recorder when the registry is
+    collected (a scrape, a worker's stats) and with each recorder when it closes. A locked
+    counter add per read and per write was about a tenth of a proxy's user time per small
+    message, and a call per chunk into plain ints 4 of 18 Python calls per round trip
+    (bench/README.md)."""
 
     __slots__ = (
         "_metrics",
         "labels",
         "_bound",
-        "received_bytes",
-        "sent_bytes",
+        "_totals",
         "_counted_received",
         "_counted_sent",
         "response_flag",
@@ -158,8 +178,7 @@ class ConnectionRecorder:
         self.labels = labels
         # Bound children (Metrics.bound_children): the hot path is one locked add, no label lookup.
         self._bound = bound if bound is not None else metrics.bound_children(labels)
-        self.received_bytes = 0
-        self.sent_bytes = 0
+        self._totals: ByteTotals = _NO_BYTES
         self._counted_received = 0  # what the byte counters already have
         self._counted_sent = 0
         self.response_flag: ResponseFlag | None = None
@@ -168,26 +187,31 @@ class ConnectionRecorder:
     def closed(self) -> bool:
         return self.response_flag is not None
 
-    def add_received(self, n: int) -> None:
-        """Bytes from the client towards the server."""
-        if n > 0:
-            self.received_bytes += n
+    def follow(self, totals: ByteTotals) -> None:
+        """Count the bytes `totals` counts from now on (its counts so far included)."""
+        self._totals = totals
 
-    def add_sent(self, n: int) -> None:
+    @property
+    def received_bytes(self) -> int:
+        """Bytes from the client towards the server."""
+        return self._totals.bytes_up
+
+    @property
+    def sent_bytes(self) -> int:
         """Bytes from the server back to the client."""
-        if n > 0:
-            self.sent_bytes += n
+        return self._totals.bytes_down
 
     def count_bytes(self) -> None:
         """Bring the byte counters up to this connection's totals."""
-        received = self.received_bytes - self._counted_received
+        totals = self._totals
+        received = totals.bytes_up - self._counted_received
         if received:
             self._bound[3].inc(received)
-            self._counted_received = self.received_bytes
-        sent = self.sent_bytes - self._counted_sent
+            self._counted_received = totals.bytes_up
+        sent = totals.bytes_down - self._counted_sent
         if sent:
             self._bound[4].inc(sent)
-            self._counted_sent = self.sent_bytes
+            self._counted_sent = totals.bytes_down
 
     def close(self, response_flag: ResponseFlag = NO_FLAG) -> bool:
         """Record the end of the connection; later calls do nothing and return False."""
@@ -197,10 +221,11 @@ class ConnectionRecorder:
             raise ValueError(f"unknown response flag {response_flag!r}")
         self.response_flag = response_flag
         # The bytes not counted yet wait in the label set's pending sums (see bound_children).
-        bound = self._bound
-        bound[_PENDING_RECEIVED] += self.received_bytes - self._counted_received
-        bound[_PENDING_SENT] += self.sent_bytes - self._counted_sent
-        self._counted_received, self._counted_sent = self.received_bytes, self.sent_bytes
+        bound, totals = self._bound, self._totals
+        bound[_PENDING_RECEIVED] += totals.bytes_up - self._counted_received
+        bound[_PENDING_SENT] += totals.bytes_down - self._counted_sent
+        self._counted_received, self._counted_sent = totals.bytes_up, totals.bytes_down
+        self._totals = ByteCount(totals.bytes_up, totals.bytes_down)  # later bytes: not counted
         if not bound[_KEPT]:
             self._metrics._flush_pending(bound)
         self._metrics._live.pop(id(self), None)

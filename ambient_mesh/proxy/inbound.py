@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import AmbientError, ProtocolError, ResponseFlag
 from ..host.sockets import is_own_listener, original_destination
 from ..identity.spiffe import Identity
+from ..metrics import ConnectionRecorder
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
@@ -63,16 +64,6 @@ def _service_vip(service: Service, network: str, port: int) -> SocketAddr | None
     """A VIP of `service` on our network, IPv4 preferred, with the requested port."""
     vips = sorted((v.address for v in service.vips if v.network == network), key=lambda ip: ip.version)
     return SocketAddr(vips[0], port) if vips else None
-
-
-def _both(
-    first: Callable[[int, int], None], second: Callable[[int, int], None]
-) -> Callable[[int, int], None]:
-    def progress(up: int, down: int) -> None:
-        first(up, down)
-        second(up, down)
-
-    return progress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -347,15 +338,19 @@ class InboundProxy:
         self,
         admitted: Admitted,
         downstream: TcpEndpoint | HboneStream,
-        also: Callable[[int, int], None] | None = None,
+        also: ConnectionRecorder | None = None,
         on_done: Callable[[Relay, BaseException | None], None] | None = None,
     ) -> Relay:
         """Relay between the caller's side and the app, tracked for policy re-checks; returns at
         once. The end (untrack, metrics, access log, then `on_done`) runs from `relay.done`."""
         pi = self.pi
         result = admitted.result
-        progress = result.progress if also is None else _both(result.progress, also)
-        relay = Relay(downstream, admitted.upstream, on_progress=progress)
+        relay = Relay(downstream, admitted.upstream)
+        # Client -> server bytes are "received" in Istio's metric vocabulary, the reverse "sent":
+        # the relay's bytes_up and bytes_down, read by the recorders when they count.
+        result.recorder.follow(relay)
+        if also is not None:
+            also.follow(relay)
         untrack = pi.connection_manager.register(
             admitted.rbac_conn, admitted.workload, relay.abort, admitted.peer, result.dst_addr
         )
@@ -375,7 +370,7 @@ class InboundProxy:
         self,
         admitted: Admitted,
         downstream: TcpEndpoint | HboneStream,
-        also: Callable[[int, int], None] | None = None,
+        also: ConnectionRecorder | None = None,
     ) -> tuple[Relay, BaseException | None]:
         """`start_carry`, then wait until the relay has ended and been recorded."""
         relay = self.start_carry(admitted, downstream, also)
@@ -501,7 +496,8 @@ class InboundPassthroughProxy:
             )
             downstream.abort()
             return
-        relay = Relay(downstream, upstream, on_progress=result.progress)
+        relay = Relay(downstream, upstream)
+        result.recorder.follow(relay)
         untrack = pi.connection_manager.register(rbac_conn, workload, relay.abort, peer, target)
 
         def finished(relay: Relay, err: BaseException | None) -> None:

@@ -186,11 +186,12 @@ class OutboundProxy:
         if upstream.admitted is not None:
             assert upstream.inbound is not None
             upstream.inbound.start_carry(
-                upstream.admitted, downstream, also=result.progress, on_done=result.complete
+                upstream.admitted, downstream, also=result.recorder, on_done=result.complete
             )
             return
         assert upstream.endpoint is not None
-        relay = Relay(downstream, upstream.endpoint, on_progress=result.progress)
+        relay = Relay(downstream, upstream.endpoint)
+        result.recorder.follow(relay)
         self.pi.connections.track(relay, result, on_end=result.complete)
         upstream.endpoint.attach(relay)
         downstream.attach(relay)

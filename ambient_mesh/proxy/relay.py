@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-from collections.abc import Callable
 
 # uvloop's read buffer (UV_STREAM_RECV_BUF_SIZE): a `data_received` this long filled it.
 UVLOOP_READ_BYTES = 256_000
@@ -64,8 +63,8 @@ class Endpoint:
 class Relay:
     """Joins `downstream` (the side that opened the connection) and `upstream`.
 
-    `bytes_up` counts downstream -> upstream (what the client sent), `bytes_down` the reverse.
-    `on_progress(up, down)` is called for every chunk, so metrics count live bytes.
+    `bytes_up` counts downstream -> upstream (what the client sent), `bytes_down` the reverse;
+    the connection's metrics read them (metrics.ConnectionRecorder.follow), no call per chunk.
     `done` resolves with None on a clean finish or the error that ended the relay.
     """
 
@@ -76,20 +75,16 @@ class Relay:
         "bytes_down",
         "done",
         "_eof_from",
-        "_on_progress",
         "_closed",
     )
 
-    def __init__(
-        self, downstream: Endpoint, upstream: Endpoint, on_progress: Callable[[int, int], None] | None = None
-    ) -> None:
+    def __init__(self, downstream: Endpoint, upstream: Endpoint) -> None:
         self.downstream = downstream
         self.upstream = upstream
         self.bytes_up = 0
         self.bytes_down = 0
         self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         self._eof_from = 0  # bit 1: downstream sent EOF, bit 2: upstream (a set was 216 B per relay)
-        self._on_progress = on_progress
         self._closed = False
         downstream.relay = self
         upstream.relay = self
@@ -111,13 +106,9 @@ class Relay:
         n = len(data)
         if side is self.downstream:
             self.bytes_up += n
-            if self._on_progress is not None:
-                self._on_progress(n, 0)
             self.upstream.write(data)
         else:
             self.bytes_down += n
-            if self._on_progress is not None:
-                self._on_progress(0, n)
             self.downstream.write(data)
 
     def eof_from(self, side: Endpoint) -> None:

@@ -213,13 +213,6 @@ class ConnectionResult:
             mtls=hbone,
         )
 
-    def progress(self, up: int, down: int) -> None:
-        # client -> server bytes are "received" in Istio's metric vocabulary, the reverse "sent"
-        if up:
-            self.recorder.add_received(up)
-        if down:
-            self.recorder.add_sent(down)
-
     def dump_info(self) -> dict[str, Any]:
         return {
             "direction": self.direction,

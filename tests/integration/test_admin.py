@@ -23,7 +23,7 @@ from ambient_mesh.http1 import (
     render_response,
 )
 from ambient_mesh.http1.server import HttpServer
-from ambient_mesh.metrics import Metrics
+from ambient_mesh.metrics import ByteCount, Metrics
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.telemetry import connection_labels
 
@@ -389,7 +389,7 @@ async def test_dual_stack_wildcard_accepts_ipv4():
 @pytest.fixture
 async def stats():
     metrics = Metrics(istio_version="1.26.0", process_metrics=False)
-    metrics.connection_opened(connection_labels("source")).add_received(42)
+    metrics.connection_opened(connection_labels("source")).follow(ByteCount(bytes_up=42))
     server = StatsServer(LOOPBACK, metrics)
     await server.start()
     try:

@@ -8,7 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.metrics import (
     TRAFFIC_LABEL_NAMES,
+    ByteCount,
     ConnectionLabels,
+    ConnectionRecorder,
     Metrics,
 )
 from ambient_mesh.proxy.telemetry import connection_labels
@@ -97,21 +99,30 @@ def test_label_order_puts_response_flags_after_protocol():
     assert len(TRAFFIC_LABEL_NAMES) == len(set(TRAFFIC_LABEL_NAMES)) == 27
 
 
+def followed(recorder: ConnectionRecorder) -> ByteCount:
+    """Counts for `recorder` to follow, as it follows a relay's bytes_up and bytes_down."""
+    totals = ByteCount()
+    recorder.follow(totals)
+    return totals
+
+
 def test_bytes_are_counted_once_across_scrapes_and_the_close():
-    """The data path counts in plain ints; each collection and the close add only what is new."""
+    """The data path counts in plain ints (the relay's), read by the recorder: each collection
+    and the close add only what is new."""
     m = Metrics(process_metrics=False)
     labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
     first, second = m.connection_opened(labels), m.connection_opened(labels)
-    first.add_received(10)
-    second.add_received(5)
+    first_bytes, second_bytes = followed(first), followed(second)
+    first_bytes.bytes_up += 10
+    second_bytes.bytes_up += 5
     assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 15
     assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 15  # a second scrape adds nothing
-    first.add_received(1)
-    first.add_sent(4)
+    first_bytes.bytes_up += 1
+    first_bytes.bytes_down += 4
     assert first.close() is True
     # counted at the close, with no scrape in between; a closed recorder is no longer followed
     assert m._live.keys() == {id(second)}
-    first.add_received(1000)  # after the close: not counted
+    first_bytes.bytes_up += 1000  # after the close: not counted
     assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 16
     assert sample(m, "istio_tcp_sent_bytes_total", **full(labels)) == 4
     second.close()
@@ -125,10 +136,10 @@ def test_connection_lifecycle_counts():
     assert sample(m, "istio_tcp_connections_opened_total", **full(labels)) == 1
     assert sample(m, "istio_tcp_sockets_open", reporter="source") == 1
     assert sample(m, "istio_tcp_sockets_open", reporter="destination") == 0
-    rec.add_received(100)
-    rec.add_received(23)
-    rec.add_sent(7)
-    rec.add_sent(0)
+    totals = followed(rec)
+    totals.bytes_up += 100
+    totals.bytes_up += 23
+    totals.bytes_down += 7
     # Live: visible before the connection closes.
     assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 123
     assert sample(m, "istio_tcp_sent_bytes_total", **full(labels)) == 7
@@ -206,7 +217,7 @@ def test_registries_are_independent():
 def test_render_prometheus_text_has_no_created_series():
     m = Metrics(process_metrics=False)
     labels = connection_labels("source", SRC, SRC_ID, DST, SVC, DST_ID, mtls=True)
-    m.connection_opened(labels).add_received(5)
+    followed(m.connection_opened(labels)).bytes_up += 5
     body, _ = m.render("text/plain")
     text = body.decode()
     assert "_created" not in text
@@ -238,9 +249,10 @@ def test_counts_survive_label_sets_dropped_while_their_connections_are_open(monk
         connection_labels("source", SRC, Identity("cluster.local", "default", f"sa{i}")) for i in range(5)
     ]
     recs = [m.connection_opened(labels) for labels in sets]  # each new set past 2 drops the others
-    for i, rec in enumerate(recs):
-        rec.add_received(10 + i)
-        rec.add_sent(i)
+    totals = [followed(rec) for rec in recs]
+    for i, count in enumerate(totals):
+        count.bytes_up += 10 + i
+        count.bytes_down += i
     for rec in recs[:3]:
         rec.close()
     for i, labels in enumerate(sets):
@@ -248,8 +260,8 @@ def test_counts_survive_label_sets_dropped_while_their_connections_are_open(monk
         assert sample(m, "istio_tcp_received_bytes_total", **full(labels)) == 10 + i
         closed = sample(m, "istio_tcp_connections_closed_total", **full(labels))
         assert closed == (1 if i < 3 else None)
-    for rec in recs[3:]:
-        rec.add_received(1)
+    for count in totals[3:]:
+        count.bytes_up += 1
     recs[3].close("CONNECT")  # a failure: its bytes still reach the dropped set's counter
     recs[4].close()
     m.connection_opened(sets[0]).close()  # a set seen again after it was dropped
