@@ -3,8 +3,9 @@
 Counterpart: ztunnel benches/throughput.rs `metrics` (reference/ztunnel.md 14.1): the cost of
 building labels and incrementing, and of encoding the registry. Cases:
 
-  connection, N chunks   connection_labels + Metrics.connection_opened + N x
-                         (add_received + add_sent) + close, for N = 1, 10, 100; once with the
+  connection, N chunks   connection_labels + Metrics.connection_opened + follow + N x
+                         (the relay's byte counts, both ways) + close, for N = 1, 10, 100
+                         (the recorder reads the counts at the close); once with the
                          same peers every time (series already exist) and once with a new source
                          workload per connection (a new series each time)
   render                 Metrics.render() of a registry holding 1,000 label sets, Prometheus text
@@ -32,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ambient_mesh.identity.spiffe import Identity  # noqa: E402
-from ambient_mesh.metrics import REPORTER_DESTINATION, Metrics  # noqa: E402
+from ambient_mesh.metrics import REPORTER_DESTINATION, ByteCount, Metrics  # noqa: E402
 from ambient_mesh.proxy.telemetry import connection_labels  # noqa: E402
 from ambient_mesh.state.model import Locality, Service, Workload  # noqa: E402
 
@@ -78,9 +79,11 @@ def one_connection(metrics: Metrics, src: Workload, chunks: int) -> None:
         mtls=True,
     )
     recorder = metrics.connection_opened(labels)
+    counts = ByteCount()  # what a Relay's bytes_up and bytes_down are
+    recorder.follow(counts)
     for _ in range(chunks):
-        recorder.add_received(CHUNK_BYTES)
-        recorder.add_sent(CHUNK_BYTES)
+        counts.bytes_up += CHUNK_BYTES
+        counts.bytes_down += CHUNK_BYTES
     recorder.close()
 
 

@@ -1,10 +1,10 @@
 """The few OpenSSL calls Python 3.11's `ssl` does not offer, on the objects it made.
 
 Two users: identity/tls_suites.py sets TLS 1.3 cipher suites on the `SSL_CTX *` of an
-`ssl.SSLContext`, and proxy/tls_transport.py switches read-ahead on (and asks SSL_has_pending) on
-the `SSL *` of a connection's `_ssl._SSLSocket`, and puts a buffering BIO in front of its socket
-BIO for writes (BIO_f_buffer, the BIO OpenSSL itself buffers handshake flights with). Both pointers are fields of CPython's own
-objects (Modules/_ssl.c, unchanged from 3.7 to 3.13): `PySSLContext` starts with `SSL_CTX *ctx`
+`ssl.SSLContext`; proxy/tls_transport.py switches read-ahead on (and asks SSL_has_pending) on the
+`SSL *` of a connection's `_ssl._SSLSocket`, and puts a buffering BIO in front of its socket BIO
+for writes and takes it out again (BIO_f_buffer, the BIO OpenSSL buffers its own handshake
+flights with). Both pointers are fields of CPython's own objects (Modules/_ssl.c, unchanged from 3.7 to 3.13): `PySSLContext` starts with `SSL_CTX *ctx`
 right after the object header, `PySSLSocket` with `PyObject *Socket` and then `SSL *ssl`. A pointer
 read that way is only a candidate: each user checks it with an OpenSSL getter whose answer it
 knows (the context's options and verify mode, the socket's descriptor) before writing through it.
