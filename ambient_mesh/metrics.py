@@ -225,7 +225,6 @@ class ConnectionRecorder:
         bound[_PENDING_RECEIVED] += totals.bytes_up - self._counted_received
         bound[_PENDING_SENT] += totals.bytes_down - self._counted_sent
         self._counted_received, self._counted_sent = totals.bytes_up, totals.bytes_down
-        self._totals = ByteCount(totals.bytes_up, totals.bytes_down)  # later bytes: not counted
         if not bound[_KEPT]:
             self._metrics._flush_pending(bound)
         self._metrics._live.pop(id(self), None)

@@ -22,15 +22,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hbone_bench import Bench, choose_topology, proc_cpu_s  # noqa: E402
+from hbone_bench import run_measured, tree_benches  # noqa: E402
 
 WARMUP_CONNECTIONS = 300
 BATCH_MAX_SECONDS = 60.0
@@ -55,29 +53,9 @@ def main() -> int:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
-    bench_args = argparse.Namespace(
-        modes=["hbone"],
-        size_mib=4,
-        parallel=1,
-        latency_bytes=1,
-        round_trips=0,
-        warmup=0,
-        connections=0,
-        idle_connections=0,
-    )
-    topologies, benches, workdirs = [], [], []
-    saved = os.environ.get("PYTHONPATH")
     per_batch: list[dict[str, dict[str, float]]] = []
-    try:
-        for _name, path in trees:
-            os.environ["PYTHONPATH"] = path  # the proxies (spawned with this environment) run this tree
-            workdir = Path(tempfile.mkdtemp(prefix="conn-ab-"))
-            workdirs.append(workdir)
-            topo = choose_topology("netns", workdir)
-            topologies.append(topo)
-            bench = Bench(topo=topo, args=bench_args, pin=True)
-            bench.apply_layout("one-core")
-            bench.warm_up()
+    with tree_benches([path for _name, path in trees], "conn-ab-") as benches:
+        for bench in benches:
             bench.run_client(
                 "hbone",
                 "--test",
@@ -87,14 +65,11 @@ def main() -> int:
                 "--max-seconds",
                 "30",
             )
-            benches.append(bench)
         for i in range(args.batches):
             row: dict[str, dict[str, float]] = {}
             for k in (0, 1) if i % 2 == 0 else (1, 0):
-                pids = topologies[k].pids()
-                cpu0 = sum(proc_cpu_s(pid) for pid in pids.values())
-                result = benches[k].run_client(
-                    "hbone",
+                result, cpu = run_measured(
+                    benches[k],
                     "--test",
                     "connections",
                     "--connections",
@@ -102,7 +77,6 @@ def main() -> int:
                     "--max-seconds",
                     str(BATCH_MAX_SECONDS),
                 )
-                cpu = sum(proc_cpu_s(pid) for pid in pids.values()) - cpu0
                 row[trees[k][0]] = {
                     "connections": result["connections"],
                     "conn_s": result["conn_s"],
@@ -115,15 +89,6 @@ def main() -> int:
                     f"{n} {v['proxy_cpu_ms_per_conn']:.2f} ms, {v['conn_s']:.0f}/s" for n, v in row.items()
                 )
             )
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-        for topo in topologies:
-            topo.close()
-        for workdir in workdirs:
-            shutil.rmtree(workdir, ignore_errors=True)
 
     (base, _), (other, _) = trees
     cpu_ratio = [b[other]["proxy_cpu_ms_per_conn"] / b[base]["proxy_cpu_ms_per_conn"] for b in per_batch]

@@ -970,6 +970,54 @@ def choose_topology(kind: str, workdir: Path, *, envoy: bool = False) -> Topolog
     return NetnsTopology(workdir, envoy=envoy) if kind == "netns" else LoopbackTopology(workdir, envoy=envoy)
 
 
+@contextlib.contextmanager
+def tree_benches(paths: list[str], prefix: str) -> Iterator[list[Bench]]:
+    """One netns topology per source tree, all up at once, each a pinned one-core Bench whose
+    proxies run that tree (PYTHONPATH while they are spawned), warmed up: the A/B benches
+    (connection_ab_bench.py, pingpong_ab_bench.py --netns) alternate batches between them."""
+    bench_args = argparse.Namespace(
+        modes=["hbone"],
+        size_mib=4,
+        parallel=1,
+        latency_bytes=1,
+        round_trips=0,
+        warmup=0,
+        connections=0,
+        idle_connections=0,
+    )
+    topologies, benches, workdirs = [], [], []
+    saved = os.environ.get("PYTHONPATH")
+    try:
+        for path in paths:
+            os.environ["PYTHONPATH"] = path  # the proxies spawned now run this tree
+            workdir = Path(tempfile.mkdtemp(prefix=prefix))
+            workdirs.append(workdir)
+            topo = choose_topology("netns", workdir)
+            topologies.append(topo)
+            bench = Bench(topo=topo, args=bench_args, pin=True)
+            bench.apply_layout("one-core")
+            bench.warm_up()
+            benches.append(bench)
+        yield benches
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+        for topo in topologies:
+            topo.close()
+        for workdir in workdirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_measured(bench: Bench, *argv: str) -> tuple[dict, float]:
+    """One `hbone` client run of `bench`, and the CPU seconds its two proxies spent meanwhile."""
+    pids = bench.topo.pids()
+    cpu0 = sum(proc_cpu_s(pid) for pid in pids.values())
+    result = bench.run_client("hbone", *argv)
+    return result, sum(proc_cpu_s(pid) for pid in pids.values()) - cpu0
+
+
 # ================================================================================================
 # Orchestrator: the measurements
 # ================================================================================================

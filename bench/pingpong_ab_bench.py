@@ -53,14 +53,6 @@ ROUND_TRIP_TIMEOUT_S = 10.0
 SLICES_PER_TRIAL = 5
 
 
-class Echo(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.transport.write(data)  # type: ignore[attr-defined]
-
-
 class PingClient(asyncio.Protocol):
     """Writes one byte each time one comes back, `remaining` times; `done` at the end."""
 
@@ -121,20 +113,11 @@ async def _tunnel(loop: asyncio.AbstractEventLoop, socks: tuple[str, int]) -> Pi
 
 
 async def child_run(round_trips: int, profile: bool, bulk_kib: int) -> dict:
-    from profile_connections import CLIENT_IP, ECHO_PORT, SERVER_IP, proxy_env
-
-    from ambient_mesh.ztunnel import build
+    from profile_connections import in_process_mesh
 
     loop = asyncio.get_running_loop()
-    echo = await loop.create_server(Echo, SERVER_IP, ECHO_PORT)
-    proxies = []
-    try:
-        for name, ip in (("client", CLIENT_IP), ("server", SERVER_IP)):
-            proxy = await build(proxy_env(name, ip))
-            await proxy.start()
-            proxies.append(proxy)
-        bound = proxies[0].listeners["socks5"].bound_address
-        client = await _tunnel(loop, (str(bound.ip), bound.port))
+    async with in_process_mesh() as socks:
+        client = await _tunnel(loop, socks)
         if bulk_kib:
             await asyncio.wait_for(client.bulk(bulk_kib * 1024), TRIAL_TIMEOUT_S)
         await asyncio.wait_for(client.start(WARMUP_ROUND_TRIPS), TRIAL_TIMEOUT_S)
@@ -152,10 +135,6 @@ async def child_run(round_trips: int, profile: bool, bulk_kib: int) -> dict:
             slices.append((time.process_time() - cpu0, time.monotonic() - wall0))
         cpu, wall = min(slices)
         client.transport.close()
-    finally:
-        for proxy in proxies:
-            await proxy.drain(0.5)
-        echo.close()
     out: dict = {"cpu_us_per_rt": cpu * 1e6 / round_trips, "wall_us_per_rt": wall * 1e6 / round_trips}
     if prof is not None:
         stats = pstats.Stats(prof, stream=io.StringIO())
@@ -218,43 +197,16 @@ def netns_ab(trees: dict[str, str], batches: int, round_trips: int) -> dict:
     pair is the figure: on this host the speed of a core drifts more between runs than a small
     change moves it."""
     sys.path.insert(0, str(ROOT / "bench"))
-    import shutil
+    from hbone_bench import run_measured, tree_benches
 
-    from hbone_bench import Bench, choose_topology, proc_cpu_s
-
-    bench_args = argparse.Namespace(
-        modes=["hbone"],
-        size_mib=4,
-        parallel=1,
-        latency_bytes=1,
-        round_trips=0,
-        warmup=0,
-        connections=0,
-        idle_connections=0,
-    )
     names = list(trees)
-    topologies, benches, workdirs = [], [], []
-    saved = os.environ.get("PYTHONPATH")
     rows: list[dict[str, dict[str, float]]] = []
     latency = ["--test", "latency", "--latency-bytes", "1", "--warmup", "200"]
-    try:
-        for name in names:
-            os.environ["PYTHONPATH"] = trees[name]  # the proxies spawned now run this tree
-            workdir = Path(tempfile.mkdtemp(prefix="pingpong-ab-"))
-            workdirs.append(workdir)
-            topo = choose_topology("netns", workdir)
-            topologies.append(topo)
-            bench = Bench(topo=topo, args=bench_args, pin=True)
-            bench.apply_layout("one-core")
-            bench.warm_up()
-            benches.append(bench)
+    with tree_benches([trees[name] for name in names], "pingpong-ab-") as benches:
         for i in range(batches):
             row: dict[str, dict[str, float]] = {}
             for k in (0, 1) if i % 2 == 0 else (1, 0):
-                pids = topologies[k].pids()
-                cpu0 = sum(proc_cpu_s(pid) for pid in pids.values())
-                result = benches[k].run_client("hbone", *latency, "--round-trips", str(round_trips))
-                cpu = sum(proc_cpu_s(pid) for pid in pids.values()) - cpu0
+                result, cpu = run_measured(benches[k], *latency, "--round-trips", str(round_trips))
                 n = result["count"] + 200  # the warm-up's round trips ran through the proxies too
                 row[names[k]] = {"proxy_cpu_us_per_rt": cpu * 1e6 / n / 2, "p50_us": result["p50_us"]}
             rows.append(row)
@@ -266,15 +218,6 @@ def netns_ab(trees: dict[str, str], batches: int, round_trips: int) -> dict:
                 ),
                 flush=True,
             )
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-        for topo in topologies:
-            topo.close()
-        for workdir in workdirs:
-            shutil.rmtree(workdir, ignore_errors=True)
     base, other = names
     out: dict = {"batches": rows}
     for key in ("proxy_cpu_us_per_rt", "p50_us"):

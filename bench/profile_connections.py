@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import io
 import json
@@ -32,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +127,10 @@ async def one_connection(socks: tuple[str, int]) -> None:
     await writer.wait_closed()
 
 
-async def run(args: argparse.Namespace) -> tuple[cProfile.Profile, float, float]:
+@contextlib.asynccontextmanager
+async def in_process_mesh() -> AsyncIterator[tuple[str, int]]:
+    """The echo app and both node proxies (`proxy_env`) in this process and event loop; yields
+    the client proxy's SOCKS5 address (pingpong_ab_bench.py runs its trials in it too)."""
     from ambient_mesh.ztunnel import build
 
     loop = asyncio.get_running_loop()
@@ -137,7 +142,15 @@ async def run(args: argparse.Namespace) -> tuple[cProfile.Profile, float, float]
             await proxy.start()
             proxies.append(proxy)
         bound = proxies[0].listeners["socks5"].bound_address
-        socks = (str(bound.ip), bound.port)
+        yield (str(bound.ip), bound.port)
+    finally:
+        for proxy in proxies:
+            await proxy.drain(0.5)
+        echo.close()
+
+
+async def run(args: argparse.Namespace) -> tuple[cProfile.Profile, float, float]:
+    async with in_process_mesh() as socks:
         for _ in range(args.warmup):
             await asyncio.wait_for(one_connection(socks), ROUND_TRIP_TIMEOUT_S)
         profile = cProfile.Profile(time.thread_time)
@@ -148,10 +161,6 @@ async def run(args: argparse.Namespace) -> tuple[cProfile.Profile, float, float]
             await asyncio.wait_for(one_connection(socks), ROUND_TRIP_TIMEOUT_S)
         profile.disable()
         return profile, time.monotonic() - wall0, time.thread_time() - cpu0
-    finally:
-        for proxy in proxies:
-            await proxy.drain(0.5)
-        echo.close()
 
 
 def main() -> int:
