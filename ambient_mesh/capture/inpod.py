@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 from ..errors import ConfigError
+from ..metadata import ANNOTATION_BYPASS_INBOUND, ANNOTATION_DNS_CAPTURE, ANNOTATION_VIRTUAL_INTERFACES
 from ..ports import DNS_CAPTURE_PORT, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT
 
 # reference/istio-cni.md 1.6 and 3.1
@@ -52,9 +53,7 @@ NFT_CHAIN_PREROUTING = "istio-prerouting"
 NFT_CHAIN_OUTPUT = "istio-output"
 
 # Pod annotations that change the rules (reference/istio-cni.md 2.4 and 3.2).
-ANNOTATION_BYPASS_INBOUND = "ambient.istio.io/bypass-inbound-capture"
-ANNOTATION_DNS_CAPTURE = "ambient.istio.io/dns-capture"
-ANNOTATION_VIRTUAL_INTERFACES = "istio.io/reroute-virtual-interfaces"
+
 
 IFNAME_MAX_CHARS = 15  # IFNAMSIZ - 1
 # Interface names end up inside rule text: allow only what Linux names look like in practice,

@@ -16,12 +16,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..kube.labels import LabelSelector, Requirement, parse_label_selector
+from ..metadata import (
+    ANNOTATION_SIDECAR_STATUS,
+    DATAPLANE_MODE_AMBIENT,
+    DATAPLANE_MODE_NONE,
+    LABEL_DATAPLANE_MODE,
+)
 from .podinfo import PodInfo
 
-LABEL_DATAPLANE_MODE = "istio.io/dataplane-mode"
-DATAPLANE_MODE_AMBIENT = "ambient"
-DATAPLANE_MODE_NONE = "none"
-ANNOTATION_SIDECAR_STATUS = "sidecar.istio.io/status"
 ISTIO_PROXY_CONTAINER = "istio-proxy"
 
 

@@ -27,7 +27,7 @@ from ..http1 import deadline, exchange, render_request
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials, load_kubeconfig
 
 if TYPE_CHECKING:
-    from ..control.kube import KubeStore
+    from ..kube.objects import KubeStore
 
 
 class PodLookupError(AmbientError):
@@ -87,7 +87,7 @@ class DirectoryPodLookup:
     def _load(self) -> KubeStore:
         if self._store is None:
             # Imported here: the plugin pays for YAML parsing only when it needs a pod.
-            from ..control.kube import KubeStore, load_directory
+            from ..kube.objects import KubeStore, load_directory
 
             if not self.path.is_dir():
                 raise PodLookupError(
@@ -100,7 +100,7 @@ class DirectoryPodLookup:
         return self._store
 
     def get_pod(self, namespace: str, name: str) -> PodInfo | None:
-        from ..control.kube import Pod
+        from ..kube.objects import Pod
 
         obj = self._load().get("Pod", namespace, name)
         if not isinstance(obj, Pod):
@@ -108,7 +108,7 @@ class DirectoryPodLookup:
         return pod_info_from_store(obj)
 
     def get_namespace(self, name: str) -> NamespaceInfo | None:
-        from ..control.kube import Namespace
+        from ..kube.objects import Namespace
 
         obj = self._load().get("Namespace", "", name)
         if not isinstance(obj, Namespace):
@@ -173,7 +173,7 @@ def object_field(raw: Any, key: str) -> dict[str, Any]:
 
 
 def pod_info_from_store(obj: Any, *, uid: str | None = None) -> PodInfo:
-    """control/kube.py's Pod (the YAML-directory source) -> PodInfo; `uid` replaces a missing one."""
+    """kube/objects.py's Pod (the YAML-directory source) -> PodInfo; `uid` replaces a missing one."""
     meta = obj.metadata
     return PodInfo(
         name=meta.name,

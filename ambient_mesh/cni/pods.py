@@ -10,7 +10,7 @@ on the `pods/status` subresource, reference/istio-cni.md 5.2-5.4).
   kind lists, then watches from the list's resourceVersion; a relist after 410 Gone is diffed
   against the cache and reported as events. Credentials from the in-cluster service account or a
   kubeconfig (kube.kubeconfig).
-- `DirectoryPodSource`: the embedded control plane's YAML directory (control/kube.py), polled
+- `DirectoryPodSource`: the embedded control plane's YAML directory (kube/objects.py), polled
   by `DirectoryWatcher`. Those files are the operator's, so the enrollment mark lives in a
   state file in the agent's run dir and is overlaid on the pods as the annotation would be.
 
@@ -39,6 +39,7 @@ from ..host.files import atomic_write
 from ..kube.client import DAEMONSETS, NAMESPACES, PODS, KubeApiError, KubeClient, WatchEvent
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials
 from ..kube.reflector import Reflector
+from ..metadata import ANNOTATION_REDIRECTION
 from .kubeconfig import agent_credentials
 from .podinfo import (
     NamespaceInfo,
@@ -52,7 +53,7 @@ from .podinfo import (
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
-ANNOTATION_REDIRECTION = "ambient.istio.io/redirection"
+
 REDIRECTION_ENABLED = "enabled"
 REDIRECTION_PENDING = "pending"
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -322,7 +323,7 @@ class EnrollmentState:
 
 
 def pod_from_store(obj: Any) -> WatchedPod:
-    """control/kube.py's Pod -> WatchedPod."""
+    """kube/objects.py's Pod -> WatchedPod."""
     meta = obj.metadata
     return WatchedPod(
         info=pod_info_from_store(obj, uid=meta.uid or synthesized_uid(meta.namespace, meta.name)),
@@ -344,7 +345,7 @@ class DirectoryPodSource(_CachedSource):
         poll_interval_s: float = 1.0,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
-        from ..control.kube import DirectoryWatcher
+        from ..kube.objects import DirectoryWatcher
 
         super().__init__(node_name)
         self.path = Path(path)
@@ -367,7 +368,7 @@ class DirectoryPodSource(_CachedSource):
         return pod.with_redirection(mark) if mark else pod
 
     def _poll(self) -> list[SourceEvent] | None:
-        from ..control.kube import Namespace, Pod
+        from ..kube.objects import Namespace, Pod
 
         if not self.path.is_dir():
             raise PodSourceError(
@@ -438,7 +439,7 @@ class DirectoryPodSource(_CachedSource):
             self._pods[pod.key] = cached.with_redirection(None)
 
     async def agent_upgrading(self, pod_namespace: str) -> bool:
-        # control/kube.py does not model DaemonSets; a raw look for the one object is enough.
+        # kube/objects.py does not model DaemonSets; a raw look for the one object is enough.
         for file in sorted(self.path.glob("*")):
             if file.suffix not in (".yaml", ".yml", ".json"):
                 continue

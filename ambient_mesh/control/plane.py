@@ -38,11 +38,11 @@ from ..identity.grpc_tls import (
 from ..identity.spiffe import Identity
 from ..kube.client import KubeClient
 from ..kube.kubeconfig import KubeCredentials
+from ..kube.objects import KubeStore, ObjectKey, Pod
 from ..net import SocketAddr
 from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
-from .kube import KubeStore, ObjectKey, Pod
 from .namespace_controller import NamespaceController
 from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator

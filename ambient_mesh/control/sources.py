@@ -5,7 +5,7 @@ serviceregistry/kube), which keep informers on the kinds ambient reads; and, for
 tests, a directory of YAML files standing in for the cluster.
 
 `ConfigSource` is the one interface; `ControlPlane` takes any implementation:
-- `DirectorySource`: control/kube.py's `DirectoryWatcher` over `--dir` (the lab writes its
+- `DirectorySource`: kube/objects.py's `DirectoryWatcher` over `--dir` (the lab writes its
   cluster there: its store is that directory).
 - `KubeApiSource`: one kube.Reflector per kind (list, watch from the list's resourceVersion,
   bookmarks, relist on 410 Gone) against the API server. Every object goes through the same
@@ -39,8 +39,16 @@ from ..kube.client import (
     Resource,
     WatchEvent,
 )
+from ..kube.objects import (
+    DirectoryChange,
+    DirectoryWatcher,
+    KubeObject,
+    KubeStore,
+    LoadError,
+    ObjectKey,
+    _parse_one,
+)
 from ..kube.reflector import Reflector
-from .kube import DirectoryChange, DirectoryWatcher, KubeObject, KubeStore, LoadError, ObjectKey, _parse_one
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,7 @@ ABSENT_KIND_RETRY_S = 30.0
 HTTP_NOT_FOUND = 404
 API_SOURCE_NAME = "apiserver"  # the "file" of a LoadError for an object read from the API server
 
-# Every kind control/kube.py parses, at the version istiod reads (Istio 1.22+ serves v1 for its
+# Every kind kube/objects.py parses, at the version istiod reads (Istio 1.22+ serves v1 for its
 # security and networking CRDs; Gateway API v1).
 AUTHORIZATION_POLICIES = Resource("security.istio.io", "v1", "AuthorizationPolicy", "authorizationpolicies")
 PEER_AUTHENTICATIONS = Resource("security.istio.io", "v1", "PeerAuthentication", "peerauthentications")
@@ -105,7 +113,7 @@ async def _deliver(on_change: OnChange, change: SourceChange) -> None:
 
 
 class DirectorySource:
-    """`--dir`: a directory of YAML files, polled (control/kube.py's DirectoryWatcher)."""
+    """`--dir`: a directory of YAML files, polled (kube/objects.py's DirectoryWatcher)."""
 
     def __init__(self, path: str | Path, poll_interval_s: float) -> None:
         self.location = str(path)

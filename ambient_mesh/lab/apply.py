@@ -3,7 +3,7 @@
 Counterpart: `kubectl apply/delete/get` with server-side strict field validation. The lab's API
 server is its objects directory, which the control plane watches (one file per object, replaced
 atomically: cluster.py). A manifest is checked with the control plane's own parser
-(control/kube.py) before anything is written, so what the lab accepts the control plane accepts,
+(kube/objects.py) before anything is written, so what the lab accepts the control plane accepts,
 and an error names `file:line:column` (found by walking the YAML node tree along the field path
 the parser reports), the object and the field, as the local config's errors do.
 
@@ -26,8 +26,8 @@ from typing import IO, Any
 import yaml
 
 from .. import yamlload
-from ..control import kube
 from ..errors import ConfigError
+from ..kube import objects as kube
 from ..ztunnel_config import Table
 from .cluster import object_file_name, remove_object, write_objects
 

@@ -26,8 +26,8 @@ import yaml
 
 from ..errors import ConfigError
 from ..host.files import atomic_write
+from ..metadata import LABEL_DATAPLANE_MODE
 
-LABEL_DATAPLANE_MODE = "istio.io/dataplane-mode"
 DATAPLANE_AMBIENT = "ambient"
 DATAPLANE_NONE = "none"
 SYSTEM_NAMESPACE = "istio-system"

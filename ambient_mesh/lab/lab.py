@@ -44,13 +44,13 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..control.kube import load_directory
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
 from ..host.files import atomic_write
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from ..kube.objects import load_directory
 from ..logs import access_events
 from ..ports import (
     ADMIN_PORT,

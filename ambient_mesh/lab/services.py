@@ -38,8 +38,8 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
-from ..control import kube
 from ..dns.resolver import DnsRequest, encode_response, parse_request, refuse_response, udp_limit
+from ..kube import objects as kube
 
 CLUSTER_DOMAIN = "cluster.local"
 SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/16")

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..control.kube import Namespace, Service, load_directory
 from ..host.commands import CommandRunner
 from ..host.netns import http_get, listening_ports
+from ..kube.objects import Namespace, Service, load_directory
+from ..metadata import LABEL_DATAPLANE_MODE
 from ..ports import CNI_HEALTH_PORT, READINESS_PORT, XDS_CA_PORT
 from ..ztunnel_config import Table
-from .cluster import LABEL_DATAPLANE_MODE
 from .journal import same_process
 
 PROBE_TIMEOUT_S = 1.0

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..metadata import LABEL_DATAPLANE_MODE
 from . import apply as manifests
-from .cluster import APP_IMAGE_PREFIX, LABEL_DATAPLANE_MODE, PodSpec, check_name
+from .cluster import APP_IMAGE_PREFIX, PodSpec, check_name
 from .topology import MAX_LAB_NODES
 
 LAB_API_VERSION = "lab.ambient-mesh.io/v1"

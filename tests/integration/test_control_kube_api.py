@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from ambient_mesh.config import ZtunnelConfig
-from ambient_mesh.control.kube import LoadError, parse_documents
 from ambient_mesh.control.plane import ControlPlane, ControlPlaneConfig, build
 from ambient_mesh.control.sources import GATEWAYS, KubeApiSource, SourceChange
 from ambient_mesh.errors import ConfigError, IdentityError
@@ -23,6 +22,7 @@ from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.kube.client import KubeClient
 from ambient_mesh.kube.kubeconfig import KubeCredentials
+from ambient_mesh.kube.objects import LoadError, parse_documents
 from ambient_mesh.net import SocketAddr
 
 from .kube_fake import TOKEN, FakeApiServer

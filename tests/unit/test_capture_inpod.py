@@ -32,9 +32,6 @@ from ambient_mesh.capture.apply import (
     remove_inpod_rules,
 )
 from ambient_mesh.capture.inpod import (
-    ANNOTATION_BYPASS_INBOUND,
-    ANNOTATION_DNS_CAPTURE,
-    ANNOTATION_VIRTUAL_INTERFACES,
     InpodConfig,
     IpFamily,
     PodDns,
@@ -48,6 +45,11 @@ from ambient_mesh.capture.inpod import (
 )
 from ambient_mesh.errors import AmbientError, ConfigError
 from ambient_mesh.host.commands import CommandError, RecordingRunner
+from ambient_mesh.metadata import (
+    ANNOTATION_BYPASS_INBOUND,
+    ANNOTATION_DNS_CAPTURE,
+    ANNOTATION_VIRTUAL_INTERFACES,
+)
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "inpod"
 UPDATE_GOLDEN = os.environ.get("UPDATE_GOLDEN") == "1"

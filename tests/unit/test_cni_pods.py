@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ambient_mesh.cni.pods import (
-    ANNOTATION_REDIRECTION,
     DirectoryPodSource,
     EnrollmentState,
     EventType,
@@ -26,6 +25,7 @@ from ambient_mesh.cni.pods import (
     synthesized_uid,
 )
 from ambient_mesh.errors import ProtocolError
+from ambient_mesh.metadata import ANNOTATION_REDIRECTION
 
 NODE = "node-1"
 

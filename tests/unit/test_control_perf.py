@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ambient_mesh.control.ads import AdsServer
 from ambient_mesh.control.ads_state import Snapshot
-from ambient_mesh.control.kube import (
+from ambient_mesh.control.translate import translate
+from ambient_mesh.kube.objects import (
     DirectoryWatcher,
     KubeStore,
     LoadResult,
@@ -26,7 +27,6 @@ from ambient_mesh.control.kube import (
     load_directory,
     parse_documents,
 )
-from ambient_mesh.control.translate import translate
 from ambient_mesh.wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.wire.istio.security import authorization_pb2
 from ambient_mesh.wire.istio.workload import workload_pb2
@@ -162,7 +162,7 @@ def test_reader_errors_keep_pyyaml_text() -> None:
 def test_plain_kubernetes_yaml_takes_the_libyaml_path() -> None:
     # Plain Kubernetes YAML takes the C loader; observable only through speed, so check that the
     # C loader is what decode_yaml would pick and that it agrees.
-    from ambient_mesh.control import kube
+    from ambient_mesh.kube import objects as kube
 
     assert kube._libyaml_agrees(POD_WITH_TIMESTAMPS)
     for risky in ("a:\tb\n", "a: !\n", "a: |#\n", "\ufeffa: 1\n", "a: b\u2028c\n", "a: b\x85c\n", "{a?}\n"):
@@ -173,7 +173,7 @@ def test_plain_kubernetes_yaml_takes_the_libyaml_path() -> None:
 
 @pytest.mark.skipif(not HAS_LIBYAML, reason="PyYAML built without libyaml: only the pure-Python loader runs")
 def test_fast_loader_builds_plain_documents_and_leaves_the_rest_to_safeconstructor(monkeypatch) -> None:
-    from ambient_mesh.control.kube_yaml import FastCSafeLoader
+    from ambient_mesh.kube.yaml_loader import FastCSafeLoader
 
     general: list[object] = []
     original = FastCSafeLoader.construct_document
@@ -216,12 +216,12 @@ def test_fast_loader_builds_plain_documents_and_leaves_the_rest_to_safeconstruct
 
 @pytest.mark.skipif(not HAS_LIBYAML, reason="PyYAML built without libyaml: only the pure-Python loader runs")
 def test_fast_loader_memos_are_bounded_and_share_strings(monkeypatch) -> None:
-    from ambient_mesh.control import kube_yaml
+    from ambient_mesh.kube import yaml_loader
 
-    monkeypatch.setattr(kube_yaml, "MAX_RESOLVED_SCALARS", 8)
-    monkeypatch.setattr(kube_yaml, "MAX_SHARED_STRINGS", 8)
+    monkeypatch.setattr(yaml_loader, "MAX_RESOLVED_SCALARS", 8)
+    monkeypatch.setattr(yaml_loader, "MAX_SHARED_STRINGS", 8)
     text = "".join(f"k{i}: [v{i}, TCP, '{i}', {i}]\n" for i in range(100))
-    loader = kube_yaml.FastCSafeLoader(text)
+    loader = yaml_loader.FastCSafeLoader(text)
     try:
         docs = []
         while loader.check_data():
@@ -233,7 +233,7 @@ def test_fast_loader_memos_are_bounded_and_share_strings(monkeypatch) -> None:
     assert docs[0]["k1"][1] is docs[0]["k99"][1]  # one "TCP" for the whole stream
 
 
-# -- the plain block subset (kube_yaml.plain_documents) -------------------------------------------------
+# -- the plain block subset (yaml_loader.plain_documents) -------------------------------------------------
 
 # Line pieces: the subset's own shapes and, next to each, what it must not mistake for them
 # (continuations, comments after values, indicators, tags, anchors, block scalars, merge keys,
@@ -267,7 +267,7 @@ def _plain_like_line(draw) -> str:
 
 def _plain(text: str) -> tuple[str, str] | None:
     """What the subset reader makes of `text` as comparable text; None when it declines."""
-    from ambient_mesh.control.kube_yaml import NotPlainYaml, plain_documents
+    from ambient_mesh.kube.yaml_loader import NotPlainYaml, plain_documents
 
     try:
         return "ok", repr(list(plain_documents(text)))
@@ -413,7 +413,7 @@ metadata: {name: flow-style, namespace: demo}
 
 
 def test_plain_subset_reads_kubectl_style_and_hands_on_at_the_first_line_outside(monkeypatch) -> None:
-    from ambient_mesh.control import kube_yaml
+    from ambient_mesh.kube import yaml_loader
 
     first = KUBECTL_STYLE.split("---\n")[0]
     assert _plain(first) == _reference(first)
@@ -422,7 +422,7 @@ def test_plain_subset_reads_kubectl_style_and_hands_on_at_the_first_line_outside
     assert _plain(KUBECTL_STYLE) is None
     assert _decoded(KUBECTL_STYLE) == _reference(KUBECTL_STYLE)
     # parse_documents takes the subset for the first document alone, and never calls libyaml.
-    monkeypatch.setattr(kube_yaml.yaml, "load_all", None)
+    monkeypatch.setattr(yaml_loader.yaml, "load_all", None)
     result = parse_documents(first, "pods.yaml")
     assert result.errors == () and [o.metadata.name for o in result.objects] == ["web-1"]
 
@@ -444,38 +444,38 @@ def test_plain_subset_leaves_errors_to_pyyaml(text: str) -> None:
 
 
 def test_plain_subset_bounds_nesting_and_memos(monkeypatch) -> None:
-    from ambient_mesh.control import kube_yaml
+    from ambient_mesh.kube import yaml_loader
 
     deep = (
-        "".join(f"{'  ' * i}k{i}:\n" for i in range(kube_yaml.MAX_PLAIN_NESTING + 2)) + "  " * 70 + "v: 1\n"
+        "".join(f"{'  ' * i}k{i}:\n" for i in range(yaml_loader.MAX_PLAIN_NESTING + 2)) + "  " * 70 + "v: 1\n"
     )
     assert _plain(deep) is None  # deeper than the subset goes: the general way decides
     assert _decoded(deep) == _reference(deep)
-    shallow = "".join(f"{'  ' * i}k{i}:\n" for i in range(kube_yaml.MAX_PLAIN_NESTING - 2))
+    shallow = "".join(f"{'  ' * i}k{i}:\n" for i in range(yaml_loader.MAX_PLAIN_NESTING - 2))
     assert _plain(shallow) == _reference(shallow)
 
-    monkeypatch.setattr(kube_yaml, "MAX_PLAIN_SCALARS", 8)
-    monkeypatch.setattr(kube_yaml, "MAX_SHARED_STRINGS", 8)
+    monkeypatch.setattr(yaml_loader, "MAX_PLAIN_SCALARS", 8)
+    monkeypatch.setattr(yaml_loader, "MAX_SHARED_STRINGS", 8)
     text = "".join(f"k{i}:\n- v{i}\n- TCP\n- '{i}'\n- {i}\n" for i in range(100))
-    reader = kube_yaml.PlainReader()
+    reader = yaml_loader.PlainReader()
     docs = list(reader.documents(text))
     assert repr(docs) == repr(list(yaml.safe_load_all(text)))
     assert len(reader._lines) <= 8 and len(reader._scalars) <= 8 and len(reader._strings) <= 8
     assert docs[0]["k1"][1] is docs[0]["k99"][1]  # one "TCP" for the whole stream
-    long_line = "a: " + "x" * (kube_yaml.MAX_SHARED_STRING_CHARS + 1) + "\n"
-    reader = kube_yaml.PlainReader()
+    long_line = "a: " + "x" * (yaml_loader.MAX_SHARED_STRING_CHARS + 1) + "\n"
+    reader = yaml_loader.PlainReader()
     assert list(reader.documents(long_line)) == list(yaml.safe_load_all(long_line))
     assert long_line.rstrip("\n") not in reader._lines  # too long to remember
     assert long_line.strip()[3:] not in reader._scalars
 
 
 def test_plain_subset_reads_across_chunks(monkeypatch) -> None:
-    from ambient_mesh.control import kube_yaml
+    from ambient_mesh.kube import yaml_loader
 
     text = KUBECTL_STYLE.split("---\n")[0] + "---\n\n---\nlast:\n- 1\n"
     expected = _reference(text)
     for chunk in (1, 2, 7, 64):
-        monkeypatch.setattr(kube_yaml, "PLAIN_CHUNK_CHARS", chunk)
+        monkeypatch.setattr(yaml_loader, "PLAIN_CHUNK_CHARS", chunk)
         assert _plain(text) == expected, chunk
 
 

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import yaml
 
-from ambient_mesh.control.kube import AuthorizationPolicy, load_directory, parse_documents
 from ambient_mesh.errors import ConfigError
+from ambient_mesh.kube.objects import AuthorizationPolicy, load_directory, parse_documents
 from ambient_mesh.lab import apply as verbs
 
 DENY = textwrap.dedent(

@@ -11,8 +11,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ambient_mesh.control.kube import Namespace, Pod, Service, load_directory
 from ambient_mesh.errors import ConfigError
+from ambient_mesh.kube.objects import Namespace, Pod, Service, load_directory
 from ambient_mesh.lab.cluster import (
     PodSpec,
     ServiceSpec,

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from ambient_mesh.control.kube import KubeStore, load_directory
 from ambient_mesh.control.translate import (
     MeshSettings,
     translate,
 )
+from ambient_mesh.kube.objects import KubeStore, load_directory
 from ambient_mesh.wire.istio.security import authorization_pb2 as sec
 from ambient_mesh.wire.istio.workload import workload_pb2 as wl
 

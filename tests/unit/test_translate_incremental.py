@@ -14,7 +14,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ambient_mesh.control.kube import (
+from ambient_mesh.control.translate import AmbientIndex, MeshSettings, TranslationDelta, translate
+from ambient_mesh.kube.objects import (
     AuthorizationPolicy,
     AuthorizationRule,
     Condition,
@@ -41,7 +42,6 @@ from ambient_mesh.control.kube import (
     WorkloadEntrySpec,
     object_key,
 )
-from ambient_mesh.control.translate import AmbientIndex, MeshSettings, TranslationDelta, translate
 
 ROOT = "istio-system"
 NAMESPACES = ("ns-a", "ns-b", ROOT)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh import yamlload
-from ambient_mesh.control.kube import decode_yaml, parse_documents
 from ambient_mesh.errors import ConfigError
+from ambient_mesh.kube.objects import decode_yaml, parse_documents
 from ambient_mesh.state.localconfig import parse_local_config
 from ambient_mesh.yamlload import MAX_YAML_ALIAS_NODES, AliasLimitError
 

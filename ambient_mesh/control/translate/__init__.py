@@ -34,13 +34,13 @@ Where this differs from istiod, on purpose:
 
 from __future__ import annotations
 
+from ...kube.objects import KubeStore
 from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import KubeStore
 from .common import MeshSettings, Translation
-from .context import Context
+from .context import Context, ServiceIndex, ServiceInfo
 from .index import AmbientIndex, TranslationDelta
 from .policies import translate_authorizations
-from .services import ServiceIndex, ServiceInfo, kube_service, select_services, service_entry_services
+from .services import kube_service, select_services, service_entry_services
 from .waypoints import build_waypoints
 from .workloads import pod_workload, service_entry_workloads, workload_entry_workload
 

@@ -13,9 +13,10 @@ import ipaddress
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ...kube.objects import AuthorizationPolicy, AuthorizationRule, Operation, Source
+from ...metadata import ANNOTATION_DRY_RUN
 from ...wire.istio.security import authorization_pb2 as sec
-from ..kube import AuthorizationPolicy, AuthorizationRule, Operation, Source
-from .common import ANNOTATION_DRY_RUN, MeshSettings
+from .common import MeshSettings
 
 
 def _string_matches(values: tuple[str, ...]) -> list[sec.StringMatch]:

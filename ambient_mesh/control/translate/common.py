@@ -11,20 +11,10 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ...metadata import LABEL_TOPOLOGY_REGION, LABEL_TOPOLOGY_SUBZONE, LABEL_TOPOLOGY_ZONE
 from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import LABEL_TOPOLOGY_REGION, LABEL_TOPOLOGY_SUBZONE, LABEL_TOPOLOGY_ZONE
 
-ANNOTATION_REDIRECTION = "ambient.istio.io/redirection"
-ANNOTATION_SIDECAR_STATUS = "sidecar.istio.io/status"
-ANNOTATION_DRY_RUN = "istio.io/dry-run"
-ANNOTATION_TRAFFIC_DISTRIBUTION = "networking.istio.io/traffic-distribution"
-ANNOTATION_INBOUND_BINDING = "ambient.istio.io/waypoint-inbound-binding"
-ANNOTATION_AUTO_REGISTRATION_GROUP = "istio.io/autoRegistrationGroup"
-LABEL_TUNNEL = "networking.istio.io/tunnel"
-LABEL_WORKLOAD_NAME = "service.istio.io/workload-name"
-LABEL_GATEWAY_MANAGED = "gateway.istio.io/managed"
-LABEL_INGRESS_USE_WAYPOINT = "istio.io/ingress-use-waypoint"
 MANAGED_BY_MESH_CONTROLLERS = ("istio.io-mesh-controller", "istio.io-eastwest-controller")
 
 CANONICAL_NAME_LABELS = ("service.istio.io/canonical-name", "app.kubernetes.io/name", "app")

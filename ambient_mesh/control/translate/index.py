@@ -31,9 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ...wire.istio.security import authorization_pb2 as sec
-from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import (
+from ...kube.objects import (
     AuthorizationPolicy,
     KubeObject,
     KubeStore,
@@ -47,12 +45,14 @@ from ..kube import (
     WorkloadEntry,
     object_key,
 )
+from ...wire.istio.security import authorization_pb2 as sec
+from ...wire.istio.workload import workload_pb2 as wl
 from .authorization import convert_authorization_policy
 from .common import MeshSettings, Translation, selects
-from .context import Context
+from .context import Context, ServiceIndex, ServiceInfo, Waypoint
 from .policies import PolicyIndex, peer_authentication_resources, policy_attachment
-from .services import ServiceIndex, ServiceInfo, kube_service, select_services, service_entry_services
-from .waypoints import Waypoint, gateway_waypoint
+from .services import kube_service, select_services, service_entry_services
+from .waypoints import gateway_waypoint
 from .workloads import pod_workload, service_entry_workloads, workload_entry_workload
 
 # Kinds whose objects become workloads, in the order `translate` gives them precedence when two

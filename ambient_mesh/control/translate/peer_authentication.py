@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ...kube.objects import PeerAuthentication
 from ...wire.istio.security import authorization_pb2 as sec
-from ..kube import PeerAuthentication
 from .common import MeshSettings
 
 STATIC_STRICT_POLICY_NAME = "istio_converted_static_strict"  # '_' cannot appear in a Kubernetes name

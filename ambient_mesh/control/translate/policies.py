@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 from ...kube.labels import LabelSelector
+from ...kube.objects import AuthorizationPolicy, KubeStore, PeerAuthentication
 from ...wire.istio.security import authorization_pb2 as sec
-from ..kube import AuthorizationPolicy, KubeStore, PeerAuthentication
 from .authorization import convert_authorization_policy
 from .common import MeshSettings
 from .peer_authentication import (

@@ -8,68 +8,14 @@ winner per (hostname, namespace) with one canonical service per hostname.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
+from ...kube.objects import Service, ServiceEntry
+from ...metadata import ANNOTATION_TRAFFIC_DISTRIBUTION, LABEL_INGRESS_USE_WAYPOINT
 from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import Service, ServiceEntry
-from .common import (
-    ANNOTATION_TRAFFIC_DISTRIBUTION,
-    LABEL_INGRESS_USE_WAYPOINT,
-    app_protocol,
-    kube_app_protocol,
-    network_address,
-    selects,
-)
-from .context import Context
+from .common import app_protocol, kube_app_protocol, network_address
+from .context import Context, ServiceInfo
 from .waypoints import waypoint_for_service
-
-
-@dataclass(slots=True, kw_only=True)
-class ServiceInfo:
-    service: wl.Service
-    # service port -> (port name, target port name or "")
-    port_names: dict[int, tuple[str, str]]
-    selector: Mapping[str, str]
-    source_kind: str  # "Service" or "ServiceEntry"
-    creation_timestamp: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.service.namespace}/{self.service.hostname}"
-
-
-class ServiceIndex:
-    """The winning services by namespace: workloads only select services of their own namespace."""
-
-    __slots__ = ("_by_namespace",)
-
-    def __init__(self, infos: Iterable[ServiceInfo] = ()) -> None:
-        self._by_namespace: dict[str, dict[str, ServiceInfo]] = {}
-        for info in infos:
-            self.set(info)
-
-    def set(self, info: ServiceInfo) -> None:
-        self._by_namespace.setdefault(info.service.namespace, {})[info.key] = info
-
-    def discard(self, namespace: str, key: str) -> None:
-        infos = self._by_namespace.get(namespace)
-        if infos is not None:
-            infos.pop(key, None)
-            if not infos:
-                del self._by_namespace[namespace]
-
-    def selecting(self, namespace: str, labels: Mapping[str, str]) -> list[ServiceInfo]:
-        """The services of `namespace` whose selector matches `labels`."""
-        return [s for s in self._by_namespace.get(namespace, {}).values() if selects(s.selector, labels)]
-
-    def of_source(self, kind: str, namespace: str, name: str) -> list[ServiceInfo]:
-        """The winning services one Service or ServiceEntry produced."""
-        return [
-            s
-            for s in self._by_namespace.get(namespace, {}).values()
-            if s.source_kind == kind and s.service.name == name
-        ]
 
 
 def traffic_lb(spec_value: str, annotations: list[Mapping[str, str]]) -> wl.LoadBalancing | None:

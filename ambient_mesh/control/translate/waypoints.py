@@ -9,43 +9,20 @@ listener's `allowedRoutes` namespaces.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from ...kube.labels import LabelSelector
-from ...ports import HBONE_PORT
-from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import (
+from ...kube.objects import Gateway, KubeStore, ObjectMeta
+from ...metadata import (
+    ANNOTATION_INBOUND_BINDING,
+    LABEL_GATEWAY_MANAGED,
     LABEL_GATEWAY_NAME,
     LABEL_USE_WAYPOINT,
     LABEL_USE_WAYPOINT_NAMESPACE,
     LABEL_WAYPOINT_FOR,
-    Gateway,
-    KubeStore,
-    ObjectMeta,
 )
-from .common import (
-    ANNOTATION_INBOUND_BINDING,
-    LABEL_GATEWAY_MANAGED,
-    MANAGED_BY_MESH_CONTROLLERS,
-    MeshSettings,
-    ip_bytes,
-)
-from .context import Context, ObjectLookup
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Waypoint:
-    name: str
-    namespace: str
-    address: wl.GatewayAddress
-    traffic_type: str
-    allowed_from: str = "Same"
-    allowed_selector: LabelSelector | None = None
-    binding: tuple[wl.ApplicationTunnel.Protocol, int] | None = None  # (protocol, port)
-
-    @property
-    def resource_name(self) -> str:
-        return f"{self.namespace}/{self.name}"
+from ...ports import HBONE_PORT
+from ...wire.istio.workload import workload_pb2 as wl
+from .common import MANAGED_BY_MESH_CONTROLLERS, MeshSettings, ip_bytes
+from .context import Context, ObjectLookup, Waypoint
 
 
 def _inbound_binding(gateway: Gateway) -> tuple[wl.ApplicationTunnel.Protocol, int] | None:

@@ -14,23 +14,19 @@ from collections.abc import Callable, Mapping
 
 from google.protobuf import wrappers_pb2
 
-from ...wire.istio.workload import workload_pb2 as wl
-from ..kube import LABEL_DATAPLANE_MODE, ObjectMeta, Pod, ServiceEntry, WorkloadEntry, WorkloadEntrySpec
-from .common import (
+from ...kube.objects import ObjectMeta, Pod, ServiceEntry, WorkloadEntry, WorkloadEntrySpec
+from ...metadata import (
     ANNOTATION_AUTO_REGISTRATION_GROUP,
     ANNOTATION_REDIRECTION,
     ANNOTATION_SIDECAR_STATUS,
+    LABEL_DATAPLANE_MODE,
     LABEL_TUNNEL,
     LABEL_WORKLOAD_NAME,
-    canonical_service,
-    ip_bytes,
-    locality_from_labels,
-    locality_from_string,
-    wire_trust_domain,
 )
-from .context import Context
-from .services import ServiceInfo
-from .waypoints import Waypoint, waypoint_for_workload
+from ...wire.istio.workload import workload_pb2 as wl
+from .common import canonical_service, ip_bytes, locality_from_labels, locality_from_string, wire_trust_domain
+from .context import Context, ServiceInfo, Waypoint
+from .waypoints import waypoint_for_workload
 
 _CRONJOB_NAME = re.compile(r"(.+)-\d{8,10}$")
 

@@ -1,6 +1,6 @@
 """A faster libyaml loader for Kubernetes YAML that returns exactly what PyYAML's SafeLoader does.
 
-Used by `kube.decode_yaml`. PyYAML's C loader scans, parses and composes in C, but resolves every
+Used by `objects.decode_yaml`. PyYAML's C loader scans, parses and composes in C, but resolves every
 plain scalar's tag with Python regular expressions and constructs the documents through
 SafeConstructor's generic, generator-based path, which is most of the decode time at 10,000 pods.
 This loader keeps libyaml's composer and SafeConstructor's own per-tag scalar constructors, and

@@ -27,7 +27,7 @@ import yaml
 from .. import yamlload
 from ..errors import ConfigError
 from ..kube.labels import LabelSelector  # only matchLabels is parsed: these kinds have no expressions
-from .kube_yaml import FastCSafeLoader, NotPlainYaml, plain_documents
+from .yaml_loader import FastCSafeLoader, NotPlainYaml, plain_documents
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,6 @@ YAML_SUFFIXES = (".yaml", ".yml", ".json")
 DEFAULT_POLL_INTERVAL_S = 1.0
 
 # Label, annotation and value names used across the control plane (Istio's spelling).
-LABEL_DATAPLANE_MODE = "istio.io/dataplane-mode"
-LABEL_USE_WAYPOINT = "istio.io/use-waypoint"
-LABEL_USE_WAYPOINT_NAMESPACE = "istio.io/use-waypoint-namespace"
-LABEL_WAYPOINT_FOR = "istio.io/waypoint-for"
-LABEL_GATEWAY_NAME = "gateway.networking.k8s.io/gateway-name"
-LABEL_TOPOLOGY_REGION = "topology.kubernetes.io/region"
-LABEL_TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
-LABEL_TOPOLOGY_SUBZONE = "topology.istio.io/subzone"
 
 
 # -- object model ---------------------------------------------------------------------------------
@@ -911,7 +903,7 @@ class LoadResult:
 # so does everything libyaml rejects, so error positions and messages stay PyYAML's own. Both
 # loaders share SafeConstructor and its resolver: timestamps, integers and the rest come out of the
 # same Python code either way.
-# kube_yaml.FastCSafeLoader is libyaml's SafeLoader with a memoised resolver and a direct
+# yaml_loader.FastCSafeLoader is libyaml's SafeLoader with a memoised resolver and a direct
 # constructor for plain documents; it falls back to SafeConstructor for everything else.
 _CSafeLoader = FastCSafeLoader
 _LIBYAML_UNSAFE_CHARS = ("\t", "\ufeff", "\x85", "\u2028", "\u2029")
@@ -940,7 +932,7 @@ def decode_yaml(text: str) -> list[Any]:
     """Every document of a YAML stream, as `yaml.safe_load_all` returns them (same errors too),
     with aliases bounded by `yamlload` (libyaml is not, so it only gets alias-free text)."""
     with contextlib.suppress(NotPlainYaml):
-        return list(plain_documents(text))  # the plain block subset: kube_yaml's docstring
+        return list(plain_documents(text))  # the plain block subset: yaml_loader's docstring
     if _libyaml_takes(text):
         try:
             return list(yaml.load_all(text, Loader=_CSafeLoader))
@@ -956,7 +948,7 @@ _CONSTRUCTOR_ERRORS = (ValueError, IndexError, AttributeError, TypeError, Recurs
 
 def parse_documents(text: str, file: str) -> LoadResult:
     """Parse one file's text (one or more `---` separated documents, or a `kind: List`)."""
-    # The plain block subset that tools write is read directly (kube_yaml's docstring); a text
+    # The plain block subset that tools write is read directly (yaml_loader's docstring); a text
     # that leaves it, even in its last document, is parsed again from the start below.
     with contextlib.suppress(NotPlainYaml):
         plain = _parse_stream(plain_documents(text), file)
