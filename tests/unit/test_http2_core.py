@@ -669,3 +669,30 @@ def test_two_cores_carry_a_tunnel_with_half_close_and_drain():
     assert server.terminated is not None and server.terminated.clean
     assert client.terminated is not None and client.terminated.clean
     assert client.credit_balance() == server.credit_balance() == CONN_WINDOW  # all credit back
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_header_blocks_and_end_stream_carry_their_flags_whole_or_split(split):
+    """A request and a response with END_STREAM, and a lone END_STREAM, give the same events and
+    stream states read whole (one read per frame: the core's one-read path) or a byte at a time."""
+
+    def send(peer: Peer, wire: bytes) -> list:
+        if not split:
+            return peer.send(wire)
+        return [e for i in range(len(wire)) for e in peer.send(wire[i : i + 1])]
+
+    server = Peer.server_core()
+    [request] = send(server, server.headers(1, CONNECT, end_stream=True))
+    assert type(request) is ev.RequestReceived and request.end_stream
+    assert server.core.streams[1].remote_closed
+    [request] = send(server, server.headers(3, CONNECT))
+    assert not request.end_stream
+    server.core.send_response(3, 200)
+    server.core.end_stream(3)
+    assert send(server, server.data(3, b"", end_stream=True)) == [ev.StreamEnded(3)]
+    assert 3 not in server.core.streams  # both halves closed: gone
+
+    client = Peer.client_core()
+    sid = client.core.send_request(CONNECT)
+    assert send(client, client.response(sid, end_stream=True)) == [ev.ResponseReceived(sid, 200, (), True)]
+    assert client.core.streams[sid].remote_closed

@@ -130,12 +130,15 @@ def test_any_frame_sequence_keeps_the_core_bounded_and_credit_conserved(data, cl
 
 
 class _GeneralPathOnly(Connection):
-    """Every DATA frame through _frame_start/_data_target (Connection has slots: a subclass, not
-    an instance attribute)."""
+    """Every DATA and HEADERS frame through _frame_start/_data_target/_on_headers (Connection has
+    slots: a subclass, not an instance attribute)."""
 
     __slots__ = ()
 
     def _data_fast(self, *_args: object) -> bool:
+        return False
+
+    def _stream_frame_fast(self, *_args: object) -> bool:
         return False
 
 
@@ -147,8 +150,9 @@ def _general_path_only(core: Connection) -> Connection:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.booleans())
 def test_whole_data_frame_fast_path_matches_the_general_path(data, client_side):
-    """The same wire, cut the same way, into a core with its one-read DATA fast path and one
-    without: the same events, bytes out, credit, windows and termination."""
+    """The same wire, cut the same way, into a core with its one-read DATA, HEADERS and
+    END_STREAM fast paths and one without: the same events, bytes out, credit, windows and
+    termination."""
     settings_ = CoreSettings(client_side=client_side, stream_window_bytes=60_000, max_concurrent_streams=None)
     fast, slow = Connection(settings_, now=0.0), _general_path_only(Connection(settings_, now=0.0))
     encoder = hpack.Encoder()
@@ -161,7 +165,18 @@ def test_whole_data_frame_fast_path_matches_the_general_path(data, client_side):
         if client_side:
             core.send_request(CONNECT)
     for _ in range(data.draw(st.integers(1, 30))):
-        if data.draw(st.integers(0, 3)):
+        kind = data.draw(st.integers(0, 5))
+        if kind == 5:  # the peer's END_STREAM alone (how HBONE's half-close arrives)
+            wire += f.frame_header(0, f.DATA, f.FLAG_END_STREAM, data.draw(st.sampled_from([1, 3, 5, 0])))
+        elif kind == 4:  # a whole header block: a new request, a response, trailers or an error
+            sid = data.draw(st.sampled_from([1, 1, 3, 5, 0, 2]))
+            flags = data.draw(st.sampled_from([4, 4, 5, 0x0C, 0x24, 0]))
+            wellformed = st.just([(b":status", b"200")] if client_side else CONNECT)
+            block = encoder.encode(data.draw(st.one_of(wellformed, HEADER_LISTS)))
+            pad = b"\x00" if flags & f.FLAG_PADDED else b""
+            prio = b"\x00" * 5 if flags & f.FLAG_PRIORITY else b""
+            wire += f.frame_header(len(pad + prio + block), f.HEADERS, flags, sid) + pad + prio + block
+        elif kind:
             sid = data.draw(st.sampled_from([1, 1, 1, 3, 0]))
             flags = data.draw(st.sampled_from([0, 0, 0, 1, 8, 0x20]))
             payload = b"d" * data.draw(st.sampled_from([0, 1, 1, 9, 700, 16384, 20_000, 70_000]))
@@ -169,19 +184,23 @@ def test_whole_data_frame_fast_path_matches_the_general_path(data, client_side):
         else:
             wire += data.draw(frames(encoder))
         if data.draw(st.booleans()):
-            cut = data.draw(st.integers(0, len(wire)))
+            # At the end of what is written as often as anywhere: whole frames within a read.
+            cut = data.draw(st.one_of(st.just(len(wire)), st.integers(0, len(wire))))
             chunk, wire[:] = bytes(wire[:cut]), wire[cut:]
             got = [
                 [
-                    (type(e), getattr(e, "stream_id", None), bytes(getattr(e, "data", b"")))
+                    (ev.DataReceived, e.stream_id, bytes(e.data)) if type(e) is ev.DataReceived else e
                     for e in core.receive(chunk, 0.0)
                 ]
                 for core in (fast, slow)
             ]
-            assert got[0] == got[1]
+            assert got[0] == got[1]  # every event's fields (DATA payloads as bytes)
+            end_ours = data.draw(st.booleans())  # our side ends its streams: both halves close
             for core in (fast, slow):
-                for sid, n in [(e[1], len(e[2])) for e in got[0] if e[0] is ev.DataReceived]:
+                for sid, n in [(e[1], len(e[2])) for e in got[0] if type(e) is tuple]:
                     core.acknowledge(sid, n)
+                for sid in [s.sid for s in core.streams.values() if end_ours and not s.local_closed]:
+                    core.end_stream(sid)
         out = [b"".join(bytes(p) for p in core.data_to_send()) for core in (fast, slow)]
         assert out[0] == out[1]
         assert fast.credit_balance() == slow.credit_balance()

@@ -81,6 +81,10 @@ E = f.ErrorCode
 _unpack_header = f.HEADER.unpack_from
 _pack_header = f.HEADER.pack
 _DATA = f.DATA
+_HEADERS = f.HEADERS
+_END_STREAM = f.FLAG_END_STREAM
+_END_HEADERS = f.FLAG_END_HEADERS
+_PADDED_OR_PRIORITY = f.FLAG_PADDED | f.FLAG_PRIORITY
 _NOT_END_STREAM = 0xFF & ~f.FLAG_END_STREAM
 # A DataReceived per DATA frame made without the frozen dataclass's generated __init__ (a Python
 # frame that sets each field through object.__setattr__): the slots are set directly, so it is
@@ -130,6 +134,7 @@ _CONNECTION_SPECIFIC = frozenset(
 _BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _STATUS = re.compile(rb"[1-5][0-9][0-9]")
+_STATUS_200 = (b":status", b"200")
 
 
 class Http2Error(ProtocolError):
@@ -241,6 +246,7 @@ class Connection:
         "_got_settings",
         "_buf",
         "_max_frame_in",
+        "_max_block_in",
         "_stream_credit_step",
         "_stream_credit_floor",
         "_connection_credit_step",
@@ -307,6 +313,7 @@ class Connection:
         self._got_settings = False
         self._buf = bytearray()
         self._max_frame_in = settings.max_frame_bytes
+        self._max_block_in = min(settings.max_frame_bytes, settings.max_header_block_bytes)
         # Credit is returned once 1/8 of a window is owed or less than half of it is left.
         self._stream_credit_step = settings.stream_window_bytes >> 3
         self._stream_credit_floor = settings.stream_window_bytes >> 1
@@ -506,6 +513,21 @@ class Connection:
                             ):
                                 pos = end
                                 continue
+                            if (
+                                (
+                                    ftype == _HEADERS
+                                    or (ftype == _DATA and flags == _END_STREAM and not length)
+                                )
+                                and end <= n
+                                and sid
+                                and self._block is None
+                                and self._got_settings
+                                and self._stream_frame_fast(
+                                    data, pos + f.FRAME_HEADER_BYTES, end, ftype, flags, sid
+                                )
+                            ):
+                                pos = end
+                                continue
                             header = (length, ftype, flags, sid)
                             pos += f.FRAME_HEADER_BYTES
                         self._frame_start(*header)
@@ -646,13 +668,20 @@ class Connection:
         s = _Stream(sid, True, self._peer_initial_window, self.settings.stream_window_bytes)
         self.streams[sid] = s
         self._streams_total += 1
-        for frame in f.header_block_frames(
-            sid, self._encoder.encode(headers), end_stream, self._peer_max_frame
-        ):
-            self._queue(frame)
+        self._queue_header_block(sid, self._encoder.encode(headers), end_stream)
         if end_stream:
             s.local_closed = True
         return sid
+
+    def _queue_header_block(self, sid: int, block: bytes, end_stream: bool) -> None:
+        n = len(block)
+        if n <= self._peer_max_frame:  # one HEADERS frame: `header_block_frames` without its list
+            flags = _END_HEADERS | _END_STREAM if end_stream else _END_HEADERS
+            self._outbox.append(_pack_header(n >> 16, n & 0xFFFF, _HEADERS, flags, sid) + block)
+            self.outbox_bytes += f.FRAME_HEADER_BYTES + n
+            return
+        for frame in f.header_block_frames(sid, block, end_stream, self._peer_max_frame):
+            self._queue(frame)
 
     def _why_not_open(self) -> str:
         if self.terminated is not None:
@@ -670,9 +699,8 @@ class Connection:
             raise StreamClosedError(f"stream {sid} cannot be answered (reset, answered or unknown)")
         s.answered = True
         end = status != 200
-        block = self._encoder.encode([(b":status", str(status).encode())] + list(headers))
-        for frame in f.header_block_frames(sid, block, end, self._peer_max_frame):
-            self._queue(frame)
+        status_field = _STATUS_200 if not end else (b":status", str(status).encode())
+        self._queue_header_block(sid, self._encoder.encode([status_field, *headers]), end)
         if end:
             s.local_closed = True
             if not s.remote_closed:
@@ -684,7 +712,7 @@ class Connection:
                     return  # the outbox overflowed: the connection is terminated
             else:
                 self._maybe_close(s)
-        self._flush_credit()
+            self._flush_credit()  # the credit of a stream reset or closed here
 
     def send_data(self, sid: int, data: bytes | bytearray | memoryview) -> int:
         """Queue DATA frames for as much of `data` as the windows allow; returns the bytes taken.
@@ -753,10 +781,13 @@ class Connection:
         s = self.streams.get(sid)
         if s is None or s.local_closed or self.terminated is not None:
             raise StreamClosedError(f"stream {sid} is not open for sending")
-        self._queue(f.frame_header(0, f.DATA, f.FLAG_END_STREAM, sid))
+        self._outbox.append(_pack_header(0, 0, _DATA, _END_STREAM, sid))
+        self.outbox_bytes += f.FRAME_HEADER_BYTES
         s.local_closed = True
-        self._maybe_close(s)
-        self._flush_credit()
+        if s.remote_closed:
+            self._remove(s)  # its unacknowledged credit goes back to the connection
+            if self._recv_credit:
+                self._flush_credit()
 
     def reset_stream(self, sid: int, code: int = E.CANCEL) -> None:
         """Abort a stream (RST_STREAM); a no-op for streams that are already gone."""
@@ -1118,6 +1149,37 @@ class Connection:
             self._maybe_close(s)
         return True
 
+    def _stream_frame_fast(
+        self, data: bytes | memoryview, start: int, end: int, ftype: int, flags: int, sid: int
+    ) -> bool:
+        """A stream's HEADERS and its END_STREAM, whole within one read: a HEADERS frame that is
+        a complete block (END_HEADERS, unpadded, no priority, within our frame and block limits)
+        or an empty DATA frame with END_STREAM on a stream still open from the peer. The checks
+        of `_frame_start` and `_on_headers` / `_data_target` for those cases without the five
+        calls of the general path per frame (issue 11, per connection: each stream has two of
+        each). False leaves the frame to the general path, which raises whatever error it is."""
+        if ftype == _HEADERS:
+            if (
+                not flags & _END_HEADERS
+                or flags & _PADDED_OR_PRIORITY
+                or not 0 < end - start <= self._max_block_in
+            ):
+                return False
+            self._empty_run = 0
+            self._header_block(sid, bytes(data[start:end]), bool(flags & _END_STREAM))
+            return True
+        s = self.streams.get(sid)
+        if s is None or s.remote_closed:
+            return False
+        s.remote_closed = True
+        if self._fresh:
+            self._emit(StreamEnded(sid))
+        else:
+            self.events.append(StreamEnded(sid))
+        if s.local_closed:
+            self._remove(s)
+        return True
+
     def _data_begin(self, length: int, flags: int, sid: int) -> None:
         s = self._data_target(length, flags, sid)
         self._data_end = bool(flags & f.FLAG_END_STREAM)
@@ -1280,7 +1342,7 @@ class Connection:
                 status = -1
                 break
             else:
-                regular.append((_text(name), _text(value)))
+                regular.append((name.decode("latin-1"), value.decode("latin-1")))  # `_text`, inlined
         if status is None or status < 0:
             self._stream_error(s, s.sid, E.PROTOCOL_ERROR, f"malformed response on stream {s.sid}")
             return
@@ -1456,7 +1518,7 @@ def _check_request(
             return _Malformed(f"field name {name[:40]!r} is not a lowercase token (RFC 9113 8.2.1)")
         if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
             return _Malformed(f"connection-specific field {name.decode()} (RFC 9113 8.2.2)")
-        regular.append((_text(name), _text(value)))
+        regular.append((name.decode("latin-1"), value.decode("latin-1")))  # `_text`, inlined
     method = pseudo.get(b":method")
     if not method:
         return _Malformed("no :method")

@@ -17,6 +17,8 @@ entry sizes: name + value + 32) and stops at the first field that passes it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import hpack
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
@@ -29,6 +31,9 @@ ENTRY_OVERHEAD_BYTES = 32
 DEFAULT_TABLE_BYTES = 4096
 # Integers wider than this many continuation octets are refused (RFC 7541 5.1 lets us choose).
 MAX_INTEGER_OCTETS = 5
+# RFC 7541 Appendix A, indexed from 1 (entry 0 is never referenced: index 0 is an error).
+_STATIC_BY_INDEX: tuple[tuple[bytes, bytes], ...] = ((b"", b""), *HeaderTable.STATIC_TABLE)
+_STATIC_ENTRIES = len(HeaderTable.STATIC_TABLE)
 
 
 class HpackError(ProtocolError):
@@ -60,7 +65,13 @@ class BlockDecoder:
             raise HpackError(f"HPACK header block does not decode: {e}") from None
 
     def _decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        # The common representations are decoded inline (issue 11, per connection: a CONNECT's
+        # five fields cost 17 `_integer`, 10 `_string` and 6 `_literal` calls): an integer that
+        # fits its prefix (one octet, RFC 7541 5.1) and a string literal without Huffman coding
+        # and shorter than 127 octets (5.2). Anything else takes `_integer` / `_literal`, which
+        # also raise for what is truncated or malformed.
         table = self.table
+        static = _STATIC_BY_INDEX
         headers: list[tuple[bytes, bytes]] = []
         list_bytes = 0
         pos = 0
@@ -68,14 +79,18 @@ class BlockDecoder:
         while pos < end:
             first = data[pos]
             if first & 0x80:  # 6.1 indexed field
-                index, pos = self._integer(data, pos, 7)
+                index = first & 0x7F
+                if index == 0x7F:
+                    index, pos = self._integer(data, pos, 7)
+                else:
+                    pos += 1
                 if index == 0:
                     raise HpackError("HPACK indexed field with index 0")
-                name, value = table.get_by_index(index)
-            elif first & 0x40:  # 6.2.1 literal with incremental indexing
-                name, value, pos = self._literal(data, pos, 6)
-                table.add(name, value)
-            elif first & 0x20:  # 6.3 dynamic table size update
+                if index <= _STATIC_ENTRIES:
+                    name, value = static[index]
+                else:
+                    name, value = table.get_by_index(index)
+            elif first & 0x20 and not first & 0x40:  # 6.3 dynamic table size update
                 if headers:
                     raise HpackError("HPACK table size update after the first field (RFC 7541 4.2)")
                 size, pos = self._integer(data, pos, 5)
@@ -83,8 +98,36 @@ class BlockDecoder:
                     raise HpackError(f"HPACK table size {size} above the {self.max_table_bytes} allowed")
                 table.maxsize = size
                 continue
-            else:  # 6.2.2 / 6.2.3 literal without indexing / never indexed
-                name, value, pos = self._literal(data, pos, 4)
+            else:
+                # 6.2.1 literal with incremental indexing (6-bit name index), or 6.2.2 / 6.2.3
+                # without indexing / never indexed (4-bit name index).
+                indexing = first & 0x40
+                mask = 0x3F if indexing else 0x0F
+                index = first & mask
+                if index == mask:
+                    name, value, pos = self._literal(data, pos, 6 if indexing else 4)
+                else:
+                    pos += 1
+                    if index:
+                        name = static[index][0] if index <= _STATIC_ENTRIES else table.get_by_index(index)[0]
+                    elif pos < end and data[pos] < 0x7F:  # H = 0 and the length fits the prefix
+                        stop = pos + 1 + data[pos]
+                        if stop > end:
+                            raise HpackError("HPACK string longer than the header block")
+                        name = data[pos + 1 : stop]
+                        pos = stop
+                    else:
+                        name, pos = self._string(data, pos)
+                    if pos < end and data[pos] < 0x7F:
+                        stop = pos + 1 + data[pos]
+                        if stop > end:
+                            raise HpackError("HPACK string longer than the header block")
+                        value = data[pos + 1 : stop]
+                        pos = stop
+                    else:
+                        value, pos = self._string(data, pos)
+                if indexing:
+                    table.add(name, value)
             list_bytes += len(name) + len(value) + ENTRY_OVERHEAD_BYTES
             if list_bytes > self.max_list_bytes:
                 raise HeaderListTooLarge(
@@ -142,6 +185,14 @@ _STATIC_NAME_INDEX: dict[bytes, int] = {}
 for _i, (_name, _value) in enumerate(HeaderTable.STATIC_TABLE, start=1):
     _STATIC_FIELD_INDEX.setdefault((_name, _value), _i)
     _STATIC_NAME_INDEX.setdefault(_name, _i)
+# The encoder's per-name entry: the static fields of that name (value -> the field's one-octet
+# indexed representation, RFC 7541 6.1) and the octets that start a literal without indexing of
+# that name (6.2.2: the static name index, or 0 and the name as a plain string literal). Names
+# are ours (the shell's header lists), a handful; past this many an entry is worked out per use.
+MAX_ENCODER_NAMES = 64
+_NAME_ENTRIES: dict[bytes, tuple[dict[bytes, bytes] | None, bytes]] = {}
+# RFC 7541 5.2 length octets of plain (H = 0) strings shorter than 2^7 - 1.
+_SHORT_LENGTHS = tuple(bytes((n,)) for n in range(0x7F))
 
 
 def _integer_bytes(value: int, prefix_bits: int, first: int) -> bytes:
@@ -163,6 +214,20 @@ def _string_bytes(text: bytes) -> bytes:
     return _integer_bytes(len(text), 7, 0) + text
 
 
+def _name_entry(name: bytes) -> tuple[dict[bytes, bytes] | None, bytes]:
+    fields = {
+        value: _integer_bytes(index, 7, 0x80)
+        for (field_name, value), index in _STATIC_FIELD_INDEX.items()
+        if field_name == name
+    }
+    index = _STATIC_NAME_INDEX.get(name)
+    start = _integer_bytes(index, 4, 0x00) if index is not None else b"\x00" + _string_bytes(name)
+    entry = (fields or None, start)
+    if len(_NAME_ENTRIES) < MAX_ENCODER_NAMES:
+        _NAME_ENTRIES[name] = entry
+    return entry
+
+
 class BlockEncoder:
     """Encodes our own header lists without state: static-table references and literals
     "without indexing" (RFC 7541 6.1, 6.2.2), never Huffman-coded.
@@ -177,17 +242,26 @@ class BlockEncoder:
     def set_table_size(self, size: int) -> None:
         """The peer's SETTINGS_HEADER_TABLE_SIZE: any size fits an encoder that indexes nothing."""
 
-    def encode(self, headers: list[tuple[bytes, bytes]]) -> bytes:
-        out = []
+    def encode(self, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+        # One entry lookup per field and no Python call for values shorter than 127 octets
+        # (issue 11, per connection: the CONNECT and its 200 cost 13 `_integer_bytes` and 10
+        # `_string_bytes` calls).
+        out: list[bytes] = []
+        append = out.append
+        entries = _NAME_ENTRIES
+        short = _SHORT_LENGTHS
         for name, value in headers:
-            index = _STATIC_FIELD_INDEX.get((name, value))
-            if index is not None:
-                out.append(_integer_bytes(index, 7, 0x80))  # 6.1 indexed field
-                continue
-            index = _STATIC_NAME_INDEX.get(name)
-            if index is not None:  # 6.2.2 literal without indexing, indexed name
-                out.append(_integer_bytes(index, 4, 0x00))
-            else:  # 6.2.2 literal without indexing, new name
-                out.append(b"\x00" + _string_bytes(name))
-            out.append(_string_bytes(value))
+            entry = entries.get(name)
+            if entry is None:
+                entry = _name_entry(name)
+            fields, start = entry
+            if fields is not None:
+                indexed = fields.get(value)
+                if indexed is not None:
+                    append(indexed)  # 6.1 indexed field
+                    continue
+            append(start)  # 6.2.2 literal without indexing: the name
+            n = len(value)
+            append(short[n] if n < 0x7F else _integer_bytes(n, 7, 0))
+            append(value)
         return b"".join(out)
