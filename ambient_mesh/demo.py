@@ -33,14 +33,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from .errors import AmbientError
 from .lab import apply as manifests
 from .lab.journal import leftover_namespaces
-from .lab.lab import Lab, LabConfig
+from .lab.lab import APP_PORT, Lab, LabConfig
 from .lab.topofile import load_topology
 from .ports import STATS_PORT
 from .ztunnel_config import Table, render_tables
 
 CLIENT = "shop/client"
 LEGACY = "legacy/client"
-ECHO_PORT = 8080
+ECHO_PORT = APP_PORT  # the lab's echo app
 SERVICE_URL = "http://echo/"  # short name: the pod's search path makes it echo.shop.svc.cluster.local
 LEGACY_SERVICE_URL = "http://echo.shop/"
 CURL_TIMEOUT_S = 3

@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .. import yamlload
 from ..errors import ConfigError
-from ..net import IPAddress, ip_address
+from ..net import MAX_PORT, IPAddress, ip_address
 from ..ports import HBONE_PORT
 from ..rbac import (
     Action,
@@ -60,7 +60,6 @@ from .model import (
     WorkloadType,
 )
 
-MAX_PORT = 65535
 MAX_UINT32 = 2**32 - 1
 
 _TAG = "tag:yaml.org,2002:"
