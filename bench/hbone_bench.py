@@ -1140,6 +1140,8 @@ class Bench:
 
     def connections(self, mode: str, layout: str) -> None:
         self.apply_layout(layout)
+        pids = self.topo.pids(mode)
+        user0 = {name: proc_user_cpu_s(pid) for name, pid in pids.items()}
         try:
             result, cpu = self.measured(
                 mode,
@@ -1153,7 +1155,12 @@ class Bench:
         finally:
             self.apply_layout("spread")
         if mode != "direct":
+            # user (the interpreter's share) beside the total: which half a change cuts
+            user = {name: proc_user_cpu_s(pid) - user0[name] for name, pid in pids.items()}
             result["proxy_cpu_ms_per_conn"] = {k: v * 1000 / result["connections"] for k, v in cpu.items()}
+            result["proxy_user_cpu_ms_per_conn"] = {
+                k: v * 1000 / result["connections"] for k, v in user.items()
+            }
         self.record(f"connections/{layout}", mode, result)
 
     def memory(self, mode: str) -> None:
@@ -1373,6 +1380,9 @@ def ratios_to_envoy(test: str, per_mode: dict) -> dict:
             "proxy_cpu_ms_per_conn": same_round_ratio(
                 per_mode, "hbone", lambda r: _total(r["proxy_cpu_ms_per_conn"]), base="envoy"
             ),
+            "proxy_user_cpu_ms_per_conn": same_round_ratio(
+                per_mode, "hbone", lambda r: _total(r["proxy_user_cpu_ms_per_conn"]), base="envoy"
+            ),
         }
     if test == "memory":
         return {
@@ -1423,11 +1433,9 @@ def summarize(results: dict) -> dict:
                 s["ratio_to_direct"] = same_round_ratio(per_mode, mode, lambda r: r["conn_s"])
                 s["p50_us"] = statistics.median(r["p50_us"] for r in rounds)
                 s["p99_us"] = statistics.median(r["p99_us"] for r in rounds)
-                if "proxy_cpu_ms_per_conn" in rounds[0]:
-                    s["proxy_cpu_ms_per_conn"] = {
-                        k: statistics.median(r["proxy_cpu_ms_per_conn"][k] for r in rounds)
-                        for k in rounds[0]["proxy_cpu_ms_per_conn"]
-                    }
+                for key in ("proxy_cpu_ms_per_conn", "proxy_user_cpu_ms_per_conn"):
+                    if key in rounds[0]:
+                        s[key] = {k: statistics.median(r[key][k] for r in rounds) for k in rounds[0][key]}
             elif test == "tunnels":
                 r = rounds[0]
                 s = {k: r[k] for k in ("asked", "opened", "alive_when_all_open", "open_seconds", "error")}
@@ -1458,11 +1466,12 @@ def _per_proxy(d: dict | None, fmt: str) -> str:
     return " / ".join(f"{k} {fmt.format(v)}" for k, v in sorted(d.items()))
 
 
-def _cpu_per_rt(s: dict) -> str:
-    cpu, user = s.get("proxy_cpu_us_per_rt"), s.get("proxy_user_cpu_us_per_rt")
+def _cpu_with_user(s: dict, key: str, user_key: str, fmt: str) -> str:
+    """Each proxy's CPU with its user part in parentheses: `client 60 (36) / server 58 (35)`."""
+    cpu, user = s.get(key), s.get(user_key)
     if not cpu or not user:
         return "–"
-    return " / ".join(f"{k} {cpu[k]:.0f} ({user[k]:.0f})" for k in sorted(cpu))
+    return " / ".join(f"{k} {fmt.format(cpu[k])} ({fmt.format(user[k])})" for k in sorted(cpu))
 
 
 def _envoy_ratios(s: dict, keys: tuple[str, ...]) -> str:
@@ -1534,7 +1543,7 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     _opt(s["added_p50_us"], "{:+.1f}"),
                     _opt(s["added_p99_us"], "{:+.1f}"),
                     _envoy_ratios(s, ("added_p50_us", "added_p99_us")),
-                    _cpu_per_rt(s),
+                    _cpu_with_user(s, "proxy_cpu_us_per_rt", "proxy_user_cpu_us_per_rt", "{:.0f}"),
                     _envoy_ratios(s, ("proxy_cpu_us_per_rt", "proxy_user_cpu_us_per_rt")),
                 )
         elif test.startswith("connections"):
@@ -1545,9 +1554,9 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                 "mode",
                 "conn/s min / med / max",
                 "x direct",
-                "ours / Envoy: conn/s, CPU per conn",
+                "ours / Envoy: conn/s, CPU per conn, user CPU",
                 "p50 / p99 µs",
-                "proxy CPU ms per conn",
+                "proxy CPU ms per conn (user)",
             ):
                 t.add_column(col)
             for mode, s in per_mode.items():
@@ -1555,9 +1564,9 @@ def print_tables(console, summary: dict, args: argparse.Namespace) -> None:
                     mode,
                     _mmm(s["conn_s"], "{:.0f}"),
                     _opt(s["ratio_to_direct"], "{:.3f}"),
-                    _envoy_ratios(s, ("conn_s", "proxy_cpu_ms_per_conn")),
+                    _envoy_ratios(s, ("conn_s", "proxy_cpu_ms_per_conn", "proxy_user_cpu_ms_per_conn")),
                     f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
-                    _per_proxy(s.get("proxy_cpu_ms_per_conn"), "{:.3f}"),
+                    _cpu_with_user(s, "proxy_cpu_ms_per_conn", "proxy_user_cpu_ms_per_conn", "{:.3f}"),
                 )
         elif test == "tunnels":
             t = Table(title=f"tunnels: {args.tunnels} held at once (opened within {args.tunnel_seconds:g}s)")
