@@ -105,7 +105,7 @@ _DISCARD = bytearray(64 * 1024)
 DRAIN_IDLE_S = 1.0
 
 _WANT_IO = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
-# Why `_fill` stopped (besides an exception object).
+# Why a buffer's fill stopped in `_on_readable` (besides an exception object).
 _FULL = "full"
 _DRAINED = "drained"
 _EOF = "eof"
@@ -440,15 +440,53 @@ class TlsTransport(asyncio.Transport):
             self._reading = False
 
     def _on_readable(self) -> None:
+        """Decrypt the records that wait into the protocol's buffers, one `buffer_updated` per
+        buffer (several records each: the protocol above runs once per buffer, not per record).
+        A buffer is filled until it has no room for another whole record (_FULL), the socket has
+        no more (WANT_READ) or a short record ended a message (_DRAINED), the peer's close_notify
+        (_EOF), _WANTS_WRITE, or an error. The fill loop is inlined here, not a method of its
+        own: this runs once per received message (bench/README.md, issue 11, per message)."""
         if self._closing or self._read_paused or self._eof:
             return
         protocol = self._protocol
+        read = self._ssl.read
+        has_pending = self._has_pending
         budget = READ_BYTES_PER_WAKE
         while True:
             buf = protocol.get_buffer(-1)
             if type(buf) is not memoryview:  # HboneConnection's already is one
                 buf = memoryview(buf)
-            filled, end = self._fill(buf)
+            size = buf.nbytes
+            filled = 0
+            end: object
+            if not size:
+                end = RuntimeError("get_buffer() returned an empty buffer")
+            else:
+                try:
+                    while True:
+                        n = read(size - filled, buf[filled:] if filled else buf)
+                        if not n:
+                            end = _EOF
+                            break
+                        filled += n
+                        if size - filled < MAX_RECORD_PLAINTEXT_BYTES:
+                            end = _FULL
+                            break
+                        if n < MAX_RECORD_PLAINTEXT_BYTES and not has_pending():
+                            # A short record that fit whole (there was room for the longest one),
+                            # and nothing read ahead: the message ended here; polling brings more.
+                            end = _DRAINED
+                            break
+                except ssl.SSLWantReadError:
+                    end = _DRAINED
+                except ssl.SSLWantWriteError:
+                    end = _WANTS_WRITE
+                except ssl.SSLEOFError:
+                    # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446
+                    # 6.1: a truncation): an error, as uvloop's SSL protocol never called it an EOF.
+                    end = ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)")
+                except OSError as e:  # ssl.SSLError is one
+                    end = e
             # Our view must not outlive the reads: the protocol reuses its buffer only while
             # nothing else refers to it (hbone._receive_into).
             del buf
@@ -460,7 +498,7 @@ class TlsTransport(asyncio.Transport):
                 break
             budget -= filled
             if budget <= 0:
-                if self._has_pending():
+                if has_pending():
                     self._loop.call_soon(self._on_readable)  # no readiness event announces these
                 return  # what waits in the socket: level-triggered polling calls us again
         if end is _EOF:
@@ -479,40 +517,6 @@ class TlsTransport(asyncio.Transport):
         if self._write_wants_read:
             self._write_wants_read = False
             self._flush()
-
-    def _fill(self, buf: memoryview) -> tuple[int, object]:
-        """Decrypt records into `buf` (how many bytes, and why it stopped): until it has no room
-        for another whole record (_FULL), the socket has no more (WANT_READ) or a short record
-        ended a message (_DRAINED), the peer's close_notify (_EOF), _WANTS_WRITE, or an error.
-        Several records per buffer: the protocol above runs once per buffer, not per record."""
-        read = self._ssl.read
-        has_pending = self._has_pending
-        size = buf.nbytes
-        if not size:
-            return 0, RuntimeError("get_buffer() returned an empty buffer")
-        filled = 0
-        try:
-            while True:
-                n = read(size - filled, buf[filled:] if filled else buf)
-                if not n:
-                    return filled, _EOF
-                filled += n
-                if size - filled < MAX_RECORD_PLAINTEXT_BYTES:
-                    return filled, _FULL
-                if n < MAX_RECORD_PLAINTEXT_BYTES and not has_pending():
-                    # A short record that fit whole (there was room for the longest one), and
-                    # nothing read ahead: the message ended here; polling brings any more.
-                    return filled, _DRAINED
-        except ssl.SSLWantReadError:
-            return filled, _DRAINED
-        except ssl.SSLWantWriteError:
-            return filled, _WANTS_WRITE
-        except ssl.SSLEOFError:
-            # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446 6.1: a
-            # truncation): an error, as uvloop's SSL protocol never called it an EOF either.
-            return filled, ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)")
-        except OSError as e:  # ssl.SSLError is one
-            return filled, e
 
     def _on_eof(self) -> None:
         self._eof = True

@@ -134,9 +134,7 @@ class _GeneralPathOnly(Connection):
     slots: a subclass, not an instance attribute)."""
 
     __slots__ = ()
-
-    def _data_fast(self, *_args: object) -> bool:
-        return False
+    _DATA_FAST_PATH = False
 
     def _stream_frame_fast(self, *_args: object) -> bool:
         return False

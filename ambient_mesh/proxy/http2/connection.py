@@ -291,6 +291,9 @@ class Connection:
         "_data_frames_sent",
         "_now",
     )
+    # The one-read DATA fast path in `receive` (tests/unit/test_http2_properties.py turns it off
+    # in a subclass to hold it to the general path's results).
+    _DATA_FAST_PATH = True
 
     def __init__(self, settings: CoreSettings, now: float = 0.0) -> None:
         self.settings = settings
@@ -502,6 +505,12 @@ class Connection:
                             length = (hi << 16) | lo
                             sid &= 0x7FFFFFFF  # the reserved bit is ignored (RFC 9113 4.1)
                             end = pos + f.FRAME_HEADER_BYTES + length
+                            # One whole unpadded DATA frame within this read, for an open stream
+                            # with window for it: the checks of `_frame_start` and `_data_target`
+                            # for that case, inlined (small messages arrive so, one frame per TLS
+                            # record; the general path costs six calls per frame, a method of its
+                            # own one). Anything else goes the general path, which raises whatever
+                            # error it is.
                             if (
                                 ftype == _DATA
                                 and end <= n
@@ -509,8 +518,33 @@ class Connection:
                                 and not flags & _NOT_END_STREAM
                                 and self._block is None
                                 and self._got_settings
-                                and self._data_fast(data, pos + f.FRAME_HEADER_BYTES, end, flags, sid)
+                                and self._DATA_FAST_PATH
+                                and (s := self.streams.get(sid)) is not None
+                                and not s.remote_closed
+                                and length <= self._recv_window
+                                and length <= s.recv_window
                             ):
+                                self._empty_run = 0
+                                self._recv_window -= length
+                                s.recv_window -= length
+                                s.unacked += length
+                                start = pos + f.FRAME_HEADER_BYTES
+                                event = _new_object(DataReceived)
+                                _set_event_sid(event, sid)
+                                _set_event_data(
+                                    event,
+                                    bytes(data[start:end])
+                                    if length < ZERO_COPY_SLICE_BYTES
+                                    else memoryview(data)[start:end],
+                                )
+                                if self._fresh:
+                                    self._emit(event)
+                                else:
+                                    self.events.append(event)
+                                if flags:  # END_STREAM, the only flag let through
+                                    s.remote_closed = True
+                                    self._emit(StreamEnded(sid))
+                                    self._maybe_close(s)
                                 pos = end
                                 continue
                             if (
@@ -1120,34 +1154,6 @@ class Connection:
             return None
         s.recv_window -= length
         return s
-
-    def _data_fast(self, data: bytes | memoryview, start: int, end: int, flags: int, sid: int) -> bool:
-        """One whole unpadded DATA frame within one read, for an open stream with window for it:
-        the checks of `_frame_start` and `_data_target` for that case in one call (small messages
-        arrive so, one frame per TLS record; the general path cost six calls per frame). False
-        leaves the frame to the general path, which raises whatever error it is."""
-        s = self.streams.get(sid)
-        length = end - start
-        if s is None or s.remote_closed or length > self._recv_window or length > s.recv_window:
-            return False
-        self._empty_run = 0
-        self._recv_window -= length
-        s.recv_window -= length
-        s.unacked += length
-        event = _new_object(DataReceived)
-        _set_event_sid(event, sid)
-        _set_event_data(
-            event, bytes(data[start:end]) if length < ZERO_COPY_SLICE_BYTES else memoryview(data)[start:end]
-        )
-        if self._fresh:
-            self._emit(event)
-        else:
-            self.events.append(event)
-        if flags:  # END_STREAM, the only flag let through
-            s.remote_closed = True
-            self._emit(StreamEnded(sid))
-            self._maybe_close(s)
-        return True
 
     def _stream_frame_fast(
         self, data: bytes | memoryview, start: int, end: int, ftype: int, flags: int, sid: int
