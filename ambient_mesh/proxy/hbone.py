@@ -35,7 +35,7 @@ from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
 from .http2.frames import ErrorCode
 from .relay import Endpoint
-from .tls_transport import TlsTransport
+from .tls_transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
 
 if TYPE_CHECKING:
     from ..identity.spiffe import Identity
@@ -130,6 +130,9 @@ _ORDERLY_RESETS = (ErrorCode.NO_ERROR, ErrorCode.CANCEL)
 _Held = list[tuple[bytes | memoryview, int]]  # DATA payloads with the credit they carry
 _NOTHING_HELD: _Held = []  # shared, always empty: nothing is held once attached
 _DataReceived = ev.DataReceived
+# A DATA payload this long or shorter fits one TLS record with its frame header: written as one
+# piece (header + payload), longer ones through TlsTransport.write_frame.
+_ONE_RECORD_PAYLOAD_BYTES = MAX_RECORD_PLAINTEXT_BYTES - http2.frames.FRAME_HEADER_BYTES
 
 
 class HboneStream(Endpoint):
@@ -152,12 +155,16 @@ class HboneStream(Endpoint):
         "_reset",
         "_cancel",
         "relay",
+        "peer",
+        "bytes_read",
     )
 
     def __init__(self, conn: HboneConnection, stream_id: int) -> None:
         self.conn = conn
         self.stream_id = stream_id
         self.relay = None
+        self.peer: Endpoint | None = None  # the relay's other side (relay.Endpoint)
+        self.bytes_read = 0
         self.request: ConnectRequest | None = None
         self.response: asyncio.Future[ConnectResponse] = conn.loop.create_future()
         self._pending = bytearray()  # bytes waiting for flow-control window
@@ -205,17 +212,23 @@ class HboneStream(Endpoint):
             return
         conn = self.conn
         if not self._pending and not self._blocked and not conn._write_paused:
-            # The common cases without `pump`'s bookkeeping: a small chunk with nothing queued
-            # becomes one frame written at once; otherwise the window takes the whole chunk.
-            frame = conn.core.data_frame(self.stream_id, data)
-            if frame is not None:
-                tls_write = conn._tls_write
-                if tls_write is not None:
-                    tls_write(frame)
+            # The common cases without `pump`'s bookkeeping: a chunk the windows take whole in one
+            # frame, with nothing queued, is written at once (one piece when it fits one TLS
+            # record, else with its header inside the first record); otherwise the window takes
+            # what it can.
+            n = len(data)
+            header = conn.core.data_header(self.stream_id, n)
+            if header is not None:
+                tls = conn._tls
+                if tls is not None:
+                    if n <= _ONE_RECORD_PAYLOAD_BYTES:
+                        tls.write(header + data)
+                    else:
+                        tls.write_frame(header, data)
                     return
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
-                    transport.write(frame)
+                    transport.writelines((header, data))
                 return
             try:
                 taken = conn.core.send_data(self.stream_id, data)
@@ -266,8 +279,8 @@ class HboneStream(Endpoint):
             self.conn.core.acknowledge(self.stream_id, flow)
 
     def on_data(self, data: bytes | memoryview) -> None:
-        relay = self.relay
-        if relay is None:
+        peer = self.peer
+        if peer is None:
             self._held.append((data, len(data)))  # credit is returned when a relay takes them
             return
         if self._ack_paused and type(data) is memoryview:
@@ -275,7 +288,8 @@ class HboneStream(Endpoint):
             # a view would pin a whole receive buffer (RECEIVE_BUFFER_BYTES) for it, so a slow
             # app would hold several times the stream window (tests/netns/test_attack_hbone.py).
             data = bytes(data)
-        relay.data_from(self, data)
+        self.bytes_read += len(data)
+        peer.write(data)
         if self._ack_paused:  # `_credit`, inlined: this runs once per DATA frame
             self._unacked += len(data)
         else:
@@ -406,7 +420,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         # TlsTransport.write drops what comes once the transport is closing, so a frame goes to
         # it without asking is_closing first (a Python call per message); other transports are
         # asked (bench/README.md, issue 11, per message).
-        self._tls_write: Callable[[bytes], None] | None = None
+        self._tls: TlsTransport | None = None
         self.streams: dict[int, HboneStream] = {}
         self.closed: asyncio.Future[None] = self.loop.create_future()
         self.goaway_received = False  # a GOAWAY went either way: no new streams
@@ -428,7 +442,7 @@ class HboneConnection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a stream transport (TCP + TLS)
         if type(transport) is TlsTransport:
-            self._tls_write = transport.write
+            self._tls = transport
         if self.on_connected is not None:
             # TLS is complete here: check the peer before a single HTTP/2 byte is exchanged.
             try:
@@ -461,12 +475,13 @@ class HboneConnection(asyncio.BufferedProtocol):
                 and type(event) is _DataReceived
                 and (stream := self.streams.get(event.stream_id)) is not None
             ):
-                relay = stream.relay
-                if relay is None or stream._ack_paused:
+                peer = stream.peer
+                if peer is None or stream._ack_paused:
                     stream.on_data(event.data)
                 else:
                     data = event.data
-                    relay.data_from(stream, data)
+                    stream.bytes_read += len(data)
+                    peer.write(data)
                     if stream._ack_paused:  # the write paused the peer socket: credit held
                         stream._unacked += len(data)
                     else:

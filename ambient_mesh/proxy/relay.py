@@ -36,9 +36,15 @@ SMALL_READS_TO_LEAVE_BULK = 16
 
 
 class Endpoint:
-    """One side of a relay. Subclasses implement the five verbs the relay uses."""
+    """One side of a relay. Subclasses implement the five verbs the relay uses.
+
+    An endpoint hands what it reads to `peer.write` itself and counts it in `bytes_read`, with no
+    call through the relay per chunk (bench/README.md, issue 11, per message); `Relay.data_from`
+    does the same for the paths that are not per chunk (bytes held before the relay started)."""
 
     relay: Relay | None = None
+    peer: Endpoint | None = None  # the other side of the relay, set when it starts
+    bytes_read = 0
 
     def write(self, data: bytes | memoryview) -> None:
         raise NotImplementedError
@@ -63,16 +69,15 @@ class Endpoint:
 class Relay:
     """Joins `downstream` (the side that opened the connection) and `upstream`.
 
-    `bytes_up` counts downstream -> upstream (what the client sent), `bytes_down` the reverse;
-    the connection's metrics read them (metrics.ConnectionRecorder.follow), no call per chunk.
+    `bytes_up` counts downstream -> upstream (what the client sent), `bytes_down` the reverse
+    (what each side read: `Endpoint.bytes_read`); the connection's metrics read them
+    (metrics.ConnectionRecorder.follow), no call per chunk.
     `done` resolves with None on a clean finish or the error that ended the relay.
     """
 
     __slots__ = (
         "downstream",
         "upstream",
-        "bytes_up",
-        "bytes_down",
         "done",
         "_eof_from",
         "_closed",
@@ -81,13 +86,13 @@ class Relay:
     def __init__(self, downstream: Endpoint, upstream: Endpoint) -> None:
         self.downstream = downstream
         self.upstream = upstream
-        self.bytes_up = 0
-        self.bytes_down = 0
         self.done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         self._eof_from = 0  # bit 1: downstream sent EOF, bit 2: upstream (a set was 216 B per relay)
         self._closed = False
         downstream.relay = self
         upstream.relay = self
+        downstream.peer = upstream
+        upstream.peer = downstream
 
     def __repr__(self) -> str:
         state = (
@@ -102,14 +107,27 @@ class Relay:
     def _other(self, side: Endpoint) -> Endpoint:
         return self.upstream if side is self.downstream else self.downstream
 
+    # What metrics.ByteTotals reads; settable because that protocol's fields are plain ints.
+    @property
+    def bytes_up(self) -> int:
+        return self.downstream.bytes_read
+
+    @bytes_up.setter
+    def bytes_up(self, n: int) -> None:
+        self.downstream.bytes_read = n
+
+    @property
+    def bytes_down(self) -> int:
+        return self.upstream.bytes_read
+
+    @bytes_down.setter
+    def bytes_down(self, n: int) -> None:
+        self.upstream.bytes_read = n
+
     def data_from(self, side: Endpoint, data: bytes | memoryview) -> None:
-        n = len(data)
-        if side is self.downstream:
-            self.bytes_up += n
-            self.upstream.write(data)
-        else:
-            self.bytes_down += n
-            self.downstream.write(data)
+        """What the endpoints do per chunk themselves (see Endpoint)."""
+        side.bytes_read += len(data)
+        self._other(side).write(data)
 
     def eof_from(self, side: Endpoint) -> None:
         bit = 1 if side is self.downstream else 2
@@ -205,11 +223,12 @@ class _BulkReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         endpoint = self.endpoint
-        relay = endpoint.relay
-        if relay is None:  # not reached: an endpoint reads in bulk only once it is relaying
+        peer = endpoint.peer
+        if peer is None:  # not reached: an endpoint reads in bulk only once it is relaying
             endpoint.data_received(bytes(_APP_RECEIVE.buf[:nbytes]))
         else:
-            relay.data_from(endpoint, memoryview(_APP_RECEIVE.buf)[:nbytes].toreadonly())
+            endpoint.bytes_read += nbytes
+            peer.write(memoryview(_APP_RECEIVE.buf)[:nbytes].toreadonly())
         if nbytes >= _QUARTER_BUFFER:
             self._small_reads = 0
             return
@@ -239,11 +258,13 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     nothing is lost while the proxy is still deciding where the connection goes.
     """
 
-    __slots__ = ("transport", "_held", "_held_eof", "_lost", "_eof_sent")
+    __slots__ = ("transport", "peer", "bytes_read", "_held", "_held_eof", "_lost", "_eof_sent")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.relay = None
+        self.peer = None
+        self.bytes_read = 0
         self._held: list[bytes | memoryview] = []
         self._held_eof = False
         self._lost: BaseException | None | bool = False
@@ -258,13 +279,14 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes | memoryview) -> None:
-        relay = self.relay
-        if relay is None:
+        peer = self.peer
+        if peer is None:  # no relay yet (Relay sets `relay` and `peer` together)
             self._held.append(data)
             if self.transport is not None:
                 self.transport.pause_reading()
             return
-        relay.data_from(self, data)
+        self.bytes_read += len(data)
+        peer.write(data)
         if len(data) >= UVLOOP_READ_BYTES:
             transport = self.transport
             if transport is not None and not transport.is_closing():

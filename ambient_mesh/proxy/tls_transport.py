@@ -597,6 +597,17 @@ class TlsTransport(asyncio.Transport):
             except Exception:
                 log.exception("pause_writing failed")
 
+    def write_frame(self, header: bytes, payload: bytes | memoryview) -> None:
+        """`writelines((header, payload))` for one HTTP/2 DATA frame (hbone.py) longer than a
+        record, with its header inside the payload's first record: the header and the payload's
+        first bytes are copied into one piece (a record's worth, MAX_RECORD_PLAINTEXT_BYTES), the
+        rest is written from the payload as it is. Before, the 9-byte header was a TLS record of
+        its own: a record more per frame to encrypt here and to decrypt and hand over at the peer
+        (bench/README.md, issue 11, large messages). Shorter frames are one piece already."""
+        first = MAX_RECORD_PLAINTEXT_BYTES - len(header)
+        view = payload if type(payload) is memoryview else memoryview(payload)
+        self.writelines((header + view[:first], view[first:]))
+
     def writelines(self, list_of_data: Any) -> None:
         """Each piece as `write` does it, with one flush of the coalescing buffer at the end: a
         DATA frame's header and its payload (hbone.py writes them as two pieces) in one send."""

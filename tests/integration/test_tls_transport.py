@@ -441,6 +441,33 @@ async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind
         assert len(calls) < 10, calls  # without read-ahead: one callback per record
 
 
+async def test_a_frame_header_shares_the_first_record_of_its_payload():
+    """write_frame: the 9-byte DATA frame header goes inside the payload's first record (one
+    record fewer per frame for both ends), and the bytes arrive exact. A receive buffer of one
+    record's size hands over one record per call, so the calls show the record boundaries."""
+    calls = []
+    record = tls_transport.MAX_RECORD_PLAINTEXT_BYTES
+
+    class PerRecord(Collector):
+        def buffer_updated(self, nbytes):
+            calls.append(nbytes)
+            super().buffer_updated(nbytes)
+
+    async with tls_pair(server_proto=PerRecord(buffer_bytes=record)) as (server, client):
+        assert client.transport is not None
+        frames = [
+            (b"H%08d" % i, bytes([65 + i]) * size) for i, size in enumerate((100_000, record, 3 * record))
+        ]
+        for header, payload in frames:
+            client.transport.write_frame(header, memoryview(payload) if len(payload) > record else payload)
+        expected = b"".join(h + p for h, p in frames)
+        await server.wait_for_bytes(len(expected))
+        assert bytes(server.data) == expected
+        # 100,000 + 9 bytes: 6 full records and 1,705 bytes; 16,393: one full record and 9;
+        # 49,161: 3 full records and 9. Never a 9-byte record of its own up front.
+        assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9], calls
+
+
 def _write_syscalls() -> int:
     """This process's write-type system calls so far (`syscw` in /proc/self/io)."""
     with open("/proc/self/io") as f:

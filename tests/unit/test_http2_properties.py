@@ -226,19 +226,19 @@ def _open_pair() -> tuple[Connection, Connection, int]:
         st.tuples(st.sampled_from(["data", "control", "end", "drain"]), st.integers(0, 70_000)), max_size=12
     )
 )
-def test_data_frame_is_send_data_when_it_applies(steps):
-    """`data_frame` (one small frame, written at once) gives the bytes and windows `send_data`
-    would have queued, and declines whenever anything is queued, the chunk is empty or large, or
-    the windows do not take it whole."""
+def test_data_header_is_send_data_when_it_applies(steps):
+    """`data_header` (one frame, written at once by the shell: the header, then the payload)
+    gives the bytes and windows `send_data` would have queued, and declines whenever anything is
+    queued, the chunk is empty or longer than a frame, or the windows do not take it whole."""
     direct, _server_of_direct, sid = _open_pair()
     twin, _server, _sid = _open_pair()
     for action, n in steps:
         if action == "data":
             data = b"z" * n
-            frame = direct.data_frame(sid, data)
+            header = direct.data_header(sid, n)
             window = twin.send_window(sid)
-            if frame is None:
-                assert direct.outbox_bytes or not 0 < n < c.COALESCE_BELOW_BYTES or n > window
+            if header is None:
+                assert direct.outbox_bytes or not 0 < n <= direct.peer_max_frame_bytes or n > window
                 try:
                     direct.send_data(sid, data)
                     twin.send_data(sid, data)
@@ -247,7 +247,7 @@ def test_data_frame_is_send_data_when_it_applies(steps):
             else:
                 assert not twin.outbox_bytes and 0 < n <= window
                 twin.send_data(sid, data)
-                assert frame == b"".join(bytes(p) for p in twin.data_to_send())
+                assert header + data == b"".join(bytes(p) for p in twin.data_to_send())
         elif action == "control":
             for core in (direct, twin):
                 core.reset_stream(sid + 2)  # an idle stream: nothing happens; then a PING answer

@@ -787,13 +787,12 @@ class Connection:
         s.send_window -= n
         return n
 
-    def data_frame(self, sid: int, data: bytes | memoryview) -> bytes | None:
-        """`send_data` for the small-message case, without the outbox: when nothing is queued, the
-        windows take all of `data` and it fits one frame below COALESCE_BELOW_BYTES, the DATA frame
-        (counted as sent) for the shell to write at once; otherwise None, and `send_data` applies
-        (it also raises for a stream not open for sending)."""
-        n = len(data)
-        if self._outbox or not 0 < n < COALESCE_BELOW_BYTES:
+    def data_header(self, sid: int, n: int) -> bytes | None:
+        """`send_data` for the common cases, without the outbox: when nothing is queued and the
+        windows take all `n` bytes in one frame, the header of that DATA frame (counted as sent,
+        the windows taken) for the shell to write at once with the payload behind it; otherwise
+        None, and `send_data` applies (it also raises for a stream not open for sending)."""
+        if self._outbox or not 0 < n <= self._peer_max_frame:
             return None
         s = self.streams.get(sid)
         if (
@@ -802,13 +801,12 @@ class Connection:
             or self.terminated is not None
             or n > self._send_window
             or n > s.send_window
-            or n > self._peer_max_frame
         ):
             return None
         self._send_window -= n
         s.send_window -= n
         self._data_frames_sent += 1
-        return _pack_header(n >> 16, n & 0xFFFF, _DATA, 0, sid) + data
+        return _pack_header(n >> 16, n & 0xFFFF, _DATA, 0, sid)
 
     def end_stream(self, sid: int) -> None:
         """Half-close our side (an empty DATA frame with END_STREAM)."""
