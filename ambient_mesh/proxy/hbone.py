@@ -247,8 +247,23 @@ class HboneStream(Endpoint):
     def write_eof(self) -> None:
         if self._reset is not None or self._end_sent:
             return
+        conn = self.conn
+        if not self._pending and not self._blocked and not conn._write_paused:
+            # Nothing waits for window: END_STREAM goes now, without `pump`'s bookkeeping (issue
+            # 11, per connection: every stream ends so, once each way). `pump` reports a stream
+            # the core no longer has.
+            try:
+                conn.core.end_stream(self.stream_id)
+            except StreamClosedError:
+                pass
+            else:
+                self._end_sent = True
+                conn.flush()
+                if self._remote_ended:
+                    conn._forget(self)
+                return
         self._eof_pending = True
-        self.conn.pump(self)
+        conn.pump(self)
 
     def abort(self) -> None:
         if self._reset is None and not (self._end_sent and self._remote_ended):
@@ -267,7 +282,10 @@ class HboneStream(Endpoint):
                 self.conn.flush()
 
     def close(self) -> None:
-        self.conn.stream_closed(self)
+        # `stream_closed`, inlined; a stream its END_STREAM or the peer's already forgot (the
+        # usual case) costs no call.
+        if self._end_sent and self._remote_ended and self.conn.streams.get(self.stream_id) is self:
+            self.conn._forget(self)
 
     # Connection-facing -----------------------------------------------------------------
     def _credit(self, flow: int) -> None:
@@ -735,7 +753,8 @@ class HboneConnection(asyncio.BufferedProtocol):
         if not self.usable:
             raise HboneError("HBONE connection is closing", response_flag=ResponseFlag.CONNECT)
         request = [(b":method", b"CONNECT"), (b":authority", authority.encode())]
-        request += [(k.encode(), v.encode()) for k, v in headers]
+        for k, v in headers:  # a loop, not a comprehension: no function call (Python 3.11)
+            request.append((k.encode(), v.encode()))
         try:
             sid = self.core.send_request(request)
         except Http2Error as e:
@@ -770,8 +789,11 @@ class HboneConnection(asyncio.BufferedProtocol):
         if stream.stream_id not in self.streams:
             return
         stream._cancel = None
+        fields = []
+        for k, v in headers:  # a loop, not a comprehension: no function call (Python 3.11)
+            fields.append((k.encode(), v.encode()))
         try:
-            self.core.send_response(stream.stream_id, status, [(k.encode(), v.encode()) for k, v in headers])
+            self.core.send_response(stream.stream_id, status, fields)
         except StreamClosedError:
             self.streams.pop(stream.stream_id, None)
             return

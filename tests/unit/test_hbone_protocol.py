@@ -236,6 +236,31 @@ async def test_sender_stops_reading_when_the_peer_window_is_exhausted():
     ours._cancel_timers()
 
 
+async def test_half_close_waits_behind_bytes_the_window_holds_back():
+    """END_STREAM goes at once when nothing waits for window, and after the bytes that do."""
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)  # h2 default: 65535-byte windows
+    stream, tcp, relay, sid = await _open(ours, transport, server)
+    relay.data_from(tcp, b"y" * 100_000)
+    relay.eof_from(tcp)
+    events = exchange(ours, transport, server)
+    assert sum(len(e.data) for e in events if isinstance(e, h2.events.DataReceived)) == 65535
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in events)
+    server.acknowledge_received_data(65535, sid)
+    server.increment_flow_control_window(100_000)
+    server.increment_flow_control_window(100_000, stream_id=sid)
+    events = exchange(ours, transport, server)
+    kinds = [type(e) for e in events if isinstance(e, (h2.events.DataReceived, h2.events.StreamEnded))]
+    assert kinds[-1] is h2.events.StreamEnded and h2.events.DataReceived in kinds
+    assert sum(len(e.data) for e in events if isinstance(e, h2.events.DataReceived)) == 100_000 - 65535
+    server.send_data(sid, b"", end_stream=True)
+    exchange(ours, transport, server)
+    assert relay.done.done() and ours.open_streams == 0
+    ours._cancel_timers()
+
+
 async def test_ping_every_interval_and_drop_without_answer():
     from ambient_mesh.proxy.hbone import HboneSettings
 

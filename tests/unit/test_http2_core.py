@@ -531,6 +531,10 @@ def test_client_drain_is_one_goaway_and_waits_for_streams():
         (CONNECT + [(b"connection", b"close")], "connection-specific"),
         ([(b"x", b"1")] + CONNECT, "pseudo-header after"),
         (CONNECT + [(b"x", b"a\r\nb")], "CR or LF"),
+        (CONNECT + [(b"x", b"a\x00b")], "NUL"),
+        (CONNECT + [(b"x", b"a\nb")], "CR or LF"),
+        (CONNECT + [(b"x", b"a\rb")], "CR or LF"),
+        ([(b":method", b"CONNECT"), (b":authority", b"a:1\n")], "CR or LF"),
     ],
 )
 def test_malformed_and_extended_connect_are_reset_before_the_app(headers, why):
@@ -696,3 +700,23 @@ def test_header_blocks_and_end_stream_carry_their_flags_whole_or_split(split):
     sid = client.core.send_request(CONNECT)
     assert send(client, client.response(sid, end_stream=True)) == [ev.ResponseReceived(sid, 200, (), True)]
     assert client.core.streams[sid].remote_closed
+
+
+def test_field_names_checked_once_are_remembered_within_bounds():
+    """Names that passed the token check are a set lookup the next time; a peer's endless new
+    names fill the set only to MAX_CHECKED_NAMES, long names are never kept, and a bad name is
+    refused however many good ones came before."""
+    c._CHECKED_NAMES.clear()
+    peer = Peer.server_core(max_concurrent_streams=None)
+    sid = 1
+    for i in range(c.MAX_CHECKED_NAMES + 50):
+        [request] = peer.send(peer.headers(sid, CONNECT + [(f"x-{i}".encode(), b"v")]))
+        assert type(request) is ev.RequestReceived
+        peer.core.reset_stream(sid)
+        sid += 2
+    long_name = b"x" * (c.MAX_CHECKED_NAME_BYTES + 1)
+    [request] = peer.send(peer.headers(sid, CONNECT + [(long_name, b"v")]))
+    assert type(request) is ev.RequestReceived
+    assert len(c._CHECKED_NAMES) == c.MAX_CHECKED_NAMES and long_name not in c._CHECKED_NAMES
+    events = peer.send(peer.headers(sid + 2, CONNECT + [(b"x-0", b"v"), (b"X-Upper", b"v")]))
+    assert [type(e) for e in events] == [ev.RequestRefused]

@@ -55,87 +55,87 @@ class BlockDecoder:
         self.max_table_bytes = max_table_bytes
         self.max_list_bytes = max_list_bytes
 
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        """The header list of `block`, in order. Raises HpackError (or HeaderListTooLarge)."""
-        try:
-            return self._decode(block)
-        except HpackError:
-            raise
-        except (hpack.HPACKError, IndexError, ValueError) as e:
-            raise HpackError(f"HPACK header block does not decode: {e}") from None
-
-    def _decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+    def decode(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        """The header list of `data` (a block), in order. Raises HpackError (or HeaderListTooLarge)."""
         # The common representations are decoded inline (issue 11, per connection: a CONNECT's
         # five fields cost 17 `_integer`, 10 `_string` and 6 `_literal` calls): an integer that
         # fits its prefix (one octet, RFC 7541 5.1) and a string literal without Huffman coding
         # and shorter than 127 octets (5.2). Anything else takes `_integer` / `_literal`, which
         # also raise for what is truncated or malformed.
-        table = self.table
-        static = _STATIC_BY_INDEX
-        headers: list[tuple[bytes, bytes]] = []
-        list_bytes = 0
-        pos = 0
-        end = len(data)
-        while pos < end:
-            first = data[pos]
-            if first & 0x80:  # 6.1 indexed field
-                index = first & 0x7F
-                if index == 0x7F:
-                    index, pos = self._integer(data, pos, 7)
-                else:
-                    pos += 1
-                if index == 0:
-                    raise HpackError("HPACK indexed field with index 0")
-                if index <= _STATIC_ENTRIES:
-                    name, value = static[index]
-                else:
-                    name, value = table.get_by_index(index)
-            elif first & 0x20 and not first & 0x40:  # 6.3 dynamic table size update
-                if headers:
-                    raise HpackError("HPACK table size update after the first field (RFC 7541 4.2)")
-                size, pos = self._integer(data, pos, 5)
-                if size > self.max_table_bytes:
-                    raise HpackError(f"HPACK table size {size} above the {self.max_table_bytes} allowed")
-                table.maxsize = size
-                continue
-            else:
-                # 6.2.1 literal with incremental indexing (6-bit name index), or 6.2.2 / 6.2.3
-                # without indexing / never indexed (4-bit name index).
-                indexing = first & 0x40
-                mask = 0x3F if indexing else 0x0F
-                index = first & mask
-                if index == mask:
-                    name, value, pos = self._literal(data, pos, 6 if indexing else 4)
-                else:
-                    pos += 1
-                    if index:
-                        name = static[index][0] if index <= _STATIC_ENTRIES else table.get_by_index(index)[0]
-                    elif pos < end and data[pos] < 0x7F:  # H = 0 and the length fits the prefix
-                        stop = pos + 1 + data[pos]
-                        if stop > end:
-                            raise HpackError("HPACK string longer than the header block")
-                        name = data[pos + 1 : stop]
-                        pos = stop
+        # One function with the error translation around the loop: a call per block fewer.
+        try:
+            table = self.table
+            static = _STATIC_BY_INDEX
+            headers: list[tuple[bytes, bytes]] = []
+            list_bytes = 0
+            pos = 0
+            end = len(data)
+            while pos < end:
+                first = data[pos]
+                if first & 0x80:  # 6.1 indexed field
+                    index = first & 0x7F
+                    if index == 0x7F:
+                        index, pos = self._integer(data, pos, 7)
                     else:
-                        name, pos = self._string(data, pos)
-                    if pos < end and data[pos] < 0x7F:
-                        stop = pos + 1 + data[pos]
-                        if stop > end:
-                            raise HpackError("HPACK string longer than the header block")
-                        value = data[pos + 1 : stop]
-                        pos = stop
+                        pos += 1
+                    if index == 0:
+                        raise HpackError("HPACK indexed field with index 0")
+                    if index <= _STATIC_ENTRIES:
+                        name, value = static[index]
                     else:
-                        value, pos = self._string(data, pos)
-                if indexing:
-                    table.add(name, value)
-            list_bytes += len(name) + len(value) + ENTRY_OVERHEAD_BYTES
-            if list_bytes > self.max_list_bytes:
-                raise HeaderListTooLarge(
-                    f"header list larger than the {self.max_list_bytes} bytes advertised "
-                    "(SETTINGS_MAX_HEADER_LIST_SIZE)"
-                )
-            headers.append((name, value))
-        return headers
+                        name, value = table.get_by_index(index)
+                elif first & 0x20 and not first & 0x40:  # 6.3 dynamic table size update
+                    if headers:
+                        raise HpackError("HPACK table size update after the first field (RFC 7541 4.2)")
+                    size, pos = self._integer(data, pos, 5)
+                    if size > self.max_table_bytes:
+                        raise HpackError(f"HPACK table size {size} above the {self.max_table_bytes} allowed")
+                    table.maxsize = size
+                    continue
+                else:
+                    # 6.2.1 literal with incremental indexing (6-bit name index), or 6.2.2 / 6.2.3
+                    # without indexing / never indexed (4-bit name index).
+                    indexing = first & 0x40
+                    mask = 0x3F if indexing else 0x0F
+                    index = first & mask
+                    if index == mask:
+                        name, value, pos = self._literal(data, pos, 6 if indexing else 4)
+                    else:
+                        pos += 1
+                        if index:
+                            name = (
+                                static[index][0] if index <= _STATIC_ENTRIES else table.get_by_index(index)[0]
+                            )
+                        elif pos < end and data[pos] < 0x7F:  # H = 0 and the length fits the prefix
+                            stop = pos + 1 + data[pos]
+                            if stop > end:
+                                raise HpackError("HPACK string longer than the header block")
+                            name = data[pos + 1 : stop]
+                            pos = stop
+                        else:
+                            name, pos = self._string(data, pos)
+                        if pos < end and data[pos] < 0x7F:
+                            stop = pos + 1 + data[pos]
+                            if stop > end:
+                                raise HpackError("HPACK string longer than the header block")
+                            value = data[pos + 1 : stop]
+                            pos = stop
+                        else:
+                            value, pos = self._string(data, pos)
+                    if indexing:
+                        table.add(name, value)
+                list_bytes += len(name) + len(value) + ENTRY_OVERHEAD_BYTES
+                if list_bytes > self.max_list_bytes:
+                    raise HeaderListTooLarge(
+                        f"header list larger than the {self.max_list_bytes} bytes advertised "
+                        "(SETTINGS_MAX_HEADER_LIST_SIZE)"
+                    )
+                headers.append((name, value))
+            return headers
+        except HpackError:
+            raise
+        except (hpack.HPACKError, IndexError, ValueError) as e:
+            raise HpackError(f"HPACK header block does not decode: {e}") from None
 
     @staticmethod
     def _integer(data: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
