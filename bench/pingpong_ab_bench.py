@@ -21,7 +21,9 @@ processes, in hbone_bench's topology pinned to one core, latency batches alterna
 the ratio of proxy CPU per round trip and of p50 taken within each batch pair:
 
     .venv/bin/python bench/pingpong_ab_bench.py --netns main=<tree> this=$PWD [--trials 12]
-        [--round-trips 5000]
+        [--round-trips 5000] [--bulk-mib 256]
+
+(`--bulk-mib`: each batch one transfer through one connection instead, with proxy CPU per GiB.)
 
 Writes results/pingpong_ab.json.
 """
@@ -47,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ROUND_TRIPS = 1_000_000
 MAX_BULK_KIB = 64 * 1024
+MAX_BULK_MIB = 4096
 WARMUP_ROUND_TRIPS = 2000
 TRIAL_TIMEOUT_S = 300.0
 ROUND_TRIP_TIMEOUT_S = 10.0
@@ -190,37 +193,44 @@ def trial(tree: str, round_trips: int, profile: bool, bulk_kib: int = 0) -> dict
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def netns_ab(trees: dict[str, str], batches: int, round_trips: int) -> dict:
+def netns_ab(trees: dict[str, str], batches: int, round_trips: int, bulk_mib: int = 0) -> dict:
     """Both trees' proxy pairs up at once in hbone_bench's netns topology (pinned one-core, as
     connection_ab_bench.py does for connections), latency batches alternated ABBA; per batch each
     pair's proxy CPU per round trip (both proxies, /proc) and p50. The ratio within a batch
     pair is the figure: on this host the speed of a core drifts more between runs than a small
-    change moves it."""
+    change moves it. With `bulk_mib`, each batch is one transfer of that many MiB through one
+    connection instead (the per-message path for large messages): proxy CPU per GiB (both
+    proxies together) and Gbit/s."""
     sys.path.insert(0, str(ROOT / "bench"))
     from hbone_bench import run_measured, tree_benches
 
     names = list(trees)
     rows: list[dict[str, dict[str, float]]] = []
     latency = ["--test", "latency", "--latency-bytes", "1", "--warmup", "200"]
+    latency += ["--round-trips", str(round_trips)]
+    bulk = ["--test", "throughput", "--size", str(bulk_mib * 1024 * 1024), "--parallel", "1"]
+    keys = ("proxy_cpu_s_per_gib", "gbit_s") if bulk_mib else ("proxy_cpu_us_per_rt", "p50_us")
     with tree_benches([trees[name] for name in names], "pingpong-ab-") as benches:
         for i in range(batches):
             row: dict[str, dict[str, float]] = {}
             for k in (0, 1) if i % 2 == 0 else (1, 0):
-                result, cpu = run_measured(benches[k], *latency, "--round-trips", str(round_trips))
+                result, cpu = run_measured(benches[k], *(bulk if bulk_mib else latency))
+                if bulk_mib:
+                    row[names[k]] = {keys[0]: cpu / (result["bytes"] / 2**30), keys[1]: result["gbit_s"]}
+                    continue
                 n = result["count"] + 200  # the warm-up's round trips ran through the proxies too
-                row[names[k]] = {"proxy_cpu_us_per_rt": cpu * 1e6 / n / 2, "p50_us": result["p50_us"]}
+                row[names[k]] = {keys[0]: cpu * 1e6 / n / 2, keys[1]: result["p50_us"]}
             rows.append(row)
             print(
                 f"batch {i + 1}/{batches}: "
                 + ", ".join(
-                    f"{n} {v['proxy_cpu_us_per_rt']:.1f} µs CPU per proxy, p50 {v['p50_us']:.1f}"
-                    for n, v in row.items()
+                    f"{n} {keys[0]} {v[keys[0]]:.2f}, {keys[1]} {v[keys[1]]:.2f}" for n, v in row.items()
                 ),
                 flush=True,
             )
     base, other = names
     out: dict = {"batches": rows}
-    for key in ("proxy_cpu_us_per_rt", "p50_us"):
+    for key in keys:
         ratios = [r[other][key] / r[base][key] for r in rows]
         out[f"{key}_median"] = {n: statistics.median(r[n][key] for r in rows) for n in names}
         out[f"paired_ratio_{key}"] = statistics.median(ratios)
@@ -252,6 +262,12 @@ def main() -> int:
         help="two trees' proxies in hbone_bench's netns topology instead, latency batches alternated "
         "(--trials batches of --round-trips)",
     )
+    p.add_argument(
+        "--bulk-mib",
+        type=int,
+        default=0,
+        help="--netns: batches of one transfer of this many MiB (proxy CPU per GiB) instead of round trips",
+    )
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "pingpong_ab.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -261,6 +277,8 @@ def main() -> int:
         raise SystemExit(f"--round-trips 1-{MAX_ROUND_TRIPS}, --trials 1-100")
     if not 0 <= args.bulk_kib <= MAX_BULK_KIB:
         raise SystemExit(f"--bulk-kib 0-{MAX_BULK_KIB}")
+    if not 0 <= args.bulk_mib <= MAX_BULK_MIB:
+        raise SystemExit(f"--bulk-mib 0-{MAX_BULK_MIB}")
     if args.child:
         return child_main(args)
     trees = dict(t.split("=", 1) for t in args.trees) if args.trees else {"this": str(ROOT)}
@@ -268,8 +286,10 @@ def main() -> int:
     if args.netns:
         if len(trees) != 2:
             raise SystemExit("--netns compares two trees: base=PATH other=PATH")
-        result = netns_ab(trees, args.trials, args.round_trips)
-        result.update(trees=trees, round_trips=args.round_trips, load_average=os.getloadavg())
+        result = netns_ab(trees, args.trials, args.round_trips, args.bulk_mib)
+        result.update(
+            trees=trees, round_trips=args.round_trips, bulk_mib=args.bulk_mib, load_average=os.getloadavg()
+        )
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
