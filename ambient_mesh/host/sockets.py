@@ -6,6 +6,7 @@ src/proxy.rs (keepalive and user timeout, `KeepaliveSettings`). Everything here 
 
 from __future__ import annotations
 
+import _socket
 import errno
 import math
 import socket
@@ -181,13 +182,33 @@ SocketFactory = Callable[[int], socket.socket]
 """Creates a TCP socket of a family; in-pod proxies create theirs inside the pod's netns."""
 
 
+class IntKindSocket(socket.socket):
+    """A socket.socket whose `family` and `type` read as the C socket's ints.
+
+    socket.socket's `family` and `type` are Python properties that convert the int to an enum
+    (three Python calls per read), and the event loop's transport set-up reads both for every
+    connection it is handed (uvloop's create_connection(sock=): `relay.wrap_socket`, once per
+    proxied connection on each proxy; bench/README.md, connection path). The values compare
+    equal to the enums; only their repr differs. Everything else is socket.socket's.
+    """
+
+    __slots__ = ()
+    family = _socket.socket.family  # type: ignore[assignment]
+    type = _socket.socket.type  # type: ignore[assignment]
+
+
 def plain_socket(family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
-    return socket.socket(family, type)
+    return IntKindSocket(family, type)
 
 
 def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_socket) -> socket.socket:
-    sock = factory(family)
-    sock.setblocking(False)
+    """A non-blocking TCP socket of `family` from `factory`, marked when `mark` is set."""
+    if factory is plain_socket:
+        # Non-blocking from socket() itself (SOCK_NONBLOCK): no FIONBIO ioctl per socket.
+        sock: socket.socket = IntKindSocket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    else:
+        sock = factory(family)
+        sock.setblocking(False)
     if mark is not None:
         set_mark(sock, mark)
     return sock

@@ -29,7 +29,14 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from ..errors import BindError
-from ..host.sockets import KeepaliveSettings, SocketFactory, configure_listener, listen_socket, plain_socket
+from ..host.sockets import (
+    IntKindSocket,
+    KeepaliveSettings,
+    SocketFactory,
+    configure_listener,
+    listen_socket,
+    plain_socket,
+)
 from ..net import SocketAddr
 from .inputs import ConnectionTracker
 
@@ -299,7 +306,8 @@ class Listener:
                 self._errors.flush(loop.time())
             self.accepted += 1
             try:
-                conn = socket.socket(family, type_, proto, fileno=fd)
+                # IntKindSocket: the event loop's transport set-up reads family and type again.
+                conn = IntKindSocket(family, type_, proto, fileno=fd)
             except BaseException:
                 os.close(fd)
                 raise

@@ -355,16 +355,17 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         if self.transport is not None:
             self.transport.close()
 
-    def hold_reading(self) -> None:
-        """Pause until `attach`: used right after accept, before the route is known."""
-        if self.transport is not None:
-            self.transport.pause_reading()
-
 
 async def wrap_socket(sock: socket.socket) -> TcpEndpoint:
-    """Hand a connected plain socket (accepted or dialled) to the event loop as a (paused)
-    TcpEndpoint. HBONE's TLS has its own transport (proxy/tls_transport.py)."""
+    """Hand a connected plain socket (accepted or dialled) to the event loop as a TcpEndpoint
+    that holds what it reads until `attach`. HBONE's TLS has its own transport
+    (proxy/tls_transport.py).
+
+    Reading is not paused up front: the first bytes that arrive before `attach` pause it
+    (`data_received`), so at most one read is held, and a socket whose peer sends nothing
+    first (every inbound app socket, a client waiting for its upstream) is never paused and
+    resumed. That pause was a uv_read_stop and a uv_read_start, and their epoll changes, per
+    wrapped socket (bench/README.md, connection path)."""
     endpoint = TcpEndpoint()
     await asyncio.get_running_loop().create_connection(lambda: endpoint, sock=sock)
-    endpoint.hold_reading()
     return endpoint
