@@ -53,6 +53,7 @@ DEFAULT_LEVEL_SPEC = "info"
 
 
 def _level_name(levelno: int) -> str:
+    """ztunnel's name for a level number (any number: a level between two is the lower's)."""
     if levelno >= OFF:
         return "off"
     if levelno >= logging.ERROR:
@@ -64,6 +65,11 @@ def _level_name(levelno: int) -> str:
     if levelno >= logging.DEBUG:
         return "debug"
     return "trace"
+
+
+_LEVEL_NAMES: dict[int, str] = {
+    n: _level_name(n) for n in (OFF, logging.ERROR, logging.WARNING, logging.INFO, logging.DEBUG, TRACE)
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +158,20 @@ def scope_of(logger_name: str) -> str:
     return logger_name
 
 
+# Each logger's scope, worked out once per name (IstioFormatter.line); bounded: names are the
+# modules' loggers plus whatever a library logs under.
+MAX_SCOPES_KEPT = 1024
+_SCOPES: dict[str, str] = {}
+
+
+def _scope_kept(logger_name: str) -> str:
+    scope = scope_of(logger_name)
+    if len(_SCOPES) >= MAX_SCOPES_KEPT:
+        _SCOPES.clear()
+    _SCOPES[logger_name] = scope
+    return scope
+
+
 # What makes a plain value need quotes: whitespace (as str.isspace), a quote, a backslash, `=`.
 _NEEDS_QUOTES = re.compile(r'[\s"\\=]')
 
@@ -227,9 +247,10 @@ class IstioFormatter(logging.Formatter):
 
     def line(self, levelno: int, created: float, name: str, message: str, fields: dict[str, Any]) -> str:
         """The line of a record with these attributes; `fields` without None values."""
-        level = _level_name(levelno)
+        # The usual levels and logger names from a dict (a C lookup), not a Python call per line.
+        level = _LEVEL_NAMES.get(levelno) or _level_name(levelno)
         when = format_time(created)
-        scope = scope_of(name)
+        scope = _SCOPES.get(name) or _scope_kept(name)
         if self.json_lines:
             line: dict[str, Any] = {"level": level, "time": when, "scope": scope, "message": message}
             for key, value in fields.items():
@@ -447,16 +468,15 @@ def _write_line(
     message: str,
     fields: dict[str, Any],
 ) -> None:
-    """Write one formatted line as StreamHandler.emit would (lock, write, flush)."""
-    handler.acquire()
-    try:
-        stream = handler.stream
-        stream.write(line + handler.terminator)
-        stream.flush()
-    except Exception:  # as StreamHandler.emit does: handleError reports it
-        handler.handleError(_record(log, level, message, fields))
-    finally:
-        handler.release()
+    """Write one formatted line as StreamHandler.emit would (lock, write, flush). The handler's
+    lock taken directly: Handler.acquire and release are two Python calls around it."""
+    with handler.lock:  # type: ignore[union-attr]  # Handler.__init__ always makes it
+        try:
+            stream = handler.stream
+            stream.write(line + handler.terminator)
+            stream.flush()
+        except Exception:  # as StreamHandler.emit does: handleError reports it
+            handler.handleError(_record(log, level, message, fields))
 
 
 def _record(log: logging.Logger, level: int, message: str, fields: dict[str, Any]) -> logging.LogRecord:
@@ -531,15 +551,6 @@ class AccessPeers:
         )
 
 
-def _field_text(value: object) -> str | None:
-    """A per-connection field as AccessLogFields.as_fields keeps it: None and "" are left out."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value or None
-    return str(value)
-
-
 def log_access_complete(
     peers: AccessPeers,
     *,
@@ -560,30 +571,34 @@ def log_access_complete(
         return
     handler = _only_our_handler(log, level)
     formatter = handler.formatter if handler is not None else None
-    src, dst, hbone, failure = (
-        _field_text(src_addr),
-        _field_text(dst_addr),
-        _field_text(hbone_addr),
-        _field_text(error),
+    # _field_text of each, inline (four Python calls per line otherwise); `type() is str`, not
+    # `== ""`, which for an address would be a dataclass __eq__ call.
+    src = (src_addr or None) if type(src_addr) is str else None if src_addr is None else str(src_addr)
+    dst = (dst_addr or None) if type(dst_addr) is str else None if dst_addr is None else str(dst_addr)
+    hbone = (
+        (hbone_addr or None) if type(hbone_addr) is str else None if hbone_addr is None else str(hbone_addr)
     )
+    failure = error or None
     if handler is not None and isinstance(formatter, IstioFormatter) and not formatter.json_lines:
-        sent, recv, duration = str(bytes_sent), str(bytes_recv), f"{duration_ms}ms"
         varying = [t for t in (src, dst, hbone, failure) if t is not None]
         if "" in varying or _NEEDS_QUOTES.search("\x00".join(varying)):
             src, dst, hbone, failure = (
                 None if t is None else _plain_value(t) for t in (src, dst, hbone, failure)
             )
-        parts = [
-            f"src.addr={src}" if src is not None else "",
-            peers.source_text,
-            f"dst.addr={dst}" if dst is not None else "",
-            f"dst.hbone_addr={hbone}" if hbone is not None else "",
-            peers.destination_text,
-            f"bytes_sent={sent} bytes_recv={recv} duration={duration}",
-            f"error={failure}" if failure is not None else "",
-        ]
+        parts = [f"src.addr={src}"] if src is not None else []
+        if peers.source_text:
+            parts.append(peers.source_text)
+        if dst is not None:
+            parts.append(f"dst.addr={dst}")
+        if hbone is not None:
+            parts.append(f"dst.hbone_addr={hbone}")
+        if peers.destination_text:
+            parts.append(peers.destination_text)
+        parts.append(f"bytes_sent={bytes_sent} bytes_recv={bytes_recv} duration={duration_ms}ms")
+        if failure is not None:
+            parts.append(f"error={failure}")
         head = formatter.line(level, time.time(), log.name, ACCESS_COMPLETE_MESSAGE, {})
-        line = f"{head}\t{' '.join([p for p in parts if p])}"
+        line = f"{head}\t{' '.join(parts)}"
         _write_line(handler, line, log, level, ACCESS_COMPLETE_MESSAGE, {})
         return
     fields: dict[str, Any] = {}

@@ -34,9 +34,9 @@ class SocketAddr:
             raise ProtocolError(f"port {self.port} out of range 0-65535")
 
     def __str__(self) -> str:
-        if self.ip.version == 6:
-            return f"[{ip_text(self.ip)}]:{self.port}"
-        return f"{ip_text(self.ip)}:{self.port}"
+        # IPv6 text always has a colon and IPv4 text never: no `version` (a Python property).
+        text = ip_text(self.ip)
+        return f"[{text}]:{self.port}" if ":" in text else f"{text}:{self.port}"
 
     @property
     def family(self) -> int:
@@ -46,9 +46,8 @@ class SocketAddr:
 
     def sockaddr(self) -> tuple[str, int] | tuple[str, int, int, int]:
         """The tuple the socket module wants for this address."""
-        if self.ip.version == 6:
-            return (ip_text(self.ip), self.port, 0, 0)
-        return (ip_text(self.ip), self.port)
+        text = ip_text(self.ip)
+        return (text, self.port, 0, 0) if ":" in text else (text, self.port)
 
     @classmethod
     def of(cls, ip: str | IPAddress, port: int) -> SocketAddr:
