@@ -6,7 +6,8 @@ more than a change does. Here both trees run at the same time: one netns topolog
 (hbone_bench's, pinned one-core), each tree's proxies started with `PYTHONPATH=<tree>`, and
 batches of connections (connect, 1-byte round trip, close) alternate between them, in ABBA
 order. A batch pair shares the host's state, so the ratio of their proxy CPU per connection
-(both proxies, from /proc) is the figure; its median over the pairs is printed with conn/s.
+(both proxies, from /proc) is the figure; its median over the pairs is printed with conn/s, and
+each proxy's user and system CPU per connection (utime and stime apart: which half a change cuts).
 
     git -C /work/main worktree add --detach /tmp/main-tree main     # the "before" tree
     sudo .venv/bin/python bench/connection_ab_bench.py before=/tmp/main-tree after=$PWD \\
@@ -28,12 +29,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hbone_bench import run_measured, tree_benches  # noqa: E402
+from hbone_bench import Bench, proc_cpu_s, proc_user_cpu_s, tree_benches  # noqa: E402
 
 WARMUP_CONNECTIONS = 300
 BATCH_MAX_SECONDS = 60.0
 MAX_BATCHES = 100
 MAX_CONNECTIONS_PER_BATCH = 5000
+
+
+def proc_user_system_s(pid: int) -> tuple[float, float]:
+    """utime and stime of a process (all its threads), in seconds."""
+    user = proc_user_cpu_s(pid)
+    return user, proc_cpu_s(pid) - user
+
+
+def run_split(bench: Bench, *argv: str) -> tuple[dict, dict[str, tuple[float, float]]]:
+    """One `hbone` client run of `bench`, and each proxy's (user, system) CPU seconds meanwhile."""
+    pids = bench.topo.pids()
+    before = {role: proc_user_system_s(pid) for role, pid in pids.items()}
+    result = bench.run_client("hbone", *argv)
+    after = {role: proc_user_system_s(pid) for role, pid in pids.items()}
+    return result, {
+        role: (after[role][0] - before[role][0], after[role][1] - before[role][1]) for role in pids
+    }
+
+
+SPLIT_KEYS = tuple(
+    f"{role}_{half}_ms_per_conn" for role in ("client", "server") for half in ("user", "system")
+)
 
 
 def main() -> int:
@@ -68,7 +91,7 @@ def main() -> int:
         for i in range(args.batches):
             row: dict[str, dict[str, float]] = {}
             for k in (0, 1) if i % 2 == 0 else (1, 0):
-                result, cpu = run_measured(
+                result, split = run_split(
                     benches[k],
                     "--test",
                     "connections",
@@ -77,10 +100,16 @@ def main() -> int:
                     "--max-seconds",
                     str(BATCH_MAX_SECONDS),
                 )
+                n = result["connections"]
                 row[trees[k][0]] = {
-                    "connections": result["connections"],
+                    "connections": n,
                     "conn_s": result["conn_s"],
-                    "proxy_cpu_ms_per_conn": cpu * 1000 / result["connections"],
+                    "proxy_cpu_ms_per_conn": sum(u + s for u, s in split.values()) * 1000 / n,
+                    **{
+                        f"{role}_{half}_ms_per_conn": value * 1000 / n
+                        for role, (user, system) in split.items()
+                        for half, value in (("user", user), ("system", system))
+                    },
                 }
             per_batch.append(row)
             console.print(
@@ -99,6 +128,7 @@ def main() -> int:
                 b[name]["proxy_cpu_ms_per_conn"] for b in per_batch
             ),
             "conn_s_median": statistics.median(b[name]["conn_s"] for b in per_batch),
+            **{f"{key}_median": statistics.median(b[name][key] for b in per_batch) for key in SPLIT_KEYS},
         }
         for name, _ in trees
     }
@@ -111,18 +141,32 @@ def main() -> int:
     table = Table(
         title=f"per-connection path, {args.batches} x {args.connections} connections per tree, one-core"
     )
-    for column in ("tree", "proxy CPU ms per conn (both), median", "conn/s, median"):
+    for column in (
+        "tree",
+        "proxy CPU ms per conn (both), median",
+        "client user / system ms",
+        "server user / system ms",
+        "conn/s, median",
+    ):
         table.add_column(column)
     for name, path in trees:
         s = summary[name]
         table.add_row(
-            f"{name} ({path})", f"{s['proxy_cpu_ms_per_conn_median']:.3f}", f"{s['conn_s_median']:.0f}"
+            f"{name} ({path})",
+            f"{s['proxy_cpu_ms_per_conn_median']:.3f}",
+            *(
+                f"{s[f'{role}_user_ms_per_conn_median']:.3f} / {s[f'{role}_system_ms_per_conn_median']:.3f}"
+                for role in ("client", "server")
+            ),
+            f"{s['conn_s_median']:.0f}",
         )
     r = summary["ratio"]
     table.add_row(
         f"{other} / {base}, same batch pair",
         f"{r['proxy_cpu_per_conn_median']:.3f} ({r['proxy_cpu_per_conn_range'][0]:.2f}-"
         f"{r['proxy_cpu_per_conn_range'][1]:.2f})",
+        "",
+        "",
         f"{r['conn_s_median']:.3f} ({r['conn_s_range'][0]:.2f}-{r['conn_s_range'][1]:.2f})",
     )
     console.print(table)

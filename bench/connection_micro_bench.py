@@ -8,7 +8,11 @@ one compare (bench/README.md, issue 11: the connection path). The pieces:
 - accept: one connection accepted by a `Listener` with the proxy's default keepalive settings
   and its handler task run (uvloop; the client connects, the loop turns until the handler has
   run), per connection;
+- accept + wrap: the same with a handler that hands the socket to the event loop
+  (`relay.wrap_socket`), as the captured (15001) path does, per connection;
 - connect: `inputs.connect_socket` to a loopback listener, per connect;
+- app socket: what an inbound stream does to reach its app: `sockets.new_socket`, the
+  proxy's keepalive options, `inputs.connect_socket` and `relay.wrap_socket`, per connection;
 - socks5: the SOCKS5 handshake of a client that sent greeting and request together;
 - finish: one `ConnectionResult` opened and completed (metrics and access line, to /dev/null);
 - pool key: the pool key as the outbound path makes it (source identity, upstream SANs, a new
@@ -41,7 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = (
     "accept",
+    "accept + wrap",
     "connect",
+    "app socket",
     "socks5",
     "finish",
     "pool key",
@@ -70,11 +76,11 @@ def child(tree: str) -> dict[str, float]:
 
     import uvloop
 
-    from ambient_mesh.host.sockets import KeepaliveSettings
+    from ambient_mesh.host.sockets import KeepaliveSettings, new_socket
     from ambient_mesh.logs import configure_logging
     from ambient_mesh.metrics import Metrics
     from ambient_mesh.net import SocketAddr, ip_address
-    from ambient_mesh.proxy import inputs, routing, socks5_server
+    from ambient_mesh.proxy import inputs, relay, routing, socks5_server
     from ambient_mesh.proxy.listener import Listener
     from ambient_mesh.proxy.pool import WorkloadKey
     from ambient_mesh.proxy.socks5 import Socks5Handshake
@@ -94,28 +100,34 @@ def child(tree: str) -> dict[str, float]:
             served.append(1)
             conn.close()
 
-        listener = Listener(
-            "bench",
-            SocketAddr.parse("127.0.0.1:0"),
-            handler,
-            inputs.ConnectionTracker(),
-            keepalive=KeepaliveSettings(),  # KEEPALIVE_ENABLED's default, as the proxies run
-        )
-        listener.start()
-        address = listener.bound_address.sockaddr()
-        cpu = 0.0
-        for _ in range(BATCH):
-            client = socket.socket()
-            client.setblocking(False)
-            client.connect_ex(address)
-            before = len(served)
-            t0 = time.thread_time()
-            while len(served) == before:
-                await asyncio.sleep(0)
-            cpu += time.thread_time() - t0
-            client.close()
-        listener.close()
-        out["accept"] = cpu / BATCH * 1e6
+        async def wrapping_handler(conn: socket.socket) -> None:
+            endpoint = await relay.wrap_socket(conn)
+            served.append(1)
+            endpoint.abort()
+
+        for piece, serve in (("accept", handler), ("accept + wrap", wrapping_handler)):
+            listener = Listener(
+                "bench",
+                SocketAddr.parse("127.0.0.1:0"),
+                serve,
+                inputs.ConnectionTracker(),
+                keepalive=KeepaliveSettings(),  # KEEPALIVE_ENABLED's default, as the proxies run
+            )
+            listener.start()
+            address = listener.bound_address.sockaddr()
+            cpu = 0.0
+            for _ in range(BATCH):
+                client = socket.socket()
+                client.setblocking(False)
+                client.connect_ex(address)
+                before = len(served)
+                t0 = time.thread_time()
+                while len(served) == before:
+                    await asyncio.sleep(0)
+                cpu += time.thread_time() - t0
+                client.close()
+            listener.close()
+            out[piece] = cpu / BATCH * 1e6
         # connect
         server = socket.create_server(("127.0.0.1", 0), backlog=BATCH + 10)
         server.setblocking(False)
@@ -128,8 +140,21 @@ def child(tree: str) -> dict[str, float]:
             cpu += time.thread_time() - t0
             client.close()
             server.accept()[0].close()
-        server.close()
         out["connect"] = cpu / BATCH * 1e6
+        # app socket
+        keepalive = KeepaliveSettings()
+        cpu = 0.0
+        for _ in range(BATCH):
+            t0 = time.thread_time()
+            app = new_socket(socket.AF_INET, mark=None)
+            keepalive.apply(app)
+            await inputs.connect_socket(app, server.getsockname(), 10.0)
+            endpoint = await relay.wrap_socket(app)
+            cpu += time.thread_time() - t0
+            endpoint.abort()
+            server.accept()[0].close()
+        server.close()
+        out["app socket"] = cpu / BATCH * 1e6
         # socks5
         request = b"\x05\x01\x00\x05\x01\x00\x01" + socket.inet_aton("10.0.0.3") + (8080).to_bytes(2, "big")
         peer = SocketAddr.parse("10.0.0.2:1")

@@ -16,6 +16,16 @@ by cumulative CPU, per connection; `--out` keeps the pstats file.
 
 Not a throughput figure (one process, cProfile's per-call cost): use connection_ab_bench.py or
 hbone_bench.py for those. Writes results/profile_connections.json (the top rows).
+
+`--netns` profiles each node proxy of hbone_bench's netns topology instead (one-core layout,
+the bench's client through the 15001 capture, as connection_ab_bench runs it): the proxies run
+the tree with a `sitecustomize` that starts cProfile (thread CPU) on SIGUSR1 and writes its
+stats on SIGUSR2, sent around --connections after --warmup; an unprofiled batch first gives each
+proxy's user and system CPU per connection (/proc). Prints, per proxy, the Python calls per
+connection (cProfile's total calls / connections: a count, not a time, so it compares across
+runs on a loaded host), the profiled time, the calls by file and the top functions.
+
+    .venv/bin/python bench/profile_connections.py --netns [--connections 2000] [--tree <worktree>]
 """
 
 from __future__ import annotations
@@ -163,6 +173,139 @@ async def run(args: argparse.Namespace) -> tuple[cProfile.Profile, float, float]
         return profile, time.monotonic() - wall0, time.thread_time() - cpu0
 
 
+# Loaded by each proxy (the tree's `ambient_mesh` beside it on PYTHONPATH): cProfile on thread
+# CPU between SIGUSR1 and SIGUSR2, its stats written beside this file as <pid>.pstats.
+PROFILER_SITECUSTOMIZE = """
+import cProfile, os, signal, time
+_here = os.path.dirname(os.path.abspath(__file__))
+_profile = []
+def _start(signum, frame):
+    _profile[:] = [cProfile.Profile(time.thread_time)]
+    _profile[0].enable()
+def _stop(signum, frame):
+    if _profile:
+        _profile[0].disable()
+        _profile.pop().dump_stats(os.path.join(_here, f"{os.getpid()}.pstats"))
+signal.signal(signal.SIGUSR1, _start)
+signal.signal(signal.SIGUSR2, _stop)
+"""
+PROFILE_STATS_WAIT_S = 10.0
+NETNS_BATCH_MAX_SECONDS = 120
+
+
+def per_file(stats: pstats.Stats, n: int) -> tuple[float, float, list[dict[str, float | str]]]:
+    """Total calls and profiled µs per connection, and both by source file."""
+    calls: dict[str, int] = {}
+    own: dict[str, float] = {}
+    for (file, _line, _fn), (_cc, ncalls, tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        key = file.split("ambient_mesh/")[-1] if "ambient_mesh/" in file else file.split("site-packages/")[-1]
+        calls[key] = calls.get(key, 0) + ncalls
+        own[key] = own.get(key, 0.0) + tt
+    rows: list[dict[str, float | str]] = [
+        {"file": key, "calls_per_conn": calls[key] / n, "own_us_per_conn": own[key] * 1e6 / n}
+        for key in sorted(calls, key=lambda k: -calls[k])
+    ]
+    return sum(calls.values()) / n, sum(own.values()) * 1e6 / n, rows
+
+
+def netns_main(args: argparse.Namespace) -> int:
+    import shutil
+    import signal
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hbone_bench import proc_cpu_s, proc_user_cpu_s, tree_benches
+
+    tree = Path(args.tree).resolve()
+    if not (tree / "ambient_mesh" / "proxy").is_dir():
+        raise SystemExit(f"--tree {tree}: no ambient_mesh package there")
+    wrapper = Path(tempfile.mkdtemp(prefix="profile-connections-tree-"))
+    n = args.connections
+    batch = ("--test", "connections", "--connections", str(n), "--max-seconds", str(NETNS_BATCH_MAX_SECONDS))
+    report: dict[str, dict] = {}
+    try:
+        (wrapper / "ambient_mesh").symlink_to(tree / "ambient_mesh")
+        (wrapper / "sitecustomize.py").write_text(PROFILER_SITECUSTOMIZE)
+        with tree_benches([str(wrapper)], "profile-conn-") as (bench,):
+            if args.warmup:
+                bench.run_client("hbone", "--test", "connections", "--connections", str(args.warmup))
+            pids = bench.topo.pids()
+            before = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
+            plain = bench.run_client("hbone", *batch)
+            after = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
+            for pid in pids.values():
+                os.kill(pid, signal.SIGUSR1)
+            profiled = bench.run_client("hbone", *batch)
+            for pid in pids.values():
+                os.kill(pid, signal.SIGUSR2)
+            deadline = time.monotonic() + PROFILE_STATS_WAIT_S
+            while time.monotonic() < deadline and not all(
+                (wrapper / f"{pid}.pstats").exists() for pid in pids.values()
+            ):
+                time.sleep(0.1)
+            time.sleep(0.2)  # dump_stats writes in place: let the last one finish
+            for role, pid in pids.items():
+                done = plain["connections"]
+                user = (after[role][0] - before[role][0]) * 1e6 / done
+                system = (after[role][1] - before[role][1]) * 1e6 / done - user
+                m = profiled["connections"]
+                stats = pstats.Stats(str(wrapper / f"{pid}.pstats"), stream=io.StringIO())
+                calls, own_us, files = per_file(stats, m)
+                top = sorted(
+                    (
+                        {
+                            "function": f"{fn} ({file.split('ambient_mesh/')[-1].split('site-packages/')[-1]}:{line})",
+                            "calls_per_conn": ncalls / m,
+                            "own_us_per_conn": tt * 1e6 / m,
+                            "cum_us_per_conn": ct * 1e6 / m,
+                        }
+                        for (file, line, fn), (_cc, ncalls, tt, ct, _c) in stats.stats.items()  # type: ignore[attr-defined]
+                    ),
+                    key=lambda r: -r["calls_per_conn"],
+                )[: args.top]
+                report[role] = {
+                    "user_us_per_conn": user,
+                    "system_us_per_conn": system,
+                    "python_calls_per_conn": calls,
+                    "profiled_us_per_conn": own_us,
+                    "by_file": files,
+                    "top_by_calls": top,
+                }
+                print(
+                    f"{role} proxy: {calls:.0f} Python calls per connection (profiled {own_us:.0f} µs); "
+                    f"unprofiled CPU per connection: user {user:.0f} µs, system {system:.0f} µs"
+                )
+            for role in pids:
+                print(f"\n{role} proxy, calls per connection by file")
+                for row in report[role]["by_file"][:25]:
+                    print(f"{row['calls_per_conn']:8.1f} {row['own_us_per_conn']:8.1f} µs  {row['file']}")
+                print(f"\n{role} proxy, top {args.top} functions by calls per connection")
+                print(f"{'calls':>7} {'own µs':>8} {'cum µs':>8}  function")
+                for r in report[role]["top_by_calls"]:
+                    print(
+                        f"{r['calls_per_conn']:7.2f} {r['own_us_per_conn']:8.1f} {r['cum_us_per_conn']:8.1f}  {r['function']}"
+                    )
+    finally:
+        shutil.rmtree(wrapper, ignore_errors=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "mode": "netns",
+                "tree": str(tree),
+                "connections": n,
+                "warmup": args.warmup,
+                "proxies": report,
+                "python": platform.python_version(),
+                "load_average": os.getloadavg(),
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connections", type=int, default=2000)
@@ -177,7 +320,16 @@ def main() -> int:
     )
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "profile_connections.json"))
     p.add_argument("--tree", default=str(ROOT), help="the source tree whose ambient_mesh runs (A/B)")
+    p.add_argument(
+        "--netns",
+        action="store_true",
+        help="profile each node proxy of hbone_bench's netns topology (per-proxy calls per connection)",
+    )
     args = p.parse_args()
+    if args.netns:
+        if not 1 <= args.connections <= MAX_CONNECTIONS or not 0 <= args.warmup <= MAX_CONNECTIONS:
+            raise SystemExit(f"--connections 1-{MAX_CONNECTIONS}, --warmup 0-{MAX_CONNECTIONS}")
+        return netns_main(args)
     sys.path.insert(0, args.tree)
     from ambient_mesh.logs import configure_logging
 
