@@ -34,6 +34,33 @@ log = logging.getLogger("ambient_mesh.proxy.inbound")
 
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 APP_CONNECT_TIMEOUT_S = 10.0
+# CONNECT :authority values parsed, kept: every stream to one app port names the same one, and
+# its split and address parse were two Python calls and an lru lookup per inbound stream
+# (bench/README.md, connection path). Bounded, the text being the peer's: entries, and the
+# length of a value kept (a longer one is parsed each time).
+MAX_AUTHORITIES_KEPT = 1024
+MAX_KEPT_AUTHORITY_CHARS = 300
+_authorities: dict[str, tuple[str, int, IPAddress | None]] = {}
+
+
+def parse_authority(authority: str) -> tuple[str, int, IPAddress | None]:
+    """`host`, `port` and the host as an IP address (None for a name) of a CONNECT :authority;
+    ProtocolError as `split_host_port` raises it."""
+    hit = _authorities.get(authority)
+    if hit is not None:
+        return hit
+    host, port = split_host_port(authority)
+    try:
+        ip: IPAddress | None = ip_address(host)
+    except ValueError:
+        ip = None
+    parsed = (host, port, ip)
+    if len(authority) <= MAX_KEPT_AUTHORITY_CHARS:
+        if len(_authorities) >= MAX_AUTHORITIES_KEPT:
+            _authorities.clear()
+        _authorities[authority] = parsed
+    return parsed
+
 
 LocalWorkload = Callable[[IPAddress], Workload | None]
 
@@ -155,13 +182,9 @@ class InboundProxy:
                 status=400, reason=f"method {request.method if request else '?'} is not CONNECT"
             )
         try:
-            host, port = split_host_port(request.authority)
+            host, port, ip = parse_authority(request.authority)
         except ProtocolError as e:
             return InboundRefusal(status=400, reason=f"bad :authority: {e}")
-        try:
-            ip = ip_address(host)
-        except ValueError:
-            ip = None
         state = self.pi.state
         if ip is None:
             # hostname:port (through an east-west gateway): service port -> this endpoint's port

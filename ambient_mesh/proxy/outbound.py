@@ -259,4 +259,9 @@ class OutboundProxy:
 
 def _source_ip(source: Workload, dst: SocketAddr) -> IPAddress | None:
     """The served workload's address in the destination's family, used as the source address."""
-    return next((ip for ip in source.workload_ips if ip.version == dst.ip.version), None)
+    # A loop, not next() over a generator: two Python frames fewer per connection.
+    version = dst.ip.version
+    for ip in source.workload_ips:
+        if ip.version == version:
+            return ip
+    return None
