@@ -88,8 +88,11 @@ class ConnectionTracker:
         done: asyncio.Future[BaseException | None],
     ) -> None:
         self.relays.pop(relay, None)
-        if on_end is not None:
-            on_end(relay, done.result())
+        try:
+            if on_end is not None:
+                on_end(relay, done.result())
+        finally:
+            relay.release()  # recorded: its endpoints are no longer needed (Relay.release)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)

@@ -1,0 +1,115 @@
+"""A relay's end (proxy/inputs.py `ConnectionTracker`, proxy/relay.py `Relay.release`): once a
+relay has ended and been recorded, it lets go of its endpoints, so the connection's objects are
+freed by reference counting, without the garbage collector; a released relay does nothing and
+raises nothing when it is asked to act."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import weakref
+
+from ambient_mesh.proxy.inputs import ConnectionTracker
+from ambient_mesh.proxy.relay import Relay, wrap_socket
+
+STEP_TIMEOUT_S = 10.0
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        peer = socket.create_connection(listener.getsockname())
+        proxy, _ = listener.accept()
+    peer.setblocking(False)
+    return proxy, peer
+
+
+class _About:
+    direction = "outbound"
+
+    def dump_info(self) -> dict:
+        return {}
+
+
+async def _ended_relay() -> tuple[weakref.ref, weakref.ref, weakref.ref, list]:
+    """A relay between two loopback connections, carried to its end through a tracker."""
+    loop = asyncio.get_running_loop()
+    down_sock, client = _pair()
+    up_sock, server = _pair()
+    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    relay = Relay(down, up)
+    ended: list = []
+    ConnectionTracker().track(relay, _About(), on_end=lambda r, err: ended.append(err))
+    up.attach(relay)
+    down.attach(relay)
+    client.send(b"x")
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        assert await loop.sock_recv(server, 1) == b"x"
+    client.shutdown(socket.SHUT_WR)
+    server.shutdown(socket.SHUT_WR)
+    async with asyncio.timeout(STEP_TIMEOUT_S):
+        while not ended:
+            await asyncio.sleep(0.001)
+    # Relay has no __weakref__ slot: its `done` future stands for it (the relay holds it).
+    refs = (weakref.ref(relay.done), weakref.ref(down), weakref.ref(up))
+    client.close()
+    server.close()
+    return (*refs, ended)
+
+
+async def test_an_ended_relay_and_its_endpoints_are_freed_without_the_collector():
+    gc.collect()
+    gc.disable()
+    try:
+        done_ref, down_ref, up_ref, ended = await _ended_relay()
+        assert ended == [None]
+        # The transports let go of their protocols when their connection_lost has run.
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            while done_ref() is not None or down_ref() is not None or up_ref() is not None:
+                await asyncio.sleep(0.001)
+    finally:
+        gc.enable()
+
+
+async def test_a_released_relay_ignores_what_it_is_asked_to_do():
+    down_sock, client = _pair()
+    up_sock, server = _pair()
+    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    try:
+        relay = Relay(down, up)
+        up.attach(relay)
+        down.attach(relay)
+        relay.finish()
+        relay.release()
+        assert relay.downstream is not down and relay.upstream is not up
+        relay.data_from(down, b"late")
+        relay.eof_from(down)
+        relay.blocked(up)
+        relay.unblocked(up)
+        relay.failed(down, ConnectionResetError())
+        relay.abort(ConnectionResetError())
+        assert relay.done.result() is None
+    finally:
+        down.abort()
+        up.abort()
+        client.close()
+        server.close()
+
+
+async def test_a_relay_still_running_is_not_released():
+    down_sock, client = _pair()
+    up_sock, server = _pair()
+    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    try:
+        relay = Relay(down, up)
+        up.attach(relay)
+        down.attach(relay)
+        relay.release()
+        assert relay.downstream is down and relay.upstream is up
+    finally:
+        down.abort()
+        up.abort()
+        client.close()
+        server.close()
