@@ -179,21 +179,28 @@ class Relay:
             self.done.set_result(exc)
 
     def release(self) -> None:
-        """Drop the references to both endpoints once the relay has ended and been recorded.
+        """Unlink the endpoints from the relay and from each other once it has ended and been
+        recorded.
 
-        Each endpoint keeps its `relay` (a late callback finds it closed); without the relay's
-        references back, the connection's objects (relay, endpoints, transports, futures) are
-        freed by reference counting when the last callback is done with them, instead of as a
-        cycle by the garbage collector: about 10 objects per connection and proxy, and a
-        collection every ~100 connections (bench/README.md, connection path). Whatever the
-        closed relay is still asked to do goes to an endpoint that does nothing.
+        Each endpoint's `relay` becomes None (what a late callback then does is what it does
+        before a relay starts: nothing, as the sockets are closed) and its `peer` an endpoint
+        that drops what it is handed; the relay keeps the endpoints, so its byte counts stay
+        readable. Without those references back, the connection's objects (relay, endpoints,
+        transports, futures) are freed by reference counting when the last callback is done
+        with them, instead of as a cycle by the garbage collector: about 10 objects per
+        connection and proxy, and a collection every ~100 connections (bench/README.md,
+        connection path).
         """
-        if self._closed:
-            self.downstream = self.upstream = _RELEASED
+        if not self._closed:
+            return
+        for side in (self.downstream, self.upstream):
+            side.relay = None
+            side.peer = _RELEASED
 
 
 class _ReleasedEndpoint(Endpoint):
-    """Both sides of a released relay (`Relay.release`): closed already, nothing to do."""
+    """The `peer` of both sides of a released relay (`Relay.release`): it drops what it is
+    handed (the relay has ended: both sockets are closed or closing)."""
 
     __slots__ = ()
 

@@ -1,7 +1,7 @@
 """A relay's end (proxy/inputs.py `ConnectionTracker`, proxy/relay.py `Relay.release`): once a
 relay has ended and been recorded, it lets go of its endpoints, so the connection's objects are
-freed by reference counting, without the garbage collector; a released relay does nothing and
-raises nothing when it is asked to act."""
+freed by reference counting, without the garbage collector; the released relay keeps its byte
+counts, and late events on its endpoints do nothing."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ async def test_an_ended_relay_and_its_endpoints_are_freed_without_the_collector(
         gc.enable()
 
 
-async def test_a_released_relay_ignores_what_it_is_asked_to_do():
+async def test_a_released_relay_keeps_its_counts_and_late_events_do_nothing():
+    loop = asyncio.get_running_loop()
     down_sock, client = _pair()
     up_sock, server = _pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
@@ -81,16 +82,22 @@ async def test_a_released_relay_ignores_what_it_is_asked_to_do():
         relay = Relay(down, up)
         up.attach(relay)
         down.attach(relay)
+        client.send(b"abc")
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            assert await loop.sock_recv(server, 3) == b"abc"
         relay.finish()
         relay.release()
-        assert relay.downstream is not down and relay.upstream is not up
-        relay.data_from(down, b"late")
-        relay.eof_from(down)
-        relay.blocked(up)
-        relay.unblocked(up)
-        relay.failed(down, ConnectionResetError())
-        relay.abort(ConnectionResetError())
+        assert (relay.bytes_up, relay.bytes_down) == (3, 0)
+        assert down.relay is None and up.relay is None
+        assert down.peer is not up and up.peer is not down
+        # Late events on the endpoints reach neither the relay nor the other side.
+        down.data_received(b"late")
+        down.eof_received()
+        up.pause_writing()
+        up.resume_writing()
+        down.connection_lost(ConnectionResetError())
         assert relay.done.result() is None
+        assert (relay.bytes_up, relay.bytes_down) == (7, 0)  # counted, then dropped
     finally:
         down.abort()
         up.abort()
@@ -107,7 +114,8 @@ async def test_a_relay_still_running_is_not_released():
         up.attach(relay)
         down.attach(relay)
         relay.release()
-        assert relay.downstream is down and relay.upstream is up
+        assert down.relay is relay and up.relay is relay
+        assert down.peer is up and up.peer is down
     finally:
         down.abort()
         up.abort()
