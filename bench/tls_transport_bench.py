@@ -9,6 +9,17 @@ shared: only paired ratios compare). The receiving protocols are BufferedProtoco
 reused buffer, as HboneConnection is; the allocator is tuned as the proxy tunes it.
 
     .venv/bin/python bench/tls_transport_bench.py [--trials 12] [--size-mib 64] [--round-trips 2000]
+
+`--aead` instead compares the cost of one TLS 1.3 application-data record, sealed and sent on
+one socket of a socketpair, received and opened on the other, in one thread: through the system
+OpenSSL that CPython's `_ssl` links (`SSLSocket` write / read after a real handshake, AES-128-GCM)
+and through a record layer sketched in Python over `cryptography`'s AESGCM (the OpenSSL its
+wheel carries): nonce = IV xor sequence number, the 5-byte header as associated data, the inner
+content type, `encrypt_into` / `decrypt_into` (RFC 8446 5.2-5.3). The sketch has no key schedule
+of its own (a random key), no KeyUpdate or alerts: it prices the per-record work only (bench/README.md,
+issue 11, what is left for CPU per GiB).
+
+    .venv/bin/python bench/tls_transport_bench.py --aead [--trials 8] [--records 20000]
 """
 
 from __future__ import annotations
@@ -17,7 +28,9 @@ import argparse
 import asyncio
 import json
 import socket
+import ssl
 import statistics
+import struct
 import sys
 import time
 from datetime import UTC, datetime
@@ -37,6 +50,7 @@ RECEIVE_BUFFER_BYTES = 256 * 1024
 WARMUP_ROUND_TRIPS = 200
 STEP_TIMEOUT_S = 60.0
 KINDS = ("uvloop-ssl", "socket-bio")
+MAX_RECORDS = 1_000_000
 
 
 class Side(asyncio.BufferedProtocol):
@@ -186,13 +200,135 @@ async def run(args) -> dict:
     }
 
 
+AEAD_SIZES = (1, 16 * 1024)
+AEAD_KINDS = ("system-openssl", "cryptography-aesgcm")
+_RECORD_HEADER = struct.Struct(">BHH")  # content type, legacy version, length (RFC 8446 5.1)
+
+
+def _openssl_records(contexts, size: int, records: int) -> float:
+    """CPU µs per record through the system OpenSSL (both ends in this thread)."""
+    import threading
+
+    sctx, cctx = contexts
+    a, b = socket.socketpair()
+    server = sctx.wrap_socket(a, server_side=True, do_handshake_on_connect=False)
+    client = cctx.wrap_socket(b, server_side=False, do_handshake_on_connect=False)
+    handshake = threading.Thread(target=server.do_handshake)
+    handshake.start()
+    client.do_handshake()
+    handshake.join()
+    try:
+        writer, reader = client._sslobj, server._sslobj  # type: ignore[attr-defined]
+        data, buf = b"x" * size, bytearray(size + 64)
+        started = time.thread_time()
+        for _ in range(records):
+            writer.write(data)
+            got = 0
+            while got < size:
+                got += reader.read(size - got, memoryview(buf)[got:])
+        return (time.thread_time() - started) / records * 1e6
+    finally:
+        client.close()
+        server.close()
+
+
+def _aesgcm_records(size: int, records: int) -> float:
+    """CPU µs per record through a Python record layer over cryptography's AESGCM."""
+    import os
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    a, b = socket.socketpair()
+    try:
+        key, iv = AESGCM.generate_key(128), int.from_bytes(os.urandom(12), "big")
+        seal, open_ = AESGCM(key), AESGCM(key)
+        inner = bytearray(size + 1)  # the payload, then its content type (application data)
+        inner[size] = 23
+        sealed = bytearray(5 + size + 1 + 16)
+        header_in = bytearray(5)
+        body_in = bytearray(size + 1 + 16)
+        plain = bytearray(size + 1)
+        out_view, body_view = memoryview(sealed), memoryview(body_in)
+        send, recv_into = a.send, b.recv_into
+        started = time.thread_time()
+        for seq in range(records):
+            nonce = (iv ^ seq).to_bytes(12, "big")
+            _RECORD_HEADER.pack_into(sealed, 0, 23, 0x0303, size + 1 + 16)
+            seal.encrypt_into(nonce, inner, out_view[:5], out_view[5:])
+            send(sealed)
+            recv_into(header_in, 5)
+            length = _RECORD_HEADER.unpack(header_in)[2]
+            got = 0
+            while got < length:
+                got += recv_into(body_view[got:length], length - got)
+            open_.decrypt_into(nonce, body_view[:length], bytes(header_in), plain)
+        return (time.thread_time() - started) / records * 1e6
+    finally:
+        a.close()
+        b.close()
+
+
+def aead_main(args) -> int:
+    ca = CertificateAuthority.insecure_test_ca()
+    now = datetime.now(UTC)
+    contexts = (
+        server_context(ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)),
+        client_context(ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)),
+    )
+    us: dict[str, dict[int, list[float]]] = {k: {n: [] for n in AEAD_SIZES} for k in AEAD_KINDS}
+    for _ in range(args.trials):
+        for size in AEAD_SIZES:
+            us["system-openssl"][size].append(_openssl_records(contexts, size, args.records))
+            us["cryptography-aesgcm"][size].append(_aesgcm_records(size, args.records))
+    from cryptography.hazmat.backends.openssl.backend import backend
+
+    versions = {"system-openssl": ssl.OPENSSL_VERSION, "cryptography-aesgcm": backend.openssl_version_text()}
+    print(
+        f"{'record layer':<22} {'OpenSSL':<28} " + " ".join(f"{f'{n} B µs/record':>18}" for n in AEAD_SIZES)
+    )
+    for kind in AEAD_KINDS:
+        cells = " ".join(f"{statistics.median(us[kind][n]):>18.2f}" for n in AEAD_SIZES)
+        print(f"{kind:<22} {versions[kind]:<28} {cells}")
+    full = AEAD_SIZES[-1]
+    per_gib = {k: statistics.median(us[k][full]) * (2**30 // full) / 1e6 for k in AEAD_KINDS}
+    print(
+        "CPU s per GiB, both ends of one hop (sealing and sending + receiving and opening, 16 KiB records): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in per_gib.items())
+    )
+    result = {
+        "records": args.records,
+        "trials": args.trials,
+        "openssl": versions,
+        "cpu_us_per_record": {k: {str(n): v for n, v in d.items()} for k, d in us.items()},
+        "cpu_s_per_gib_one_hop": per_gib,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"JSON: {args.json}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--aead", action="store_true", help="per-record cost: system OpenSSL against cryptography's AESGCM"
+    )
+    p.add_argument("--records", type=int, default=20000, help="--aead: records per trial and size")
     p.add_argument("--trials", type=int, default=12)
     p.add_argument("--size-mib", type=int, default=64)
     p.add_argument("--round-trips", type=int, default=2000)
-    p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "tls_transport.json")
+    p.add_argument(
+        "--json", type=Path, help="default results/tls_transport.json (--aead: tls_aead_records.json)"
+    )
     args = p.parse_args()
+    if args.json is None:
+        args.json = (
+            ROOT / "bench" / "results" / ("tls_aead_records.json" if args.aead else "tls_transport.json")
+        )
+    if not 1 <= args.trials <= 100 or not 1 <= args.records <= MAX_RECORDS:
+        raise SystemExit(f"--trials 1-100, --records 1-{MAX_RECORDS}")
+    if args.aead:
+        return aead_main(args)
     tune_allocator()
     result = uvloop.run(run(args))
     print(f"{'transport':<12} {'CPU s/GiB min':>14} {'median':>8} {'CPU µs/RT min':>14} {'median':>8}")
