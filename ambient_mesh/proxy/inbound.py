@@ -314,7 +314,11 @@ class InboundProxy:
     ) -> Admitted | InboundRefusal:
         """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
         pi = self.pi
-        address, connect_from, proxy_header = self._delivery(workload, target, peer, src_id)
+        connect_from: IPAddress | None
+        if workload.application_tunnel is None:  # `_delivery`'s first case, inline: per stream
+            address, connect_from, proxy_header = target.address, peer.ip, None
+        else:
+            address, connect_from, proxy_header = self._delivery(workload, target, peer, src_id)
         result = ConnectionResult(
             pi,
             direction="inbound",

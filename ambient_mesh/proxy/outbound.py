@@ -118,7 +118,8 @@ class OutboundProxy:
     async def open(self, peer: SocketAddr, target: SocketAddr) -> OutboundUpstream | OutboundFailure:
         """Route `peer -> target` and reach the upstream; a failure is recorded and returned."""
         pi = self.pi
-        source: Workload | None = await pi.wait_for_workload(self._source)
+        # Known already (the usual case): no coroutine to wait for it.
+        source: Workload | None = self._source() or await pi.wait_for_workload(self._source)
         if source is None:
             log.warning("no workload information for the source of %s -> %s; closing", peer, target)
             ConnectionResult.failed(
