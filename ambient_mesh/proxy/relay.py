@@ -33,6 +33,12 @@ UVLOOP_READ_BYTES = 256_000
 APP_RECEIVE_BUFFER_BYTES = 256 * 1024
 # Back to `data_received` after this many reads in a row shorter than a quarter of the buffer.
 SMALL_READS_TO_LEAVE_BULK = 16
+# What a plain endpoint reads and holds before its relay starts, at most: past it, reading pauses
+# until `attach` (one read more can be held: uvloop reads up to UVLOOP_READ_BYTES at a time). A
+# client's first message (sent while the upstream is being reached) is usually far shorter,
+# and pausing and resuming a socket is a uv_read_stop, a uv_read_start and their epoll changes
+# (bench/README.md, connection path).
+MAX_HELD_BEFORE_RELAY_BYTES = 16 * 1024
 
 
 class Endpoint:
@@ -301,8 +307,9 @@ class _BulkReader(asyncio.BufferedProtocol):
 class TcpEndpoint(asyncio.Protocol, Endpoint):
     """A plain TCP connection as a relay endpoint.
 
-    Bytes that arrive before the relay is attached are held (and reading is paused) so
-    nothing is lost while the proxy is still deciding where the connection goes.
+    Bytes that arrive before the relay is attached are held (reading pauses past
+    MAX_HELD_BEFORE_RELAY_BYTES) so nothing is lost while the proxy is still deciding where
+    the connection goes.
     """
 
     __slots__ = ("transport", "peer", "bytes_read", "_held", "_held_eof", "_lost", "_eof_sent")
@@ -328,8 +335,9 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     def data_received(self, data: bytes | memoryview) -> None:
         peer = self.peer
         if peer is None:  # no relay yet (Relay sets `relay` and `peer` together)
-            self._held.append(data)
-            if self.transport is not None:
+            held = self._held
+            held.append(data)
+            if self.transport is not None and sum(map(len, held)) >= MAX_HELD_BEFORE_RELAY_BYTES:
                 self.transport.pause_reading()
             return
         self.bytes_read += len(data)
@@ -408,11 +416,11 @@ async def wrap_socket(sock: socket.socket) -> TcpEndpoint:
     that holds what it reads until `attach`. HBONE's TLS has its own transport
     (proxy/tls_transport.py).
 
-    Reading is not paused up front: the first bytes that arrive before `attach` pause it
-    (`data_received`), so at most one read is held, and a socket whose peer sends nothing
-    first (every inbound app socket, a client waiting for its upstream) is never paused and
-    resumed. That pause was a uv_read_stop and a uv_read_start, and their epoll changes, per
-    wrapped socket (bench/README.md, connection path)."""
+    Reading is not paused up front: what arrives before `attach` is held, and reading pauses
+    once MAX_HELD_BEFORE_RELAY_BYTES are (`data_received`), so a socket whose peer sends nothing
+    or a short first message (an inbound app socket, a client waiting for its upstream) is
+    never paused and resumed. That pause was a uv_read_stop and a uv_read_start, and their
+    epoll changes, per wrapped socket (bench/README.md, connection path)."""
     endpoint = TcpEndpoint()
     await asyncio.get_running_loop().create_connection(lambda: endpoint, sock=sock)
     return endpoint

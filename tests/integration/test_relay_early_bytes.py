@@ -1,13 +1,15 @@
 """Bytes a plain socket's peer sends before the relay is attached (proxy/relay.py `wrap_socket`,
-`TcpEndpoint`): the endpoint reads while it waits (it is not paused up front), pauses at the
-first bytes, holds them (at most one read) and an EOF, and `attach` replays both in order."""
+`TcpEndpoint`): the endpoint reads while it waits (it is not paused up front), holds what it
+reads and an EOF, pauses once MAX_HELD_BEFORE_RELAY_BYTES are held (one read more at most,
+against a client that sends much before its upstream is reached), and `attach` replays
+everything in order."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from ambient_mesh.proxy.relay import Relay, wrap_socket
+from ambient_mesh.proxy.relay import MAX_HELD_BEFORE_RELAY_BYTES, UVLOOP_READ_BYTES, Relay, wrap_socket
 
 STEP_TIMEOUT_S = 10.0
 
@@ -51,7 +53,7 @@ async def test_a_silent_peer_leaves_the_endpoint_reading_until_attach():
         client.close()
 
 
-async def test_bytes_and_eof_before_attach_are_held_paused_and_replayed_in_order():
+async def test_a_short_first_message_and_eof_are_held_without_pausing_and_replayed_in_order():
     loop = asyncio.get_running_loop()
     down_sock, client = _pair()
     up_sock, server = _pair()
@@ -59,12 +61,11 @@ async def test_bytes_and_eof_before_attach_are_held_paused_and_replayed_in_order
     try:
         client.send(b"first ")
         assert down.transport is not None
-        # The first read pauses the endpoint: what the client sends next stays in the kernel.
-        await _until(lambda: not down.transport.is_reading(), "the endpoint to pause")
+        await _until(lambda: down._held, "the first bytes to be held")
+        assert down.transport.is_reading()  # far below MAX_HELD_BEFORE_RELAY_BYTES: not paused
         client.send(b"second")
         client.shutdown(socket.SHUT_WR)
-        await asyncio.sleep(0.01)
-        assert not down.transport.is_reading()
+        await _until(lambda: down._held_eof, "the EOF to be held")  # (reading ends at an EOF)
         relay = Relay(down, up)
         up.attach(relay)
         down.attach(relay)
@@ -75,6 +76,37 @@ async def test_bytes_and_eof_before_attach_are_held_paused_and_replayed_in_order
         async with asyncio.timeout(STEP_TIMEOUT_S):
             assert await relay.done is None
         assert (relay.bytes_up, relay.bytes_down) == (12, 5)
+    finally:
+        down.abort()
+        up.abort()
+        client.close()
+        server.close()
+
+
+async def test_a_client_sending_much_before_attach_is_paused_within_the_bound():
+    loop = asyncio.get_running_loop()
+    down_sock, client = _pair()
+    up_sock, server = _pair()
+    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    sent = bytes(range(256)) * (4 * 1024)  # 1 MiB, far more than the bound
+    try:
+        sender = asyncio.ensure_future(loop.sock_sendall(client, sent))
+        assert down.transport is not None
+        await _until(lambda: not down.transport.is_reading(), "the endpoint to pause")
+        await asyncio.sleep(0.05)  # the client keeps sending; the kernel buffers fill, we hold no more
+        held = sum(map(len, down._held))
+        assert MAX_HELD_BEFORE_RELAY_BYTES <= held < MAX_HELD_BEFORE_RELAY_BYTES + UVLOOP_READ_BYTES
+        relay = Relay(down, up)
+        up.attach(relay)
+        down.attach(relay)
+        got = bytearray()
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            while len(got) < len(sent):
+                chunk = await loop.sock_recv(server, 1 << 20)
+                assert chunk
+                got += chunk
+            await sender
+        assert bytes(got) == sent
     finally:
         down.abort()
         up.abort()
