@@ -166,7 +166,11 @@ class HboneStream(Endpoint):
         self.peer: Endpoint | None = None  # the relay's other side (relay.Endpoint)
         self.bytes_read = 0
         self.request: ConnectRequest | None = None
-        self.response: asyncio.Future[ConnectResponse] = conn.loop.create_future()
+        # The CONNECT's answer, for the client side's opener; the server side has nobody to wake,
+        # and a future is 152 bytes of every idle tunnel there.
+        self.response: asyncio.Future[ConnectResponse] | None = (
+            conn.loop.create_future() if conn.client_side else None
+        )
         self._pending = bytearray()  # bytes waiting for flow-control window
         self._eof_pending = False
         self._end_sent = False
@@ -348,9 +352,10 @@ class HboneStream(Endpoint):
 
     def fail_response(self, exc: BaseException) -> None:
         """Wake a client waiting for the CONNECT answer; silent when nobody waits (server side)."""
-        if not self.response.done():
-            self.response.set_exception(exc)
-            self.response.exception()  # mark retrieved: an awaiting opener still gets it
+        response = self.response
+        if response is not None and not response.done():
+            response.set_exception(exc)
+            response.exception()  # mark retrieved: an awaiting opener still gets it
 
     def set_blocked(self, blocked: bool) -> None:
         if blocked == self._blocked or self.relay is None:
@@ -553,8 +558,9 @@ class HboneConnection(asyncio.BufferedProtocol):
             elif t is ev.ResponseReceived:
                 stream = streams.get(event.stream_id)
                 if stream is not None:
-                    if not stream.response.done():
-                        stream.response.set_result(ConnectResponse(event.status, event.headers))
+                    response = stream.response
+                    if response is not None and not response.done():
+                        response.set_result(ConnectResponse(event.status, event.headers))
                     if event.end_stream:
                         stream.on_end()
             elif t is ev.StreamReset:
@@ -763,7 +769,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.streams[sid] = stream
         self.total_streams += 1
         self.flush()
-        response = await stream.response
+        response = await cast("asyncio.Future[ConnectResponse]", stream.response)  # a client's stream
         if response.status != 200:
             # Nothing will be carried: release the stream on both sides.
             self.reset_stream(sid, ErrorCode.CANCEL)

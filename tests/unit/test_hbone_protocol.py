@@ -142,6 +142,36 @@ async def test_server_advertises_200_streams_and_64k_header_list():
     ours._cancel_timers()
 
 
+async def test_server_streams_hold_no_response_future_and_survive_an_early_reset():
+    """Nobody awaits a CONNECT's answer on the server side, so its streams carry no future (152
+    bytes of every idle tunnel); a reset before the answer still cancels what on_request started."""
+    started = []
+
+    class Started:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def on_request(stream):
+        started.append((stream, Started()))
+        return started[-1][1]
+
+    ours = HboneConnection(client_side=False, on_request=on_request)
+    transport = MemoryTransport()
+    client = peer(client_side=True)
+    ours.connection_made(transport)
+    exchange(ours, transport, client)
+    client.send_headers(1, [(":method", "CONNECT"), (":authority", "10.0.0.3:8080")])
+    exchange(ours, transport, client)
+    [(stream, task)] = started
+    assert stream.response is None and stream.request.authority == "10.0.0.3:8080"
+    client.reset_stream(1)
+    exchange(ours, transport, client)
+    assert task.cancelled and ours.open_streams == 0
+    ours._cancel_timers()
+
+
 async def test_connect_request_carries_only_method_and_authority_pseudo_headers():
     ours = HboneConnection(client_side=True)
     transport = MemoryTransport()
