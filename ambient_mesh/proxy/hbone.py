@@ -131,7 +131,8 @@ _Held = list[tuple[bytes | memoryview, int]]  # DATA payloads with the credit th
 _NOTHING_HELD: _Held = []  # shared, always empty: nothing is held once attached
 _DataReceived = ev.DataReceived
 # A DATA payload this long or shorter fits one TLS record with its frame header: written as one
-# piece (header + payload), longer ones through TlsTransport.write_frame.
+# piece (header + payload), longer ones as two (TlsTransport.writelines puts the header inside
+# the payload's first record).
 _ONE_RECORD_PAYLOAD_BYTES = MAX_RECORD_PLAINTEXT_BYTES - http2.frames.FRAME_HEADER_BYTES
 
 
@@ -228,7 +229,7 @@ class HboneStream(Endpoint):
                     if n <= _ONE_RECORD_PAYLOAD_BYTES:
                         tls.write(header + data)
                     else:
-                        tls.write_frame(header, data)
+                        tls.writelines((header, data))
                     return
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():

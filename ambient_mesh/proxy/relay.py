@@ -29,8 +29,12 @@ import sys
 # uvloop's read buffer (UV_STREAM_RECV_BUF_SIZE): a `data_received` this long filled it.
 UVLOOP_READ_BYTES = 256_000
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
-# write of this many bytes per read.
-APP_RECEIVE_BUFFER_BYTES = 256 * 1024
+# write of this many bytes per read. 9 bytes short of 256 KiB: such a read goes out as one
+# HTTP/2 DATA frame whose 9-byte header (RFC 9113 4.1) shares the first TLS record
+# (tls_transport.TlsTransport.writelines), so header and payload fill 16 records of 2^14 bytes
+# exactly (RFC 8446 5.1); a full 256 KiB left a 9-byte 17th record per frame to seal, send,
+# open and hand over (bench/README.md, issue 11, per message).
+APP_RECEIVE_BUFFER_BYTES = 256 * 1024 - 9
 # Back to `data_received` after this many reads in a row shorter than a quarter of the buffer.
 SMALL_READS_TO_LEAVE_BULK = 16
 # What a plain endpoint reads and holds before its relay starts, at most: past it, reading pauses

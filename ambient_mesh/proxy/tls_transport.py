@@ -597,24 +597,36 @@ class TlsTransport(asyncio.Transport):
             except Exception:
                 log.exception("pause_writing failed")
 
-    def write_frame(self, header: bytes, payload: bytes | memoryview) -> None:
-        """`writelines((header, payload))` for one HTTP/2 DATA frame (hbone.py) longer than a
-        record, with its header inside the payload's first record: the header and the payload's
-        first bytes are copied into one piece (a record's worth, MAX_RECORD_PLAINTEXT_BYTES), the
-        rest is written from the payload as it is. Before, the 9-byte header was a TLS record of
-        its own: a record more per frame to encrypt here and to decrypt and hand over at the peer
-        (bench/README.md, issue 11, large messages). Shorter frames are one piece already."""
-        first = MAX_RECORD_PLAINTEXT_BYTES - len(header)
-        view = payload if type(payload) is memoryview else memoryview(payload)
-        self.writelines((header + view[:first], view[first:]))
-
     def writelines(self, list_of_data: Any) -> None:
         """Each piece as `write` does it, with one flush of the coalescing buffer at the end: a
-        DATA frame's header and its payload (hbone.py writes them as two pieces) in one send."""
+        DATA frame's header and its payload (hbone.py writes them as two pieces) in one send.
+
+        A piece shorter than a record is joined with the start of the next piece, up to a
+        record's worth (MAX_RECORD_PLAINTEXT_BYTES), and the rest of that piece is written as it
+        is: a frame header is not a TLS record of its own. Before, every DATA frame's 9-byte
+        header was one: a record more per frame to encrypt here and to decrypt and hand over at
+        the peer (bench/README.md, issue 11, the per-message path)."""
         self._batching = True
         try:
+            short: bytes | None = None
             for data in list_of_data:
+                if not data:
+                    continue
+                if short is not None:
+                    room = MAX_RECORD_PLAINTEXT_BYTES - len(short)
+                    if len(data) > room:
+                        view = data if type(data) is memoryview else memoryview(data)
+                        self.write(b"".join((short, view[:room])))
+                        data = view[room:]
+                    else:
+                        data = b"".join((short, data))
+                    short = None
+                if len(data) < MAX_RECORD_PLAINTEXT_BYTES:
+                    short = bytes(data) if type(data) is not bytes else data
+                    continue
                 self.write(data)
+            if short is not None:
+                self.write(short)
         finally:
             self._batching = False
         coalescer = self._coalescer

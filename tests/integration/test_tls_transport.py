@@ -442,9 +442,10 @@ async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind
 
 
 async def test_a_frame_header_shares_the_first_record_of_its_payload():
-    """write_frame: the 9-byte DATA frame header goes inside the payload's first record (one
-    record fewer per frame for both ends), and the bytes arrive exact. A receive buffer of one
-    record's size hands over one record per call, so the calls show the record boundaries."""
+    """writelines: a piece shorter than a record (a DATA frame's 9-byte header) goes inside the
+    next piece's first record (one record fewer per frame for both ends), and the bytes arrive
+    exact. A receive buffer of one record's size hands over one record per call, so the calls
+    show the record boundaries."""
     calls = []
     record = tls_transport.MAX_RECORD_PLAINTEXT_BYTES
 
@@ -459,13 +460,18 @@ async def test_a_frame_header_shares_the_first_record_of_its_payload():
             (b"H%08d" % i, bytes([65 + i]) * size) for i, size in enumerate((100_000, record, 3 * record))
         ]
         for header, payload in frames:
-            client.transport.write_frame(header, memoryview(payload) if len(payload) > record else payload)
-        expected = b"".join(h + p for h, p in frames)
+            client.transport.writelines((header, memoryview(payload) if len(payload) > record else payload))
+        # Two frames in one call, and short pieces in a row: joined up to a record.
+        client.transport.writelines((b"h" * 9, memoryview(b"p" * (2 * record)), b"", b"s" * 10, b"t" * 10))
+        expected = b"".join(h + p for h, p in frames) + b"h" * 9 + b"p" * (2 * record) + b"s" * 10 + b"t" * 10
         await server.wait_for_bytes(len(expected))
         assert bytes(server.data) == expected
         # 100,000 + 9 bytes: 6 full records and 1,705 bytes; 16,393: one full record and 9;
-        # 49,161: 3 full records and 9. Never a 9-byte record of its own up front.
-        assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9], calls
+        # 49,161: 3 full records and 9; then 9 + 32,768: 2 full records and 9, and 20 in one.
+        # Never a 9-byte record of its own up front.
+        assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9] + [record] * 2 + [9, 20], (
+            calls
+        )
 
 
 def _write_syscalls() -> int:
