@@ -287,8 +287,8 @@ class HboneStream(Endpoint):
                 self.conn.flush()
 
     def close(self) -> None:
-        # `stream_closed`, inlined; a stream its END_STREAM or the peer's already forgot (the
-        # usual case) costs no call.
+        # Forgotten once both sides ended; a stream its END_STREAM or the peer's already forgot
+        # (the usual case) costs no call.
         if self._end_sent and self._remote_ended and self.conn.streams.get(self.stream_id) is self:
             self.conn._forget(self)
 
@@ -717,10 +717,6 @@ class HboneConnection(asyncio.BufferedProtocol):
             self._blocked_streams.discard(stream)
         self.core.reset_stream(stream_id, code)
         self.flush()
-
-    def stream_closed(self, stream: HboneStream) -> None:
-        if stream._end_sent and stream._remote_ended:
-            self._forget(stream)
 
     def _forget(self, stream: HboneStream) -> None:
         if self.streams.pop(stream.stream_id, None) is not None:

@@ -12,23 +12,14 @@ import socket
 from ambient_mesh.proxy import relay as relay_module
 from ambient_mesh.proxy.relay import Relay, TcpEndpoint, wrap_socket
 
+from .tcp_pair import tcp_pair
+
 STEP_TIMEOUT_S = 20.0
 
 
-def _pair() -> tuple[socket.socket, socket.socket]:
-    """(the proxy's side, the app's side) of one loopback TCP connection."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        app = socket.create_connection(listener.getsockname())
-        proxy, _ = listener.accept()
-    app.setblocking(False)
-    return proxy, app
-
-
 async def _relay() -> tuple[Relay, TcpEndpoint, TcpEndpoint, socket.socket, socket.socket]:
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     relay = Relay(down, up)
     up.attach(relay)

@@ -11,18 +11,9 @@ import socket
 
 from ambient_mesh.proxy.relay import MAX_HELD_BEFORE_RELAY_BYTES, UVLOOP_READ_BYTES, Relay, wrap_socket
 
+from .tcp_pair import tcp_pair
+
 STEP_TIMEOUT_S = 10.0
-
-
-def _pair() -> tuple[socket.socket, socket.socket]:
-    """(the proxy's side, the peer's side) of one loopback TCP connection."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        peer = socket.create_connection(listener.getsockname())
-        proxy, _ = listener.accept()
-    peer.setblocking(False)
-    return proxy, peer
 
 
 async def _until(condition, what: str) -> None:
@@ -43,7 +34,7 @@ async def _receive_until_eof(loop: asyncio.AbstractEventLoop, sock: socket.socke
 
 
 async def test_a_silent_peer_leaves_the_endpoint_reading_until_attach():
-    down_sock, client = _pair()
+    down_sock, client = tcp_pair()
     down = await wrap_socket(down_sock)
     try:
         await asyncio.sleep(0.01)
@@ -55,8 +46,8 @@ async def test_a_silent_peer_leaves_the_endpoint_reading_until_attach():
 
 async def test_a_short_first_message_and_eof_are_held_without_pausing_and_replayed_in_order():
     loop = asyncio.get_running_loop()
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     try:
         client.send(b"first ")
@@ -85,8 +76,8 @@ async def test_a_short_first_message_and_eof_are_held_without_pausing_and_replay
 
 async def test_a_client_sending_much_before_attach_is_paused_within_the_bound():
     loop = asyncio.get_running_loop()
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     sent = bytes(range(256)) * (4 * 1024)  # 1 MiB, far more than the bound
     try:
@@ -116,8 +107,8 @@ async def test_a_client_sending_much_before_attach_is_paused_within_the_bound():
 
 async def test_an_eof_alone_before_attach_is_replayed():
     loop = asyncio.get_running_loop()
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     try:
         client.shutdown(socket.SHUT_WR)

@@ -13,17 +13,9 @@ import weakref
 from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.relay import Relay, wrap_socket
 
+from .tcp_pair import tcp_pair
+
 STEP_TIMEOUT_S = 10.0
-
-
-def _pair() -> tuple[socket.socket, socket.socket]:
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        peer = socket.create_connection(listener.getsockname())
-        proxy, _ = listener.accept()
-    peer.setblocking(False)
-    return proxy, peer
 
 
 class _About:
@@ -36,8 +28,8 @@ class _About:
 async def _ended_relay() -> tuple[weakref.ref, weakref.ref, weakref.ref, list]:
     """A relay between two loopback connections, carried to its end through a tracker."""
     loop = asyncio.get_running_loop()
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     relay = Relay(down, up)
     ended: list = []
@@ -75,8 +67,8 @@ async def test_an_ended_relay_and_its_endpoints_are_freed_without_the_collector(
 
 async def test_a_released_relay_keeps_its_counts_and_late_events_do_nothing():
     loop = asyncio.get_running_loop()
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     try:
         relay = Relay(down, up)
@@ -106,8 +98,8 @@ async def test_a_released_relay_keeps_its_counts_and_late_events_do_nothing():
 
 
 async def test_a_relay_still_running_is_not_released():
-    down_sock, client = _pair()
-    up_sock, server = _pair()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
     down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
     try:
         relay = Relay(down, up)
