@@ -528,6 +528,7 @@ def test_client_drain_is_one_goaway_and_waits_for_streams():
         ([(b":method", b"CONNECT")], ":authority"),
         ([(b":authority", b"a:1")], ":method"),
         (CONNECT + [(b"Upper", b"x")], "lowercase"),
+        (CONNECT + [(b"", b"x")], "lowercase"),  # a token is 1*tchar (RFC 9110 5.6.2)
         (CONNECT + [(b"connection", b"close")], "connection-specific"),
         ([(b"x", b"1")] + CONNECT, "pseudo-header after"),
         (CONNECT + [(b"x", b"a\r\nb")], "CR or LF"),
@@ -579,6 +580,16 @@ def test_non_200_response_ends_and_resets_an_open_request():
     frames = peer.read()
     assert [fr.name for fr in frames] == ["HEADERS", "RST_STREAM"]
     assert frames[0].flags & f.FLAG_END_STREAM and peer.resets() == {1: E.NO_ERROR}
+
+
+@pytest.mark.parametrize("name", [b"", b"X-Upper", b"a b"])
+def test_response_with_a_field_name_that_is_no_lowercase_token_resets_the_stream(name):
+    peer = Peer.client_core()
+    sid = peer.core.send_request(CONNECT)
+    events = peer.send(peer.headers(sid, [(b":status", b"200"), (name, b"v")]))
+    assert not any(isinstance(e, ev.ResponseReceived) for e in events)
+    peer.read()
+    assert peer.resets() == {sid: E.PROTOCOL_ERROR}
 
 
 def test_client_response_informational_then_final():

@@ -1517,8 +1517,9 @@ class _Malformed:
 
 
 def _token_name(name: bytes) -> bool:
-    """No octet outside lowercase tchar (RFC 9113 8.2.1, RFC 9110 5.6.2); remembered if short."""
-    if _BAD_NAME.search(name):
+    """One or more octets, none outside lowercase tchar (RFC 9113 8.2.1, RFC 9110 5.6.2: a token
+    is 1*tchar); remembered if short."""
+    if not name or _BAD_NAME.search(name):
         return False
     if len(_CHECKED_NAMES) < MAX_CHECKED_NAMES and len(name) <= MAX_CHECKED_NAME_BYTES:
         _CHECKED_NAMES.add(name)
@@ -1543,7 +1544,7 @@ def _check_request(
                 return _Malformed(f"repeated {name.decode()}")
             pseudo[name] = value
             continue
-        if not name or (name not in _CHECKED_NAMES and not _token_name(name)):
+        if name not in _CHECKED_NAMES and not _token_name(name):
             return _Malformed(f"field name {name[:40]!r} is not a lowercase token (RFC 9113 8.2.1)")
         if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
             return _Malformed(f"connection-specific field {name.decode()} (RFC 9113 8.2.2)")
