@@ -136,10 +136,14 @@ class WithoutCreated(Collector):
 
 class ByteTotals(Protocol):
     """Where a connection's byte counts are read: `bytes_up` from the client towards the
-    server, `bytes_down` back (proxy/relay.py's Relay is one)."""
+    server, `bytes_down` back (proxy/relay.py's Relay is one). Read only: a recorder never
+    writes them."""
 
-    bytes_up: int
-    bytes_down: int
+    @property
+    def bytes_up(self) -> int: ...
+
+    @property
+    def bytes_down(self) -> int: ...
 
 
 @dataclass(slots=True)

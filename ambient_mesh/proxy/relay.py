@@ -117,22 +117,14 @@ class Relay:
     def _other(self, side: Endpoint) -> Endpoint:
         return self.upstream if side is self.downstream else self.downstream
 
-    # What metrics.ByteTotals reads; settable because that protocol's fields are plain ints.
+    # What metrics.ByteTotals reads: what each side read.
     @property
     def bytes_up(self) -> int:
         return self.downstream.bytes_read
 
-    @bytes_up.setter
-    def bytes_up(self, n: int) -> None:
-        self.downstream.bytes_read = n
-
     @property
     def bytes_down(self) -> int:
         return self.upstream.bytes_read
-
-    @bytes_down.setter
-    def bytes_down(self, n: int) -> None:
-        self.upstream.bytes_read = n
 
     def data_from(self, side: Endpoint, data: bytes | memoryview) -> None:
         """What the endpoints do per chunk themselves (see Endpoint)."""
