@@ -1,6 +1,7 @@
 """The few OpenSSL calls Python 3.11's `ssl` does not offer, on the objects it made.
 
-Two users: identity/tls_suites.py sets TLS 1.3 cipher suites on the `SSL_CTX *` of an
+Two users: identity/tls_suites.py sets TLS 1.3 cipher suites and a keylog callback (which hands
+HBONE's record layer its traffic secrets, proxy/tls_records.py) on the `SSL_CTX *` of an
 `ssl.SSLContext`; proxy/tls_transport.py switches read-ahead on (and asks SSL_has_pending) on the
 `SSL *` of a connection's `_ssl._SSLSocket`, and puts a buffering BIO in front of its socket BIO
 for writes and takes it out again (BIO_f_buffer, the BIO OpenSSL buffers its own handshake
@@ -53,6 +54,15 @@ class LibSsl:
         self.bio_free = _bind(lib.BIO_free, (ptr,), c_int)
         self.bio_ctrl = _bind(lib.BIO_ctrl, (ptr, c_int, ctypes.c_long, ptr), ctypes.c_long)
         self.bio_test_flags = _bind(lib.BIO_test_flags, (ptr, c_int), c_int)
+        self.ctx_set_keylog_callback = _bind(lib.SSL_CTX_set_keylog_callback, (ptr, KEYLOG_CALLBACK), None)
+        self.ctx_get_keylog_callback = _bind(lib.SSL_CTX_get_keylog_callback, (ptr,), ptr)
+        # Tests make a real OpenSSL peer send KeyUpdates with it (RFC 8446 4.6.3).
+        self.key_update = _bind(lib.SSL_key_update, (ptr, c_int), c_int)
+
+
+# void (*)(const SSL *ssl, const char *line): OpenSSL's keylog callback (SSL_CTX_set_keylog_callback(3)).
+# The line is read with ctypes.string_at inside the callback, so it is passed as a plain pointer.
+KEYLOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
 
 def _bind(function: Any, argtypes: tuple[type, ...], restype: type | None) -> Any:
@@ -77,6 +87,19 @@ def libssl() -> LibSsl | None:
         return LibSsl()
     except (OSError, AttributeError):  # no shared libssl, or one without these functions
         return None
+
+
+def ssl_pointer(lib: LibSsl, tls: ssl.SSLSocket | ssl.SSLObject) -> int | None:
+    """The `SSL *` inside `tls`'s `_ssl._SSLSocket`, checked: for an SSLSocket its SSL_get_fd
+    must be the socket's descriptor, for an SSLObject (memory BIOs) -1; None otherwise."""
+    sslobj = getattr(tls, "_sslobj", None)
+    if type(sslobj).__name__ != "_SSLSocket":
+        return None
+    pointer = field_pointer(sslobj, 1)  # PySSLSocket: `Socket`, then `SSL *ssl`
+    expected = tls.fileno() if isinstance(tls, ssl.SSLSocket) else -1
+    if not pointer or lib.get_fd(pointer) != expected:
+        return None
+    return pointer
 
 
 def field_pointer(obj: object, index: int) -> int | None:

@@ -32,7 +32,7 @@ from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 from .certificate import WorkloadCertificate, spiffe_ids
 from .spiffe import Identity
 from .tls_crl import CrlChecker
-from .tls_suites import set_tls13_suites
+from .tls_suites import capture_traffic_secrets, set_tls13_suites
 
 ALPN_H2 = "h2"
 # TLS12_ENABLED's suites (OpenSSL names): ECDHE with ECDSA or RSA, AES-GCM only, as ztunnel.
@@ -58,6 +58,10 @@ def server_context(cert: WorkloadCertificate, *, tls12: bool = False) -> ssl.SSL
     """The HBONE listener's context: presents `cert`, requires a client cert under its roots."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     _configure(ctx, cert, tls12)
+    # No resumption (wire-protocols.md 7): with OP_NO_TICKET alone OpenSSL still sends stateful
+    # TLS 1.3 tickets, and each would be an application-key record written by OpenSSL after the
+    # handshake, which HBONE's record layer (proxy/tls_records.py) would have to count.
+    ctx.num_tickets = 0
     return ctx
 
 
@@ -90,6 +94,9 @@ def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate, tls12: bool = Fal
     except (ssl.SSLError, ValueError) as e:
         raise CertificateError(f"trust roots for {cert.identity} cannot be loaded: {e}") from e
     _load_key_and_chain(ctx, cert)
+    # HBONE's own TLS 1.3 record layer after the handshake takes the traffic secrets from here
+    # (identity/tls_suites.py, proxy/tls_transport.py).
+    capture_traffic_secrets(ctx)
 
 
 def _load_key_and_chain(ctx: ssl.SSLContext, cert: WorkloadCertificate) -> None:

@@ -1,4 +1,5 @@
-"""TLS 1.3 cipher suites on a Python `ssl.SSLContext`, which Python 3.11's `ssl` cannot set.
+"""TLS 1.3 cipher suites and traffic-secret capture on a Python `ssl.SSLContext`, neither of
+which Python 3.11's `ssl` offers.
 
 `SSLContext.set_ciphers` governs TLS 1.2 and older only, so without this a context offers
 OpenSSL's default TLS 1.3 list (AES-256-GCM, ChaCha20-Poly1305, AES-128-GCM). ztunnel allows
@@ -17,12 +18,28 @@ The `SSL_CTX` pointer is the first field of CPython's `PySSLContext` (identity/o
 Before writing anything through it, the pointer is checked: `SSL_CTX_get_options` and
 `SSL_CTX_get_verify_mode` on it must return what the Python object reports. When the interpreter
 is not one whose layout was checked or the check fails, `set_tls13_suites` raises: a context whose suites we could not narrow is not one we hand to HBONE silently.
+
+Traffic secrets (`capture_traffic_secrets`): HBONE's own TLS 1.3 record layer
+(proxy/tls_records.py) takes over from OpenSSL after the handshake and needs the two application
+traffic secrets, which OpenSSL reports only to a keylog callback (SSL_CTX_set_keylog_callback,
+the interface SSLKEYLOGFILE uses). One callback serves every context: it runs inside
+`do_handshake` on the calling thread (ctypes takes the GIL for it), so the handshake in progress
+is the thread's `KEYLOG.current` (a `TrafficSecrets` the shell sets around each `do_handshake`
+call), and a line is kept only when its `SSL *` is that handshake's. Only
+CLIENT_TRAFFIC_SECRET_0 and SERVER_TRAFFIC_SECRET_0 are kept (in bytearrays the record layer
+wipes at the end); the handshake and exporter secrets are never read past their label, and
+nothing is logged or written anywhere. The line and its hex are immutable Python bytes for the
+moment they are parsed: freed at once, not wiped (OpenSSL holds the same secrets for the
+connection's life in any case).
 """
 
 from __future__ import annotations
 
+import binascii
+import ctypes
 import ssl
 import sys
+import threading
 
 from ..errors import CertificateError
 from . import openssl_native
@@ -65,3 +82,74 @@ def set_tls13_suites(ctx: ssl.SSLContext, suites: tuple[str, ...] = HBONE_TLS13_
             f"OpenSSL refused the TLS 1.3 cipher suites {':'.join(suites)}",
             hint="check the names against `openssl ciphers -s -tls1_3`",
         )
+
+
+# Keylog labels kept (NSS key log format, which OpenSSL's keylog callback writes).
+_CLIENT_LABEL = b"CLIENT_TRAFFIC_SECRET_0 "
+_SERVER_LABEL = b"SERVER_TRAFFIC_SECRET_0 "
+# Longest secret we take: SHA-384's 48 bytes (TLS_AES_256_GCM_SHA384), as hex.
+_MAX_SECRET_HEX = 96
+
+
+class TrafficSecrets:
+    """The application traffic secrets of one handshake, as its keylog lines report them."""
+
+    __slots__ = ("ssl_pointer", "client", "server")
+
+    def __init__(self, ssl_pointer: int) -> None:
+        self.ssl_pointer = ssl_pointer
+        self.client: bytearray | None = None
+        self.server: bytearray | None = None
+
+    def __repr__(self) -> str:  # never the secrets themselves
+        return f"TrafficSecrets(client={self.client is not None}, server={self.server is not None})"
+
+    def wipe(self) -> None:
+        for secret in (self.client, self.server):
+            if secret is not None:
+                secret[:] = bytes(len(secret))
+        self.client = self.server = None
+
+
+class _Keylog(threading.local):
+    current: TrafficSecrets | None = None
+
+
+# The handshake in progress on this thread (see the module docstring).
+KEYLOG = _Keylog()
+
+
+def _on_keylog(ssl_pointer: int | None, line: int | None) -> None:
+    # Runs inside OpenSSL: it must never raise (ctypes would only print the error).
+    try:
+        secrets = KEYLOG.current
+        if secrets is None or not line or ssl_pointer != secrets.ssl_pointer:
+            return
+        label = ctypes.string_at(line, len(_CLIENT_LABEL))
+        if label != _CLIENT_LABEL and label != _SERVER_LABEL:
+            return
+        hex_secret = ctypes.string_at(line).rpartition(b" ")[2]
+        if not hex_secret or len(hex_secret) > _MAX_SECRET_HEX:
+            return
+        value = bytearray(binascii.a2b_hex(hex_secret))
+        if label == _CLIENT_LABEL:
+            secrets.client = value
+        else:
+            secrets.server = value
+    except Exception:  # noqa: BLE001 - nothing may escape into OpenSSL; the secret stays missing
+        return
+
+
+_KEYLOG_CALLBACK = openssl_native.KEYLOG_CALLBACK(_on_keylog)
+
+
+def capture_traffic_secrets(ctx: ssl.SSLContext) -> None:
+    """Report `ctx`'s TLS 1.3 application traffic secrets to the thread's `KEYLOG.current`."""
+    lib, pointer = _ssl_ctx_pointer(ctx)
+    lib.ctx_set_keylog_callback(pointer, _KEYLOG_CALLBACK)
+
+
+def captures_traffic_secrets(ctx: ssl.SSLContext) -> bool:
+    """Whether `ctx` has our keylog callback (Python's `keylog_filename` would replace it)."""
+    lib, pointer = _ssl_ctx_pointer(ctx)
+    return bool(lib.ctx_get_keylog_callback(pointer) == ctypes.cast(_KEYLOG_CALLBACK, ctypes.c_void_p).value)

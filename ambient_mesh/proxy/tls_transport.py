@@ -1,5 +1,25 @@
-"""HBONE's TLS over the socket itself: OpenSSL reads and writes the non-blocking socket (a socket
-BIO), and a thin asyncio transport drives it from the event loop's readiness callbacks.
+"""HBONE's TLS over the socket itself: OpenSSL's handshake on the non-blocking socket, then HBONE's
+own TLS 1.3 records (`TlsTransport` over the sans-IO proxy/tls_records.py), or OpenSSL's records
+for TLS 1.2 (`OpenSslTransport`), each driven from the event loop's readiness callbacks.
+
+Own records (TLS 1.3, every HBONE context of identity/tls.py): the system OpenSSL 3.0 that `_ssl`
+links does AES-GCM without VAES; `cryptography`'s AESGCM (its own OpenSSL) is about twice as fast
+per record (bench/README.md, issue 11, "Per message, session 17"). OpenSSL does the handshake with
+read-ahead off, so every byte after the peer's last handshake record is still in the socket;
+its keylog callback hands over the application traffic secrets (identity/tls_suites.py), and
+`take_over` refuses the connection if OpenSSL holds any received byte (SSL_has_pending). Server
+contexts send no tickets (num_tickets = 0), so both sequence numbers start at 0. From then on
+OpenSSL never reads or writes this socket: one `recv` per wake-up into a process-wide buffer,
+records opened straight into the protocol's buffer; a write's records sealed into one buffer and
+sent with one `send` (this replaces OpenSSL's write coalescing and read-ahead for TLS 1.3). A
+TLS 1.3 context without our keylog callback (none of HBONE's) keeps OpenSSL's records.
+
+TLS 1.2 (TLS12_ENABLED=true, off by default) keeps OpenSSL's records: `OpenSslTransport` below,
+with read-ahead and the write coalescer; tests/integration/test_tls_transport.py runs every
+transport test on both.
+
+OpenSSL's records (`OpenSslTransport`): OpenSSL reads and writes the non-blocking socket (a socket
+BIO), and a thin asyncio transport drives it.
 
 Counterparts: ztunnel's rustls over tokio's TcpStream (tokio-rustls), which also encrypts into and
 decrypts out of the buffers it hands the socket; asyncio's sslproto and uvloop's SSLProtocol,
@@ -67,7 +87,10 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ProtocolError
 from ..identity import openssl_native
+from ..identity.tls_suites import KEYLOG, TrafficSecrets
+from . import tls_records
 
 log = logging.getLogger("ambient_mesh.tls")
 
@@ -124,11 +147,8 @@ def read_ahead(tls: ssl.SSLSocket) -> Callable[[], int] | None:
     """Switch read-ahead on for `tls`; what then tells whether OpenSSL holds received bytes
     (SSL_has_pending), or None when the `SSL *` cannot be found (read-ahead stays off)."""
     lib = openssl_native.libssl()
-    sslobj = getattr(tls, "_sslobj", None)
-    if lib is None or type(sslobj).__name__ != "_SSLSocket":
-        return None
-    pointer = openssl_native.field_pointer(sslobj, 1)  # PySSLSocket: `Socket`, then `SSL *ssl`
-    if not pointer or lib.get_fd(pointer) != tls.fileno():
+    pointer = openssl_native.ssl_pointer(lib, tls) if lib is not None else None
+    if lib is None or pointer is None:
         return None
     lib.ctrl(pointer, _SSL_CTRL_SET_READ_AHEAD, 1, None)
     return functools.partial(lib.has_pending, pointer)
@@ -163,11 +183,8 @@ def coalesce_writes(tls: ssl.SSLSocket, size: int = WRITE_COALESCE_BYTES) -> _Co
     stay as they are) when the `SSL *` cannot be found or its BIOs are not the one socket BIO
     CPython set up. Only between writes: nothing may be pending in OpenSSL's write path."""
     lib = openssl_native.libssl()
-    sslobj = getattr(tls, "_sslobj", None)
-    if lib is None or type(sslobj).__name__ != "_SSLSocket":
-        return None
-    pointer = openssl_native.field_pointer(sslobj, 1)  # PySSLSocket: `Socket`, then `SSL *ssl`
-    if not pointer or lib.get_fd(pointer) != tls.fileno():
+    pointer = openssl_native.ssl_pointer(lib, tls) if lib is not None else None
+    if lib is None or pointer is None:
         return None
     sock_bio = lib.get_rbio(pointer)
     if not sock_bio or lib.get_wbio(pointer) != sock_bio:
@@ -270,12 +287,18 @@ def _ready(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> asyncio.
     return fut
 
 
-async def _handshake(loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, timeout_s: float) -> None:
+async def _handshake(
+    loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, timeout_s: float, secrets: TrafficSecrets | None
+) -> None:
     fd = tls.fileno()
     sslobj = tls._sslobj  # type: ignore[attr-defined]
+    keylog = KEYLOG
     try:
         async with asyncio.timeout(timeout_s):
             while True:
+                # OpenSSL's keylog callback reports this handshake's secrets to `secrets` while
+                # do_handshake runs on this thread (identity/tls_suites.py).
+                keylog.current = secrets
                 try:
                     sslobj.do_handshake()
                     return
@@ -283,6 +306,8 @@ async def _handshake(loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, timeou
                     writable = False
                 except ssl.SSLWantWriteError:
                     writable = True
+                finally:
+                    keylog.current = None
                 try:
                     await _ready(loop, fd, writable)
                 finally:
@@ -301,13 +326,16 @@ async def start_tls(
     *,
     server_side: bool,
     handshake_timeout_s: float,
-) -> TlsTransport:
+) -> TlsTransport | OpenSslTransport:
     """TLS on the connected `sock`, then `protocol.connection_made(transport)`; the transport.
 
     The socket becomes the transport's (detached from `sock` by `wrap_socket`, closed on any
     failure). No SNI is sent (server_hostname None, as ztunnel); the peer is identified by its
-    certificate afterwards (`get_extra_info("ssl_object")`). Raises ssl.SSLError / OSError for a
-    failed handshake and TimeoutError after `handshake_timeout_s`.
+    certificate afterwards (`get_extra_info("ssl_object")`). A TLS 1.3 connection whose traffic
+    secrets the context reported (identity/tls.py contexts do) gets HBONE's own records
+    (`TlsTransport`); TLS 1.2, or a context without the keylog callback, keeps OpenSSL's
+    (`OpenSslTransport`). Raises ssl.SSLError / OSError for a failed handshake, ProtocolError when
+    the record layer cannot take over, TimeoutError after `handshake_timeout_s`.
     """
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
@@ -316,89 +344,92 @@ async def start_tls(
     except BaseException:
         sock.close()
         raise
+    lib = openssl_native.libssl()
+    pointer = openssl_native.ssl_pointer(lib, tls) if lib is not None else None
+    secrets = TrafficSecrets(pointer) if pointer else None
+    transport: TlsTransport | OpenSslTransport
     try:
-        await _handshake(loop, tls, handshake_timeout_s)
+        await _handshake(loop, tls, handshake_timeout_s, secrets)
+        records = take_over(tls, secrets, server_side=server_side)
+        if records is None:
+            transport = OpenSslTransport(loop, tls, protocol)
+        else:
+            transport = TlsTransport(loop, tls, protocol, records)
     except BaseException:
         tls.close()
         raise
-    transport = TlsTransport(loop, tls, protocol)
+    finally:
+        if secrets is not None:
+            secrets.wipe()
     protocol.connection_made(transport)
     transport._start()
     return transport
 
 
-class TlsTransport(asyncio.Transport):
-    """A TLS stream transport over an SSLSocket whose handshake is done (see `start_tls`).
+def take_over(
+    tls: ssl.SSLSocket | ssl.SSLObject, secrets: TrafficSecrets | None, *, server_side: bool
+) -> tls_records.RecordLayer | None:
+    """HBONE's record layer for `tls` after its handshake, or None when OpenSSL keeps the records
+    (TLS 1.2, or no secrets were reported). Refused (ProtocolError) when OpenSSL holds received
+    bytes (SSL_has_pending: they would be lost to us) or the suite is not one we have."""
+    if secrets is None or tls.version() != "TLSv1.3" or secrets.client is None or secrets.server is None:
+        return None
+    lib = openssl_native.libssl()
+    if lib is None or lib.has_pending(secrets.ssl_pointer):
+        raise ProtocolError(
+            "OpenSSL holds received TLS bytes at the end of the handshake; refusing the connection",
+            hint="read-ahead must be off until HBONE's record layer takes over (proxy/tls_transport.py)",
+        )
+    cipher = tls.cipher()
+    read, write = (secrets.client, secrets.server) if server_side else (secrets.server, secrets.client)
+    return tls_records.RecordLayer(
+        cipher[0] if cipher else "", client_side=not server_side, read_secret=read, write_secret=write
+    )
 
-    Reads decrypt straight into the BufferedProtocol's buffer; writes encrypt straight into the
-    socket; what the socket does not take waits in a bounded `WriteBacklog`. Write EOF is not
-    offered (close sends close_notify): HBONE ends streams in HTTP/2, not with half-closes.
-    """
+
+class _TlsTransportBase(asyncio.Transport):
+    """What both TLS transports share: extra info, reader and writer registration, flow-control
+    limits, the close timers and the end."""
 
     __slots__ = (
         "_loop",
         "_tls",
-        "_ssl",
         "_fd",
         "_protocol",
         "_backlog",
         "_reading",
         "_read_paused",
-        "_read_wants_write",
-        "_write_wants_read",
         "_writer_on",
         "_closing",
         "_eof",
         "_closed",
         "_close_timer",
         "_idle_timer",
-        "_has_pending",
-        "_coalescer",
-        "_coalesce",
-        "_small_writes",
-        "_unflushed",
-        "_batching",
     )
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, protocol: asyncio.BufferedProtocol
-    ):
+    ) -> None:
         super().__init__()
         self._loop = loop
         self._tls = tls
-        self._ssl = tls._sslobj  # type: ignore[attr-defined]
         self._fd = tls.fileno()
         self._protocol = protocol
         self._backlog = WriteBacklog()
         self._reading = False  # our reader is registered with the loop
         self._read_paused = False  # the protocol asked us to pause reading
-        self._read_wants_write = False  # OpenSSL's read needs the socket writable first
-        self._write_wants_read = False  # OpenSSL's write needs a read first
         self._writer_on = False
         self._closing = False
-        self._eof = False  # the peer's close_notify or TCP EOF was read
+        self._eof = False  # the peer's close_notify (or, OpenSSL's records, TCP EOF) was read
         self._closed = False  # the socket is closed and connection_lost is scheduled
         self._close_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None  # see _drain_raw
-        # Whether OpenSSL holds received bytes no readiness event will announce: SSL_has_pending
-        # with read-ahead on, SSL_pending (the rest of a record a short buffer did not take)
-        # without it.
-        self._has_pending: Callable[[], int] = read_ahead(tls) or self._ssl.pending
-        self._coalescer: _Coalescer | None = None  # installed on the first bulk write
-        self._coalesce = True  # whether to try (False when coalesce_writes found no way in)
-        self._small_writes = 0  # small writes in a row while the coalescer is in
-        self._unflushed = False  # the coalescing buffer holds bytes the socket refused
-        self._batching = False  # in writelines: one flush after all its pieces
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "closing" if self._closing else "open"
-        return f"TlsTransport(fd={self._fd}, {state}, backlog={self._backlog.bytes}B)"
+    def _on_readable(self) -> None:
+        raise NotImplementedError
 
-    def _start(self) -> None:
-        if not self._closing and not self._read_paused:
-            self._add_reader()
-            if self._has_pending():  # bytes that came with the handshake's last flight
-                self._loop.call_soon(self._on_readable)
+    def _on_writable(self) -> None:
+        raise NotImplementedError
 
     # Extra info: what the callers and the identity checks read ---------------------------------
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -426,9 +457,8 @@ class TlsTransport(asyncio.Transport):
         return self._protocol
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        raise NotImplementedError("TlsTransport keeps the protocol it was started with")
+        raise NotImplementedError(f"{type(self).__name__} keeps the protocol it was started with")
 
-    # Reading ---------------------------------------------------------------------------
     def _add_reader(self) -> None:
         if not self._reading:
             self._loop.add_reader(self._fd, self._on_readable)
@@ -438,6 +468,149 @@ class TlsTransport(asyncio.Transport):
         if self._reading:
             self._loop.remove_reader(self._fd)
             self._reading = False
+
+    def is_reading(self) -> bool:
+        return not self._read_paused and not self._closing and not self._eof
+
+    def pause_reading(self) -> None:
+        if self._closing or self._read_paused:
+            return
+        self._read_paused = True
+        self._remove_reader()
+
+    def _add_writer(self) -> None:
+        if not self._writer_on:
+            self._loop.add_writer(self._fd, self._on_writable)
+            self._writer_on = True
+
+    def _remove_writer(self) -> None:
+        if self._writer_on:
+            self._loop.remove_writer(self._fd)
+            self._writer_on = False
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("TLS write EOF is not offered: close() sends close_notify")
+
+    def get_write_buffer_size(self) -> int:
+        return self._backlog.bytes
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self._backlog.low_water_bytes, self._backlog.high_water_bytes)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._backlog.set_limits(high, low)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def _drain_raw(self) -> None:
+        """Drop the socket's raw bytes until the peer's FIN, or DRAIN_IDLE_S without any (a peer
+        that is itself waiting for our FIN): nothing after our close_notify needs decrypting."""
+        if self._closed:
+            return
+        budget = READ_BYTES_PER_WAKE
+        while budget > 0:
+            try:
+                n = os.readv(self._fd, (_DISCARD,))
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                n = 0
+            if not n:
+                self._finish(None)
+                return
+            budget -= n
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self._loop.call_later(DRAIN_IDLE_S, self._finish, None)
+
+    def _shutdown_timed_out(self) -> None:
+        self._close_timer = None
+        if not self._closed:
+            log.debug("TLS close did not finish within %s s; aborting", SHUTDOWN_TIMEOUT_S)
+            self._finish(None)
+
+    def abort(self) -> None:
+        self._finish(None)
+
+    def _fatal(self, exc: Exception) -> None:
+        log.debug("TLS connection failed: %s", exc)
+        self._finish(exc)
+
+    def _finish(self, exc: Exception | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._closing = True
+        self._remove_reader()
+        self._remove_writer()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+            self._close_timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._backlog.clear()
+        try:
+            self._tls.close()
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                raise
+        self._loop.call_soon(self._protocol.connection_lost, exc)
+
+
+class OpenSslTransport(_TlsTransportBase):
+    """A TLS stream transport over an SSLSocket whose handshake is done, OpenSSL's records (TLS
+    1.2, and TLS 1.3 when the traffic secrets could not be had: see `start_tls`).
+
+    Reads decrypt straight into the BufferedProtocol's buffer; writes encrypt straight into the
+    socket; what the socket does not take waits in a bounded `WriteBacklog`. Write EOF is not
+    offered (close sends close_notify): HBONE ends streams in HTTP/2, not with half-closes.
+    """
+
+    __slots__ = (
+        "_ssl",
+        "_read_wants_write",
+        "_write_wants_read",
+        "_has_pending",
+        "_coalescer",
+        "_coalesce",
+        "_small_writes",
+        "_unflushed",
+        "_batching",
+    )
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, tls: ssl.SSLSocket, protocol: asyncio.BufferedProtocol
+    ):
+        super().__init__(loop, tls, protocol)
+        self._ssl = tls._sslobj  # type: ignore[attr-defined]
+        self._read_wants_write = False  # OpenSSL's read needs the socket writable first
+        self._write_wants_read = False  # OpenSSL's write needs a read first
+        # Whether OpenSSL holds received bytes no readiness event will announce: SSL_has_pending
+        # with read-ahead on, SSL_pending (the rest of a record a short buffer did not take)
+        # without it.
+        self._has_pending: Callable[[], int] = read_ahead(tls) or self._ssl.pending
+        self._coalescer: _Coalescer | None = None  # installed on the first bulk write
+        self._coalesce = True  # whether to try (False when coalesce_writes found no way in)
+        self._small_writes = 0  # small writes in a row while the coalescer is in
+        self._unflushed = False  # the coalescing buffer holds bytes the socket refused
+        self._batching = False  # in writelines: one flush after all its pieces
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "closing" if self._closing else "open"
+        return f"OpenSslTransport(fd={self._fd}, {state}, backlog={self._backlog.bytes}B)"
+
+    def _start(self) -> None:
+        if not self._closing and not self._read_paused:
+            self._add_reader()
+            if self._has_pending():  # bytes that came with the handshake's last flight
+                self._loop.call_soon(self._on_readable)
+
+    # Reading ---------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
         """Decrypt the records that wait into the protocol's buffers, one `buffer_updated` per
@@ -524,15 +697,6 @@ class TlsTransport(asyncio.Transport):
         if not self._protocol.eof_received():
             self.close()
 
-    def is_reading(self) -> bool:
-        return not self._read_paused and not self._closing and not self._eof
-
-    def pause_reading(self) -> None:
-        if self._closing or self._read_paused:
-            return
-        self._read_paused = True
-        self._remove_reader()
-
     def resume_reading(self) -> None:
         if self._closing or not self._read_paused:
             return
@@ -545,15 +709,6 @@ class TlsTransport(asyncio.Transport):
             self._loop.call_soon(self._on_readable)
 
     # Writing ---------------------------------------------------------------------------
-    def _add_writer(self) -> None:
-        if not self._writer_on:
-            self._loop.add_writer(self._fd, self._on_writable)
-            self._writer_on = True
-
-    def _remove_writer(self) -> None:
-        if self._writer_on:
-            self._loop.remove_writer(self._fd)
-            self._writer_on = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing or not data:
@@ -722,24 +877,7 @@ class TlsTransport(asyncio.Transport):
         if self._eof:
             self._finish(None)
 
-    def can_write_eof(self) -> bool:
-        return False
-
-    def write_eof(self) -> None:
-        raise NotImplementedError("TLS write EOF is not offered: close() sends close_notify")
-
-    def get_write_buffer_size(self) -> int:
-        return self._backlog.bytes
-
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return (self._backlog.low_water_bytes, self._backlog.high_water_bytes)
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._backlog.set_limits(high, low)
-
     # Closing ---------------------------------------------------------------------------
-    def is_closing(self) -> bool:
-        return self._closing
 
     def close(self) -> None:
         """Write what waits, send close_notify, wait (bounded) for the peer's EOF, then close."""
@@ -802,57 +940,318 @@ class TlsTransport(asyncio.Transport):
             return
         self._finish(None)
 
-    def _drain_raw(self) -> None:
-        """Drop the socket's raw bytes until the peer's FIN, or DRAIN_IDLE_S without any (a peer
-        that is itself waiting for our FIN): nothing after our close_notify needs decrypting."""
+
+# HBONE's own TLS 1.3 records (module docstring, "Own records") ---------------------------------
+# One process-wide receive buffer: what a connection holds between wake-ups (the start of a
+# record, or what a paused protocol left) is copied to its front, one `recv` fills the rest.
+RECV_BYTES = 256 * 1024
+_RECV = bytearray(RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES)
+_RECV_VIEW = memoryview(_RECV)
+_recv_in_use = False  # a nested _on_readable (never seen; guarded) takes a buffer of its own
+# Held bytes longer than this may hold whole records (a pause left them): they are opened before
+# the next `recv`.
+_HELD_BEFORE_RECV_BYTES = tls_records.MAX_SEALED_RECORD_BYTES
+_recv_into = socket.socket.recv_into  # the C methods: an SSLSocket's own would go through OpenSSL
+_send = socket.socket.send
+
+
+class TlsTransport(_TlsTransportBase):
+    """A TLS 1.3 stream transport whose records are HBONE's own (proxy/tls_records.py) after
+    OpenSSL's handshake (see `start_tls`).
+
+    Reads: one `recv` per wake-up into a process-wide buffer, records opened straight into the
+    BufferedProtocol's buffer. Writes: one write's records sealed into one buffer and sent with one
+    `send`; what the socket does not take waits, sealed, in a bounded `WriteBacklog`. Write EOF is
+    not offered (close sends close_notify): HBONE ends streams in HTTP/2, not with half-closes.
+    """
+
+    __slots__ = ("_records", "_held", "_shut")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tls: ssl.SSLSocket,
+        protocol: asyncio.BufferedProtocol,
+        records: tls_records.RecordLayer,
+    ) -> None:
+        super().__init__(loop, tls, protocol)
+        self._records = records
+        self._held: bytes | None = None  # received bytes not yet opened (see _on_readable)
+        self._shut = False  # our close_notify is sealed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "closing" if self._closing else "open"
+        return f"TlsTransport(fd={self._fd}, {state}, backlog={self._backlog.bytes}B, {self._records!r})"
+
+    def _start(self) -> None:
+        if not self._closing and not self._read_paused:
+            self._add_reader()
+
+    # Reading ---------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        """One `recv` after what this connection held, then every whole record opened into the
+        protocol's buffers, one `buffer_updated` per buffer. Runs once per received message, so
+        the common case is inline (bench/README.md, issue 11, per message)."""
+        if self._closing or self._read_paused or self._eof:
+            return
+        global _recv_in_use
+        view = _RECV_VIEW if not _recv_in_use else memoryview(bytearray(len(_RECV)))
+        held = self._held
+        end = 0
+        if held is not None:
+            end = len(held)
+            view[:end] = held
+            self._held = None
+        if end <= _HELD_BEFORE_RECV_BYTES:
+            try:
+                n = _recv_into(self._tls, view[end:], RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                n = -1
+            except OSError as e:
+                self._fatal(e)
+                return
+            if not n:
+                # RFC 8446 6.1: a FIN without close_notify is a truncation, as OpenSSL (and
+                # uvloop's SSL protocol) report it: an error, not an EOF.
+                self._fatal(ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)"))
+                return
+            if n > 0:
+                end += n
+        if not end:
+            return
+        _recv_in_use = view.obj is _RECV
+        try:
+            self._open(view, end)
+        finally:
+            if view.obj is _RECV:
+                _recv_in_use = False
+
+    def _open(self, view: memoryview, end: int) -> None:
+        protocol = self._protocol
+        records = self._records
+        pos = 0
+        while True:
+            buf = protocol.get_buffer(-1)
+            if type(buf) is not memoryview:  # HboneConnection's already is one
+                buf = memoryview(buf)
+            if not buf.nbytes:
+                del buf
+                self._fatal(RuntimeError("get_buffer() returned an empty buffer"))
+                return
+            try:
+                used, filled, status = records.open_into(view[pos:], end - pos, buf, 0)
+            except ProtocolError as e:
+                del buf
+                self._fail(e)
+                return
+            # Our view must not outlive the open: the protocol reuses its buffer only while
+            # nothing else refers to it (hbone._receive_into).
+            del buf
+            pos += used
+            if filled:
+                protocol.buffer_updated(filled)
+                if self._closed:
+                    return
+                if self._closing or self._read_paused:
+                    if pos < end:
+                        self._held = bytes(view[pos:end])
+                        if self._reading and self._closing:  # close() started the drain
+                            self._loop.call_soon(self._drain_to_eof)
+                    return
+            if status == tls_records.NEED_MORE:
+                break
+            if status == tls_records.CLOSED:
+                self._on_eof()
+                return
+        if records.output:  # a KeyUpdate answer (RFC 8446 4.6.3)
+            self._send_sealed(memoryview(records.take_output()))
+        if pos < end:
+            self._held = bytes(view[pos:end])
+
+    def _on_eof(self) -> None:
+        self._eof = True
+        self._held = None
+        self._remove_reader()
+        if not self._protocol.eof_received():
+            self.close()
+
+    def resume_reading(self) -> None:
+        if self._closing or not self._read_paused:
+            return
+        self._read_paused = False
+        if self._eof:
+            return
+        self._add_reader()
+        if self._held is not None:
+            self._loop.call_soon(self._on_readable)  # no readiness event announces these
+
+    # Writing ---------------------------------------------------------------------------
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing or not data:
+            return
+        try:
+            sealed = self._records.seal(data)
+        except ProtocolError as e:
+            self._fatal(e)
+            return
+        self._send_sealed(sealed)
+
+    def writelines(self, list_of_data: Any) -> None:
+        """All pieces sealed as one stream into one buffer and sent with one `send`: a DATA
+        frame's header shares the first record of its payload, and records are full 2^14 bytes
+        up to the last (bench/README.md, issue 11: no header-only records)."""
+        if self._closing:
+            return
+        try:
+            sealed = self._records.seal_pieces(list_of_data)
+        except ProtocolError as e:
+            self._fatal(e)
+            return
+        if sealed:
+            self._send_sealed(sealed)
+
+    def _send_sealed(self, sealed: memoryview) -> None:
+        """Send records now if nothing waits, else queue them; the seal buffer is reused by the
+        next seal, so what is queued is copied."""
+        backlog = self._backlog
+        if not backlog.bytes:
+            try:
+                n = _send(self._tls, sealed)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self._fatal(e)
+                return
+            if n == len(sealed):
+                return
+            sealed = sealed[n:]
+            self._add_writer()
+        try:
+            pause = backlog.push(bytes(sealed))
+        except TlsBacklogOverflow as e:
+            self._fatal(e)
+            return
+        if pause:
+            try:
+                self._protocol.pause_writing()
+            except Exception:
+                log.exception("pause_writing failed")
+
+    def _on_writable(self) -> None:
+        backlog = self._backlog
+        resume = False
+        while backlog.bytes:
+            head = backlog.head()
+            try:
+                n = _send(self._tls, head)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._fatal(e)
+                return
+            if n < len(head):
+                backlog.pieces[0] = memoryview(head)[n:]
+                backlog.bytes -= n
+                return
+            resume = backlog.pop() or resume
+        self._remove_writer()
+        if self._closing:
+            self._shutdown()
+            return
+        if resume:
+            try:
+                self._protocol.resume_writing()
+            except Exception:
+                log.exception("resume_writing failed")
+
+    # Closing ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Write what waits, send close_notify, wait (bounded) for the peer's, then close."""
+        if self._closing:
+            return
+        self._closing = True
+        self._remove_reader()
+        self._close_timer = self._loop.call_later(SHUTDOWN_TIMEOUT_S, self._shutdown_timed_out)
+        if not self._backlog.bytes:
+            self._shutdown()
+        # otherwise _on_writable calls _shutdown once the backlog is out
+
+    def _shutdown(self) -> None:
+        if not self._shut:
+            self._shut = True
+            self._send_sealed(memoryview(self._records.close_notify()))  # RFC 8446 6.1
+            if self._closed:
+                return
+            if self._backlog.bytes:
+                return  # _on_writable comes back here once close_notify is out
+        self._remove_writer()
+        if self._eof:
+            self._finish(None)
+            return
+        # Read until the peer's close_notify (or FIN), so our unread bytes do not turn our last
+        # records into a TCP reset; what it still sends is opened and dropped.
+        self._loop.add_reader(self._fd, self._drain_to_eof)
+        self._reading = True
+        if self._held is not None:
+            self._drain_to_eof()
+
+    def _drain_to_eof(self) -> None:
         if self._closed:
             return
-        budget = READ_BYTES_PER_WAKE
-        while budget > 0:
+        records = self._records
+        view = _RECV_VIEW if not _recv_in_use else memoryview(bytearray(len(_RECV)))
+        held = self._held
+        end = 0
+        if held is not None:
+            end = len(held)
+            view[:end] = held
+            self._held = None
+        try:
+            n = _recv_into(self._tls, view[end:], RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            n = -1
+        except OSError:
+            n = 0
+        if not n:
+            self._finish(None)  # FIN (or a reset) after our close_notify: nothing more to wait for
+            return
+        end += max(n, 0)
+        discard = memoryview(_DISCARD)
+        pos = 0
+        while True:
             try:
-                n = os.readv(self._fd, (_DISCARD,))
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                n = 0
-            if not n:
+                used, _, status = records.open_into(view[pos:], end - pos, discard, 0)
+            except ProtocolError:
+                self._loop.add_reader(self._fd, self._drain_raw)
+                self._drain_raw()
+                return
+            pos += used
+            if status == tls_records.CLOSED:
                 self._finish(None)
                 return
-            budget -= n
+            if status == tls_records.NEED_MORE:
+                break
+        if pos < end:
+            self._held = bytes(view[pos:end])
+        # The peer still sends after our close_notify: as in _drain_raw, DRAIN_IDLE_S without any
+        # bytes ends the wait (a peer that waits for our FIN itself).
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self._idle_timer = self._loop.call_later(DRAIN_IDLE_S, self._finish, None)
 
-    def _shutdown_timed_out(self) -> None:
-        self._close_timer = None
-        if not self._closed:
-            log.debug("TLS close did not finish within %s s; aborting", SHUTDOWN_TIMEOUT_S)
-            self._finish(None)
-
-    def abort(self) -> None:
-        self._finish(None)
-
-    def _fatal(self, exc: Exception) -> None:
-        log.debug("TLS connection failed: %s", exc)
-        self._finish(exc)
+    def _fail(self, exc: ProtocolError) -> None:
+        """The peer broke the record layer: our alert (if the core sealed one) goes out first."""
+        output = self._records.output
+        if output and not self._backlog.bytes:
+            try:
+                _send(self._tls, output)
+            except OSError:
+                pass
+        self._fatal(exc)
 
     def _finish(self, exc: Exception | None) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._closing = True
-        self._remove_reader()
-        self._remove_writer()
-        if self._close_timer is not None:
-            self._close_timer.cancel()
-            self._close_timer = None
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        self._backlog.clear()
-        try:
-            self._tls.close()
-        except OSError as e:
-            if e.errno != errno.EBADF:
-                raise
-        self._loop.call_soon(self._protocol.connection_lost, exc)
+        self._held = None
+        self._records.wipe()
+        super()._finish(exc)

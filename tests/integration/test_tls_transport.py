@@ -1,6 +1,9 @@
 """The HBONE TLS transport (proxy/tls_transport.py) over real loopback sockets: handshake bound,
 backpressure and its bounds, EOF and close_notify both ways, resets, byte-exact delivery after
-WANT_WRITE, and what the identity checks read from it."""
+WANT_WRITE, and what the identity checks read from it. Every test runs on both record layers:
+HBONE's own TLS 1.3 records (`TlsTransport`, the default) and OpenSSL's (`OpenSslTransport`, here
+through TLS 1.2 with TLS12_ENABLED's contexts); the coalescing and read-ahead tests are
+OpenSSL's only."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ambient_mesh.identity import (
 )
 from ambient_mesh.identity.tls_crl import verified_chain
 from ambient_mesh.proxy import tls_transport
-from ambient_mesh.proxy.tls_transport import TlsBacklogOverflow, TlsTransport, start_tls
+from ambient_mesh.proxy.tls_transport import OpenSslTransport, TlsBacklogOverflow, TlsTransport, start_tls
 
 SERVER = Identity("cluster.local", "ns1", "server")
 CLIENT = Identity("cluster.local", "ns2", "client")
@@ -41,6 +44,29 @@ def _cert(identity: Identity):
 
 SERVER_CERT = _cert(SERVER)
 CLIENT_CERT = _cert(CLIENT)
+OWN, OPENSSL = "own records", "OpenSSL records"
+_LAYER = [OWN]  # set per test by the `layer` fixture
+
+
+@pytest.fixture(autouse=True, params=[OWN, OPENSSL])
+def layer(request):
+    _LAYER[0] = request.param
+    yield request.param
+    _LAYER[0] = OWN
+
+
+def openssl_only(layer_name: str) -> None:
+    if layer_name != OPENSSL:
+        pytest.skip("OpenSSL's record layer only (coalescing, read-ahead)")
+
+
+def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts for the layer under test: TLS 1.2 keeps OpenSSL's records."""
+    if _LAYER[0] == OWN:
+        return server_context(SERVER_CERT), client_context(CLIENT_CERT)
+    server_ctx = server_context(SERVER_CERT, tls12=True)
+    server_ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    return server_ctx, client_context(CLIENT_CERT, tls12=True)
 
 
 class Collector(asyncio.BufferedProtocol):
@@ -116,14 +142,16 @@ async def tls_pair(
     s, c = tcp_pair(buffer_bytes)
     sp = server_proto or Collector()
     cp = client_proto or Collector()
-    server_ctx = server_context(SERVER_CERT)
+    server_ctx, client_ctx = contexts()
     sni: list[str | None] = []
     server_ctx.sni_callback = lambda _obj, name, _ctx: sni.append(name)
     st, ct = await asyncio.gather(
         start_tls(s, server_ctx, sp, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
-        start_tls(c, client_context(CLIENT_CERT), cp, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
+        start_tls(c, client_ctx, cp, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
     )
     assert sni == [None]  # no SNI, as ztunnel
+    expected = TlsTransport if _LAYER[0] == OWN else OpenSslTransport
+    assert type(st) is expected and type(ct) is expected
     try:
         yield sp, cp  # type: ignore[misc]
     finally:
@@ -139,7 +167,7 @@ async def test_identity_checks_read_the_peer_certificate_and_alpn():
         assert verify_server_identity(client_tls, [SERVER]) == SERVER
         assert verify_client_identity(server_tls, "cluster.local") == CLIENT
         assert client_tls.selected_alpn_protocol() == "h2"
-        assert client_tls.version() == "TLSv1.3"
+        assert client_tls.version() == ("TLSv1.3" if _LAYER[0] == OWN else "TLSv1.2")
         assert len(verified_chain(client_tls)) >= 2  # leaf and root, for the CRL check
         peer = client.transport.get_extra_info("peername")
         assert peer == server.transport.get_extra_info("sockname")
@@ -417,10 +445,11 @@ async def test_records_waiting_together_are_decrypted_into_one_buffer():
         assert len(calls) < total // full // 2, calls
 
 
-async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind():
+async def test_read_ahead_is_on_and_small_records_read_ahead_are_not_left_behind(layer):
     """Small records that arrived together are read from the socket in one go (read-ahead) and
     all decrypted before the callback returns: no readiness event would announce the ones
     OpenSSL already holds."""
+    openssl_only(layer)
     calls = []
 
     class Counting(Collector):
@@ -469,9 +498,10 @@ async def test_a_frame_header_shares_the_first_record_of_its_payload():
         # 100,000 + 9 bytes: 6 full records and 1,705 bytes; 16,393: one full record and 9;
         # 49,161: 3 full records and 9; then 9 + 32,768: 2 full records and 9, and 20 in one.
         # Never a 9-byte record of its own up front.
-        assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9] + [record] * 2 + [9, 20], (
-            calls
-        )
+        # OpenSSL's records: short pieces in a row are joined up to the next piece; ours seal all
+        # pieces of a writelines as one stream, so only its last record is short.
+        tail = [9, 20] if _LAYER[0] == OPENSSL else [29]
+        assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9] + [record] * 2 + tail, calls
 
 
 def _write_syscalls() -> int:
@@ -483,10 +513,11 @@ def _write_syscalls() -> int:
     raise AssertionError("/proc/self/io has no syscw")
 
 
-async def test_a_bulk_write_leaves_in_one_send_and_small_writes_never_buffer():
+async def test_a_bulk_write_leaves_in_one_send_and_small_writes_never_buffer(layer):
     """A write of many records goes out through the coalescing buffer in one `write` call, not
     one per 16 KiB record, and so does a `writelines` of a frame header and its payload; a
     connection that only carries small messages never gets the buffer."""
+    openssl_only(layer)
     async with tls_pair() as (server, client):
         assert client.transport is not None and server.transport is not None
         for i in range(20):
@@ -517,19 +548,20 @@ async def test_a_bulk_write_leaves_in_one_send_and_small_writes_never_buffer():
 
 def _count_refused_flushes(monkeypatch) -> list[int]:
     refused = [0]
-    original = TlsTransport._flush_refused
+    original = OpenSslTransport._flush_refused
 
     def counting(self, coalescer):
         refused[0] += 1
         original(self, coalescer)
 
-    monkeypatch.setattr(TlsTransport, "_flush_refused", counting)
+    monkeypatch.setattr(OpenSslTransport, "_flush_refused", counting)
     return refused
 
 
-async def test_coalesced_writes_arrive_byte_exact_while_the_socket_fills_and_drains(monkeypatch):
+async def test_coalesced_writes_arrive_byte_exact_while_the_socket_fills_and_drains(monkeypatch, layer):
     """With the coalescing buffer on, writes of every size while the peer stops and starts
     reading: bytes the socket refused in the buffer go before anything written after them."""
+    openssl_only(layer)
     refused = _count_refused_flushes(monkeypatch)
     async with tls_pair(buffer_bytes=64 * 1024) as (server, client):
         assert client.transport is not None and server.transport is not None
@@ -566,12 +598,13 @@ def _write_bio_is_the_socket_bio(transport: TlsTransport) -> bool:
     return lib.get_wbio(pointer) == lib.get_rbio(pointer)
 
 
-async def test_the_coalescing_buffer_leaves_after_small_writes_and_comes_back_for_bulk():
+async def test_the_coalescing_buffer_leaves_after_small_writes_and_comes_back_for_bulk(layer):
     """A connection that carried bulk and then only small messages gives the buffer back (its
     WRITE_COALESCE_BYTES, and a copy of every small message): after
     SMALL_WRITES_BEFORE_UNCOALESCING small writes in a row the socket BIO is the write BIO again;
     the next bulk write puts the buffer back. Many rounds, then a clean close: the BIO
     references stay right (a wrong count frees the socket BIO twice or never)."""
+    openssl_only(layer)
     small_run = tls_transport.SMALL_WRITES_BEFORE_UNCOALESCING
     chunk = hashlib.sha256(b"again").digest() * (COALESCE_FROM // 32)
     async with tls_pair() as (server, client):
@@ -608,8 +641,9 @@ async def test_the_coalescing_buffer_leaves_after_small_writes_and_comes_back_fo
             assert await client.lost is None
 
 
-async def test_close_sends_what_the_coalescing_buffer_holds_before_close_notify(monkeypatch):
+async def test_close_sends_what_the_coalescing_buffer_holds_before_close_notify(monkeypatch, layer):
     """Bytes the socket refused wait in the buffer; close writes them, then close_notify."""
+    openssl_only(layer)
     monkeypatch.setattr(tls_transport, "SMALL_WRITES_BEFORE_UNCOALESCING", 1 << 30)  # keep it in
     async with tls_pair(buffer_bytes=64 * 1024) as (server, client):
         assert client.transport is not None and server.transport is not None
