@@ -249,6 +249,8 @@ def netns_main(args: argparse.Namespace) -> int:
                 system = (after[role][1] - before[role][1]) * 1e6 / done - user
                 m = profiled["connections"]
                 stats = pstats.Stats(str(wrapper / f"{pid}.pstats"), stream=io.StringIO())
+                if args.out:
+                    shutil.copyfile(wrapper / f"{pid}.pstats", f"{args.out}.{role}")
                 calls, own_us, files = per_file(stats, m)
                 top = sorted(
                     (
@@ -311,7 +313,7 @@ def main() -> int:
     p.add_argument("--connections", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--out", help="keep the pstats file here")
+    p.add_argument("--out", help="keep the pstats file here (with --netns: one per proxy, PATH.<role>)")
     p.add_argument(
         "--no-profile",
         action="store_true",

@@ -178,8 +178,9 @@ def _whole_s(seconds: float, maximum: int) -> int:
     return max(1, min(math.ceil(seconds), maximum))
 
 
-SocketFactory = Callable[[int], socket.socket]
-"""Creates a TCP socket of a family; in-pod proxies create theirs inside the pod's netns."""
+SocketFactory = Callable[[int, int], socket.socket]
+"""Creates a socket of a family and type (socket()'s first two arguments, flags such as
+SOCK_NONBLOCK included); in-pod proxies create theirs inside the pod's netns."""
 
 
 class IntKindSocket(socket.socket):
@@ -202,13 +203,11 @@ def plain_socket(family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
 
 
 def new_socket(family: int, *, mark: int | None, factory: SocketFactory = plain_socket) -> socket.socket:
-    """A non-blocking TCP socket of `family` from `factory`, marked when `mark` is set."""
-    if factory is plain_socket:
-        # Non-blocking from socket() itself (SOCK_NONBLOCK): no FIONBIO ioctl per socket.
-        sock: socket.socket = IntKindSocket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-    else:
-        sock = factory(family)
-        sock.setblocking(False)
+    """A non-blocking TCP socket of `family` from `factory`, marked when `mark` is set.
+
+    Non-blocking from socket() itself (SOCK_NONBLOCK in the type every factory is handed): no
+    FIONBIO ioctl per socket, whichever namespace the factory makes it in."""
+    sock = factory(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     if mark is not None:
         set_mark(sock, mark)
     return sock
@@ -228,7 +227,7 @@ def listen_socket(
     TCP_NODELAY and `keepalive` are set before listen(): the kernel makes an accepted socket
     when its handshake completes, from the listener's options at that moment, so a client
     that connects before the listener is served (bound, not yet started) gets them too."""
-    sock = factory(addr.family)
+    sock = factory(addr.family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:

@@ -24,7 +24,7 @@ from .hbone import HboneError, HboneStream
 from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
-from .relay import Relay, TcpEndpoint, wrap_socket
+from .relay import Relay, TcpEndpoint, read_waiting, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
 from .telemetry import ConnectionResult, response_flag_of
 
@@ -50,6 +50,7 @@ class OutboundUpstream:
     endpoint: HboneStream | TcpEndpoint | None = None
     inbound: InboundProxy | None = None
     admitted: Admitted | None = None
+    early_sent: bool = False  # the client's early bytes went with the CONNECT (`open`)
 
     def abandon(self, reason: str) -> None:
         """The client left before the relay started: close the upstream and record why."""
@@ -96,6 +97,7 @@ class OutboundProxy:
             )
             sock.close()
             return
+        early = read_waiting(sock)
         downstream = await wrap_socket(sock)
         # The client's address as the transport read it when it was made (uvloop and asyncio
         # both read and keep it): not a getpeername of our own before the same call of theirs
@@ -106,17 +108,33 @@ class OutboundProxy:
             log.debug("captured connection to %s: client gone before it was served", target)
             downstream.abort()
             return
-        await self.proxy_to(downstream, SocketAddr.from_sockaddr(peername), target)
+        await self.proxy_to(downstream, SocketAddr.from_sockaddr(peername), target, early)
 
-    async def proxy_to(self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr) -> None:
-        upstream = await self.open(peer, target)
+    async def proxy_to(
+        self, downstream: TcpEndpoint, peer: SocketAddr, target: SocketAddr, early: bytes = b""
+    ) -> None:
+        """Reach `target` for `peer` and relay. `early`: bytes the client sent before it was served,
+        read from its socket already (`read_waiting`): they go with the CONNECT when the route
+        is HBONE, otherwise first through the relay."""
+        upstream = await self.open(peer, target, early)
         if isinstance(upstream, OutboundFailure):
             downstream.abort()
             return
+        if early:
+            if upstream.early_sent:
+                downstream.bytes_read += len(early)  # relayed: the stream carried them
+            else:
+                downstream.hold_first(early)
         await self.carry(upstream, downstream)
 
-    async def open(self, peer: SocketAddr, target: SocketAddr) -> OutboundUpstream | OutboundFailure:
-        """Route `peer -> target` and reach the upstream; a failure is recorded and returned."""
+    async def open(
+        self, peer: SocketAddr, target: SocketAddr, early: bytes = b""
+    ) -> OutboundUpstream | OutboundFailure:
+        """Route `peer -> target` and reach the upstream; a failure is recorded and returned.
+
+        `early` (the client's first bytes, at most MAX_EARLY_DATA_BYTES) goes out as DATA right
+        behind an HBONE route's CONNECT, in the same TLS record (`OutboundUpstream.early_sent`);
+        other routes do not take it."""
         pi = self.pi
         # Known already (the usual case): no coroutine to wait for it.
         source: Workload | None = self._source() or await pi.wait_for_workload(self._source)
@@ -164,8 +182,9 @@ class OutboundProxy:
                 # The source identity ConnectionResult.outbound read (HBONE routes always have it).
                 assert result.source_identity is not None
                 endpoint: HboneStream | TcpEndpoint = await self._open_hbone(
-                    route, peer, result.source_identity
+                    route, peer, result.source_identity, early
                 )
+                return OutboundUpstream(route=route, result=result, endpoint=endpoint, early_sent=bool(early))
             else:
                 sock = await pi.connect(
                     route.actual_destination, _source_ip(source, route.actual_destination), nodelay=False
@@ -230,7 +249,9 @@ class OutboundProxy:
         self.fast_path_connections += 1
         return OutboundUpstream(route=route, result=result, inbound=inbound, admitted=admitted)
 
-    async def _open_hbone(self, route: Route, peer: SocketAddr, src_id: Identity) -> HboneStream:
+    async def _open_hbone(
+        self, route: Route, peer: SocketAddr, src_id: Identity, early: bytes
+    ) -> HboneStream:
         pi = self.pi
         if pi.pool is None:
             raise ProxyError("no HBONE connection pool: the proxy is not started")
@@ -246,7 +267,7 @@ class OutboundProxy:
             ("baggage", hbone_headers.baggage_for(route.source_workload)),
             ("traceparent", hbone_headers.new_traceparent()),
         ]
-        stream, response = await pi.pool.open_stream(key, str(route.hbone_target), headers)
+        stream, response = await pi.pool.open_stream(key, str(route.hbone_target), headers, early)
         if response.status != 200:
             flag = ResponseFlag.DENY if response.status == 401 else ResponseFlag.CONNECT
             raise ProxyError(

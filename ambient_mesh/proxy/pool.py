@@ -158,30 +158,31 @@ class HbonePool:
         return None
 
     async def open_stream(
-        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]
+        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]], early: bytes = b""
     ) -> tuple[HboneStream, ConnectResponse]:
-        """A CONNECT stream to `key.dst` on a pooled connection (a new one when all are full)."""
+        """A CONNECT stream to `key.dst` on a pooled connection (a new one when all are full);
+        `early`: the stream's first DATA, sent with the CONNECT (HboneConnection.open_stream)."""
         try:
             # A pooled connection with room: opened from here, one coroutine fewer per CONNECT
             # than through `_open_stream` (which does the same when it finds one).
             conn = self._ready_connection(key)
             if conn is not None:
-                return await conn.open_stream(authority, headers)
-            return await self._open_stream(key, authority, headers)
+                return await conn.open_stream(authority, headers, early)
+            return await self._open_stream(key, authority, headers, early)
         except HboneStreamRefused:
             # The connection got GOAWAY before the peer saw our stream: it is out of the pool
             # now (not `usable`), and the request was never processed, so one retry is safe.
             log.debug("HBONE stream to %s refused by GOAWAY; retrying on another connection", key)
-            return await self._open_stream(key, authority, headers)
+            return await self._open_stream(key, authority, headers, early)
 
     async def _open_stream(
-        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]]
+        self, key: WorkloadKey, authority: str, headers: list[tuple[str, str]], early: bytes
     ) -> tuple[HboneStream, ConnectResponse]:
         while True:
             conn = self._ready_connection(key)
             if conn is not None:
                 # No await between the capacity check and opening the stream: the count is exact.
-                return await conn.open_stream(authority, headers)
+                return await conn.open_stream(authority, headers, early)
             pending = self._connecting.get(key)
             if pending is not None:
                 try:
@@ -190,7 +191,7 @@ class HbonePool:
                     pass  # the connecting caller reports the error; we try again
                 continue
             conn = await self._connect(key)
-            return await conn.open_stream(authority, headers)
+            return await conn.open_stream(authority, headers, early)
 
     async def _connect(self, key: WorkloadKey) -> HboneConnection:
         future: asyncio.Future[HboneConnection] = asyncio.get_running_loop().create_future()

@@ -45,6 +45,11 @@ SMALL_READS_TO_LEAVE_BULK = 16
 MAX_HELD_BEFORE_RELAY_BYTES = 16 * 1024
 
 
+# What a captured client's socket is read for before its upstream is reached (`read_waiting`):
+# the bytes it sent already go out with the HBONE CONNECT (outbound.py).
+MAX_EARLY_DATA_BYTES = MAX_HELD_BEFORE_RELAY_BYTES
+
+
 class Endpoint:
     """One side of a relay. Subclasses implement the five verbs the relay uses.
 
@@ -379,6 +384,11 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
+    def hold_first(self, data: bytes) -> None:
+        """Bytes read from the socket before it was wrapped (`read_waiting`) and not sent ahead:
+        they are relayed first, before anything the transport read (not once attached)."""
+        self._held.insert(0, data)
+
     def write(self, data: bytes | memoryview) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
@@ -405,6 +415,19 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def read_waiting(sock: socket.socket) -> bytes:
+    """What the peer of a connected non-blocking socket has sent already, up to
+    MAX_EARLY_DATA_BYTES, read before the event loop's transport takes the socket; b"" when
+    nothing waits (or the peer has ended or failed: the transport reads and reports that).
+
+    A client that speaks first (HTTP, TLS) has usually sent its first message by the time its
+    connection is accepted: read here, it can go out with the CONNECT (outbound.py)."""
+    try:
+        return sock.recv(MAX_EARLY_DATA_BYTES)
+    except OSError:  # BlockingIOError: nothing yet; anything else the transport sees again
+        return b""
 
 
 async def wrap_socket(sock: socket.socket) -> TcpEndpoint:

@@ -40,7 +40,7 @@ from ..config import ProxyWorkloadInfo, ZtunnelConfig
 from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..host.netns import NetnsHandle
-from ..host.sockets import KeepaliveSettings, listen_socket, plain_socket
+from ..host.sockets import KeepaliveSettings, SocketFactory, listen_socket, plain_socket
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..metrics import Metrics
@@ -590,7 +590,7 @@ def open_member_sockets(
     addresses: ListenerAddresses,
     transparent: bool,
     count: int,
-    factory: Callable[[int], socket.socket] = plain_socket,
+    factory: SocketFactory = plain_socket,
 ) -> dict[str, list[socket.socket]]:
     """`count` listening sockets per listener, one SO_REUSEPORT group each (port 0: the kernel's
     choice for the first, the same port for the rest)."""

@@ -165,7 +165,7 @@ class RefusingConnection:
         self.open_streams = 0
         self.max_streams = 100
 
-    async def open_stream(self, authority, headers):
+    async def open_stream(self, authority, headers, early=b""):
         self.usable = False
         raise HboneStreamRefused("stream refused by the peer's GOAWAY before it was processed")
 

@@ -210,7 +210,7 @@ async def test_a_wakeup_accepts_what_waits_without_an_accept_that_finds_nothing(
         SocketAddr.parse("127.0.0.1:0"),
         handler,
         ConnectionTracker(),
-        socket_factory=lambda family: Counting(family, socket.SOCK_STREAM),
+        socket_factory=lambda family, type: Counting(family, type),
     )
     listener.bind()
     port = listener.bound_address.port

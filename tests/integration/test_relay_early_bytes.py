@@ -9,7 +9,14 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from ambient_mesh.proxy.relay import MAX_HELD_BEFORE_RELAY_BYTES, UVLOOP_READ_BYTES, Relay, wrap_socket
+from ambient_mesh.proxy.relay import (
+    MAX_EARLY_DATA_BYTES,
+    MAX_HELD_BEFORE_RELAY_BYTES,
+    UVLOOP_READ_BYTES,
+    Relay,
+    read_waiting,
+    wrap_socket,
+)
 
 from .tcp_pair import tcp_pair
 
@@ -122,3 +129,43 @@ async def test_an_eof_alone_before_attach_is_replayed():
         up.abort()
         client.close()
         server.close()
+
+
+async def test_bytes_read_before_the_socket_was_wrapped_are_bounded_and_replayed_first():
+    """`read_waiting` (the captured path reads a client's first bytes before its upstream is
+    reached): at most MAX_EARLY_DATA_BYTES, b"" from a silent peer; bytes it read and did not
+    send ahead (`hold_first`) are relayed before anything the transport read later."""
+    loop = asyncio.get_running_loop()
+    down_sock, client = tcp_pair()
+    up_sock, server = tcp_pair()
+    down_sock.setblocking(False)  # as the listener hands accepted sockets on
+    try:
+        assert read_waiting(down_sock) == b""  # nothing sent yet: no wait, no error
+        first = b"f" * (MAX_EARLY_DATA_BYTES + 100)
+        client.sendall(first)
+        await _until(lambda: _readable(down_sock), "the first bytes to arrive")
+        await asyncio.sleep(0.01)
+        early = read_waiting(down_sock)
+        assert early == first[:MAX_EARLY_DATA_BYTES]
+        down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+        client.send(b" later")
+        client.shutdown(socket.SHUT_WR)
+        await _until(lambda: down._held_eof, "the rest and the EOF to be held")
+        down.hold_first(early)
+        relay = Relay(down, up)
+        up.attach(relay)
+        down.attach(relay)
+        assert await _receive_until_eof(loop, server) == first + b" later"
+        down.abort()
+        up.abort()
+    finally:
+        client.close()
+        server.close()
+        down_sock.close()
+        up_sock.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])

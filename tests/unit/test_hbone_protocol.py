@@ -431,3 +431,90 @@ async def test_one_data_frame_per_read_credits_only_while_the_reader_keeps_up(pa
         stream.resume_reading()
         assert _stream_credit(server.receive_data(transport.take()), sid) == 3 * chunk
     ours._cancel_timers()
+
+
+# A client's first bytes sent with its CONNECT (`open_stream`'s `early`): DATA right behind the
+# HEADERS in one transport write, before the answer (RFC 9113 8.5); what the stream window does
+# not take waits for window; the server holds such DATA until its relay is attached.
+class CountingTransport(MemoryTransport):
+    """Counts the transport writes (a TLS transport makes each one its own records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data) -> None:
+        self.writes += 1
+        super().write(data)
+
+    def writelines(self, pieces) -> None:
+        self.writes += 1
+        for piece in pieces:
+            super().write(piece)
+
+
+async def test_early_bytes_go_out_with_the_connect_in_one_write_before_the_answer():
+    ours = HboneConnection(client_side=True)
+    transport = CountingTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    exchange(ours, transport, server)
+    transport.writes = 0
+    opening = asyncio.ensure_future(ours.open_stream("10.0.0.3:8080", [], b"hello"))
+    await asyncio.sleep(0)
+    assert transport.writes == 1  # HEADERS and DATA together
+    events = server.receive_data(transport.take())
+    request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+    data = [e.data for e in events if isinstance(e, h2.events.DataReceived)]
+    assert data == [b"hello"]
+    assert not opening.done()  # sent before any answer
+    server.send_headers(request.stream_id, [(":status", "200")])
+    ours.data_received(server.data_to_send())
+    stream, response = await opening
+    assert response.status == 200 and stream.stream_id == request.stream_id
+    ours._cancel_timers()
+
+
+async def test_early_bytes_beyond_the_stream_window_wait_for_window():
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    server.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 3})
+    exchange(ours, transport, server)
+    opening = asyncio.ensure_future(ours.open_stream("10.0.0.3:8080", [], b"hello"))
+    await asyncio.sleep(0)
+    events = server.receive_data(transport.take())
+    request = next(e for e in events if isinstance(e, h2.events.RequestReceived))
+    assert [e.data for e in events if isinstance(e, h2.events.DataReceived)] == [b"hel"]
+    server.send_headers(request.stream_id, [(":status", "200")])
+    server.increment_flow_control_window(3, stream_id=request.stream_id)
+    events = exchange(ours, transport, server)
+    assert [e.data for e in events if isinstance(e, h2.events.DataReceived)] == [b"lo"]
+    stream, response = await opening
+    assert response.status == 200 and not stream._pending
+    ours._cancel_timers()
+
+
+async def test_the_server_holds_early_data_until_the_relay_is_attached_then_delivers_it_first():
+    streams = []
+    ours = HboneConnection(client_side=False, on_request=streams.append)
+    transport = MemoryTransport()
+    client = peer(client_side=True)
+    ours.connection_made(transport)
+    exchange(ours, transport, client)
+    client.send_headers(1, [(":method", "CONNECT"), (":authority", "10.0.0.3:8080")])
+    client.send_data(1, b"early ")
+    ours.data_received(client.data_to_send())  # HEADERS and DATA in one read
+    [stream] = streams
+    app = RecordingEndpoint()
+    assert app.received == b""  # no relay yet: held
+    ours.respond(stream, 200)
+    relay = Relay(stream, app)
+    app.attach = lambda relay: None  # a recording endpoint has nothing to replay
+    stream.attach(relay)
+    assert app.received == b"early "
+    client.send_data(1, b"later", end_stream=True)
+    exchange(ours, transport, client)
+    assert app.received == b"early later" and app.eof
+    ours._cancel_timers()

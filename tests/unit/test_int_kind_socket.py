@@ -32,14 +32,16 @@ def test_new_socket_is_non_blocking_in_the_kernel_and_for_python():
         assert fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
 
 
-def test_new_socket_from_another_factory_is_made_non_blocking_too():
+def test_new_socket_from_another_factory_is_non_blocking_from_socket_itself():
+    """A factory (the in-pod one makes sockets in the pod's netns) is handed SOCK_NONBLOCK in
+    the type, so its socket is non-blocking from socket(), with no FIONBIO ioctl after it."""
     made = []
 
-    def factory(family: int) -> socket.socket:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        made.append(sock)
-        return sock
+    def factory(family: int, type: int) -> socket.socket:
+        made.append(type)
+        return socket.socket(family, type)
 
     with new_socket(socket.AF_INET, mark=None, factory=factory) as sock:
-        assert sock is made[0]
+        assert made == [socket.SOCK_STREAM | socket.SOCK_NONBLOCK]
+        assert sock.gettimeout() == 0.0
         assert fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK
