@@ -26,6 +26,14 @@ connection (cProfile's total calls / connections: a count, not a time, so it com
 runs on a loaded host), the profiled time, the calls by file and the top functions.
 
     .venv/bin/python bench/profile_connections.py --netns [--connections 2000] [--tree <worktree>]
+
+`--roots` times each callback root of the per-connection path (ROOTS: the accept and TLS read
+callbacks, the plain endpoints' callbacks, the handler coroutines' steps, the end of a
+connection, and a few calls inside them) with `time.thread_time` inside each netns proxy, and
+prints the thread CPU per connection of each: real CPU with syscalls, where cProfile's figures
+are inflated by its cost per call and call-heavy code the most.
+
+    .venv/bin/python bench/profile_connections.py --roots [--connections 2000] [--tree <worktree>]
 """
 
 from __future__ import annotations
@@ -189,6 +197,109 @@ def _stop(signum, frame):
 signal.signal(signal.SIGUSR1, _start)
 signal.signal(signal.SIGUSR2, _stop)
 """
+# `--roots`: the callbacks and handler coroutines where a proxy's per-connection work starts (and
+# a few calls inside them), each timed by time.thread_time inside the netns proxies: real CPU,
+# syscalls included, without cProfile's cost per call (about 1 µs per wrapped call for the two
+# clock reads). (module, attribute path, "call" or "coro": a coroutine function's every
+# resumption is timed). Names a tree does not have are skipped.
+ROOTS = (
+    ("ambient_mesh.proxy.listener", "Listener._on_readable", "call"),
+    ("ambient_mesh.proxy.tls_transport", "TlsTransport._on_readable", "call"),
+    ("ambient_mesh.proxy.tls_transport", "TlsTransport.write", "call"),
+    ("ambient_mesh.proxy.tls_transport", "TlsTransport.writelines", "call"),
+    ("ambient_mesh.proxy.hbone", "HboneConnection.buffer_updated", "call"),
+    ("ambient_mesh.proxy.hbone", "HboneConnection.flush", "call"),
+    ("ambient_mesh.proxy.hbone", "HboneConnection.respond", "call"),
+    ("ambient_mesh.proxy.hbone", "HboneConnection.open_stream", "coro"),
+    ("ambient_mesh.proxy.relay", "TcpEndpoint.data_received", "call"),
+    ("ambient_mesh.proxy.relay", "TcpEndpoint.eof_received", "call"),
+    ("ambient_mesh.proxy.relay", "TcpEndpoint.connection_lost", "call"),
+    ("ambient_mesh.proxy.relay", "Relay.eof_from", "call"),
+    ("ambient_mesh.proxy.inputs", "ConnectionTracker._ended", "call"),
+    ("ambient_mesh.proxy.inputs", "ConnectionTracker.spawn", "call"),
+    ("ambient_mesh.proxy.inputs", "ProxyInputs.connect", "coro"),
+    ("ambient_mesh.proxy.telemetry", "ConnectionResult.complete", "call"),
+    ("ambient_mesh.proxy.telemetry", "ConnectionResult.__init__", "call"),
+    ("ambient_mesh.proxy.telemetry", "record_ended_connections", "call"),
+    ("ambient_mesh.logs", "log_access_complete", "call"),
+    ("ambient_mesh.logs", "write_deferred_access_lines", "call"),
+    ("ambient_mesh.proxy.outbound", "OutboundProxy.handle_captured", "coro"),
+    ("ambient_mesh.proxy.outbound", "OutboundProxy.open", "coro"),
+    ("ambient_mesh.proxy.outbound", "OutboundProxy._open_hbone", "coro"),
+    ("ambient_mesh.proxy.outbound", "build_request", "call"),
+    ("ambient_mesh.proxy.inbound", "InboundProxy.serve_stream", "coro"),
+    ("ambient_mesh.proxy.inbound", "InboundProxy.admit", "coro"),
+    ("ambient_mesh.proxy.inbound", "InboundProxy.decide", "call"),
+    ("ambient_mesh.proxy.inbound", "InboundProxy.start_carry", "call"),
+)
+ROOTS_SITECUSTOMIZE = """
+import collections.abc, functools, importlib, json, os, signal, sys, time
+_here = os.path.dirname(os.path.abspath(__file__))
+_on = [False]
+_acc = {}
+_tt = time.thread_time
+def _add(name, t):
+    e = _acc.setdefault(name, [0, 0.0]); e[0] += 1; e[1] += _tt() - t
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def w(*a, **k):
+        if not _on[0]:
+            return fn(*a, **k)
+        t = _tt()
+        try:
+            return fn(*a, **k)
+        finally:
+            _add(name, t)
+    return w
+class _TimedCoro(collections.abc.Coroutine):
+    __slots__ = ("c", "name")
+    def __init__(self, c, name): self.c = c; self.name = name
+    def __await__(self): return self
+    def __iter__(self): return self
+    def __next__(self): return self.send(None)
+    def _step(self, f, *a):
+        if not _on[0]:
+            return f(*a)
+        t = _tt()
+        try:
+            return f(*a)
+        finally:
+            _add(self.name, t)
+    def send(self, v): return self._step(self.c.send, v)
+    def throw(self, *a): return self._step(self.c.throw, *a)
+    def close(self): return self.c.close()
+def _coro(name, fn):
+    @functools.wraps(fn)
+    def w(*a, **k): return _TimedCoro(fn(*a, **k), name)
+    return w
+def _install(roots):
+    for module, path, kind in roots:
+        try:
+            owner = importlib.import_module(module)
+            *outer, attr = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            fn = getattr(owner, attr)
+        except (ImportError, AttributeError):
+            continue
+        wrapped = (_coro if kind == "coro" else _timed)(path, fn)
+        setattr(owner, attr, wrapped)
+        if not outer:  # a module function: also where other modules imported it by name
+            for other in list(sys.modules.values()):
+                if getattr(other, "__name__", "").startswith("ambient_mesh") and getattr(other, attr, None) is fn:
+                    setattr(other, attr, wrapped)
+def _start(signum, frame):
+    _acc.clear(); _acc["_start"] = [0, _tt()]; _on[0] = True
+def _stop(signum, frame):
+    _on[0] = False
+    _acc["_thread"] = [0, _tt() - _acc.pop("_start")[1]]
+    with open(os.path.join(_here, f"{os.getpid()}.roots.json"), "w") as out:
+        json.dump(_acc, out)
+if "ztunnel" in sys.argv:
+    _install(json.load(open(os.path.join(_here, "roots.json"))))
+signal.signal(signal.SIGUSR1, _start)
+signal.signal(signal.SIGUSR2, _stop)
+"""
 PROFILE_STATS_WAIT_S = 10.0
 NETNS_BATCH_MAX_SECONDS = 120
 
@@ -308,6 +419,82 @@ def netns_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def roots_main(args: argparse.Namespace) -> int:
+    """`--roots`: thread CPU per connection of each callback root (ROOTS) in each netns proxy."""
+    import shutil
+    import signal
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hbone_bench import tree_benches
+
+    tree = Path(args.tree).resolve()
+    if not (tree / "ambient_mesh" / "proxy").is_dir():
+        raise SystemExit(f"--tree {tree}: no ambient_mesh package there")
+    wrapper = Path(tempfile.mkdtemp(prefix="profile-connections-roots-"))
+    n = args.connections
+    report: dict[str, dict] = {}
+    try:
+        (wrapper / "ambient_mesh").symlink_to(tree / "ambient_mesh")
+        (wrapper / "sitecustomize.py").write_text(ROOTS_SITECUSTOMIZE)
+        (wrapper / "roots.json").write_text(json.dumps(ROOTS))
+        with tree_benches([str(wrapper)], "profile-roots-") as (bench,):
+            if args.warmup:
+                bench.run_client("hbone", "--test", "connections", "--connections", str(args.warmup))
+            pids = bench.topo.pids()
+            for pid in pids.values():
+                os.kill(pid, signal.SIGUSR1)
+            done = bench.run_client(
+                "hbone",
+                "--test",
+                "connections",
+                "--connections",
+                str(n),
+                "--max-seconds",
+                str(NETNS_BATCH_MAX_SECONDS),
+            )["connections"]
+            for pid in pids.values():
+                os.kill(pid, signal.SIGUSR2)
+            deadline = time.monotonic() + PROFILE_STATS_WAIT_S
+            while time.monotonic() < deadline and not all(
+                (wrapper / f"{pid}.roots.json").exists() for pid in pids.values()
+            ):
+                time.sleep(0.1)
+            time.sleep(0.2)  # written in place: let the last one finish
+            for role, pid in pids.items():
+                got = json.loads((wrapper / f"{pid}.roots.json").read_text())
+                thread = got.pop("_thread")[1]
+                rows = sorted(
+                    (
+                        {"root": name, "us_per_conn": cpu * 1e6 / done, "calls_per_conn": calls / done}
+                        for name, (calls, cpu) in got.items()
+                    ),
+                    key=lambda r: -r["us_per_conn"],
+                )
+                report[role] = {"thread_us_per_conn": thread * 1e6 / done, "roots": rows}
+                print(f"\n{role} proxy: thread CPU {thread * 1e6 / done:.0f} µs per connection")
+                for r in rows:
+                    print(f"{r['us_per_conn']:8.1f} µs {r['calls_per_conn']:6.2f} calls  {r['root']}")
+    finally:
+        shutil.rmtree(wrapper, ignore_errors=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "mode": "roots",
+                "tree": str(tree),
+                "connections": n,
+                "proxies": report,
+                "python": platform.python_version(),
+                "load_average": os.getloadavg(),
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {out}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connections", type=int, default=2000)
@@ -327,7 +514,17 @@ def main() -> int:
         action="store_true",
         help="profile each node proxy of hbone_bench's netns topology (per-proxy calls per connection)",
     )
+    p.add_argument(
+        "--roots",
+        action="store_true",
+        help="thread CPU per connection of each callback root (ROOTS) in each node proxy of the "
+        "netns topology, without cProfile",
+    )
     args = p.parse_args()
+    if args.roots:
+        if not 1 <= args.connections <= MAX_CONNECTIONS or not 0 <= args.warmup <= MAX_CONNECTIONS:
+            raise SystemExit(f"--connections 1-{MAX_CONNECTIONS}, --warmup 0-{MAX_CONNECTIONS}")
+        return roots_main(args)
     if args.netns:
         if not 1 <= args.connections <= MAX_CONNECTIONS or not 0 <= args.warmup <= MAX_CONNECTIONS:
             raise SystemExit(f"--connections 1-{MAX_CONNECTIONS}, --warmup 0-{MAX_CONNECTIONS}")
