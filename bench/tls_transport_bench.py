@@ -1,8 +1,10 @@
-"""HBONE's TLS transport against uvloop's SSL protocol, both ends in one process (no HTTP/2).
+"""HBONE's two TLS record layers, both ends in one process (no HTTP/2).
 
-The two ways HBONE can run mutual TLS on uvloop: `loop.create_connection(..., ssl=ctx)` /
-`connect_accepted_socket(..., ssl=ctx)` (OpenSSL over a memory BIO, uvloop's SSLProtocol) and
-`proxy.tls_transport.start_tls` (OpenSSL on the socket itself). Per trial and transport: CPU
+`proxy.tls_transport.start_tls` after OpenSSL's handshake: HBONE's own TLS 1.3 records
+(`own-records`, `TlsTransport` over proxy/tls_records.py, the default) against OpenSSL's records
+on the socket itself (`openssl-records`, `OpenSslTransport`: the same contexts with CPython's
+`keylog_filename` set, whose callback replaces ours, so no traffic secrets reach us; what TLS 1.2
+and the tree before the record layer use). Per trial and transport: CPU
 (`time.process_time`, both ends together) per GiB sent one way in 256 KiB writes, and per 1-byte
 round trip; trials alternate the transports, and the ratio is taken within each trial (the host is
 shared: only paired ratios compare). The receiving protocols are BufferedProtocols with one
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import ssl
 import statistics
@@ -43,13 +46,13 @@ sys.path.insert(0, str(ROOT))
 
 from ambient_mesh.host.malloc import tune_allocator  # noqa: E402
 from ambient_mesh.identity import CertificateAuthority, Identity, client_context, server_context  # noqa: E402
-from ambient_mesh.proxy.tls_transport import start_tls  # noqa: E402
+from ambient_mesh.proxy.tls_transport import OpenSslTransport, TlsTransport, start_tls  # noqa: E402
 
 CHUNK_BYTES = 256 * 1024
 RECEIVE_BUFFER_BYTES = 256 * 1024
 WARMUP_ROUND_TRIPS = 200
 STEP_TIMEOUT_S = 60.0
-KINDS = ("uvloop-ssl", "socket-bio")
+KINDS = ("openssl-records", "own-records")
 MAX_RECORDS = 1_000_000
 
 
@@ -111,18 +114,14 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 async def connect(kind: str, contexts, server: Side, client: Side) -> None:
-    sctx, cctx = contexts
+    sctx, cctx = contexts[kind]
     s, c = tcp_pair()
-    loop = asyncio.get_running_loop()
-    if kind == "uvloop-ssl":
-        accepted = loop.create_task(loop.connect_accepted_socket(lambda: server, s, ssl=sctx))
-        await loop.create_connection(lambda: client, sock=c, ssl=cctx, server_hostname="")
-        await accepted
-    else:
-        await asyncio.gather(
-            start_tls(s, sctx, server, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
-            start_tls(c, cctx, client, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
-        )
+    transports = await asyncio.gather(
+        start_tls(s, sctx, server, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
+        start_tls(c, cctx, client, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
+    )
+    expected = TlsTransport if kind == "own-records" else OpenSslTransport
+    assert all(type(t) is expected for t in transports), transports
 
 
 def close(*sides: Side) -> None:
@@ -174,10 +173,15 @@ async def round_trip_cpu_us(kind: str, contexts, round_trips: int) -> float:
 async def run(args) -> dict:
     ca = CertificateAuthority.insecure_test_ca()
     now = datetime.now(UTC)
-    contexts = (
-        server_context(ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)),
-        client_context(ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)),
-    )
+    server_cert = ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)
+    client_cert = ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)
+    openssl = (server_context(server_cert), client_context(client_cert))
+    for ctx in openssl:
+        ctx.keylog_filename = os.devnull  # CPython's keylog callback replaces ours: OpenSSL's records
+    contexts = {
+        "own-records": (server_context(server_cert), client_context(client_cert)),
+        "openssl-records": openssl,
+    }
     gib: dict[str, list[float]] = {k: [] for k in KINDS}
     rt: dict[str, list[float]] = {k: [] for k in KINDS}
     for _ in range(args.trials):
@@ -331,14 +335,14 @@ def main() -> int:
         return aead_main(args)
     tune_allocator()
     result = uvloop.run(run(args))
-    print(f"{'transport':<12} {'CPU s/GiB min':>14} {'median':>8} {'CPU µs/RT min':>14} {'median':>8}")
+    print(f"{'transport':<16} {'CPU s/GiB min':>14} {'median':>8} {'CPU µs/RT min':>14} {'median':>8}")
     for kind in KINDS:
         g, r = result["cpu_s_per_gib"][kind], result["cpu_us_per_round_trip"][kind]
         print(
-            f"{kind:<12} {min(g):>14.3f} {statistics.median(g):>8.3f} {min(r):>14.1f} {statistics.median(r):>8.1f}"
+            f"{kind:<16} {min(g):>14.3f} {statistics.median(g):>8.3f} {min(r):>14.1f} {statistics.median(r):>8.1f}"
         )
     print(
-        f"socket-bio / uvloop-ssl, median of {args.trials} paired trials: CPU per GiB "
+        f"own-records / openssl-records, median of {args.trials} paired trials: CPU per GiB "
         f"{result['paired_ratio_cpu_per_gib']:.3f}, CPU per round trip {result['paired_ratio_cpu_per_round_trip']:.3f}"
     )
     result["when"] = datetime.now(UTC).isoformat(timespec="seconds")

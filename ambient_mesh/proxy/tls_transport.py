@@ -947,7 +947,10 @@ class OpenSslTransport(_TlsTransportBase):
 RECV_BYTES = 256 * 1024
 _RECV = bytearray(RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES)
 _RECV_VIEW = memoryview(_RECV)
-_recv_in_use = False  # a nested _on_readable (never seen; guarded) takes a buffer of its own
+_NEED_MORE, _CLOSED = tls_records.NEED_MORE, tls_records.CLOSED
+# What the close path (_drain_to_eof) reads per wake-up, into a buffer of its own: it may run from
+# inside _on_readable (a close from buffer_updated), which is still reading the shared one.
+DRAIN_READ_BYTES = 64 * 1024
 # Held bytes longer than this may hold whole records (a pause left them): they are opened before
 # the next `recv`.
 _HELD_BEFORE_RECV_BYTES = tls_records.MAX_SEALED_RECORD_BYTES
@@ -991,11 +994,10 @@ class TlsTransport(_TlsTransportBase):
     def _on_readable(self) -> None:
         """One `recv` after what this connection held, then every whole record opened into the
         protocol's buffers, one `buffer_updated` per buffer. Runs once per received message, so
-        the common case is inline (bench/README.md, issue 11, per message)."""
+        it is all inline (bench/README.md, issue 11, per message)."""
         if self._closing or self._read_paused or self._eof:
             return
-        global _recv_in_use
-        view = _RECV_VIEW if not _recv_in_use else memoryview(bytearray(len(_RECV)))
+        view = _RECV_VIEW
         held = self._held
         end = 0
         if held is not None:
@@ -1004,7 +1006,7 @@ class TlsTransport(_TlsTransportBase):
             self._held = None
         if end <= _HELD_BEFORE_RECV_BYTES:
             try:
-                n = _recv_into(self._tls, view[end:], RECV_BYTES)
+                n = _recv_into(self._tls, view[end:] if end else view, RECV_BYTES)
             except (BlockingIOError, InterruptedError):
                 n = -1
             except OSError as e:
@@ -1019,14 +1021,6 @@ class TlsTransport(_TlsTransportBase):
                 end += n
         if not end:
             return
-        _recv_in_use = view.obj is _RECV
-        try:
-            self._open(view, end)
-        finally:
-            if view.obj is _RECV:
-                _recv_in_use = False
-
-    def _open(self, view: memoryview, end: int) -> None:
         protocol = self._protocol
         records = self._records
         pos = 0
@@ -1039,7 +1033,7 @@ class TlsTransport(_TlsTransportBase):
                 self._fatal(RuntimeError("get_buffer() returned an empty buffer"))
                 return
             try:
-                used, filled, status = records.open_into(view[pos:], end - pos, buf, 0)
+                used, filled, status = records.open_into(view[pos:] if pos else view, end - pos, buf, 0)
             except ProtocolError as e:
                 del buf
                 self._fail(e)
@@ -1058,13 +1052,13 @@ class TlsTransport(_TlsTransportBase):
                         if self._reading and self._closing:  # close() started the drain
                             self._loop.call_soon(self._drain_to_eof)
                     return
-            if status == tls_records.NEED_MORE:
+            if status == _NEED_MORE:
                 break
-            if status == tls_records.CLOSED:
+            if status == _CLOSED:
                 self._on_eof()
                 return
         if records.output:  # a KeyUpdate answer (RFC 8446 4.6.3)
-            self._send_sealed(memoryview(records.take_output()))
+            self._send_sealed(records.take_output())
         if pos < end:
             self._held = bytes(view[pos:end])
 
@@ -1089,12 +1083,26 @@ class TlsTransport(_TlsTransportBase):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing or not data:
             return
+        records = self._records
         try:
-            sealed = self._records.seal(data)
+            # One short message (the per-message path's common case): one record as bytes.
+            sealed = records.seal_write(data)
         except ProtocolError as e:
             self._fatal(e)
             return
-        self._send_sealed(sealed)
+        if not self._backlog.bytes:
+            try:
+                n = _send(self._tls, sealed)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self._fatal(e)
+                return
+            if n == len(sealed):
+                return
+            sealed = sealed[n:]
+            self._add_writer()
+        self._queue(sealed)
 
     def writelines(self, list_of_data: Any) -> None:
         """All pieces sealed as one stream into one buffer and sent with one `send`: a DATA
@@ -1110,7 +1118,7 @@ class TlsTransport(_TlsTransportBase):
         if sealed:
             self._send_sealed(sealed)
 
-    def _send_sealed(self, sealed: memoryview) -> None:
+    def _send_sealed(self, sealed: bytes | memoryview) -> None:
         """Send records now if nothing waits, else queue them; the seal buffer is reused by the
         next seal, so what is queued is copied."""
         backlog = self._backlog
@@ -1126,8 +1134,13 @@ class TlsTransport(_TlsTransportBase):
                 return
             sealed = sealed[n:]
             self._add_writer()
+        self._queue(sealed)
+
+    def _queue(self, sealed: bytes | memoryview) -> None:
+        """Records the socket did not take, behind what already waits (copied unless bytes: the
+        seal buffer is reused by the next seal)."""
         try:
-            pause = backlog.push(bytes(sealed))
+            pause = self._backlog.push(sealed if type(sealed) is bytes else bytes(sealed))
         except TlsBacklogOverflow as e:
             self._fatal(e)
             return
@@ -1179,7 +1192,7 @@ class TlsTransport(_TlsTransportBase):
     def _shutdown(self) -> None:
         if not self._shut:
             self._shut = True
-            self._send_sealed(memoryview(self._records.close_notify()))  # RFC 8446 6.1
+            self._send_sealed(self._records.close_notify())  # RFC 8446 6.1
             if self._closed:
                 return
             if self._backlog.bytes:
@@ -1199,15 +1212,14 @@ class TlsTransport(_TlsTransportBase):
         if self._closed:
             return
         records = self._records
-        view = _RECV_VIEW if not _recv_in_use else memoryview(bytearray(len(_RECV)))
         held = self._held
-        end = 0
+        end = 0 if held is None else len(held)
+        view = memoryview(bytearray(end + DRAIN_READ_BYTES))
         if held is not None:
-            end = len(held)
             view[:end] = held
             self._held = None
         try:
-            n = _recv_into(self._tls, view[end:], RECV_BYTES)
+            n = _recv_into(self._tls, view[end:], DRAIN_READ_BYTES)
         except (BlockingIOError, InterruptedError):
             n = -1
         except OSError:
@@ -1226,10 +1238,10 @@ class TlsTransport(_TlsTransportBase):
                 self._drain_raw()
                 return
             pos += used
-            if status == tls_records.CLOSED:
+            if status == _CLOSED:
                 self._finish(None)
                 return
-            if status == tls_records.NEED_MORE:
+            if status == _NEED_MORE:
                 break
         if pos < end:
             self._held = bytes(view[pos:end])

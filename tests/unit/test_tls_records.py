@@ -545,3 +545,19 @@ def test_any_bytes_from_a_peer_open_or_raise_our_protocol_error(junk):
         open_all(server, junk, buffer_bytes=100)
     except ProtocolError:
         pass
+
+
+@pytest.mark.parametrize("size", [1, 100, tr.SMALL_SEAL_BYTES, tr.SMALL_SEAL_BYTES + 1])
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_seal_write_is_one_record_like_seal_and_falls_back_when_it_must(size, kind):
+    client, server = pair(records_per_key=3)
+    data = os.urandom(size)
+    wire = b"".join(bytes(client.seal_write(kind(data))) for _ in range(5))  # KeyUpdates fall due
+    got, used, _ = open_all(server, wire)
+    assert got == data * 5 and used == len(wire)
+    # An answer waiting in output goes first.
+    core, peer, _ = peer_of("client")
+    open_all(core, peer.key_update(True))
+    assert core.output
+    sealed = core.seal_write(kind(data))
+    assert not core.output and len(sealed) == tr.KEY_UPDATE_RECORD_BYTES + size + tr.RECORD_OVERHEAD_BYTES
