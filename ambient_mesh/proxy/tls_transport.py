@@ -1090,6 +1090,7 @@ class TlsTransport(_TlsTransportBase):
         except ProtocolError as e:
             self._fatal(e)
             return
+        # _send_sealed, inlined: this runs once per message sent.
         if not self._backlog.bytes:
             try:
                 n = _send(self._tls, sealed)

@@ -345,3 +345,60 @@ async def test_the_keylog_callback_is_on_hbone_contexts_and_a_context_without_it
     await cp.wait_for_bytes(2)
     st.abort()
     ct.abort()
+
+
+def _memory_pair(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext):
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_side=False)
+    return server, client, (s_in, s_out, c_in, c_out)
+
+
+def _step(obj: ssl.SSLObject) -> bool:
+    try:
+        obj.do_handshake()
+        return True
+    except ssl.SSLWantReadError:
+        return False
+
+
+def test_takeover_is_refused_when_openssl_holds_received_bytes():
+    # Read-ahead on during the handshake (never so in start_tls) lets OpenSSL read the client's
+    # first application record together with its Finished: those bytes would be lost to our
+    # record layer, so take_over refuses the connection (SSL_has_pending != 0).
+    from ambient_mesh.errors import ProtocolError
+    from ambient_mesh.proxy.tls_transport import take_over
+
+    assert LIB is not None
+    for read_ahead in (False, True):
+        server, client, (s_in, s_out, c_in, c_out) = _memory_pair(
+            server_context(SERVER_CERT), client_context(CLIENT_CERT)
+        )
+        pointer = openssl_native.ssl_pointer(LIB, server)
+        assert pointer
+        if read_ahead:
+            LIB.ctrl(pointer, 41, 1, None)  # SSL_CTRL_SET_READ_AHEAD
+        secrets = TrafficSecrets(pointer)
+        client_done = False
+        for _ in range(10):
+            client_done = client_done or _step(client)
+            s_in.write(c_out.read())
+            if client_done and not s_in.pending:
+                break
+            if client_done:
+                client.write(b"early application data")  # next to the client's Finished
+                s_in.write(c_out.read())
+            KEYLOG.current = secrets
+            try:
+                done = _step(server)
+            finally:
+                KEYLOG.current = None
+            c_in.write(s_out.read())
+            if done:
+                break
+        assert secrets.client is not None and secrets.server is not None
+        if read_ahead:
+            with pytest.raises(ProtocolError, match="holds received TLS bytes"):
+                take_over(server, secrets, server_side=True)
+        else:
+            assert take_over(server, secrets, server_side=True) is not None

@@ -561,3 +561,21 @@ def test_seal_write_is_one_record_like_seal_and_falls_back_when_it_must(size, ki
     assert core.output
     sealed = core.seal_write(kind(data))
     assert not core.output and len(sealed) == tr.KEY_UPDATE_RECORD_BYTES + size + tr.RECORD_OVERHEAD_BYTES
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 40_000), max_size=8), st.sampled_from([bytes, bytearray, memoryview]))
+def test_seal_pieces_is_seal_of_the_pieces_joined_with_only_the_last_record_short(sizes, kind):
+    client, server = pair()
+    pieces = [os.urandom(n) for n in sizes]
+    wire = bytes(client.seal_pieces([kind(p) for p in pieces]))
+    joined = b"".join(pieces)
+    assert open_all(server, wire)[0] == joined
+    lengths = []
+    at = 0
+    while at < len(wire):
+        length = struct.unpack_from(">H", wire, at + 3)[0]
+        lengths.append(length - 17)
+        at += 5 + length
+    assert sum(lengths) == len(joined)
+    assert all(n == 2**14 for n in lengths[:-1])
