@@ -17,6 +17,7 @@ and mapped onto our scopes (`proxy`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -299,7 +300,7 @@ def configure_logging(log_format: str, level_spec: str, stream: TextIO | None = 
         raise ConfigError("LOG_FORMAT", f"{log_format!r} is not a log format; use plain or json")
     spec = parse_level_spec(level_spec)
     unconfigure_logging()
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = IstioStreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(IstioFormatter(json_lines=log_format == "json"))
     root = logging.getLogger()
     _Filter.saved_root_level = root.level
@@ -439,7 +440,9 @@ def _only_our_handler(log: logging.Logger, level: int) -> logging.StreamHandler[
     return handler if logger is not None and isinstance(handler, logging.StreamHandler) else None
 
 
-def _emit(log: logging.Logger, level: int, message: str, fields: dict[str, Any]) -> None:
+def _emit(
+    log: logging.Logger, level: int, message: str, fields: dict[str, Any], created: float | None = None
+) -> None:
     """`log.log(level, message, extra={"fields": fields})` for a caller that checked the level.
 
     When the only handler it would reach is the one configure_logging installed (a proxy's
@@ -447,17 +450,22 @@ def _emit(log: logging.Logger, level: int, message: str, fields: dict[str, Any])
     LogRecord: logging's record, handler and filter calls were about two thirds of an access
     line's cost in the running proxy (bench/README.md, connection path). Otherwise (a test's
     capture handler, a filter) the record is made and handled as Logger.log does, naming the
-    caller's frame as Logger.findCaller would, without its walk up the stack.
+    caller's frame as Logger.findCaller would, without its walk up the stack. `created`: the
+    line's time, when it is not now.
     """
     handler = _only_our_handler(log, level)
     formatter = handler.formatter if handler is not None else None
+    when = time.time() if created is None else created
     if handler is not None and isinstance(formatter, IstioFormatter):
         kept = {k: v for k, v in fields.items() if v is not None}
         _write_line(
-            handler, formatter.line(level, time.time(), log.name, message, kept), log, level, message, fields
+            handler, formatter.line(level, when, log.name, message, kept), log, level, message, fields
         )
         return
-    log.handle(_record(log, level, message, fields))
+    record = _record(log, level, message, fields)
+    if created is not None:
+        record.created, record.msecs = created, (created - int(created)) * 1000
+    log.handle(record)
 
 
 def _write_line(
@@ -551,6 +559,111 @@ class AccessPeers:
         )
 
 
+# Access lines of clean ends are written in batches when they go to configure_logging's handler
+# in plain text from an event loop (a proxy's normal state): a line's values are kept with its
+# time, and
+# within ACCESS_LINES_FLUSH_S the kept lines are formatted and written together (one write), at
+# most MAX_DEFERRED_ACCESS_LINES at a time. One connection's line made and written on its own
+# took 45-50 µs of CPU in the running proxy, where the same code run line after line costs a
+# fraction of that: on a busy core the proxies, the apps and the kernel take turns, and a line's
+# code and data are out of the CPU's caches by the next connection's end (bench/README.md,
+# connection path). Envoy buffers its file access logs likewise (flushed every second by
+# default); ztunnel hands its lines to a writer thread. Any other line through the handler,
+# its flush (logging.shutdown flushes every handler at exit) and a proxy's drain
+# (`write_deferred_access_lines`) write the kept lines first, so lines stay in order; another
+# handler, the JSON format or a caller outside an event loop gets each line at once.
+ACCESS_LINES_FLUSH_S = 0.02
+MAX_DEFERRED_ACCESS_LINES = 512
+
+
+class _Deferred:
+    """The access lines kept to be written, and the timer (on `loop`) that writes them."""
+
+    lines: list[tuple[Any, ...]] = []
+    timer: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+def write_deferred_access_lines() -> None:
+    """Write the access lines kept so far (ACCESS_LINES_FLUSH_S), in order, one write per handler."""
+    if _Deferred.timer is not None:
+        _Deferred.timer.cancel()
+        _Deferred.timer = None
+    _Deferred.loop = None
+    lines = _Deferred.lines
+    if not lines:
+        return
+    _Deferred.lines = []
+    handler: IstioStreamHandler = lines[0][0]
+    texts: list[str] = []
+    for entry in lines:
+        if entry[0] is not handler:  # reconfigured meanwhile: each handler its own lines
+            _write_lines(handler, texts)
+            handler, texts = entry[0], []
+        texts.append(_plain_access_line(*entry[1:]))
+    _write_lines(handler, texts)
+
+
+def _write_lines(handler: IstioStreamHandler, texts: list[str]) -> None:
+    terminator = handler.terminator
+    with handler.lock:  # type: ignore[union-attr]  # Handler.__init__ always makes it
+        try:
+            stream = handler.stream
+            stream.write(terminator.join(texts) + terminator)
+            stream.flush()
+        except Exception:  # as StreamHandler.emit does: handleError reports it
+            handler.handleError(_record(_ACCESS_LOGGER, logging.INFO, ACCESS_COMPLETE_MESSAGE, {}))
+
+
+class IstioStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """configure_logging's handler: it writes the kept access lines before any other line and
+    when it is flushed (ACCESS_LINES_FLUSH_S)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _Deferred.lines:
+            write_deferred_access_lines()
+        super().emit(record)
+
+    def flush(self) -> None:
+        if _Deferred.lines:
+            write_deferred_access_lines()
+        super().flush()
+
+
+def _plain_access_line(
+    formatter: IstioFormatter,
+    name: str,
+    level: int,
+    created: float,
+    peers: AccessPeers,
+    src: str | None,
+    dst: str | None,
+    hbone: str | None,
+    failure: str | None,
+    counts: str,
+) -> str:
+    """The plain `connection complete` line of these values (`_field_text` of each address)."""
+    varying = [t for t in (src, dst, hbone, failure) if t is not None]
+    if "" in varying or _NEEDS_QUOTES.search("\x00".join(varying)):
+        src, dst, hbone, failure = (
+            None if t is None else _plain_value(t) for t in (src, dst, hbone, failure)
+        )
+    parts = [f"src.addr={src}"] if src is not None else []
+    if peers.source_text:
+        parts.append(peers.source_text)
+    if dst is not None:
+        parts.append(f"dst.addr={dst}")
+    if hbone is not None:
+        parts.append(f"dst.hbone_addr={hbone}")
+    if peers.destination_text:
+        parts.append(peers.destination_text)
+    parts.append(counts)
+    if failure is not None:
+        parts.append(f"error={failure}")
+    head = formatter.line(level, created, name, ACCESS_COMPLETE_MESSAGE, {})
+    return f"{head}\t{' '.join(parts)}"
+
+
 def log_access_complete(
     peers: AccessPeers,
     *,
@@ -562,9 +675,11 @@ def log_access_complete(
     duration_ms: int,
     error: str | None,
     logger: logging.Logger | None = None,
+    created: float | None = None,
 ) -> None:
     """`log_connection_complete` of the AccessLogFields that `peers` and these values make: the
-    same line, or for any other handler the same record fields."""
+    same line, or for any other handler the same record fields. `created`: the line's time
+    (time.time() of the connection's end, when it is recorded later; now by default)."""
     log = logger or _ACCESS_LOGGER
     level = logging.ERROR if error else logging.INFO
     if not log.isEnabledFor(level):
@@ -580,26 +695,32 @@ def log_access_complete(
     )
     failure = error or None
     if handler is not None and isinstance(formatter, IstioFormatter) and not formatter.json_lines:
-        varying = [t for t in (src, dst, hbone, failure) if t is not None]
-        if "" in varying or _NEEDS_QUOTES.search("\x00".join(varying)):
-            src, dst, hbone, failure = (
-                None if t is None else _plain_value(t) for t in (src, dst, hbone, failure)
-            )
-        parts = [f"src.addr={src}"] if src is not None else []
-        if peers.source_text:
-            parts.append(peers.source_text)
-        if dst is not None:
-            parts.append(f"dst.addr={dst}")
-        if hbone is not None:
-            parts.append(f"dst.hbone_addr={hbone}")
-        if peers.destination_text:
-            parts.append(peers.destination_text)
-        parts.append(f"bytes_sent={bytes_sent} bytes_recv={bytes_recv} duration={duration_ms}ms")
-        if failure is not None:
-            parts.append(f"error={failure}")
-        head = formatter.line(level, time.time(), log.name, ACCESS_COMPLETE_MESSAGE, {})
-        line = f"{head}\t{' '.join(parts)}"
-        _write_line(handler, line, log, level, ACCESS_COMPLETE_MESSAGE, {})
+        counts = f"bytes_sent={bytes_sent} bytes_recv={bytes_recv} duration={duration_ms}ms"
+        when = time.time() if created is None else created
+        entry = (formatter, log.name, level, when, peers, src, dst, hbone, failure, counts)
+        # Kept: a clean end's line to our own handler, from an event loop. An error line goes at
+        # once (after the kept ones: lines stay in order), as do lines outside a loop.
+        loop = (
+            asyncio._get_running_loop()
+            if level == logging.INFO and type(handler) is IstioStreamHandler
+            else None
+        )
+        if loop is None:
+            if _Deferred.lines:
+                write_deferred_access_lines()
+            line = _plain_access_line(*entry)
+            _write_line(handler, line, log, level, ACCESS_COMPLETE_MESSAGE, {})
+            return
+        lines = _Deferred.lines
+        if lines and _Deferred.loop is not loop:
+            write_deferred_access_lines()  # kept for a loop that stopped: those go first
+            lines = _Deferred.lines
+        lines.append((handler, *entry))
+        if len(lines) >= MAX_DEFERRED_ACCESS_LINES:
+            write_deferred_access_lines()
+        elif _Deferred.timer is None:
+            _Deferred.loop = loop
+            _Deferred.timer = loop.call_later(ACCESS_LINES_FLUSH_S, write_deferred_access_lines)
         return
     fields: dict[str, Any] = {}
     if src is not None:
@@ -615,7 +736,7 @@ def log_access_complete(
     fields["duration"] = f"{duration_ms}ms"
     if failure is not None:
         fields["error"] = failure
-    _emit(log, level, ACCESS_COMPLETE_MESSAGE, fields)
+    _emit(log, level, ACCESS_COMPLETE_MESSAGE, fields, created)
 
 
 def log_connection_failed(

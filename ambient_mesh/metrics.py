@@ -134,6 +134,12 @@ class WithoutCreated(Collector):
                 yield metric
 
 
+# Called before every collection of a Metrics registry (a scrape, a worker's stats), on the
+# event loop that renders it: proxy/telemetry.py records the connection ends it keeps for its
+# next batch here, so what is read counts every connection that has ended.
+BEFORE_COLLECT: list[Callable[[], None]] = []
+
+
 class ByteTotals(Protocol):
     """Where a connection's byte counts are read: `bytes_up` from the client towards the
     server, `bytes_down` back (proxy/relay.py's Relay is one). Read only: a recorder never
@@ -495,6 +501,8 @@ class Metrics:
             bound[_PENDING_SENT] = 0
 
     def _before_collect(self) -> None:
+        for hook in BEFORE_COLLECT:
+            hook()
         for bound in self._bound.values():
             self._flush_pending(bound)
         self.count_live_bytes()

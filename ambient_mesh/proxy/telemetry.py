@@ -7,17 +7,30 @@ upstream could not be reached. `failed` covers connections refused before they o
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ProxyError, ResponseFlag
 from ..identity.spiffe import Identity
-from ..logs import AccessLogFields, AccessPeers, log_access_complete, log_connection_failed
+from ..logs import (
+    ACCESS_LINES_FLUSH_S,
+    MAX_DEFERRED_ACCESS_LINES,
+    AccessLogFields,
+    AccessPeers,
+    log_access_complete,
+    log_connection_failed,
+    write_deferred_access_lines,
+)
 from ..metrics import (
+    BEFORE_COLLECT,
     MUTUAL_TLS,
     REPORTER_DESTINATION,
     REPORTER_SOURCE,
     UNKNOWN,
+    ByteCount,
     ConnectionLabels,
     or_unknown,
 )
@@ -28,6 +41,52 @@ from .routing import Route, RouteKind
 if TYPE_CHECKING:
     from .inputs import ProxyInputs
     from .relay import Relay
+
+
+# Connections that ended cleanly are recorded (metrics, access line) in batches: `complete`
+# keeps a relay's counts and end time, and within ENDED_RECORD_S the kept ones are recorded
+# together, at most MAX_ENDED_KEPT at a time, their access lines then written in one write
+# (logs.py, ACCESS_LINES_FLUSH_S). One connection's metrics and line recorded on its own took
+# about 65 µs of CPU per proxy in the running proxies, the same code run for one connection
+# after another a fraction of that: on a busy core the proxies, the apps and the kernel take
+# turns, and the code and data of the end of a connection are out of the CPU's caches by the
+# next one's (bench/README.md, connection path). An error, a failure, a collection of the
+# metrics (metrics.BEFORE_COLLECT: a scrape, a worker's stats), a drain and the exit (atexit,
+# before logging's own flush) record what is kept first.
+ENDED_RECORD_S = ACCESS_LINES_FLUSH_S
+MAX_ENDED_KEPT = MAX_DEFERRED_ACCESS_LINES
+
+
+class _Ended:
+    """The ended connections kept to be recorded, and the timer (on `loop`) that records them."""
+
+    results: list[tuple[Any, ...]] = []
+    timer: asyncio.TimerHandle | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+def record_ended_connections() -> None:
+    """Record the ended connections kept so far (ENDED_RECORD_S) and write their access lines."""
+    if _Ended.timer is not None:
+        _Ended.timer.cancel()
+        _Ended.timer = None
+    _Ended.loop = None
+    results = _Ended.results
+    if results:
+        _Ended.results = []
+        for result, *values in results:
+            try:
+                result._record(*values)
+            except Exception:  # one connection's record must not lose the others'
+                log.exception("recording the end of %r failed", result)
+    write_deferred_access_lines()
+
+
+atexit.register(record_ended_connections)
+BEFORE_COLLECT.append(record_ended_connections)  # a scrape sees every ended connection
+
+
+log = logging.getLogger("ambient_mesh.proxy.telemetry")
 
 
 def response_flag_of(error: BaseException) -> ResponseFlag:
@@ -223,21 +282,45 @@ class ConnectionResult:
         }
 
     def complete(self, relay: Relay, error: BaseException | None) -> None:
-        flag = ResponseFlag.NONE if error is None else response_flag_of(error)
-        self._finish(
-            relay.bytes_up,
-            relay.bytes_down,
-            None if error is None else str(error) or type(error).__name__,
-            flag,
-        )
-
-    def fail(self, error: str, response_flag: ResponseFlag) -> None:
-        self._finish(0, 0, error, response_flag)
-
-    def _finish(self, up: int, down: int, error: str | None, flag: ResponseFlag) -> None:
+        """The relay has ended: its metrics and access line are recorded with the next batch of
+        ended connections (`record_ended_connections`), with this moment's time and counts; an
+        error's at once."""
         if self._done:
             return
         self._done = True
+        flag = ResponseFlag.NONE if error is None else response_flag_of(error)
+        text = None if error is None else str(error) or type(error).__name__
+        ended = (self, relay.bytes_up, relay.bytes_down, text, flag, time.monotonic(), time.time())
+        loop = asyncio._get_running_loop() if error is None else None
+        if loop is None:  # an error (a line at once, logs.py) or outside a loop: now, in order
+            if _Ended.results:
+                record_ended_connections()
+            self._record(*ended[1:])
+            return
+        results = _Ended.results
+        if results and _Ended.loop is not loop:
+            record_ended_connections()  # kept for a loop that stopped: those go first
+            results = _Ended.results
+        results.append(ended)
+        if len(results) >= MAX_ENDED_KEPT:
+            record_ended_connections()
+        elif _Ended.timer is None:
+            _Ended.loop = loop
+            _Ended.timer = loop.call_later(ENDED_RECORD_S, record_ended_connections)
+
+    def fail(self, error: str, response_flag: ResponseFlag) -> None:
+        if self._done:
+            return
+        self._done = True
+        if _Ended.results:
+            record_ended_connections()  # the kept ones first: lines stay in order
+        self._record(0, 0, error, response_flag, time.monotonic(), time.time())
+
+    def _record(
+        self, up: int, down: int, error: str | None, flag: ResponseFlag, ended: float, created: float
+    ) -> None:
+        # The counts at the end (`complete`), not the relay's when the batch is recorded.
+        self.recorder.follow(ByteCount(up, down))
         self.recorder.close(flag)
         peers: AccessPeers | None = self._peers[2]
         if peers is None:
@@ -264,8 +347,9 @@ class ConnectionResult:
             hbone_addr=self.hbone_addr,
             bytes_sent=down,
             bytes_recv=up,
-            duration_ms=int((time.monotonic() - self.started) * 1000),
+            duration_ms=int((ended - self.started) * 1000),
             error=error,
+            created=created,
         )
 
     @staticmethod

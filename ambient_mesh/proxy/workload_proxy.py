@@ -32,6 +32,7 @@ from .listener import Handler, Listener
 from .outbound import OutboundProxy
 from .pool import HboneConnector, HbonePool
 from .socks5_server import serve_socks5
+from .telemetry import record_ended_connections
 
 log = logging.getLogger("ambient_mesh.proxy")
 
@@ -229,4 +230,5 @@ class WorkloadProxy:
                 for task in pending:
                     task.cancel()  # setup tasks; a relay's `done` is already resolved by abort
                 await asyncio.wait(pending, timeout=1.0)
+        record_ended_connections()  # what telemetry keeps for its next batch (metrics, access lines)
         self.pi.connection_manager.close()

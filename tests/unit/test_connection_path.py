@@ -3,14 +3,21 @@ they must still mean what the plain versions meant."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import logging
 import socket
+import types
 
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.metrics import Metrics
 from ambient_mesh.net import SocketAddr, ip_address
+from ambient_mesh.proxy import telemetry
 from ambient_mesh.proxy.inputs import NOT_LOCAL_RECHECK_S, NOT_LOCAL_SOURCES_MAX_ENTRIES, LocalSourceBinder
 from ambient_mesh.proxy.pool import WorkloadKey
 
@@ -178,3 +185,57 @@ def test_workload_identity_is_kept_per_workload_object_and_follows_replacements(
     other = dataclasses.replace(svc, subject_alt_names=("spiffe://td/ns/ns/sa/y", "not-spiffe"))
     assert routing._sans(w, other) == (first, Identity("td", "ns", "y"))
     assert routing._sans(w, None) == (first,)
+
+
+def _closed_and_received(metrics) -> tuple[float, float]:
+    totals = {"istio_tcp_connections_closed": 0.0, "istio_tcp_received_bytes": 0.0}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        if family.name in totals:
+            totals[family.name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals["istio_tcp_connections_closed"], totals["istio_tcp_received_bytes"]
+
+
+def _result(metrics: Metrics) -> telemetry.ConnectionResult:
+    return telemetry.ConnectionResult(
+        types.SimpleNamespace(metrics=metrics),
+        direction="inbound",
+        src_addr=SocketAddr.parse("10.0.0.1:40000"),
+        dst_addr=SocketAddr.parse("10.0.0.2:80"),
+        hbone_addr=None,
+        source=None,
+        source_identity=None,
+        destination=None,
+        service=None,
+        destination_identity=None,
+        mtls=False,
+    )
+
+
+async def test_ended_connections_are_recorded_in_a_batch_with_their_counts_and_end_time(caplog, monkeypatch):
+    """ConnectionResult.complete keeps the relay's counts, error and end time; the metrics and
+    the access line follow with the batch, or first thing in a scrape (metrics.BEFORE_COLLECT)."""
+    caplog.set_level(logging.INFO, logger="ambient_mesh")
+    monkeypatch.setattr(telemetry, "ENDED_RECORD_S", 5.0)
+    metrics = Metrics(process_metrics=False)
+    result = _result(metrics)
+    result.started -= 2.0  # opened two seconds ago
+    relay = types.SimpleNamespace(bytes_up=3, bytes_down=5)
+    result.complete(relay, None)
+    relay.bytes_up = 1000  # what the relay does after its end is not the connection's
+    assert not result.recorder.closed  # kept
+    await asyncio.sleep(0.5)  # the recorded duration is the end's, not the record's
+    assert _closed_and_received(metrics) == (1.0, 3.0)  # a scrape records what is kept first
+    [line] = [r for r in caplog.records if r.getMessage() == "connection complete"]
+    assert line.fields["bytes_recv"] == 3 and line.fields["duration"] == "2000ms"
+    result.complete(relay, None)  # once only
+    telemetry.record_ended_connections()
+    assert _closed_and_received(metrics) == (1.0, 3.0)
+
+
+async def test_kept_connection_ends_are_recorded_within_the_interval():
+    metrics = Metrics(process_metrics=False)
+    result = _result(metrics)
+    result.complete(types.SimpleNamespace(bytes_up=1, bytes_down=1), None)
+    assert not result.recorder.closed
+    await asyncio.sleep(telemetry.ENDED_RECORD_S * 3)
+    assert result.recorder.closed
