@@ -35,7 +35,7 @@ from .metrics import Metrics, WithoutCreated
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
-from .proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_workload
+from .proxy.workload_proxy import ListenerAddresses, ServedWorkload, WorkloadProxy
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import parse_local_config
 from .state.model import Workload
@@ -132,6 +132,7 @@ class Ztunnel:
 
     def __post_init__(self) -> None:
         config = self.config
+        self._served = ServedWorkload(config, self.state)
         self.ca_client: CaClient
         if self.ca is not None:
             self.ca_client = EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s))
@@ -275,7 +276,7 @@ class Ztunnel:
 
     # Which workload this proxy serves ---------------------------------------------------
     def served_workload(self) -> Workload | None:
-        return served_workload(self.config, self.state)
+        return self._served()
 
     def _prefetch_served(self) -> None:
         """Fetch the served workload's certificate as soon as the workload is known, so the

@@ -84,6 +84,29 @@ def served_workload(config: ZtunnelConfig, state: StateReader) -> Workload | Non
     return None
 
 
+class ServedWorkload:
+    """`served_workload(config, state)`, kept per state version (ProxyState.version: the one
+    writer bumps it after every batch of changes). Every outbound connection asks for its
+    source, and the lookup by name sorts its matches (bench/README.md, connection path). Not
+    found is not kept: the next call looks again."""
+
+    __slots__ = ("config", "state", "_served", "_version")
+
+    def __init__(self, config: ZtunnelConfig, state: StateReader) -> None:
+        self.config = config
+        self.state = state
+        self._served: Workload | None = None
+        self._version = -1
+
+    def __call__(self) -> Workload | None:
+        served = self._served
+        version = self.state.version
+        if served is None or self._version != version:
+            served = self._served = served_workload(self.config, self.state)
+            self._version = version
+        return served
+
+
 def hbone_settings(config: ZtunnelConfig) -> HboneSettings:
     return HboneSettings(
         stream_window_bytes=config.http2_stream_window_size,

@@ -4,6 +4,7 @@ they must still mean what the plain versions meant."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import socket
@@ -14,12 +15,16 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ambient_mesh.config import ProxyWorkloadInfo, ZtunnelConfig
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.metrics import Metrics
 from ambient_mesh.net import SocketAddr, ip_address
 from ambient_mesh.proxy import telemetry
 from ambient_mesh.proxy.inputs import NOT_LOCAL_RECHECK_S, NOT_LOCAL_SOURCES_MAX_ENTRIES, LocalSourceBinder
 from ambient_mesh.proxy.pool import WorkloadKey
+from ambient_mesh.proxy.workload_proxy import ServedWorkload
+from ambient_mesh.state.model import Workload
+from ambient_mesh.state.store import ProxyState
 
 _names = st.sampled_from(["a", "b", "default"])
 _identities = st.builds(Identity, _names, _names, _names)
@@ -239,3 +244,27 @@ async def test_kept_connection_ends_are_recorded_within_the_interval():
     assert not result.recorder.closed
     await asyncio.sleep(telemetry.ENDED_RECORD_S * 3)
     assert result.recorder.closed
+
+
+def test_the_served_workload_is_kept_per_state_version():
+    """ServedWorkload (every outbound connection's source) looks again after a state change
+    (ProxyState.version) and while nothing is found, not otherwise."""
+    state = ProxyState()
+    config = ZtunnelConfig(
+        proxy_workload_info=ProxyWorkloadInfo(namespace="default", name="client", service_account="client")
+    )
+    served = ServedWorkload(config, state)
+    assert served() is None
+    first = Workload(
+        uid="c1//Pod/default/client", name="client", namespace="default", service_account="client"
+    )
+    state.workloads.insert(first)
+    assert served() is first  # not found was not kept
+    second = dataclasses.replace(first, canonical_revision="v2")
+    state.workloads.insert(second)
+    assert served() is first  # kept: the writer has not announced its batch yet
+    state.notify_changed()
+    assert served() is second
+    state.workloads.remove(second.uid)
+    state.notify_changed()
+    assert served() is None
