@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hmac
 import struct
+import threading
 from collections.abc import Iterable
 from typing import Final
 
@@ -195,15 +196,37 @@ def _wipe(buffer: bytearray) -> None:
     buffer[:] = bytes(len(buffer))
 
 
-# One process-wide scratch for a record's inner plaintext (content then type) before it is
-# sealed, and one for the records of a write: the event loop seals one write at a time, and the
-# shell sends or copies the records before its next seal (`RecordLayer.seal`'s contract).
-_INNER = bytearray(MAX_INNER_PLAINTEXT_BYTES)
-# Where a record is opened when the caller's buffer cannot take its whole inner plaintext.
-_OPENED = memoryview(bytearray(MAX_INNER_PLAINTEXT_BYTES))
 SEAL_BUFFER_BYTES: Final = 18 * MAX_SEALED_RECORD_BYTES  # a 256 KiB write, its frame header, a KeyUpdate
-_SEALED = bytearray(SEAL_BUFFER_BYTES)
-# Writes up to this size are sealed by `seal_write` as (one record, a new bytes object).
+
+
+class _Scratch:
+    """The buffers a record layer seals and opens through: a record's inner plaintext (content
+    then type) before it is sealed, where a record is opened when the caller's buffer cannot take
+    it, and the records of one write. One set per thread that makes record layers: the event
+    loop seals and opens one record layer at a time, and the shell sends or copies a write's
+    records before its next seal (`RecordLayer.seal`'s contract), so connections on one loop
+    share them; a layer made on another thread (another loop) gets a set of its own, so no
+    plaintext can cross between threads."""
+
+    __slots__ = ("inner", "opened", "sealed")
+
+    def __init__(self) -> None:
+        self.inner = memoryview(bytearray(MAX_INNER_PLAINTEXT_BYTES))
+        self.opened = memoryview(bytearray(MAX_INNER_PLAINTEXT_BYTES))
+        self.sealed = memoryview(bytearray(SEAL_BUFFER_BYTES))
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch() -> _Scratch:
+    scratch: _Scratch | None = getattr(_SCRATCH, "buffers", None)
+    if scratch is None:
+        scratch = _SCRATCH.buffers = _Scratch()
+    return scratch
+
+
+# Writes up to this size are sealed by `seal_write` as one record in a new bytes object.
 SMALL_SEAL_BYTES: Final = 2048
 _APPLICATION_DATA_TYPE: Final = bytes((APPLICATION_DATA,))
 _KEY_UPDATE_NOT_REQUESTED: Final = bytes((KEY_UPDATE, 0, 0, 1, UPDATE_NOT_REQUESTED))
@@ -235,6 +258,7 @@ class RecordLayer:
         "read_closed",
         "write_closed",
         "failed",
+        "_scratch",
     )
 
     def __init__(
@@ -271,6 +295,7 @@ class RecordLayer:
         self.read_closed = False  # the peer's close_notify was read
         self.write_closed = False  # our close_notify or fatal alert was sealed
         self.failed = False  # a fatal alert went either way: nothing more is opened or sealed
+        self._scratch = _scratch()  # this thread's (use a layer on the thread that made it)
 
     def __repr__(self) -> str:
         side = "client" if self.client_side else "server"
@@ -319,7 +344,7 @@ class RecordLayer:
                 # Room for the content but not its content type byte (a full record at the
                 # end of a buffer of 2^14 multiples), or a buffer shorter than one record:
                 # open into the scratch and hand out what fits.
-                target = _OPENED
+                target = self._scratch.opened
                 start = 0
             else:
                 target = dst
@@ -528,7 +553,7 @@ class RecordLayer:
             + records * RECORD_OVERHEAD_BYTES
             + (records // last + 1) * KEY_UPDATE_RECORD_BYTES
         )
-        out = memoryview(_SEALED if need <= SEAL_BUFFER_BYTES else bytearray(need))
+        out = self._scratch.sealed if need <= SEAL_BUFFER_BYTES else memoryview(bytearray(need))
         o = len(output)
         if o:
             out[:o] = output
@@ -583,7 +608,7 @@ class RecordLayer:
         """Each chunk (at most MAX_RECORD_PLAINTEXT_BYTES, `n` bytes in all) as one record, into the
         shared buffer after `output`. This loop runs once per record sent (about 65,000 per GiB)."""
         out, o, last = self._start_seal(n, len(chunks))
-        inner = memoryview(_INNER)
+        inner = self._scratch.inner
         pack = _HEADER.pack_into
         keys = self._write
         seal = keys.aead.encrypt_into

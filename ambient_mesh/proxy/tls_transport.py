@@ -84,6 +84,7 @@ import logging
 import os
 import socket
 import ssl
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -942,11 +943,21 @@ class OpenSslTransport(_TlsTransportBase):
 
 
 # HBONE's own TLS 1.3 records (module docstring, "Own records") ---------------------------------
-# One process-wide receive buffer: what a connection holds between wake-ups (the start of a
-# record, or what a paused protocol left) is copied to its front, one `recv` fills the rest.
+# One receive buffer per thread (per event loop): what a connection holds between wake-ups (the
+# start of a record, or what a paused protocol left, at most the buffer) is copied to its front,
+# one `recv` fills the rest.
 RECV_BYTES = 256 * 1024
-_RECV = bytearray(RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES)
-_RECV_VIEW = memoryview(_RECV)
+RECV_BUFFER_BYTES = RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES
+_RECV_BUFFERS = threading.local()
+
+
+def _recv_view() -> memoryview:
+    view: memoryview | None = getattr(_RECV_BUFFERS, "view", None)
+    if view is None:
+        view = _RECV_BUFFERS.view = memoryview(bytearray(RECV_BUFFER_BYTES))
+    return view
+
+
 _NEED_MORE, _CLOSED = tls_records.NEED_MORE, tls_records.CLOSED
 # What the close path (_drain_to_eof) reads per wake-up, into a buffer of its own: it may run from
 # inside _on_readable (a close from buffer_updated), which is still reading the shared one.
@@ -968,7 +979,7 @@ class TlsTransport(_TlsTransportBase):
     not offered (close sends close_notify): HBONE ends streams in HTTP/2, not with half-closes.
     """
 
-    __slots__ = ("_records", "_held", "_shut")
+    __slots__ = ("_records", "_held", "_shut", "_recv")
 
     def __init__(
         self,
@@ -981,6 +992,7 @@ class TlsTransport(_TlsTransportBase):
         self._records = records
         self._held: bytes | None = None  # received bytes not yet opened (see _on_readable)
         self._shut = False  # our close_notify is sealed
+        self._recv = _recv_view()  # this thread's receive buffer
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "closing" if self._closing else "open"
@@ -997,7 +1009,7 @@ class TlsTransport(_TlsTransportBase):
         it is all inline (bench/README.md, issue 11, per message)."""
         if self._closing or self._read_paused or self._eof:
             return
-        view = _RECV_VIEW
+        view = self._recv
         held = self._held
         end = 0
         if held is not None:

@@ -579,3 +579,16 @@ def test_seal_pieces_is_seal_of_the_pieces_joined_with_only_the_last_record_shor
         at += 5 + length
     assert sum(lengths) == len(joined)
     assert all(n == 2**14 for n in lengths[:-1])
+
+
+def test_a_layer_made_on_another_thread_seals_through_buffers_of_its_own():
+    # The shared scratch buffers are per thread: two event loops in one process never share one.
+    import threading
+
+    here, _ = pair()
+    there: list[RecordLayer] = []
+    thread = threading.Thread(target=lambda: there.append(pair()[0]))
+    thread.start()
+    thread.join()
+    assert here._scratch is not there[0]._scratch
+    assert here._scratch is pair()[0]._scratch
