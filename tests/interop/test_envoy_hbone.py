@@ -30,7 +30,10 @@ import pytest
 import yaml
 
 from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.net import SocketAddr
+from ambient_mesh.proxy.relay import wrap_socket
 from tests.integration.mesh import Mesh, start_proxy, transfer
+from tests.integration.tcp_pair import tcp_pair
 
 from .envoy import (
     EnvoyProcess,
@@ -309,6 +312,38 @@ async def test_large_transfers_hashed_and_multiplexed(direction, tmp_path, certs
         assert stats["http.hbone.downstream_cx_total"] == 1, stats
         assert stats["http.hbone.downstream_cx_upgrades_total"] == 1 + PARALLEL_STREAMS
         assert stats["cluster.original_dst.upstream_cx_total"] == 1 + PARALLEL_STREAMS
+
+
+async def test_a_captured_clients_first_bytes_ride_with_the_connect_to_envoy(tmp_path, certs):
+    """A captured client's first bytes go out as DATA right behind the CONNECT, before Envoy's
+    200 (outbound.proxy_to with `early`, as handle_captured passes them): Envoy must forward
+    them to the app first and the tunnel must carry on as usual."""
+    app = await App("echo").start()
+    try:
+        async with envoy_server_direction(tmp_path, certs) as d:
+            outbound = d.proxy.workload_proxy.outbound  # type: ignore[attr-defined]
+            proxy_side, client_side = tcp_pair()
+            downstream = await wrap_socket(proxy_side)
+            peer = SocketAddr.parse(f"{CLIENT_IP}:40000")
+            target = SocketAddr.parse(f"{SERVER_IP}:{app.port}")
+            await outbound.proxy_to(downstream, peer, target, GREETING)
+            reader, writer = await asyncio.open_connection(sock=client_side)
+            try:
+                echoed = await asyncio.wait_for(reader.readexactly(len(GREETING)), END_TIMEOUT_S)
+                assert echoed == GREETING
+                writer.write(b"and then some more")
+                await writer.drain()
+                more = await asyncio.wait_for(reader.readexactly(len(b"and then some more")), END_TIMEOUT_S)
+                assert more == b"and then some more"
+            finally:
+                writer.close()
+            stats = await asyncio.to_thread(d.envoy.stats)
+        assert stats["http.hbone.downstream_cx_upgrades_total"] == 1, stats
+        conn = app.connections[0]
+        await asyncio.wait_for(conn.done.wait(), END_TIMEOUT_S)
+        assert conn.received == len(GREETING) + len(b"and then some more")
+    finally:
+        await app.close()
 
 
 async def test_half_close_from_the_app_side_keeps_the_upload_going(tmp_path, certs):
