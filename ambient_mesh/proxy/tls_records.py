@@ -40,7 +40,7 @@ narrows the handshake to them); the AEAD is `cryptography`'s AESGCM.
 
 Bounds on what a peer can make us hold or do: one record (MAX_CIPHERTEXT_BYTES), one
 post-handshake message (MAX_POST_HANDSHAKE_MESSAGE_BYTES), post-handshake messages in a row without
-application data (MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW).
+application data, and empty application-data records, in a row (MAX_NO_DATA_IN_A_ROW).
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ MAX_SEQUENCE: Final = 2**64 - 1
 # a ticket of up to 2^16 - 1 bytes plus extensions; real ones (BoringSSL's, OpenSSL's) are a few
 # hundred bytes to a few KiB. We drop tickets, so this bounds only what a peer can make us hold.
 MAX_POST_HANDSHAKE_MESSAGE_BYTES: Final = 64 * 1024
-# Post-handshake messages (tickets, KeyUpdates) accepted in a row with no application data
-# between them: each KeyUpdate costs a key schedule, so a peer sending only those is cut off.
-# BoringSSL sends 2 tickets, OpenSSL 2 by default.
-MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW: Final = 32
+# Post-handshake messages (tickets, KeyUpdates) and empty application-data records accepted in
+# a row with no application data between them: each costs us a record's work (a KeyUpdate a key
+# schedule too) and gives the protocol nothing, so a peer sending only those is cut off. BoringSSL
+# sends 2 tickets, OpenSSL 2 by default; OpenSSL's own record layer allows 32 empty records in a
+# row (MAX_EMPTY_RECORDS).
+MAX_NO_DATA_IN_A_ROW: Final = 32
 
 # Content types (RFC 8446 5.1, B.1).
 CHANGE_CIPHER_SPEC: Final = 20
@@ -290,7 +292,7 @@ class RecordLayer:
         self.output = bytearray()  # sealed records waiting to be sent (see the class docstring)
         self._answer_due = False  # a KeyUpdate(update_requested) waits for our KeyUpdate
         self._handshake = bytearray()  # a post-handshake message not yet whole
-        self._in_a_row = 0  # post-handshake messages since the last application data
+        self._in_a_row = 0  # post-handshake messages and empty records since the last data
         self._rest: memoryview | None = None  # plaintext a too-short buffer could not take
         self.read_closed = False  # the peer's close_notify was read
         self.write_closed = False  # our close_notify or fatal alert was sealed
@@ -378,8 +380,17 @@ class RecordLayer:
                         status = CLOSED
                         break
                     continue
-            if n and self._in_a_row:
-                self._in_a_row = 0
+            if n:
+                if self._in_a_row:
+                    self._in_a_row = 0
+            else:  # an empty application-data record (RFC 8446 5.4 allows them): bounded
+                self._in_a_row += 1
+                if self._in_a_row > MAX_NO_DATA_IN_A_ROW:
+                    keys.seq = seq
+                    raise self._fail(
+                        "unexpected_message",
+                        f"more than {MAX_NO_DATA_IN_A_ROW} records in a row without application data",
+                    )
             if target is dst:
                 filled += n
             else:
@@ -422,13 +433,13 @@ class RecordLayer:
         raise self._fail("decode_error", f"a record of {length} bytes holds no content type")
 
     def _unpad(self, target: memoryview, start: int, inner: int) -> tuple[int, int]:
-        """RFC 8446 5.4: the content type is the last non-zero byte; (content length, type)."""
-        i = start + inner - 1
-        while i >= start and target[i] == 0:
-            i -= 1
-        if i < start:
+        """RFC 8446 5.4: the content type is the last non-zero byte; (content length, type). The
+        zeros are stripped in C (one copy of the record): a loop over them in Python would let a
+        peer make us spend about a millisecond per 16 KiB record of padding."""
+        stripped = bytes(target[start : start + inner]).rstrip(b"\x00")
+        if not stripped:
             raise self._fail("unexpected_message", "a record's plaintext is all padding (no content type)")
-        return i - start, target[i]
+        return len(stripped) - 1, stripped[-1]
 
     def _control(self, kind: int, content: memoryview) -> bool:
         """A record that is not plain application data; True when it was the peer's close_notify."""
@@ -477,10 +488,10 @@ class RecordLayer:
             body = bytes(pending[4 : 4 + length])
             del pending[: 4 + length]
             self._in_a_row += 1
-            if self._in_a_row > MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW:
+            if self._in_a_row > MAX_NO_DATA_IN_A_ROW:
                 raise self._fail(
                     "unexpected_message",
-                    f"more than {MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW} post-handshake messages without application data",
+                    f"more than {MAX_NO_DATA_IN_A_ROW} records in a row without application data (post-handshake messages)",
                 )
             if kind == KEY_UPDATE:
                 self._on_key_update(body, more=bool(pending))

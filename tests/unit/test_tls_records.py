@@ -423,20 +423,36 @@ def test_a_post_handshake_message_beyond_its_bound_is_refused_from_its_header():
 
 def test_post_handshake_messages_in_a_row_without_data_are_bounded():
     core, peer, _ = peer_of("client")
-    wire = b"".join(
-        peer.record(ticket(), tr.HANDSHAKE) for _ in range(tr.MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW)
-    )
+    wire = b"".join(peer.record(ticket(), tr.HANDSHAKE) for _ in range(tr.MAX_NO_DATA_IN_A_ROW))
     wire += peer.record(b"d")  # application data resets the run
-    wire += b"".join(
-        peer.record(ticket(), tr.HANDSHAKE) for _ in range(tr.MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW)
-    )
+    wire += b"".join(peer.record(ticket(), tr.HANDSHAKE) for _ in range(tr.MAX_NO_DATA_IN_A_ROW))
     assert open_all(core, wire)[0] == b"d"
     with pytest.raises(TlsRecordError, match="unexpected_message"):
         open_all(core, peer.record(ticket(), tr.HANDSHAKE))
     core, peer, _ = peer_of("client")
-    wire = b"".join(peer.key_update(False) for _ in range(tr.MAX_POST_HANDSHAKE_MESSAGES_IN_A_ROW + 1))
+    wire = b"".join(peer.key_update(False) for _ in range(tr.MAX_NO_DATA_IN_A_ROW + 1))
     with pytest.raises(TlsRecordError, match="without application data"):
         open_all(core, wire)
+
+
+def test_empty_application_data_records_in_a_row_are_bounded():
+    # RFC 8446 5.4 allows zero-length application data; a run of them (with padding, or as
+    # bare content types) gives the protocol nothing and is cut off as OpenSSL cuts it off.
+    core, peer, secret = peer_of("client")
+    wire = b"".join(peer.record(b"", padding=i % 3 * 100) for i in range(tr.MAX_NO_DATA_IN_A_ROW))
+    wire += peer.record(b"d")  # application data resets the run
+    wire += b"".join(peer.record(b"") for _ in range(tr.MAX_NO_DATA_IN_A_ROW))
+    assert open_all(core, wire)[0] == b"d"
+    with pytest.raises(TlsRecordError, match="without application data"):
+        open_all(core, peer.record(b"", padding=10))
+    assert alert_sent(core, secret) == "unexpected_message"
+
+
+def test_a_record_of_maximal_padding_opens_to_its_content():
+    # The content type is the last non-zero byte however much padding follows (RFC 8446 5.4).
+    core, peer, _ = peer_of("client")
+    wire = peer.record(b"x", padding=2**14 - 1) + peer.record(b"\x00\x00y\x00", padding=2**13)
+    assert open_all(core, wire)[0] == b"x\x00\x00y\x00"
 
 
 # KeyUpdate -----------------------------------------------------------------------------------------
