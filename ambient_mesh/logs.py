@@ -17,13 +17,13 @@ and mapped onto our scopes (`proxy`).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -559,37 +559,43 @@ class AccessPeers:
         )
 
 
-# Access lines of clean ends are written in batches when they go to configure_logging's handler
-# in plain text from an event loop (a proxy's normal state): a line's values are kept with its
-# time, and
-# within ACCESS_LINES_FLUSH_S the kept lines are formatted and written together (one write), at
-# most MAX_DEFERRED_ACCESS_LINES at a time. One connection's line made and written on its own
-# took 45-50 µs of CPU in the running proxy, where the same code run line after line costs a
-# fraction of that: on a busy core the proxies, the apps and the kernel take turns, and a line's
-# code and data are out of the CPU's caches by the next connection's end (bench/README.md,
-# connection path). Envoy buffers its file access logs likewise (flushed every second by
-# default); ztunnel hands its lines to a writer thread. Any other line through the handler,
-# its flush (logging.shutdown flushes every handler at exit) and a proxy's drain
-# (`write_deferred_access_lines`) write the kept lines first, so lines stay in order; another
-# handler, the JSON format or a caller outside an event loop gets each line at once.
-ACCESS_LINES_FLUSH_S = 0.02
+# Access lines written together: inside `access_lines_together()` (telemetry's batch of ended
+# connections, proxy/telemetry.py, the one timer of this), the clean ends' lines bound for
+# configure_logging's handler in plain text are kept and, at the end of the batch, formatted and
+# written in one write, at most MAX_DEFERRED_ACCESS_LINES at a time. One connection's line made
+# and written on its own took 45-50 µs of CPU in the running proxy, where the same code run line
+# after line costs a fraction of that: on a busy core the proxies, the apps and the kernel take
+# turns, and a line's code and data are out of the CPU's caches by the next connection's end
+# (bench/README.md, connection path). Envoy buffers its file access logs likewise (flushed every
+# second by default); ztunnel hands its lines to a writer thread. Any other line through the
+# handler and its flush (logging.shutdown flushes every handler at exit) write the kept lines
+# first, so lines stay in order; outside a batch, an error line, another handler or the JSON
+# format, each line is written at once.
 MAX_DEFERRED_ACCESS_LINES = 512
 
 
 class _Deferred:
-    """The access lines kept to be written, and the timer (on `loop`) that writes them."""
+    """The access lines kept to be written, and whether a batch keeps them (`access_lines_together`)."""
 
     lines: list[tuple[Any, ...]] = []
-    timer: asyncio.TimerHandle | None = None
-    loop: asyncio.AbstractEventLoop | None = None
+    batching = False
+
+
+@contextlib.contextmanager
+def access_lines_together() -> Iterator[None]:
+    """Clean ends' access lines logged inside are written together, in one write, at the end."""
+    outer = _Deferred.batching
+    _Deferred.batching = True
+    try:
+        yield
+    finally:
+        _Deferred.batching = outer
+        if not outer:
+            write_deferred_access_lines()
 
 
 def write_deferred_access_lines() -> None:
-    """Write the access lines kept so far (ACCESS_LINES_FLUSH_S), in order, one write per handler."""
-    if _Deferred.timer is not None:
-        _Deferred.timer.cancel()
-        _Deferred.timer = None
-    _Deferred.loop = None
+    """Write the access lines kept so far (`access_lines_together`), in order, one write per handler."""
     lines = _Deferred.lines
     if not lines:
         return
@@ -616,8 +622,8 @@ def _write_lines(handler: IstioStreamHandler, texts: list[str]) -> None:
 
 
 class IstioStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """configure_logging's handler: it writes the kept access lines before any other line and
-    when it is flushed (ACCESS_LINES_FLUSH_S)."""
+    """configure_logging's handler: it writes the kept access lines (`access_lines_together`)
+    before any other line and when it is flushed."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if _Deferred.lines:
@@ -698,29 +704,18 @@ def log_access_complete(
         counts = f"bytes_sent={bytes_sent} bytes_recv={bytes_recv} duration={duration_ms}ms"
         when = time.time() if created is None else created
         entry = (formatter, log.name, level, when, peers, src, dst, hbone, failure, counts)
-        # Kept: a clean end's line to our own handler, from an event loop. An error line goes at
-        # once (after the kept ones: lines stay in order), as do lines outside a loop.
-        loop = (
-            asyncio._get_running_loop()
-            if level == logging.INFO and type(handler) is IstioStreamHandler
-            else None
-        )
-        if loop is None:
-            if _Deferred.lines:
-                write_deferred_access_lines()
-            line = _plain_access_line(*entry)
-            _write_line(handler, line, log, level, ACCESS_COMPLETE_MESSAGE, {})
-            return
-        lines = _Deferred.lines
-        if lines and _Deferred.loop is not loop:
-            write_deferred_access_lines()  # kept for a loop that stopped: those go first
+        # Kept: a clean end's line to our own handler, inside a batch. An error line goes at
+        # once (after the kept ones: lines stay in order), as do lines outside a batch.
+        if _Deferred.batching and level == logging.INFO and type(handler) is IstioStreamHandler:
             lines = _Deferred.lines
-        lines.append((handler, *entry))
-        if len(lines) >= MAX_DEFERRED_ACCESS_LINES:
+            lines.append((handler, *entry))
+            if len(lines) >= MAX_DEFERRED_ACCESS_LINES:
+                write_deferred_access_lines()
+            return
+        if _Deferred.lines:
             write_deferred_access_lines()
-        elif _Deferred.timer is None:
-            _Deferred.loop = loop
-            _Deferred.timer = loop.call_later(ACCESS_LINES_FLUSH_S, write_deferred_access_lines)
+        line = _plain_access_line(*entry)
+        _write_line(handler, line, log, level, ACCESS_COMPLETE_MESSAGE, {})
         return
     fields: dict[str, Any] = {}
     if src is not None:

@@ -16,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ProxyError, ResponseFlag
 from ..identity.spiffe import Identity
 from ..logs import (
-    ACCESS_LINES_FLUSH_S,
     MAX_DEFERRED_ACCESS_LINES,
     AccessLogFields,
     AccessPeers,
+    access_lines_together,
     log_access_complete,
     log_connection_failed,
-    write_deferred_access_lines,
 )
 from ..metrics import (
     BEFORE_COLLECT,
@@ -46,14 +45,14 @@ if TYPE_CHECKING:
 # Connections that ended cleanly are recorded (metrics, access line) in batches: `complete`
 # keeps a relay's counts and end time, and within ENDED_RECORD_S the kept ones are recorded
 # together, at most MAX_ENDED_KEPT at a time, their access lines then written in one write
-# (logs.py, ACCESS_LINES_FLUSH_S). One connection's metrics and line recorded on its own took
+# (logs.access_lines_together). One connection's metrics and line recorded on its own took
 # about 65 µs of CPU per proxy in the running proxies, the same code run for one connection
 # after another a fraction of that: on a busy core the proxies, the apps and the kernel take
 # turns, and the code and data of the end of a connection are out of the CPU's caches by the
 # next one's (bench/README.md, connection path). An error, a failure, a collection of the
 # metrics (metrics.BEFORE_COLLECT: a scrape, a worker's stats), a drain and the exit (atexit,
 # before logging's own flush) record what is kept first.
-ENDED_RECORD_S = ACCESS_LINES_FLUSH_S
+ENDED_RECORD_S = 0.02
 MAX_ENDED_KEPT = MAX_DEFERRED_ACCESS_LINES
 
 
@@ -74,12 +73,12 @@ def record_ended_connections() -> None:
     results = _Ended.results
     if results:
         _Ended.results = []
-        for result, *values in results:
-            try:
-                result._record(*values)
-            except Exception:  # one connection's record must not lose the others'
-                log.exception("recording the end of %r failed", result)
-    write_deferred_access_lines()
+        with access_lines_together():
+            for result, *values in results:
+                try:
+                    result._record(*values)
+                except Exception:  # one connection's record must not lose the others'
+                    log.exception("recording the end of %r failed", result)
 
 
 atexit.register(record_ended_connections)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import io
 import json
@@ -510,21 +509,20 @@ def _access_line_of(fields: AccessLogFields, created: float) -> None:
     )
 
 
-async def test_access_lines_from_an_event_loop_are_written_together_within_the_flush_interval(
-    captured, monkeypatch
-):
-    """To configure_logging's handler from an event loop, access lines are kept and written in
-    one write within ACCESS_LINES_FLUSH_S, each with the time it was logged at: the same text
-    as written at once."""
+def test_access_lines_of_one_batch_are_written_in_one_write(captured, monkeypatch):
+    """To configure_logging's handler, inside `access_lines_together` (telemetry's batch of
+    ended connections), access lines are kept and written in one write at its end, each with
+    the time it was logged at: the same text as written at once."""
     handler = configure_logging("plain", "info", stream=captured)
     _only_ours(monkeypatch, handler)
     writes = []
     real_write = captured.write
     monkeypatch.setattr(captured, "write", lambda text: writes.append(text) or real_write(text))
-    _access_line_of(SAMPLE, CREATED)
-    _access_line_of(SAMPLE, CREATED + 1)
-    assert captured.getvalue() == ""  # kept
-    await asyncio.sleep(logs.ACCESS_LINES_FLUSH_S * 2)
+    with logs.access_lines_together():
+        _access_line_of(SAMPLE, CREATED)
+        with logs.access_lines_together():  # nested: the outer batch writes
+            _access_line_of(SAMPLE, CREATED + 1)
+        assert captured.getvalue() == ""  # kept
     fmt = IstioFormatter()
     expected = [
         fmt.format(record("ambient_mesh.access", logging.INFO, "connection complete", SAMPLE.as_fields())),
@@ -535,42 +533,45 @@ async def test_access_lines_from_an_event_loop_are_written_together_within_the_f
     assert len(writes) == 1
 
 
-async def test_kept_access_lines_go_before_any_other_line_and_on_flush(captured, monkeypatch):
+def test_kept_access_lines_go_before_any_other_line_and_on_flush(captured, monkeypatch):
     handler = configure_logging("plain", "info", stream=captured)
     _only_ours(monkeypatch, handler)
-    _access_line_of(SAMPLE, CREATED)
-    logging.getLogger("ambient_mesh.proxy").warning("after the access line")
-    lines = captured.getvalue().split("\n")
-    assert "connection complete" in lines[0] and "after the access line" in lines[1]
-    _access_line_of(SAMPLE, CREATED)
-    handler.flush()  # logging.shutdown at exit flushes every handler
-    assert captured.getvalue().count("connection complete") == 2
-
-
-async def test_kept_access_lines_are_bounded(captured, monkeypatch):
-    """A burst of connection ends never keeps more than MAX_DEFERRED_ACCESS_LINES lines."""
-    handler = configure_logging("plain", "info", stream=captured)
-    _only_ours(monkeypatch, handler)
-    for _ in range(logs.MAX_DEFERRED_ACCESS_LINES - 1):
+    with logs.access_lines_together():
         _access_line_of(SAMPLE, CREATED)
-    assert captured.getvalue() == ""
-    _access_line_of(SAMPLE, CREATED)
-    assert captured.getvalue().count("connection complete") == logs.MAX_DEFERRED_ACCESS_LINES
-    assert not logs._Deferred.lines and logs._Deferred.timer is None
+        logging.getLogger("ambient_mesh.proxy").warning("after the access line")
+        lines = captured.getvalue().split("\n")
+        assert "connection complete" in lines[0] and "after the access line" in lines[1]
+        _access_line_of(SAMPLE, CREATED)
+        handler.flush()  # logging.shutdown at exit flushes every handler
+        assert captured.getvalue().count("connection complete") == 2
 
 
-def test_access_lines_outside_an_event_loop_are_written_at_once(captured, monkeypatch):
+def test_kept_access_lines_are_bounded(captured, monkeypatch):
+    """A batch never keeps more than MAX_DEFERRED_ACCESS_LINES lines."""
     handler = configure_logging("plain", "info", stream=captured)
     _only_ours(monkeypatch, handler)
-    _access_line_of(SAMPLE, CREATED)
+    with logs.access_lines_together():
+        for _ in range(logs.MAX_DEFERRED_ACCESS_LINES - 1):
+            _access_line_of(SAMPLE, CREATED)
+        assert captured.getvalue() == ""
+        _access_line_of(SAMPLE, CREATED)
+        assert captured.getvalue().count("connection complete") == logs.MAX_DEFERRED_ACCESS_LINES
+        assert not logs._Deferred.lines
+
+
+async def test_access_lines_outside_a_batch_are_written_at_once(captured, monkeypatch):
+    handler = configure_logging("plain", "info", stream=captured)
+    _only_ours(monkeypatch, handler)
+    _access_line_of(SAMPLE, CREATED)  # from an event loop too
     assert captured.getvalue().count("connection complete") == 1
 
 
-async def test_an_error_line_is_written_at_once_after_the_kept_ones(captured, monkeypatch):
+def test_an_error_line_is_written_at_once_after_the_kept_ones(captured, monkeypatch):
     handler = configure_logging("plain", "info", stream=captured)
     _only_ours(monkeypatch, handler)
-    _access_line_of(SAMPLE, CREATED)
-    assert captured.getvalue() == ""
-    _access_line_of(dataclasses.replace(SAMPLE, error="reset"), CREATED + 1)
+    with logs.access_lines_together():
+        _access_line_of(SAMPLE, CREATED)
+        assert captured.getvalue() == ""
+        _access_line_of(dataclasses.replace(SAMPLE, error="reset"), CREATED + 1)
     first, second, _end = captured.getvalue().split("\n")
     assert "\tinfo\t" in first and "\terror\t" in second and "error=reset" in second
