@@ -945,7 +945,10 @@ class OpenSslTransport(_TlsTransportBase):
 # HBONE's own TLS 1.3 records (module docstring, "Own records") ---------------------------------
 # One receive buffer per thread (per event loop): what a connection holds between wake-ups (the
 # start of a record, or what a paused protocol left, at most the buffer) is copied to its front,
-# one `recv` fills the rest.
+# one `recv` fills the rest. Sharing it relies on one `_on_readable` never running inside
+# another: the loop runs readiness callbacks one at a time, and nothing a protocol's
+# `buffer_updated` calls reads a TLS socket at once (`resume_reading` schedules the read; the
+# close path reads into a buffer of its own, `DRAIN_READ_BYTES`).
 RECV_BYTES = 256 * 1024
 RECV_BUFFER_BYTES = RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES
 _RECV_BUFFERS = threading.local()
