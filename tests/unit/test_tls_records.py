@@ -112,6 +112,47 @@ def alert_sent(layer: RecordLayer, read_secret: bytes, suite: str = "TLS_AES_128
 
 
 # Key schedule ------------------------------------------------------------------------------------
+# RFC 8448 section 3 (the simple 1-RTT handshake, TLS_AES_128_GCM_SHA256): the two application
+# traffic secrets, the keys and ivs derived from them, and the first application-data record
+# each side sends (50 bytes 00..31; the client's at sequence 0, the server's at 1, after its
+# NewSessionTicket). Values from the RFC, which independent implementations test against too.
+RFC8448_C_AP = bytes.fromhex("9e40646ce79a7f9dc05af8889bce6552875afa0b06df0087f792ebb7c17504a5")
+RFC8448_S_AP = bytes.fromhex("a11af9f05531f856ad47116b45a950328204b4f44bfb6b3a4b4f1f3fcb631643")
+RFC8448_APP_DATA = bytes(range(0x32))
+RFC8448_CLIENT_RECORD = bytes.fromhex(
+    "1703030043a23f7054b62c94d0affafe8228ba55cbefacea42f914aa66bcab3f2b9819a8a5b46b395bd54a9a"
+    "20441e2b62974e1f5a6292a2977014bd1e3deae63aeebb21694915e4"
+)
+RFC8448_SERVER_RECORD = bytes.fromhex(
+    "17030300432e937e11ef4ac740e538ad36005fc4a46932fc3225d05f82aa1b36e30efaf97d90e6dffc602dcb"
+    "501a59a8fcc49c4bf2e5f0a21c0047c2abf332540dd032e167c2955d"
+)
+
+
+def test_rfc8448_application_keys_and_ivs():
+    for secret, key, iv in (
+        (RFC8448_C_AP, "17422dda596ed5d9acd890e3c63f5051", "5b78923dee08579033e523d9"),
+        (RFC8448_S_AP, "9f02283b6c9c07efc26bb9f2ac92e356", "cf782b88dd83549aadf1e984"),
+    ):
+        assert hkdf_expand_label(secret, b"key", b"", 16, "sha256") == bytes.fromhex(key)
+        assert hkdf_expand_label(secret, b"iv", b"", 12, "sha256") == bytes.fromhex(iv)
+
+
+def test_rfc8448_records_are_sealed_and_opened_byte_for_byte():
+    suite = "TLS_AES_128_GCM_SHA256"
+    client = RecordLayer(suite, client_side=True, read_secret=RFC8448_S_AP, write_secret=RFC8448_C_AP)
+    server = RecordLayer(suite, client_side=False, read_secret=RFC8448_C_AP, write_secret=RFC8448_S_AP)
+    # The client's first record, both seal paths (the short write's and the general one).
+    assert bytes(client.seal_write(RFC8448_APP_DATA)) == RFC8448_CLIENT_RECORD
+    assert open_all(server, RFC8448_CLIENT_RECORD)[0] == RFC8448_APP_DATA
+    again = RecordLayer(suite, client_side=True, read_secret=RFC8448_S_AP, write_secret=RFC8448_C_AP)
+    assert bytes(again.seal(RFC8448_APP_DATA)) == RFC8448_CLIENT_RECORD
+    # The server's, at sequence 1: its sequence 0 went to a record of ours first.
+    open_all(client, server.seal_write(b"ticket's place"))
+    assert bytes(server.seal_write(RFC8448_APP_DATA)) == RFC8448_SERVER_RECORD
+    assert open_all(client, RFC8448_SERVER_RECORD)[0] == RFC8448_APP_DATA
+
+
 def test_hkdf_expand_label_is_one_hmac_over_the_hkdf_label():
     # RFC 8446 7.1: HkdfLabel = uint16 length, opaque label<7..255> ("tls13 " + label), opaque
     # context<0..255>; RFC 5869: T(1) = HMAC(PRK, info | 0x01).
