@@ -51,8 +51,9 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -319,110 +320,14 @@ def per_file(stats: pstats.Stats, n: int) -> tuple[float, float, list[dict[str, 
     return sum(calls.values()) / n, sum(own.values()) * 1e6 / n, rows
 
 
-def netns_main(args: argparse.Namespace) -> int:
+@contextlib.contextmanager
+def _netns_proxies_of(
+    args: argparse.Namespace, sitecustomize: str, prefix: str, **files: str
+) -> Iterator[tuple[Path, Path, Any]]:
+    """hbone_bench's netns topology whose proxies run `--tree`'s ambient_mesh with
+    `sitecustomize` (and `files`) on their path, warmed up by `--warmup` connections:
+    (tree, the wrapper directory the proxies write into, the bench). Removed afterwards."""
     import shutil
-    import signal
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from hbone_bench import proc_cpu_s, proc_user_cpu_s, tree_benches
-
-    tree = Path(args.tree).resolve()
-    if not (tree / "ambient_mesh" / "proxy").is_dir():
-        raise SystemExit(f"--tree {tree}: no ambient_mesh package there")
-    wrapper = Path(tempfile.mkdtemp(prefix="profile-connections-tree-"))
-    n = args.connections
-    batch = ("--test", "connections", "--connections", str(n), "--max-seconds", str(NETNS_BATCH_MAX_SECONDS))
-    report: dict[str, dict] = {}
-    try:
-        (wrapper / "ambient_mesh").symlink_to(tree / "ambient_mesh")
-        (wrapper / "sitecustomize.py").write_text(PROFILER_SITECUSTOMIZE)
-        with tree_benches([str(wrapper)], "profile-conn-") as (bench,):
-            if args.warmup:
-                bench.run_client("hbone", "--test", "connections", "--connections", str(args.warmup))
-            pids = bench.topo.pids()
-            before = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
-            plain = bench.run_client("hbone", *batch)
-            after = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
-            for pid in pids.values():
-                os.kill(pid, signal.SIGUSR1)
-            profiled = bench.run_client("hbone", *batch)
-            for pid in pids.values():
-                os.kill(pid, signal.SIGUSR2)
-            deadline = time.monotonic() + PROFILE_STATS_WAIT_S
-            while time.monotonic() < deadline and not all(
-                (wrapper / f"{pid}.pstats").exists() for pid in pids.values()
-            ):
-                time.sleep(0.1)
-            time.sleep(0.2)  # dump_stats writes in place: let the last one finish
-            for role, pid in pids.items():
-                done = plain["connections"]
-                user = (after[role][0] - before[role][0]) * 1e6 / done
-                system = (after[role][1] - before[role][1]) * 1e6 / done - user
-                m = profiled["connections"]
-                stats = pstats.Stats(str(wrapper / f"{pid}.pstats"), stream=io.StringIO())
-                if args.out:
-                    shutil.copyfile(wrapper / f"{pid}.pstats", f"{args.out}.{role}")
-                calls, own_us, files = per_file(stats, m)
-                top = sorted(
-                    (
-                        {
-                            "function": f"{fn} ({file.split('ambient_mesh/')[-1].split('site-packages/')[-1]}:{line})",
-                            "calls_per_conn": ncalls / m,
-                            "own_us_per_conn": tt * 1e6 / m,
-                            "cum_us_per_conn": ct * 1e6 / m,
-                        }
-                        for (file, line, fn), (_cc, ncalls, tt, ct, _c) in stats.stats.items()  # type: ignore[attr-defined]
-                    ),
-                    key=lambda r: -r["calls_per_conn"],
-                )[: args.top]
-                report[role] = {
-                    "user_us_per_conn": user,
-                    "system_us_per_conn": system,
-                    "python_calls_per_conn": calls,
-                    "profiled_us_per_conn": own_us,
-                    "by_file": files,
-                    "top_by_calls": top,
-                }
-                print(
-                    f"{role} proxy: {calls:.0f} Python calls per connection (profiled {own_us:.0f} µs); "
-                    f"unprofiled CPU per connection: user {user:.0f} µs, system {system:.0f} µs"
-                )
-            for role in pids:
-                print(f"\n{role} proxy, calls per connection by file")
-                for row in report[role]["by_file"][:25]:
-                    print(f"{row['calls_per_conn']:8.1f} {row['own_us_per_conn']:8.1f} µs  {row['file']}")
-                print(f"\n{role} proxy, top {args.top} functions by calls per connection")
-                print(f"{'calls':>7} {'own µs':>8} {'cum µs':>8}  function")
-                for r in report[role]["top_by_calls"]:
-                    print(
-                        f"{r['calls_per_conn']:7.2f} {r['own_us_per_conn']:8.1f} {r['cum_us_per_conn']:8.1f}  {r['function']}"
-                    )
-    finally:
-        shutil.rmtree(wrapper, ignore_errors=True)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "mode": "netns",
-                "tree": str(tree),
-                "connections": n,
-                "warmup": args.warmup,
-                "proxies": report,
-                "python": platform.python_version(),
-                "load_average": os.getloadavg(),
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {out}")
-    return 0
-
-
-def roots_main(args: argparse.Namespace) -> int:
-    """`--roots`: thread CPU per connection of each callback root (ROOTS) in each netns proxy."""
-    import shutil
-    import signal
 
     sys.path.insert(0, str(ROOT / "bench"))
     from hbone_bench import tree_benches
@@ -430,60 +335,59 @@ def roots_main(args: argparse.Namespace) -> int:
     tree = Path(args.tree).resolve()
     if not (tree / "ambient_mesh" / "proxy").is_dir():
         raise SystemExit(f"--tree {tree}: no ambient_mesh package there")
-    wrapper = Path(tempfile.mkdtemp(prefix="profile-connections-roots-"))
-    n = args.connections
-    report: dict[str, dict] = {}
+    wrapper = Path(tempfile.mkdtemp(prefix=f"{prefix}tree-"))
     try:
         (wrapper / "ambient_mesh").symlink_to(tree / "ambient_mesh")
-        (wrapper / "sitecustomize.py").write_text(ROOTS_SITECUSTOMIZE)
-        (wrapper / "roots.json").write_text(json.dumps(ROOTS))
-        with tree_benches([str(wrapper)], "profile-roots-") as (bench,):
+        (wrapper / "sitecustomize.py").write_text(sitecustomize)
+        for name, text in files.items():
+            (wrapper / name).write_text(text)
+        with tree_benches([str(wrapper)], prefix) as (bench,):
             if args.warmup:
                 bench.run_client("hbone", "--test", "connections", "--connections", str(args.warmup))
-            pids = bench.topo.pids()
-            for pid in pids.values():
-                os.kill(pid, signal.SIGUSR1)
-            done = bench.run_client(
-                "hbone",
-                "--test",
-                "connections",
-                "--connections",
-                str(n),
-                "--max-seconds",
-                str(NETNS_BATCH_MAX_SECONDS),
-            )["connections"]
-            for pid in pids.values():
-                os.kill(pid, signal.SIGUSR2)
-            deadline = time.monotonic() + PROFILE_STATS_WAIT_S
-            while time.monotonic() < deadline and not all(
-                (wrapper / f"{pid}.roots.json").exists() for pid in pids.values()
-            ):
-                time.sleep(0.1)
-            time.sleep(0.2)  # written in place: let the last one finish
-            for role, pid in pids.items():
-                got = json.loads((wrapper / f"{pid}.roots.json").read_text())
-                thread = got.pop("_thread")[1]
-                rows = sorted(
-                    (
-                        {"root": name, "us_per_conn": cpu * 1e6 / done, "calls_per_conn": calls / done}
-                        for name, (calls, cpu) in got.items()
-                    ),
-                    key=lambda r: -r["us_per_conn"],
-                )
-                report[role] = {"thread_us_per_conn": thread * 1e6 / done, "roots": rows}
-                print(f"\n{role} proxy: thread CPU {thread * 1e6 / done:.0f} µs per connection")
-                for r in rows:
-                    print(f"{r['us_per_conn']:8.1f} µs {r['calls_per_conn']:6.2f} calls  {r['root']}")
+            yield tree, wrapper, bench
     finally:
         shutil.rmtree(wrapper, ignore_errors=True)
+
+
+def _signalled_batch(bench: Any, wrapper: Path, pids: dict[str, int], suffix: str, n: int) -> dict[str, Any]:
+    """`n` connections between SIGUSR1 and SIGUSR2 to every proxy (its sitecustomize starts and
+    stops measuring there), then a bounded wait for each proxy's `<pid><suffix>` in `wrapper`."""
+    import signal
+
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR1)
+    result = bench.run_client(
+        "hbone",
+        "--test",
+        "connections",
+        "--connections",
+        str(n),
+        "--max-seconds",
+        str(NETNS_BATCH_MAX_SECONDS),
+    )
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + PROFILE_STATS_WAIT_S
+    while time.monotonic() < deadline and not all(
+        (wrapper / f"{pid}{suffix}").exists() for pid in pids.values()
+    ):
+        time.sleep(0.1)
+    time.sleep(0.2)  # written in place: let the last one finish
+    return dict(result)
+
+
+def _write_report(
+    args: argparse.Namespace, mode: str, tree: Path, report: dict[str, Any], **extra: object
+) -> None:
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
-                "mode": "roots",
+                "mode": mode,
                 "tree": str(tree),
-                "connections": n,
+                "connections": args.connections,
+                **extra,
                 "proxies": report,
                 "python": platform.python_version(),
                 "load_average": os.getloadavg(),
@@ -492,6 +396,93 @@ def roots_main(args: argparse.Namespace) -> int:
         )
     )
     print(f"\nwrote {out}")
+
+
+def netns_main(args: argparse.Namespace) -> int:
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hbone_bench import proc_cpu_s, proc_user_cpu_s
+
+    n = args.connections
+    batch = ("--test", "connections", "--connections", str(n), "--max-seconds", str(NETNS_BATCH_MAX_SECONDS))
+    report: dict[str, dict] = {}
+    with _netns_proxies_of(args, PROFILER_SITECUSTOMIZE, "profile-conn-") as (tree, wrapper, bench):
+        pids = bench.topo.pids()
+        before = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
+        plain = bench.run_client("hbone", *batch)
+        after = {role: (proc_user_cpu_s(pid), proc_cpu_s(pid)) for role, pid in pids.items()}
+        profiled = _signalled_batch(bench, wrapper, pids, ".pstats", n)
+        for role, pid in pids.items():
+            done = plain["connections"]
+            user = (after[role][0] - before[role][0]) * 1e6 / done
+            system = (after[role][1] - before[role][1]) * 1e6 / done - user
+            m = profiled["connections"]
+            stats = pstats.Stats(str(wrapper / f"{pid}.pstats"), stream=io.StringIO())
+            if args.out:
+                shutil.copyfile(wrapper / f"{pid}.pstats", f"{args.out}.{role}")
+            calls, own_us, files = per_file(stats, m)
+            top = sorted(
+                (
+                    {
+                        "function": f"{fn} ({file.split('ambient_mesh/')[-1].split('site-packages/')[-1]}:{line})",
+                        "calls_per_conn": ncalls / m,
+                        "own_us_per_conn": tt * 1e6 / m,
+                        "cum_us_per_conn": ct * 1e6 / m,
+                    }
+                    for (file, line, fn), (_cc, ncalls, tt, ct, _c) in stats.stats.items()  # type: ignore[attr-defined]
+                ),
+                key=lambda r: -r["calls_per_conn"],
+            )[: args.top]
+            report[role] = {
+                "user_us_per_conn": user,
+                "system_us_per_conn": system,
+                "python_calls_per_conn": calls,
+                "profiled_us_per_conn": own_us,
+                "by_file": files,
+                "top_by_calls": top,
+            }
+            print(
+                f"{role} proxy: {calls:.0f} Python calls per connection (profiled {own_us:.0f} µs); "
+                f"unprofiled CPU per connection: user {user:.0f} µs, system {system:.0f} µs"
+            )
+        for role in pids:
+            print(f"\n{role} proxy, calls per connection by file")
+            for row in report[role]["by_file"][:25]:
+                print(f"{row['calls_per_conn']:8.1f} {row['own_us_per_conn']:8.1f} µs  {row['file']}")
+            print(f"\n{role} proxy, top {args.top} functions by calls per connection")
+            print(f"{'calls':>7} {'own µs':>8} {'cum µs':>8}  function")
+            for r in report[role]["top_by_calls"]:
+                print(
+                    f"{r['calls_per_conn']:7.2f} {r['own_us_per_conn']:8.1f} {r['cum_us_per_conn']:8.1f}  {r['function']}"
+                )
+    _write_report(args, "netns", tree, report, warmup=args.warmup)
+    return 0
+
+
+def roots_main(args: argparse.Namespace) -> int:
+    """`--roots`: thread CPU per connection of each callback root (ROOTS) in each netns proxy."""
+    report: dict[str, dict] = {}
+    with _netns_proxies_of(
+        args, ROOTS_SITECUSTOMIZE, "profile-roots-", **{"roots.json": json.dumps(ROOTS)}
+    ) as (tree, wrapper, bench):
+        pids = bench.topo.pids()
+        done = _signalled_batch(bench, wrapper, pids, ".roots.json", args.connections)["connections"]
+        for role, pid in pids.items():
+            got = json.loads((wrapper / f"{pid}.roots.json").read_text())
+            thread = got.pop("_thread")[1]
+            rows = sorted(
+                (
+                    {"root": name, "us_per_conn": cpu * 1e6 / done, "calls_per_conn": calls / done}
+                    for name, (calls, cpu) in got.items()
+                ),
+                key=lambda r: -r["us_per_conn"],
+            )
+            report[role] = {"thread_us_per_conn": thread * 1e6 / done, "roots": rows}
+            print(f"\n{role} proxy: thread CPU {thread * 1e6 / done:.0f} µs per connection")
+            for r in rows:
+                print(f"{r['us_per_conn']:8.1f} µs {r['calls_per_conn']:6.2f} calls  {r['root']}")
+    _write_report(args, "roots", tree, report)
     return 0
 
 

@@ -773,11 +773,11 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.streams[sid] = stream
         self.total_streams += 1
         if early:
-            taken = self.core.send_data(sid, early)
-            if taken < len(early):
-                stream._pending += memoryview(early)[taken:]
-                self._blocked_streams.add(stream)  # a window update pumps it (`_pump_all`)
-        self.flush()
+            # As a relay's bytes go: what the windows do not take waits in the stream, and the
+            # HEADERS and DATA leave in one flush.
+            self.pump(stream, early)
+        else:
+            self.flush()
         response = await cast("asyncio.Future[ConnectResponse]", stream.response)  # a client's stream
         if response.status != 200:
             # Nothing will be carried: release the stream on both sides.
