@@ -14,7 +14,9 @@ each proxy's user and system CPU per connection (utime and stime apart: which ha
         [--batches 10] [--connections 200]
 
 Run it from the repository root (the bench script and its topology come from here; only the
-proxies' code comes from each tree). Writes results/connection_ab.json.
+proxies' code comes from each tree). A tree given as `PATH@PYTHON` runs its proxies on that
+interpreter (a virtualenv's `bin/python` with the project's dependencies), so one source can be
+measured on two interpreters. Writes results/connection_ab.json.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hbone_bench import Bench, proc_cpu_s, proc_user_cpu_s, tree_benches  # noqa: E402
+from hbone_bench import Bench, proc_cpu_s, proc_user_cpu_s, split_tree, tree_benches  # noqa: E402
 
 WARMUP_CONNECTIONS = 300
 BATCH_MAX_SECONDS = 60.0
@@ -61,7 +63,12 @@ SPLIT_KEYS = tuple(
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trees", nargs=2, metavar="NAME=PATH", help="two source trees: first the baseline")
+    p.add_argument(
+        "trees",
+        nargs=2,
+        metavar="NAME=PATH[@PYTHON]",
+        help="two source trees, first the baseline; @PYTHON runs one on another interpreter",
+    )
     p.add_argument("--batches", type=int, default=10)
     p.add_argument("--connections", type=int, default=200, help="connections per batch")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "connection_ab.json"))
@@ -69,9 +76,8 @@ def main() -> int:
     if not 2 <= args.batches <= MAX_BATCHES or not 10 <= args.connections <= MAX_CONNECTIONS_PER_BATCH:
         raise SystemExit(f"--batches 2-{MAX_BATCHES} and --connections 10-{MAX_CONNECTIONS_PER_BATCH}")
     trees = [tuple(t.split("=", 1)) for t in args.trees]
-    for name, path in trees:
-        if not (Path(path) / "ambient_mesh" / "proxy").is_dir():
-            raise SystemExit(f"{name}={path}: no ambient_mesh package there")
+    for _name, spec in trees:
+        split_tree(spec)  # says what is wrong with it before anything starts
     from rich.console import Console
     from rich.table import Table
 

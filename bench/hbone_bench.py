@@ -530,7 +530,29 @@ def parse_fields(line: str) -> dict[str, str]:
 
 
 def proxy_argv() -> list[str]:
-    return [sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
+    """A node proxy's command: this interpreter, or the one a tree names (`tree_benches`), as
+    PYTHONPATH names its source."""
+    return [os.environ.get(PROXY_PYTHON_ENV) or sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
+
+
+# The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
+PROXY_PYTHON_ENV = "AMBIENT_BENCH_PROXY_PYTHON"
+
+
+def split_tree(spec: str) -> tuple[str, str]:
+    """`PATH[@PYTHON]` of an A/B bench's tree: (the source tree, the interpreter that runs it;
+    this one when not named). Two trees may be one source on two interpreters."""
+    path, _, python = spec.partition("@")
+    if not (Path(path) / "ambient_mesh" / "proxy").is_dir():
+        raise SystemExit(f"{path}: no ambient_mesh package there")
+    if python and not os.access(python, os.X_OK):
+        raise SystemExit(f"{python}: not an executable interpreter")
+    return str(Path(path).resolve()), python or sys.executable
+
+
+def interpreter() -> str:
+    """This interpreter, as the tables and JSON name it."""
+    return f"{sys.executable} (CPython {platform.python_version()}, {' '.join(platform.python_build())})"
 
 
 def wait_proxy_ready(process: subprocess.Popen, log: Path) -> dict[str, str]:
@@ -971,10 +993,11 @@ def choose_topology(kind: str, workdir: Path, *, envoy: bool = False) -> Topolog
 
 
 @contextlib.contextmanager
-def tree_benches(paths: list[str], prefix: str) -> Iterator[list[Bench]]:
-    """One netns topology per source tree, all up at once, each a pinned one-core Bench whose
-    proxies run that tree (PYTHONPATH while they are spawned), warmed up: the A/B benches
-    (connection_ab_bench.py, pingpong_ab_bench.py --netns) alternate batches between them."""
+def tree_benches(specs: list[str], prefix: str) -> Iterator[list[Bench]]:
+    """One netns topology per source tree (`PATH[@PYTHON]`, `split_tree`), all up at once, each a
+    pinned one-core Bench whose proxies run that tree (PYTHONPATH while they are spawned) on its
+    interpreter, warmed up: the A/B benches (connection_ab_bench.py, pingpong_ab_bench.py
+    --netns) alternate batches between them."""
     bench_args = argparse.Namespace(
         modes=["hbone"],
         size_mib=4,
@@ -986,10 +1009,11 @@ def tree_benches(paths: list[str], prefix: str) -> Iterator[list[Bench]]:
         idle_connections=0,
     )
     topologies, benches, workdirs = [], [], []
-    saved = os.environ.get("PYTHONPATH")
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", PROXY_PYTHON_ENV)}
     try:
-        for path in paths:
-            os.environ["PYTHONPATH"] = path  # the proxies spawned now run this tree
+        for spec in specs:
+            # the proxies spawned now run this tree on this interpreter
+            os.environ["PYTHONPATH"], os.environ[PROXY_PYTHON_ENV] = split_tree(spec)
             workdir = Path(tempfile.mkdtemp(prefix=prefix))
             workdirs.append(workdir)
             topo = choose_topology("netns", workdir)
@@ -1000,10 +1024,11 @@ def tree_benches(paths: list[str], prefix: str) -> Iterator[list[Bench]]:
             benches.append(bench)
         yield benches
     finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         for topo in topologies:
             topo.close()
         for workdir in workdirs:
@@ -1657,7 +1682,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             console.print(
                 f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}; "
-                f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+                f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+                f"interpreter {interpreter()}"
             )
             if topo.envoys:
                 console.print(
@@ -1676,6 +1702,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "hbone",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
+        "interpreter": interpreter(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),

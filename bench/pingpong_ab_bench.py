@@ -24,6 +24,8 @@ the ratio of proxy CPU per round trip and of p50 taken within each batch pair:
         [--round-trips 5000] [--bulk-mib 256]
 
 (`--bulk-mib`: each batch one transfer through one connection instead, with proxy CPU per GiB.)
+A tree given as `name=PATH@PYTHON` runs on that interpreter (a virtualenv's `bin/python` with the
+project's dependencies): one source measured on two interpreters.
 
 Writes results/pingpong_ab.json.
 """
@@ -175,8 +177,13 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def trial(tree: str, round_trips: int, profile: bool, bulk_kib: int = 0) -> dict:
-    inner = [sys.executable, __file__, "--child", "--tree", tree, "--round-trips", str(round_trips)]
+def trial(spec: str, round_trips: int, profile: bool, bulk_kib: int = 0) -> dict:
+    """One trial of a tree (`PATH[@PYTHON]`) in a fresh process of its interpreter."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from hbone_bench import split_tree
+
+    tree, python = split_tree(spec)
+    inner = [python, __file__, "--child", "--tree", tree, "--round-trips", str(round_trips)]
     inner += ["--bulk-kib", str(bulk_kib)]
     if profile:
         inner.append("--profile")
@@ -246,7 +253,11 @@ def netns_ab(trees: dict[str, str], batches: int, round_trips: int, bulk_mib: in
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("trees", nargs="*", help="name=path of a source tree (default: this one)")
+    p.add_argument(
+        "trees",
+        nargs="*",
+        help="name=PATH[@PYTHON] of a source tree (default: this one); @PYTHON runs it on another interpreter",
+    )
     p.add_argument("--trials", type=int, default=8)
     p.add_argument("--round-trips", type=int, default=5000, help="per slice (5 slices per trial)")
     p.add_argument("--profile", action="store_true")
@@ -282,7 +293,6 @@ def main() -> int:
     if args.child:
         return child_main(args)
     trees = dict(t.split("=", 1) for t in args.trees) if args.trees else {"this": str(ROOT)}
-    trees = {k: str(Path(v).resolve()) for k, v in trees.items()}
     if args.netns:
         if len(trees) != 2:
             raise SystemExit("--netns compares two trees: base=PATH other=PATH")
