@@ -89,6 +89,10 @@ def _configure(ctx: ssl.SSLContext, cert: WorkloadCertificate, tls12: bool = Fal
     ctx.set_alpn_protocols([ALPN_H2])
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.options |= ssl.OP_NO_TICKET  # ztunnel disables session resumption
+    # RFC 8446 6.1: a FIN without close_notify is a truncation, an error. Under this option
+    # OpenSSL reports it as a clean EOF, and some CPython builds set it by default (Debian's
+    # 3.11.2 does, 3.11.7 does not), so it is cleared here rather than left to the interpreter.
+    ctx.options &= ~ssl.OP_IGNORE_UNEXPECTED_EOF
     try:
         ctx.load_verify_locations(cadata=cert.roots_pem.decode("ascii"))
     except (ssl.SSLError, ValueError) as e:

@@ -655,11 +655,16 @@ class OpenSslTransport(_TlsTransportBase):
                     end = _DRAINED
                 except ssl.SSLWantWriteError:
                     end = _WANTS_WRITE
-                except ssl.SSLEOFError:
+                except ssl.SSLError as e:
                     # OpenSSL reports a TCP reset and a FIN without close_notify alike (RFC 8446
                     # 6.1: a truncation): an error, as uvloop's SSL protocol never called it an EOF.
-                    end = ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)")
-                except OSError as e:  # ssl.SSLError is one
+                    # CPython 3.11.7 raises SSLEOFError for it, 3.11.2 an SSLError of that reason.
+                    end = (
+                        ConnectionResetError("TLS peer closed without close_notify (TCP reset or FIN)")
+                        if isinstance(e, ssl.SSLEOFError) or e.reason == "UNEXPECTED_EOF_WHILE_READING"
+                        else e
+                    )
+                except OSError as e:
                     end = e
             # Our view must not outlive the reads: the protocol reuses its buffer only while
             # nothing else refers to it (hbone._receive_into).

@@ -84,6 +84,7 @@ def test_server_context_settings(ca: CertificateAuthority) -> None:
     assert ctx.verify_mode == ssl.CERT_REQUIRED
     assert ctx.check_hostname is False
     assert ctx.options & ssl.OP_NO_TICKET
+    assert not ctx.options & ssl.OP_IGNORE_UNEXPECTED_EOF  # a truncation stays an error (RFC 8446 6.1)
     assert len(ctx.get_ca_certs()) == 1
 
 
@@ -94,6 +95,7 @@ def test_client_context_settings(ca: CertificateAuthority) -> None:
     assert ctx.verify_mode == ssl.CERT_REQUIRED
     assert ctx.check_hostname is False
     assert ctx.options & ssl.OP_NO_TICKET
+    assert not ctx.options & ssl.OP_IGNORE_UNEXPECTED_EOF
 
 
 def tls13_suites(ctx: ssl.SSLContext) -> list[str]:
