@@ -85,12 +85,6 @@ def check_supported(config: ZtunnelConfig) -> None:
             "shared mode needs a packet mark on the proxy's sockets",
             hint="unset PACKET_MARK (default 1337) or give the mark the in-pod rules skip",
         )
-    if config.proxy_mode is ProxyMode.SHARED and config.worker_threads > 1 and not config.inpod_port_reuse:
-        raise ConfigError(
-            "INPOD_PORT_REUSE",
-            f"false, but the {config.worker_threads} worker processes share each pod listener through SO_REUSEPORT",
-            hint="unset INPOD_PORT_REUSE, or set ZTUNNEL_WORKER_THREADS=1",
-        )
 
 
 def check_inpod_capabilities(config: ZtunnelConfig) -> None:

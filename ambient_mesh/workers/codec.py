@@ -169,7 +169,7 @@ class ProxyStart(Message):
     """Serve one proxy set: `dedicated` (our own workload) or a pod (in-pod mode) by its uid.
 
     Descriptors: the pod's network namespace first when `pod` is set, then one listening
-    socket per name in `listeners`, in order (this worker's members of the SO_REUSEPORT groups).
+    socket per name in `listeners`, in order (the same sockets for every worker: one accept queue).
     """
 
     KIND: ClassVar[int] = 4

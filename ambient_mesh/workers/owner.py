@@ -11,11 +11,15 @@ this module is what the main thread shares with them for free:
 - certificates: a worker's SecretManager asks; the owner answers from its own SecretManager
   (one certificate per identity, one CA client), waiting for its rotation when the worker
   already holds the current one;
-- listeners: for every listener of every proxy set, N sockets bound with SO_REUSEPORT (in the
-  pod's network namespace in shared mode), member i handed to worker i with SCM_RIGHTS. The
-  owner keeps its copies, so while a dead worker restarts, its share of new connections waits
-  in that socket's backlog instead of being refused, and the restarted worker gets the same
-  sockets again;
+- listeners: for every listener of every proxy set, one listening socket (in the pod's network
+  namespace in shared mode), handed to every worker with SCM_RIGHTS: one accept queue that all
+  workers take from, so a worker takes new connections when it has time for them, as tokio's
+  work-stealing runtime gives ztunnel's threads work. Not an SO_REUSEPORT group with one member
+  per worker: the kernel splits that by a hash of the 4-tuple, in equal shares whatever each
+  worker's core has free, and the proxy's rate was then twice what its slowest worker managed
+  (bench/README.md, workers_bench.py: the second core 30% idle). A worker that dies or stalls
+  leaves new connections to the others; the owner keeps its copy, and a restarted worker gets
+  the same sockets again;
 - one view: /stats/prometheus sums every worker's samples with the owner's own (counters of a
   dead worker are kept, so totals never go back), /config_dump shows the workers' connections.
 """
@@ -151,22 +155,22 @@ class StateFeed:
 
 @dataclass(eq=False)
 class HandedProxy:
-    """One proxy set as the workers serve it: its listening sockets, N per listener."""
+    """One proxy set as the workers serve it: its listening sockets, one per listener, each
+    handed to every worker."""
 
     key: str
     pod: PodInfo | None
     netns: NetnsHandle | None
-    sockets: dict[str, list[socket.socket]]
+    sockets: dict[str, socket.socket]
 
-    def member(self, index: int) -> ProxyStart:
+    def start_message(self) -> ProxyStart:
         fds = [] if self.netns is None else [self.netns.fd]
-        fds.extend(socks[index].fileno() for socks in self.sockets.values())
+        fds.extend(sock.fileno() for sock in self.sockets.values())
         return ProxyStart(self.key, self.pod, tuple(self.sockets), tuple(fds))
 
     def close(self) -> None:
-        for socks in self.sockets.values():
-            for sock in socks:
-                sock.close()
+        for sock in self.sockets.values():
+            sock.close()
 
 
 @dataclass(eq=False)
@@ -296,8 +300,8 @@ class WorkerPool:
             else min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_MIN_S * 2 ** min(worker.restarts, 16))
         )
         log.warning(
-            "worker %d (pid %s) exited with %s; restarting in %.1fs (its share of new connections "
-            "waits in the listen backlog meanwhile)",
+            "worker %d (pid %s) exited with %s; restarting in %.1fs (the other workers take new "
+            "connections meanwhile)",
             worker.index,
             process.pid,
             code,
@@ -336,7 +340,7 @@ class WorkerPool:
             for item in self.feed.snapshot():
                 worker.send(item)
             for proxy in self.proxies.values():
-                worker.send(proxy.member(worker.index))
+                worker.send(proxy.start_message())
             worker.state = "up"
             worker.ready.set()
             log.info("worker %d (pid %d) serving %d proxy sets", worker.index, message.pid, len(self.proxies))
@@ -401,7 +405,7 @@ class WorkerPool:
         self.proxies[proxy.key] = proxy
         for worker in self.workers:
             if worker.state == "up":
-                worker.send(proxy.member(worker.index))
+                worker.send(proxy.start_message())
 
     async def remove_proxy(self, key: str, *, graceful: bool, deadline_s: float) -> None:
         """Stop `key` in every worker and wait (up to the deadline and a margin) for each."""
@@ -585,40 +589,33 @@ class PoolMetrics:
 # -- proxy sets served by the workers -------------------------------------------------------------
 
 
-def open_member_sockets(
+def open_listener_sockets(
     config: ZtunnelConfig,
     addresses: ListenerAddresses,
     transparent: bool,
-    count: int,
     factory: SocketFactory = plain_socket,
-) -> dict[str, list[socket.socket]]:
-    """`count` listening sockets per listener, one SO_REUSEPORT group each (port 0: the kernel's
-    choice for the first, the same port for the rest)."""
-    opened: dict[str, list[socket.socket]] = {}
-    # Set before listen(), as a worker's own Listener would: a client that connects before its
+    *,
+    reuse_port: bool = False,
+) -> dict[str, socket.socket]:
+    """One listening socket per listener, for every worker to accept from (module docstring).
+    `reuse_port` as the single-process proxy sets it (INPOD_PORT_REUSE for pods)."""
+    opened: dict[str, socket.socket] = {}
+    # Set before listen(), as a worker's own Listener would: a client that connects before any
     # worker serves the socket gets its options from the socket as it was then (listen_socket).
     keepalive = KeepaliveSettings.from_config(config)
     try:
         for spec in listener_specs(addresses, transparent):
-            members: list[socket.socket] = []
-            opened[spec.name] = members
-            address = spec.address
-            for _ in range(count):
-                sock = listen_socket(
-                    address,
-                    mark=config.packet_mark,
-                    transparent=spec.transparent,
-                    reuse_port=True,
-                    factory=factory,
-                    keepalive=keepalive,
-                )
-                members.append(sock)
-                if address.port == 0:
-                    address = SocketAddr.from_sockaddr(sock.getsockname())
+            opened[spec.name] = listen_socket(
+                spec.address,
+                mark=config.packet_mark,
+                transparent=spec.transparent,
+                reuse_port=reuse_port,
+                factory=factory,
+                keepalive=keepalive,
+            )
     except OSError as e:
-        for members in opened.values():
-            for sock in members:
-                sock.close()
+        for sock in opened.values():
+            sock.close()
         from ..errors import BindError
 
         raise BindError(spec.name, str(spec.address), e) from None
@@ -667,20 +664,19 @@ class RemoteProxySet:
 
     def start(self) -> None:
         factory = self._netns.socket if self._netns is not None else plain_socket
-        sockets = open_member_sockets(
+        sockets = open_listener_sockets(
             self.config,
             ListenerAddresses.from_config(self.config),
             self._transparent,
-            self.pool.count,
             factory,
+            reuse_port=self._pod is not None and self.config.inpod_port_reuse,
         )
         try:
             if self.dns is not None:
                 self.dns.bind()
         except BaseException:
-            for members in sockets.values():
-                for sock in members:
-                    sock.close()
+            for sock in sockets.values():
+                sock.close()
             raise
         pod = None
         if self._pod is not None:
@@ -694,8 +690,8 @@ class RemoteProxySet:
         if self._handed is None:
             return {}
         out = {
-            name: str(SocketAddr.from_sockaddr(s[0].getsockname()))
-            for name, s in self._handed.sockets.items()
+            name: str(SocketAddr.from_sockaddr(sock.getsockname()))
+            for name, sock in self._handed.sockets.items()
         }
         if self.dns is not None:
             out["dns"] = str(self.dns.udp_address)

@@ -4,7 +4,7 @@ Counterpart: one of ztunnel's data-plane worker threads (ZTUNNEL_WORKER_THREADS)
 the owner as `python -m ambient_mesh.workers <channel fd> <index>`; everything else arrives on
 the channel, in order: `Hello` (the node proxy's environment, so the configuration is the
 owner's), the local config, the xDS resources the owner holds, `Synced`, then `ProxyStart`
-with this worker's members of the SO_REUSEPORT listening sockets (and, in shared mode, the
+with the listening sockets, which every worker accepts from (and, in shared mode, the
 pod's network namespace, for the sockets the proxy opens towards apps and peers).
 
 The worker runs no xDS client, CA client, ZDS client nor admin server: certificates come from

@@ -16,7 +16,7 @@ from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import Listener
 from ambient_mesh.proxy.workload_proxy import ListenerAddresses
-from ambient_mesh.workers.owner import open_member_sockets
+from ambient_mesh.workers.owner import open_listener_sockets
 
 from .mesh import ECHO_PORT, SERVER_IP, TCP_IP, echo_handler, running_mesh
 
@@ -283,25 +283,34 @@ async def test_a_captured_client_that_reset_before_it_was_served_is_one_debug_li
     assert [r for r in records if "client gone before it was served" in r.getMessage()]
 
 
-def test_worker_member_sockets_carry_the_options_before_any_worker_serves_them():
-    # ZTUNNEL_WORKER_THREADS: the owner binds and listens; a worker adopts the socket later. A
+def test_worker_listener_sockets_carry_the_options_before_any_worker_serves_them():
+    # ZTUNNEL_WORKER_THREADS: the owner binds and listens; the workers adopt the socket later. A
     # client that connects in between is accepted with the options the socket had before listen().
     config = ZtunnelConfig(
         keepalive_time_s=45, keepalive_interval_s=7, keepalive_retries=4, user_timeout_enabled=True
     )
     here = SocketAddr.parse("127.0.0.1:0")
     addresses = ListenerAddresses(outbound=here, inbound=here, inbound_plaintext=here, socks5=None)
-    members = open_member_sockets(config, addresses, False, 2)
+    opened = open_listener_sockets(config, addresses, False)
     try:
-        for group in members.values():
-            assert [options(s) for s in group] == [CONFIGURED_OPTIONS] * 2
-        group = members["outbound"]
-        with socket.create_connection(group[0].getsockname()):
-            ready, _, _ = select.select(group, [], [], 5)  # the kernel picks the group member
+        assert set(opened) == {"outbound", "inbound", "inbound plaintext"}
+        for sock in opened.values():
+            assert options(sock) == CONFIGURED_OPTIONS
+            # One socket, one accept queue for every worker: no SO_REUSEPORT group unless asked
+            # (INPOD_PORT_REUSE, as the single-process proxy sets it for pods).
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
+        listener = opened["outbound"]
+        with socket.create_connection(listener.getsockname()):
+            ready, _, _ = select.select([listener], [], [], 5)
             accepted, _ = ready[0].accept()
             with accepted:
                 assert options(accepted) == CONFIGURED_OPTIONS
     finally:
-        for group in members.values():
-            for s in group:
-                s.close()
+        for sock in opened.values():
+            sock.close()
+    pod = open_listener_sockets(config, addresses, False, reuse_port=True)
+    try:
+        assert {s.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) for s in pod.values()} == {1}
+    finally:
+        for sock in pod.values():
+            sock.close()

@@ -2,8 +2,10 @@
 listeners, get the owner's state and certificates, and report into one /stats and /config_dump.
 
 The client proxy is single-process with POOL_MAX_STREAMS_PER_CONNECTION=1, so each concurrent
-connection is its own HBONE connection to the server's 15008, and SO_REUSEPORT spreads them
-over the two workers (16 connections all landing on one worker: 2 in 65,536).
+connection is its own HBONE connection to the server's 15008. The workers take connections from
+one accept queue, whichever has time first; the tests stop (SIGSTOP) all workers but one while
+they connect, so which worker serves which connection is known, and a stopped worker is also
+shown not to hold any up (with one SO_REUSEPORT member per worker, its share would wait).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import json
 import os
 import signal
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
+from ambient_mesh.workers.owner import WorkerPool
 from ambient_mesh.ztunnel import Ztunnel
 
 from .fake_ads import AUTHORIZATION, FakeAds, authorization
@@ -72,6 +76,28 @@ def sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@contextlib.contextmanager
+def only_worker(pool: WorkerPool, index: int) -> Iterator[None]:
+    """Every worker but `index` stopped (SIGSTOP): only it can accept new connections."""
+    others = [w.pid for w in pool.workers if w.index != index and w.pid is not None]
+    for pid in others:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in others:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def open_on_each_worker(mesh: Mesh, pool: WorkerPool, n: int):
+    """`n` echoing connections, the first half accepted by worker 0 alone, the rest by worker 1."""
+    conns = []
+    for index, count in ((0, n // 2), (1, n - n // 2)):
+        with only_worker(pool, index):
+            conns += await open_echoing(mesh, count)
+    return conns
+
+
 async def open_echoing(mesh: Mesh, n: int):
     conns = []
     for i in range(n):
@@ -95,13 +121,13 @@ async def test_two_workers_share_the_listeners_and_both_get_a_policy_from_xds(fa
         server = mesh.server
         assert server.pool is not None and server.pool.count == 2
         assert server.listeners == {}  # no listener in the owner: the workers accept
-        conns = await open_echoing(mesh, CONNECTIONS)
+        conns = await open_on_each_worker(mesh, server.pool, CONNECTIONS)
 
-        # Both workers accepted some of them, and together all of them (one view in /config_dump).
+        # Each worker accepted its half while the other was stopped (one accept queue: the
+        # stopped one held none up), and /config_dump shows them all (one view).
         dump = json.loads(await fetch(server, "admin", "/config_dump"))
         accepted = [w["accepted"]["dedicated"]["inbound"] for w in dump["workers"]]
-        assert all(n > 0 for n in accepted), accepted
-        assert sum(accepted) == CONNECTIONS
+        assert accepted == [CONNECTIONS // 2, CONNECTIONS - CONNECTIONS // 2]
         assert {w["state"] for w in dump["workers"]} == {"up"}
         assert len({w["pid"] for w in dump["workers"]} | {os.getpid()}) == 3
         assert (
@@ -141,7 +167,10 @@ async def test_a_dead_worker_is_restarted_and_served_again_without_losing_counte
         server = mesh.server
         pool = server.pool
         assert pool is not None
-        conns = await open_echoing(mesh, CONNECTIONS)
+        # All on worker 0, the one to die: no HBONE connection the client pools afterwards
+        # leads to worker 1, which open_on_each_worker stops below.
+        with only_worker(pool, 0):
+            conns = await open_echoing(mesh, CONNECTIONS)
         for _r, w in conns:
             w.close()
         await pool.refresh_stats()
@@ -160,7 +189,7 @@ async def test_a_dead_worker_is_restarted_and_served_again_without_losing_counte
         assert victim.state == "up" and victim.pid != old_pid and victim.restarts == 1
         # The restarted worker has the state, a certificate and its sockets again: new
         # connections succeed on both workers.
-        conns = await open_echoing(mesh, CONNECTIONS)
+        conns = await open_on_each_worker(mesh, pool, CONNECTIONS)
         dump = json.loads(await fetch(server, "admin", "/config_dump"))
         assert all(w["accepted"]["dedicated"]["inbound"] > 0 for w in dump["workers"])
         # The dead worker's counters were kept: the total still counts every connection.
@@ -209,20 +238,22 @@ async def test_socks5_domain_names_resolve_in_every_worker():
         assert client.remote is not None
         host, _, port = client.remote.bound_addresses()["socks5"].rpartition(":")
         name = b"echo.default.svc.cluster.local"
-        for i in range(CONNECTIONS):
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(
-                b"\x05\x01\x00\x05\x01\x00\x03" + bytes([len(name)]) + name + (80).to_bytes(2, "big")
-            )
-            await writer.drain()
-            reply = await asyncio.wait_for(reader.readexactly(12), 10)
-            assert reply[:4] == b"\x05\x00\x05\x00", reply  # resolved (the mesh service's VIP) and connected
-            writer.write(b"hello %d\n" % i)
-            assert await asyncio.wait_for(reader.readline(), 10) == b"hello %d\n" % i
-            writer.close()
         assert client.pool is not None
+        for i in range(CONNECTIONS):
+            with only_worker(client.pool, i % 2):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(
+                    b"\x05\x01\x00\x05\x01\x00\x03" + bytes([len(name)]) + name + (80).to_bytes(2, "big")
+                )
+                await writer.drain()
+                reply = await asyncio.wait_for(reader.readexactly(12), 10)
+                # Resolved (the mesh service's VIP) and connected.
+                assert reply[:4] == b"\x05\x00\x05\x00", reply
+                writer.write(b"hello %d\n" % i)
+                assert await asyncio.wait_for(reader.readline(), 10) == b"hello %d\n" % i
+                writer.close()
         await client.pool.refresh_stats()
-        assert all(w["accepted"]["dedicated"]["socks5"] > 0 for w in client.pool.dump())
+        assert [w["accepted"]["dedicated"]["socks5"] for w in client.pool.dump()] == [CONNECTIONS // 2] * 2
     finally:
         for proxy in (client, server):
             if proxy is not None:
@@ -231,15 +262,10 @@ async def test_socks5_domain_names_resolve_in_every_worker():
         await echo.wait_closed()
 
 
-async def test_workers_refuse_inpod_port_reuse_off_at_start():
-    from ambient_mesh.errors import ConfigError
-    from ambient_mesh.ztunnel import build
+def test_workers_serve_pods_with_inpod_port_reuse_off():
+    # The workers share one socket per pod listener, not an SO_REUSEPORT group: INPOD_PORT_REUSE
+    # is the pod sockets' own option again, as with one process (it used to be refused here).
+    from ambient_mesh.config import ProxyMode, ZtunnelConfig
+    from ambient_mesh.ztunnel import check_supported
 
-    env = {
-        "PROXY_MODE": "shared",
-        "XDS_ADDRESS": "",
-        "ZTUNNEL_WORKER_THREADS": "2",
-        "INPOD_PORT_REUSE": "false",
-    }
-    with pytest.raises(ConfigError, match="INPOD_PORT_REUSE: false, but the 2 worker processes"):
-        await build(env)
+    check_supported(ZtunnelConfig(proxy_mode=ProxyMode.SHARED, worker_threads=2, inpod_port_reuse=False))
