@@ -12,15 +12,15 @@ done
 # The interpreter: the distribution's CPython, /usr/bin/python3 (AMBIENT_PYTHON names another).
 # It is the one a fresh Debian machine runs and the node image ships (scripts/cluster/image.sh),
 # and Debian builds it with profile-guided and link-time optimization. A python3 found first on
-# PATH may be a build without them (pyenv's default here), on which the proxies spend about a
-# quarter more CPU per message: bench/README.md, "The interpreter".
+# PATH may be a build without them (pyenv's default here), on which the proxies spent 40% more
+# CPU per small message: bench/README.md, "The interpreter".
 python=${AMBIENT_PYTHON:-/usr/bin/python3}
-if [ -z "${AMBIENT_PYTHON:-}" ] && ! "$python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
+if ! "$python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
+  if [ -n "${AMBIENT_PYTHON:-}" ]; then
+    echo "setup: AMBIENT_PYTHON=$python is not a Python 3.11 or newer (check the path)" >&2
+    exit 1
+  fi
   need_apt+=(python3)
-fi
-if [ -n "${AMBIENT_PYTHON:-}" ] && ! "$python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
-  echo "setup: AMBIENT_PYTHON=$python is not a Python 3.11 or newer (check the path)" >&2
-  exit 1
 fi
 "$python" -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 "$python" -c 'import sysconfig, os; assert os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))' \
