@@ -68,6 +68,7 @@ def child(tree: str) -> dict[str, float]:
     """Run in a subprocess: every piece once, µs of CPU per operation."""
     sys.path.insert(0, tree)
     import asyncio
+    import inspect
     import logging
     import socket
     import time
@@ -91,6 +92,11 @@ def child(tree: str) -> dict[str, float]:
     logging.getLogger("ambient_mesh.proxy.listener").setLevel(logging.WARNING)
     out: dict[str, float] = {}
 
+    async def _wrapped(made: object) -> relay.TcpEndpoint:
+        # relay.wrap_socket returns the endpoint itself since session 19's tcp_transport, before
+        # that a coroutine: the same piece for both trees.
+        return await made if inspect.isawaitable(made) else made  # type: ignore[return-value]
+
     async def pieces() -> None:
         loop = asyncio.get_running_loop()
         # accept
@@ -101,7 +107,7 @@ def child(tree: str) -> dict[str, float]:
             conn.close()
 
         async def wrapping_handler(conn: socket.socket) -> None:
-            endpoint = await relay.wrap_socket(conn)
+            endpoint = await _wrapped(relay.wrap_socket(conn))
             served.append(1)
             endpoint.abort()
 
@@ -149,7 +155,7 @@ def child(tree: str) -> dict[str, float]:
             app = new_socket(socket.AF_INET, mark=None)
             keepalive.apply(app)
             await inputs.connect_socket(app, server.getsockname(), 10.0)
-            endpoint = await relay.wrap_socket(app)
+            endpoint = await _wrapped(relay.wrap_socket(app))
             cpu += time.thread_time() - t0
             endpoint.abort()
             server.accept()[0].close()

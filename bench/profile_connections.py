@@ -232,9 +232,21 @@ ROOTS = (
     ("ambient_mesh.proxy.inbound", "InboundProxy.admit", "coro"),
     ("ambient_mesh.proxy.inbound", "InboundProxy.decide", "call"),
     ("ambient_mesh.proxy.inbound", "InboundProxy.start_carry", "call"),
+    ("ambient_mesh.proxy.listener", "Listener._guard", "coro"),
+    ("ambient_mesh.proxy.outbound", "OutboundProxy.proxy_to", "coro"),
+    ("ambient_mesh.proxy.outbound", "OutboundProxy.carry", "coro"),
+    ("ambient_mesh.proxy.relay", "wrap_socket", "coro"),
+    ("ambient_mesh.proxy.relay", "read_waiting", "call"),
+    ("ambient_mesh.host.sockets", "original_destination", "call"),
+    ("ambient_mesh.proxy.pool", "HbonePool.open_stream", "coro"),
+    ("ambient_mesh.proxy.hbone", "HboneConnection._on_request", "call"),
+    ("ambient_mesh.proxy.inbound", "InboundProxy._on_request", "call"),
+    ("ambient_mesh.proxy.inputs", "ConnectionTracker.track", "call"),
+    ("ambient_mesh.proxy.relay", "TcpEndpoint.attach", "call"),
+    ("ambient_mesh.proxy.hbone", "HboneStream.attach", "call"),
 )
 ROOTS_SITECUSTOMIZE = """
-import collections.abc, functools, importlib, json, os, signal, sys, time
+import collections.abc, functools, importlib, inspect, json, os, signal, sys, time
 _here = os.path.dirname(os.path.abspath(__file__))
 _on = [False]
 _acc = {}
@@ -283,7 +295,8 @@ def _install(roots):
             fn = getattr(owner, attr)
         except (ImportError, AttributeError):
             continue
-        wrapped = (_coro if kind == "coro" else _timed)(path, fn)
+        # "coro" only where the tree's function is one (relay.wrap_socket was, before 19's tcp_transport)
+        wrapped = (_coro if kind == "coro" and inspect.iscoroutinefunction(fn) else _timed)(path, fn)
         setattr(owner, attr, wrapped)
         if not outer:  # a module function: also where other modules imported it by name
             for other in list(sys.modules.values()):

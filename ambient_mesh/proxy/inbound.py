@@ -347,9 +347,9 @@ class InboundProxy:
             result.fail(str(denied), denied.response_flag)
             return InboundRefusal(status=401, reason=str(denied), response_flag=denied.response_flag)
         try:
-            sock = await pi.connect(address, connect_from, timeout_s=APP_CONNECT_TIMEOUT_S, nodelay=False)
+            sock = await pi.connect(address, connect_from, timeout_s=APP_CONNECT_TIMEOUT_S)
             try:
-                upstream = await wrap_socket(sock)
+                upstream = wrap_socket(sock)
             except BaseException:
                 sock.close()  # cancelled (stream reset by the client) or failed: no fd left behind
                 raise
@@ -486,7 +486,7 @@ class InboundPassthroughProxy:
         source = pi.state.workloads.find_address(pi.config.network, peer.ip)
         services = pi.state.services.services_for_workload(workload.uid)
         service = next((s for s in services if target.port in s.ports.values()), None)
-        downstream = await wrap_socket(sock)
+        downstream = wrap_socket(sock)
         result = ConnectionResult(
             pi,
             direction="inbound",
@@ -514,8 +514,8 @@ class InboundPassthroughProxy:
             downstream.abort()
             return
         try:
-            upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S, nodelay=False)
-            upstream = await wrap_socket(upstream_sock)
+            upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S)
+            upstream = wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
             result.fail(
                 f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}",

@@ -196,14 +196,9 @@ class ProxyInputs:
         src: IPAddress | None = None,
         *,
         timeout_s: float | None = None,
-        nodelay: bool = True,
     ) -> socket.socket:
-        """A marked TCP socket connected to `dst`, from `src` when original source is kept;
-        TimeoutError after `timeout_s`.
-
-        `nodelay=False` for a socket handed to the event loop's TCP transport (`wrap_socket`),
-        which sets TCP_NODELAY itself (uvloop and asyncio alike): one setsockopt fewer per app
-        connection (bench/README.md, connection path)."""
+        """A marked TCP socket connected to `dst` (TCP_NODELAY, keepalive as configured), from
+        `src` when original source is kept; TimeoutError after `timeout_s`."""
         sock = new_socket(dst.family, mark=self.mark, factory=self.socket_factory)
         try:
             if src is not None and src.version == dst.ip.version:
@@ -212,8 +207,7 @@ class ProxyInputs:
                     bind_source(sock, src)
                 else:
                     self.local_sources.bind(sock, src, time.monotonic())
-            if nodelay:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:  # set in __post_init__ from the config
                 self.keepalive.apply(sock)
             await connect_socket(sock, dst.sockaddr(), timeout_s)

@@ -98,7 +98,7 @@ class OutboundProxy:
             sock.close()
             return
         early = read_waiting(sock)
-        downstream = await wrap_socket(sock)
+        downstream = wrap_socket(sock)
         # The client's address as the transport read it when it was made (uvloop and asyncio
         # both read and keep it): not a getpeername of our own before the same call of theirs
         # (bench/README.md, connection path). None: the client reset before it was served.
@@ -187,9 +187,9 @@ class OutboundProxy:
                 return OutboundUpstream(route=route, result=result, endpoint=endpoint, early_sent=bool(early))
             else:
                 sock = await pi.connect(
-                    route.actual_destination, _source_ip(source, route.actual_destination), nodelay=False
+                    route.actual_destination, _source_ip(source, route.actual_destination)
                 )
-                endpoint = await wrap_socket(sock)
+                endpoint = wrap_socket(sock)
         except (ProxyError, HboneError, OSError, TimeoutError) as e:
             flag = response_flag_of(e)
             result.fail(str(e), flag)

@@ -26,8 +26,11 @@ import asyncio
 import socket
 import sys
 
-# uvloop's read buffer (UV_STREAM_RECV_BUF_SIZE): a `data_received` this long filled it.
-UVLOOP_READ_BYTES = 256_000
+from .tcp_transport import READ_BYTES, TcpTransport
+
+# The TCP transport's read size (tcp_transport.py, as uvloop's UV_STREAM_RECV_BUF_SIZE was): a
+# `data_received` this long filled it.
+UVLOOP_READ_BYTES = READ_BYTES
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
 # write of this many bytes per read. 9 bytes short of 256 KiB: such a read goes out as one
 # HTTP/2 DATA frame whose 9-byte header (RFC 9113 4.1) shares the first TLS record
@@ -430,16 +433,16 @@ def read_waiting(sock: socket.socket) -> bytes:
         return b""
 
 
-async def wrap_socket(sock: socket.socket) -> TcpEndpoint:
-    """Hand a connected plain socket (accepted or dialled) to the event loop as a TcpEndpoint
-    that holds what it reads until `attach`. HBONE's TLS has its own transport
-    (proxy/tls_transport.py).
+def wrap_socket(sock: socket.socket) -> TcpEndpoint:
+    """A connected non-blocking plain socket (accepted or dialled) as a TcpEndpoint, reading at
+    once and holding what it reads until `attach`; on our own transport
+    (proxy/tcp_transport.py), made here and now: no await, no turn of the event loop. HBONE's TLS
+    has its own transport (proxy/tls_transport.py).
 
     Reading is not paused up front: what arrives before `attach` is held, and reading pauses
     once MAX_HELD_BEFORE_RELAY_BYTES are (`data_received`), so a socket whose peer sends nothing
     or a short first message (an inbound app socket, a client waiting for its upstream) is
-    never paused and resumed. That pause was a uv_read_stop and a uv_read_start, and their
-    epoll changes, per wrapped socket (bench/README.md, connection path)."""
+    never paused and resumed (bench/README.md, connection path)."""
     endpoint = TcpEndpoint()
-    await asyncio.get_running_loop().create_connection(lambda: endpoint, sock=sock)
+    TcpTransport(asyncio.get_running_loop(), sock, endpoint)
     return endpoint

@@ -155,7 +155,7 @@ async def serve_socks5(sock: socket.socket, outbound: OutboundProxy) -> None:
         hs.reply(ReplyCode.SUCCEEDED, bound)
         if not await _send(sock, hs.data_to_send()):
             raise ConnectionResetError("client closed before the SOCKS5 success reply")
-        downstream = await wrap_socket(sock)
+        downstream = wrap_socket(sock)
     except OSError as e:
         upstream.abandon(f"SOCKS5 client gone before the success reply: {e}")
         log.debug("SOCKS5 client %s gone before the success reply: %s", peer, e)

@@ -20,7 +20,7 @@ STEP_TIMEOUT_S = 20.0
 async def _relay() -> tuple[Relay, TcpEndpoint, TcpEndpoint, socket.socket, socket.socket]:
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     relay = Relay(down, up)
     up.attach(relay)
     down.attach(relay)

@@ -42,7 +42,7 @@ async def _receive_until_eof(loop: asyncio.AbstractEventLoop, sock: socket.socke
 
 async def test_a_silent_peer_leaves_the_endpoint_reading_until_attach():
     down_sock, client = tcp_pair()
-    down = await wrap_socket(down_sock)
+    down = wrap_socket(down_sock)
     try:
         await asyncio.sleep(0.01)
         assert down.transport is not None and down.transport.is_reading()
@@ -55,7 +55,7 @@ async def test_a_short_first_message_and_eof_are_held_without_pausing_and_replay
     loop = asyncio.get_running_loop()
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     try:
         client.send(b"first ")
         assert down.transport is not None
@@ -85,7 +85,7 @@ async def test_a_client_sending_much_before_attach_is_paused_within_the_bound():
     loop = asyncio.get_running_loop()
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     sent = bytes(range(256)) * (4 * 1024)  # 1 MiB, far more than the bound
     try:
         sender = asyncio.ensure_future(loop.sock_sendall(client, sent))
@@ -116,7 +116,7 @@ async def test_an_eof_alone_before_attach_is_replayed():
     loop = asyncio.get_running_loop()
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     try:
         client.shutdown(socket.SHUT_WR)
         await asyncio.sleep(0.01)
@@ -147,7 +147,7 @@ async def test_bytes_read_before_the_socket_was_wrapped_are_bounded_and_replayed
         await asyncio.sleep(0.01)
         early = read_waiting(down_sock)
         assert early == first[:MAX_EARLY_DATA_BYTES]
-        down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+        down, up = wrap_socket(down_sock), wrap_socket(up_sock)
         client.send(b" later")
         client.shutdown(socket.SHUT_WR)
         await _until(lambda: down._held_eof, "the rest and the EOF to be held")

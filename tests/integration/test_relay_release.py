@@ -30,7 +30,7 @@ async def _ended_relay() -> tuple[weakref.ref, weakref.ref, weakref.ref, list]:
     loop = asyncio.get_running_loop()
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     relay = Relay(down, up)
     ended: list = []
     ConnectionTracker().track(relay, _About(), on_end=lambda r, err: ended.append(err))
@@ -69,7 +69,7 @@ async def test_a_released_relay_keeps_its_counts_and_late_events_do_nothing():
     loop = asyncio.get_running_loop()
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     try:
         relay = Relay(down, up)
         up.attach(relay)
@@ -100,7 +100,7 @@ async def test_a_released_relay_keeps_its_counts_and_late_events_do_nothing():
 async def test_a_relay_still_running_is_not_released():
     down_sock, client = tcp_pair()
     up_sock, server = tcp_pair()
-    down, up = await wrap_socket(down_sock), await wrap_socket(up_sock)
+    down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     try:
         relay = Relay(down, up)
         up.attach(relay)

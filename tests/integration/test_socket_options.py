@@ -238,8 +238,8 @@ async def test_a_client_that_dials_the_outbound_listener_itself_is_refused(caplo
 
 
 async def test_the_app_socket_of_an_inbound_stream_has_nodelay_and_keepalive():
-    # ProxyInputs.connect leaves TCP_NODELAY to the event loop's TCP transport for sockets that
-    # wrap_socket takes (nodelay=False): read back, the app socket of an HBONE stream has it.
+    # ProxyInputs.connect sets TCP_NODELAY (our TCP transport sets no option of its own): read
+    # back, the app socket of an HBONE stream has it.
     env = {
         "KEEPALIVE_TIME": "45s",
         "KEEPALIVE_INTERVAL": "7s",

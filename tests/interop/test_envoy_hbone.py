@@ -323,7 +323,7 @@ async def test_a_captured_clients_first_bytes_ride_with_the_connect_to_envoy(tmp
         async with envoy_server_direction(tmp_path, certs) as d:
             outbound = d.proxy.workload_proxy.outbound  # type: ignore[attr-defined]
             proxy_side, client_side = tcp_pair()
-            downstream = await wrap_socket(proxy_side)
+            downstream = wrap_socket(proxy_side)
             peer = SocketAddr.parse(f"{CLIENT_IP}:40000")
             target = SocketAddr.parse(f"{SERVER_IP}:{app.port}")
             await outbound.proxy_to(downstream, peer, target, GREETING)
