@@ -219,6 +219,7 @@ ROOTS = (
     ("ambient_mesh.proxy.inputs", "ConnectionTracker._ended", "call"),
     ("ambient_mesh.proxy.inputs", "ConnectionTracker.spawn", "call"),
     ("ambient_mesh.proxy.inputs", "ProxyInputs.connect", "coro"),
+    ("ambient_mesh.proxy.inputs", "ProxyInputs.start_connect", "call"),
     ("ambient_mesh.proxy.telemetry", "ConnectionResult.complete", "call"),
     ("ambient_mesh.proxy.telemetry", "ConnectionResult.__init__", "call"),
     ("ambient_mesh.proxy.telemetry", "record_ended_connections", "call"),

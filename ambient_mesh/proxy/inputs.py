@@ -190,15 +190,11 @@ class ProxyInputs:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.server(cert)
 
-    async def connect(
-        self,
-        dst: SocketAddr,
-        src: IPAddress | None = None,
-        *,
-        timeout_s: float | None = None,
-    ) -> socket.socket:
-        """A marked TCP socket connected to `dst` (TCP_NODELAY, keepalive as configured), from
-        `src` when original source is kept; TimeoutError after `timeout_s`."""
+    def start_connect(self, dst: SocketAddr, src: IPAddress | None = None) -> tuple[socket.socket, bool]:
+        """`connect`'s first half, without waiting: a marked TCP socket (TCP_NODELAY, keepalive
+        as configured) whose connect() to `dst` is issued, from `src` when original source is
+        kept, and whether the handshake is done already (`connect_started`); OSError, the
+        socket closed, when refused at once. `finish_connect` waits for the rest."""
         sock = new_socket(dst.family, mark=self.mark, factory=self.socket_factory)
         try:
             if src is not None and src.version == dst.ip.version:
@@ -210,10 +206,34 @@ class ProxyInputs:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.keepalive is not None:  # set in __post_init__ from the config
                 self.keepalive.apply(sock)
-            await connect_socket(sock, dst.sockaddr(), timeout_s)
+            return sock, connect_started(sock, dst.sockaddr())
         except BaseException:
             sock.close()
             raise
+
+    async def finish_connect(
+        self, sock: socket.socket, dst: SocketAddr, timeout_s: float | None = None
+    ) -> None:
+        """Wait for the handshake `start_connect` began (`wait_connected`); the socket is closed
+        when it fails, times out (TimeoutError) or the wait is cancelled."""
+        try:
+            await wait_connected(sock, dst.sockaddr(), timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def connect(
+        self,
+        dst: SocketAddr,
+        src: IPAddress | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> socket.socket:
+        """A marked TCP socket connected to `dst` (TCP_NODELAY, keepalive as configured), from
+        `src` when original source is kept; TimeoutError after `timeout_s`."""
+        sock, connected = self.start_connect(dst, src)
+        if not connected:
+            await self.finish_connect(sock, dst, timeout_s)
         return sock
 
     async def wait_for_workload(self, find: Callable[[], Workload | None]) -> Workload | None:
@@ -255,22 +275,37 @@ async def connect_socket(
     and, with asyncio.timeout around it, took about twice the CPU of this per connection
     (bench/README.md, connection path): every inbound stream connects to its app this way.
     """
+    if not connect_started(sock, address):
+        await wait_connected(sock, address, timeout_s)
+
+
+def connect_started(sock: socket.socket, address: tuple[Any, ...]) -> bool:
+    """Issue a non-blocking socket's connect() to a numeric address: True when it is connected
+    already, False while the handshake goes on (`wait_connected`); OSError when refused at once.
+
+    To an address of this host (the app behind an inbound stream, over loopback or into the
+    pod's namespace) the kernel has usually finished the handshake before connect() returns:
+    then it is done, without a writer, a timer and a turn of the event loop (about 20 µs per
+    connection; bench/README.md, connection path), and the caller can go on without awaiting
+    anything (inbound.py serves such a stream without a task)."""
     err = sock.connect_ex(address)
     if err == 0:
-        return
+        return True
     if err not in _CONNECT_PENDING:
         raise OSError(err, os.strerror(err))
-    # To an address of this host (the app behind an inbound stream, over loopback or into the
-    # pod's namespace) the kernel has usually finished the handshake before connect() returns:
-    # then it is done, without a writer, a timer and a turn of the event loop (about 20 µs per
-    # connection; bench/README.md, connection path). Not connected yet, or refused: wait below,
-    # which reports the error as before.
+    # Not connected yet, or refused: `wait_connected` reports the error as before.
     try:
         sock.getpeername()
     except OSError:
-        pass
-    else:
-        return
+        return False
+    return True
+
+
+async def wait_connected(
+    sock: socket.socket, address: tuple[Any, ...], timeout_s: float | None = None
+) -> None:
+    """Wait until the connect() `connect_started` issued has finished: OSError when it failed,
+    TimeoutError after `timeout_s`."""
     loop = asyncio.get_running_loop()
     writable: asyncio.Future[None] = loop.create_future()
     loop.add_writer(sock, _set_done, writable)
