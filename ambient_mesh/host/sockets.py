@@ -32,6 +32,13 @@ IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)  # linu
 LISTEN_BACKLOG = 1024
 
 
+# Original destinations by SO_ORIGINAL_DST's raw bytes: a pod's connections go to the same few
+# services and pods, and the unpacking, address lookup and SocketAddr were a few µs of every
+# captured connection (bench/README.md, per connection, session 19). Cleared when full.
+ORIGINAL_DESTINATIONS_KEPT = 4096
+_original_destinations: dict[bytes, SocketAddr] = {}
+
+
 def original_destination(sock: socket.socket) -> SocketAddr:
     """The destination a REDIRECT rule rewrote, read from conntrack via SO_ORIGINAL_DST.
 
@@ -40,16 +47,30 @@ def original_destination(sock: socket.socket) -> SocketAddr:
     """
     try:
         raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-        port = struct.unpack_from("!H", raw, 2)[0]
-        return SocketAddr(ip_address(raw[4:8]), port)
     except OSError:
         pass
+    else:
+        found = _original_destinations.get(raw)
+        if found is None:
+            found = _kept_destination(
+                raw, SocketAddr(ip_address(raw[4:8]), struct.unpack_from("!H", raw, 2)[0])
+            )
+        return found
     try:
         raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
-        port = struct.unpack_from("!H", raw, 2)[0]
-        return SocketAddr(ip_address(raw[8:24]), port)
     except OSError:
         return SocketAddr.from_sockaddr(sock.getsockname())
+    found = _original_destinations.get(raw)
+    if found is None:
+        found = _kept_destination(raw, SocketAddr(ip_address(raw[8:24]), struct.unpack_from("!H", raw, 2)[0]))
+    return found
+
+
+def _kept_destination(raw: bytes, address: SocketAddr) -> SocketAddr:
+    if len(_original_destinations) >= ORIGINAL_DESTINATIONS_KEPT:
+        _original_destinations.clear()
+    _original_destinations[raw] = address
+    return address
 
 
 def is_own_listener(sock: socket.socket, target: SocketAddr, listener_ports: frozenset[int]) -> bool:

@@ -54,6 +54,9 @@ class Route:
     destination_service: Service | None
     # The workload we connect to runs on this proxy's node.
     same_node: bool
+    # No choice went into it (no load balancing, no weighted waypoint): the same state, source
+    # and target give this same route again (outbound.py keeps such routes per state version).
+    repeatable: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +148,8 @@ def build_request(
     if ip is None:
         return RouteRefused(reason=f"workload {workload.uid} has no IP usable for {target}")
     same_node = bool(node) and workload.node == node
+    # Addressed to the workload itself (no service): found by address, no choice made on the way.
+    repeatable = service is None
     if workload.protocol is TunnelProtocol.HBONE:
         return Route(
             kind=RouteKind.DIRECT_HBONE,
@@ -155,6 +160,7 @@ def build_request(
             destination_workload=workload,
             destination_service=service,
             same_node=same_node,
+            repeatable=repeatable,
         )
     return Route(
         kind=RouteKind.DIRECT_TCP,
@@ -165,6 +171,7 @@ def build_request(
         destination_workload=workload,
         destination_service=service,
         same_node=same_node,
+        repeatable=repeatable,
     )
 
 

@@ -147,6 +147,16 @@ class Mesh:
             raise ConnectionRefusedError(f"SOCKS5 reply {reply[1]}")
         return reader, writer
 
+    async def echo_once(self, ip: str = SERVER_IP, port: int = ECHO_PORT, timeout_s: float = 15.0) -> None:
+        """One connection through the client's SOCKS5 listener: a ping echoed, then closed."""
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await self.socks_connect(ip, port)
+            try:
+                writer.write(b"ping")
+                assert await reader.readexactly(4) == b"ping"
+            finally:
+                writer.close()
+
     async def close(self) -> None:
         for proxy in (self.client, self.server):
             await proxy.drain(0.5)

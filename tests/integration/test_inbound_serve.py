@@ -44,22 +44,12 @@ class FailingOnce(ConnectionManager):
         return super().authorize(conn, workload)
 
 
-async def echo_once(mesh, port: int = ECHO_PORT) -> None:
-    async with asyncio.timeout(STEP_TIMEOUT_S):
-        reader, writer = await mesh.socks_connect(SERVER_IP, port)
-        try:
-            writer.write(b"ping")
-            assert await reader.readexactly(4) == b"ping"
-        finally:
-            writer.close()
-
-
 async def test_streams_whose_app_accepts_at_once_are_served_without_a_task():
     async with running_mesh() as mesh:
         tracker = RecordingTracker()
         mesh.server.pi.connections = tracker
         for _ in range(10):
-            await echo_once(mesh)
+            await mesh.echo_once()
         # Over loopback the kernel has nearly always finished the handshake inside connect();
         # at least one of ten (on a loaded host) was served with no task at all.
         assert len(tracker.spawned) < 10
@@ -103,7 +93,7 @@ async def test_a_stream_whose_app_connect_waits_is_served_by_a_task():
 
 async def test_a_failure_while_serving_a_stream_resets_only_that_stream(caplog):
     async with running_mesh() as mesh:
-        await echo_once(mesh)  # the HBONE connection is up and pooled
+        await mesh.echo_once()  # the HBONE connection is up and pooled
         server = mesh.server.pi
         server.connection_manager = FailingOnce(server.state)
         with caplog.at_level(logging.ERROR, logger="ambient_mesh.proxy.inbound"):
@@ -112,5 +102,5 @@ async def test_a_failure_while_serving_a_stream_resets_only_that_stream(caplog):
                     await mesh.socks_connect(SERVER_IP, ECHO_PORT)
         assert "serving it failed" in caplog.text and "a bug while serving the stream" in caplog.text
         # The next stream goes over the same HBONE connection, served as usual.
-        await echo_once(mesh)
+        await mesh.echo_once()
         assert mesh.client.pi.pool is not None and mesh.client.pi.pool.connections_opened == 1

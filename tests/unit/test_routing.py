@@ -445,3 +445,42 @@ def test_workload_waypoint_not_used_for_service_addressed_traffic() -> None:
 def test_workload_waypoint_missing_is_refused() -> None:
     behind = dataclasses.replace(HBONE, waypoint=WP_BY_IP)
     assert refused(route(make_state([behind]), "127.0.0.3:8080")).reason == "waypoint /127.0.0.5 not found"
+
+
+# -- repeatable routes (kept by outbound.py per state version) ----------------------------------
+
+
+def test_repeatable_routes_are_the_ones_no_choice_went_into() -> None:
+    """`Route.repeatable`: the same state, source and target give the same route whatever the
+    random choices; set for a workload addressed directly, never where a choice was made (a
+    service's endpoints, weighted or load-balanced waypoints)."""
+    second = wl("hbone-2", "127.0.0.6", protocol=TunnelProtocol.HBONE, services={SVC_KEY: {}})
+    waypoint_2 = dataclasses.replace(
+        WAYPOINT, uid="cluster1//Pod/default/waypoint-2", workload_ips=(ip_address("127.0.0.7"),)
+    )
+    waypoint_svc = svc("waypoint", "127.10.0.5", ports={15008: 15008})
+    cases = [
+        ("workload, HBONE", make_state([HBONE]), "127.0.0.3:8080", True),
+        ("workload, TCP", make_state([TCP]), "127.0.0.4:9000", True),
+        ("service, two endpoints", make_state([HBONE, second], [svc()]), "127.10.0.1:80", False),
+        (
+            "workload behind a waypoint service with two endpoints",
+            make_state(
+                [dataclasses.replace(HBONE, waypoint=WP_BY_HOST), WAYPOINT, waypoint_2], [waypoint_svc]
+            ),
+            "127.0.0.3:8080",
+            False,
+        ),
+        ("service waypoint", make_state([HBONE, WAYPOINT], [svc(waypoint=WP_BY_IP)]), "127.10.0.1:80", False),
+    ]
+    for name, state, target, repeatable in cases:
+        routes = [ok(route(state, target, seed=seed)) for seed in range(40)]
+        assert {r.repeatable for r in routes} == {repeatable}, name
+        if repeatable:
+            assert all(r == routes[0] for r in routes), name
+        else:
+            # Where a choice was made, it shows: some seeds chose otherwise (or the route is
+            # through a waypoint, which outbound.py never keeps either).
+            assert len({r.actual_destination for r in routes}) > 1 or routes[0].kind is RouteKind.WAYPOINT, (
+                name
+            )
