@@ -23,7 +23,7 @@ from ..rbac import RbacConnection
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
-from .hbone import DEFAULT_SETTINGS, HboneConnection, HboneSettings, HboneStream
+from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
@@ -40,6 +40,9 @@ APP_CONNECT_TIMEOUT_S = 10.0
 # length of a value kept (a longer one is parsed each time).
 MAX_AUTHORITIES_KEPT = 1024
 MAX_KEPT_AUTHORITY_CHARS = 300
+# CONNECT decisions kept (`InboundProxy._decided`): per workload, client, :authority and
+# `forwarded` host; cleared when full.
+MAX_DECISIONS_KEPT = 1024
 _authorities: dict[str, tuple[str, int, IPAddress | None]] = {}
 
 
@@ -101,6 +104,19 @@ class InboundRefusal:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class _Decided:
+    """A CONNECT's decision and the caller's workload, with what they were made for
+    (`InboundProxy._decided`)."""
+
+    decision: InboundTarget | InboundRefusal
+    source: Workload | None
+    version: int  # the state version they were made at
+    workload: Workload
+    local_ip: IPAddress
+    peer_ip: IPAddress
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Connecting:
     """An admitted stream whose app connection is still being made (`InboundProxy.admit`)."""
 
@@ -149,6 +165,7 @@ class InboundProxy:
         self._local_workload = local_workload
         self.settings = settings
         self.connections: set[HboneConnection] = set()
+        self._decisions: dict[tuple[object, ...], _Decided] = {}
 
     def __repr__(self) -> str:
         streams = sum(c.open_streams for c in self.connections)
@@ -222,10 +239,14 @@ class InboundProxy:
             return None
 
     def decide(
-        self, stream: HboneStream, local: SocketAddr, workload: Workload
+        self,
+        request: ConnectRequest | None,
+        local: SocketAddr,
+        workload: Workload,
+        forwarded_host: str | None = None,
     ) -> InboundTarget | InboundRefusal:
-        """The checks of reference 3.2, steps 1-6, as a pure decision."""
-        request = stream.request
+        """The checks of reference 3.2, steps 1-6, as a pure decision. `forwarded_host`: the
+        `host=` of the request's `forwarded` header (`hbone_headers.parse_forwarded_host`)."""
         if request is None or request.method != "CONNECT":
             return InboundRefusal(
                 status=400, reason=f"method {request.method if request else '?'} is not CONNECT"
@@ -268,7 +289,7 @@ class InboundProxy:
         if address.port in self.pi.config.illegal_ports:
             return InboundRefusal(status=400, reason=f"port {address.port} is one of the proxy's own ports")
         if service is None:
-            service = self._service_for_port(stream, workload, address.port)
+            service = self._service_for_port(forwarded_host, workload, address.port)
         return InboundTarget(address=address, service=service, authority_target=authority_target)
 
     def _is_waypoint_for(self, local: Workload, ip: IPAddress) -> bool:
@@ -286,11 +307,9 @@ class InboundProxy:
         service = state.services.get(f"{dest.namespace}/{dest.hostname}")
         return service is not None and local.uid in service.endpoints
 
-    def _service_for_port(self, stream: HboneStream | None, workload: Workload, port: int) -> Service | None:
+    def _service_for_port(self, host: str | None, workload: Workload, port: int) -> Service | None:
         """Destination service for telemetry: `Forwarded: host=` if it is one of ours, else by port."""
         services = self.pi.state.services.services_for_workload(workload.uid)
-        forwarded = stream.request.header("forwarded") if stream is not None and stream.request else None
-        host = hbone_headers.parse_forwarded_host(forwarded) if forwarded else None
         if host:
             for service in services:
                 if service.hostname == host:
@@ -312,8 +331,8 @@ class InboundProxy:
         connection (bench/README.md, per connection, session 19)."""
         pi = self.pi
         src_id: Identity | None = stream.conn.peer_identity
-        source = pi.state.workloads.find_address(pi.config.network, peer.ip)
-        decision = self.decide(stream, local, workload)
+        decided = self._decided(stream.request, local, peer, workload)
+        source, decision = decided.source, decided.decision
         if isinstance(decision, InboundRefusal):
             log.info(
                 "HBONE stream from %s (%s) refused with %d: %s",
@@ -347,6 +366,51 @@ class InboundProxy:
             return pi.connections.spawn(self._serve_connecting(stream, admitting))
         self._answer(stream, admitting)
         return None
+
+    def _decided(
+        self, request: ConnectRequest | None, local: SocketAddr, peer: SocketAddr, workload: Workload
+    ) -> _Decided:
+        """`decide` and the caller's workload (by the peer's address), kept per workload,
+        addresses, :authority and `forwarded` host for the state version: every stream of a
+        client to one app port asks the same, and the answer depends on nothing else (no choice
+        is made). They were about 20 µs of the server proxy's CPU per connection (bench/README.md,
+        per connection, session 19). Peer-named text is kept only up to MAX_KEPT_AUTHORITY_CHARS
+        per value; at most MAX_DECISIONS_KEPT entries, cleared when full."""
+        pi = self.pi
+        forwarded = request.header("forwarded") if request is not None else None
+        host = hbone_headers.parse_forwarded_host(forwarded) if forwarded else None
+        authority = request.authority if request is not None else None
+        key = (
+            id(workload),
+            id(local.ip),
+            id(peer.ip),
+            request.method if request is not None else None,
+            authority,
+            host,
+        )
+        version = pi.state.version
+        kept = self._decisions.get(key)
+        if (
+            kept is not None
+            and kept.version == version
+            and kept.workload is workload
+            and kept.local_ip is local.ip
+            and kept.peer_ip is peer.ip
+        ):
+            return kept
+        decided = _Decided(
+            decision=self.decide(request, local, workload, host),
+            source=pi.state.workloads.find_address(pi.config.network, peer.ip),
+            version=version,
+            workload=workload,
+            local_ip=local.ip,
+            peer_ip=peer.ip,
+        )
+        if len(authority or "") <= MAX_KEPT_AUTHORITY_CHARS and len(host or "") <= MAX_KEPT_AUTHORITY_CHARS:
+            if len(self._decisions) >= MAX_DECISIONS_KEPT:
+                self._decisions.clear()
+            self._decisions[key] = decided
+        return decided
 
     async def _serve_connecting(self, stream: HboneStream, connecting: _Connecting) -> None:
         self._answer(stream, await self._finish_admit(connecting))

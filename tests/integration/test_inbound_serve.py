@@ -5,6 +5,7 @@ a failure while serving one stream resets that stream only, not its HBONE connec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -12,10 +13,13 @@ from typing import Any
 
 import pytest
 
+from ambient_mesh.net import ip_address
 from ambient_mesh.proxy.connection_manager import ConnectionManager
 from ambient_mesh.proxy.inputs import ConnectionTracker
+from tests.state_writes import upsert
 
-from .mesh import ECHO_PORT, SERVER_IP, running_mesh
+from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, running_mesh
+from .test_authz_telemetry import samples
 
 STEP_TIMEOUT_S = 15.0
 
@@ -104,3 +108,23 @@ async def test_a_failure_while_serving_a_stream_resets_only_that_stream(caplog):
         # The next stream goes over the same HBONE connection, served as usual.
         await mesh.echo_once()
         assert mesh.client.pi.pool is not None and mesh.client.pi.pool.connections_opened == 1
+
+
+async def test_a_state_change_reaches_the_next_streams_decision():
+    """The server keeps a CONNECT's decision and its caller's workload per state version
+    (`InboundProxy._decided`): a change to the caller's workload shows in the next stream's
+    metrics, not the kept one's."""
+    async with running_mesh() as mesh:
+        state = mesh.server.state
+        client = state.workloads.find_address("", ip_address(CLIENT_IP))
+        assert client is not None
+        await mesh.echo_once()
+        await mesh.echo_once()
+        upsert(state, dataclasses.replace(client, workload_name="renamed"))
+        await mesh.echo_once()
+        opened = {
+            labels["source_workload"]: value
+            for labels, value in samples(mesh.server, "istio_tcp_connections_opened_total")
+            if labels["reporter"] == "destination"
+        }
+        assert opened == {"client": 2, "renamed": 1}
