@@ -772,6 +772,6 @@ def _workers_note(config: ZtunnelConfig) -> str:
             "# the proxy has a second core; ZTUNNEL_WORKER_THREADS=2 runs two.\n"
         )
     return (
-        f"# workerThreads {config.worker_threads}: worker processes share each listener (SO_REUSEPORT);\n"
+        f"# workerThreads {config.worker_threads}: worker processes accept from each listener's one queue;\n"
         "# this process owns xDS, certificates, ZDS and the admin, stats and readiness servers.\n"
     )

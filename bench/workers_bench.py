@@ -28,12 +28,16 @@ taken within each pair. Layouts (--layouts):
            at 0.6, 0.20 unlimited, a loaded host), so compare ratios at one budget only.
   machine  1 worker on CPU1 with CPU0 left to the generator and the bench server; 2 workers
            free over every CPU, sharing CPU0 with them. This charges the generator's CPU to the
-           2-worker figure only: with c the proxy's and g the generator's CPU per connection,
-           2 workers reach at most 2c / (c + g) times 1 worker (1.6 at c = 0.2 ms, g = 0.05 ms)
-           however well they scale, so it cannot show the 1.6x target; it stays as the figure
-           for the whole 2-vCPU machine.
+           2-worker figure only: with c1, c2 the proxy's CPU per connection with 1 and 2
+           workers and g the generator's and bench server's, 2 workers reach at most
+           2 c1 / (c2 + g) times 1 worker however well they scale (1.4-1.55 here: c 0.17-0.20
+           ms, g 0.085 ms), so it cannot show the 1.6x target; it stays as the figure for the
+           whole 2-vCPU machine.
 
-The machine is shared with other sessions: each run records the load average before and after,
+The machine is shared with other sessions. The bench's processes (this one and all it starts)
+run in cgroups with a CFS weight of --weight nice-0 tasks (default 100, the most it sets), so
+the host's other work takes little from them; it still took 0.15-0.5 cores in runs at load 7
+(sleepers that wake often win a CPU back). Each run records the load average before and after,
 CPU busy per core, and `other_cpu_s`, the CPU time the host spent on anything but the proxy,
 the generator and the bench server. Pairs where that stays under QUIET_OTHER_CORES of a core in
 both runs are summarized apart as `quiet`. In `budget`, `throttled_periods` counts the CFS
@@ -42,8 +46,9 @@ periods in which the quota held the proxy back: a run near zero was not limited 
     .venv/bin/python bench/workers_bench.py [--rounds 6] [--seconds 3] [--budget 0.5]
         [--layouts budget,machine] [--tests connections,throughput]
 
-The budget layout needs root and the cgroup cpu controller (v1, or v2 with it enabled); without
-them it is skipped with a note. Prints a table and writes bench/results/workers.json.
+The budget layout and --weight need root and the cgroup cpu controller (v1, or v2 with it
+enabled); without them the layout is skipped and the weight not applied, each with a note.
+Prints a table and writes bench/results/workers.json.
 """
 
 from __future__ import annotations
@@ -270,11 +275,12 @@ def proxy_env(workers: int) -> dict[str, str]:
     return env
 
 
-class CpuQuota:
-    """One process held to a share of a CPU: a cgroup of its own with a CFS quota (v1 `cpu`
-    hierarchy, or v2 with the cpu controller). Removed again by `close`."""
+class CpuGroup:
+    """One process (and the children it starts later) in a cgroup of its own (v1 `cpu`
+    hierarchy, or v2 with the cpu controller): a CFS weight of `weight` nice-0 tasks against
+    the host's other work, and a quota when `set` gives one. Removed again by `close`."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, weight: int) -> None:
         self.pid = pid
         self.v1 = (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists()
         root = CGROUP_V1_CPU if self.v1 else CGROUP_V2
@@ -284,6 +290,9 @@ class CpuQuota:
         try:
             if self.v1:
                 (self.path / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (self.path / "cpu.shares").write_text(str(1024 * weight))
+            else:
+                (self.path / "cpu.weight").write_text(str(min(10_000, 100 * weight)))
             (self.path / "cgroup.procs").write_text(str(pid))
         except OSError:
             self.path.rmdir()
@@ -332,10 +341,10 @@ class CpuQuota:
 
 
 class Proxy:
-    def __init__(self, workers: int, workdir: Path, quota: bool) -> None:
+    def __init__(self, workers: int, workdir: Path, quota: bool, weight: int) -> None:
         self.workers = workers
         self.log = workdir / f"proxy-{workers}w-{time.monotonic_ns()}.log"
-        self.quotas: list[CpuQuota] = []
+        self.quotas: list[CpuGroup] = []
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
                 hb.proxy_argv(),
@@ -355,7 +364,7 @@ class Proxy:
                     dump = json.loads(reply.read())
                 self.pids += [w["pid"] for w in dump["workers"]]
             if quota:
-                self.quotas = [CpuQuota(pid) for pid in self.serving]
+                self.quotas = [CpuGroup(pid, weight) for pid in self.serving]
         except BaseException:
             self.close()
             raise
@@ -465,9 +474,14 @@ def run_generator(
     ticks_before = cpu_ticks()
     throttled_before = proxy.throttled()
     cpu_before = proxy.cpu_s()
+    by_process_before = [hb.proc_cpu_s(pid) for pid in proxy.pids]
     generator_before, server_before = children_cpu_s(), sum(hb.proc_cpu_s(p) for p in target.server_pids)
     out = subprocess.run(prefix + argv, capture_output=True, timeout=MAX_SECONDS * 3, check=False)
     cpu = proxy.cpu_s() - cpu_before
+    # Owner first, then each worker: how evenly the workers shared the connections' work.
+    by_process = [
+        hb.proc_cpu_s(pid) - before for pid, before in zip(proxy.pids, by_process_before, strict=True)
+    ]
     generator_cpu = children_cpu_s() - generator_before
     server_cpu = sum(hb.proc_cpu_s(p) for p in target.server_pids) - server_before
     ticks_after = cpu_ticks()
@@ -482,6 +496,7 @@ def run_generator(
         busy[name] = (b1 - b0) / max(1, (b1 - b0) + (i1 - i0))
         host_busy_s += (b1 - b0) * tick_s
     result["proxy_cpu_s"] = cpu
+    result["proxy_cpu_s_by_process"] = by_process
     result["generator_cpu_s"] = generator_cpu
     result["server_cpu_s"] = server_cpu
     result["cpu_busy"] = busy
@@ -547,10 +562,16 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="length of one connection-rate run")
     p.add_argument("--concurrency", type=int, default=32, help="connections in flight in the rate test")
     p.add_argument("--parallel", type=int, default=8, help="connections in the throughput test")
-    p.add_argument("--size-mib", type=int, default=64, help="bytes per throughput connection")
+    p.add_argument("--size-mib", type=int, default=256, help="bytes per throughput connection")
     p.add_argument("--tests", default="connections,throughput")
     p.add_argument("--layouts", default="budget,machine")
     p.add_argument("--budget", type=float, default=0.5, help="share of a CPU per worker in `budget`")
+    p.add_argument(
+        "--weight",
+        type=int,
+        default=100,
+        help="CFS weight of the bench's processes, in nice-0 tasks (1: none; needs a cgroup cpu controller)",
+    )
     p.add_argument(
         "--python-generator", action="store_true", help="the Python connection generator, not loadgen.c"
     )
@@ -567,7 +588,7 @@ def main() -> int:
         p.error(f"unknown layouts {sorted(unknown)}")
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs at least 2 CPUs")
-    if "budget" in layouts and (why := CpuQuota.available()):
+    if "budget" in layouts and (why := CpuGroup.available()):
         print(f"budget layout skipped: {why}")
         layouts.remove("budget")
     results: dict[str, dict[str, dict[str, list[dict]]]] = {
@@ -575,11 +596,18 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="workers-bench-") as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
+        args.weight = max(1, min(args.weight, 100))
+        if args.weight > 1 and (why := CpuGroup.available()):
+            print(f"--weight {args.weight} not applied: {why}")
+            args.weight = 1
+        if args.weight > 1:
+            # This process first: the proxies, generators and bench servers it starts inherit it.
+            stack.callback(CpuGroup(os.getpid(), args.weight).close)
         loadgen = None if args.python_generator else build_loadgen(workdir)
         targets = {}
         for workers in (1, 2):
             server_pids, echo_port, sink_port = stack.enter_context(bench_server(loadgen))
-            proxy = Proxy(workers, workdir, quota="budget" in layouts)
+            proxy = Proxy(workers, workdir, quota="budget" in layouts, weight=args.weight)
             stack.callback(proxy.close)
             targets[workers] = Target(proxy, server_pids, echo_port, sink_port)
         time.sleep(0.5)  # let start-up (certificates, imports) settle
@@ -651,6 +679,14 @@ def print_and_save(args: argparse.Namespace, results: dict) -> None:
                     f"{'':<8} {'  cpu/conn':<12} {cpu['1']:>9.3f} ms {cpu['2']:>9.3f} ms   (proxy: owner and workers)"
                 )
                 entry["proxy_cpu_ms_per_conn"] = cpu
+                # loadgen.c's `slow`: connections over 0.5 s, a dropped SYN's 1 s retransmission
+                # (seen between back-to-back bench invocations), not the proxy's work.
+                stalled = [r for w in ("1", "2") for r in by[w] if r.get("slow")]
+                if stalled:
+                    print(
+                        f"{'':<8} {'  stalled':<12} {len(stalled)} runs with connections over 0.5 s (see `slow`)"
+                    )
+                entry["runs_with_slow_connections"] = len(stalled)
                 if layout == "budget":
                     # Of the CFS periods each serving process ran through, the share where its
                     # quota held it back: near 1, the budget set the rate; well under, something
@@ -686,7 +722,8 @@ def print_and_save(args: argparse.Namespace, results: dict) -> None:
         "args": {
             k: v
             for k, v in vars(args).items()
-            if k in ("rounds", "seconds", "concurrency", "parallel", "size_mib", "budget", "layouts")
+            if k
+            in ("rounds", "seconds", "concurrency", "parallel", "size_mib", "budget", "layouts", "weight")
         },
         "layouts": {
             "budget": f"each serving process on its own CPU, held to {args.budget} of it (CFS quota); "

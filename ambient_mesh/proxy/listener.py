@@ -222,8 +222,8 @@ class Listener:
         return f"Listener({self.name} on {where}, {self.accepted} accepted{shed})"
 
     def adopt(self, sock: socket.socket) -> None:
-        """Serve a socket that is already bound and listening (a worker process is handed its
-        member of the owner's SO_REUSEPORT group); `bind()` then keeps it."""
+        """Serve a socket that is already bound and listening (a worker process is handed the
+        owner's, which every worker accepts from); `bind()` then keeps it."""
         sock.setblocking(False)
         self._sock = sock
 
