@@ -11,7 +11,9 @@ connection than the proxy).
 
   connections  --concurrency clients, each looping connect + SOCKS5 + 1-byte round trip +
                close for --seconds: conn/s, and proxy CPU-ms per connection
-  throughput   --parallel connections at once, --size-mib each, client -> server: Gbit/s
+  throughput   --parallel connections at once, --size-mib each, client -> server: Gbit/s (the
+               Python generator and sink cost about as much CPU per byte as the proxy: on 2
+               vCPUs they take the second core's share, so this says little about workers)
 
 Both proxies (1 and 2 workers) are up at once and their runs alternate, in both orders, one
 pair per round, layout and test, so the host's other work falls on both alike; the ratio is
@@ -561,8 +563,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=6, help="pairs of runs per layout and test")
     p.add_argument("--seconds", type=float, default=3.0, help="length of one connection-rate run")
     p.add_argument("--concurrency", type=int, default=32, help="connections in flight in the rate test")
-    p.add_argument("--parallel", type=int, default=8, help="connections in the throughput test")
-    p.add_argument("--size-mib", type=int, default=256, help="bytes per throughput connection")
+    # 32, not 8: a worker keeps the connections it accepted, and with 8 long transfers one
+    # worker did under 30% of the work in 23 of 48 runs (11 of 24 with one accept queue, 12 of
+    # 24 with an SO_REUSEPORT member each).
+    p.add_argument("--parallel", type=int, default=32, help="connections in the throughput test")
+    p.add_argument("--size-mib", type=int, default=64, help="bytes per throughput connection")
     p.add_argument("--tests", default="connections,throughput")
     p.add_argument("--layouts", default="budget,machine")
     p.add_argument("--budget", type=float, default=0.5, help="share of a CPU per worker in `budget`")
