@@ -35,6 +35,9 @@ taken within each pair. Layouts (--layouts):
            2 c1 / (c2 + g) times 1 worker however well they scale (1.4-1.55 here: c 0.17-0.20
            ms, g 0.085 ms), so it cannot show the 1.6x target; it stays as the figure for the
            whole 2-vCPU machine.
+  free     (not by default) nothing pinned and no quota, as on a node: the scheduler places
+           the proxy's processes, the generator and the bench server. The same ceiling as
+           `machine`, with the generator's CPU spread over both cores.
 
 The machine is shared with other sessions. The bench's processes (this one and all it starts)
 run in cgroups with a CFS weight of --weight nice-0 tasks (default 100, the most it sets), so
@@ -387,8 +390,9 @@ class Proxy:
             for q in self.quotas:
                 q.set(budget)
         else:
+            pinned = layout == "machine" and self.workers == 1
             for pid in self.pids:
-                hb.set_affinity(pid, {cpus[1]} if self.workers == 1 else set(cpus))
+                hb.set_affinity(pid, {cpus[1]} if pinned else set(cpus))
             for q in self.quotas:
                 q.set(None)
 
@@ -467,7 +471,7 @@ def run_generator(
             str(args.size_mib),
         ]
     all_cpus = sorted(os.sched_getaffinity(0))
-    generator_cpus = set(all_cpus) if layout == "budget" else {all_cpus[0]}
+    generator_cpus = {all_cpus[0]} if layout == "machine" else set(all_cpus)
     for pid in target.server_pids:
         hb.set_affinity(pid, generator_cpus)
     proxy.place(layout, args.budget)
@@ -589,7 +593,7 @@ def main() -> int:
     args.budget = min(max(args.budget, 0.05), 1.0)
     tests = [t for t in args.tests.split(",") if t]
     layouts = [layout for layout in args.layouts.split(",") if layout]
-    if unknown := set(layouts) - {"budget", "machine"}:
+    if unknown := set(layouts) - {"budget", "machine", "free"}:
         p.error(f"unknown layouts {sorted(unknown)}")
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs at least 2 CPUs")
@@ -734,6 +738,7 @@ def print_and_save(args: argparse.Namespace, results: dict) -> None:
             "budget": f"each serving process on its own CPU, held to {args.budget} of it (CFS quota); "
             "generator and bench server on every CPU",
             "machine": "1 worker on CPU1, 2 workers over every CPU, generator and bench server on CPU0",
+            "free": "nothing pinned, no quota",
         },
         "summary": summary,
         "runs": results,
