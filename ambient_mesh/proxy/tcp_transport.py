@@ -14,8 +14,8 @@ address is read only when asked for.
 
 Behaviour is asyncio's transport contract as uvloop implements it: reading starts at once;
 `eof_received` returning true keeps the write side open (half-close); writes go to the socket at
-once and only what it does not take waits, with `pause_writing` past WRITE_HIGH_WATER_BYTES and
-`resume_writing` at WRITE_LOW_WATER_BYTES; `write_eof` shuts the write side down once what waits
+once and only what it does not take waits (a bounded `WriteBacklog`), with `pause_writing` past
+WRITE_HIGH_WATER_BYTES and `resume_writing` at WRITE_LOW_WATER_BYTES; `write_eof` shuts the write side down once what waits
 is sent; `close` does the same and then closes, `abort` closes at once and drops what waits;
 `connection_lost` is called once, from the loop, after the socket is closed. A protocol may be
 swapped for a BufferedProtocol and back (`set_protocol`: relay.py's bulk reader).
@@ -24,12 +24,13 @@ swapped for a BufferedProtocol and back (`set_protocol`: relay.py's bulk reader)
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import itertools
 import logging
 import socket
 from typing import Any
+
+from .write_backlog import BacklogOverflow, WriteBacklog
 
 log = logging.getLogger("ambient_mesh.proxy.tcp_transport")
 
@@ -66,16 +67,12 @@ class TcpTransport(asyncio.Transport):
         "_protocol",
         "_buffered",
         "_backlog",
-        "_backlog_bytes",
         "_reading",
         "_at_eof",
         "_closing",
         "_eof_wanted",
         "_eof_sent",
         "_writer",
-        "_writing_paused",
-        "_high_water",
-        "_low_water",
         "_peername",
         "_lost",
     )
@@ -91,17 +88,15 @@ class TcpTransport(asyncio.Transport):
         self._fd = sock.fileno()
         self._protocol = protocol
         self._buffered = isinstance(protocol, asyncio.BufferedProtocol)
-        self._backlog: collections.deque[bytes | memoryview] = collections.deque()
-        self._backlog_bytes = 0
+        self._backlog = WriteBacklog(
+            high_water_bytes=WRITE_HIGH_WATER_BYTES, low_water_bytes=WRITE_LOW_WATER_BYTES
+        )
         self._reading = False
         self._at_eof = False
         self._closing = False
         self._eof_wanted = False
         self._eof_sent = False
         self._writer = False
-        self._writing_paused = False
-        self._high_water = WRITE_HIGH_WATER_BYTES
-        self._low_water = WRITE_LOW_WATER_BYTES
         self._peername: Any = None
         self._lost = False
         protocol.connection_made(self)
@@ -111,7 +106,7 @@ class TcpTransport(asyncio.Transport):
 
     def __repr__(self) -> str:
         state = "closing" if self._closing else "reading" if self._reading else "paused"
-        return f"TcpTransport(fd={self._fd}, {state}, backlog={self._backlog_bytes}B)"
+        return f"TcpTransport(fd={self._fd}, {state}, backlog={self._backlog.bytes}B)"
 
     # Reading ----------------------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -173,7 +168,8 @@ class TcpTransport(asyncio.Transport):
         size = len(data)
         if not size:
             return
-        if not self._backlog_bytes:
+        backlog = self._backlog
+        if not backlog.bytes:
             try:
                 n = self._sock.send(data)
             except (BlockingIOError, InterruptedError):
@@ -183,7 +179,6 @@ class TcpTransport(asyncio.Transport):
                 return
             if n == size:
                 return
-            size -= n
             if n:
                 data = memoryview(data)[n:]
             self._writer = True
@@ -191,10 +186,12 @@ class TcpTransport(asyncio.Transport):
         # What waits is the caller's object itself, as uvloop kept it: bytes, or a view of its
         # buffer (relay.py's and hbone.py's receive buffers are reused only once no view of them
         # is alive); a bytearray, which its owner may change, is copied.
-        self._backlog.append(bytes(data) if isinstance(data, bytearray) else data)
-        self._backlog_bytes += size
-        if not self._writing_paused and self._backlog_bytes > self._high_water:
-            self._writing_paused = True
+        try:
+            pause = backlog.push(bytes(data) if isinstance(data, bytearray) else data)
+        except BacklogOverflow as e:
+            self._fail(e)
+            return
+        if pause:
             self._protocol.pause_writing()
 
     def writelines(self, list_of_data: Any) -> None:
@@ -203,29 +200,20 @@ class TcpTransport(asyncio.Transport):
 
     def _on_writable(self) -> None:
         backlog = self._backlog
+        pieces = backlog.pieces
         try:
-            if len(backlog) == 1:
-                n = self._sock.send(backlog[0])
+            if len(pieces) == 1:
+                n = self._sock.send(pieces[0])
             else:
-                n = self._sock.sendmsg(list(itertools.islice(backlog, MAX_BUFFERS_PER_SEND)))
+                n = self._sock.sendmsg(list(itertools.islice(pieces, MAX_BUFFERS_PER_SEND)))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._fail(e)
             return
-        self._backlog_bytes -= n
-        while n:
-            first = backlog[0]
-            if len(first) <= n:
-                n -= len(first)
-                backlog.popleft()
-            else:
-                backlog[0] = memoryview(first)[n:]
-                n = 0
-        if self._writing_paused and self._backlog_bytes <= self._low_water:
-            self._writing_paused = False
+        if backlog.consume(n):
             self._protocol.resume_writing()
-        if self._backlog_bytes:
+        if backlog.bytes:
             return
         self._writer = False
         self._loop.remove_writer(self._fd)
@@ -241,7 +229,7 @@ class TcpTransport(asyncio.Transport):
         if self._closing or self._eof_wanted:
             return
         self._eof_wanted = True
-        if not self._backlog_bytes:
+        if not self._backlog.bytes:
             self._shutdown_write()
 
     def _shutdown_write(self) -> None:
@@ -253,19 +241,13 @@ class TcpTransport(asyncio.Transport):
                 raise
 
     def get_write_buffer_size(self) -> int:
-        return self._backlog_bytes
+        return self._backlog.bytes
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
-        return self._low_water, self._high_water
+        return self._backlog.low_water_bytes, self._backlog.high_water_bytes
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = WRITE_HIGH_WATER_BYTES if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high_water, self._low_water = high, low
+        self._backlog.set_limits(high, low)
 
     # Closing ----------------------------------------------------------------------------
     def is_closing(self) -> bool:
@@ -277,7 +259,7 @@ class TcpTransport(asyncio.Transport):
             return
         self._closing = True
         self._stop_reading()
-        if not self._backlog_bytes:
+        if not self._backlog.bytes:
             self._finish(None)
 
     def abort(self) -> None:
@@ -287,7 +269,6 @@ class TcpTransport(asyncio.Transport):
         self._closing = True
         self._stop_reading()
         self._backlog.clear()
-        self._backlog_bytes = 0
         self._finish(None)
 
     def _fail(self, exc: OSError) -> None:
@@ -297,7 +278,6 @@ class TcpTransport(asyncio.Transport):
         self._closing = True
         self._stop_reading()
         self._backlog.clear()
-        self._backlog_bytes = 0
         self._finish(exc)
 
     def _crash(self, exc: Exception, doing: str) -> None:

@@ -76,7 +76,6 @@ of the same C calls (CPython's ssl.py), which is the per-message cost this modul
 from __future__ import annotations
 
 import asyncio
-import collections
 import ctypes
 import errno
 import functools
@@ -92,6 +91,7 @@ from ..errors import ProtocolError
 from ..identity import openssl_native
 from ..identity.tls_suites import KEYLOG, TrafficSecrets
 from . import tls_records
+from .write_backlog import BacklogOverflow, WriteBacklog
 
 log = logging.getLogger("ambient_mesh.tls")
 
@@ -99,9 +99,6 @@ log = logging.getLogger("ambient_mesh.tls")
 # writing, and below which it may start again; asyncio's flow-control contract.
 WRITE_HIGH_WATER_BYTES = 256 * 1024
 WRITE_LOW_WATER_BYTES = 64 * 1024
-# A protocol that keeps writing after pause_writing is cut off here (HboneConnection stops; its
-# core holds and bounds what waits, up to the 16 MiB connection window, hbone.py).
-MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
 # The write-side buffering BIO (module docstring): one 256 KiB chunk's 17 records (16 KiB of
 # plaintext each plus TLS 1.3's 22 bytes: header, content type, AES-GCM tag) and its DATA frame
 # header's record fit, so a chunk leaves in one send. Allocated per connection, and only on the
@@ -203,75 +200,6 @@ def coalesce_writes(tls: ssl.SSLSocket, size: int = WRITE_COALESCE_BYTES) -> _Co
     lib.bio_push(bio, sock_bio)
     lib.set0_wbio(pointer, bio)
     return _Coalescer(lib, pointer, bio)
-
-
-class TlsBacklogOverflow(ConnectionError):
-    """The protocol wrote past MAX_WRITE_BACKLOG_BYTES while the peer was not reading."""
-
-
-class WriteBacklog:
-    """What the socket has not taken yet, oldest first, with the flow-control marks (sans-IO).
-
-    The head is the buffer OpenSSL reported WANT_WRITE for: it goes out again as it is.
-    """
-
-    __slots__ = ("pieces", "bytes", "high_water_bytes", "low_water_bytes", "max_bytes", "paused")
-
-    def __init__(
-        self,
-        *,
-        high_water_bytes: int = WRITE_HIGH_WATER_BYTES,
-        low_water_bytes: int = WRITE_LOW_WATER_BYTES,
-        max_bytes: int = MAX_WRITE_BACKLOG_BYTES,
-    ) -> None:
-        self.pieces: collections.deque[bytes | memoryview] = collections.deque()
-        self.bytes = 0
-        self.high_water_bytes = high_water_bytes
-        self.low_water_bytes = low_water_bytes
-        self.max_bytes = max_bytes
-        self.paused = False  # the protocol was told to pause_writing and not yet to resume
-
-    def set_limits(self, high: int | None = None, low: int | None = None) -> None:
-        """asyncio's `set_write_buffer_limits` rule: low defaults to high / 4, high to 4 x low."""
-        if high is None:
-            high = WRITE_HIGH_WATER_BYTES if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self.high_water_bytes = high
-        self.low_water_bytes = low
-
-    def push(self, data: bytes | memoryview) -> bool:
-        """Queue `data`; True when the protocol must now be told to pause writing.
-
-        Raises TlsBacklogOverflow past `max_bytes`."""
-        if self.bytes + len(data) > self.max_bytes:
-            raise TlsBacklogOverflow(
-                f"TLS write backlog would exceed {self.max_bytes} bytes: the peer is not reading "
-                "and the protocol kept writing after pause_writing"
-            )
-        self.pieces.append(data)
-        self.bytes += len(data)
-        if not self.paused and self.bytes > self.high_water_bytes:
-            self.paused = True
-            return True
-        return False
-
-    def head(self) -> bytes | memoryview:
-        return self.pieces[0]
-
-    def pop(self) -> bool:
-        """The head was written; True when the protocol must now be told to resume writing."""
-        self.bytes -= len(self.pieces.popleft())
-        if self.paused and self.bytes <= self.low_water_bytes:
-            self.paused = False
-            return True
-        return False
-
-    def clear(self) -> None:
-        self.pieces.clear()
-        self.bytes = 0
 
 
 def _ready(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> asyncio.Future[None]:
@@ -416,7 +344,9 @@ class _TlsTransportBase(asyncio.Transport):
         self._tls = tls
         self._fd = tls.fileno()
         self._protocol = protocol
-        self._backlog = WriteBacklog()
+        self._backlog = WriteBacklog(
+            high_water_bytes=WRITE_HIGH_WATER_BYTES, low_water_bytes=WRITE_LOW_WATER_BYTES
+        )
         self._reading = False  # our reader is registered with the loop
         self._read_paused = False  # the protocol asked us to pause reading
         self._writer_on = False
@@ -749,7 +679,7 @@ class OpenSslTransport(_TlsTransportBase):
             data = bytes(data)  # the caller may change it before it goes out
         try:
             pause = backlog.push(data)
-        except TlsBacklogOverflow as e:
+        except BacklogOverflow as e:
             self._fatal(e)
             return
         if pause:
@@ -1162,7 +1092,7 @@ class TlsTransport(_TlsTransportBase):
         seal buffer is reused by the next seal)."""
         try:
             pause = self._backlog.push(sealed if type(sealed) is bytes else bytes(sealed))
-        except TlsBacklogOverflow as e:
+        except BacklogOverflow as e:
             self._fatal(e)
             return
         if pause:

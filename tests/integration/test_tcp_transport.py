@@ -19,6 +19,7 @@ from ambient_mesh.proxy.tcp_transport import (
     WRITE_LOW_WATER_BYTES,
     TcpTransport,
 )
+from ambient_mesh.proxy.write_backlog import BacklogOverflow
 
 from .tcp_pair import tcp_pair
 
@@ -141,6 +142,23 @@ async def test_flow_control_pauses_and_resumes_and_keeps_the_order():
     transport.close()
     await until(lambda: protocol.lost, "connection_lost")
     assert protocol.lost == [None]
+    peer.close()
+
+
+async def test_a_writer_that_ignores_pause_writing_is_cut_off_at_the_backlog_bound():
+    sock, peer = tcp_pair()  # the peer never reads
+    protocol = Recorder()
+    transport = make(sock, protocol)
+    transport._backlog.max_bytes = 1024 * 1024  # the bound under test, made small
+    chunk = b"z" * (64 * 1024)
+    for _ in range(10_000):
+        transport.write(chunk)
+        if transport.is_closing():
+            break
+    await until(lambda: protocol.lost, "connection_lost")
+    assert isinstance(protocol.lost[0], BacklogOverflow)
+    assert "1048576 bytes" in str(protocol.lost[0])
+    assert protocol.events.count("pause") == 1 and transport.get_write_buffer_size() == 0
     peer.close()
 
 

@@ -30,7 +30,8 @@ from ambient_mesh.identity import (
 )
 from ambient_mesh.identity.tls_crl import verified_chain
 from ambient_mesh.proxy import tls_transport
-from ambient_mesh.proxy.tls_transport import OpenSslTransport, TlsBacklogOverflow, TlsTransport, start_tls
+from ambient_mesh.proxy.tls_transport import OpenSslTransport, TlsTransport, start_tls
+from ambient_mesh.proxy.write_backlog import BacklogOverflow
 
 SERVER = Identity("cluster.local", "ns1", "server")
 CLIENT = Identity("cluster.local", "ns2", "client")
@@ -305,7 +306,7 @@ async def test_a_writer_that_ignores_pause_writing_is_cut_off_at_the_backlog_bou
                 break
         async with asyncio.timeout(STEP_TIMEOUT_S):
             exc = await client.lost
-        assert isinstance(exc, TlsBacklogOverflow)
+        assert isinstance(exc, BacklogOverflow)
         assert "1048576 bytes" in str(exc)
         assert client.paused == 1
 

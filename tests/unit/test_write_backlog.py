@@ -1,10 +1,10 @@
-"""The TLS transport's write backlog (proxy/tls_transport.WriteBacklog): order, marks, bound."""
+"""The transports' write backlog (proxy/write_backlog.py): order, marks, partial sends, bound."""
 
 from __future__ import annotations
 
 import pytest
 
-from ambient_mesh.proxy.tls_transport import TlsBacklogOverflow, WriteBacklog
+from ambient_mesh.proxy.write_backlog import MAX_WRITE_BACKLOG_BYTES, BacklogOverflow, WriteBacklog
 
 
 def test_pause_once_above_high_and_resume_once_at_or_below_low():
@@ -24,7 +24,7 @@ def test_pause_once_above_high_and_resume_once_at_or_below_low():
 
 
 def test_the_head_stays_until_it_is_written():
-    b = WriteBacklog()
+    b = WriteBacklog(high_water_bytes=100, low_water_bytes=25)
     first = memoryview(b"first")
     b.push(first)
     b.push(b"second")
@@ -37,13 +37,16 @@ def test_the_head_stays_until_it_is_written():
 def test_overflow_is_refused_before_anything_is_queued():
     b = WriteBacklog(high_water_bytes=10, low_water_bytes=5, max_bytes=100)
     b.push(b"x" * 100)
-    with pytest.raises(TlsBacklogOverflow, match="exceed 100 bytes"):
+    with pytest.raises(BacklogOverflow, match="exceed 100 bytes"):
         b.push(b"y")
     assert b.bytes == 100 and len(b.pieces) == 1
 
 
 def test_limits_follow_asyncio_rules():
-    b = WriteBacklog()
+    b = WriteBacklog(high_water_bytes=2000, low_water_bytes=500)
+    assert b.max_bytes == MAX_WRITE_BACKLOG_BYTES
+    b.set_limits()
+    assert (b.low_water_bytes, b.high_water_bytes) == (500, 2000)  # its own default, not another's
     b.set_limits(high=1000)
     assert (b.low_water_bytes, b.high_water_bytes) == (250, 1000)
     b.set_limits(low=100)
@@ -52,3 +55,17 @@ def test_limits_follow_asyncio_rules():
         b.set_limits(high=10, low=20)
     b.clear()
     assert b.bytes == 0
+
+
+def test_a_partial_send_drops_what_went_and_keeps_the_rest_in_order():
+    b = WriteBacklog(high_water_bytes=10, low_water_bytes=4)
+    b.push(b"abc")
+    assert b.push(memoryview(b"defghijk"))  # 11: pause
+    assert not b.consume(2)  # within the first piece
+    assert bytes(b.head()) == b"c" and b.bytes == 9
+    assert not b.consume(4)  # the rest of the first, part of the second: 5 left
+    assert bytes(b.head()) == b"ghijk" and len(b.pieces) == 1
+    assert b.consume(1)  # 4: resume
+    assert not b.paused
+    assert not b.consume(4)
+    assert b.bytes == 0 and not b.pieces
