@@ -319,7 +319,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
     __slots__ = ("transport", "peer", "bytes_read", "_held", "_held_eof", "_lost", "_eof_sent")
 
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+        self.transport: TcpTransport | None = None  # wrap_socket makes it
         self.relay = None
         self.peer = None
         self.bytes_read = 0
@@ -393,8 +393,11 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
         self._held.insert(0, data)
 
     def write(self, data: bytes | memoryview) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        # No is_closing() call first: our transport drops writes once it is closing itself, and
+        # this runs once per message (bench/README.md, issue 11, session 19).
+        transport = self.transport
+        if transport is not None:
+            transport.write(data)
 
     def write_eof(self) -> None:
         if self._eof_sent or self.transport is None or self.transport.is_closing():
