@@ -529,14 +529,14 @@ def parse_fields(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
 
 
+# The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
+PROXY_PYTHON_ENV = "AMBIENT_BENCH_PROXY_PYTHON"
+
+
 def proxy_argv() -> list[str]:
     """A node proxy's command: this interpreter, or the one a tree names (`tree_benches`), as
     PYTHONPATH names its source."""
     return [os.environ.get(PROXY_PYTHON_ENV) or sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
-
-
-# The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
-PROXY_PYTHON_ENV = "AMBIENT_BENCH_PROXY_PYTHON"
 
 
 def split_tree(spec: str) -> tuple[str, str]:
