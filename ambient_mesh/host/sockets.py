@@ -46,31 +46,23 @@ def original_destination(sock: socket.socket) -> SocketAddr:
     connection was not redirected (it arrived at the listener directly).
     """
     try:
-        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)  # struct sockaddr_in
+        ip_at = slice(4, 8)
     except OSError:
-        pass
-    else:
-        found = _original_destinations.get(raw)
-        if found is None:
-            found = _kept_destination(
-                raw, SocketAddr(ip_address(raw[4:8]), struct.unpack_from("!H", raw, 2)[0])
-            )
-        return found
-    try:
-        raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)
-    except OSError:
-        return SocketAddr.from_sockaddr(sock.getsockname())
+        try:
+            raw = sock.getsockopt(SOL_IPV6, IP6T_SO_ORIGINAL_DST, 28)  # struct sockaddr_in6
+            ip_at = slice(8, 24)
+        except OSError:
+            return SocketAddr.from_sockaddr(sock.getsockname())
+    # The two structs differ in length, so their raw bytes never meet as one key.
     found = _original_destinations.get(raw)
     if found is None:
-        found = _kept_destination(raw, SocketAddr(ip_address(raw[8:24]), struct.unpack_from("!H", raw, 2)[0]))
+        if len(_original_destinations) >= ORIGINAL_DESTINATIONS_KEPT:
+            _original_destinations.clear()
+        found = _original_destinations[raw] = SocketAddr(
+            ip_address(raw[ip_at]), struct.unpack_from("!H", raw, 2)[0]
+        )
     return found
-
-
-def _kept_destination(raw: bytes, address: SocketAddr) -> SocketAddr:
-    if len(_original_destinations) >= ORIGINAL_DESTINATIONS_KEPT:
-        _original_destinations.clear()
-    _original_destinations[raw] = address
-    return address
 
 
 def is_own_listener(sock: socket.socket, target: SocketAddr, listener_ports: frozenset[int]) -> bool:

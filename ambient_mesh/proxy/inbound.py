@@ -147,12 +147,11 @@ def _admitted(connecting: _Connecting) -> Admitted:
     )
 
 
-def _connect_failed(
-    result: ConnectionResult, address: SocketAddr, e: OSError | TimeoutError
-) -> InboundRefusal:
+def _connect_failed(result: ConnectionResult, address: SocketAddr, e: OSError | TimeoutError) -> str:
+    """Record an app connect that failed; the reason."""
     reason = f"connect to {address} failed: {getattr(e, 'strerror', None) or e or 'timeout'}"
     result.fail(reason, ResponseFlag.CONNECT)
-    return InboundRefusal(status=503, reason=reason)
+    return reason
 
 
 class InboundProxy:
@@ -503,7 +502,7 @@ class InboundProxy:
         try:
             sock, connected = pi.start_connect(address, connect_from)
         except OSError as e:
-            return _connect_failed(result, address, e)
+            return InboundRefusal(status=503, reason=_connect_failed(result, address, e))
         connecting = _Connecting(
             sock=sock,
             address=address,
@@ -520,7 +519,9 @@ class InboundProxy:
             # Closes the socket on failure, timeout and cancellation (the stream reset).
             await self.pi.finish_connect(connecting.sock, connecting.address, APP_CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
-            return _connect_failed(connecting.result, connecting.address, e)
+            return InboundRefusal(
+                status=503, reason=_connect_failed(connecting.result, connecting.address, e)
+            )
         return _admitted(connecting)
 
     def start_carry(
@@ -679,10 +680,7 @@ class InboundPassthroughProxy:
             upstream_sock = await pi.connect(target, peer.ip, timeout_s=APP_CONNECT_TIMEOUT_S)
             upstream = wrap_socket(upstream_sock)
         except (OSError, TimeoutError) as e:
-            result.fail(
-                f"connect to {target} failed: {getattr(e, 'strerror', None) or e or 'timeout'}",
-                ResponseFlag.CONNECT,
-            )
+            _connect_failed(result, target, e)
             downstream.abort()
             return
         relay = Relay(downstream, upstream)

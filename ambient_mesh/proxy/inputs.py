@@ -265,23 +265,13 @@ class ProxyInputs:
 _CONNECT_PENDING = frozenset({errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EINTR})
 
 
-async def connect_socket(
-    sock: socket.socket, address: tuple[Any, ...], timeout_s: float | None = None
-) -> None:
-    """Connect a non-blocking socket to a numeric address, as `loop.sock_connect` does (same
-    errors and messages) but without its name resolution, and with the deadline as one timer.
-
-    uvloop's sock_connect resolves even a numeric address (getaddrinfo, IDNA-encoding the host)
-    and, with asyncio.timeout around it, took about twice the CPU of this per connection
-    (bench/README.md, connection path): every inbound stream connects to its app this way.
-    """
-    if not connect_started(sock, address):
-        await wait_connected(sock, address, timeout_s)
-
-
 def connect_started(sock: socket.socket, address: tuple[Any, ...]) -> bool:
     """Issue a non-blocking socket's connect() to a numeric address: True when it is connected
     already, False while the handshake goes on (`wait_connected`); OSError when refused at once.
+    Together they connect as `loop.sock_connect` does (same errors and messages) but without its
+    name resolution, and with the deadline as one timer: uvloop's sock_connect resolves even a
+    numeric address (getaddrinfo, IDNA-encoding the host) and, with asyncio.timeout around it,
+    took about twice the CPU per connection (bench/README.md, connection path).
 
     To an address of this host (the app behind an inbound stream, over loopback or into the
     pod's namespace) the kernel has usually finished the handshake before connect() returns:

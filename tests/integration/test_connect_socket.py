@@ -1,5 +1,5 @@
-"""inputs.connect_socket: the proxy's connect to apps, without the event loop's name resolution;
-errors and messages as loop.sock_connect gives them, and its deadline."""
+"""inputs.connect_started and wait_connected: the proxy's connect to apps, without the event
+loop's name resolution; errors and messages as loop.sock_connect gives them, and its deadline."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from ambient_mesh.proxy.inputs import connect_socket
+from ambient_mesh.proxy.inputs import connect_started, wait_connected
+
+
+async def connect_socket(sock: socket.socket, address: tuple, timeout_s: float) -> None:
+    """The two halves as ProxyInputs.connect and the inbound path use them."""
+    if not connect_started(sock, address):
+        await wait_connected(sock, address, timeout_s)
 
 
 def _client() -> socket.socket:
