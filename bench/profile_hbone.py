@@ -10,9 +10,15 @@ per-message path; `--test connections` opens --connections tunnels one after ano
 --round-trips 1-byte ping-pongs on one tunnel: the per-message path for small messages. Samples are of active CPU only: py-spy leaves out threads that are idle in
 epoll. Raw folded stacks are kept in a directory printed at the end (flamegraph-ready).
 
+`--perf` samples with `perf record` instead (shares by shared object and C symbol) and adds, per
+proxy, the share of samples in AES-GCM code (`perf_aead.py`), as CPU s per GiB in a throughput
+test. `--mode envoy --perf` profiles the Envoy pair of hbone_bench's envoy mode the same way, so
+both pairs' AES-GCM cost can be set side by side.
+
     .venv/bin/pip install py-spy        # once
     sudo .venv/bin/python bench/profile_hbone.py [--test throughput|connections|latency]
         [--size-mib 2048] [--connections 3000] [--round-trips 20000] [--native] [--top 25]
+        [--perf [--mode hbone|envoy]]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hbone_bench  # noqa: E402
+import perf_aead  # noqa: E402
 from hbone_bench import ROOT, Bench, choose_topology, proc_cpu_s  # noqa: E402
 
 PYSPY_START_S = 1.0  # py-spy needs a moment to attach before the traffic starts
@@ -91,6 +98,13 @@ def main() -> int:
         "OpenSSL, the kernel)",
     )
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--mode",
+        choices=("hbone", "envoy"),
+        default="hbone",
+        help="the pair to profile: our proxies, or the Envoy pair of hbone_bench's envoy mode "
+        "(--perf only: Envoy is not Python)",
+    )
     p.add_argument("--no-pin", action="store_true")
     p.add_argument(
         "--cprofile",
@@ -99,6 +113,8 @@ def main() -> int:
         "counts per connection or round trip, deterministic overhead on every Python call)",
     )
     args = p.parse_args()
+    if args.mode == "envoy" and not args.perf:
+        p.error("--mode envoy needs --perf (py-spy and cProfile see only Python)")
     if args.cprofile:
         return cprofile_main(args)
 
@@ -111,7 +127,7 @@ def main() -> int:
         raise SystemExit("perf is not installed (apt-get install linux-perf)")
     out_dir = Path(tempfile.mkdtemp(prefix="hbone-profile-"))
     bench_args = argparse.Namespace(
-        modes=["hbone"],
+        modes=[args.mode],
         size_mib=args.size_mib if args.test == "throughput" else 64,  # warm-up transfer
         parallel=args.parallel,
         latency_bytes=1,
@@ -121,13 +137,14 @@ def main() -> int:
         idle_connections=0,
     )
     workdir = Path(tempfile.mkdtemp(prefix="hbone-bench-"))
-    topo = choose_topology(args.topology, workdir)
+    topo = choose_topology(args.topology, workdir, envoy=args.mode == "envoy")
     try:
         bench = Bench(topo=topo, args=bench_args, pin=not args.no_pin)
         bench.apply_layout("spread")
         bench.warm_up()
         samplers = {}
-        for name, pid in topo.pids().items():
+        pids = topo.pids(args.mode)
+        for name, pid in pids.items():
             if args.perf:
                 argv = [spy, "record", "-e", "cpu-clock", "-F", str(args.rate), "-p", str(pid)]
                 argv += ["-o", str(out_dir / f"{name}.perf")]
@@ -150,7 +167,7 @@ def main() -> int:
             samplers[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(PYSPY_START_S)
         size = args.size_mib * 1024 * 1024
-        cpu0 = {n: proc_cpu_s(pid) for n, pid in topo.pids().items()}
+        cpu0 = {n: proc_cpu_s(pid) for n, pid in pids.items()}
         if args.test == "throughput":
             test_argv = ["--test", "throughput", "--size", str(size), "--parallel", str(args.parallel)]
         elif args.test == "connections":
@@ -159,8 +176,8 @@ def main() -> int:
         else:
             test_argv = ["--test", "latency", "--latency-bytes", "1", "--warmup", "0"]
             test_argv += ["--round-trips", str(args.round_trips)]
-        result = bench.run_client("hbone", *test_argv)
-        cpu = {n: proc_cpu_s(pid) - cpu0[n] for n, pid in topo.pids().items()}
+        result = bench.run_client(args.mode, *test_argv)
+        cpu = {n: proc_cpu_s(pid) - cpu0[n] for n, pid in pids.items()}
         for name, sampler in samplers.items():
             sampler.send_signal(signal.SIGINT)
             try:
@@ -188,12 +205,13 @@ def main() -> int:
     else:
         what = f"p50 {result['p50_us']:.1f} µs, p99 {result['p99_us']:.1f} µs, {result['count']} round trips"
     console.print(
-        f"hbone {args.test} under {'perf' if args.perf else 'py-spy'} ({args.rate} Hz, {'native' if args.native or args.perf else 'python'} "
+        f"{args.mode} {args.test} under {'perf' if args.perf else 'py-spy'} ({args.rate} Hz, {'native' if args.native or args.perf else 'python'} "
         f"frames): {what}; proxy CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
     )
     for name, role in (("client", "outbound (TCP -> HBONE)"), ("server", "inbound (HBONE -> TCP)")):
         if args.perf:
             print_perf(console, out_dir / f"{name}.perf", f"{name} proxy, {role}", args.top)
+            print_aead(console, out_dir / f"{name}.perf", name, args.mode, cpu[name], result, args.test)
             continue
         path = out_dir / f"{name}.folded"
         if not path.exists():
@@ -230,6 +248,37 @@ def print_perf(console, path: Path, title: str, top: int) -> None:
         console.print(f"[bold]{title}[/bold]: perf samples by {sort}")
         for line in rows[:top]:
             console.print("  " + line.strip())
+
+
+def aead_objects(mode: str) -> dict[str, str]:
+    """The shared objects whose AES-GCM `perf_aead` looks for: Envoy's binary (BoringSSL is in it),
+    or ours: `cryptography`'s Rust extension (its own OpenSSL, the record layer's AEAD) and the
+    system OpenSSL (the handshake)."""
+    if mode == "envoy":
+        from tests.interop.envoy import envoy_binary
+
+        binary = envoy_binary()
+        return {"envoy": binary} if binary else {}
+    import cryptography.hazmat.bindings._rust as rust
+
+    objects = {Path(rust.__file__).name: rust.__file__}
+    libcrypto = Path("/usr/lib/x86_64-linux-gnu/libcrypto.so.3")
+    if libcrypto.exists():
+        objects[libcrypto.name] = str(libcrypto)
+    return objects
+
+
+def print_aead(console, path: Path, name: str, mode: str, cpu_s: float, result: dict, test: str) -> None:
+    """The share of one proxy's samples in AES-GCM code (perf_aead), and that share of its CPU per
+    GiB in a throughput test."""
+    if not path.exists():
+        return
+    share = perf_aead.aead_share(path, aead_objects(mode))
+    line = f"{name} proxy: AES-GCM code {share.total_pct:.1f}% of samples"
+    if test == "throughput" and result.get("bytes"):
+        gib = result["bytes"] / 2**30
+        line += f" = {cpu_s * share.total_pct / 100 / gib:.3f} of {cpu_s / gib:.3f} CPU s per GiB"
+    console.print(line + " (" + ", ".join(f"{k} {v:.1f}%" for k, v in share.by_object.items()) + ")")
 
 
 # The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on
