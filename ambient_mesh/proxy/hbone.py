@@ -60,8 +60,9 @@ PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 # TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
 # over at most (tls_transport fills it with the records that wait, uvloop's TLS reads this
-# much). More than this is read in the next round.
-RECEIVE_BUFFER_BYTES = 256 * 1024
+# much). More than this is read in the next round. As large as the TLS transport's receive
+# (tls_transport.RECV_BYTES): one pass of HTTP/2 and relay per read.
+RECEIVE_BUFFER_BYTES = 1024 * 1024
 # After a connection error (a flood, a protocol error) our GOAWAY goes out and the transport
 # closes gracefully (TLS: close_notify, then reading and dropping until the peer's EOF), so
 # that the peer's unread bytes do not make our close a TCP reset that can destroy the GOAWAY

@@ -32,12 +32,14 @@ from .tcp_transport import READ_BYTES, TcpTransport
 # `data_received` this long filled it.
 UVLOOP_READ_BYTES = READ_BYTES
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
-# write of this many bytes per read. 9 bytes short of 256 KiB: such a read goes out as one
+# write of this many bytes per read. 9 bytes short of 1 MiB: such a read goes out as one
 # HTTP/2 DATA frame whose 9-byte header (RFC 9113 4.1) shares the first TLS record
-# (tls_transport.TlsTransport.writelines), so header and payload fill 16 records of 2^14 bytes
-# exactly (RFC 8446 5.1); a full 256 KiB left a 9-byte 17th record per frame to seal, send,
-# open and hand over (bench/README.md, issue 11, per message).
-APP_RECEIVE_BUFFER_BYTES = 256 * 1024 - 9
+# (tls_transport.TlsTransport.writelines), so header and payload fill 64 records of 2^14 bytes
+# exactly (RFC 8446 5.1); a full 1 MiB would leave a 9-byte last record per frame to seal, send,
+# open and hand over (bench/README.md, issue 11, per message). 1 MiB rather than 256 KiB: a
+# quarter of the reads, seals, sends and wake-ups per GiB on both proxies (bench/README.md,
+# issue 11, session 20: 0.77 of the CPU per GiB with the three buffers below it).
+APP_RECEIVE_BUFFER_BYTES = 1024 * 1024 - 9
 # Back to `data_received` after this many reads in a row shorter than a quarter of the buffer.
 SMALL_READS_TO_LEAVE_BULK = 16
 # What a plain endpoint reads and holds before its relay starts, at most: past it, reading pauses

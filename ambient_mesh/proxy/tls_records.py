@@ -198,7 +198,9 @@ def _wipe(buffer: bytearray) -> None:
     buffer[:] = bytes(len(buffer))
 
 
-SEAL_BUFFER_BYTES: Final = 18 * MAX_SEALED_RECORD_BYTES  # a 256 KiB write, its frame header, a KeyUpdate
+# A 1 MiB write (relay.APP_RECEIVE_BUFFER_BYTES with its DATA frame header: 64 records), a
+# KeyUpdate and a record waiting in `output`; a longer write gets a buffer of its own.
+SEAL_BUFFER_BYTES: Final = 66 * MAX_SEALED_RECORD_BYTES
 
 
 class _Scratch:

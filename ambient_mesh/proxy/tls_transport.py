@@ -884,7 +884,7 @@ class OpenSslTransport(_TlsTransportBase):
 # another: the loop runs readiness callbacks one at a time, and nothing a protocol's
 # `buffer_updated` calls reads a TLS socket at once (`resume_reading` schedules the read; the
 # close path reads into a buffer of its own, `DRAIN_READ_BYTES`).
-RECV_BYTES = 256 * 1024
+RECV_BYTES = 1024 * 1024  # a bulk write's records (relay.APP_RECEIVE_BUFFER_BYTES) in one recv
 RECV_BUFFER_BYTES = RECV_BYTES + 2 * tls_records.MAX_SEALED_RECORD_BYTES
 _RECV_BUFFERS = threading.local()
 

@@ -15,6 +15,7 @@ import weakref
 import pytest
 
 from ambient_mesh.proxy.tcp_transport import (
+    HELD_VIEW_MIN_SHARE,
     WRITE_HIGH_WATER_BYTES,
     WRITE_LOW_WATER_BYTES,
     TcpTransport,
@@ -182,6 +183,33 @@ async def test_bytes_and_copied_bytearrays_arrive_intact_behind_a_backlog():
     assert transport.is_closing()
     transport.write(b"too late")  # closed: dropped
     assert await receive_all(peer) == bytes(expected)
+    await until(lambda: protocol.lost, "connection_lost")
+    assert protocol.lost == [None]
+    peer.close()
+
+
+async def test_a_waiting_view_is_kept_only_when_it_is_a_large_share_of_its_buffer():
+    """A view of a 1 MiB receive buffer that must wait is held as it is when it is at least
+    1 / HELD_VIEW_MIN_SHARE of the buffer; a shorter one is copied, so the buffer is not pinned
+    for a few bytes (relay.py's and hbone.py's buffers are reused once no view is alive)."""
+    sock, peer = tcp_pair()  # the peer does not read until the end: everything waits
+    protocol = Recorder()
+    transport = make(sock, protocol)
+    transport.set_write_buffer_limits(high=1 << 30)
+    buffer = bytearray(b"b" * (1 << 20))
+    filler = b"f" * (8 << 20)  # fills the socket's buffers, so the views below wait
+    transport.write(filler)
+    share = len(buffer) // HELD_VIEW_MIN_SHARE
+    small = memoryview(buffer)[: share - 1].toreadonly()
+    large = memoryview(buffer)[:share].toreadonly()
+    transport.write(small)
+    transport.write(large)
+    pieces = list(transport._backlog.pieces)
+    assert type(pieces[-2]) is bytes and bytes(pieces[-2]) == bytes(small)  # copied
+    assert pieces[-1] is large  # held as it is
+    del small, large, pieces
+    transport.close()
+    assert await receive_all(peer) == filler + b"b" * (2 * share - 1)
     await until(lambda: protocol.lost, "connection_lost")
     assert protocol.lost == [None]
     peer.close()

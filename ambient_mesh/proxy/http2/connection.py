@@ -119,7 +119,7 @@ INITIAL_PEER_MAX_CONCURRENT_STREAMS = 100
 # A drain's PING that is not answered in this time is treated as answered.
 DRAIN_PING_TIMEOUT_S = 1.0
 # DATA payloads at least this long are handed out as views of the received bytes, not copies
-# (a TLS read holds a frame header and up to 256 KiB of payload; the slice was a full copy).
+# (a TLS read holds a frame header and up to 1 MiB of payload; the slice was a full copy).
 ZERO_COPY_SLICE_BYTES = 16 * 1024
 # Writes smaller than this are joined into one buffer (one TLS record instead of several).
 COALESCE_BELOW_BYTES = 16 * 1024
