@@ -4,7 +4,9 @@ for TLS 1.2 (`OpenSslTransport`), each driven from the event loop's readiness ca
 
 Own records (TLS 1.3, every HBONE context of identity/tls.py): the system OpenSSL 3.0 that `_ssl`
 links does AES-GCM without VAES; `cryptography`'s AESGCM (its own OpenSSL) is about twice as fast
-per record (bench/README.md, issue 11, "Per message, session 17"). OpenSSL does the handshake with
+per record where the CPU has AVX-512 (bench/README.md, issue 11, "Per message, session 17"); on
+one without it both run the same AES-NI code and the two record layers cost the same per GiB
+("Issue 11, session 20"). OpenSSL does the handshake with
 read-ahead off, so every byte after the peer's last handshake record is still in the socket;
 its keylog callback hands over the application traffic secrets (identity/tls_suites.py), and
 `take_over` refuses the connection if OpenSSL holds any received byte (SSL_has_pending). Server
