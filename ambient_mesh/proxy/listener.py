@@ -53,6 +53,12 @@ MAX_SHED_PER_ROUND = 256
 # Connections accepted per readiness callback: a full backlog is taken in a few turns of the
 # event loop, and the other connections' callbacks run between them.
 MAX_ACCEPTS_PER_WAKEUP = 64
+# A listening socket that worker processes share (ZTUNNEL_WORKER_THREADS, `adopt`): one connection
+# per readiness callback. Every worker's event loop is woken by the same readiness, so a burst is
+# spread over the workers, and a worker busy with its connections comes back for the next one
+# later than an idle one; taking up to MAX_ACCEPTS_PER_WAKEUP gave a burst of 8 bulk connections
+# to one worker (bench/README.md, issue 11, session 20).
+SHARED_ACCEPTS_PER_WAKEUP = 1
 
 # accept() failures that mean "this process or host is out of a resource", not "this client".
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -211,6 +217,7 @@ class Listener:
         self._backlog: select.poll | None = None  # the listening socket, polled: set by start()
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._backoff_s = ACCEPT_BACKOFF_MIN_S
+        self._accepts_per_wakeup = MAX_ACCEPTS_PER_WAKEUP
         self._errors = AcceptErrorLog(name)
         self.accepted = 0
         self.shed = 0  # clients closed unserved because the process ran out of descriptors
@@ -226,6 +233,7 @@ class Listener:
         owner's, which every worker accepts from); `bind()` then keeps it."""
         sock.setblocking(False)
         self._sock = sock
+        self._accepts_per_wakeup = SHARED_ACCEPTS_PER_WAKEUP
 
     def bind(self) -> None:
         if self._sock is not None:
@@ -267,8 +275,9 @@ class Listener:
         self._loop.add_reader(sock, self._on_readable)
 
     def _on_readable(self) -> None:
-        """Accept what waits in the backlog (up to MAX_ACCEPTS_PER_WAKEUP) and start a handler
-        task for each, from the event loop's readiness callback.
+        """Accept what waits in the backlog (up to MAX_ACCEPTS_PER_WAKEUP, or one on a socket
+        shared with other workers) and start a handler task for each, from the event loop's
+        readiness callback.
 
         A persistent reader, not `await loop.sock_accept()` in a task: that made a future and a
         task step per connection and registered and removed the listening socket with epoll
@@ -279,7 +288,7 @@ class Listener:
         if sock is None or loop is None or backlog is None:
             return
         family, type_, proto = self._accepted_kind
-        for _ in range(MAX_ACCEPTS_PER_WAKEUP):
+        for _ in range(self._accepts_per_wakeup):
             try:
                 # What socket.accept() does (the C `_accept`, accept4 with SOCK_CLOEXEC, then a
                 # socket object on the descriptor), without its enum reads of family and type.

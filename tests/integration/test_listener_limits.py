@@ -232,3 +232,37 @@ async def test_a_wakeup_accepts_what_waits_without_an_accept_that_finds_nothing(
         listener.close()
         for c in burst:
             c.close()
+
+
+async def test_a_socket_shared_with_other_workers_is_accepted_from_one_client_per_wakeup():
+    # Workers adopt the owner's listening socket; each readiness callback takes one client, so a
+    # burst is left for the other workers, which the same readiness woke. A listener that bound
+    # its own socket takes the whole burst in one callback.
+    async def handler(conn: socket.socket) -> None:
+        conn.close()
+
+    owner = socket.socket()
+    owner.bind(("127.0.0.1", 0))
+    owner.listen(16)
+    port = owner.getsockname()[1]
+    shared = Listener("shared", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    shared.adopt(owner)
+    own = Listener("own", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    own.bind()
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    clients += [socket.create_connection(("127.0.0.1", own.bound_address.port)) for _ in range(4)]
+    try:
+        for listener in (shared, own):
+            listener.start()
+            listener._loop.remove_reader(listener._sock)  # type: ignore[union-attr]  # the test wakes it
+        shared._on_readable()
+        own._on_readable()
+        assert (shared.accepted, own.accepted) == (1, 4)
+        for _ in range(3):
+            shared._on_readable()
+        assert shared.accepted == 4
+    finally:
+        shared.close()
+        own.close()
+        for c in clients:
+            c.close()
