@@ -197,8 +197,13 @@ async def test_a_waiting_view_is_kept_only_when_it_is_a_large_share_of_its_buffe
     transport = make(sock, protocol)
     transport.set_write_buffer_limits(high=1 << 30)
     buffer = bytearray(b"b" * (1 << 20))
-    filler = b"f" * (8 << 20)  # fills the socket's buffers, so the views below wait
-    transport.write(filler)
+    filler = bytearray()
+    for _ in range(256):  # until the socket's buffers are full, so the views below wait
+        transport.write(b"f" * (1 << 20))
+        filler += b"f" * (1 << 20)
+        if transport.get_write_buffer_size():
+            break
+    assert transport.get_write_buffer_size(), "the socket took 256 MiB without the peer reading"
     share = len(buffer) // HELD_VIEW_MIN_SHARE
     small = memoryview(buffer)[: share - 1].toreadonly()
     large = memoryview(buffer)[:share].toreadonly()
