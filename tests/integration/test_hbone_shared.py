@@ -1,0 +1,81 @@
+"""Streams sharing one HBONE connection (proxy/hbone.py, module docstring): while more than one
+stream is open the socket holds at most SHARED_NOTSENT_LOWAT_BYTES unsent (TCP_NOTSENT_LOWAT),
+and a stream alone gives the kernel's default back. Two HboneConnections over loopback TCP, the
+server's streams echoing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from ambient_mesh.proxy.hbone import SHARED_NOTSENT_LOWAT_BYTES, HboneConnection
+from ambient_mesh.proxy.relay import Relay
+
+from .test_hbone_drain import Echo, Recorder, connect, wait_until
+
+
+@pytest.fixture
+async def echo_port():
+    conns: list[HboneConnection] = []
+
+    def on_request(stream) -> None:
+        stream.conn.respond(stream, 200)
+        echo = Echo()
+        relay = Relay(stream, echo)
+        echo.relay = relay
+        stream.attach(relay)
+
+    def factory() -> HboneConnection:
+        conn = HboneConnection(client_side=False, on_request=on_request)
+        conns.append(conn)
+        return conn
+
+    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for conn in conns:
+            conn.abort()
+
+
+async def _tunnel(client: HboneConnection) -> tuple[Recorder, Relay]:
+    stream, response = await asyncio.wait_for(client.open_stream("10.0.0.3:80", []), 5)
+    assert response.status == 200
+    app = Recorder()
+    relay = Relay(app, stream)
+    stream.attach(relay)
+    return app, relay
+
+
+def _unsent_bound(conn: HboneConnection) -> int:
+    assert conn.transport is not None
+    return conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+
+
+async def test_the_unsent_bound_follows_the_number_of_open_streams(echo_port):
+    client = await connect(echo_port)
+    try:
+        bulk, bulk_relay = await _tunnel(client)
+        bulk_relay.data_from(bulk, b"alone;")
+        await wait_until(lambda: bulk.received == b"alone;")
+        assert _unsent_bound(client) == 0  # one stream: the kernel's default
+
+        ping, ping_relay = await _tunnel(client)
+        ping_relay.data_from(ping, b"ping")
+        await wait_until(lambda: ping.received == b"ping")
+        assert _unsent_bound(client) == SHARED_NOTSENT_LOWAT_BYTES
+        bulk_relay.data_from(bulk, b"shared;")
+        await wait_until(lambda: bulk.received == b"alone;shared;")
+        assert _unsent_bound(client) == SHARED_NOTSENT_LOWAT_BYTES
+
+        ping_relay.eof_from(ping)  # the ping stream ends both ways
+        await asyncio.wait_for(ping_relay.done, 5)
+        await wait_until(lambda: client.open_streams == 1)
+        bulk_relay.data_from(bulk, b"alone again;")
+        await wait_until(lambda: bulk.received == b"alone;shared;alone again;")
+        assert _unsent_bound(client) == 0
+    finally:
+        client.abort()
