@@ -8,37 +8,10 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import pytest
-
 from ambient_mesh.proxy.hbone import SHARED_NOTSENT_LOWAT_BYTES, HboneConnection
 from ambient_mesh.proxy.relay import Relay
 
-from .test_hbone_drain import Echo, Recorder, connect, wait_until
-
-
-@pytest.fixture
-async def echo_port():
-    conns: list[HboneConnection] = []
-
-    def on_request(stream) -> None:
-        stream.conn.respond(stream, 200)
-        echo = Echo()
-        relay = Relay(stream, echo)
-        echo.relay = relay
-        stream.attach(relay)
-
-    def factory() -> HboneConnection:
-        conn = HboneConnection(client_side=False, on_request=on_request)
-        conns.append(conn)
-        return conn
-
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        for conn in conns:
-            conn.abort()
+from .test_hbone_drain import Recorder, connect, echo_server, wait_until  # noqa: F401 (fixture)
 
 
 async def _tunnel(client: HboneConnection) -> tuple[Recorder, Relay]:
@@ -55,8 +28,9 @@ def _unsent_bound(conn: HboneConnection) -> int:
     return conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
 
-async def test_the_unsent_bound_follows_the_number_of_open_streams(echo_port):
-    client = await connect(echo_port)
+async def test_the_unsent_bound_follows_the_number_of_open_streams(echo_server):  # noqa: F811
+    port, _server_conns = echo_server
+    client = await connect(port)
     try:
         bulk, bulk_relay = await _tunnel(client)
         bulk_relay.data_from(bulk, b"alone;")
