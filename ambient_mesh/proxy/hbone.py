@@ -22,8 +22,8 @@ Streams sharing a connection: while more than one stream is open, the socket hol
 SHARED_NOTSENT_LOWAT_BYTES not yet sent (TCP_NOTSENT_LOWAT), so a bulk stream's bytes wait in
 our transport's backlog, which pauses the connection, rather than megabytes deep in the kernel's
 send queue, where every other stream's frames would queue behind them. One stream alone keeps
-the kernel's default (no bound): the bound costs a bulk transfer CPU (more partial sends and
-wake-ups) and buys nothing when nothing else shares the connection.
+the kernel's default (no bound): nothing waits behind its bytes there, and the bound would only
+add partial sends and wake-ups to a transfer.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ PING_TIMEOUT_S = 20.0
 # (tls_transport.RECV_BYTES): one pass of HTTP/2 and relay per read.
 RECEIVE_BUFFER_BYTES = 1024 * 1024
 # What a socket carrying more than one stream holds unsent (module docstring). A 1-byte round
-# trip beside a 2 GiB transfer on one pooled connection, one core: p99 30.8 ms -> 0.34 ms, p50
-# 0.30 -> 0.21 ms, the transfer 1.08x as fast; 1 MiB (a bulk write's size) bounds nothing of
-# it, p99 26.6 ms (bench/README.md, issue 11, session 20).
+# trip beside a 2 GiB transfer on one pooled connection, one core: p99 23.1 ms -> 0.33 ms, p50
+# 0.23 -> 0.21 ms, the transfer 1.05x as fast; 1 MiB (a bulk write's size) bounds nothing of it,
+# p99 26.6 ms (bench/mixed_load_bench.py; bench/README.md, issue 11, session 20).
 SHARED_NOTSENT_LOWAT_BYTES = 256 * 1024
 # After a connection error (a flood, a protocol error) our GOAWAY goes out and the transport
 # closes gracefully (TLS: close_notify, then reading and dropping until the peer's EOF), so
