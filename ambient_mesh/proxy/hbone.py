@@ -391,12 +391,13 @@ class _ReceiveBuffer:
     bytes past the call either copies them (the HTTP/2 core, below its zero-copy size; pending
     bytes of a closed window) or holds the view (a socket that could not send it yet, bytes
     held before a relay is attached), and then the next read gets a new buffer and the old one
-    goes when its last view does."""
+    goes when its last view does. Made on the first read: a process that never reads HBONE (the
+    workers' owner) does not hold it."""
 
     __slots__ = ("buf",)
 
     def __init__(self) -> None:
-        self.buf = bytearray(RECEIVE_BUFFER_BYTES)
+        self.buf = bytearray()
 
 
 _RECEIVE = _ReceiveBuffer()
@@ -411,7 +412,7 @@ def _receive_into(_protocol: object, sizehint: int) -> memoryview:
     buf = _RECEIVE.buf
     # CPython: the attribute, `buf` and the call's argument are the only references when no
     # memoryview of the buffer is alive (every view holds one).
-    if sys.getrefcount(buf) > 3:
+    if sys.getrefcount(buf) > 3 or not buf:
         buf = _RECEIVE.buf = bytearray(RECEIVE_BUFFER_BYTES)
     return memoryview(buf)
 

@@ -248,18 +248,19 @@ class _AppReceiveBuffer:
     callback at a time). What a read hands on is a read-only view of it; whoever keeps the bytes
     past the call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's
     outbox while writing is paused), and then the next read gets a new buffer and the old one
-    goes when its last view does (hbone.py's TLS receive buffer works the same way)."""
+    goes when its last view does (hbone.py's TLS receive buffer works the same way). Made on the
+    first bulk read: a process that never relays (the workers' owner) does not hold it."""
 
     __slots__ = ("buf",)
 
     def __init__(self) -> None:
-        self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
+        self.buf = bytearray()
 
     def take(self) -> bytearray:
         buf = self.buf
         # CPython: the attribute, `buf` and getrefcount's argument are the only references when
         # no memoryview of the buffer is alive (every view holds one).
-        if sys.getrefcount(buf) > 3:
+        if sys.getrefcount(buf) > 3 or not buf:
             buf = self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
         return buf
 

@@ -41,10 +41,6 @@ READ_BYTES = 256_000
 # below which it may start again (asyncio's and uvloop's defaults).
 WRITE_HIGH_WATER_BYTES = 64 * 1024
 WRITE_LOW_WATER_BYTES = 16 * 1024
-# A view that waits holds its whole buffer (a 1 MiB receive buffer of relay.py or hbone.py) alive:
-# one shorter than this share of it is copied instead, so what waits pins at most this many times
-# its own size (a slow app's socket, tests/netns/test_attack_hbone.py).
-HELD_VIEW_MIN_SHARE = 4
 # Buffers handed to one sendmsg when several wait (well under any IOV_MAX).
 MAX_BUFFERS_PER_SEND = 64
 
@@ -187,16 +183,9 @@ class TcpTransport(asyncio.Transport):
                 data = memoryview(data)[n:]
             self._writer = True
             self._loop.add_writer(self._fd, self._on_writable)
-        # What waits is the caller's object itself, as uvloop kept it: bytes, or a view of its
-        # buffer (relay.py's and hbone.py's receive buffers are reused only once no view of them
-        # is alive), unless the view is a small part of that buffer (HELD_VIEW_MIN_SHARE), which
-        # is copied so as not to pin the whole of it; a bytearray, which its owner may change, is
-        # copied too.
-        if type(data) is memoryview:
-            if len(data) * HELD_VIEW_MIN_SHARE < len(data.obj):  # type: ignore[arg-type]  # bytes or bytearray
-                data = bytes(data)
-        elif isinstance(data, bytearray):
-            data = bytes(data)
+        # What waits is the caller's object itself, as uvloop kept it (bytes, or a view of a
+        # buffer reused only once no view of it is alive), unless the backlog copies it
+        # (WriteBacklog.push: a bytearray, a view that is a small share of its buffer).
         try:
             pause = backlog.push(data)
         except BacklogOverflow as e:
@@ -275,15 +264,11 @@ class TcpTransport(asyncio.Transport):
 
     def abort(self) -> None:
         """Close at once, dropping what waits to be written."""
-        if self._lost:
-            return
-        self._closing = True
-        self._stop_reading()
-        self._backlog.clear()
-        self._finish(None)
+        self._fail(None)
 
-    def _fail(self, exc: OSError) -> None:
-        """The socket failed (reset, unreachable): closed at once, the error to the protocol."""
+    def _fail(self, exc: OSError | None) -> None:
+        """Closed at once, what waits dropped: the socket failed (reset, unreachable; the error
+        goes to the protocol), or `abort` (None)."""
         if self._lost:
             return
         self._closing = True

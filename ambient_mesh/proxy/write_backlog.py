@@ -16,6 +16,11 @@ import collections
 # HBONE connection's core holds and bounds what waits, up to its 16 MiB connection window,
 # hbone.py; a relay's endpoint pauses the other side's reading, relay.py).
 MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
+# A view that waits holds its whole buffer alive (a 1 MiB receive buffer of relay.py or hbone.py,
+# reused only once no view of it is alive): one shorter than this share of its buffer is copied
+# instead, so what waits pins at most this many times its size (a slow app's socket,
+# tests/netns/test_attack_hbone.py).
+HELD_VIEW_MIN_SHARE = 4
 
 
 class BacklogOverflow(ConnectionError):
@@ -68,8 +73,10 @@ class WriteBacklog:
         self.high_water_bytes = high
         self.low_water_bytes = low
 
-    def push(self, data: bytes | memoryview) -> bool:
-        """Queue `data`; True when the protocol must now be told to pause writing.
+    def push(self, data: bytes | bytearray | memoryview) -> bool:
+        """Queue `data`; True when the protocol must now be told to pause writing. Kept as it is
+        when it is bytes or a view of at least 1 / HELD_VIEW_MIN_SHARE of its buffer; a shorter
+        view, and a bytearray (its owner may change it), are copied.
 
         Raises BacklogOverflow past `max_bytes`, before anything is queued."""
         if self.bytes + len(data) > self.max_bytes:
@@ -77,6 +84,11 @@ class WriteBacklog:
                 f"write backlog would exceed {self.max_bytes} bytes: the peer is not reading "
                 "and the protocol kept writing after pause_writing"
             )
+        if type(data) is memoryview:
+            if len(data) * HELD_VIEW_MIN_SHARE < len(data.obj):  # type: ignore[arg-type]  # bytes or bytearray
+                data = bytes(data)
+        elif type(data) is not bytes:
+            data = bytes(data)
         self.pieces.append(data)
         self.bytes += len(data)
         if not self.paused and self.bytes > self.high_water_bytes:

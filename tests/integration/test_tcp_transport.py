@@ -15,12 +15,11 @@ import weakref
 import pytest
 
 from ambient_mesh.proxy.tcp_transport import (
-    HELD_VIEW_MIN_SHARE,
     WRITE_HIGH_WATER_BYTES,
     WRITE_LOW_WATER_BYTES,
     TcpTransport,
 )
-from ambient_mesh.proxy.write_backlog import BacklogOverflow
+from ambient_mesh.proxy.write_backlog import HELD_VIEW_MIN_SHARE, BacklogOverflow
 
 from .tcp_pair import tcp_pair
 

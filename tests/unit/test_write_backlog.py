@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from ambient_mesh.proxy.write_backlog import MAX_WRITE_BACKLOG_BYTES, BacklogOverflow, WriteBacklog
+from ambient_mesh.proxy.write_backlog import (
+    HELD_VIEW_MIN_SHARE,
+    MAX_WRITE_BACKLOG_BYTES,
+    BacklogOverflow,
+    WriteBacklog,
+)
 
 
 def test_pause_once_above_high_and_resume_once_at_or_below_low():
@@ -69,3 +74,21 @@ def test_a_partial_send_drops_what_went_and_keeps_the_rest_in_order():
     assert not b.paused
     assert not b.consume(4)
     assert b.bytes == 0 and not b.pieces
+
+
+def test_a_view_is_kept_when_a_large_share_of_its_buffer_and_copied_otherwise():
+    # A kept view holds its whole buffer alive: a short one is copied, so what waits pins at most
+    # HELD_VIEW_MIN_SHARE times its size; a bytearray is copied since its owner may change it.
+    buffer = bytearray(b"x" * 1000)
+    scratch = bytearray(b"y" * 10)
+    b = WriteBacklog(high_water_bytes=10_000, low_water_bytes=100)
+    large = memoryview(buffer)[: 1000 // HELD_VIEW_MIN_SHARE]
+    small = memoryview(buffer)[: 1000 // HELD_VIEW_MIN_SHARE - 1]
+    b.push(large)
+    b.push(small)
+    b.push(scratch)
+    kept, copied, copied_bytearray = b.pieces
+    assert kept is large
+    assert type(copied) is bytes and copied == bytes(small)
+    assert type(copied_bytearray) is bytes and copied_bytearray == b"y" * 10
+    assert b.bytes == len(large) + len(small) + 10
