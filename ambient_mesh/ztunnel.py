@@ -32,6 +32,7 @@ from .identity.spiffe import Identity
 from .identity.tls import TlsContextCache
 from .identity.tls_crl import CrlChecker
 from .metrics import Metrics, WithoutCreated
+from .proxy import aes_gcm
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
@@ -320,6 +321,8 @@ class Ztunnel:
                     "admin": str(self.admin.bound_address),
                     "stats": str(self.stats.bound_address),
                     "readiness": str(self.readiness_server.bound_address),
+                    "aes_gcm": aes_gcm.IMPLEMENTATION
+                    + (f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""),
                 }
             },
         )

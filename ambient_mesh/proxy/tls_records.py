@@ -36,7 +36,8 @@ What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_reco
   "traffic upd". Every output here is at most the hash length, so HKDF-Expand is one HMAC.
 
 Suites: TLS_AES_128_GCM_SHA256 and TLS_AES_256_GCM_SHA384, ztunnel's two (identity/tls_suites.py
-narrows the handshake to them); the AEAD is `cryptography`'s AESGCM.
+narrows the handshake to them); the AEAD is proxy/aes_gcm.py's (our VAES code where the CPU
+has it, `cryptography`'s AESGCM elsewhere).
 
 Bounds on what a peer can make us hold or do: one record (MAX_CIPHERTEXT_BYTES), one
 post-handshake message (MAX_POST_HANDSHAKE_MESSAGE_BYTES), post-handshake messages in a row without
@@ -52,9 +53,9 @@ from collections.abc import Iterable
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import ProtocolError
+from .aes_gcm import aes_gcm
 
 # RFC 8446 5.1: at most 2^14 bytes of content per record.
 MAX_RECORD_PLAINTEXT_BYTES: Final = 2**14
@@ -187,7 +188,7 @@ class _Keys:
 
     def __init__(self, secret: bytearray, key_bytes: int, hash_name: str) -> None:
         key = bytearray(hkdf_expand_label(secret, b"key", b"", key_bytes, hash_name))
-        self.aead = AESGCM(key)
+        self.aead = aes_gcm(key)
         _wipe(key)
         self.iv = int.from_bytes(hkdf_expand_label(secret, b"iv", b"", IV_BYTES, hash_name), "big")
         self.seq = 0
