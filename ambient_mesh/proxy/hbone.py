@@ -467,7 +467,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = self.loop.create_future()
         self.goaway_received = False  # a GOAWAY went either way: no new streams
         self._write_paused = False
-        self._blocked_streams: set[HboneStream] = set()
+        self._blocked_streams: set[HboneStream] = set()  # streams holding bytes or an END_STREAM (pump)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._error: BaseException | None = None
@@ -639,6 +639,11 @@ class HboneConnection(asyncio.BufferedProtocol):
         self._write_paused = False
         self.flush()
         self._pump_all()
+        if self._write_paused:
+            # The flush or a pump filled the transport again: every stream stays blocked until
+            # the next resume_writing (unblocked now, a stream's relay would read its app
+            # socket into `_pending` without bound, with nothing left to pump it afterwards).
+            return
         for stream in list(self.streams.values()):
             if stream not in self._blocked_streams:
                 stream.set_blocked(False)
@@ -688,7 +693,16 @@ class HboneConnection(asyncio.BufferedProtocol):
         outbound proxy's CPU (bench/README.md, HBONE profile).
         """
         pending = stream._pending
-        if self._write_paused or stream._reset is not None or stream.stream_id not in self.streams:
+        if self._write_paused:
+            # The transport's backpressure: what waits is pumped by resume_writing, which pumps
+            # the streams in `_blocked_streams`, and the stream reads nothing more until then.
+            if data:
+                pending += data
+            if pending or stream._eof_pending:
+                self._blocked_streams.add(stream)
+                stream.set_blocked(True)
+            return
+        if stream._reset is not None or stream.stream_id not in self.streams:
             if data:
                 pending += data
             return
@@ -726,7 +740,9 @@ class HboneConnection(asyncio.BufferedProtocol):
             self._forget(stream)
 
     def _pump_all(self) -> None:
-        for stream in list(self._blocked_streams) or list(self.streams.values()):
+        """Pump every stream that holds bytes or an END_STREAM: those are in `_blocked_streams`
+        (`pump` puts them there, whether the window or the transport held them back)."""
+        for stream in list(self._blocked_streams):
             self.pump(stream)
 
     def reset_stream(self, stream_id: int, code: int) -> None:

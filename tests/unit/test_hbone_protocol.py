@@ -518,3 +518,57 @@ async def test_the_server_holds_early_data_until_the_relay_is_attached_then_deli
     exchange(ours, transport, client)
     assert app.received == b"early later" and app.eof
     ours._cancel_timers()
+
+
+class RepausingTransport(MemoryTransport):
+    """A transport whose buffer fills again at the first write after `repause` is armed: it
+    calls the protocol's pause_writing from inside that write, as TlsTransport does past its high
+    water mark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.protocol: HboneConnection | None = None
+        self.repause = False
+
+    def write(self, data) -> None:
+        super().write(data)
+        if self.repause and self.protocol is not None:
+            self.repause = False
+            self.protocol.pause_writing()
+
+
+async def test_writing_paused_again_while_resuming_keeps_every_stream_blocked_and_loses_nothing():
+    # Seen under load (4 streams sharing a connection): resume_writing's own flush filled the
+    # transport again, then resume_writing unblocked every stream anyway; their relays read the
+    # app sockets into `_pending` while writing stayed paused, and the next resume pumped only the
+    # streams in `_blocked_streams`, so one stream's 250 MiB sat pending for good.
+    ours = HboneConnection(client_side=True)
+    transport = RepausingTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    first, tcp1, relay1, sid1 = await _open(ours, transport, server)
+    second, tcp2, relay2, sid2 = await _open(ours, transport, server)
+    transport.protocol = ours
+
+    ours.pause_writing()
+    assert tcp1.paused and tcp2.paused
+    relay1.data_from(tcp1, b"a" * 1000)  # one read already on its way when the pause came
+    transport.repause = True
+    ours.resume_writing()  # its flush writes the first stream's bytes, and pauses again
+    assert ours._write_paused
+    assert tcp1.paused and tcp2.paused  # nobody reads while the transport is full
+    relay2.data_from(tcp2, b"b" * 2000)  # the second stream's read in flight: held, not lost
+    relay2.eof_from(tcp2)
+    assert tcp2.paused
+
+    ours.resume_writing()
+    assert not tcp1.paused and not tcp2.paused
+    events = exchange(ours, transport, server)
+    got = {sid1: b"", sid2: b""}
+    for e in events:
+        if isinstance(e, h2.events.DataReceived):
+            got[e.stream_id] += e.data
+    assert got == {sid1: b"a" * 1000, sid2: b"b" * 2000}
+    assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
+    assert not first._pending and not second._pending
+    ours._cancel_timers()
