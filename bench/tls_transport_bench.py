@@ -16,7 +16,7 @@ reused buffer, as HboneConnection is; the allocator is tuned as the proxy tunes 
 one socket of a socketpair, received and opened on the other, in one thread: through the system
 OpenSSL that CPython's `_ssl` links (`SSLSocket` write / read after a real handshake, AES-128-GCM)
 and through a record layer sketched in Python over `cryptography`'s AESGCM (the OpenSSL its
-wheel carries): nonce = IV xor sequence number, the 5-byte header as associated data, the inner
+wheel carries) and over ours (proxy/_aes_gcm_vaes.c, where the CPU has VAES): nonce = IV xor sequence number, the 5-byte header as associated data, the inner
 content type, `encrypt_into` / `decrypt_into` (RFC 8446 5.2-5.3). The sketch has no key schedule
 of its own (a random key), no KeyUpdate or alerts: it prices the per-record work only (bench/README.md,
 issue 11, what is left for CPU per GiB).
@@ -205,7 +205,7 @@ async def run(args) -> dict:
 
 
 AEAD_SIZES = (1, 16 * 1024)
-AEAD_KINDS = ("system-openssl", "cryptography-aesgcm")
+AEAD_KINDS = ("system-openssl", "cryptography-aesgcm", "ours-vaes")
 _RECORD_HEADER = struct.Struct(">BHH")  # content type, legacy version, length (RFC 8446 5.1)
 
 
@@ -236,16 +236,15 @@ def _openssl_records(contexts, size: int, records: int) -> float:
         server.close()
 
 
-def _aesgcm_records(size: int, records: int) -> float:
-    """CPU µs per record through a Python record layer over cryptography's AESGCM."""
+def _aesgcm_records(size: int, records: int, aead: type) -> float:
+    """CPU µs per record through a Python record layer over `aead` (cryptography's AESGCM or
+    our VAES one, proxy/aes_gcm.py)."""
     import os
-
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     a, b = socket.socketpair()
     try:
-        key, iv = AESGCM.generate_key(128), int.from_bytes(os.urandom(12), "big")
-        seal, open_ = AESGCM(key), AESGCM(key)
+        key, iv = os.urandom(16), int.from_bytes(os.urandom(12), "big")
+        seal, open_ = aead(key), aead(key)
         inner = bytearray(size + 1)  # the payload, then its content type (application data)
         inner[size] = 23
         sealed = bytearray(5 + size + 1 + 16)
@@ -279,22 +278,40 @@ def aead_main(args) -> int:
         server_context(ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)),
         client_context(ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)),
     )
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from ambient_mesh.proxy import aes_gcm
+
+    vaes: type | None = None
+    if aes_gcm.IMPLEMENTATION == "vaes":
+        from ambient_mesh.proxy._aes_gcm_vaes import AesGcm  # type: ignore[attr-defined]
+
+        vaes = AesGcm
+    else:
+        print(f"ours-vaes: not measured ({aes_gcm.FALLBACK_REASON})")
     us: dict[str, dict[int, list[float]]] = {k: {n: [] for n in AEAD_SIZES} for k in AEAD_KINDS}
     for _ in range(args.trials):
         for size in AEAD_SIZES:
             us["system-openssl"][size].append(_openssl_records(contexts, size, args.records))
-            us["cryptography-aesgcm"][size].append(_aesgcm_records(size, args.records))
+            us["cryptography-aesgcm"][size].append(_aesgcm_records(size, args.records, AESGCM))
+            if vaes is not None:
+                us["ours-vaes"][size].append(_aesgcm_records(size, args.records, vaes))
     from cryptography.hazmat.backends.openssl.backend import backend
 
-    versions = {"system-openssl": ssl.OPENSSL_VERSION, "cryptography-aesgcm": backend.openssl_version_text()}
+    versions = {
+        "system-openssl": ssl.OPENSSL_VERSION,
+        "cryptography-aesgcm": backend.openssl_version_text(),
+        "ours-vaes": "proxy/_aes_gcm_vaes.c",
+    }
+    kinds = [k for k in AEAD_KINDS if us[k][AEAD_SIZES[0]]]
     print(
         f"{'record layer':<22} {'OpenSSL':<28} " + " ".join(f"{f'{n} B µs/record':>18}" for n in AEAD_SIZES)
     )
-    for kind in AEAD_KINDS:
+    for kind in kinds:
         cells = " ".join(f"{statistics.median(us[kind][n]):>18.2f}" for n in AEAD_SIZES)
         print(f"{kind:<22} {versions[kind]:<28} {cells}")
     full = AEAD_SIZES[-1]
-    per_gib = {k: statistics.median(us[k][full]) * (2**30 // full) / 1e6 for k in AEAD_KINDS}
+    per_gib = {k: statistics.median(us[k][full]) * (2**30 // full) / 1e6 for k in kinds}
     print(
         "CPU s per GiB, both ends of one hop (sealing and sending + receiving and opening, 16 KiB records): "
         + ", ".join(f"{k} {v:.3f}" for k, v in per_gib.items())
@@ -303,7 +320,7 @@ def aead_main(args) -> int:
         "records": args.records,
         "trials": args.trials,
         "openssl": versions,
-        "cpu_us_per_record": {k: {str(n): v for n, v in d.items()} for k, d in us.items()},
+        "cpu_us_per_record": {k: {str(n): v for n, v in us[k].items()} for k in kinds},
         "cpu_s_per_gib_one_hop": per_gib,
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
     }
@@ -315,7 +332,7 @@ def aead_main(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--aead", action="store_true", help="per-record cost: system OpenSSL against cryptography's AESGCM"
+        "--aead", action="store_true", help="per-record cost: system OpenSSL, cryptography's AESGCM and ours"
     )
     p.add_argument("--records", type=int, default=20000, help="--aead: records per trial and size")
     p.add_argument("--trials", type=int, default=12)
