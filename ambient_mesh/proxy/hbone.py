@@ -76,6 +76,12 @@ RECEIVE_BUFFER_BYTES = 1024 * 1024
 # 0.23 -> 0.21 ms, the transfer 1.05x as fast; 1 MiB (a bulk write's size) bounds nothing of it,
 # p99 26.6 ms (bench/mixed_load_bench.py; bench/README.md, issue 11, session 20).
 SHARED_NOTSENT_LOWAT_BYTES = 256 * 1024
+# What one stream may hold waiting for window or for the transport (`HboneStream._pending`). A
+# blocked stream's relay stops reading, so it holds at most what was on its way: one bulk read
+# (relay.APP_RECEIVE_BUFFER_BYTES, 1 MiB) and the part of one write past the window. Past this
+# bound the relay did not stop, which must not become memory: the stream fails (RST_STREAM
+# INTERNAL_ERROR) and the error names the bound.
+MAX_STREAM_PENDING_BYTES = 8 * 1024 * 1024
 # After a connection error (a flood, a protocol error) our GOAWAY goes out and the transport
 # closes gracefully (TLS: close_notify, then reading and dropping until the peer's EOF), so
 # that the peer's unread bytes do not make our close a TCP reset that can destroy the GOAWAY
@@ -260,9 +266,6 @@ class HboneStream(Endpoint):
                 return
             conn.pump(self, memoryview(data)[taken:] if taken else data)
             return
-        if self._pending:
-            self._pending += data
-            data = b""
         conn.pump(self, data)
 
     def write_eof(self) -> None:
@@ -693,18 +696,21 @@ class HboneConnection(asyncio.BufferedProtocol):
         outbound proxy's CPU (bench/README.md, HBONE profile).
         """
         pending = stream._pending
+        if data and (pending or self._write_paused):
+            pending += data  # behind what already waits
+            data = b""
+            if len(pending) > MAX_STREAM_PENDING_BYTES:
+                self._hold_overflow(stream)
+                return
         if self._write_paused:
             # The transport's backpressure: what waits is pumped by resume_writing, which pumps
             # the streams in `_blocked_streams`, and the stream reads nothing more until then.
-            if data:
-                pending += data
             if pending or stream._eof_pending:
                 self._blocked_streams.add(stream)
                 stream.set_blocked(True)
             return
         if stream._reset is not None or stream.stream_id not in self.streams:
-            if data:
-                pending += data
+            pending.clear()  # a stream the connection no longer has: none of it can be sent
             return
         core = self.core
         sid = stream.stream_id
@@ -712,7 +718,7 @@ class HboneConnection(asyncio.BufferedProtocol):
             if data:
                 n = core.send_data(sid, data)
                 if n < len(data):
-                    pending += memoryview(data)[n:]
+                    pending += memoryview(data)[n:]  # the rest of one write: nothing waited before it
             while pending:
                 n = min(core.send_window(sid), len(pending))
                 if n <= 0:
@@ -738,6 +744,23 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.flush()
         if stream._end_sent and stream._remote_ended:
             self._forget(stream)
+
+    def _hold_overflow(self, stream: HboneStream) -> None:
+        """A stream past MAX_STREAM_PENDING_BYTES: its bytes are dropped and it fails."""
+        held = len(stream._pending)
+        stream._pending.clear()
+        self._blocked_streams.discard(stream)
+        error = HboneError(
+            f"HBONE stream {stream.stream_id} held {held} bytes waiting to be sent, past its bound of "
+            f"{MAX_STREAM_PENDING_BYTES}: its relay kept reading while the stream was blocked "
+            "(a bug in the proxy: report it with this log line)"
+        )
+        log.error("%s", error)
+        relay = stream.relay
+        if relay is not None and not relay.done.done():
+            relay.failed(stream, error)  # aborts both sides: the stream is reset (CANCEL)
+        else:
+            stream.abort()
 
     def _pump_all(self) -> None:
         """Pump every stream that holds bytes or an END_STREAM: those are in `_blocked_streams`

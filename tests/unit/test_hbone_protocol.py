@@ -572,3 +572,29 @@ async def test_writing_paused_again_while_resuming_keeps_every_stream_blocked_an
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
     assert not first._pending and not second._pending
     ours._cancel_timers()
+
+
+async def test_a_stream_that_is_fed_while_blocked_fails_at_its_bound_instead_of_growing(monkeypatch):
+    # The bound behind the fix above: a relay that kept writing into a blocked stream (the bug
+    # it fixed, or any like it) ends the stream with an error that names the bound.
+    from ambient_mesh.proxy import hbone
+
+    monkeypatch.setattr(hbone, "MAX_STREAM_PENDING_BYTES", 64 * 1024)
+    ours = HboneConnection(client_side=True)
+    transport = MemoryTransport()
+    ours.connection_made(transport)
+    server = peer(client_side=False)
+    stream, tcp, relay, sid = await _open(ours, transport, server)
+    ours.pause_writing()
+    for _ in range(4):
+        stream.write(b"x" * 16 * 1024)  # up to the bound: held
+    assert not relay.done.done() and len(stream._pending) == 64 * 1024
+    stream.write(b"x")  # one byte past it
+    assert relay.done.done()
+    error = relay.done.result()
+    assert isinstance(error, hbone.HboneError) and "past its bound of 65536" in str(error)
+    assert not stream._pending and tcp.aborted
+    ours.resume_writing()
+    events = exchange(ours, transport, server)
+    assert any(isinstance(e, h2.events.StreamReset) and e.stream_id == sid for e in events)
+    ours._cancel_timers()
