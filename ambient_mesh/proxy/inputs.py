@@ -54,6 +54,24 @@ class Dumpable(Protocol):
     def dump_info(self) -> dict[str, Any]: ...
 
 
+class LoadCounter(Protocol):
+    """A count of the connections this process carries (a worker's slot, workers/loads.py)."""
+
+    def add(self, delta: int) -> None: ...
+
+
+# Where every ConnectionTracker of this process also counts its connections (set by a worker at
+# start, `count_connections_in`); None in a proxy without workers, which counts nothing more.
+_load: LoadCounter | None = None
+
+
+def count_connections_in(counter: LoadCounter | None) -> None:
+    """From now on, every ConnectionTracker of this process counts its open connections (tasks
+    being set up and relays carrying bytes) into `counter` as well."""
+    global _load
+    _load = counter
+
+
 @dataclass(eq=False)
 class ConnectionTracker:
     """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager).
@@ -79,15 +97,21 @@ class ConnectionTracker:
         """Track `relay` until it ends, then call `on_end(relay, error)`: one callback per relay
         (each closure on `relay.done` is about 200 B an idle tunnel keeps)."""
         self.relays[relay] = about
-        relay.done.add_done_callback(functools.partial(self._ended, relay, on_end))
+        load = _load
+        if load is not None:
+            load.add(1)
+        relay.done.add_done_callback(functools.partial(self._ended, relay, on_end, load))
 
     def _ended(
         self,
         relay: Relay,
         on_end: Callable[[Relay, BaseException | None], None] | None,
+        load: LoadCounter | None,
         done: asyncio.Future[BaseException | None],
     ) -> None:
         self.relays.pop(relay, None)
+        if load is not None:
+            load.add(-1)
         try:
             if on_end is not None:
                 on_end(relay, done.result())
@@ -97,8 +121,17 @@ class ConnectionTracker:
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        load = _load
+        if load is None:
+            task.add_done_callback(self.tasks.discard)
+        else:
+            load.add(1)
+            task.add_done_callback(functools.partial(self._task_done, load))
         return task
+
+    def _task_done(self, load: LoadCounter, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        load.add(-1)
 
     def dump(self, direction: str) -> list[dict[str, Any]]:
         return [about.dump_info() for about in self.relays.values() if about.direction == direction]

@@ -27,6 +27,7 @@ import select
 import socket
 import struct
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from ..errors import BindError
 from ..host.sockets import (
@@ -44,6 +45,13 @@ log = logging.getLogger("ambient_mesh.proxy.listener")
 
 Handler = Callable[[socket.socket], Awaitable[None]]
 
+
+class AcceptShare(Protocol):
+    """How loaded this worker is against the others that share a listening socket."""
+
+    def busier_than_another(self) -> bool: ...
+
+
 ACCEPT_BACKOFF_MIN_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
@@ -59,6 +67,12 @@ MAX_ACCEPTS_PER_WAKEUP = 64
 # later than an idle one; taking up to MAX_ACCEPTS_PER_WAKEUP gave a burst of 8 bulk connections
 # to one worker (bench/README.md, issue 11, session 20).
 SHARED_ACCEPTS_PER_WAKEUP = 1
+# A worker that carries more connections than another leaves a waiting connection to it
+# (`AcceptShare`, workers/loads.py): it stops watching the socket for ACCEPT_DEFER_S, at most
+# MAX_ACCEPT_DEFERRALS times in a row, then takes the connection itself (a stalled worker delays
+# a connection by at most 10 ms).
+ACCEPT_DEFER_S = 0.002
+MAX_ACCEPT_DEFERRALS = 5
 
 # accept() failures that mean "this process or host is out of a resource", not "this client".
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -218,6 +232,8 @@ class Listener:
         self._backoff_timer: asyncio.TimerHandle | None = None
         self._backoff_s = ACCEPT_BACKOFF_MIN_S
         self._accepts_per_wakeup = MAX_ACCEPTS_PER_WAKEUP
+        self._share: AcceptShare | None = None  # set by adopt() in a worker
+        self._deferrals = 0  # accepts left to another worker in a row
         self._errors = AcceptErrorLog(name)
         self.accepted = 0
         self.shed = 0  # clients closed unserved because the process ran out of descriptors
@@ -228,12 +244,14 @@ class Listener:
         shed = f", {self.shed} shed" if self.shed else ""
         return f"Listener({self.name} on {where}, {self.accepted} accepted{shed})"
 
-    def adopt(self, sock: socket.socket) -> None:
+    def adopt(self, sock: socket.socket, share: AcceptShare | None = None) -> None:
         """Serve a socket that is already bound and listening (a worker process is handed the
-        owner's, which every worker accepts from); `bind()` then keeps it."""
+        owner's, which every worker accepts from); `bind()` then keeps it. With `share`, a
+        connection waits for a less loaded worker (ACCEPT_DEFER_S, MAX_ACCEPT_DEFERRALS)."""
         sock.setblocking(False)
         self._sock = sock
         self._accepts_per_wakeup = SHARED_ACCEPTS_PER_WAKEUP
+        self._share = share
 
     def bind(self) -> None:
         if self._sock is not None:
@@ -287,6 +305,18 @@ class Listener:
         sock, loop, backlog = self._sock, self._loop, self._backlog
         if sock is None or loop is None or backlog is None:
             return
+        share = self._share
+        if (
+            share is not None
+            and self._deferrals < MAX_ACCEPT_DEFERRALS
+            and share.busier_than_another()
+            and backlog.poll(0)
+        ):
+            # A connection waits and another worker carries fewer: the same readiness woke it.
+            self._deferrals += 1
+            loop.remove_reader(sock)
+            self._backoff_timer = loop.call_later(ACCEPT_DEFER_S, self._resume)
+            return
         family, type_, proto = self._accepted_kind
         for _ in range(self._accepts_per_wakeup):
             try:
@@ -294,6 +324,7 @@ class Listener:
                 # socket object on the descriptor), without its enum reads of family and type.
                 fd, _addr = sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError):
+                self._deferrals = 0
                 return  # the backlog is empty: wait for the next readiness
             except OSError as e:
                 if self._sock is None or sock.fileno() < 0:
@@ -311,6 +342,7 @@ class Listener:
                 self._backoff_s = min(self._backoff_s * 2, ACCEPT_BACKOFF_MAX_S)
                 return
             self._backoff_s = ACCEPT_BACKOFF_MIN_S
+            self._deferrals = 0
             if self._errors.failures:
                 self._errors.flush(loop.time())
             self.accepted += 1
@@ -333,7 +365,7 @@ class Listener:
                 return
 
     def _resume(self) -> None:
-        """The backoff after a failed accept is over: watch the socket again."""
+        """The backoff after a failed accept, or a deferral, is over: watch the socket again."""
         self._backoff_timer = None
         if self._sock is not None and self._loop is not None:
             self._loop.add_reader(self._sock, self._on_readable)

@@ -1,4 +1,4 @@
-"""`python -m ambient_mesh.workers <channel fd> <index>`: one worker process (started by the owner)."""
+"""`python -m ambient_mesh.workers <channel fd> <index> <loads fd>`: one worker process (started by the owner)."""
 
 import sys
 

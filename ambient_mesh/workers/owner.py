@@ -77,6 +77,7 @@ from .codec import (
     families_of,
     owner_decoder,
 )
+from .loads import DEAD, WorkerLoads
 
 log = logging.getLogger("ambient_mesh.workers")
 
@@ -214,6 +215,8 @@ class WorkerPool:
         self.metrics = metrics
         self.count = count if count is not None else config.worker_threads
         self.workers = [WorkerHandle(i) for i in range(self.count)]
+        # Each worker's open connections, which its shared listeners read (workers/loads.py).
+        self.loads = WorkerLoads.create(self.count)
         self.proxies: dict[str, HandedProxy] = {}
         self.retired = RetiredCounters()
         self._request_ids = itertools.count(1)
@@ -242,6 +245,7 @@ class WorkerPool:
 
     async def _spawn(self, worker: WorkerHandle) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.loads.set(worker.index, 0)  # a restarted worker carries nothing yet
         try:
             worker.process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -251,7 +255,8 @@ class WorkerPool:
                 "ambient_mesh.workers",
                 str(theirs.fileno()),
                 str(worker.index),
-                pass_fds=(theirs.fileno(),),
+                str(self.loads.fd),
+                pass_fds=(theirs.fileno(), self.loads.fd),
                 stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException:
@@ -293,6 +298,7 @@ class WorkerPool:
             return
         self._retire(worker)
         worker.state = "dead"
+        self.loads.set(worker.index, DEAD)  # nobody leaves connections to it
         up_for = asyncio.get_running_loop().time() - worker.started_at
         backoff = (
             RESTART_BACKOFF_MIN_S
@@ -520,6 +526,7 @@ class WorkerPool:
         for task in list(self._tasks):
             task.cancel()
         self.feed.subscribers.remove(self._broadcast)
+        self.loads.close()
 
 
 class RetiredCounters:

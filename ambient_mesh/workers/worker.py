@@ -40,6 +40,7 @@ from ..identity.tls import TlsContextCache
 from ..identity.tls_crl import CrlChecker
 from ..metrics import Metrics, WithoutCreated
 from ..proxy.inpod import InpodManager
+from ..proxy.inputs import count_connections_in
 from ..proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_workload
 from ..state.localconfig import parse_local_config
 from ..state.model import Workload
@@ -68,6 +69,7 @@ from .codec import (
     families_of,
     worker_decoder,
 )
+from .loads import WorkerLoads
 
 log = logging.getLogger("ambient_mesh.workers")
 
@@ -108,15 +110,16 @@ class OwnerCaClient:
 class WorkerInpodManager(InpodManager):
     """In-pod proxies in a worker: the listening sockets are the owner's, handed over."""
 
-    def __init__(self, *, resolver: ResolverFactory | None, **kwargs: Any) -> None:
+    def __init__(self, *, resolver: ResolverFactory | None, loads: WorkerLoads | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.handed: dict[str, socket.socket] = {}
         self.built: WorkloadProxy | None = None
         self._resolver = resolver
+        self._loads = loads
 
     def _new_proxy(self, info: ProxyWorkloadInfo, netns: NetnsHandle) -> WorkloadProxy:
         proxy = super()._new_proxy(info, netns)
-        adopt_listeners(proxy, self.handed)
+        adopt_listeners(proxy, self.handed, self._loads)
         if self._resolver is not None:
             dns = self._resolver(
                 f"{info.namespace}/{info.name}", lambda: self.workload_for(info), netns.socket
@@ -131,7 +134,9 @@ class WorkerInpodManager(InpodManager):
 ResolverFactory = Callable[[str, Callable[[], Workload | None], DnsSocketFactory], DnsServer]
 
 
-def adopt_listeners(proxy: WorkloadProxy, handed: Mapping[str, socket.socket]) -> None:
+def adopt_listeners(
+    proxy: WorkloadProxy, handed: Mapping[str, socket.socket], loads: WorkerLoads | None
+) -> None:
     unknown = set(handed) - set(proxy.listeners)
     missing = set(proxy.listeners) - set(handed)
     if unknown or missing:
@@ -140,12 +145,16 @@ def adopt_listeners(proxy: WorkloadProxy, handed: Mapping[str, socket.socket]) -
             hint="owner and worker must run the same configuration",
         )
     for name, sock in handed.items():
-        proxy.listeners[name].adopt(sock)
+        proxy.listeners[name].adopt(sock, loads)
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, index: int) -> None:
+    def __init__(self, sock: socket.socket, index: int, loads: WorkerLoads | None = None) -> None:
         self.index = index
+        # This worker's slot of the owner's connection counts (workers/loads.py): its trackers
+        # count into it, its shared listeners compare it with the other workers'.
+        self.loads = loads
+        count_connections_in(loads)
         self.channel = Channel(
             sock,
             worker_decoder(),
@@ -271,6 +280,7 @@ class Worker:
         if config.proxy_mode is ProxyMode.SHARED:
             self.inpod = WorkerInpodManager(
                 resolver=self.resolver,
+                loads=self.loads,
                 config=config,
                 state=self.state,
                 cert_manager=self.cert_manager,
@@ -311,7 +321,7 @@ class Worker:
                     addresses=ListenerAddresses.from_config(config),
                     transparent=config.enable_orig_src is True,
                 )
-                adopt_listeners(proxy, handed)
+                adopt_listeners(proxy, handed, self.loads)
                 if self.resolver is not None:
                     dns = self.resolver(
                         DEDICATED_KEY, lambda: served_workload(config, self.state), plain_socket
@@ -390,8 +400,8 @@ class Worker:
         self.channel.close()
 
 
-async def serve(channel_fd: int, index: int) -> None:
-    worker = Worker(socket.socket(fileno=channel_fd), index)
+async def serve(channel_fd: int, index: int, loads_fd: int) -> None:
+    worker = Worker(socket.socket(fileno=channel_fd), index, WorkerLoads(loads_fd, index))
     loop = asyncio.get_running_loop()
     # SIGTERM sent to a worker directly (not through the owner): drain with the configured deadline.
     loop.add_signal_handler(
@@ -404,8 +414,10 @@ async def serve(channel_fd: int, index: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not all(a.isdigit() for a in argv):
-        print("usage: python -m ambient_mesh.workers <channel fd> <index> (started by the node proxy)")
+    if len(argv) != 3 or not all(a.isdigit() for a in argv):
+        print(
+            "usage: python -m ambient_mesh.workers <channel fd> <index> <loads fd> (started by the node proxy)"
+        )
         return 2
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..host.malloc import tune_allocator
@@ -414,7 +426,7 @@ def main(argv: list[str]) -> int:
     try:
         import uvloop
 
-        uvloop.run(serve(int(argv[0]), int(argv[1])))
+        uvloop.run(serve(int(argv[0]), int(argv[1]), int(argv[2])))
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        asyncio.run(serve(int(argv[0]), int(argv[1])))
+        asyncio.run(serve(int(argv[0]), int(argv[1]), int(argv[2])))
     return 0

@@ -234,20 +234,26 @@ async def test_a_wakeup_accepts_what_waits_without_an_accept_that_finds_nothing(
             c.close()
 
 
+async def _closing_handler(conn: socket.socket) -> None:
+    conn.close()
+
+
+def _owner_socket() -> tuple[socket.socket, int]:
+    """A listening socket as a worker pool's owner makes one for its workers; and its port."""
+    owner = socket.socket()
+    owner.bind(("127.0.0.1", 0))
+    owner.listen(16)
+    return owner, owner.getsockname()[1]
+
+
 async def test_a_socket_shared_with_other_workers_is_accepted_from_one_client_per_wakeup():
     # Workers adopt the owner's listening socket; each readiness callback takes one client, so a
     # burst is left for the other workers, which the same readiness woke. A listener that bound
     # its own socket takes the whole burst in one callback.
-    async def handler(conn: socket.socket) -> None:
-        conn.close()
-
-    owner = socket.socket()
-    owner.bind(("127.0.0.1", 0))
-    owner.listen(16)
-    port = owner.getsockname()[1]
-    shared = Listener("shared", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    owner, port = _owner_socket()
+    shared = Listener("shared", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
     shared.adopt(owner)
-    own = Listener("own", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    own = Listener("own", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
     own.bind()
     clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     clients += [socket.create_connection(("127.0.0.1", own.bound_address.port)) for _ in range(4)]
@@ -264,5 +270,59 @@ async def test_a_socket_shared_with_other_workers_is_accepted_from_one_client_pe
     finally:
         shared.close()
         own.close()
+        for c in clients:
+            c.close()
+
+
+class FixedShare:
+    """An AcceptShare whose answer the test sets."""
+
+    def __init__(self, busier: bool) -> None:
+        self.busier = busier
+        self.asked = 0
+
+    def busier_than_another(self) -> bool:
+        self.asked += 1
+        return self.busier
+
+
+async def test_a_busier_worker_leaves_a_waiting_client_to_the_others_for_a_bounded_time():
+    # Two workers' listeners on one socket (the owner's), in one process for the test: the one
+    # that carries more connections defers; the other, woken by the same readiness, takes the
+    # client. A busier worker alone still takes it, after MAX_ACCEPT_DEFERRALS deferrals.
+    from ambient_mesh.proxy import listener as listener_module
+
+    owner, port = _owner_socket()
+    busy_share, idle_share = FixedShare(True), FixedShare(False)
+    busy = Listener("busy", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    busy.adopt(socket.socket(fileno=os.dup(owner.fileno())), busy_share)
+    idle = Listener("idle", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    idle.adopt(socket.socket(fileno=os.dup(owner.fileno())), idle_share)
+    clients = []
+    try:
+        busy.start()
+        idle.start()
+        clients.append(socket.create_connection(("127.0.0.1", port)))
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+            if idle.accepted:
+                break
+        assert (busy.accepted, idle.accepted) == (0, 1)
+        assert busy_share.asked >= 1  # it was woken, asked, and stood back
+
+        idle.close()  # now the busier one is alone: it takes the next client, a bounded while later
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        clients.append(socket.create_connection(("127.0.0.1", port)))
+        while not busy.accepted and loop.time() - started < 1.0:
+            await asyncio.sleep(0.001)
+        waited = loop.time() - started
+        assert busy.accepted == 1
+        bound = listener_module.MAX_ACCEPT_DEFERRALS * listener_module.ACCEPT_DEFER_S
+        assert waited >= bound * 0.9 and waited < bound + 0.5
+    finally:
+        busy.close()
+        idle.close()
+        owner.close()
         for c in clients:
             c.close()
