@@ -79,8 +79,8 @@ SHARED_NOTSENT_LOWAT_BYTES = 256 * 1024
 # What one stream may hold waiting for window or for the transport (`HboneStream._pending`). A
 # blocked stream's relay stops reading, so it holds at most what was on its way: one bulk read
 # (relay.APP_RECEIVE_BUFFER_BYTES, 1 MiB) and the part of one write past the window. Past this
-# bound the relay did not stop, which must not become memory: the stream fails (RST_STREAM
-# INTERNAL_ERROR) and the error names the bound.
+# bound the relay did not stop, which must not become memory: the stream's relay fails with an
+# error that names the bound, and the stream is reset (`_hold_overflow`).
 MAX_STREAM_PENDING_BYTES = 8 * 1024 * 1024
 # After a connection error (a flood, a protocol error) our GOAWAY goes out and the transport
 # closes gracefully (TLS: close_notify, then reading and dropping until the peer's EOF), so

@@ -67,10 +67,10 @@ MAX_ACCEPTS_PER_WAKEUP = 64
 # later than an idle one; taking up to MAX_ACCEPTS_PER_WAKEUP gave a burst of 8 bulk connections
 # to one worker (bench/README.md, issue 11, session 20).
 SHARED_ACCEPTS_PER_WAKEUP = 1
-# A worker that carries more connections than another leaves a waiting connection to it
-# (`AcceptShare`, workers/loads.py): it stops watching the socket for ACCEPT_DEFER_S, at most
-# MAX_ACCEPT_DEFERRALS times in a row, then takes the connection itself (a stalled worker delays
-# a connection by at most 10 ms).
+# A worker that carries many more connections than another (workers/loads.py BUSIER_FACTOR)
+# leaves a waiting connection to it (`AcceptShare`): it stops watching the socket for
+# ACCEPT_DEFER_S, at most MAX_ACCEPT_DEFERRALS times in a row, then takes the connection itself
+# (a stalled worker delays a connection by at most 10 ms).
 ACCEPT_DEFER_S = 0.002
 MAX_ACCEPT_DEFERRALS = 5
 
@@ -312,7 +312,7 @@ class Listener:
             and share.busier_than_another()
             and backlog.poll(0)
         ):
-            # A connection waits and another worker carries fewer: the same readiness woke it.
+            # A connection waits and another worker carries far fewer: the same readiness woke it.
             self._deferrals += 1
             loop.remove_reader(sock)
             self._backoff_timer = loop.call_later(ACCEPT_DEFER_S, self._resume)

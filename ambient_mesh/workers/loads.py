@@ -11,7 +11,7 @@ connection. The deferral is bounded (listener.MAX_ACCEPT_DEFERRALS times ACCEPT_
 so a worker that is stalled, or whose count is a moment old, delays a connection by at most that.
 
 Layout: one signed 64-bit count per worker, in a memfd the owner makes (`WorkerLoads.create`) and
-hands to each worker at spawn (`attach`). A worker writes only its own slot (its ConnectionTrackers
+hands to each worker at spawn (`WorkerLoads(fd, index)` there). A worker writes only its own slot (its ConnectionTrackers
 count into it: proxy/inputs.py `count_connections_in`) and reads the others; an aligned 8-byte store
 is one store on the platforms CPython runs the proxy on, and a count read a moment late only makes
 one deferral wrong. A dead worker's slot is set to DEAD, so that nobody defers to it, and back to 0
@@ -30,8 +30,9 @@ MAX_WORKERS: Final = 1024
 # How much busier than another a worker must be before it leaves new connections to it. Any
 # difference at all was tried: with connections coming and going, counts differ by one or two
 # all the time, and the workers deferred to each other in turn while clients waited (0.25x the
-# connection rate of one worker); at twice, two workers never both defer, and a burst of bulk
-# connections still splits evenly (bench/README.md, workers_bench.py, session 21).
+# connection rate of one worker); at twice plus one, two workers cannot both defer on the same
+# counts, and a burst of 8 bulk connections splits 5:3 at worst (bench/README.md,
+# workers_bench.py, session 21).
 BUSIER_FACTOR: Final = 2
 
 
