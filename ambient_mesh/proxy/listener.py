@@ -51,6 +51,8 @@ class AcceptShare(Protocol):
 
     def busier_than_another(self) -> bool: ...
 
+    def deferring(self, delta: int) -> None: ...
+
 
 ACCEPT_BACKOFF_MIN_S = 0.01
 ACCEPT_BACKOFF_MAX_S = 1.0
@@ -67,12 +69,12 @@ MAX_ACCEPTS_PER_WAKEUP = 64
 # later than an idle one; taking up to MAX_ACCEPTS_PER_WAKEUP gave a burst of 8 bulk connections
 # to one worker (bench/README.md, issue 11, session 20).
 SHARED_ACCEPTS_PER_WAKEUP = 1
-# A worker that carries many more connections than another (workers/loads.py BUSIER_FACTOR)
+# A worker that carries more connections than another (workers/loads.py BUSIER_SHARE_DIVISOR)
 # leaves a waiting connection to it (`AcceptShare`): it stops watching the socket for
 # ACCEPT_DEFER_S, at most MAX_ACCEPT_DEFERRALS times in a row, then takes the connection itself
-# (a stalled worker delays a connection by at most 10 ms).
-ACCEPT_DEFER_S = 0.002
-MAX_ACCEPT_DEFERRALS = 5
+# (a stalled worker delays a connection by at most 3 ms; 2 ms five times was no better balanced).
+ACCEPT_DEFER_S = 0.001
+MAX_ACCEPT_DEFERRALS = 3
 
 # accept() failures that mean "this process or host is out of a resource", not "this client".
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -234,6 +236,7 @@ class Listener:
         self._accepts_per_wakeup = MAX_ACCEPTS_PER_WAKEUP
         self._share: AcceptShare | None = None  # set by adopt() in a worker
         self._deferrals = 0  # accepts left to another worker in a row
+        self._deferring = False  # counted in the share's deferring listeners
         self._errors = AcceptErrorLog(name)
         self.accepted = 0
         self.shed = 0  # clients closed unserved because the process ran out of descriptors
@@ -306,17 +309,19 @@ class Listener:
         if sock is None or loop is None or backlog is None:
             return
         share = self._share
-        if (
-            share is not None
-            and self._deferrals < MAX_ACCEPT_DEFERRALS
-            and share.busier_than_another()
-            and backlog.poll(0)
-        ):
-            # A connection waits and another worker carries far fewer: the same readiness woke it.
-            self._deferrals += 1
-            loop.remove_reader(sock)
-            self._backoff_timer = loop.call_later(ACCEPT_DEFER_S, self._resume)
-            return
+        if share is not None:
+            if self._deferrals < MAX_ACCEPT_DEFERRALS and share.busier_than_another() and backlog.poll(0):
+                # A connection waits and another worker carries fewer: the same readiness woke it.
+                self._deferrals += 1
+                if not self._deferring:
+                    self._deferring = True
+                    share.deferring(1)
+                loop.remove_reader(sock)
+                self._backoff_timer = loop.call_later(ACCEPT_DEFER_S, self._resume)
+                return
+            if self._deferring:
+                self._deferring = False
+                share.deferring(-1)
         family, type_, proto = self._accepted_kind
         for _ in range(self._accepts_per_wakeup):
             try:
@@ -413,6 +418,9 @@ class Listener:
 
     def close(self) -> None:
         """Stop accepting. Open connections are left to the caller's drain."""
+        if self._deferring and self._share is not None:
+            self._deferring = False
+            self._share.deferring(-1)
         if self._backoff_timer is not None:
             self._backoff_timer.cancel()
             self._backoff_timer = None

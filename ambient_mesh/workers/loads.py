@@ -2,20 +2,22 @@
 worker's shared listeners leave a new connection to a worker that carries fewer.
 
 Counterpart: tokio's work stealing, which gives ztunnel's idle worker threads the connection
-tasks of busy ones at any time. A process cannot hand over a connection it accepted, and a
-bulk connection stays where it landed: of a burst of 8 (workers_bench.py's throughput test) one
+tasks of busy ones at any time. A process cannot hand over a connection it accepted, and a bulk
+connection stays where it landed: of a burst of 8 (workers_bench.py's throughput test) one
 worker often took 6 or 7, whichever was awake first (bench/README.md, workers_bench.py, session
-21). So a worker that carries many more connections than another (BUSIER_FACTOR) defers its accept
-(proxy/listener.py `Listener.adopt`), and the other, woken by the same readiness, takes the
-connection. The deferral is bounded (listener.MAX_ACCEPT_DEFERRALS times ACCEPT_DEFER_S in a row),
-so a worker that is stalled, or whose count is a moment old, delays a connection by at most that.
+21). So a worker that carries more connections than another (BUSIER_SHARE_DIVISOR) defers its
+accept (proxy/listener.py `Listener.adopt`), and the other, woken by the same readiness, takes
+the connection. The deferral is bounded (listener.MAX_ACCEPT_DEFERRALS times ACCEPT_DEFER_S in
+a row), so a worker that is stalled, or whose count is a moment old, delays a connection by at
+most that.
 
-Layout: one signed 64-bit count per worker, in a memfd the owner makes (`WorkerLoads.create`) and
-hands to each worker at spawn (`WorkerLoads(fd, index)` there). A worker writes only its own slot (its ConnectionTrackers
-count into it: proxy/inputs.py `count_connections_in`) and reads the others; an aligned 8-byte store
-is one store on the platforms CPython runs the proxy on, and a count read a moment late only makes
-one deferral wrong. A dead worker's slot is set to DEAD, so that nobody defers to it, and back to 0
-when it is started again.
+Layout: per worker a signed 64-bit count, then per worker how many of its listeners are deferring
+right now, in a memfd the owner makes (`WorkerLoads.create`) and hands to each worker at spawn
+(`WorkerLoads(fd, index)` there). A worker writes only its own slots (its ConnectionTrackers count
+into one: proxy/inputs.py `count_connections_in`) and reads the others'; an aligned 8-byte store
+is one store on the platforms CPython runs the proxy on, and a count read a moment late only
+makes one deferral wrong. A dead worker's count is set to DEAD, so that nobody defers to it, and
+back to 0 when it is started again.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ import os
 from typing import Final
 
 SLOT_BYTES: Final = 8
+SLOTS_PER_WORKER: Final = 2  # its count, and how many of its listeners are deferring
 DEAD: Final = 2**62  # the count of a worker that is not running: never the less loaded one
 MAX_WORKERS: Final = 1024
-# How much busier than another a worker must be before it leaves new connections to it. Any
-# difference at all was tried: with connections coming and going, counts differ by one or two
-# all the time, and the workers deferred to each other in turn while clients waited (0.25x the
-# connection rate of one worker); at twice plus one, two workers cannot both defer on the same
-# counts, and a burst of 8 bulk connections splits 5:3 at worst (bench/README.md,
+# How much busier than the least loaded other worker a worker must be before it leaves new
+# connections to it: one connection more, and a quarter of that worker's count more (so that
+# connections coming and going, which move the counts by one or two all the time, defer less
+# when many are open; a burst of 8 still splits 4:4). A worker that is deferring right now is
+# not the least loaded one: it is not listening. Without that, two workers deferred to each
+# other in turn while clients waited (0.25x the connection rate of one worker; bench/README.md,
 # workers_bench.py, session 21).
-BUSIER_FACTOR: Final = 2
+BUSIER_SHARE_DIVISOR: Final = 4
 
 
 class WorkerLoads:
@@ -44,9 +48,10 @@ class WorkerLoads:
 
     def __init__(self, fd: int, index: int | None) -> None:
         size = os.fstat(fd).st_size
-        workers = size // SLOT_BYTES
-        if size % SLOT_BYTES or not 1 <= workers <= MAX_WORKERS:
-            raise ValueError(f"worker loads: a table of {size} bytes is not 1-{MAX_WORKERS} slots of 8")
+        row = SLOT_BYTES * SLOTS_PER_WORKER
+        workers = size // row
+        if size % row or not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"worker loads: a table of {size} bytes is not 1-{MAX_WORKERS} rows of {row}")
         if index is not None and not 0 <= index < workers:
             raise ValueError(f"worker loads: slot {index} of {workers}")
         self.fd = fd
@@ -56,7 +61,8 @@ class WorkerLoads:
         self._counts = memoryview(self._map).cast("q")
 
     def __repr__(self) -> str:
-        return f"WorkerLoads(slot {self.index}, counts {list(self._counts)})"
+        counts = list(self._counts)
+        return f"WorkerLoads(slot {self.index}, counts {counts[: self.workers]}, deferring {counts[self.workers :]})"
 
     @classmethod
     def create(cls, workers: int) -> WorkerLoads:
@@ -65,7 +71,7 @@ class WorkerLoads:
             raise ValueError(f"worker loads: {workers} workers (1-{MAX_WORKERS})")
         fd = os.memfd_create("ambient-mesh-worker-loads", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, workers * SLOT_BYTES)
+            os.ftruncate(fd, workers * SLOT_BYTES * SLOTS_PER_WORKER)
             return cls(fd, None)
         except BaseException:
             os.close(fd)
@@ -77,16 +83,29 @@ class WorkerLoads:
         self._counts[self.index] += delta
 
     def busier_than_another(self) -> bool:
-        """This worker carries at least BUSIER_FACTOR times as many connections as another
-        running worker, plus one (n >= 2 (m + 1): 2 against 0, 4 against 1, 20 against 9)."""
+        """Another running worker that is not deferring carries fewer connections than this one
+        by at least 1 + its count / BUSIER_SHARE_DIVISOR (1 against 0, 4 against 3, 11 against 8,
+        21 against 16)."""
+        me = self.index
+        assert me is not None, "the owner has no slot"
+        counts, workers = self._counts, self.workers
+        mine = counts[me]
+        return any(
+            mine >= counts[i] + 1 + counts[i] // BUSIER_SHARE_DIVISOR
+            for i in range(workers)
+            if i != me and not counts[workers + i]
+        )
+
+    def deferring(self, delta: int) -> None:
+        """One of this worker's listeners stops (1) or starts again (-1) taking connections: while
+        any of them is deferring, the others do not defer to this worker."""
         assert self.index is not None, "the owner has no slot"
-        counts = self._counts
-        mine = counts[self.index]
-        return any(mine >= BUSIER_FACTOR * (counts[i] + 1) for i in range(self.workers) if i != self.index)
+        self._counts[self.workers + self.index] += delta
 
     def set(self, index: int, count: int) -> None:
-        """The owner: a worker restarted (0) or gone (DEAD)."""
+        """The owner: a worker restarted (0) or gone (DEAD); either way not deferring."""
         self._counts[index] = count
+        self._counts[self.workers + index] = 0
 
     def count(self, index: int) -> int:
         return int(self._counts[index])

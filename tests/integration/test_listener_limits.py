@@ -280,10 +280,16 @@ class FixedShare:
     def __init__(self, busier: bool) -> None:
         self.busier = busier
         self.asked = 0
+        self.deferring_listeners = 0
+        self.deferrals_started = 0
 
     def busier_than_another(self) -> bool:
         self.asked += 1
         return self.busier
+
+    def deferring(self, delta: int) -> None:
+        self.deferring_listeners += delta
+        self.deferrals_started += delta > 0
 
 
 async def test_a_busier_worker_leaves_a_waiting_client_to_the_others_for_a_bounded_time():
@@ -302,13 +308,18 @@ async def test_a_busier_worker_leaves_a_waiting_client_to_the_others_for_a_bound
     try:
         busy.start()
         idle.start()
+        for listener in (busy, idle):  # the test wakes them, busy first
+            listener._loop.remove_reader(listener._sock)  # type: ignore[union-attr]
         clients.append(socket.create_connection(("127.0.0.1", port)))
-        for _ in range(50):
-            await asyncio.sleep(0.001)
-            if idle.accepted:
-                break
+        await asyncio.sleep(0.01)  # the client is in the backlog
+        busy._on_readable()
+        assert busy.accepted == 0 and busy_share.asked == 1  # it asked and stood back
+        assert busy_share.deferring_listeners == 1  # and said so, for the others
+        idle._on_readable()
         assert (busy.accepted, idle.accepted) == (0, 1)
-        assert busy_share.asked >= 1  # it was woken, asked, and stood back
+        idle._loop.add_reader(idle._sock, idle._on_readable)  # type: ignore[union-attr]
+        await asyncio.sleep(0.01)  # busy's deferral ends: it finds nothing waiting
+        assert busy.accepted == 0 and busy_share.deferring_listeners == 0
 
         idle.close()  # now the busier one is alone: it takes the next client, a bounded while later
         loop = asyncio.get_running_loop()
@@ -318,6 +329,7 @@ async def test_a_busier_worker_leaves_a_waiting_client_to_the_others_for_a_bound
             await asyncio.sleep(0.001)
         waited = loop.time() - started
         assert busy.accepted == 1
+        assert busy_share.deferring_listeners == 0  # listening again
         bound = listener_module.MAX_ACCEPT_DEFERRALS * listener_module.ACCEPT_DEFER_S
         assert waited >= bound * 0.9 and waited < bound + 0.5
     finally:

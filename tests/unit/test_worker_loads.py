@@ -17,22 +17,28 @@ def test_each_worker_writes_its_slot_and_compares_with_the_others():
     try:
         assert not any(w.busier_than_another() for w in workers)  # all at 0
         workers[0].add(1)
-        assert not workers[0].busier_than_another()  # 1 against 0: not twice as many plus one
-        workers[0].add(1)
-        assert workers[0].busier_than_another()  # 2 against 0
+        assert workers[0].busier_than_another()  # 1 against 0
         assert not workers[1].busier_than_another()
         workers[1].add(1)
         workers[2].add(1)
-        assert not workers[0].busier_than_another()  # 2, 1, 1
-        owner.set(2, DEAD)  # a dead worker is never the less loaded one
+        assert not workers[0].busier_than_another()  # 1, 1, 1
+        for w in workers:
+            w.add(7)  # 8, 8, 8
         workers[0].add(2)
-        assert workers[0].busier_than_another()  # 4 against worker 1's 1
-        workers[1].add(1)
-        assert not workers[0].busier_than_another()  # 4, 2 and a dead one
-        assert [owner.count(i) for i in range(3)] == [4, 2, DEAD]
-        owner.set(2, 0)  # restarted
+        assert not workers[0].busier_than_another()  # 10 against 8: within a quarter of 8
+        workers[0].add(1)
+        assert workers[0].busier_than_another()  # 11 against 8
+        owner.set(2, DEAD)  # a dead worker is never the less loaded one
+        workers[1].add(2)
+        assert not workers[0].busier_than_another()  # 11, 10 and a dead one
+        workers[1].deferring(1)  # worker 1 is not listening: not one to defer to either
+        workers[1].add(-5)
+        assert not workers[0].busier_than_another()  # 11 against a deferring 5
+        workers[1].deferring(-1)
         assert workers[0].busier_than_another()
-        assert workers[1].busier_than_another()  # 2 against the restarted worker's 0
+        assert [owner.count(i) for i in range(3)] == [11, 5, DEAD]
+        owner.set(2, 0)  # restarted
+        assert workers[1].busier_than_another()  # 5 against the restarted worker's 0
     finally:
         for w in workers:
             w.close()
@@ -44,8 +50,8 @@ def test_a_table_of_the_wrong_size_or_slot_is_refused():
     try:
         with pytest.raises(ValueError, match="slot 2 of 2"):
             WorkerLoads(owner.fd, 2)
-        os.ftruncate(owner.fd, 12)
-        with pytest.raises(ValueError, match="12 bytes"):
+        os.ftruncate(owner.fd, 24)
+        with pytest.raises(ValueError, match="24 bytes"):
             WorkerLoads(owner.fd, 0)
     finally:
         owner.close()
