@@ -529,6 +529,14 @@ def parse_fields(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
 
 
+def aes_gcm_implementation() -> str:
+    """Which AES-GCM our proxies' record layer uses on this host (proxy/aes_gcm.py)."""
+    from ambient_mesh.proxy import aes_gcm
+
+    reason = f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""
+    return aes_gcm.IMPLEMENTATION + reason
+
+
 # The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
 PROXY_PYTHON_ENV = "AMBIENT_BENCH_PROXY_PYTHON"
 
@@ -1690,7 +1698,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(
                 f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}; "
                 f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-                f"interpreter {interpreter()}"
+                f"interpreter {interpreter()}; AES-GCM {aes_gcm_implementation()}"
             )
             if topo.envoys:
                 console.print(
@@ -1710,6 +1718,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "interpreter": interpreter(),
+        "aes_gcm": aes_gcm_implementation(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),

@@ -6,7 +6,8 @@ setup.py), two blocks per AES and carry-less multiply instruction; elsewhere it 
 methods (encrypt, decrypt, encrypt_into, decrypt_into) and raise cryptography's InvalidTag.
 
 `IMPLEMENTATION` names the one in use ("vaes" or "openssl") and `FALLBACK_REASON` says why it is
-not ours when it is not: the node proxy logs both at start, and the benchmarks print them.
+not ours when it is not: the node proxy logs both at start ("node proxy ready"), and
+bench/hbone_bench.py prints them with its results.
 """
 
 from __future__ import annotations
