@@ -68,19 +68,19 @@ TARGET static inline __m128i expand_step(__m128i key, __m128i assist) {
 #define ASSIST_ROT(k, rcon) _mm_shuffle_epi32(_mm_aeskeygenassist_si128((k), (rcon)), 0xff)
 #define ASSIST_SUB(k) _mm_shuffle_epi32(_mm_aeskeygenassist_si128((k), 0), 0xaa)
 
+/* FIPS-197 5.2. AES-128 (Nk = 4): round key i from round key i - 1, with RotWord, SubWord and
+ * rcon. AES-256 (Nk = 8): round keys i and i + 1 from the two before them, the first with
+ * RotWord, SubWord and rcon, the second with SubWord only. (aeskeygenassist takes rcon as an
+ * immediate, so the schedules are written out rather than looped.) */
+#define NEXT_128(i, rcon) (k = expand_step(k, ASSIST_ROT(k, rcon)), rk[i] = k)
+#define NEXT_256(i, rcon) \
+    (a = expand_step(a, ASSIST_ROT(b, rcon)), rk[i] = a, b = expand_step(b, ASSIST_SUB(a)), rk[(i) + 1] = b)
+
 TARGET static void expand_key_128(const uint8_t *key, __m128i rk[11]) {
     __m128i k = _mm_loadu_si128((const __m128i *)key);
     rk[0] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x01)); rk[1] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x02)); rk[2] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x04)); rk[3] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x08)); rk[4] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x10)); rk[5] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x20)); rk[6] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x40)); rk[7] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x80)); rk[8] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x1b)); rk[9] = k;
-    k = expand_step(k, ASSIST_ROT(k, 0x36)); rk[10] = k;
+    NEXT_128(1, 0x01), NEXT_128(2, 0x02), NEXT_128(3, 0x04), NEXT_128(4, 0x08), NEXT_128(5, 0x10);
+    NEXT_128(6, 0x20), NEXT_128(7, 0x40), NEXT_128(8, 0x80), NEXT_128(9, 0x1b), NEXT_128(10, 0x36);
 }
 
 TARGET static void expand_key_256(const uint8_t *key, __m128i rk[15]) {
@@ -88,19 +88,10 @@ TARGET static void expand_key_256(const uint8_t *key, __m128i rk[15]) {
     __m128i b = _mm_loadu_si128((const __m128i *)(key + 16));
     rk[0] = a;
     rk[1] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x01)); rk[2] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[3] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x02)); rk[4] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[5] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x04)); rk[6] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[7] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x08)); rk[8] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[9] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x10)); rk[10] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[11] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x20)); rk[12] = a;
-    b = expand_step(b, ASSIST_SUB(a)); rk[13] = b;
-    a = expand_step(a, ASSIST_ROT(b, 0x40)); rk[14] = a;
+    NEXT_256(2, 0x01), NEXT_256(4, 0x02), NEXT_256(6, 0x04), NEXT_256(8, 0x08);
+    NEXT_256(10, 0x10), NEXT_256(12, 0x20);
+    a = expand_step(a, ASSIST_ROT(b, 0x40));
+    rk[14] = a;
 }
 
 TARGET static inline __m128i rk128(const AesGcm *self, int i) {
@@ -356,6 +347,9 @@ TARGET static void set_key(AesGcm *self, const uint8_t *key, Py_ssize_t key_n) {
 
 /* Python type ------------------------------------------------------------------------------ */
 
+/* Asked once, at import (PyInit__aes_gcm_vaes): every key's set-up reads the answer. */
+static int cpu_ok;
+
 static int cpu_has_instructions(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("aes") && __builtin_cpu_supports("pclmul") &&
@@ -368,7 +362,7 @@ static PyObject *AesGcm_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     Py_buffer key;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*:AesGcm", keywords, &key))
         return NULL;
-    if (!cpu_has_instructions()) {
+    if (!cpu_ok) {
         PyBuffer_Release(&key);
         PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, VAES or VPCLMULQDQ: use cryptography's AESGCM");
         return NULL;
@@ -543,7 +537,7 @@ static PyTypeObject AesGcmType = {
 };
 
 static PyObject *cpu_supported(PyObject *module, PyObject *unused) {
-    return PyBool_FromLong(cpu_has_instructions());
+    return PyBool_FromLong(cpu_ok);
 }
 
 static PyMethodDef module_methods[] = {
@@ -557,6 +551,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__aes_gcm_vaes(void) {
+    cpu_ok = cpu_has_instructions();
     PyObject *exceptions = PyImport_ImportModule("cryptography.exceptions");
     if (!exceptions)
         return NULL;

@@ -154,7 +154,6 @@ class Worker:
         # This worker's slot of the owner's connection counts (workers/loads.py): its trackers
         # count into it, its shared listeners compare it with the other workers'.
         self.loads = loads
-        count_connections_in(loads)
         self.channel = Channel(
             sock,
             worker_decoder(),
@@ -401,7 +400,9 @@ class Worker:
 
 
 async def serve(channel_fd: int, index: int, loads_fd: int) -> None:
-    worker = Worker(socket.socket(fileno=channel_fd), index, WorkerLoads(loads_fd, index))
+    loads = WorkerLoads(loads_fd, index)
+    count_connections_in(loads)  # every tracker of this process counts into its slot
+    worker = Worker(socket.socket(fileno=channel_fd), index, loads)
     loop = asyncio.get_running_loop()
     # SIGTERM sent to a worker directly (not through the owner): drain with the configured deadline.
     loop.add_signal_handler(
