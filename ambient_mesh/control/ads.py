@@ -23,9 +23,19 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DeltaDiscoveryResponse
 
+from ..identity.spiffe import Identity
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
-from .ads_state import SHORT_TYPE, AdsRefused, DeltaConnectionState, Snapshot, TypeStatus
+from .ads_state import (
+    SHORT_TYPE,
+    WAYPOINT_NODE_TYPE,
+    AdsRefused,
+    DeltaConnectionState,
+    ProxyInfo,
+    Snapshot,
+    TypeStatus,
+)
+from .waypoint_index import WaypointIndex
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +106,14 @@ _END = object()
 
 
 class _Connection:
-    __slots__ = ("conn_id", "peer", "since", "state", "outbox")
+    __slots__ = ("conn_id", "peer", "since", "state", "outbox", "waypoint")
 
     def __init__(self, conn_id: str, peer: str, since: float, state: DeltaConnectionState) -> None:
         self.conn_id = conn_id
         self.peer = peer
         self.since = since
         self.state = state
+        self.waypoint = ""  # for a waypoint's Envoy: the waypoint key its snapshot is of
         # Unbounded on purpose: a push must not block the other proxies on a slow one, and
         # dropping a delta would desynchronise the proxy for good.
         self.outbox: asyncio.Queue[object] = asyncio.Queue()
@@ -128,16 +139,20 @@ class _Connection:
 
 # xds-protos has no type information, so the servicer base is Any to mypy.
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
-    """Serves `istio.workload.Address` and `istio.security.Authorization` over delta ADS."""
+    """Serves `istio.workload.Address` and `istio.security.Authorization` over delta ADS to
+    ztunnel, and with `waypoints` each waypoint's Envoy its Listeners, Clusters and
+    ClusterLoadAssignments (waypoint_envoy.py), built from the same Addresses."""
 
     def __init__(
         self,
         *,
         authenticate: Authenticator | None = None,
         clock: Callable[[], float] = time.time,
+        waypoints: WaypointIndex | None = None,
     ) -> None:
         self._authenticate = authenticate
         self._clock = clock
+        self.waypoints = waypoints
         self._snapshot = Snapshot.empty()
         self._push_version = 0
         self._connections: dict[str, _Connection] = {}
@@ -175,7 +190,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             # Unchanged resources keep their packed entry: one pod's change re-packs one Address.
             previous=self._snapshot,
         )
-        return self._push()
+        changed = self.waypoints.reset(addresses) if self.waypoints is not None else set()
+        return self._push(changed)
 
     def apply(
         self,
@@ -195,12 +211,22 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             authorizations=authorizations,
             removed_authorizations=removed_authorizations,
         )
-        return self._push()
+        changed = self.waypoints.apply(addresses, removed_addresses) if self.waypoints is not None else set()
+        return self._push(changed)
 
-    def _push(self) -> int:
+    def _push(self, waypoints: set[str]) -> int:
+        """Push the new Address snapshot to every ztunnel, and to each waypoint whose own
+        snapshot changed (`waypoints`) that one."""
         queued = 0
         for conn in self._connections.values():
-            responses = conn.state.push(self._snapshot)
+            if conn.waypoint:
+                if conn.waypoint not in waypoints or self.waypoints is None:
+                    continue
+                responses = conn.state.push(self.waypoints.snapshot(conn.waypoint))
+            elif conn.state.proxy is not None and conn.state.proxy.node_type == WAYPOINT_NODE_TYPE:
+                continue  # a waypoint before its first request is answered from its snapshot then
+            else:
+                responses = conn.state.push(self._snapshot)
             conn.send(responses)
             queued += len(responses)
         log.info("push v%s: %r, %d responses queued", self._push_version, self._snapshot, queued)
@@ -222,11 +248,20 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
     ) -> None:  # noqa: N802
         peer = context.peer() or "unknown"
         identities = await self._check_caller(context, peer)
+        conn_id = f"{peer}-{next(self._ids)}"
         conn = _Connection(
-            f"{peer}-{next(self._ids)}",
+            conn_id,
             peer,
             self._clock(),
-            DeltaConnectionState(self._snapshot, identities=identities),
+            DeltaConnectionState(
+                self._snapshot,
+                identities=identities,
+                waypoint_snapshot=(
+                    (lambda proxy, identity: self._waypoint_snapshot(conn_id, proxy, identity))
+                    if self.waypoints is not None
+                    else None
+                ),
+            ),
         )
         self._connections[conn.conn_id] = conn
         log.info("ADS: new delta stream %s", conn.conn_id)
@@ -247,6 +282,16 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             await context.abort(grpc.StatusCode[outcome.code], str(outcome))
         if isinstance(outcome, BaseExceptionGroup):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error handling the stream")
+
+    def _waypoint_snapshot(self, conn_id: str, proxy: ProxyInfo, identity: Identity | None) -> Snapshot:
+        """Called on a waypoint's first request: which waypoint it is, and its snapshot."""
+        assert self.waypoints is not None
+        key = self.waypoints.key_of(proxy, identity)
+        conn = self._connections.get(conn_id)
+        if conn is not None:
+            conn.waypoint = key
+        log.info("ADS: %s is waypoint %s", proxy.node_id, key)
+        return self.waypoints.snapshot(key)
 
     async def _check_caller(self, context: AdsContext, peer: str) -> tuple[str, ...] | None:
         if self._authenticate is None:

@@ -28,6 +28,7 @@ from google.protobuf import any_pb2
 
 from ..errors import IdentityError, ProtocolError
 from ..identity.spiffe import Identity
+from ..metadata import LABEL_GATEWAY_NAME
 from ..wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
@@ -36,12 +37,27 @@ log = logging.getLogger(__name__)
 
 # Pushes go out in this order, as ztunnel subscribes: workloads before the policies naming them.
 TYPE_URLS = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
-SHORT_TYPE = {ADDRESS_TYPE_URL: "Address", AUTHORIZATION_TYPE_URL: "Authorization"}
+# What a waypoint's Envoy is served, in push order: clusters before the endpoints they name,
+# both before the listeners routing to them (Envoy's make-before-break order for ADS).
+CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LISTENER_TYPE_URL = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ENVOY_TYPE_URLS = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL)
+SHORT_TYPE = {
+    ADDRESS_TYPE_URL: "Address",
+    AUTHORIZATION_TYPE_URL: "Authorization",
+    CLUSTER_TYPE_URL: "Cluster",
+    ENDPOINT_TYPE_URL: "ClusterLoadAssignment",
+    LISTENER_TYPE_URL: "Listener",
+}
 WILDCARD = "*"
 
 ZTUNNEL_NODE_TYPE = "ztunnel"
-# istiod knows these node types; only ztunnel is served here (no Envoy generators exist).
-KNOWN_NODE_TYPES = frozenset({"sidecar", "router", "ztunnel"})
+WAYPOINT_NODE_TYPE = "waypoint"
+# istiod knows these node types; ztunnel and (when Envoy configuration is generated) waypoints
+# are served here, sidecars and gateways are not.
+KNOWN_NODE_TYPES = frozenset({"sidecar", "router", "ztunnel", "waypoint"})
+SERVED_NODE_TYPES = frozenset({ZTUNNEL_NODE_TYPE, WAYPOINT_NODE_TYPE})
 
 # Responses a client has not answered yet, kept only to count ACKed/NACKed resources; a client
 # that never answers must not grow this without bound.
@@ -73,10 +89,17 @@ class ProxyInfo:
     namespace: str
     node_name: str
     cluster_id: str
+    # For a waypoint: the Gateway it is an instance of (its pod's gateway-name label).
+    gateway_name: str = ""
 
     @classmethod
     def from_node(cls, node: base_pb2.Node) -> ProxyInfo:
         metadata = {k: _struct_text(v) for k, v in node.metadata.fields.items()}
+        labels = node.metadata.fields.get("LABELS")
+        if labels is not None and labels.WhichOneof("kind") == "struct_value":
+            gateway = labels.struct_value.fields.get(LABEL_GATEWAY_NAME)
+            if gateway is not None:
+                metadata[LABEL_GATEWAY_NAME] = _struct_text(gateway)
         return cls.parse(node.id, metadata)
 
     @classmethod
@@ -94,9 +117,9 @@ class ProxyInfo:
         node_type, ip_part, proxy_id, dns_domain = parts
         if node_type not in KNOWN_NODE_TYPES:
             raise AdsRefused(f"node id {node_id!r}: unknown node type {node_type!r}", code="INVALID_ARGUMENT")
-        if node_type != ZTUNNEL_NODE_TYPE:
+        if node_type not in SERVED_NODE_TYPES:
             raise AdsRefused(
-                f"node {node_id!r} is a {node_type}: this control plane serves only ztunnel",
+                f"node {node_id!r} is a {node_type}: this control plane serves only ztunnel and waypoints",
                 code="INVALID_ARGUMENT",
                 hint="point sidecars and gateways at istiod, not at `ambient control`",
             )
@@ -115,6 +138,7 @@ class ProxyInfo:
             namespace=metadata.get("NAMESPACE", pod_namespace),
             node_name=metadata.get("NODE_NAME", ""),
             cluster_id=metadata.get("CLUSTER_ID", ""),
+            gateway_name=metadata.get(LABEL_GATEWAY_NAME, "") if node_type == WAYPOINT_NODE_TYPE else "",
         )
 
 
@@ -194,7 +218,7 @@ class Snapshot:
     parent_id: int = field(default=0, repr=False, compare=False)
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{len(self.of(t))} {SHORT_TYPE[t]}" for t in TYPE_URLS)
+        counts = ", ".join(f"{len(self.of(t))} {SHORT_TYPE.get(t, t)}" for t in self.resources)
         return f"Snapshot(v{self.version}: {counts})"
 
     @classmethod
@@ -354,6 +378,38 @@ class Snapshot:
                 AUTHORIZATION_TYPE_URL: frozenset(changed_authorizations),
             },
             parent_id=id(self),
+        )
+
+    @classmethod
+    def of_messages(
+        cls, *, version: str, messages: Mapping[str, Mapping[str, Any]], previous: Snapshot | None = None
+    ) -> Snapshot:
+        """A snapshot of Envoy resources (type URL -> name -> message), all versioned by content.
+
+        With `previous`, unchanged resources keep their packed entry and `changed` lists the
+        names that differ, so a stream holding `previous` compares only those."""
+        resources: dict[str, dict[str, VersionedResource]] = {}
+        changed: dict[str, frozenset[str]] = {}
+        for type_url, named in messages.items():
+            before = previous.of(type_url) if previous is not None else {}
+            packed: dict[str, VersionedResource] = {}
+            for name, message in named.items():
+                data = _serialize(message)
+                entry = before.get(name)
+                if entry is None or entry.resource.value != data:
+                    entry = _pack_bytes(name, type_url, data, versioned=True, aliases=())
+                packed[name] = entry
+            resources[type_url] = packed
+            changed[type_url] = frozenset(
+                n for n in set(packed) | set(before) if packed.get(n) is not before.get(n)
+            )
+        return cls(
+            version=version,
+            resources=resources,
+            owners={},
+            endpoints={},
+            changed=changed if previous is not None else None,
+            parent_id=id(previous) if previous is not None else 0,
         )
 
     def of(self, type_url: str) -> Mapping[str, VersionedResource]:
@@ -563,8 +619,13 @@ class DeltaConnectionState:
         *,
         identities: Sequence[str] | None = None,
         nonce_prefix: Callable[[], str] = random_nonce_prefix,
+        waypoint_snapshot: Callable[[ProxyInfo, Identity | None], Snapshot] | None = None,
     ) -> None:
         self.snapshot = snapshot
+        # ztunnel is served the mesh's Addresses; a waypoint its own Envoy resources, from
+        # `waypoint_snapshot` (None: waypoints are refused).
+        self.type_urls: tuple[str, ...] = TYPE_URLS
+        self._waypoint_snapshot = waypoint_snapshot
         self.proxy: ProxyInfo | None = None
         self.verified_identity: Identity | None = None
         self._identities = tuple(identities) if identities is not None else None
@@ -599,9 +660,17 @@ class DeltaConnectionState:
             proxy = ProxyInfo.from_node(request.node)
             if self._identities is not None:
                 self.verified_identity = check_connection_identity(proxy, self._identities)
+            if proxy.node_type == WAYPOINT_NODE_TYPE:
+                if self._waypoint_snapshot is None:
+                    raise AdsRefused(
+                        f"node {proxy.node_id!r} is a waypoint: this server generates no Envoy configuration",
+                        code="INVALID_ARGUMENT",
+                    )
+                self.snapshot = self._waypoint_snapshot(proxy, self.verified_identity)
+                self.type_urls = ENVOY_TYPE_URLS
             self.proxy = proxy
         type_url = request.type_url
-        if type_url not in TYPE_URLS:
+        if type_url not in self.type_urls:
             log.warning("%s: ignoring a request for unserved type %r", self.proxy.node_id, type_url)
             return []
         sub = self._subs.get(type_url)
@@ -719,7 +788,7 @@ class DeltaConnectionState:
         hint = snapshot.changed if snapshot.parent_id == id(self.snapshot) else None
         self.snapshot = snapshot
         responses = []
-        for type_url in TYPE_URLS:
+        for type_url in self.type_urls:
             sub = self._subs.get(type_url)
             if sub is not None:
                 names = hint.get(type_url) if hint is not None else None

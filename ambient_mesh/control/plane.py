@@ -48,6 +48,7 @@ from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
+from .waypoint_index import WaypointIndex
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
@@ -198,7 +199,8 @@ class ControlPlane:
             else self.issuer.verifier()
         )
         self.node_index = KubeNodeIndex(mesh.trust_domain)
-        self.ads = AdsServer(authenticate=self._authenticate)
+        # Waypoints' Envoys are served from the same Addresses (waypoint_index.py).
+        self.ads = AdsServer(authenticate=self._authenticate, waypoints=WaypointIndex(mesh))
         # Translated incrementally: a change re-translates only what it affects (index.py).
         self.index = AmbientIndex(mesh)
         self._translation: Translation | None = None

@@ -1,0 +1,705 @@
+"""The Envoy configuration of one waypoint: Listeners, Clusters and ClusterLoadAssignments.
+
+Counterpart: istiod pilot/pkg/networking/core/{listener_waypoint.go, cluster_waypoint.go,
+waypoint.go} and pilot/pkg/xds/endpoints/endpoint_builder.go, for a single network and without
+routes or L7 policy (HTTPRoute, VirtualService and AuthorizationPolicy come in a later part; every
+HTTP port gets istiod's default route).
+
+The input is what this control plane already serves ztunnel (`istio.workload.Address`): a
+Service whose `waypoint` names this waypoint is served by it (chains by VIP and port), a
+Workload whose `waypoint` names it likewise (chains by pod IP), and a service's endpoints are the
+workloads listing it in `Workload.services`. The resources are built as the JSON form of the
+Envoy v3 messages and parsed into `xds-protos` messages at the end, so the golden files read like
+Envoy's own configuration dumps.
+
+Path of one request (docs/architecture.md, "Waypoints"): ztunnel -> `connect_terminate` (15008,
+HBONE) -> `main_internal` (internal listener, chain by original destination) -> HTTP connection
+manager or TCP proxy -> `inbound-vip|<port>|<http|tcp>|<host>` (EDS; endpoints are the internal
+address `connect_originate` with the pod's `ip:targetPort` as original destination) ->
+`connect_originate` (internal listener, CONNECT `ip:targetPort`) -> cluster `connect_originate`
+(ORIGINAL_DST, port 15008, mTLS h2 with the waypoint's SDS certificate) -> the destination's
+node proxy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Every message type named by an `@type` below must be in the descriptor pool before ParseDict.
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2  # noqa: F401
+from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2  # noqa: F401
+from envoy.extensions.filters.listener.original_dst.v3 import original_dst_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
+    http_connection_manager_pb2,
+)
+from envoy.extensions.filters.network.set_filter_state.v3 import (  # noqa: F401
+    set_filter_state_pb2 as network_set_filter_state_pb2,
+)
+from envoy.extensions.filters.network.tcp_proxy.v3 import tcp_proxy_pb2  # noqa: F401
+from envoy.extensions.matching.common_inputs.network.v3 import network_inputs_pb2  # noqa: F401
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.internal_upstream.v3 import internal_upstream_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.raw_buffer.v3 import raw_buffer_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from google.protobuf import json_format, wrappers_pb2  # noqa: F401
+from google.protobuf.message import Message
+from xds.type.matcher.v3 import ip_pb2  # noqa: F401
+
+from ..ports import HBONE_PORT
+from ..wire.istio.workload import workload_pb2 as wl
+from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+
+CONNECT_TERMINATE = "connect_terminate"
+MAIN_INTERNAL = "main_internal"
+CONNECT_ORIGINATE = "connect_originate"
+ENCAP = "encap"
+BLACKHOLE = "BlackHoleCluster"
+# SDS names the pod agent serves (Istio's pilot-agent names).
+SDS_DEFAULT = "default"
+SDS_ROOT = "ROOTCA"
+# The bootstrap's cluster that reaches the pod agent's SDS socket (Istio's name).
+SDS_CLUSTER = "sds-grpc"
+
+CONNECT_TIMEOUT = "10s"
+# istiod: mesh hboneIdleTimeout, default one hour.
+HBONE_IDLE_TIMEOUT = "3600s"
+ORIGINAL_DST_CLEANUP_INTERVAL = "60s"
+# HTTP/2 keepalive on HBONE termination: a dead node proxy is noticed within half a minute.
+HBONE_KEEPALIVE_INTERVAL = "10s"
+HBONE_KEEPALIVE_TIMEOUT = "20s"
+HBONE_MAX_CONCURRENT_STREAMS = 100
+
+_T = "type.googleapis.com/"
+_ORIGINAL_DST = "envoy.filters.listener.original_dst"
+_LOCAL_IP_KEY = "envoy.filters.listener.original_dst.local_ip"
+_REMOTE_IP_KEY = "envoy.filters.listener.original_dst.remote_ip"
+PEER_PRINCIPAL_KEY = "io.istio.peer_principal"
+LOCAL_PRINCIPAL_KEY = "io.istio.local_principal"
+_HTTP_PROTOCOLS = (wl.HTTP11, wl.HTTP2, wl.GRPC)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """One backend of a service port: the pod's IP and the port its node proxy delivers to."""
+
+    ip: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServicePort:
+    """One port of one service this waypoint serves."""
+
+    hostname: str
+    vips: tuple[str, ...]
+    port: int
+    protocol: str  # "http", "tcp" or "auto" (sniffed: HTTP when it looks like HTTP)
+    endpoints: tuple[Endpoint, ...]
+
+    def cluster(self, protocol: str) -> str:
+        return f"inbound-vip|{self.port}|{protocol}|{self.hostname}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaypointInputs:
+    """Everything one waypoint's configuration is made of, already resolved from the Addresses."""
+
+    trust_domains: tuple[str, ...]
+    services: tuple[ServicePort, ...]
+    workload_ips: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnvoyResources:
+    """One waypoint's resources by type URL and name (Envoy's names are the xDS names)."""
+
+    listeners: Mapping[str, listener_pb2.Listener]
+    clusters: Mapping[str, cluster_pb2.Cluster]
+    endpoints: Mapping[str, endpoint_pb2.ClusterLoadAssignment]
+
+    def by_type(self) -> dict[str, Mapping[str, Message]]:
+        return {
+            CLUSTER_TYPE_URL: self.clusters,
+            ENDPOINT_TYPE_URL: self.endpoints,
+            LISTENER_TYPE_URL: self.listeners,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# From the served Addresses to one waypoint's inputs
+
+
+def port_protocol(app_protocol: int) -> str:
+    if app_protocol in _HTTP_PROTOCOLS:
+        return "http"
+    if app_protocol in (wl.TCP, wl.TLS):
+        return "tcp"
+    return "auto"
+
+
+def ip_text(raw: bytes) -> str:
+    return str(ipaddress.ip_address(raw)) if len(raw) in (4, 16) else ""
+
+
+def service_ports(service: wl.Service, workloads: Iterable[wl.Workload]) -> list[ServicePort]:
+    """The ports of `service` with their healthy endpoints (istiod's endpoint builder: a
+    workload's own target port for the service wins over the service's)."""
+    key = f"{service.namespace}/{service.hostname}"
+    vips = tuple(sorted(ip for ip in (ip_text(a.address) for a in service.addresses) if ip))
+    out = []
+    for p in service.ports:
+        endpoints = set()
+        for w in workloads:
+            if w.status != wl.HEALTHY or key not in w.services:
+                continue
+            own = next((q.target_port for q in w.services[key].ports if q.service_port == p.service_port), 0)
+            target = own or p.target_port
+            if not target:
+                continue  # a named target port this pod does not declare
+            for raw in w.addresses:
+                ip = ip_text(raw)
+                if ip:
+                    endpoints.add(Endpoint(ip=ip, port=target))
+        out.append(
+            ServicePort(
+                hostname=service.hostname,
+                vips=vips,
+                port=p.service_port,
+                protocol=port_protocol(p.app_protocol),
+                endpoints=tuple(sorted(endpoints, key=lambda e: (e.ip, e.port))),
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": _T + type_name, **fields}
+
+
+def _raw_buffer() -> dict[str, Any]:
+    return {
+        "name": "raw_buffer",
+        "typed_config": _typed("envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"),
+    }
+
+
+def _internal_upstream(passthrough: bool) -> dict[str, Any]:
+    config: dict[str, Any] = {"transport_socket": _raw_buffer()}
+    if passthrough:
+        # Copies the endpoint's original destination to the internal connection, where
+        # `connect_originate`'s original_dst filter makes it the local address.
+        config["passthrough_metadata"] = [
+            {"kind": {"host": {}}, "name": _ORIGINAL_DST},
+            {"kind": {"host": {}}, "name": "istio"},
+        ]
+    return {
+        "name": "internal_upstream",
+        "typed_config": _typed(
+            "envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport", **config
+        ),
+    }
+
+
+def _common_tls(trust_domains: Iterable[str]) -> dict[str, Any]:
+    # HBONE is TLS 1.3 and h2 only; the peer is checked against the mesh root and its SPIFFE
+    # trust domain (any listed domain passes, as istiod lists the domain and its aliases).
+    return {
+        "alpn_protocols": ["h2"],
+        "tls_params": {"tls_minimum_protocol_version": "TLSv1_3", "tls_maximum_protocol_version": "TLSv1_3"},
+        "tls_certificate_sds_secret_configs": [{"name": SDS_DEFAULT, "sds_config": _sds_source()}],
+        "combined_validation_context": {
+            "default_validation_context": {
+                "match_typed_subject_alt_names": [
+                    {"san_type": "URI", "matcher": {"prefix": f"spiffe://{td}/"}} for td in trust_domains
+                ]
+            },
+            "validation_context_sds_secret_config": {"name": SDS_ROOT, "sds_config": _sds_source()},
+        },
+    }
+
+
+def _ads_source() -> dict[str, Any]:
+    return {"ads": {}, "resource_api_version": "V3"}
+
+
+def _sds_source() -> dict[str, Any]:
+    # Secrets come from the pod agent over its unix socket (bootstrap cluster `sds-grpc`), never
+    # from the control plane: the waypoint's private key does not leave the pod.
+    return {
+        "api_config_source": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "set_node_on_first_message_only": True,
+            "grpc_services": [{"envoy_grpc": {"cluster_name": SDS_CLUSTER}}],
+        },
+        "resource_api_version": "V3",
+    }
+
+
+def _router() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.router",
+        "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router"),
+    }
+
+
+def _listener_filter(name: str, type_name: str) -> dict[str, Any]:
+    return {"name": name, "typed_config": _typed(type_name)}
+
+
+def _string_action(name: str) -> dict[str, Any]:
+    return {"action": {"name": name, "typed_config": _typed("google.protobuf.StringValue", value=name)}}
+
+
+def _input(name: str, type_name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "typed_config": _typed("envoy.extensions.matching.common_inputs.network.v3." + type_name),
+    }
+
+
+def _prefix(ip: str) -> dict[str, Any]:
+    return {"address_prefix": ip, "prefix_len": 32 if ipaddress.ip_address(ip).version == 4 else 128}
+
+
+def _copy_original_dst() -> dict[str, Any]:
+    # The CONNECT authority, set by connect_terminate, handed on to connect_originate.
+    return {
+        "name": "connect_authority",
+        "typed_config": _typed(
+            "envoy.extensions.filters.network.set_filter_state.v3.Config",
+            on_new_connection=[
+                {
+                    "object_key": _LOCAL_IP_KEY,
+                    "format_string": {
+                        "text_format_source": {"inline_string": f"%FILTER_STATE({_LOCAL_IP_KEY}:PLAIN)%"}
+                    },
+                    "shared_with_upstream": "ONCE",
+                }
+            ],
+        ),
+    }
+
+
+def _tcp_proxy(stat_prefix: str, cluster: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.tcp_proxy",
+        "typed_config": _typed(
+            "envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+            stat_prefix=stat_prefix,
+            cluster=cluster,
+            **extra,
+        ),
+    }
+
+
+def _hcm(stat_prefix: str, route_config: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": _typed(
+            "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            stat_prefix=stat_prefix,
+            use_remote_address=False,
+            route_config=route_config,
+            http_filters=[_router()],
+            **extra,
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Listeners
+
+
+def connect_terminate(trust_domains: Iterable[str]) -> dict[str, Any]:
+    set_state = [
+        # The CONNECT target becomes main_internal's original destination (VIP:port or pod:port).
+        (_LOCAL_IP_KEY, "%REQ(:AUTHORITY)%", None),
+        (_REMOTE_IP_KEY, "%DOWNSTREAM_REMOTE_ADDRESS%", None),
+        # The client's identity, for L7 policy and metrics on the internal listener.
+        (PEER_PRINCIPAL_KEY, "%DOWNSTREAM_PEER_URI_SAN%", "envoy.string"),
+        (LOCAL_PRINCIPAL_KEY, "%DOWNSTREAM_LOCAL_URI_SAN%", "envoy.string"),
+    ]
+    on_request = []
+    for key, fmt, factory in set_state:
+        entry: dict[str, Any] = {
+            "object_key": key,
+            "format_string": {"text_format_source": {"inline_string": fmt}},
+            "shared_with_upstream": "ONCE",
+        }
+        if factory:
+            entry["factory_key"] = factory
+        on_request.append(entry)
+    hcm = _hcm(
+        CONNECT_TERMINATE,
+        {
+            "name": "default",
+            "virtual_hosts": [
+                {
+                    "name": "default",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"connect_matcher": {}},
+                            "route": {
+                                "cluster": MAIN_INTERNAL,
+                                "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}],
+                            },
+                        }
+                    ],
+                }
+            ],
+        },
+        server_name="istio-envoy",
+        forward_client_cert_details="APPEND_FORWARD",
+        set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
+        stream_idle_timeout="0s",
+        upgrade_configs=[{"upgrade_type": "CONNECT"}],
+        http2_protocol_options={
+            "allow_connect": True,
+            "max_concurrent_streams": HBONE_MAX_CONCURRENT_STREAMS,
+            "connection_keepalive": {
+                "interval": HBONE_KEEPALIVE_INTERVAL,
+                "timeout": HBONE_KEEPALIVE_TIMEOUT,
+            },
+        },
+    )
+    hcm["typed_config"]["http_filters"] = [
+        {
+            "name": "connect_authority",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.set_filter_state.v3.Config", on_request_headers=on_request
+            ),
+        },
+        _router(),
+    ]
+    return {
+        "name": CONNECT_TERMINATE,
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": HBONE_PORT}},
+        "additional_addresses": [
+            {"address": {"socket_address": {"address": "::", "port_value": HBONE_PORT}}}
+        ],
+        "connection_balance_config": {"exact_balance": {}},
+        "filter_chains": [
+            {
+                "name": "default",
+                "transport_socket": {
+                    "name": "tls",
+                    "typed_config": _typed(
+                        "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                        require_client_certificate=True,
+                        common_tls_context=_common_tls(trust_domains),
+                    ),
+                },
+                "filters": [hcm],
+            }
+        ],
+    }
+
+
+def _http_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
+    name = sp.cluster("http")
+    route = {
+        "name": name,
+        "validate_clusters": False,
+        "virtual_hosts": [
+            {
+                "name": f"inbound|http|{sp.port}",
+                "domains": ["*"],
+                "routes": [
+                    {
+                        "name": "default",
+                        "match": {"prefix": "/"},
+                        "route": {
+                            "cluster": name,
+                            "timeout": "0s",
+                            "max_grpc_timeout": "0s",
+                            # istiod's default retry policy.
+                            "retry_policy": {
+                                "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+                                "num_retries": 2,
+                                "host_selection_retry_max_attempts": "5",
+                                "retry_host_predicate": [
+                                    {
+                                        "name": "envoy.retry_host_predicates.previous_hosts",
+                                        "typed_config": _typed(
+                                            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                                        ),
+                                    }
+                                ],
+                            },
+                        },
+                    }
+                ],
+            }
+        ],
+    }
+    return {
+        "name": name,
+        "filters": [
+            _hcm(
+                f"inbound_{vip}_{sp.port}",
+                route,
+                server_name="istio-envoy",
+                normalize_path=True,
+                merge_slashes=True,
+                path_with_escaped_slashes_action="KEEP_UNCHANGED",
+                forward_client_cert_details="APPEND_FORWARD",
+                set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
+            )
+        ],
+    }
+
+
+def _tcp_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
+    name = sp.cluster("tcp")
+    return {"name": name, "filters": [_tcp_proxy(f"inbound_{vip}_{sp.port}", name)]}
+
+
+def _http_or_tcp(http: str, tcp: str) -> dict[str, Any]:
+    """Sniffed: the http_inspector's verdict picks the HTTP chain, anything else is TCP."""
+    return {
+        "matcher": {
+            "matcher_tree": {
+                "input": _input("application-protocol", "ApplicationProtocolInput"),
+                "exact_match_map": {
+                    "map": {"'http/1.1'": _string_action(http), "'h2c'": _string_action(http)}
+                },
+            },
+            "on_no_match": _string_action(tcp),
+        }
+    }
+
+
+def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
+    chains: dict[str, dict[str, Any]] = {}
+    by_vip: dict[str, dict[str, dict[str, Any]]] = {}
+    for sp in inputs.services:
+        if not sp.vips:
+            continue
+        stat_vip = sp.vips[0]
+        if sp.protocol in ("http", "auto"):
+            chains.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip))
+        if sp.protocol in ("tcp", "auto"):
+            chains.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
+        if sp.protocol == "auto":
+            on_match = _http_or_tcp(sp.cluster("http"), sp.cluster("tcp"))
+        else:
+            on_match = _string_action(sp.cluster(sp.protocol))
+        for vip in sp.vips:
+            by_vip.setdefault(vip, {})[str(sp.port)] = on_match
+    ranges = []
+    for vip in sorted(by_vip, key=lambda ip: ipaddress.ip_address(ip).packed):
+        ranges.append(
+            {
+                "ranges": [_prefix(vip)],
+                "on_match": {
+                    "matcher": {
+                        "matcher_tree": {
+                            "input": _input("port", "DestinationPortInput"),
+                            "exact_match_map": {"map": dict(sorted(by_vip[vip].items()))},
+                        }
+                    }
+                },
+            }
+        )
+    vips = set(by_vip)
+    workload_ips = [ip for ip in inputs.workload_ips if ip not in vips]
+    if workload_ips:
+        # Workload-addressed: straight to the pod (HTTP parsed when it is HTTP), through HBONE.
+        chains["direct-tcp"] = {
+            "name": "direct-tcp",
+            "filters": [_copy_original_dst(), _tcp_proxy("direct-tcp", ENCAP)],
+        }
+        direct_route = {
+            "name": "direct",
+            "virtual_hosts": [
+                {
+                    "name": "inbound",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": ENCAP, "timeout": "0s"}}],
+                }
+            ],
+        }
+        chains["direct-http"] = {
+            "name": "direct-http",
+            "filters": [_copy_original_dst(), _hcm("direct-http", direct_route)],
+        }
+        for ip in sorted(workload_ips, key=lambda ip: ipaddress.ip_address(ip).packed):
+            ranges.append({"ranges": [_prefix(ip)], "on_match": _http_or_tcp("direct-http", "direct-tcp")})
+    # Anything else (an unknown VIP or port) is closed: istiod's BlackHoleCluster.
+    chains["blackhole"] = {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
+    matcher: dict[str, Any] = {"on_no_match": _string_action("blackhole")}
+    if ranges:
+        matcher["matcher_tree"] = {
+            "input": _input("ip", "DestinationIPInput"),
+            "custom_match": {
+                "name": "ip",
+                "typed_config": _typed("xds.type.matcher.v3.IPMatcher", range_matchers=ranges),
+            },
+        }
+    return {
+        "name": MAIN_INTERNAL,
+        "internal_listener": {},
+        "traffic_direction": "INBOUND",
+        "listener_filters": [
+            _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"),
+            _listener_filter(
+                "envoy.filters.listener.http_inspector",
+                "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
+            ),
+        ],
+        "filter_chain_matcher": matcher,
+        "filter_chains": [chains[name] for name in sorted(chains)],
+    }
+
+
+def connect_originate_listener() -> dict[str, Any]:
+    return {
+        "name": CONNECT_ORIGINATE,
+        "use_original_dst": False,
+        "internal_listener": {},
+        "listener_filters": [
+            _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst")
+        ],
+        "filter_chains": [
+            {
+                "filters": [
+                    _tcp_proxy(
+                        CONNECT_ORIGINATE,
+                        CONNECT_ORIGINATE,
+                        tunneling_config={"hostname": "%DOWNSTREAM_LOCAL_ADDRESS%"},
+                    )
+                ]
+            }
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Clusters and endpoints
+
+
+def _static_internal(name: str, listener: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"envoy_internal_address": {"server_listener_name": listener}}
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+        "transport_socket": _internal_upstream(passthrough=False),
+    }
+
+
+def connect_originate_cluster(trust_domains: Iterable[str]) -> dict[str, Any]:
+    return {
+        "name": CONNECT_ORIGINATE,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": CONNECT_TIMEOUT,
+        "cleanup_interval": ORIGINAL_DST_CLEANUP_INTERVAL,
+        "original_dst_lb_config": {
+            "upstream_port_override": HBONE_PORT,
+            "metadata_key": {"key": _ORIGINAL_DST, "path": [{"key": "waypoint"}]},
+        },
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                common_http_protocol_options={"idle_timeout": HBONE_IDLE_TIMEOUT},
+                explicit_http_config={"http2_protocol_options": {"allow_connect": True}},
+            )
+        },
+        "transport_socket": {
+            "name": "tls",
+            "typed_config": _typed(
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                common_tls_context=_common_tls(trust_domains),
+            ),
+        },
+    }
+
+
+def _eds_cluster(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "EDS",
+        "eds_cluster_config": {"eds_config": _ads_source(), "service_name": name},
+        "connect_timeout": CONNECT_TIMEOUT,
+        "transport_socket": _internal_upstream(passthrough=True),
+    }
+
+
+def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]:
+    lb = []
+    for e in endpoints:
+        target = f"[{e.ip}]:{e.port}" if ":" in e.ip else f"{e.ip}:{e.port}"
+        lb.append(
+            {
+                "endpoint": {
+                    "address": {
+                        "envoy_internal_address": {
+                            "server_listener_name": CONNECT_ORIGINATE,
+                            "endpoint_id": target,
+                        }
+                    }
+                },
+                "metadata": {"filter_metadata": {_ORIGINAL_DST: {"local": target}}},
+            }
+        )
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb}] if lb else []}
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole
+
+
+def build_resources(inputs: WaypointInputs) -> EnvoyResources:
+    """The Listeners, Clusters and ClusterLoadAssignments of one waypoint."""
+    listeners = [connect_terminate(inputs.trust_domains), main_internal(inputs), connect_originate_listener()]
+    clusters = [
+        _static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
+        _static_internal(ENCAP, CONNECT_ORIGINATE),
+        connect_originate_cluster(inputs.trust_domains),
+        {"name": BLACKHOLE, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT},
+    ]
+    assignments = []
+    for sp in inputs.services:
+        for protocol in ("http", "tcp"):
+            if sp.protocol not in (protocol, "auto"):
+                continue
+            name = sp.cluster(protocol)
+            clusters.append(_eds_cluster(name))
+            assignments.append(_load_assignment(name, sp.endpoints))
+    return EnvoyResources(
+        listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
+        clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},
+        endpoints={d["cluster_name"]: _parse(d, endpoint_pb2.ClusterLoadAssignment()) for d in assignments},
+    )
+
+
+def _parse(doc: dict[str, Any], message: Any) -> Any:
+    json_format.ParseDict(doc, message)
+    return message

@@ -1,0 +1,226 @@
+"""Which served Addresses each waypoint carries, kept up to date per change, and each waypoint's
+Envoy snapshot.
+
+Counterpart: istiod's `findWaypointResources` (pilot/pkg/networking/core/waypoint.go: the services
+and workloads whose waypoint is this proxy's Gateway) and the push context's per-proxy config
+cache. The input is the change `AmbientIndex.apply` already computed (the Addresses it replaced
+or removed), so nothing is translated twice: a service or workload is read from the same
+`istio.workload.Address` message ztunnel is served. A change marks the waypoints it touches (its
+old and new waypoint, and for a workload the waypoints of the services it serves); only those are
+built again, and a rebuilt waypoint's snapshot keeps every resource whose bytes did not change,
+so its Envoy is sent only the resources that did.
+
+A waypoint is named by its Service's xDS name (`<namespace>/<gateway>.<namespace>.svc.<suffix>`):
+that is what a `GatewayAddress.hostname` carries. A Gateway addressed by IP (`status.addresses`
+of type IPAddress) is found through the Service owning that VIP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+from ..identity.spiffe import Identity
+from ..wire.istio.workload import workload_pb2 as wl
+from .ads_state import ProxyInfo, Snapshot
+from .translate import MeshSettings
+from .waypoint_envoy import (
+    EnvoyResources,
+    ServicePort,
+    WaypointInputs,
+    build_resources,
+    ip_text,
+    service_ports,
+)
+
+log = logging.getLogger(__name__)
+
+
+def waypoint_key(namespace: str, gateway: str, domain_suffix: str) -> str:
+    return f"{namespace}/{gateway}.{namespace}.svc.{domain_suffix}"
+
+
+def _ref(address: wl.GatewayAddress) -> str | None:
+    """What a GatewayAddress points at: a waypoint key, or `ip:<vip>` to resolve later."""
+    kind = address.WhichOneof("destination")
+    if kind == "hostname":
+        return f"{address.hostname.namespace}/{address.hostname.hostname}"
+    if kind == "address":
+        ip = ip_text(address.address.address)
+        return f"ip:{ip}" if ip else None
+    return None
+
+
+class WaypointIndex:
+    """Addresses by the waypoint they name, and each connected waypoint's Envoy snapshot."""
+
+    def __init__(self, settings: MeshSettings | None = None) -> None:
+        self.settings = settings or MeshSettings()
+        self._addresses: dict[str, wl.Address] = {}
+        self._ref_of: dict[str, str] = {}  # address name -> the waypoint ref it names
+        self._named_by: dict[str, set[str]] = {}  # waypoint ref -> address names naming it
+        self._endpoints: dict[str, set[str]] = {}  # service name -> workload uids serving it
+        self._vip_owner: dict[str, set[str]] = {}  # VIP -> service names carrying it
+        self._snapshots: dict[str, Snapshot] = {}  # waypoint key -> snapshot, for those asked
+        self._version = 0
+
+    def __repr__(self) -> str:
+        return f"WaypointIndex({len(self._addresses)} addresses, {len(self._named_by)} waypoints named, {len(self._snapshots)} built)"
+
+    # -- what a proxy is ------------------------------------------------------------------------
+
+    def key_of(self, proxy: ProxyInfo, identity: Identity | None) -> str:
+        """The waypoint a connected proxy is: its pod's gateway-name label, else (as istiod
+        deploys a waypoint under a service account named after its Gateway) its identity's
+        service account."""
+        gateway = proxy.gateway_name or (identity.service_account if identity is not None else "")
+        if not gateway:
+            gateway = proxy.pod_name
+        return waypoint_key(proxy.namespace, gateway, self.settings.domain_suffix)
+
+    def snapshot(self, key: str) -> Snapshot:
+        """The Envoy snapshot of one waypoint, built on first ask and kept up to date after."""
+        snap = self._snapshots.get(key)
+        if snap is None:
+            snap = self._build(key, previous=None)
+            self._snapshots[key] = snap
+        return snap
+
+    def resources(self, key: str) -> EnvoyResources:
+        return build_resources(self.inputs(key))
+
+    # -- changes --------------------------------------------------------------------------------
+
+    def reset(self, addresses: Mapping[str, wl.Address]) -> set[str]:
+        """Start again from the whole set; returns the built waypoints whose snapshot changed."""
+        removed = [name for name in self._addresses if name not in addresses]
+        return self.apply(addresses, removed)
+
+    def apply(self, addresses: Mapping[str, wl.Address], removed: Iterable[str] = ()) -> set[str]:
+        """Follow replaced and removed Addresses; returns the built waypoints whose snapshot changed."""
+        refs: set[str] = set()
+        for name in removed:
+            old = self._addresses.pop(name, None)
+            if old is not None:
+                refs |= self._unlink(name, old)
+        for name, addr in addresses.items():
+            old = self._addresses.get(name)
+            if old is addr:
+                continue
+            if old is not None:
+                refs |= self._unlink(name, old)
+            self._addresses[name] = addr
+            refs |= self._link(name, addr)
+        touched = self._resolve(refs)
+        changed = set()
+        for key in touched & set(self._snapshots):
+            before = self._snapshots[key]
+            after = self._build(key, previous=before)
+            if any(after.changed.values()) if after.changed is not None else True:
+                self._snapshots[key] = after
+                changed.add(key)
+        return changed
+
+    def _link(self, name: str, addr: wl.Address) -> set[str]:
+        refs = self._refs(name, addr)
+        kind = addr.WhichOneof("type")
+        own = addr.service.waypoint if kind == "service" else addr.workload.waypoint
+        if kind in ("service", "workload") and own.WhichOneof("destination"):
+            ref = _ref(own)
+            if ref is not None:
+                self._ref_of[name] = ref
+                self._named_by.setdefault(ref, set()).add(name)
+        if kind == "workload":
+            for service in addr.workload.services:
+                self._endpoints.setdefault(service, set()).add(name)
+        elif kind == "service":
+            for a in addr.service.addresses:
+                ip = ip_text(a.address)
+                if ip:
+                    self._vip_owner.setdefault(ip, set()).add(name)
+        return refs
+
+    def _unlink(self, name: str, addr: wl.Address) -> set[str]:
+        refs = self._refs(name, addr)
+        ref = self._ref_of.pop(name, None)
+        if ref is not None:
+            _discard(self._named_by, ref, name)
+        kind = addr.WhichOneof("type")
+        if kind == "workload":
+            for service in addr.workload.services:
+                _discard(self._endpoints, service, name)
+        elif kind == "service":
+            for a in addr.service.addresses:
+                ip = ip_text(a.address)
+                if ip:
+                    _discard(self._vip_owner, ip, name)
+        return refs
+
+    def _refs(self, name: str, addr: wl.Address) -> set[str]:
+        """The waypoints one Address is part of: the one it names; for a workload, those of the
+        services it serves; for a service, itself (a waypoint's own Service gives its VIPs)."""
+        out: set[str] = set()
+        kind = addr.WhichOneof("type")
+        if kind == "service":
+            ref = _ref(addr.service.waypoint) if addr.service.waypoint.WhichOneof("destination") else None
+            out.add(name)
+        elif kind == "workload":
+            ref = _ref(addr.workload.waypoint) if addr.workload.waypoint.WhichOneof("destination") else None
+            for service in addr.workload.services:
+                svc_ref = self._ref_of.get(service)
+                if svc_ref is not None:
+                    out.add(svc_ref)
+        else:
+            ref = None
+        if ref is not None:
+            out.add(ref)
+        return out
+
+    def _resolve(self, refs: Iterable[str]) -> set[str]:
+        keys: set[str] = set()
+        for ref in refs:
+            if ref.startswith("ip:"):
+                keys.update(self._vip_owner.get(ref[3:], ()))
+            else:
+                keys.add(ref)
+        return keys
+
+    # -- building -------------------------------------------------------------------------------
+
+    def inputs(self, key: str) -> WaypointInputs:
+        """What the waypoint `key` serves: the services and workloads naming it (by its Service's
+        hostname, or by one of that Service's VIPs)."""
+        refs = {key}
+        own = self._addresses.get(key)
+        if own is not None and own.WhichOneof("type") == "service":
+            refs.update(f"ip:{ip_text(a.address)}" for a in own.service.addresses)
+        names = sorted({n for ref in refs for n in self._named_by.get(ref, ())})
+        services: list[ServicePort] = []
+        workload_ips: set[str] = set()
+        for name in names:
+            addr = self._addresses[name]
+            if addr.WhichOneof("type") == "service":
+                endpoints = [self._addresses[uid].workload for uid in sorted(self._endpoints.get(name, ()))]
+                services.extend(service_ports(addr.service, endpoints))
+            else:
+                workload_ips.update(ip for ip in (ip_text(raw) for raw in addr.workload.addresses) if ip)
+        return WaypointInputs(
+            trust_domains=(self.settings.trust_domain,),
+            services=tuple(services),
+            workload_ips=tuple(sorted(workload_ips)),
+        )
+
+    def _build(self, key: str, previous: Snapshot | None) -> Snapshot:
+        self._version += 1
+        resources = self.resources(key)
+        return Snapshot.of_messages(
+            version=str(self._version), messages=resources.by_type(), previous=previous
+        )
+
+
+def _discard(index: dict[str, set[str]], key: str, name: str) -> None:
+    names = index.get(key)
+    if names is not None:
+        names.discard(name)
+        if not names:
+            del index[key]
