@@ -224,6 +224,7 @@ def cmd_waypoint(args: argparse.Namespace) -> int:
         envoy=args.envoy,
         concurrency=args.concurrency,
         envoy_log_level=args.envoy_log_level,
+        secret_ttl_s=args.secret_ttl,
     )
     return _run(WaypointAgent(config).run())
 
@@ -358,6 +359,12 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads (default: %(default)s)")
     p.add_argument("--envoy-log-level", default="warning")
+    p.add_argument(
+        "--secret-ttl",
+        type=float,
+        default=float(env("SECRET_TTL_SECONDS", str(24 * 3600))),
+        help="certificate lifetime asked of the CA, seconds; renewed at half of it (default: %(default)s)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_waypoint)
     p = sub.add_parser(

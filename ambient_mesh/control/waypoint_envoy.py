@@ -72,6 +72,10 @@ CONNECT_TIMEOUT = "10s"
 # istiod: mesh hboneIdleTimeout, default one hour.
 HBONE_IDLE_TIMEOUT = "3600s"
 ORIGINAL_DST_CLEANUP_INTERVAL = "60s"
+# How long main_internal's HTTP inspector waits for a client's first bytes on a port of unknown
+# protocol before taking the connection as TCP (Envoy's default, 15 s, stalls server-first
+# protocols; istiod's protocolDetectionTimeout once defaulted to 100 ms).
+SNIFF_TIMEOUT = "1s"
 # HTTP/2 keepalive on HBONE termination: a dead node proxy is noticed within half a minute.
 HBONE_KEEPALIVE_INTERVAL = "10s"
 HBONE_KEEPALIVE_TIMEOUT = "20s"
@@ -539,6 +543,13 @@ def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
         }
         for ip in sorted(workload_ips, key=lambda ip: ipaddress.ip_address(ip).packed):
             ranges.append({"ranges": [_prefix(ip)], "on_match": _http_or_tcp("direct-http", "direct-tcp")})
+    # Sniffing is on for every destination, unlike istiod (which turns it off per port whose
+    # protocol is known): a listener filter that changes with the services makes every push a
+    # full listener update, which drains the connections already open.
+    inspector = _listener_filter(
+        "envoy.filters.listener.http_inspector",
+        "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
+    )
     # Anything else (an unknown VIP or port) is closed: istiod's BlackHoleCluster.
     chains["blackhole"] = {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
     matcher: dict[str, Any] = {"on_no_match": _string_action("blackhole")}
@@ -556,11 +567,12 @@ def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
         "traffic_direction": "INBOUND",
         "listener_filters": [
             _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"),
-            _listener_filter(
-                "envoy.filters.listener.http_inspector",
-                "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
-            ),
+            inspector,
         ],
+        # Sniffing waits for the first bytes; a server-first protocol on a port of unknown
+        # protocol waits this long and is then taken as TCP.
+        "listener_filters_timeout": SNIFF_TIMEOUT,
+        "continue_on_listener_filters_timeout": True,
         "filter_chain_matcher": matcher,
         "filter_chains": [chains[name] for name in sorted(chains)],
     }
