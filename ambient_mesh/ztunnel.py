@@ -36,7 +36,7 @@ from .proxy import aes_gcm
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
-from .proxy.workload_proxy import ListenerAddresses, ServedWorkload, WorkloadProxy
+from .proxy.workload_proxy import ListenerAddresses, ServedWorkload, WorkloadProxy, served_workload
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import parse_local_config
 from .state.model import Workload
@@ -127,7 +127,7 @@ class Ztunnel:
 
     def __post_init__(self) -> None:
         config = self.config
-        self._served = ServedWorkload(config, self.state)
+        self._served = ServedWorkload(self.state, lambda: served_workload(config, self.state))
         self.ca_client: CaClient
         if self.ca is not None:
             self.ca_client = EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s))

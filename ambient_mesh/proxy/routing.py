@@ -331,20 +331,8 @@ def _select_ip(workload: Workload, requested: IPAddress, service: Service | None
     return allowed[0] if allowed else None
 
 
-# Upstream SANs by workload and service object (the workload's Identity is kept on the workload
-# itself, `Workload.identity`). Workloads and services are frozen and replaced, never changed, by
-# state updates, so an entry keyed by id() holds its objects (the id cannot be reused while
-# cached) and is exact; cleared when full.
-IDENTITY_CACHE_MAX_ENTRIES = 4096
-_sans_cache: dict[tuple[int, int], tuple[Workload, Service | None, tuple[Identity, ...]]] = {}
-
-
 def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
     """The workload's identity, then the service's subject alt names that are SPIFFE ids."""
-    key = (id(workload), id(service))
-    hit = _sans_cache.get(key)
-    if hit is not None and hit[0] is workload and hit[1] is service:
-        return hit[2]
     sans: list[Identity] = []
     identity = _identity(workload)
     if identity is not None:
@@ -357,11 +345,7 @@ def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
                 continue  # not a SPIFFE id we could ever match a certificate against
             if parsed not in sans:
                 sans.append(parsed)
-    found = tuple(sans)
-    if len(_sans_cache) >= IDENTITY_CACHE_MAX_ENTRIES:
-        _sans_cache.clear()
-    _sans_cache[key] = (workload, service, found)
-    return found
+    return tuple(sans)
 
 
 def _identity(workload: Workload) -> Identity | None:
