@@ -119,6 +119,17 @@ def echo_ips(lab: Lab) -> dict[str, str]:
     return {key: lab.pods[key].ip for key in ("shop/echo-1", "shop/echo-2")}
 
 
+def wait_served(lab: Lab, client: str, ips: dict[str, str]) -> None:
+    """Every replica serves `client` (a previous case's policy may still be leaving)."""
+    for key, ip in ips.items():
+        try:
+            wait_until(
+                lambda ip=ip: served(lab, client, ip), timeout_s=BIND_TIMEOUT_S, what=f"{client} -> {key}"
+            )
+        except AmbientError:
+            pytest.fail(f"{client} -> {key} is not served before the change")
+
+
 def wait_refused(lab: Lab, client: str, ip: str, what: str) -> float:
     started = time.monotonic()
     try:
@@ -142,8 +153,7 @@ def test_a_policy_applied_while_the_mesh_runs_binds_on_every_replica_and_stream(
     lab: Lab, policy: str
 ) -> None:
     ips = echo_ips(lab)
-    for key, ip in ips.items():  # the pooled connections (cross node: node-1 -> node-2) are warm
-        assert served(lab, "shop/client", ip), f"shop/client -> {key} before the policy"
+    wait_served(lab, "shop/client", ips)  # and the pooled connections (node-1 -> node-2) are warm
     streams = {key: OpenStream(lab, "shop/client", ip) for key, ip in ips.items()}
     try:
         apply(lab, POLICIES[policy])
@@ -161,18 +171,14 @@ def test_a_policy_applied_while_the_mesh_runs_binds_on_every_replica_and_stream(
         for stream in streams.values():
             stream.close()
         delete(lab, POLICIES[policy])
-    for key, ip in ips.items():
-        wait_until(
-            lambda ip=ip: served(lab, "shop/client", ip), timeout_s=BIND_TIMEOUT_S, what=f"{key} served again"
-        )
+    wait_served(lab, "shop/client", ips)
 
 
 def test_strict_mtls_closes_an_open_plaintext_stream_from_outside_the_mesh(lab: Lab) -> None:
     """legacy/client is outside the mesh: its calls reach the echo replicas in plaintext (15006).
     A STRICT PeerAuthentication closes the stream open at the time and refuses the next ones."""
     ips = echo_ips(lab)
-    for key, ip in ips.items():
-        assert served(lab, "legacy/client", ip), f"legacy/client -> {key} in plaintext before STRICT"
+    wait_served(lab, "legacy/client", ips)
     streams = {key: OpenStream(lab, "legacy/client", ip) for key, ip in ips.items()}
     try:
         apply(lab, STRICT)
@@ -183,16 +189,14 @@ def test_strict_mtls_closes_an_open_plaintext_stream_from_outside_the_mesh(lab: 
         for stream in streams.values():
             stream.close()
         delete(lab, STRICT)
-    for key, ip in ips.items():
-        wait_until(
-            lambda ip=ip: served(lab, "legacy/client", ip), timeout_s=BIND_TIMEOUT_S, what=f"{key} again"
-        )
+    wait_served(lab, "legacy/client", ips)
 
 
 def test_streams_stay_open_through_a_change_that_still_allows_them(lab: Lab) -> None:
     """The re-check closes what the new state refuses, nothing else: an ALLOW naming the client."""
     allow_client = POLICIES["selector-allow-other"].replace("someone-else", "client")
     ips = echo_ips(lab)
+    wait_served(lab, "shop/client", ips)
     streams = {key: OpenStream(lab, "shop/client", ip) for key, ip in ips.items()}
     try:
         apply(lab, allow_client)
