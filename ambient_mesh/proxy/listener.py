@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ..errors import BindError
+from ..host.cpython import raw_accept
 from ..host.sockets import (
     IntKindSocket,
     KeepaliveSettings,
@@ -323,11 +324,10 @@ class Listener:
                 self._deferring = False
                 share.deferring(-1)
         family, type_, proto = self._accepted_kind
+        accept = raw_accept(sock)  # socket.accept() without its enum reads (host/cpython.py)
         for _ in range(self._accepts_per_wakeup):
             try:
-                # What socket.accept() does (the C `_accept`, accept4 with SOCK_CLOEXEC, then a
-                # socket object on the descriptor), without its enum reads of family and type.
-                fd, _addr = sock._accept()  # type: ignore[attr-defined]
+                fd, _addr = accept()
             except (BlockingIOError, InterruptedError):
                 self._deferrals = 0
                 return  # the backlog is empty: wait for the next readiness
