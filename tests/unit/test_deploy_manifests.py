@@ -96,6 +96,17 @@ def test_mesh_adds_the_control_plane_as_istiod(mesh, beside):
     assert volumes["cacerts"]["secret"]["secretName"] == "cacerts"
 
 
+def test_no_component_asks_for_certificates_on_the_plaintext_port(mesh):
+    # The control plane serves its CA on 15012 (TLS) only; 15010 is plaintext xDS. A CA_ADDRESS
+    # on 15010 would send the node proxy's token in clear text and get UNIMPLEMENTED back.
+    ztunnel = env(container(mesh, "DaemonSet", "ztunnel"))
+    assert ":15010" not in str(ztunnel.get("CA_ADDRESS", ""))
+    for (kind, _name), obj in mesh.items():
+        if kind in ("DaemonSet", "Deployment"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                assert ":15010" not in str(env(c).get("CA_ADDRESS", "")), c["name"]
+
+
 def test_one_image_everywhere(mesh):
     images = {
         c["image"]
