@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -32,9 +29,11 @@ import grpc
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
 from envoy.service.discovery.v3 import ads_pb2_grpc  # noqa: E402
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest  # noqa: E402
+from labelled_json import write_run  # noqa: E402
 
 from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc  # noqa: E402
 
@@ -199,21 +198,7 @@ def main() -> int:
             f"{r['round']:<22} {r['requests']:>3} x {r['request_mib']:>5} {r['rss_before_mib']:>10}M"
             f" {r['rss_peak_mib']:>8}M {r['rss_after_mib']:>8}M  {','.join(r['statuses'])}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "label": args.label,
-                "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "pid_cpus": len(os.sched_getaffinity(0)),
-                "rounds": rounds,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {out}")
+    write_run(args.out, args.label, rounds=rounds)
     return 0
 
 

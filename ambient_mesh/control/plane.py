@@ -28,6 +28,7 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 
 from ..errors import ConfigError
+from ..host.private import private_dir, write_private
 from ..identity.ca import CertificateAuthority
 from ..identity.grpc_tls import (
     DEFAULT_SERVING_DNS_NAMES,
@@ -105,14 +106,12 @@ def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
 
 def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
     """Istio's plugged-in CA files for a self-signed root (the root is also the signer)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     cert_pem = ca.signing_cert.public_bytes(serialization.Encoding.PEM)
     key_pem = ca.signing_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    key_path = directory / "ca-key.pem"
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(key_pem)
+    write_private(directory / "ca-key.pem", key_pem)
     (directory / "ca-cert.pem").write_bytes(cert_pem)
     (directory / "root-cert.pem").write_bytes(ca.root_pem)
     (directory / "cert-chain.pem").write_bytes(cert_pem)
@@ -365,7 +364,8 @@ class ControlPlane:
 
 
 def build(config: ControlPlaneConfig) -> ControlPlane:
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    # The CA's key and the token signing key live here: root's alone (0700), checked every start.
+    private_dir(config.state_dir)
     ca = load_or_create_ca(config)
     (config.state_dir / ROOT_CERT_FILE).write_bytes(ca.root_pem)
     issuer = load_or_create_issuer(config.state_dir / TOKEN_KEY_FILE)

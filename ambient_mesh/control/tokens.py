@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.utils import base64url_encode
 
 from ..errors import AmbientError, ConfigError
+from ..host.private import private_dir
 from ..identity.spiffe import Identity
 
 ALGORITHM = "ES256"
@@ -321,7 +322,7 @@ def load_or_create_issuer(path: str | Path, issuer: str = DEFAULT_ISSUER) -> Tok
         raise ConfigError(str(path), f"cannot be read: {e.strerror or e}") from e
     created = TokenIssuer.generate(issuer)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         # O_EXCL: if another process created it meanwhile, use theirs rather than overwrite it.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
