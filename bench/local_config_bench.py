@@ -2,8 +2,9 @@
 
 Counterpart: ztunnel's local config (serde_yaml). The file has --workloads workloads, each with
 the fields of tests/unit/test_localconfig.py's full example, plus one service per 10 workloads.
-The table gives the time to compose the YAML (yamlload, aliases bounded) and to parse it whole
-(state.localconfig), best of --repeat runs. JSON goes to results/local_config.json.
+The table gives the time to compose the YAML (yamlload, aliases bounded) with the pure-Python
+loader and with the default one (libyaml), and to parse it whole (state.localconfig, default
+loader), best of --repeat runs, side by side so both see the same host load. JSON goes to results/local_config.json.
 
     .venv/bin/python bench/local_config_bench.py [--workloads 20000] [--repeat 3]
 """
@@ -73,17 +74,21 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "local_config.json"))
     args = parser.parse_args()
     text = local_config(args.workloads)
+    python_s = best_of(args.repeat, lambda: yamlload.compose(text, fast=False))
     compose_s = best_of(args.repeat, lambda: yamlload.compose(text))
     parse_s = best_of(args.repeat, lambda: parse_local_config(text))
     loader = yamlload.compose_loader_name()
-    print(f"{'workloads':>10} {'bytes':>11} {'loader':>20} {'compose s':>10} {'parse s':>9}")
-    print(f"{args.workloads:>10} {len(text):>11} {loader:>20} {compose_s:>10.2f} {parse_s:>9.2f}")
+    print(
+        f"{'workloads':>10} {'bytes':>10} {'pure-Python compose s':>22} {loader + ' compose s':>29} {'parse s':>8}"
+    )
+    print(f"{args.workloads:>10} {len(text):>10} {python_s:>22.2f} {compose_s:>29.2f} {parse_s:>8.2f}")
     write_run(
         args.out,
         args.label,
         workloads=args.workloads,
         bytes=len(text),
         loader=loader,
+        compose_python_s=round(python_s, 3),
         compose_s=round(compose_s, 3),
         parse_s=round(parse_s, 3),
     )
