@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives import serialization
 
 from ambient_mesh.cni.cni_server import CniPluginServer
 from ambient_mesh.cni.dataplane import DataplaneError, DataplaneSettings, MeshDataplane
+from ambient_mesh.cni.enablement import DEFAULT_ENABLEMENT_SELECTORS
 from ambient_mesh.cni.pods import DirectoryPodSource, EnrollmentState
 from ambient_mesh.cni.sandbox import NetnsGuard, netns_key
 from ambient_mesh.control.plane import ControlPlaneConfig, build, mint_token
@@ -173,7 +174,10 @@ def lab_cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_journal_planted_in_an_attackers_state_dir_is_refused(attacker, scratch, victims):
-    state = scratch / "lab"
+    home = scratch / "attacker"  # the attacker's own corner of /tmp
+    home.mkdir()
+    os.chown(home, attacker.pw_uid, attacker.pw_gid)
+    state = home / "lab"
     lines = "\n".join(json.dumps(line) for line in victims.journal_lines())
     plant = (
         f"import os; os.mkdir({str(state)!r}); "
@@ -182,7 +186,7 @@ def test_a_journal_planted_in_an_attackers_state_dir_is_refused(attacker, scratc
     )
     assert as_attacker(attacker, [sys.executable, "-c", plant]).returncode == 0
     mode = oct(state.stat().st_mode & 0o777)[2:]
-    for action in (["down"], ["status"], ["up", "--nodes", "1"]):
+    for action in (["down"], ["status"], ["up"]):
         done = lab_cli(state, *action)
         assert done.returncode != 0, (action, done.stdout, done.stderr)
         assert f"{state}: is owned by uid {attacker.pw_uid} with mode 0{mode}" in done.stderr, done.stderr
@@ -326,6 +330,7 @@ async def test_a_plugin_run_cannot_name_the_callers_own_netns_whatever_it_claims
                 "type": "istio-cni",
                 "cni_agent_run_dir": str(run),
                 "ambient_enabled": True,
+                "enablement_selectors": [sel.to_json() for sel in DEFAULT_ENABLEMENT_SELECTORS],
                 "prevResult": {"cniVersion": "1.0.0", "ips": [{"address": "10.244.1.5/24", "interface": 0}]},
             }
         )
