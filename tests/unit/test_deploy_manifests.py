@@ -91,6 +91,11 @@ def test_mesh_adds_the_control_plane_as_istiod(mesh, beside):
     c = container(mesh, "Deployment", "istiod")
     assert c["command"] == ["ambient"] and c["args"][:2] == ["control", "--kube"]
     assert "--listen=[::]:15012" in c["args"] and "--plaintext-listen=[::]:15010" in c["args"]
+    # The CA key's directory is one the control plane creates itself under the emptyDir (whose
+    # own root is 0777, root's: host.private refuses it), so it is 0700 and the control plane's.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    state_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--state-dir="))
+    assert state_dir.startswith(mounts["state"] + "/")
     assert env(c)["ROOT_CA_DIR"] == "/etc/cacerts"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["cacerts"]["secret"]["secretName"] == "cacerts"
