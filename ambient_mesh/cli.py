@@ -323,7 +323,7 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--admin", default=None, help=f"the proxy's admin address (default {DEFAULT_ADMIN})")
     p.add_argument("--node", default=None, help="the node proxy of this lab node (by node name)")
     p.add_argument(
-        "--state-dir", default="/tmp/ambient-lab", help="the lab's, for --node (default: %(default)s)"
+        "--state-dir", default="/run/ambient-lab", help="the lab's, for --node (default: %(default)s)"
     )
     p.add_argument("-f", "--file", default=None, help="a saved /config_dump JSON file (- for stdin)")
     p.add_argument("-o", "--output", choices=["short", "table", "json", "yaml"], default="short")

@@ -316,7 +316,8 @@ def run_demo(*, verbose: bool = False, out: IO[str] | None = None, state_dir: Pa
         print(f"ambient demo: {reason}", file=sys.stderr)
         return 2
     topo = load_topology(None)
-    with tempfile.TemporaryDirectory(prefix="ambient-demo-", dir="/tmp") as tmp:
+    # Under /run, root's (the lab refuses a state directory others can write).
+    with tempfile.TemporaryDirectory(prefix="ambient-demo-", dir="/run") as tmp:
         config = LabConfig(
             state_dir=state_dir or Path(tmp),
             nodes=topo.nodes,

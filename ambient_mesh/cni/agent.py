@@ -67,6 +67,7 @@ from .kubeconfig import KubeconfigError, KubeconfigInputs, KubeconfigWriter
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
 from .podinfo import PLUGIN_KUBECONFIG_NAME
 from .pods import PodSource, build_pod_source
+from .sandbox import NetnsGuard
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
@@ -144,6 +145,7 @@ class CniAgent:
         metrics: AgentMetrics | None = None,
         install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
         kubeconfig: KubeconfigWriter | None = None,
+        netns_guard: NetnsGuard | None = None,
     ) -> None:
         self.cfg = cfg
         # The plugin's kubeconfig (Kubernetes API pod source): written at install, refreshed when
@@ -175,7 +177,13 @@ class CniAgent:
             settings = DataplaneSettings.from_agent_config(cfg)
             self.zds = ZdsServer(cfg.ztunnel_uds_address, _LateSnapshot(self))
             self.dataplane = MeshDataplane(
-                settings, runner=runner, probe_set=probe_set, ztunnel=self.zds, marker=source, locator=finder
+                settings,
+                runner=runner,
+                probe_set=probe_set,
+                ztunnel=self.zds,
+                marker=source,
+                locator=finder,
+                netns_guard=netns_guard,
             )
             self.informer = Informer(
                 source,
@@ -191,6 +199,7 @@ class CniAgent:
                 on_response=lambda code: self.metrics.plugin_requests.labels(response_code=str(code)).inc(),
                 run_socket=cfg.plugin_run_address,
                 pods=source,
+                netns_guard=netns_guard,
             )
             self.metrics.ztunnel_connected.set_function(lambda: self.zds.connected if self.zds else 0)
         self.health = self._server("health", cfg.health_port, self._health)

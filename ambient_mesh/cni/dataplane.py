@@ -51,6 +51,7 @@ from ..net import IPAddress
 from ..zds.server import SnapshotEntry
 from .netns_discovery import NetnsCandidate
 from .pods import REDIRECTION_PENDING, WatchedPod
+from .sandbox import NetnsGuard, SandboxCheck
 
 if TYPE_CHECKING:
     from .agent_config import AgentConfig
@@ -331,8 +332,10 @@ class MeshDataplane:
         marker: EnrollmentMarker,
         locator: NetnsLocator,
         open_netns: Callable[[str], OpenNetns] = OpenNetns.open,
+        netns_guard: SandboxCheck | None = None,
     ) -> None:
         self.settings = settings
+        self.netns_guard: SandboxCheck = netns_guard if netns_guard is not None else NetnsGuard()
         self.runner = runner
         self.probe_set = probe_set
         self.ztunnel = ztunnel
@@ -426,8 +429,26 @@ class MeshDataplane:
                 raise
             self.added += 1
 
+    def _check_named_netns(self, pod: WatchedPod, netns_path: str) -> None:
+        """A CNI add names the netns: it must be a pod sandbox's (sandbox.py), and an enrolled pod
+        is not moved out of a sandbox that still runs. Checked before the cache is touched, so a
+        refused add leaves the enrolled pod as it was."""
+        path = self.settings.host_path(netns_path)
+        refusal = self.netns_guard.refusal(path)
+        cached = self.cache.get(pod.uid)
+        if refusal is None and cached is not None and cached.netns is not None:
+            refusal = self.netns_guard.move_refusal(cached.netns.key, path, str(pod))
+        if refusal is not None:
+            raise DataplaneError(
+                f"refusing netns {netns_path} for pod {pod}: {refusal}",
+                retryable=False,
+                hint="CNI_NETNS must be the pod sandbox's network namespace",
+            )
+
     async def _add(self, pod: WatchedPod, ips: tuple[str, ...], netns_path: str) -> None:
         info = workload_info(pod)
+        if netns_path:
+            self._check_named_netns(pod, netns_path)
         self.cache.ensure(pod.uid, info, ips)
         try:
             netns = await self._resolve_netns(pod, ips, netns_path)

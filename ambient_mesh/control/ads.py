@@ -26,18 +26,20 @@ from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, Delt
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
 from .ads_state import SHORT_TYPE, AdsRefused, DeltaConnectionState, Snapshot, TypeStatus
+from .caller_gate import MAX_RECEIVE_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 # ztunnel accepts messages up to 200 MiB (spec 4.1); a full push of a large mesh can be that big.
-MAX_MESSAGE_BYTES = 200 * 1024 * 1024
+# What we receive is istiod's 4 MiB (caller_gate.MAX_RECEIVE_MESSAGE_BYTES): requests are small.
+MAX_SEND_MESSAGE_BYTES = 200 * 1024 * 1024
 # ztunnel sends an HTTP/2 PING every 30 s even when idle; gRPC's server default (one per 5 min
 # without data) would answer those with GOAWAY ENHANCE_YOUR_CALM and drop the stream.
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),

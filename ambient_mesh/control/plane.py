@@ -28,6 +28,7 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 
 from ..errors import ConfigError
+from ..host.private import private_dir, write_private
 from ..identity.ca import CertificateAuthority
 from ..identity.grpc_tls import (
     DEFAULT_SERVING_DNS_NAMES,
@@ -43,6 +44,7 @@ from ..net import SocketAddr
 from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
+from .caller_gate import CallerGate
 from .namespace_controller import NamespaceController
 from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator
@@ -104,14 +106,12 @@ def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
 
 def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
     """Istio's plugged-in CA files for a self-signed root (the root is also the signer)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     cert_pem = ca.signing_cert.public_bytes(serialization.Encoding.PEM)
     key_pem = ca.signing_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    key_path = directory / "ca-key.pem"
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(key_pem)
+    write_private(directory / "ca-key.pem", key_pem)
     (directory / "ca-cert.pem").write_bytes(cert_pem)
     (directory / "root-cert.pem").write_bytes(ca.root_pem)
     (directory / "cert-chain.pem").write_bytes(cert_pem)
@@ -210,6 +210,9 @@ class ControlPlane:
             node_index=self.node_index,
             trusted_node_accounts=self.config.trusted_node_accounts,
             cluster_id=mesh.cluster_id,
+            # Our own tokens are checked in microseconds, before a CSR is read; a TokenReview
+            # is a call to the API server, made once per request by the servicer.
+            precheck_in_full=self.kube_client is None,
         )
         self.source = build_source(self.config, self.kube_client)
         # istiod's namespace controller: the root bundle as a ConfigMap in every namespace.
@@ -219,7 +222,9 @@ class ControlPlane:
             else None
         )
         self._namespace_task: asyncio.Task[None] | None = None
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.aio.Server | None = None  # TLS: xDS and the CA
+        self.plaintext_server: grpc.aio.Server | None = None  # xDS only (--plaintext-listen)
+        self.gate: CallerGate | None = None
         self.bound: dict[str, SocketAddr] = {}
         self._watch_task: asyncio.Task[None] | None = None
         self.loaded = asyncio.Event()
@@ -305,7 +310,9 @@ class ControlPlane:
             now,
             trust_domain=self.config.mesh.trust_domain,
         )
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        gate = CallerGate(self.ca_server.precheck)
+        self.gate = gate
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(gate,))
         self.ads.serve(self.server)
         self.ca_server.register(self.server)
         port = self.server.add_secure_port(str(self.config.listen), server_credentials(cert))
@@ -317,10 +324,15 @@ class ControlPlane:
             )
         self.bound["tls"] = SocketAddr(self.config.listen.ip, port)
         if self.config.plaintext_listen is not None:
-            port = self.server.add_insecure_port(str(self.config.plaintext_listen))
+            # istiod's 15010 serves xDS only: the CA is on the TLS port alone, so a bearer token
+            # never crosses the network in clear text. A server of its own, without the CA.
+            self.plaintext_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(gate,))
+            self.ads.serve(self.plaintext_server)
+            port = self.plaintext_server.add_insecure_port(str(self.config.plaintext_listen))
             if port == 0:
                 raise ConfigError("--plaintext-listen", f"cannot bind {self.config.plaintext_listen}")
             self.bound["plaintext"] = SocketAddr(self.config.plaintext_listen.ip, port)
+            await self.plaintext_server.start()
         await self.server.start()
         try:
             self._on_change(await self.source.first())
@@ -343,15 +355,17 @@ class ControlPlane:
                     await task
                 except asyncio.CancelledError:
                     pass
-        if self.server is not None:
-            await self.server.stop(grace_s)
+        for server in (self.server, self.plaintext_server):
+            if server is not None:
+                await server.stop(grace_s)
         await self.source.close()
         if self.kube_client is not None:
             await self.kube_client.close()
 
 
 def build(config: ControlPlaneConfig) -> ControlPlane:
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    # The CA's key and the token signing key live here: root's alone (0700), checked every start.
+    private_dir(config.state_dir)
     ca = load_or_create_ca(config)
     (config.state_dir / ROOT_CERT_FILE).write_bytes(ca.root_pem)
     issuer = load_or_create_issuer(config.state_dir / TOKEN_KEY_FILE)

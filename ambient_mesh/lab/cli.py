@@ -23,6 +23,7 @@ import yaml
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import SubprocessRunner
+from ..host.private import check_private_dir
 from ..ztunnel_config import render_tables
 from .cluster import parse_pod_spec, pod_uid
 from .journal import read_journal, same_process, sweep
@@ -46,6 +47,8 @@ COMPONENTS = ("control", "agent", "ztunnel")
 
 
 def read_record(state_dir: Path) -> dict[str, Any]:
+    if state_dir.exists():
+        check_private_dir(state_dir)  # a record another user could write is not the lab's
     try:
         record: dict[str, Any] = json.loads((state_dir / STATE_FILE).read_text())
         return record

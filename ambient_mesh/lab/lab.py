@@ -50,6 +50,7 @@ from ..host.files import atomic_write
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from ..host.private import private_dir, write_private
 from ..kube.objects import load_directory
 from ..logs import access_events
 from ..ports import (
@@ -94,7 +95,9 @@ from .topology import MAX_LAB_NODES, MAX_PODS_PER_NODE, NodeNet, PodNet, Topolog
 
 APP_PORT = 8080
 ISTIOD_HOSTNAME = "istiod.istio-system.svc"  # a name in the control plane's serving certificate
-DEFAULT_STATE_DIR = "/tmp/ambient-lab"  # short: unix socket paths must stay under 108 bytes
+# Root's, under /run (journal.py: a state directory others can write is refused); short: unix
+# socket paths must stay under 108 bytes.
+DEFAULT_STATE_DIR = "/run/ambient-lab"
 READY_TIMEOUT_S = 30.0
 AGENT_STOP_GRACE_S = 15.0
 PROCESS_STOP_GRACE_S = 5.0
@@ -327,7 +330,7 @@ class Lab:
         self.journal = Journal(self.state_dir)
         self.journal.lab(os.getpid())
         for d in (self.objects_dir, self.control_dir, self.logs_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            private_dir(d)  # 0700: the control plane's keys, the node proxies' tokens, pod records
         self.topology.open()
         for name in self.config.nodes:
             self._write_resolv_conf(f"{self.topology.prefix}{name}", None)
@@ -344,8 +347,8 @@ class Lab:
                     self.runner, node_netns=net.netns, net_dir=node_dir / "net.d", bin_dir=node_dir / "bin"
                 ),
             )
-            for d in (node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
-                d.mkdir(parents=True, exist_ok=True)
+            for d in (node.dir, node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
+                private_dir(d)
             # The primary network the lab provides; the agent chains istio-cni after it.
             (node.net_dir / "10-ambient-lab.conflist").write_text(
                 json.dumps(
@@ -514,7 +517,7 @@ class Lab:
             out.flush()
             process = spawn_in_netns(netns, argv, env=self._env(env), stdout=out, stderr=subprocess.STDOUT)
         if self.journal is not None:
-            self.journal.process(process.pid, name)
+            self.journal.process(process.pid, name, argv)
         program = Program(
             name=name, netns=netns, log=log, process=process, started_at=time.monotonic(), log_start=log_start
         )
@@ -771,14 +774,16 @@ class Lab:
 
         node = self.nodes[name]
         # A projected service-account token bound to the node's ztunnel Pod, as the kubelet mounts it.
-        node.token.write_text(
+        # 0600: the token gets certificates for every workload on the node.
+        write_private(
+            node.token,
             mint_token(
                 self.control_dir,
                 account=(SYSTEM_NAMESPACE, ZTUNNEL_SERVICE_ACCOUNT),
                 node=name,
                 pod=ztunnel_pod_name(name),
                 uid=node.uid,
-            )
+            ).encode(),
         )
         node.proxy_starts += 1
         node.proxy = self._spawn(

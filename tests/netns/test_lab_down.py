@@ -203,6 +203,11 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
             up,
         )
         assert not (state_dir / "objects" / "pod-demo-stale.yaml").exists()
+        # Secrets (issue 25, S3): the node proxy's token 0600, in 0700 directories.
+        token = state_dir / "nodes" / "node-1" / "ztunnel.token"
+        assert oct(token.stat().st_mode & 0o777) == oct(0o600)
+        for d in (state_dir, token.parent, state_dir / "control", state_dir / "nodes" / "node-1" / "run"):
+            assert oct(d.stat().st_mode & 0o777) == oct(0o700), d
         status = lab(state_dir, "status", "-o", "json")
         assert status.returncode == 0, status.stderr
         live = json.loads(status.stdout)

@@ -91,9 +91,25 @@ def test_mesh_adds_the_control_plane_as_istiod(mesh, beside):
     c = container(mesh, "Deployment", "istiod")
     assert c["command"] == ["ambient"] and c["args"][:2] == ["control", "--kube"]
     assert "--listen=[::]:15012" in c["args"] and "--plaintext-listen=[::]:15010" in c["args"]
+    # The CA key's directory is one the control plane creates itself under the emptyDir (whose
+    # own root is 0777, root's: host.private refuses it), so it is 0700 and the control plane's.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    state_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--state-dir="))
+    assert state_dir.startswith(mounts["state"] + "/")
     assert env(c)["ROOT_CA_DIR"] == "/etc/cacerts"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["cacerts"]["secret"]["secretName"] == "cacerts"
+
+
+def test_no_component_asks_for_certificates_on_the_plaintext_port(mesh):
+    # The control plane serves its CA on 15012 (TLS) only; 15010 is plaintext xDS. A CA_ADDRESS
+    # on 15010 would send the node proxy's token in clear text and get UNIMPLEMENTED back.
+    ztunnel = env(container(mesh, "DaemonSet", "ztunnel"))
+    assert ":15010" not in str(ztunnel.get("CA_ADDRESS", ""))
+    for (kind, _name), obj in mesh.items():
+        if kind in ("DaemonSet", "Deployment"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                assert ":15010" not in str(env(c).get("CA_ADDRESS", "")), c["name"]
 
 
 def test_one_image_everywhere(mesh):

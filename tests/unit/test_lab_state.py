@@ -13,15 +13,19 @@ import pytest
 
 from ambient_mesh.errors import AmbientError, ConfigError
 from ambient_mesh.host.commands import RecordingRunner
+from ambient_mesh.host.private import UnsafePathError
 from ambient_mesh.lab import cli as lab_cli
 from ambient_mesh.lab.cluster import parse_pod_spec
 from ambient_mesh.lab.journal import (
     MARKER_FILE,
     Journal,
     prepare_state_dir,
+    process_cmdline,
     process_start_ticks,
+    proven_process,
     read_journal,
     same_process,
+    sweep,
 )
 from ambient_mesh.lab.lab import RESTART_BACKOFF_FIRST_S, Lab, LabConfig, Program
 from ambient_mesh.lab.status import status_tables
@@ -59,7 +63,7 @@ def test_journal_records_and_reads_back(tmp_path):
     j = Journal(tmp_path)
     j.lab(os.getpid())
     j.netns("am-1-1-net")
-    j.process(os.getpid(), "control")
+    j.process(os.getpid(), "control", process_cmdline(os.getpid()) or ())
     j.path_created(tmp_path / "etc")
     j.close()
     with open(tmp_path / "journal.jsonl", "a") as f:
@@ -80,6 +84,67 @@ def test_a_reused_pid_is_not_the_recorded_process():
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
     )
     assert not same_process(int(done.stdout), None)
+
+
+def test_a_process_is_proven_by_pid_start_time_and_command_line():
+    me, ticks, argv = os.getpid(), process_start_ticks(os.getpid()), process_cmdline(os.getpid())
+    assert argv and proven_process(me, ticks, argv)
+    assert proven_process(me, ticks, argv[4:]) == (argv[:3] == ("ip", "netns", "exec"))
+    assert not proven_process(me, ticks, ("sleep", "60"))  # same pid and start, another program
+    assert not proven_process(me, (ticks or 0) + 1, argv)  # a reused pid
+    assert not proven_process(me, None, argv) and not proven_process(me, ticks, None)
+
+
+def test_sweep_believes_the_journal_only_as_far_as_it_proves_itself(tmp_path):
+    """Root's own journal with entries that are not the lab's: a live process recorded with
+    another command line, a namespace without the lab's prefix, paths outside the state dir."""
+    prepare_state_dir(tmp_path / "lab", RecordingRunner(), say=print)
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "data").write_text("keep")
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        j = Journal(tmp_path / "lab")
+        j.lab(os.getpid() + 100_000)  # no such process: nothing to stop
+        j.netns("victim-ns")
+        j.process(decoy.pid, "agent-node-1", ["ambient", "cni-agent"])
+        j.path_created(outside)
+        j.path_created(tmp_path / "lab" / ".." / "precious")
+        j.close()
+        runner = RecordingRunner()
+        runner.respond(["ip", "netns", "list"], stdout="victim-ns\n")
+        said: list[str] = []
+        report = sweep(tmp_path / "lab", runner, say=said.append)
+        assert report is not None and report.processes == () and report.namespaces == ()
+        assert decoy.poll() is None and (outside / "data").read_text() == "keep"
+        assert not any("delete" in " ".join(c.argv) for c in runner.calls)
+        assert any("not deleting namespace 'victim-ns'" in line for line in said)
+        assert any(f"not killing pid {decoy.pid}" in line for line in said)
+        assert sum("outside the state directory" in line for line in said) == 2
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_a_state_dir_others_can_write_is_refused_and_its_journal_not_read(tmp_path):
+    lab_dir = tmp_path / "lab"
+    prepare_state_dir(lab_dir, RecordingRunner(), say=print)
+    assert oct(lab_dir.stat().st_mode & 0o777) == oct(0o700)
+    Journal(lab_dir).close()
+    assert oct((lab_dir / "journal.jsonl").stat().st_mode & 0o777) == oct(0o600)
+    lab_dir.chmod(0o777)
+    for action in (
+        lambda: read_journal(lab_dir),
+        lambda: prepare_state_dir(lab_dir, RecordingRunner(), say=print),
+    ):
+        with pytest.raises(
+            UnsafePathError, match=rf"{lab_dir}: is owned by uid {os.geteuid()} with mode 0777"
+        ):
+            action()
+    lab_dir.chmod(0o700)
+    (lab_dir / "journal.jsonl").chmod(0o666)
+    with pytest.raises(UnsafePathError, match="a lab journal is a regular file"):
+        read_journal(lab_dir)
 
 
 def test_state_dir_is_emptied_only_when_it_is_a_labs(tmp_path):
