@@ -23,7 +23,7 @@ import yaml
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import SubprocessRunner
-from ..ztunnel_config import render_tables
+from ..ztunnel_config import Table, render_tables
 from .cluster import parse_pod_spec, pod_uid
 from .journal import read_journal, same_process, sweep
 from .lab import (
@@ -32,6 +32,7 @@ from .lab import (
     Lab,
     LabConfig,
 )
+from .selectors import Selector, parse_selector
 from .status import headline, live_status, status_tables
 from .topofile import DEFAULT_TOPOLOGY, load_topology, pod_spec_from_object
 from .topology import MAX_LAB_NODES
@@ -146,7 +147,20 @@ def build_parser() -> argparse.ArgumentParser:
     gt.add_argument("kind", help="a kind, its plural or short name (kubectl's)")
     gt.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
     gt.add_argument("-A", "--all-namespaces", action="store_true")
-    gt.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table")
+    gt.add_argument(
+        "-o",
+        "--output",
+        choices=("table", "wide", "yaml", "json"),
+        default="table",
+        help="wide: the table with more columns (labels; for nodes their namespace and components)",
+    )
+    gt.add_argument(
+        "-l",
+        "--selector",
+        default=None,
+        metavar="SELECTOR",
+        help="only objects whose labels match (kubectl's: k=v, k!=v, 'k in (a,b)', k, !k; comma = and)",
+    )
     return parser
 
 
@@ -264,8 +278,13 @@ def _logs(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> 
         raise AmbientError(f"{path} does not exist (has the component started?)") from None
     with f:
         size = f.seek(0, 2)
-        f.seek(max(0, size - LOG_READ_BYTES))
-        text = f.read().decode(errors="replace")
+        start = max(0, size - LOG_READ_BYTES)
+        f.seek(start)
+        data = f.read()
+        if start > 0:
+            # Only the last LOG_READ_BYTES are read: begin at the first whole line in them.
+            data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+        text = data.decode(errors="replace")
         if args.tail is not None:
             text = "".join(text.splitlines(keepends=True)[-args.tail :]) if args.tail > 0 else ""
         out.write(text)
@@ -292,8 +311,13 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
     if args.action == "get":
         kind = verbs.kind_of(args.kind)
         namespace = None if args.all_namespaces else args.namespace
-        if args.output == "table":
-            table = verbs.get_table(objects_dir, kind, namespace)
+        selector = parse_selector(args.selector) if args.selector is not None else None
+        if kind == "Node":
+            return _nodes(record, args.output, selector, out)
+        if args.output in ("table", "wide"):
+            table = verbs.get_table(
+                objects_dir, kind, namespace, selector=selector, wide=args.output == "wide"
+            )
             if not table.rows:
                 print(
                     f"No resources found{'' if namespace is None else ' in ' + namespace + ' namespace'}.",
@@ -302,7 +326,7 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
                 return 0
             render_tables([table], out)
         else:
-            docs = verbs.get_documents(objects_dir, kind, namespace)
+            docs = verbs.get_documents(objects_dir, kind, namespace, selector=selector)
             listed = {"apiVersion": "v1", "kind": "List", "items": docs}
             if args.output == "json":
                 out.write(json.dumps(listed, indent=2, default=str) + "\n")
@@ -327,6 +351,73 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
     for line in lines:
         print(line, file=out)
     return 0 if ok else 1
+
+
+def node_objects(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The lab's nodes as the API server would list them: labels, addresses, pod CIDR, and the
+    Ready condition (true while both its node agent and its node proxy are ready)."""
+    docs = []
+    for name, node in status["nodes"].items():
+        ready = node["agent"]["ready"] and node["ztunnel"]["ready"]
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"},
+                    "annotations": {"ambient.lab/netns": node["netns"]},
+                },
+                "spec": {"podCIDR": node["pod_cidr"], "podCIDRs": [node["pod_cidr"]]},
+                "status": {
+                    "addresses": [
+                        {"type": "InternalIP", "address": node["address"]},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                },
+            }
+        )
+    return docs
+
+
+def _nodes(record: Mapping[str, Any], output: str, selector: Selector | None, out: IO[str]) -> int:
+    """`ambient lab get nodes`: nodes are the lab's own (lab.json), not objects a user applies."""
+    from .apply import labels_text
+
+    status = live_status(record, SubprocessRunner())
+    docs = [d for d in node_objects(status) if selector is None or selector.matches(d["metadata"]["labels"])]
+    if output in ("yaml", "json"):
+        listed = {"apiVersion": "v1", "kind": "List", "items": docs}
+        out.write(
+            json.dumps(listed, indent=2) + "\n"
+            if output == "json"
+            else yaml.safe_dump(listed, sort_keys=False)
+        )
+        return 0
+    if not docs:
+        print("No resources found.", file=out)
+        return 0
+    wide = output == "wide"
+    headers: tuple[str, ...] = ("NAME", "STATUS", "INTERNAL-IP", "POD CIDR")
+    if wide:
+        headers += ("NETNS", "AGENT", "ZTUNNEL", "LABELS")
+    rows = []
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        node = status["nodes"][name]
+        ready = doc["status"]["conditions"][0]["status"] == "True"
+        row: tuple[str, ...] = ("Ready" if ready else "NotReady", node["address"], node["pod_cidr"])
+        if wide:
+            row += (
+                node["netns"],
+                node["agent"]["state"] + ("" if node["agent"]["ready"] else " (not ready)"),
+                node["ztunnel"]["state"] + ("" if node["ztunnel"]["ready"] else " (not ready)"),
+                labels_text(doc["metadata"]["labels"]),
+            )
+        rows.append((name, *row))
+    render_tables([Table(title="Node", headers=headers, rows=tuple(rows))], out)
+    return 0
 
 
 def check_new_pod(record: Mapping[str, Any], manifest: Manifest) -> None:

@@ -391,7 +391,9 @@ class Lab:
     def stop(self) -> None:
         """Stop every process (all signalled first, so they drain side by side), then delete
         every namespace; finally sweep what the journal records, in case anything escaped. Safe
-        to call more than once."""
+        to call more than once. A lab that never got its state directory (`start` refused: another
+        lab runs from it) touches nothing there: lab.json and the journal are the running lab's."""
+        owns_state = self._started
         self._supervised.clear()
         try:
             for program in self.programs:
@@ -411,8 +413,9 @@ class Lab:
                 self.journal.close()
                 self.journal = None
                 sweep(self.state_dir, self.runner)
-            with contextlib.suppress(OSError):
-                (self.state_dir / STATE_FILE).unlink()
+            if owns_state:
+                with contextlib.suppress(OSError):
+                    (self.state_dir / STATE_FILE).unlink()
 
     # -- objects -----------------------------------------------------------------------------------
 
