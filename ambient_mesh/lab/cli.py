@@ -28,6 +28,8 @@ from .cluster import parse_pod_spec, pod_uid
 from .journal import read_journal, same_process, sweep
 from .lab import (
     DEFAULT_STATE_DIR,
+    READY_TIMEOUT_S,
+    ROLLOUT_DIR,
     STATE_FILE,
     Lab,
     LabConfig,
@@ -44,6 +46,7 @@ SUPERVISE_INTERVAL_S = 0.2
 FOLLOW_INTERVAL_S = 0.2
 LOG_READ_BYTES = 1 << 20
 COMPONENTS = ("control", "agent", "ztunnel")
+ROLLOUT_TIMEOUT_S = READY_TIMEOUT_S + 30.0  # the new proxy's start, plus the supervisor's other work
 
 
 def read_record(state_dir: Path) -> dict[str, Any]:
@@ -127,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--node", default=None, help="the node, for agent and ztunnel (default: the first)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    ro = sub.add_parser(
+        "rollout",
+        help="replace the node proxies one node at a time, the new one first (kubectl rollout restart)",
+    )
+    ro.add_argument("component", choices=("ztunnel",), help="what to roll: the node proxies")
+    ro.add_argument("--node", action="append", default=None, help="only this node (repeatable; default: all)")
     for verb, text in (
         ("apply", "create or update objects from manifests (checked as the control plane checks them)"),
         ("delete", "delete the objects named in manifests"),
@@ -420,6 +429,44 @@ def _nodes(record: Mapping[str, Any], output: str, selector: Selector | None, ou
     return 0
 
 
+def _rollout(record: Mapping[str, Any], nodes: list[str], out: IO[str]) -> int:
+    """Ask the `up` supervisor to roll each node's proxy (lab.py `rollout_proxy`), one node after
+    the other as a DaemonSet with maxUnavailable 0 does, and wait for each to be done."""
+    if not same_process(int(record["pid"]), None):
+        raise AmbientError(f"the lab in {record['state_dir']} is not running (pid {record['pid']} is gone)")
+    for name in nodes:
+        if name not in record["nodes"]:
+            raise AmbientError(f"no node {name!r} in the lab; nodes: {', '.join(record['nodes'])}")
+    requests = Path(record["state_dir"]) / ROLLOUT_DIR
+    requests.mkdir(exist_ok=True)
+    failed = False
+    for name in nodes:
+        done = requests / f"done-ztunnel-{name}"
+        done.unlink(missing_ok=True)
+        started = time.monotonic()
+        (requests / f"ztunnel-{name}").write_text("restart\n")
+        deadline = started + ROLLOUT_TIMEOUT_S
+        while not done.exists():
+            if time.monotonic() > deadline or not same_process(int(record["pid"]), None):
+                raise AmbientError(
+                    f"the rollout of the node proxy on {name} did not finish within {ROLLOUT_TIMEOUT_S:.0f}s",
+                    hint="`ambient lab logs ztunnel --node " + name + "` and the `up` output say why",
+                )
+            time.sleep(FOLLOW_INTERVAL_S)
+        outcome = done.read_text().strip()
+        done.unlink(missing_ok=True)
+        if outcome.startswith("ok "):
+            print(
+                f"ztunnel on {name}: pid {outcome[3:]} serves every pod "
+                f"({time.monotonic() - started:.1f}s); the old one drains its connections",
+                file=out,
+            )
+        else:
+            print(f"ztunnel on {name}: {outcome}", file=out)
+            failed = True
+    return 1 if failed else 0
+
+
 def check_new_pod(record: Mapping[str, Any], manifest: Manifest) -> None:
     """A Pod applied to a running lab: the lab's kubelet (the `up` supervisor) will create its
     sandbox; it must name one of the lab's nodes and one of its apps, and be new (the lab does
@@ -471,6 +518,8 @@ def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> in
             return 0 if status["running"] else 1
         if args.action == "logs":
             return _logs(record, args, out)
+        if args.action == "rollout":
+            return _rollout(record, args.node or list(record["nodes"]), out)
         if args.action in ("apply", "delete", "get"):
             return _objects(record, args, out)
         return _exec(record, args)

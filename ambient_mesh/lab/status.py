@@ -91,13 +91,18 @@ def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, A
         agent_ready = (
             lab_alive and _alive(node["agent"]) and _probe(node["netns"], CNI_HEALTH_PORT, "/readyz")
         )
+        # The node proxy's readiness port moves while a rollout runs two of them (lab.py).
+        readiness_port = int(str(node.get("readiness", f":{READINESS_PORT}")).rpartition(":")[2])
         proxy_ready = (
-            lab_alive and _alive(node["ztunnel"]) and _probe(node["netns"], READINESS_PORT, "/healthz/ready")
+            lab_alive and _alive(node["ztunnel"]) and _probe(node["netns"], readiness_port, "/healthz/ready")
         )
         nodes[name] = {
             **{k: node[k] for k in ("netns", "address", "pod_cidr", "admin", "stats")},
             "agent": _component(node["agent"], ready=agent_ready),
             "ztunnel": _component(node["ztunnel"], ready=proxy_ready),
+            "ztunnel_draining": [
+                _component(p, ready=False) for p in node.get("ztunnel_draining", ()) if _alive(p)
+            ],
         }
     loaded = load_directory(record["objects_dir"]) if Path(record["objects_dir"]).is_dir() else None
     services: list[Service] = [o for o in loaded.objects if isinstance(o, Service)] if loaded else []
@@ -206,6 +211,8 @@ def status_tables(status: Mapping[str, Any]) -> list[Table]:
                 f"admin {node['admin']} in {node['netns']}",
             )
         )
+        for old in node.get("ztunnel_draining", ()):
+            components.append(("ztunnel", name, str(old["pid"]), "draining (replaced)", "no", "-"))
     pods = []
     for key, pod in status["pods"].items():
         pods.append(

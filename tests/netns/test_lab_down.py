@@ -217,6 +217,15 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
         assert second.returncode == 1 and "already running" in second.stderr, second.stderr
         assert (state_dir / "lab.json").read_bytes() == record
         assert lab(state_dir, "status").returncode == 0
+        # `rollout ztunnel`: the `up` supervisor starts node-1's new proxy beside the old one,
+        # then the old one drains; status then shows the new pid, ready, on the surge ports.
+        rolled = lab(state_dir, "rollout", "ztunnel", "--node", "node-1")
+        assert rolled.returncode == 0 and "serves every pod" in rolled.stdout, rolled.stdout + rolled.stderr
+        after = json.loads(lab(state_dir, "status", "-o", "json").stdout)
+        proxy = after["nodes"]["node-1"]["ztunnel"]
+        assert proxy["pid"] != live["nodes"]["node-1"]["ztunnel"]["pid"] and proxy["ready"], proxy
+        assert after["nodes"]["node-1"]["admin"] == "127.0.0.1:15100" and after["ready"], after["not_ready"]
+        live = after
         # Nodes are listed, with -o wide and label selectors.
         nodes = lab(state_dir, "get", "nodes").stdout.splitlines()
         assert [line.split()[:2] for line in nodes[1:]] == [["node-1", "Ready"], ["node-2", "Ready"]], nodes

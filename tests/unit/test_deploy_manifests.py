@@ -238,3 +238,22 @@ def test_rbac_no_wider_than_istios_charts(mesh):
             (subject,) = obj["subjects"]
             assert subject["namespace"] == "istio-system" and obj["roleRef"]["name"] == name
     assert not any(kind == "ClusterRole" and "secrets" in str(obj) for (kind, _), obj in mesh.items())
+
+
+@pytest.mark.parametrize("overlay", ["mesh", "beside-istiod"])
+def test_ztunnel_rolls_new_first_and_drains_within_its_grace(overlay, request):
+    """maxSurge 1, maxUnavailable 0 (Istio's ztunnel chart): on a node the new node proxy starts,
+    takes every pod from the node agent (the newest ZDS connection), and only then is the old
+    one terminated, to drain within its grace period (the deadline is 5 s shorter)."""
+    objs = request.getfixturevalue("mesh" if overlay == "mesh" else "beside")
+    ds = objs[("DaemonSet", "ztunnel")]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    spec = ds["spec"]["template"]["spec"]
+    e = env(container(objs, "DaemonSet", "ztunnel"))
+    # The drain deadline comes from the grace period the kubelet enforces (minus 5 s): both the same.
+    assert e["TERMINATION_GRACE_PERIOD_SECONDS"] == str(spec["terminationGracePeriodSeconds"]) == "30"
+    # Per-pod listeners must be shareable with the next node proxy: INPOD_PORT_REUSE stays on.
+    assert e.get("INPOD_PORT_REUSE", "true") == "true"
