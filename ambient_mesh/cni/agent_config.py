@@ -69,6 +69,8 @@ SETTINGS = frozenset(
         "HOST_PREFIX",
         "HOST_PROBE_SNAT_IP",
         "HOST_PROBE_SNAT_IPV6",
+        "ISTIO_OWNED_CNI_CONFIG",
+        "ISTIO_OWNED_CNI_CONFIG_FILENAME",
         "K8S_SERVICE_ACCOUNT_PATH",
         "KUBECONFIG",
         "KUBECONFIG_MODE",
@@ -255,6 +257,17 @@ class AgentConfig:
         protocol = e.text("KUBERNETES_SERVICE_PROTOCOL", "https")
         if protocol not in ("http", "https"):
             raise ConfigError("KUBERNETES_SERVICE_PROTOCOL", f"{protocol!r} is not http or https")
+        # A setting we accept must act: istio-cni's own conflist (02-istio-cni.conflist, a copy
+        # of the primary network's with our entry) is not written by this agent, which always
+        # inserts its entry into the primary's; asked for, it stops here rather than ignore it.
+        if e.boolean("ISTIO_OWNED_CNI_CONFIG", False) or e.text("ISTIO_OWNED_CNI_CONFIG_FILENAME"):
+            raise ConfigError(
+                "ISTIO_OWNED_CNI_CONFIG",
+                "istio-cni's owned config file is not supported: this node agent inserts its entry "
+                "into the primary network's conflist (as istio-cni does by default)",
+                hint="unset ISTIO_OWNED_CNI_CONFIG and ISTIO_OWNED_CNI_CONFIG_FILENAME "
+                "(Helm: istioOwnedCNIConfig=false)",
+            )
         force = e.text("FORCE_IPTABLES_BINARY")
         if force not in ("", "legacy", "nft"):
             raise ConfigError("FORCE_IPTABLES_BINARY", f"{force!r} is not legacy or nft")
