@@ -14,7 +14,8 @@ directly on the node (no `/host` mount prefix); HOST_PREFIX adds one for a conta
 Ours, not istio-cni's: CNI_BIN_DIR (istio-cni hard-codes /host/opt/cni/bin), HEALTH_PORT (the
 constant 8000), POD_SOURCE_DIRECTORY / POD_SOURCE_POLL_INTERVAL (pods from the embedded control
 plane's YAML directory instead of the API server), KUBECONFIG (a kubeconfig instead of the
-in-cluster service account), HOST_PREFIX, PROBE_SET_PREFIX and KUBELET_UID (the nftables host
+in-cluster service account), PLUGIN_SERVICE_ACCOUNT (whose short-lived token the plugin's
+kubeconfig carries, plugin_token.py), HOST_PREFIX, PROBE_SET_PREFIX and KUBELET_UID (the nftables host
 rule's uid when no kubelet process can be found).
 """
 
@@ -42,6 +43,7 @@ DEFAULT_CNI_BIN_DIR = "/opt/cni/bin"
 DEFAULT_ZTUNNEL_UDS_ADDRESS = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_SYSTEM_NAMESPACE = "istio-system"
+DEFAULT_PLUGIN_SERVICE_ACCOUNT = "istio-cni-plugin"
 DEFAULT_EXCLUDE_NAMESPACES = ("kube-system",)
 DEFAULT_POD_SOURCE_POLL_INTERVAL_S = 1.0
 MAX_POD_SOURCE_POLL_INTERVAL_S = 3600.0
@@ -87,6 +89,7 @@ SETTINGS = frozenset(
         "NATIVE_NFTABLES",
         "NODE_NAME",
         "PLUGIN_LOG_LEVEL",
+        "PLUGIN_SERVICE_ACCOUNT",
         "POD_NAME",
         "POD_NAMESPACE",
         "POD_SOURCE_DIRECTORY",
@@ -154,6 +157,9 @@ class AgentConfig:
     node_name: str = ""
     pod_name: str = ""
     pod_namespace: str = ""
+    # ours: whose token the agent requests for the plugin's kubeconfig (plugin_token.py); "" =
+    # none, the plugin gets the agent's own token as with istio-cni
+    plugin_service_account: str = DEFAULT_PLUGIN_SERVICE_ACCOUNT
     system_namespace: str = DEFAULT_SYSTEM_NAMESPACE
     revision: str = ""
     # our second pod source: the embedded control plane's YAML directory
@@ -319,6 +325,12 @@ class AgentConfig:
             node_name=node_name,
             pod_name=e.text("POD_NAME"),
             pod_namespace=e.text("POD_NAMESPACE"),
+            # set and empty: no account, the agent's own token (raw: empty means something here)
+            plugin_service_account=(
+                DEFAULT_PLUGIN_SERVICE_ACCOUNT
+                if e.raw("PLUGIN_SERVICE_ACCOUNT") is None
+                else e.text("PLUGIN_SERVICE_ACCOUNT")
+            ),
             system_namespace=e.text("SYSTEM_NAMESPACE", DEFAULT_SYSTEM_NAMESPACE),
             revision=e.text("REVISION"),
             pod_source_directory=e.text("POD_SOURCE_DIRECTORY"),

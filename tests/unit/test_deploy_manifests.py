@@ -66,6 +66,12 @@ def test_beside_istiod_is_the_data_plane_only(beside):
         ("ConfigMap", "istio-cni-config"),
         ("DaemonSet", "ztunnel"),
         ("DaemonSet", "istio-cni-node"),
+        # the plugin's own narrow account, whose tokens the agent requests (plugin_token.py)
+        ("ServiceAccount", "istio-cni-plugin"),
+        ("ClusterRole", "istio-cni-plugin"),
+        ("ClusterRoleBinding", "istio-cni-plugin"),
+        ("Role", "istio-cni-plugin-token"),
+        ("RoleBinding", "istio-cni-plugin-token"),
     }
     for key, obj in beside.items():
         if key[0] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -233,6 +239,19 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
         (("authentication.k8s.io",), ("tokenreviews",), frozenset({"create"})),
     ]
+    # The plugin's own account reads one pod and its namespace; the agent may mint tokens of
+    # that account only (TokenRequest: no Secret, no other account).
+    assert rules(mesh, "istio-cni-plugin") == [(("",), ("pods", "namespaces"), frozenset({"get"}))]
+    assert mesh[("ServiceAccount", "istio-cni-plugin")]["automountServiceAccountToken"] is False
+    (token_rule,) = mesh[("Role", "istio-cni-plugin-token")]["rules"]
+    assert token_rule == {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts/token"],
+        "resourceNames": ["istio-cni-plugin"],
+        "verbs": ["create"],
+    }
+    (subject,) = mesh[("RoleBinding", "istio-cni-plugin-token")]["subjects"]
+    assert (subject["name"], subject["namespace"]) == ("istio-cni", "istio-system")
     for (kind, name), obj in mesh.items():
         if kind == "ClusterRoleBinding":
             (subject,) = obj["subjects"]
