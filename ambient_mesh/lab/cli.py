@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--node", default=None, help="the node, for agent and ztunnel (default: the first)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    ds = sub.add_parser(
+        "describe", help="one object in detail: a pod or node (what is live), else the object"
+    )
+    ds.add_argument("kind", help="pod, node, or any kind `get` serves")
+    ds.add_argument("name", help="the object's name (a pod's may be NAMESPACE/NAME)")
+    ds.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
     ro = sub.add_parser(
         "rollout",
         help="replace the node proxies one node at a time, the new one first (kubectl rollout restart)",
@@ -429,6 +435,88 @@ def _nodes(record: Mapping[str, Any], output: str, selector: Selector | None, ou
     return 0
 
 
+def _lines(pairs: list[tuple[str, object]]) -> str:
+    """kubectl describe's layout: `Key:  value`, the values aligned."""
+    width = max(len(k) for k, _ in pairs) + 2
+    return "".join(f"{k + ':':<{width}}{v}\n" for k, v in pairs)
+
+
+def _process(component: Mapping[str, Any]) -> str:
+    text = f"{component['state']}, {'ready' if component['ready'] else 'not ready'}"
+    if component.get("pid"):
+        text += f", pid {component['pid']}"
+    if component.get("restarts"):
+        text += f", {component['restarts']} restarts"
+    return text
+
+
+def _describe(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> int:
+    """`ambient lab describe KIND NAME`: for a pod or a node, its object joined with what is live
+    (processes, readiness, enrollment, identity, services); for other kinds, the object."""
+    from . import apply as verbs
+
+    kind = verbs.kind_of(args.kind)
+    if kind == "Node":
+        status = live_status(record, SubprocessRunner())
+        node = status["nodes"].get(args.name)
+        if node is None:
+            raise AmbientError(f"no node {args.name!r} in the lab; nodes: {', '.join(status['nodes'])}")
+        pods = sorted(k for k, p in status["pods"].items() if p["node"] == args.name)
+        pairs: list[tuple[str, object]] = [
+            ("Name", args.name),
+            ("Ready", node["agent"]["ready"] and node["ztunnel"]["ready"]),
+            ("Address", node["address"]),
+            ("Pod CIDR", node["pod_cidr"]),
+            ("Netns", node["netns"]),
+            ("Node agent", _process(node["agent"])),
+            ("Node proxy", _process(node["ztunnel"])),
+            ("Node proxy admin", f"{node['admin']} (stats {node['stats']})"),
+        ]
+        pairs += [("Draining proxy", _process(old)) for old in node.get("ztunnel_draining", ())]
+        pairs.append(("Pods", ", ".join(pods) or "<none>"))
+        out.write(_lines(pairs))
+        return 0
+    if kind == "Pod":
+        key = args.name if "/" in args.name else f"{args.namespace}/{args.name}"
+        status = live_status(record, SubprocessRunner())
+        pod = status["pods"].get(key)
+        if pod is None:
+            raise AmbientError(f"no pod {key!r} in the lab; pods: {', '.join(status['pods'])}")
+        rec = record["pods"][key]
+        labels = ",".join(f"{k}={v}" for k, v in sorted(rec.get("labels", {}).items())) or "<none>"
+        out.write(
+            _lines(
+                [
+                    ("Name", rec["name"]),
+                    ("Namespace", rec["namespace"]),
+                    ("Node", pod["node"]),
+                    ("IP", pod["ip"]),
+                    ("UID", rec["uid"]),
+                    ("Service account", rec["service_account"]),
+                    ("Labels", labels),
+                    ("Netns", pod["netns"]),
+                    ("Ambient namespace", pod["ambient"]),
+                    ("Enrolled", pod["enrolled"]),
+                    ("Identity", pod["identity"] or "<none>"),
+                    ("Services", ", ".join(pod["services"]) or "<none>"),
+                    ("App", _process(pod["app"])),
+                    ("Log", f"ambient lab logs {key}"),
+                ]
+            )
+        )
+        return 0
+    namespace = None if kind in verbs.CLUSTER_SCOPED else args.namespace
+    docs = [
+        d
+        for d in verbs.get_documents(Path(record["objects_dir"]), kind, namespace)
+        if (d.get("metadata") or {}).get("name") == args.name
+    ]
+    if not docs:
+        raise AmbientError(f"no {kind} {args.name!r}" + (f" in namespace {namespace}" if namespace else ""))
+    out.write(yaml.safe_dump(docs[0], sort_keys=False))
+    return 0
+
+
 def _rollout(record: Mapping[str, Any], nodes: list[str], out: IO[str]) -> int:
     """Ask the `up` supervisor to roll each node's proxy (lab.py `rollout_proxy`), one node after
     the other as a DaemonSet with maxUnavailable 0 does, and wait for each to be done."""
@@ -518,6 +606,8 @@ def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> in
             return 0 if status["running"] else 1
         if args.action == "logs":
             return _logs(record, args, out)
+        if args.action == "describe":
+            return _describe(record, args, out)
         if args.action == "rollout":
             return _rollout(record, args.node or list(record["nodes"]), out)
         if args.action in ("apply", "delete", "get"):

@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..admin.readiness import DRAINING
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
 from ..host.files import atomic_write
@@ -118,6 +119,8 @@ PROXY_KILL_MARGIN_S = 2.0
 # During a rollout two node proxies run in the node's namespace (on Kubernetes each has its own
 # pod namespace): the surge proxy's admin, stats and readiness ports are the usual ones plus this.
 SURGE_PORT_OFFSET = 100
+DRAIN_CHECK_INTERVAL_S = 0.5  # how often the supervisor asks each node proxy whether it drains
+DRAIN_CHECK_TIMEOUT_S = 0.5
 STOP_GRACE_S = {"agent": AGENT_STOP_GRACE_S, "ztunnel": PROXY_DRAIN_S + PROXY_KILL_MARGIN_S}
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 
@@ -309,6 +312,7 @@ class Lab:
         self._started = False
         # Node proxies replaced by a rollout, draining their open connections until they exit.
         self._draining: list[tuple[Program, float]] = []  # (program, SIGKILL due, monotonic)
+        self._drain_checked: dict[str, float] = {}  # node -> when its proxy was last asked
 
     def __repr__(self) -> str:
         running = sum(1 for p in self.programs if p.running)
@@ -567,6 +571,7 @@ class Lab:
         events: list[str] = self._reap_draining(now)
         if self._started and self.ready:
             events += self.reconcile_rollouts()
+            events += self.replace_draining_proxies(now)
             events += self.reconcile_pods()
             try:
                 self.reconcile_services()
@@ -953,6 +958,50 @@ class Lab:
                     f"{program.name} (pid {program.process.pid}, replaced) drained and exited "
                     f"with code {program.process.returncode}"
                 )
+        return events
+
+    def proxy_draining(self, name: str) -> bool:
+        """Whether the node proxy on `name` is shutting down: its readiness names `draining`."""
+        node = self.nodes[name]
+        try:
+            status, body = http_get(
+                node.net.netns,
+                "127.0.0.1",
+                node.proxy_port(READINESS_PORT),
+                "/healthz/ready",
+                timeout_s=DRAIN_CHECK_TIMEOUT_S,
+            )
+        except (OSError, AmbientError):
+            return False
+        return status != 200 and DRAINING in body
+
+    def replace_draining_proxies(self, now: float) -> list[str]:
+        """A node proxy told to stop by someone else (SIGTERM, POST /quitquitquit) closes its
+        listeners and drains: start the next one at once, beside it, instead of after it exits
+        and a backoff (its open connections keep draining on the old one)."""
+        events = []
+        for name, node in self.nodes.items():
+            proxy = node.proxy
+            if proxy is None or not proxy.running:
+                continue
+            if now < self._drain_checked.get(name, 0.0) + DRAIN_CHECK_INTERVAL_S:
+                continue
+            self._drain_checked[name] = now
+            if not self.proxy_draining(name):
+                continue
+            self._supervised.pop(proxy.name, None)  # replaced: its exit is not a crash
+            self._restart_due.pop(proxy.name, None)
+            self._draining.append((proxy, now + PROXY_DRAIN_S + PROXY_KILL_MARGIN_S))
+            node.proxy_slot = 1 - node.proxy_slot
+            self.restarts[proxy.name] = self.restarts.get(proxy.name, 0) + 1
+            try:
+                new = self.start_proxy(name)
+            except (AmbientError, OSError) as e:
+                events.append(f"{proxy.name} is draining; its replacement failed to start: {e}")
+                continue
+            events.append(
+                f"{proxy.name} (pid {proxy.process.pid}) is draining: started pid {new.process.pid} beside it"
+            )
         return events
 
     def reconcile_rollouts(self) -> list[str]:

@@ -181,3 +181,55 @@ def test_a_new_proxy_that_never_gets_ready_leaves_the_old_one_serving(lab):
     assert (
         tcp_roundtrip(lab.pods["demo/client"].netns, lab.pods["demo/server"].ip, APP_PORT, payload) == payload
     )
+
+
+def test_a_sigterm_from_outside_starts_the_next_proxy_at_once(lab):
+    """Someone SIGTERMs a node proxy (as a kubelet does a container): it closes its listeners and
+    drains, and its readiness says `draining`; the supervisor starts the next one beside it at
+    once rather than after the old one exits (up to its 10 s deadline with a stream open) and a
+    backoff. The stream stays on the old proxy; the request loop sees the short gap, reported."""
+    import os
+    import signal
+
+    client, server = lab.pods["demo/client"], lab.pods["demo/server"]
+    old = lab.nodes["node-2"].proxy
+    stop = threading.Event()
+    opened = threading.Event()
+    stream, requests = Counts(), Counts()
+    threads = [
+        threading.Thread(target=long_lived_stream, args=(client.netns, server.ip, stop, stream, opened)),
+        threading.Thread(target=request_loop, args=(client.netns, server.ip, stop, requests)),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        assert opened.wait(10)
+        wait_until(lambda: requests.ok >= 20, timeout_s=10, what="traffic before the SIGTERM")
+        before = requests.ok
+        os.kill(old.process.pid, signal.SIGTERM)
+        started = time.monotonic()
+        events: list[str] = []
+
+        def replaced() -> bool:
+            events.extend(lab.supervise())
+            new = lab.nodes["node-2"].proxy
+            return new is not old and lab.proxy_ready("node-2")
+
+        wait_until(replaced, timeout_s=15, what="the next node proxy on node-2, ready")
+        replaced_s = time.monotonic() - started
+        assert any("is draining: started pid" in e for e in events), events
+        assert old.running, "the old proxy keeps the stream while it drains"
+        wait_until(lambda: requests.ok >= before + 40, timeout_s=15, what="traffic after the replacement")
+        assert not stream.errors, stream.errors
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=MAX_LOOP_S)
+    print(
+        f"\nSIGTERM of node-2's proxy: the next one ready {replaced_s:.2f}s later; requests ok "
+        f"{requests.ok}, errors {len(requests.errors)}; stream round trips {stream.ok}, errors {len(stream.errors)}"
+    )
+    assert not stream.errors, stream.errors
+    wait_until(lambda: not old.running, timeout_s=8, what="the old proxy to exit after the stream closed")
+    lab.supervise()
+    assert lab.status()["ready"]

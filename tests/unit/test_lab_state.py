@@ -384,3 +384,29 @@ def test_down_without_a_lab_is_a_no_op(tmp_path):
     out = io.StringIO()
     assert lab_cli.main(["--state-dir", str(tmp_path), "down"], out=out) == 0
     assert "nothing to do" in out.getvalue()
+
+
+def test_describe_a_node_a_pod_and_another_object(tmp_path):
+    from ambient_mesh.lab import apply as verbs
+
+    (tmp_path / "objects").mkdir()
+    verbs.apply(
+        tmp_path / "objects",
+        verbs.check("kind: Namespace\napiVersion: v1\nmetadata: {name: shop}\n", "n.yaml"),
+    )
+    (tmp_path / "lab.json").write_text(json.dumps(_record(tmp_path)))
+    base = ["--state-dir", str(tmp_path), "describe"]
+    out = io.StringIO()
+    assert lab_cli.main([*base, "node", "node-1"], out=out) == 0
+    text = out.getvalue()
+    assert "Ready:" in text and "False" in text.split("Ready:")[1].splitlines()[0]
+    assert "Node proxy:" in text and "exited, not ready" in text and "Pods:" in text and "shop/client" in text
+    out = io.StringIO()
+    assert lab_cli.main([*base, "pod", "client", "-n", "shop"], out=out) == 0
+    fields = dict(line.split(":", 1) for line in out.getvalue().splitlines())
+    assert fields["IP"].strip() == "10.244.1.10" and fields["App"].strip().startswith("running, ready")
+    assert fields["Enrolled"].strip() == "False" and fields["Service account"].strip() == "client"
+    out = io.StringIO()
+    assert lab_cli.main([*base, "ns", "shop"], out=out) == 0
+    assert "name: shop" in out.getvalue()
+    assert lab_cli.main([*base, "pod", "shop/nope"], out=io.StringIO()) == 1
