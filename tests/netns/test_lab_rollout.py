@@ -103,11 +103,12 @@ def request_loop(netns: str, ip: str, stop: threading.Event, counts: Counts) -> 
         time.sleep(REQUEST_INTERVAL_S)
 
 
-def test_a_long_lived_stream_survives_a_rollout_of_both_node_proxies(lab):
+def start_traffic(
+    lab: Lab,
+) -> tuple[threading.Event, threading.Event, Counts, Counts, list[threading.Thread]]:
+    """demo/client -> demo/server: the long-lived stream and the request loop, running."""
     client, server = lab.pods["demo/client"], lab.pods["demo/server"]
-    old = {name: lab.nodes[name].proxy for name in ("node-1", "node-2")}
-    stop = threading.Event()
-    opened = threading.Event()
+    stop, opened = threading.Event(), threading.Event()
     stream, requests = Counts(), Counts()
     threads = [
         threading.Thread(target=long_lived_stream, args=(client.netns, server.ip, stop, stream, opened)),
@@ -115,6 +116,12 @@ def test_a_long_lived_stream_survives_a_rollout_of_both_node_proxies(lab):
     ]
     for t in threads:
         t.start()
+    return stop, opened, stream, requests, threads
+
+
+def test_a_long_lived_stream_survives_a_rollout_of_both_node_proxies(lab):
+    old = {name: lab.nodes[name].proxy for name in ("node-1", "node-2")}
+    stop, opened, stream, requests, threads = start_traffic(lab)
     durations = {}
     try:
         assert opened.wait(10) and not stream.errors, stream.errors
@@ -191,17 +198,8 @@ def test_a_sigterm_from_outside_starts_the_next_proxy_at_once(lab):
     import os
     import signal
 
-    client, server = lab.pods["demo/client"], lab.pods["demo/server"]
     old = lab.nodes["node-2"].proxy
-    stop = threading.Event()
-    opened = threading.Event()
-    stream, requests = Counts(), Counts()
-    threads = [
-        threading.Thread(target=long_lived_stream, args=(client.netns, server.ip, stop, stream, opened)),
-        threading.Thread(target=request_loop, args=(client.netns, server.ip, stop, requests)),
-    ]
-    for t in threads:
-        t.start()
+    stop, opened, stream, requests, threads = start_traffic(lab)
     try:
         assert opened.wait(10)
         wait_until(lambda: requests.ok >= 20, timeout_s=10, what="traffic before the SIGTERM")
