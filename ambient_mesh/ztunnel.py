@@ -20,6 +20,7 @@ from typing import Any
 
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
+from .admin.readiness import DRAINING
 from .config import ProxyMode, ZtunnelConfig, log_startup
 from .dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, workload_dns_server
 from .errors import AmbientError, ConfigError
@@ -418,6 +419,14 @@ class Ztunnel:
     async def drain(self, deadline_s: float | None = None) -> None:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
+        # Not ready from the first moment of the drain, and saying why: the kubelet stops sending
+        # probes' traffic our way, and a supervisor (the lab's) can start the next node proxy now
+        # rather than after this one exits (its listeners are about to close).
+        if DRAINING not in self.readiness.pending:
+            try:
+                self.readiness.register(DRAINING)
+            except ValueError:
+                self.readiness.mark_not_ready(DRAINING)
         if self.remote is not None:
             assert self.pool is not None
             log.info("draining %d worker processes, deadline %.1fs", self.pool.count, deadline)

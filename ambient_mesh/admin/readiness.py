@@ -11,6 +11,10 @@ from ..http1 import Request, Response, not_found
 from ..http1.server import HttpServer, HttpService
 from ..net import SocketAddr
 
+# The readiness task pending once shutdown began: `/healthz/ready` then names it, and the lab's
+# supervisor starts the next node proxy without waiting for this one to exit.
+DRAINING = "draining"
+
 
 class ReadinessToken:
     """Handle for one start-up task; `mark_ready()` once it is done."""

@@ -65,8 +65,9 @@ from .install import (
 )
 from .kubeconfig import KubeconfigError, KubeconfigInputs, KubeconfigWriter
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
+from .plugin_token import PluginTokens
 from .podinfo import PLUGIN_KUBECONFIG_NAME
-from .pods import PodSource, build_pod_source
+from .pods import KubeApiPodSource, PodSource, build_pod_source
 from .sandbox import NetnsGuard
 
 log = logging.getLogger("ambient_mesh.cni-agent")
@@ -146,8 +147,11 @@ class CniAgent:
         install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
         kubeconfig: KubeconfigWriter | None = None,
         netns_guard: NetnsGuard | None = None,
+        plugin_tokens: PluginTokens | None = None,
     ) -> None:
         self.cfg = cfg
+        # The plugin's own short-lived token, when the agent may request one (plugin_token.py).
+        self.plugin_tokens = plugin_tokens
         # The plugin's kubeconfig (Kubernetes API pod source): written at install, refreshed when
         # the token rotates, removed on a final shutdown and kept on an upgrade, as istio-cni does.
         self.kubeconfig = kubeconfig
@@ -274,6 +278,10 @@ class CniAgent:
         self.monitoring = await self._start_http(self.monitoring, self._metrics)
         if self.cfg.ambient_enabled:
             await self._start_ambient()
+        if self.plugin_tokens is not None:
+            # Before the kubeconfig is first written, so it carries the plugin's token at once.
+            await self.plugin_tokens.refresh()
+            self._tasks.append(asyncio.create_task(self._renew_plugin_token(), name="plugin token"))
         if self.installer is not None:
             self._install_once()
             self._tasks.append(asyncio.create_task(self._watch_install(), name="cni install watch"))
@@ -338,6 +346,22 @@ class CniAgent:
         if self.kubeconfig is not None:
             self._tasks.append(asyncio.create_task(self._refresh_kubeconfig(), name="plugin kubeconfig"))
         await watch(self.installer, interval_s=self.install_interval_s, on_drift=drifted)
+
+    async def _renew_plugin_token(self) -> None:
+        """Request the plugin's next token before the current one expires, then rewrite the
+        kubeconfig with it (on failures: backoff, and the kubeconfig falls back to the agent's
+        own token once the plugin's has expired)."""
+        tokens = self.plugin_tokens
+        assert tokens is not None  # started only when there are
+        failures = 0 if tokens.token is not None else 1
+        while True:
+            await asyncio.sleep(tokens.next_delay(failures))
+            failures = 0 if await tokens.refresh() else failures + 1
+            if self.kubeconfig is not None:
+                try:
+                    self.kubeconfig.sync()
+                except KubeconfigError as exc:
+                    log.warning("plugin kubeconfig not refreshed: %s", exc)
 
     async def _refresh_kubeconfig(self) -> None:
         """Rewrite the plugin's kubeconfig when the service-account token or CA changes."""
@@ -406,6 +430,8 @@ class CniAgent:
             out["pods"] = self.dataplane.cache.dump()
         if self.zds is not None:
             out["ztunnels"] = list(self.zds.connections)
+        if self.plugin_tokens is not None:
+            out["plugin_token"] = repr(self.plugin_tokens)
         if self.plugin_server is not None:
             out["plugin_runs"] = {
                 "handed_over": self.plugin_server.plugin_runs,
@@ -474,14 +500,28 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
         )
     )
     kubeconfig = None
+    tokens: PluginTokens | None = None
     if cfg.ambient_enabled and not cfg.pod_source_directory:
+        if isinstance(source, KubeApiPodSource) and cfg.plugin_service_account:
+            tokens = PluginTokens(
+                source.client,
+                namespace=cfg.pod_namespace or cfg.system_namespace,
+                service_account=cfg.plugin_service_account,
+            )
+        plugin_tokens = tokens
         kubeconfig = KubeconfigWriter(
             cfg.cni_agent_run_dir / PLUGIN_KUBECONFIG_NAME,
-            lambda: KubeconfigInputs.for_agent(cfg),
+            lambda: KubeconfigInputs.for_plugin(cfg, plugin_tokens.current() if plugin_tokens else None),
             mode=cfg.kubeconfig_mode,
         )
     return CniAgent(
-        cfg, runner=runner, source=source, probe_set=probe_set, installer=installer, kubeconfig=kubeconfig
+        cfg,
+        runner=runner,
+        source=source,
+        probe_set=probe_set,
+        installer=installer,
+        kubeconfig=kubeconfig,
+        plugin_tokens=tokens,
     )
 
 

@@ -375,8 +375,12 @@ class DnsServer:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         tcp_request_timeout_s: float = TCP_REQUEST_TIMEOUT_S,
+        reuse_port: bool = False,
     ) -> None:
         self.name = name
+        # INPOD_PORT_REUSE: a pod's DNS proxy shares 15053 with the next node proxy's during an
+        # upgrade (ztunnel sets SO_REUSEPORT on its UDP sockets too, reference/ztunnel.md 9.4).
+        self._reuse_port = reuse_port
         self.address = address
         self._view: MeshView = StateView(state) if isinstance(state, StateReader) else state
         self._settings = settings
@@ -458,6 +462,8 @@ class DnsServer:
         try:
             if type == socket.SOCK_STREAM:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(addr.sockaddr())
             if type == socket.SOCK_STREAM:
                 sock.listen(LISTEN_BACKLOG)
@@ -712,6 +718,7 @@ def workload_dns_server(
         forwarder=forwarder,
         metrics=metrics,
         socket_factory=socket_factory,
+        reuse_port=shared and config.inpod_port_reuse,
     )
 
 

@@ -66,6 +66,12 @@ def test_beside_istiod_is_the_data_plane_only(beside):
         ("ConfigMap", "istio-cni-config"),
         ("DaemonSet", "ztunnel"),
         ("DaemonSet", "istio-cni-node"),
+        # the plugin's own narrow account, whose tokens the agent requests (plugin_token.py)
+        ("ServiceAccount", "istio-cni-plugin"),
+        ("ClusterRole", "istio-cni-plugin"),
+        ("ClusterRoleBinding", "istio-cni-plugin"),
+        ("Role", "istio-cni-plugin-token"),
+        ("RoleBinding", "istio-cni-plugin-token"),
     }
     for key, obj in beside.items():
         if key[0] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -249,8 +255,40 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
         (("authentication.k8s.io",), ("tokenreviews",), frozenset({"create"})),
     ]
+    # The plugin's own account reads one pod and its namespace; the agent may mint tokens of
+    # that account only (TokenRequest: no Secret, no other account).
+    assert rules(mesh, "istio-cni-plugin") == [(("",), ("pods", "namespaces"), frozenset({"get"}))]
+    assert mesh[("ServiceAccount", "istio-cni-plugin")]["automountServiceAccountToken"] is False
+    (token_rule,) = mesh[("Role", "istio-cni-plugin-token")]["rules"]
+    assert token_rule == {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts/token"],
+        "resourceNames": ["istio-cni-plugin"],
+        "verbs": ["create"],
+    }
+    (subject,) = mesh[("RoleBinding", "istio-cni-plugin-token")]["subjects"]
+    assert (subject["name"], subject["namespace"]) == ("istio-cni", "istio-system")
     for (kind, name), obj in mesh.items():
         if kind == "ClusterRoleBinding":
             (subject,) = obj["subjects"]
             assert subject["namespace"] == "istio-system" and obj["roleRef"]["name"] == name
     assert not any(kind == "ClusterRole" and "secrets" in str(obj) for (kind, _), obj in mesh.items())
+
+
+@pytest.mark.parametrize("overlay", ["mesh", "beside-istiod"])
+def test_ztunnel_rolls_new_first_and_drains_within_its_grace(overlay, request):
+    """maxSurge 1, maxUnavailable 0 (Istio's ztunnel chart): on a node the new node proxy starts,
+    takes every pod from the node agent (the newest ZDS connection), and only then is the old
+    one terminated, to drain within its grace period (the deadline is 5 s shorter)."""
+    objs = request.getfixturevalue("mesh" if overlay == "mesh" else "beside")
+    ds = objs[("DaemonSet", "ztunnel")]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    spec = ds["spec"]["template"]["spec"]
+    e = env(container(objs, "DaemonSet", "ztunnel"))
+    # The drain deadline comes from the grace period the kubelet enforces (minus 5 s): both the same.
+    assert e["TERMINATION_GRACE_PERIOD_SECONDS"] == str(spec["terminationGracePeriodSeconds"]) == "30"
+    # Per-pod listeners must be shareable with the next node proxy: INPOD_PORT_REUSE stays on.
+    assert e.get("INPOD_PORT_REUSE", "true") == "true"
