@@ -37,7 +37,7 @@ from ..identity.grpc_tls import (
     serving_certificate,
 )
 from ..identity.spiffe import Identity
-from ..kube.client import KubeClient
+from ..kube.client import SERVICES, KubeClient
 from ..kube.kubeconfig import KubeCredentials
 from ..kube.objects import KubeStore, ObjectKey, Pod
 from ..net import SocketAddr
@@ -46,7 +46,24 @@ from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
 from .caller_gate import CallerGate
 from .namespace_controller import NamespaceController
-from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
+from .sources import (
+    AUTHORIZATION_POLICIES,
+    GATEWAYS,
+    PEER_AUTHENTICATIONS,
+    SERVICE_ENTRIES,
+    ConfigSource,
+    DirectorySource,
+    KubeApiSource,
+    SourceChange,
+)
+from .status import (
+    DirectoryStatusWriter,
+    KubeStatusWriter,
+    StatusMap,
+    StatusWriter,
+    changed_status,
+    compute_status,
+)
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
@@ -63,6 +80,8 @@ POLL_INTERVAL_S = 1.0
 CA_DIR_NAME = "cacerts"
 TOKEN_KEY_FILE = "token-key.pem"
 ROOT_CERT_FILE = "root-cert.pem"
+# With --dir, the objects' status subresource: one file per object (control/status.py).
+STATUS_DIR_NAME = "status"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,6 +109,14 @@ def build_source(config: ControlPlaneConfig, client: KubeClient | None) -> Confi
         return KubeApiSource(client)
     assert config.directory is not None
     return DirectorySource(config.directory, config.poll_interval_s)
+
+
+def build_status_writer(config: ControlPlaneConfig, client: KubeClient | None) -> StatusWriter:
+    """Where conditions go: the API server's status subresources, or beside a YAML directory."""
+    if client is not None:
+        kinds = (AUTHORIZATION_POLICIES, PEER_AUTHENTICATIONS, SERVICE_ENTRIES, GATEWAYS, SERVICES)
+        return KubeStatusWriter(client, {r.kind: r for r in kinds})
+    return DirectoryStatusWriter(config.state_dir / STATUS_DIR_NAME)
 
 
 def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
@@ -215,6 +242,11 @@ class ControlPlane:
             precheck_in_full=self.kube_client is None,
         )
         self.source = build_source(self.config, self.kube_client)
+        # Object status (istiod's status queue): computed per snapshot, written when it changes.
+        self.status_writer = build_status_writer(self.config, self.kube_client)
+        self.status: StatusMap = {}
+        self._status_pending: StatusMap = {}
+        self._status_task: asyncio.Task[None] | None = None
         # istiod's namespace controller: the root bundle as a ConfigMap in every namespace.
         self.namespace_controller = (
             NamespaceController(self.kube_client, self.ca.root_pem.decode())
@@ -283,6 +315,7 @@ class ControlPlane:
             log.info("note: %s", note)
         self._notes_logged = notes
         self._translation = None
+        self._queue_status(compute_status(store, self.config.mesh))
         queued = self.ads.apply(
             addresses=delta.addresses,
             removed_addresses=delta.removed_addresses,
@@ -298,6 +331,34 @@ class ControlPlane:
             queued,
         )
         self.loaded.set()
+
+    def _queue_status(self, status: StatusMap) -> None:
+        changes = changed_status(self.status, status)
+        self.status = status
+        if not changes:
+            return
+        self._status_pending.update(changes)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # applied outside a loop (tests): written with the next change made inside one
+        if self._status_task is None or self._status_task.done():
+            self._status_task = loop.create_task(self._write_status(), name="status writer")
+
+    async def _write_status(self) -> None:
+        while self._status_pending:
+            changes, self._status_pending = self._status_pending, {}
+            try:
+                written = await self.status_writer.write(changes, datetime.now(UTC))
+            except OSError as exc:
+                log.warning("cannot write object status: %s", exc)
+                continue
+            log.info("status: %d objects written (%r)", written, self.status_writer)
+
+    async def wait_status(self) -> None:
+        """Until the status of the last snapshot is written (tests, `lab apply`)."""
+        while self._status_task is not None and not self._status_task.done():
+            await asyncio.shield(self._status_task)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -348,7 +409,7 @@ class ControlPlane:
             )
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._watch_task, self._namespace_task):
+        for task in (self._watch_task, self._namespace_task, self._status_task):
             if task is not None:
                 task.cancel()
                 try:

@@ -266,6 +266,17 @@ def apply(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
     return lines
 
 
+def apply_warnings(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
+    """The control plane's conditions on what was just applied, as kubectl prints an API
+    server's warnings: computed by the control plane's own status code over the objects as they
+    now are (its status subresource follows within a second; `get -o yaml` shows it)."""
+    from ..control.status import compute_status, warnings_for
+
+    loaded = kube.load_directory(objects_dir)
+    keys = [(m.kind, m.namespace, m.name) for m in manifests]
+    return warnings_for(compute_status(kube.KubeStore(loaded.objects)), keys)
+
+
 def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:
     """A Service without `spec.clusterIP` gets one, as the API server allocates it; an update
     keeps the address the stored object has."""
@@ -370,9 +381,17 @@ def get_table(
 
 
 def get_documents(
-    objects_dir: Path, kind: str, namespace: str | None, *, selector: Selector | None = None
+    objects_dir: Path,
+    kind: str,
+    namespace: str | None,
+    *,
+    selector: Selector | None = None,
+    status_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """The stored objects themselves (`-o yaml|json`)."""
+    """The stored objects themselves (`-o yaml|json`), with the status the control plane wrote
+    for them in `status_dir` (its status subresource) where it wrote one."""
+    from ..control.status import read_status_dir
+
     out = []
     for o in sorted(
         get_objects(objects_dir, kind, namespace, selector),
@@ -382,7 +401,13 @@ def get_documents(
             {"kind": kind, "metadata": {"namespace": o.metadata.namespace, "name": o.metadata.name}}
         )
         try:
-            out.append(yaml.safe_load(path.read_text()))
+            doc = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             continue  # written under another file name (not by the lab): the table still lists it
+        conditions = (
+            read_status_dir(status_dir, (kind, o.metadata.namespace, o.metadata.name)) if status_dir else ()
+        )
+        if conditions and isinstance(doc, dict):
+            doc["status"] = {**(doc.get("status") or {}), "conditions": [c.to_dict() for c in conditions]}
+        out.append(doc)
     return out

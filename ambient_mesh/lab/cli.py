@@ -344,7 +344,9 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
                 return 0
             render_tables([table], out)
         else:
-            docs = verbs.get_documents(objects_dir, kind, namespace, selector=selector)
+            docs = verbs.get_documents(
+                objects_dir, kind, namespace, selector=selector, status_dir=control_status_dir(record)
+            )
             listed = {"apiVersion": "v1", "kind": "List", "items": docs}
             if args.output == "json":
                 out.write(json.dumps(listed, indent=2, default=str) + "\n")
@@ -363,6 +365,7 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
                 # kubelet then runs the sandbox (and ZDS) under.
                 m.doc["metadata"]["uid"] = pod_uid(record["lab"], m.namespace, m.doc["metadata"]["name"])
         lines = verbs.apply(objects_dir, manifests)
+        lines += verbs.apply_warnings(objects_dir, manifests)
         ok = True
     else:
         lines, ok = verbs.delete(objects_dir, manifests)
@@ -556,6 +559,13 @@ def _rollout(record: Mapping[str, Any], nodes: list[str], out: IO[str]) -> int:
             print(f"ztunnel on {name}: {outcome}", file=out)
             failed = True
     return 1 if failed else 0
+
+
+def control_status_dir(record: Mapping[str, Any]) -> Path:
+    """Where the lab's control plane writes its objects' status (control/plane.py, --state-dir)."""
+    from ..control.plane import STATUS_DIR_NAME
+
+    return Path(record["state_dir"]) / "control" / STATUS_DIR_NAME
 
 
 def check_new_pod(record: Mapping[str, Any], manifest: Manifest) -> None:

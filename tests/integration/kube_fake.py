@@ -5,7 +5,8 @@ otherwise); list of any kind, cluster-wide or in a namespace, with `fieldSelecto
 and the list's resourceVersion; watch as chunked JSON lines from a resourceVersion, with BOOKMARK
 events when asked (`allowWatchBookmarks`), and 410 Gone for a version older than the compaction
 point (as an ERROR event, or as the watch response's status with `gone_as_http_status`); GET;
-merge PATCH on `pods/status`; POST of TokenReviews answered from `token_reviews`; for
+merge PATCH on `<kind>/status` (annotations for pods, `status` for every kind, each recorded
+in `status_patches`); POST of TokenReviews answered from `token_reviews`; for
 ConfigMaps also `fieldSelector=metadata.name=`, POST (409 when it exists) and PUT (409 when its
 resourceVersion is not the current one); TokenRequest (POST serviceaccounts/NAME/token) minting
 tokens that are accepted only for the reads `scoped_rights` gives that account (other requests
@@ -100,6 +101,7 @@ class FakeApiServer:
         self.compacted_before = 0  # watches from an older version get 410
         self.gone_as_http_status = False
         self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
+        self.status_patches: list[tuple[str, str, str, dict]] = []  # (kind, namespace, name, patch)
         self.unserved: set[str] = set()  # plurals answered 404, as for a CRD not installed
         self.forbidden_namespaces: set[str] = set()  # writes there are answered 403
         self.requests: list[tuple[str, str, str, bytes]] = []
@@ -306,12 +308,20 @@ class FakeApiServer:
         elif request.method == "PATCH" and rest[2:] == ["status"]:
             patch = json.loads(request.body)
             obj = _copy(self.objects[key])
+            self.status_patches.append((kind, namespace or "", rest[1], patch))
             annotations = obj["metadata"].setdefault("annotations", {})
-            for k, v in patch["metadata"]["annotations"].items():
+            for k, v in patch.get("metadata", {}).get("annotations", {}).items():
                 if v is None:
                     annotations.pop(k, None)
                 else:
                     annotations[k] = v
+            # A status subresource takes only `status` (and pods/status the annotations above);
+            # a merge patch replaces each key of it, lists whole (RFC 7386).
+            for k, v in patch.get("status", {}).items():
+                if v is None:
+                    obj.setdefault("status", {}).pop(k, None)
+                else:
+                    obj.setdefault("status", {})[k] = v
             await self._reply(writer, 200, await self.put(obj))
         else:
             await self._reply(writer, 200, self.objects[key])

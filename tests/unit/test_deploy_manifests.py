@@ -250,9 +250,14 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         for groups, resources, verbs in rules(mesh, "istiod-clusterrole-istio-system")
         if verbs - {"get", "list", "watch"}
     ]
-    # istiod's chart grants these writes (and more); we keep only the two the CA needs
+    # istiod's chart grants these writes (and more); we keep the two the CA needs and the status
+    # subresource of the kinds it reads (patch only: never the objects themselves)
     assert writes == [
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
+        (("security.istio.io",), ("authorizationpolicies/status", "peerauthentications/status"), {"patch"}),
+        (("networking.istio.io",), ("serviceentries/status",), {"patch"}),
+        (("gateway.networking.k8s.io",), ("gateways/status",), {"patch"}),
+        (("",), ("services/status",), {"patch"}),
         (("authentication.k8s.io",), ("tokenreviews",), frozenset({"create"})),
     ]
     # The plugin's own account reads one pod and its namespace; the agent may mint tokens of
