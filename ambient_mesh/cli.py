@@ -340,6 +340,9 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--level", default=None, help="log: [<scope>:]<level>,... to set (trace ... off)")
     p.add_argument("-r", "--reset", action="store_true", help="log: back to info")
     p.set_defaults(func=cmd_ztunnel_config)
+    from .diagnostics.commands import add_parsers as add_diagnostics
+
+    add_diagnostics(sub)
     return parser
 
 

@@ -208,7 +208,7 @@ def ztunnel_condition(policy: AuthorizationPolicy, settings: MeshSettings) -> Co
         if not converted.rules:
             effect = (
                 "Every rule of this ALLOW policy uses them, so ztunnel gets it with no rules: it allows "
-                "nothing, and the workloads it selects refuse every connection no other ALLOW policy allows."
+                "nothing, and the workloads it applies to refuse every connection no other ALLOW policy allows."
             )
         else:
             effect = "ztunnel omits the ALLOW rules that use them (more restrictive than requested)."

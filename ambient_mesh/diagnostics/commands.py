@@ -1,0 +1,70 @@
+"""The diagnostics' sub-commands: `analyze`, `x describe`, `proxy-status`, `explain`.
+
+Only argument parsing and dispatch; the work is in the modules beside this one, imported when a
+command runs (so `ambient --help` stays quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from ..errors import AmbientError
+
+if TYPE_CHECKING:
+    from .view import MeshView
+
+DEFAULT_LAB_STATE_DIR = "/tmp/ambient-lab"
+
+
+def _target_args(p: argparse.ArgumentParser, *, files: bool) -> None:
+    p.add_argument("--lab", action="store_true", help="a running lab (the default without files or --kube)")
+    p.add_argument("--state-dir", default=DEFAULT_LAB_STATE_DIR, help="the lab's (default: %(default)s)")
+    p.add_argument(
+        "--kube", action="store_true", help="a cluster: in-cluster account, --kubeconfig or KUBECONFIG"
+    )
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig for --kube (implies --kube)")
+    if files:
+        p.add_argument("files", nargs="*", metavar="FILE", help="YAML files or directories instead of a mesh")
+
+
+def view_of(args: argparse.Namespace) -> MeshView:
+    from .view import cluster_view, directory_view, lab_view
+
+    files = getattr(args, "files", None) or []
+    kube = args.kube or args.kubeconfig
+    if sum(bool(x) for x in (files, kube, args.lab)) > 1:
+        raise AmbientError("give one of: files, --kube, --lab")
+    if files:
+        return directory_view(files)
+    if kube:
+        import asyncio
+
+        return asyncio.run(cluster_view(args.kubeconfig or ""))
+    return lab_view(args.state_dir)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from .analyze import ERROR, analyze, render
+
+    view = view_of(args)
+    messages = analyze(view, namespace=None if args.all_namespaces else args.namespace)
+    if args.output == "json":
+        sys.stdout.write(json.dumps([m.to_dict() for m in messages], indent=2) + "\n")
+    else:
+        sys.stdout.write(render(messages, view.where))
+    return 1 if any(m.level == ERROR for m in messages) else 0
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="check a mesh's configuration for problems (istioctl analyze's ambient checks, IST codes)",
+    )
+    _target_args(p, files=True)
+    p.add_argument("-n", "--namespace", default=None, help="only this namespace")
+    p.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace (the default)")
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.set_defaults(func=cmd_analyze)
