@@ -163,6 +163,7 @@ def cmd_control(args: argparse.Namespace) -> int:
             trust_domain=args.trust_domain, cluster_id=args.cluster_id, root_namespace=args.root_namespace
         ),
         trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
+        debug_listen=SocketAddr.parse(args.debug_listen) if args.debug_listen else None,
     )
     return _run(run(config))
 
@@ -264,6 +265,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         help="ns/sa list allowed to impersonate (env CA_TRUSTED_NODE_ACCOUNTS)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--debug-listen",
+        default="127.0.0.1:15014",
+        help="istiod's debug endpoint: /debug/connections, /debug/status ('' turns it off; default: %(default)s)",
+    )
     p.set_defaults(func=cmd_control, action=None)
     actions = p.add_subparsers(dest="action")
     t = actions.add_parser("token", help="mint a JWT this control plane accepts (like a projected SA token)")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import grpc
 from cryptography.hazmat.primitives import serialization
 
-from ..errors import ConfigError
+from ..errors import BindError, ConfigError
 from ..host.private import private_dir, write_private
 from ..identity.ca import CertificateAuthority
 from ..identity.grpc_tls import (
@@ -45,6 +45,7 @@ from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
 from .caller_gate import CallerGate
+from .debug import DebugServer, connections_doc, status_doc, sync_state
 from .namespace_controller import NamespaceController
 from .sources import (
     AUTHORIZATION_POLICIES,
@@ -70,7 +71,6 @@ from .translate import AmbientIndex, MeshSettings, Translation
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
-    from rich.table import Table
 
 log = logging.getLogger("ambient_mesh.control")
 
@@ -96,6 +96,8 @@ class ControlPlaneConfig:
     mesh: MeshSettings = field(default_factory=MeshSettings)
     trusted_node_accounts: frozenset[str] = frozenset({"istio-system/ztunnel"})
     poll_interval_s: float = POLL_INTERVAL_S
+    # istiod's debug endpoint (control/debug.py): connected proxies and object status; None: off.
+    debug_listen: SocketAddr | None = None
 
     def __post_init__(self) -> None:
         if (self.directory is None) == (self.kube is None):
@@ -247,6 +249,7 @@ class ControlPlane:
         self.status: StatusMap = {}
         self._status_pending: StatusMap = {}
         self._status_task: asyncio.Task[None] | None = None
+        self.debug: DebugServer | None = None
         # istiod's namespace controller: the root bundle as a ConfigMap in every namespace.
         self.namespace_controller = (
             NamespaceController(self.kube_client, self.ca.root_pem.decode())
@@ -395,6 +398,7 @@ class ControlPlane:
             self.bound["plaintext"] = SocketAddr(self.config.plaintext_listen.ip, port)
             await self.plaintext_server.start()
         await self.server.start()
+        await self._start_debug()
         try:
             self._on_change(await self.source.first())
         except BaseException:
@@ -408,6 +412,22 @@ class ControlPlane:
                 self.namespace_controller.run(), name="namespace controller"
             )
 
+    async def _start_debug(self) -> None:
+        if self.config.debug_listen is None:
+            return
+        debug = DebugServer(
+            self.config.debug_listen,
+            lambda: connections_doc(self.ads.connections(), self.ads.snapshot.version),
+            lambda: status_doc(self.status),
+        )
+        try:
+            await debug.start()
+        except (BindError, OSError) as exc:  # the debug endpoint is optional, serving is not
+            log.warning("debug endpoint not served: %s", exc)
+            return
+        self.debug = debug
+        self.bound["debug"] = debug.bound_address
+
     async def stop(self, grace_s: float = 1.0) -> None:
         for task in (self._watch_task, self._namespace_task, self._status_task):
             if task is not None:
@@ -419,6 +439,8 @@ class ControlPlane:
         for server in (self.server, self.plaintext_server):
             if server is not None:
                 await server.stop(grace_s)
+        if self.debug is not None:
+            await self.debug.stop()
         await self.source.close()
         if self.kube_client is not None:
             await self.kube_client.close()
@@ -459,43 +481,64 @@ def mint_token(
 STATUS_INTERVAL_S = 2.0
 
 
-def status_table(plane: ControlPlane) -> Table:
-    """What each connected proxy has been sent: one row per proxy and type."""
-    from rich.table import Table
+Rows = list[tuple[str, ...]]
 
-    table = Table(title="connected node proxies", title_justify="left")
-    for header in ("NODE", "PROXY", "IDENTITY", "TYPE", "MODE", "SENT", "ACKED", "NACKED", "LAST ERROR"):
-        table.add_column(header)
+
+def status_table(plane: ControlPlane) -> tuple[str, tuple[str, ...], Rows]:
+    """What each connected proxy has been sent: one row per proxy and type."""
+    headers = ("NODE", "PROXY", "IDENTITY", "TYPE", "MODE", "SENT", "ACKED", "NACKED", "SYNC", "LAST ERROR")
+    rows: Rows = []
     for info in plane.ads.connections():
         for t in info.types:
-            table.add_row(
-                info.node_name or "-",
-                info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
-                info.identity or "-",
-                t.type_url.rsplit(".", 1)[-1],
-                t.mode.value,
-                str(t.resources_sent),
-                str(t.resources_acked),
-                str(t.resources_nacked),
-                t.last_error or "",
+            rows.append(
+                (
+                    info.node_name or "-",
+                    info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
+                    info.identity or "-",
+                    t.type_url.rsplit(".", 1)[-1],
+                    t.mode.value,
+                    str(t.resources_sent),
+                    str(t.resources_acked),
+                    str(t.resources_nacked),
+                    sync_state(t),
+                    t.last_error or "",
+                )
             )
-    return table
+    return "connected node proxies", headers, rows
 
 
-def loaded_table(plane: ControlPlane) -> Table:
-    from rich.table import Table
-
-    table = Table(title=f"loaded from {plane.source.location}", title_justify="left")
-    for header in ("RESOURCE", "COUNT"):
-        table.add_column(header)
+def loaded_table(plane: ControlPlane) -> tuple[str, tuple[str, ...], Rows]:
+    rows: Rows = []
     t = plane.translation
     if t is not None:
         workloads = sum(1 for a in t.addresses.values() if a.WhichOneof("type") == "workload")
-        table.add_row("workloads (istio.workload.Address)", str(workloads))
-        table.add_row("services (istio.workload.Address)", str(len(t.addresses) - workloads))
-        table.add_row("authorizations (istio.security.Authorization)", str(len(t.authorizations)))
-    table.add_row("objects skipped with errors", str(len(plane.load_errors)))
-    return table
+        rows.append(("workloads (istio.workload.Address)", str(workloads)))
+        rows.append(("services (istio.workload.Address)", str(len(t.addresses) - workloads)))
+        rows.append(("authorizations (istio.security.Authorization)", str(len(t.authorizations))))
+    rows.append(("objects skipped with errors", str(len(plane.load_errors))))
+    return f"loaded from {plane.source.location}", ("RESOURCE", "COUNT"), rows
+
+
+def print_table(console: Console, title: str, headers: tuple[str, ...], rows: Rows) -> None:
+    """A rich table on a terminal; into a file (a log), plain whole lines: the title, then
+    space-aligned columns, never cut or boxed (the README's promise for every table we print)."""
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for header in headers:
+            table.add_column(header)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    lines = [title] + [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+    console.file.write("\n".join(lines) + "\n")
+    console.file.flush()
 
 
 async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> int:
@@ -511,6 +554,12 @@ async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> 
         f"ambient control: serving xDS and CA on {plane.bound['tls']} (TLS)"
         + (f" and {plane.bound['plaintext']} (plaintext)" if "plaintext" in plane.bound else "")
         + f"; mesh root {config.state_dir / ROOT_CERT_FILE}"
+        + (
+            f"; debug endpoint http://{plane.bound['debug']}/debug/connections"
+            if "debug" in plane.bound
+            else ""
+        ),
+        soft_wrap=True,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -522,8 +571,8 @@ async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> 
             view = (id(plane.translation), tuple((c.conn_id, c.types) for c in plane.ads.connections()))
             if view != shown:
                 shown = view
-                console.print(loaded_table(plane))
-                console.print(status_table(plane))
+                print_table(console, *loaded_table(plane))
+                print_table(console, *status_table(plane))
             try:
                 await asyncio.wait_for(stop.wait(), STATUS_INTERVAL_S)
             except TimeoutError:

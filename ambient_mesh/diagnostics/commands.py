@@ -58,6 +58,40 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 1 if any(m.level == ERROR for m in messages) else 0
 
 
+def cmd_describe(args: argparse.Namespace) -> int:
+    from .describe import describe_pod, describe_service, split_name
+    from .mesh_state import proxy_state, translation_of
+
+    view = view_of(args)
+    state = proxy_state(translation_of(view))
+    namespace, name = split_name(args.name, args.namespace)
+    describe = describe_pod if args.kind in ("pod", "pods", "po") else describe_service
+    sys.stdout.write("".join(line + "\n" for line in describe(view, state, namespace, name)))
+    return 0
+
+
+def cmd_proxy_status(args: argparse.Namespace) -> int:
+    from ..ztunnel_config import render_tables
+    from .proxy_status import address_fetch, fetch_connections, lab_fetch, proxy_status_table
+    from .view import read_lab_record
+
+    if args.control:
+        fetch, where = address_fetch(args.control), args.control
+    else:
+        record = read_lab_record(args.state_dir)
+        fetch, where = lab_fetch(record), f"lab {args.state_dir} control plane"
+    doc = fetch_connections(fetch, where)
+    if args.output == "json":
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    table = proxy_status_table(doc, where)
+    if not table.rows:
+        print(f"no node proxy is connected to {where}")
+        return 0
+    render_tables([table], sys.stdout)
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "analyze",
@@ -68,3 +102,29 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace (the default)")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("x", help="experimental commands, as istioctl x: describe")
+    xs = p.add_subparsers(dest="x_command", required=True, metavar="COMMAND")
+    d = xs.add_parser(
+        "describe",
+        help="a pod or service as the mesh sees it: identity, capture, waypoint, policies and why",
+    )
+    d.add_argument("kind", choices=["pod", "pods", "po", "service", "services", "svc"])
+    d.add_argument("name", help="NAME, NAMESPACE/NAME or NAME.NAMESPACE")
+    d.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
+    _target_args(d, files=False)
+    d.add_argument(
+        "-f", "--file", dest="files", action="append", default=None, help="YAML files instead of a mesh"
+    )
+    d.set_defaults(func=cmd_describe)
+    p = sub.add_parser(
+        "proxy-status",
+        aliases=["ps"],
+        help="every node proxy connected to the control plane: what it was sent, ACKed or NACKed, in sync",
+    )
+    p.add_argument("--state-dir", default=DEFAULT_LAB_STATE_DIR, help="the lab's (default: %(default)s)")
+    p.add_argument(
+        "--control", default=None, help="the control plane's debug address (a port-forward to its 15014)"
+    )
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.set_defaults(func=cmd_proxy_status)
