@@ -92,6 +92,50 @@ def cmd_proxy_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain
+    from .mesh_state import proxy_state, translation_of
+
+    if args.dump:
+        from ..kube.objects import KubeStore
+        from ..ztunnel_config import read_dump_file
+        from .mesh_state import dump_state
+        from .view import MeshView
+
+        view = MeshView(where=f"config dump {args.dump}", store=KubeStore(()), dump=True)
+        state = dump_state(read_dump_file(args.dump), args.dump)
+    else:
+        view = view_of(args)
+        state = proxy_state(translation_of(view))
+    answer = explain(view, state, args.source, args.destination, namespace=args.namespace, port=args.port)
+    lines = answer.lines()
+    if args.live:
+        from .live import live_lines
+
+        lines += live_lines(
+            view, state, answer, args.source, args.destination, namespace=args.namespace, port=args.port
+        )
+    if args.output == "json":
+        doc = {
+            "source": answer.source,
+            "destination": answer.destination,
+            "verdict": answer.verdict,
+            "reason": answer.reason,
+            "policy": answer.policy,
+            "rule": answer.rule,
+            "route": answer.route.value if answer.route else None,
+            "waypoint": answer.waypoint,
+            "hops": [
+                {"step": h.step, "where": h.where, "decision": h.decision, "details": list(h.details)}
+                for h in answer.hops
+            ],
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        sys.stdout.write("".join(line + "\n" for line in lines))
+    return 0
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "analyze",
@@ -128,3 +172,34 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     p.set_defaults(func=cmd_proxy_status)
+    p = sub.add_parser(
+        "explain",
+        help="why a connection is allowed, denied, not captured or sent to a waypoint, hop by hop",
+    )
+    p.add_argument("source", metavar="SRC", help="a pod (NS/NAME or NAME.NS) or an IP address")
+    p.add_argument(
+        "destination", metavar="DST", help="a pod or service (NS/NAME[:PORT], NAME.NS[:PORT]) or ADDRESS:PORT"
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help="the destination port (default: the service's first)"
+    )
+    p.add_argument(
+        "-n", "--namespace", default="default", help="for names without one (default: %(default)s)"
+    )
+    _target_args(p, files=False)
+    p.add_argument(
+        "-f", "--file", dest="files", action="append", default=None, help="YAML files instead of a mesh"
+    )
+    p.add_argument(
+        "--dump",
+        default=None,
+        metavar="FILE",
+        help="a node proxy's saved /config_dump (as `ambient zc --file`)",
+    )
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="in a lab: the node proxies' own config dumps, and the counters a test connection moves",
+    )
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.set_defaults(func=cmd_explain)

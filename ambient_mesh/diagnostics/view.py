@@ -25,6 +25,8 @@ class MeshView:
     errors: tuple[LoadError, ...] = ()
     # A lab's layout (lab.json): node proxies' admin addresses and network namespaces.
     lab: dict[str, Any] | None = None
+    # A node proxy's saved /config_dump: its state only, no objects (explain --dump).
+    dump: bool = False
 
     @property
     def status(self) -> StatusMap:
