@@ -64,11 +64,21 @@ def _dump_check(state_dir: str, node: str, uid: str | None, policies: list[str])
     if uid is not None:
         lines.append(f"  destination workload {uid}: {'held' if uid in uids else 'MISSING'}")
     missing = [p for p in policies if p not in names]
-    lines.append(
-        f"  the {len(policies)} policies evaluated above: "
-        + ("all held" if not missing else f"MISSING {', '.join(missing)}")
-    )
+    if policies:
+        held_text = "all held" if not missing else f"MISSING {', '.join(missing)}"
+        lines.append(f"  the {len(policies)} policies evaluated above: {held_text}")
     return lines
+
+
+# The labels that say what happened to a connection; the rest of Istio's 30 are left out.
+SHOWN_LABELS = ("reporter", "response_flags", "source_principal", "destination_principal")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def short_sample(name: str) -> str:
+    metric, _, labels = name.partition("{")
+    kept = [f'{k}="{v}"' for k, v in _LABEL.findall(labels) if k in SHOWN_LABELS]
+    return f"{metric}{{{','.join(kept)}}}" if kept else metric
 
 
 def live_lines(
@@ -112,12 +122,21 @@ def live_lines(
     outcome = _test_connection(pod["netns"], target)
     after = {n: _counters(record["nodes"][n]["netns"]) for n in nodes}
     out.append(f"  test connection from {pod['namespace']}/{pod['name']} to {target}: {outcome}")
+    denied_at_destination = False
     for n in nodes:
         moved = [
             (k, after[n][k] - before[n].get(k, 0.0))
             for k in sorted(after[n])
-            if after[n][k] != before[n].get(k, 0.0)
+            if after[n][k] != before[n].get(k, 0.0) and k.startswith("istio_")
         ]
-        out.append(f"  {n}: {len(moved)} counters moved")
-        out.extend(f"    +{delta:g} {name}" for name, delta in moved)
+        out.append(f"  {n}: {len(moved)} istio counters moved")
+        out.extend(f"    +{delta:g} {short_sample(name)}" for name, delta in moved)
+        if n == dst_node:
+            denied_at_destination = any('response_flags="DENY"' in name for name, _ in moved)
+    if dst_node is not None and answer.verdict in ("ALLOWED", "DENIED"):
+        agrees = denied_at_destination == (answer.verdict == "DENIED")
+        out.append(
+            f"  the destination's counters {'agree' if agrees else 'DISAGREE'}: "
+            f"{'a DENY was' if denied_at_destination else 'no DENY was'} recorded on {dst_node}"
+        )
     return out
