@@ -62,7 +62,7 @@ from .translate.authorization import (
 from .translate.common import MeshSettings
 from .translate.context import Context, ServiceIndex
 from .translate.policies import PolicyIndex
-from .translate.waypoints import build_waypoints, waypoint_for_service
+from .translate.waypoints import _allows, _use_waypoint, build_waypoints, waypoint_for_service
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,9 @@ class _Binding:
 
 
 def _waypoint_of(ctx: Context, meta: ObjectMeta, what: str) -> tuple[str | None, str, str]:
-    """(waypoint resource name or None, reason, message) for a Service or ServiceEntry."""
+    """(waypoint resource name or None, reason, message) for a Service or ServiceEntry: the
+    translation's own answer (`waypoint_for_service`), and when it is none, which of its
+    conditions failed."""
     ctx.notes = []
     wp = waypoint_for_service(ctx, meta, what)
     if wp is not None:
@@ -247,19 +249,21 @@ def _waypoint_of(ctx: Context, meta: ObjectMeta, what: str) -> tuple[str | None,
             REASON_WAYPOINT_ACCEPTED,
             f"Successfully attached to waypoint {wp.resource_name}",
         )
-    note = ctx.notes[0] if ctx.notes else ""
-    detail = note.split(": ", 1)[1] if note else ""
-    if "does not allow" in detail:
-        return None, REASON_NOT_ALLOWED, detail
-    if "does not accept" in detail:
-        return None, REASON_TRAFFIC_TYPE, detail
-    if "not ready" in detail:
+    key, opted_out = _use_waypoint(meta.labels, meta.namespace)
+    if key is None and not opted_out:
+        key, _ = _use_waypoint(ctx.namespace_labels(meta.namespace), meta.namespace)
+    if key is None:
+        return None, "", ""  # opted out, or a waypoint's own service
+    found = ctx.waypoints.get(key)
+    if found is None:
+        return None, REASON_WAYPOINT_NOT_FOUND, f"waypoint {key} does not exist or has no address yet"
+    if not _allows(ctx, found, meta.namespace):
+        return None, REASON_NOT_ALLOWED, f"waypoint {key} does not allow attachment from {meta.namespace}"
+    if found.traffic_type not in ("service", "all"):
         return (
             None,
-            REASON_WAYPOINT_NOT_FOUND,
-            detail.replace(
-                "is not ready (no Gateway with an address)", "does not exist or has no address yet"
-            ),
+            REASON_TRAFFIC_TYPE,
+            f"waypoint {key} is for {found.traffic_type} traffic, not service traffic",
         )
     return None, "", ""
 

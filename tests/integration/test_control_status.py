@@ -157,3 +157,28 @@ async def test_directory_source_writes_status_files_beside_the_state(tmp_path: P
                 await plane.wait_status()
     finally:
         await plane.stop()
+
+
+async def test_analyze_and_explain_read_a_cluster(api, tmp_path: Path):
+    """`ambient analyze --kube` and `explain --kube`: the objects listed from the API server."""
+    from ambient_mesh.diagnostics.analyze import analyze
+    from ambient_mesh.diagnostics.view import cluster_view
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "users": [{"name": "u", "user": {"token": TOKEN}}],
+                "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    view = await cluster_view(str(kubeconfig))
+    assert view.where == api.url
+    found = {(m.code, m.resource) for m in analyze(view)}
+    assert ("IST0171", "AuthorizationPolicy custom.shop") in found  # ZtunnelAccepted=False
+    assert ("AMB0103", "AuthorizationPolicy get-only.shop") in found

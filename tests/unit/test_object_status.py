@@ -258,3 +258,40 @@ def test_lab_apply_warns_and_get_shows_status(tmp_path: Path):
     (cond,) = doc["status"]["conditions"]
     assert cond["type"] == "ZtunnelAccepted" and cond["reason"] == "UnsupportedValue"
     assert yaml.safe_dump(doc).count("lastTransitionTime: '2026-01-01T00:00:00Z'") == 1
+
+
+def test_waypoint_bound_reasons_when_the_waypoint_refuses():
+    text = """
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: wl-only, namespace: demo, labels: {istio.io/waypoint-for: workload}}
+spec: {gatewayClassName: istio-waypoint, listeners: [{name: mesh, port: 15008, protocol: HBONE}]}
+status: {addresses: [{type: IPAddress, value: 10.0.0.9}]}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: private, namespace: infra}
+spec: {gatewayClassName: istio-waypoint, listeners: [{name: mesh, port: 15008, protocol: HBONE}]}
+status: {addresses: [{type: IPAddress, value: 10.0.0.10}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: typed, namespace: demo, labels: {istio.io/use-waypoint: wl-only}}
+spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: far
+  namespace: demo
+  labels: {istio.io/use-waypoint: private, istio.io/use-waypoint-namespace: infra}
+spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}
+"""
+    st = status_of(text)
+    typed = one(st, "Service", "typed")
+    assert (typed.status, typed.reason) == (
+        False,
+        "TrafficTypeMismatch",
+    ) and "workload traffic" in typed.message
+    far = one(st, "Service", "far")
+    assert (far.status, far.reason) == (False, "NotAllowed") and "infra/private" in far.message
