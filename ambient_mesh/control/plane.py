@@ -58,6 +58,7 @@ from .sources import (
     SourceChange,
 )
 from .status import (
+    STATUS_INPUT_KINDS,
     DirectoryStatusWriter,
     KubeStatusWriter,
     StatusMap,
@@ -318,7 +319,9 @@ class ControlPlane:
             log.info("note: %s", note)
         self._notes_logged = notes
         self._translation = None
-        self._queue_status(compute_status(store, self.config.mesh))
+        # No condition depends on pods (most of the churn): recomputed only when what it reads changed.
+        if not self.loaded.is_set() or any(kind in STATUS_INPUT_KINDS for kind, _, _ in delta.objects):
+            self._queue_status(compute_status(store, self.config.mesh))
         queued = self.ads.apply(
             addresses=delta.addresses,
             removed_addresses=delta.removed_addresses,

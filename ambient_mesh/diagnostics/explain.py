@@ -37,6 +37,7 @@ from ..rbac import (
     ServiceAccountMatch,
     StringMatch,
     StringMatchKind,
+    reference,
 )
 from ..rbac.reference import match_holds
 from ..state.model import Service, TunnelProtocol, Workload
@@ -374,6 +375,13 @@ def _inbound(
     decision = state.policies.check(dst, conn)  # the node proxy's own call
     walk = walk_policies(view, applied, conn, decision)
     lines = [_conn_text(conn), *walk.lines] if applied else [_conn_text(conn), "no policy applies"]
+    # The rule walk above is the reference semantics; the decision is the proxy's fast path. They
+    # are held equal by property tests; should they ever differ here, say so rather than pick one.
+    plain = reference.evaluate([a.policy for a in applied], conn)
+    if (plain.allowed, plain.policy) != (decision.allowed, decision.policy):
+        lines.append(
+            f"DISAGREEMENT: the reference evaluation says {plain}; the node proxy's check says {decision}"
+        )
     authz = Hop(
         step="authorization",
         where=where,
