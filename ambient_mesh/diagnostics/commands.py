@@ -16,7 +16,7 @@ from ..errors import AmbientError
 if TYPE_CHECKING:
     from .view import MeshView
 
-DEFAULT_LAB_STATE_DIR = "/tmp/ambient-lab"
+DEFAULT_LAB_STATE_DIR = "/run/ambient-lab"  # lab.lab.DEFAULT_STATE_DIR (not imported: --help stays quick)
 
 
 def _target_args(p: argparse.ArgumentParser, *, files: bool) -> None:

@@ -53,3 +53,10 @@ def test_cli_exit_code_and_json(capsys):
     assert (
         found["name"] == "NoMatchingWorkloadsFound" and found["resource"] == "AuthorizationPolicy nobody.demo"
     )
+
+
+def test_the_diagnostics_look_for_the_lab_where_it_runs():
+    from ambient_mesh.diagnostics.commands import DEFAULT_LAB_STATE_DIR
+    from ambient_mesh.lab.lab import DEFAULT_STATE_DIR
+
+    assert DEFAULT_LAB_STATE_DIR == DEFAULT_STATE_DIR
