@@ -250,7 +250,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--listen", default=f"[::]:{XDS_CA_PORT}", help="TLS address for xDS and CA (default: %(default)s)"
     )
-    p.add_argument("--plaintext-listen", default=None, help="optional plaintext address (istiod's 15010)")
+    p.add_argument(
+        "--plaintext-listen",
+        default=None,
+        help="optional plaintext address for xDS only, no CA (istiod's 15010)",
+    )
     p.add_argument(
         "--root-ca-dir",
         default=os.environ.get("ROOT_CA_DIR"),

@@ -13,10 +13,15 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest
 
+from ambient_mesh.control.ads import AdsServer
 from ambient_mesh.control.caller_gate import MAX_RECEIVE_MESSAGE_BYTES
 from ambient_mesh.control.plane import ControlPlane, ControlPlaneConfig, build, mint_token
+from ambient_mesh.identity.grpc_tls import channel_options
 from ambient_mesh.net import SocketAddr
+from ambient_mesh.wire import ADDRESS_TYPE_URL
 from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
+from ambient_mesh.wire.istio.workload import workload_pb2
+from tests.integration.test_ads_server import Proxy, ads_server, node
 from tests.weak_keys import csr_pem
 
 SEND_ANY = [("grpc.max_send_message_length", -1), ("grpc.ssl_target_name_override", "localhost")]
@@ -121,3 +126,23 @@ async def test_the_plaintext_port_serves_xds_but_not_the_ca(plane: ControlPlane)
         response = await call.read()
         assert response.type_url == "type.googleapis.com/istio.workload.Address"
         call.cancel()
+
+
+async def test_a_push_larger_than_the_receive_limit_still_reaches_a_node_proxy():
+    """Only what the control plane receives is capped: a big mesh's push (here one 6 MiB
+    resource) still goes out, and the node proxy's channel (grpc_tls.channel_options) takes it."""
+    big = workload_pb2.Address(
+        workload=workload_pb2.Workload(uid="Kubernetes//Pod/default/big", name="big", namespace="default")
+    )
+    big.workload.canonical_name = "x" * (6 * 1024 * 1024)
+    ads = AdsServer()
+    ads.update({"Kubernetes//Pod/default/big": big}, {})
+    async with ads_server(ads) as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as ch:
+            proxy = Proxy(ch)
+            proxy.send(type_url=ADDRESS_TYPE_URL, node=node("ztunnel-a"))
+            response = await proxy.recv()
+            assert response.ByteSize() > MAX_RECEIVE_MESSAGE_BYTES
+            assert [r.name for r in response.resources] == ["Kubernetes//Pod/default/big"]
+            proxy.requests.put_nowait(None)
+            proxy.call.cancel()
