@@ -1,8 +1,9 @@
 """`ambient cni-agent`: the CNI node agent (istio-cni's `install-cni` with the ambient node agent).
 
-Counterparts: istio-cni's cni/pkg/cmd/root.go (the program), cni/pkg/install (installer and
-its readiness), cni/pkg/nodeagent/server.go (the ambient agent: informers, plugin server, ZDS
-server, start and stop), cni/pkg/monitoring; reference/istio-cni.md 0, 5.5, 5.7, 7.
+Counterparts: istio-cni's cni/pkg/cmd/root.go (the program), cni/pkg/install (installer and its
+readiness), cni/pkg/nodeagent/server.go (the ambient agent: informers, plugin server, ZDS server, start
+and stop), cni/pkg/monitoring; docs/istio-behaviour.md, "Node agent start and shutdown" and
+"Node agent health and metrics".
 
 Start-up, in order:
   1. health server (`/healthz` 200 always; `/readyz` 200 only once the plugin is installed AND
@@ -13,11 +14,12 @@ Start-up, in order:
      queue running; every pod evaluated once;
   3. plugin installed (executable + chained entry) and watched for drift.
 
-Shutdown (SIGTERM/SIGINT, 5.7): unless AMBIENT_DISABLE_SAFE_UPGRADE, ask the pod source whether
-the agent's DaemonSet still exists. If so this is an upgrade (or a reboot): the plugin, the host
-rule and the probe set stay, so new ambient pods fail closed until the next agent is ready, and
-running pods keep their rules and node proxy. Otherwise everything installed is removed. In both
-cases in-pod rules and enrollment marks stay: enrolled pods keep working without the agent.
+Shutdown (SIGTERM/SIGINT; docs/istio-behaviour.md, "Node agent start and shutdown"): unless
+AMBIENT_DISABLE_SAFE_UPGRADE, ask the pod source whether the agent's DaemonSet still exists. If so this is
+an upgrade (or a reboot): the plugin, the host rule and the probe set stay, so new ambient pods fail
+closed until the next agent is ready, and running pods keep their rules and node proxy. Otherwise
+everything installed is removed. In both cases in-pod rules and enrollment marks stay: enrolled pods keep
+working without the agent.
 
 Run with `python -m ambient_mesh.cni.agent [--flag=value ...]`; settings are the environment
 variables of agent_config.py.
@@ -87,8 +89,9 @@ INSTALL_RESULTS = (
 
 
 class AgentMetrics:
-    """istio-cni's metrics (reference 7), in a registry of our own. Served without
-    prometheus-client's `_created` series, which istio-cni (Go's client) does not export."""
+    """istio-cni's metrics (docs/istio-behaviour.md, "Node agent health and metrics"), in a registry of
+    our own. Served without prometheus-client's `_created` series, which istio-cni (Go's client) does not
+    export."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

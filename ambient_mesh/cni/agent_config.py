@@ -1,7 +1,7 @@
 """The node agent's configuration: environment variables (and flags) -> one frozen `AgentConfig`.
 
 Counterpart of istio-cni's cni/pkg/config (InstallConfig) and cni/pkg/cmd/root.go, facts from
-reference/istio-cni.md sections 1.2-1.6. As with istio-cni's cobra+viper setup, every setting is
+docs/istio-behaviour.md, "Node agent configuration". As with istio-cni's cobra+viper setup, every setting is
 an environment variable, and a flag `--kebab-case-name=value` sets the variable of the same name
 upper-cased with `-` -> `_` (flags win over the environment).
 
@@ -137,7 +137,8 @@ def parse_enablement_selector_env(
 class AgentConfig:
     """Everything the node agent needs, resolved once at start and passed down."""
 
-    # installation (reference 1.2, 2.6)
+    # installation (docs/istio-behaviour.md, "Node agent configuration" and
+    # "CNI config and kubeconfig installation")
     mounted_cni_net_dir: Path = Path(DEFAULT_MOUNTED_CNI_NET_DIR)
     cni_bin_dir: Path = Path(DEFAULT_CNI_BIN_DIR)
     cni_agent_run_dir: Path = Path(DEFAULT_CNI_AGENT_RUN_DIR)

@@ -1,7 +1,7 @@
 """The node agent's end of the CNI plugin: HTTP/1.1 over unix sockets in the run dir.
 
 Counterpart of istio-cni's CNIPluginServer (cni/pkg/nodeagent/cni-watcher.go) and its UDS log
-server (cni/pkg/log/uds.go); facts from reference/istio-cni.md 2.1 and 2.5.
+server (cni/pkg/log/uds.go); facts from docs/istio-behaviour.md, "CNI plugin".
 
 - `<run dir>/pluginevent.sock`, `POST /cmdadd`: the plugin's add event (Go-shaped JSON, decoded
   by cniconf.decode_add_event). 400 when the body is not an event; 500 with the reason when the

@@ -1,9 +1,10 @@
 """The node agent's mesh data plane: put a pod into the ambient mesh and take it out again.
 
 Counterparts: istio-cni's meshDataplane (cni/pkg/nodeagent/meshdataplane_linux.go), its netServer
-(net_linux.go) and the pod cache (pod_cache.go); reference/istio-cni.md 5.2, 5.4, 5.5, 5.8.
+(net_linux.go) and the pod cache (pod_cache.go); docs/istio-behaviour.md, "Node agent pod lifecycle" and
+"Node agent start and shutdown".
 
-AddPodToMesh, in istio-cni's order (5.2):
+AddPodToMesh, in istio-cni's order:
   1. open the pod's netns (the CNI event's path, the cached handle, or a /proc scan) and cache it;
   2. install the in-pod redirection rules inside it (idempotent: leftovers are reconciled);
   3. hand the netns to the node proxy over ZDS and wait for its ack;
@@ -13,7 +14,7 @@ A failure in 1-2 is not retryable: the pod is dropped from the cache and nothing
 failure in 3 is retryable and marks the pod `pending` (rules stay: the pod is captured but not
 yet proxied, so it has no traffic rather than unmeshed traffic). 4-5 failures are retryable.
 
-RemovePodFromMesh (5.4): probe-set entries first (only those carrying the pod's UID), then the
+RemovePodFromMesh: probe-set entries first (only those carrying the pod's UID), then the
 in-pod rules, then `del` to every node proxy, then the mark. For a deleted pod istio-cni skips
 the rules (the netns is going away); we still remove them, best effort, because we hold the
 netns open and a sandbox that outlives its pod object must not keep redirecting to nothing.

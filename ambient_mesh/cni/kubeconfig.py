@@ -1,10 +1,10 @@
 """The kubeconfig the node agent writes for the CNI plugin, and when it rewrites it.
 
-Counterpart of istio-cni's cni/pkg/install/kubeconfig.go (reference/istio-cni.md 2.6). The plugin
-is run by the container runtime on the host, outside any pod, so it has no service-account token
-of its own: the agent renders one kubeconfig from its own token, the cluster CA and the API
-server address, into `<CNI_AGENT_RUN_DIR>/istio-cni-kubeconfig` (mode KUBECONFIG_MODE, 0600 by
-default). The plugin reads it on every ADD (podinfo.KubeApiPodLookup).
+Counterpart of istio-cni's cni/pkg/install/kubeconfig.go (docs/istio-behaviour.md,
+"CNI config and kubeconfig installation"). The plugin is run by the container runtime on the host, outside any
+pod, so it has no service-account token of its own: the agent renders one kubeconfig from its own token, the
+cluster CA and the API server address, into `<CNI_AGENT_RUN_DIR>/istio-cni-kubeconfig` (mode KUBECONFIG_MODE,
+0600 by default). The plugin reads it on every ADD (podinfo.KubeApiPodLookup).
 
 Same content as istio-cni's: a v1 `Config` with cluster `local` (server
 `<KUBERNETES_SERVICE_PROTOCOL>://<HOST>:<PORT>`, `certificate-authority-data` from KUBE_CA_FILE or

@@ -1,11 +1,11 @@
 """The CNI plugin's own API credential: a short-lived token the node agent requests for it.
 
-Counterpart: none in istio-cni, whose agent copies its own service-account token into the
-plugin's kubeconfig (reference/istio-cni.md 2.6). With bound service-account tokens (Kubernetes
-1.21+, or 1.20 with BoundServiceAccountTokenVolume) that token is bound to the agent's pod: when
-the pod is deleted, as in every agent upgrade, the API server refuses it after a few seconds,
-and until the new agent writes a new kubeconfig every pod on the node stays Pending, pods
-outside the mesh included, because the plugin cannot read them and fails closed.
+Counterpart: none in istio-cni, whose agent copies its own service-account token into the plugin's kubeconfig
+(docs/istio-behaviour.md, "CNI config and kubeconfig installation"). With bound service-account tokens
+(Kubernetes 1.21+, or 1.20 with BoundServiceAccountTokenVolume) that token is bound to the agent's pod: when
+the pod is deleted, as in every agent upgrade, the API server refuses it after a few seconds, and until the
+new agent writes a new kubeconfig every pod on the node stays Pending, pods outside the mesh included, because
+the plugin cannot read them and fails closed.
 
 So the agent asks the API server for a token of a narrower service account (`istio-cni-plugin`
 by default, allowed only to get pods and namespaces) with a TokenRequest that is not bound to

@@ -2,7 +2,7 @@
 
 Counterpart of istio-cni's informers (cni/pkg/nodeagent/informers.go: a Pod informer filtered by
 `spec.nodeName`, a Namespace informer) and of its annotation patches (`ambient.istio.io/redirection`
-on the `pods/status` subresource, reference/istio-cni.md 5.2-5.4).
+on the `pods/status` subresource, docs/istio-behaviour.md, "Node agent pod lifecycle").
 
 `PodSource` is the one small interface; two implementations:
 
