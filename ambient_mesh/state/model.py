@@ -1,7 +1,7 @@
 """Workloads and services as the node proxy holds them.
 
 Counterparts: ztunnel src/state/workload.rs and src/state/service.rs; the wire form is
-`istio.workload.Address` (spec/wire-protocols.md section 2). These are frozen, typed values:
+`istio.workload.Address` (docs/istio-behaviour.md, "Workloads and services"). These are frozen, typed values:
 the xDS and local-config converters build them, the store indexes them, the proxy reads them.
 """
 

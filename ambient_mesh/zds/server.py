@@ -1,8 +1,8 @@
 """The node agent's side of ZDS: hand pods (and their network namespaces) to the node proxies.
 
 Counterpart: istio-cni cni/pkg/nodeagent/ztunnelserver.go (`ztunnelServer`: listen, accept,
-`handleConn`, `sendSnapshot`, `PodAdded`, `PodDeleted`, `connMgr`). Facts: spec/wire-protocols.md
-section 6, reference/istio-cni.md 4.1-4.4. Only root may connect (SO_PEERCRED, checked at accept),
+`handleConn`, `sendSnapshot`, `PodAdded`, `PodDeleted`, `connMgr`). Facts: docs/istio-behaviour.md,
+"ZDS". Only root may connect (SO_PEERCRED, checked at accept),
 through a 0600 socket in a directory only root can write: a connection receives network
 namespaces.
 
