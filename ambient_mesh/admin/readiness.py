@@ -1,6 +1,7 @@
 """Readiness (15021): the start-up tasks still pending and `/healthz/ready`.
 
-Counterparts: ztunnel src/readiness.rs and src/readiness/server.rs (reference/ztunnel.md 8.1).
+Counterparts: ztunnel src/readiness.rs and src/readiness/server.rs (docs/istio-behaviour.md,
+"Admin and readiness").
 """
 
 from __future__ import annotations

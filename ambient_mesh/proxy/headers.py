@@ -1,8 +1,8 @@
 """Headers on HBONE CONNECT requests and responses: baggage, traceparent, forwarded.
 
 Counterparts: ztunnel src/baggage.rs (baggage), src/proxy/outbound.rs (request headers),
-src/proxy/inbound.rs (response baggage, reading forwarded). Formats: spec/wire-protocols.md
-sections 7, 8.2 and 8.3; W3C Trace Context for `traceparent`; RFC 7239 for `forwarded`.
+src/proxy/inbound.rs (response baggage, reading forwarded). Formats: docs/istio-behaviour.md,
+"HBONE" and "Headers"; W3C Trace Context for `traceparent`; RFC 7239 for `forwarded`.
 The parsers read what a peer sent, so they never raise: bad input gives empty values or None.
 """
 

@@ -1,9 +1,9 @@
 """Inbound: HBONE on 15008 and plaintext capture on 15006.
 
-Counterparts: ztunnel src/proxy/inbound.rs and inbound_passthrough.rs (reference/ztunnel.md
-3.2, 3.3). The HBONE server presents the certificate of the destination workload (chosen by
-the address the connection arrived on), requires a client certificate from our trust domain,
-then checks each CONNECT stream and answers 200 / 400 / 401 / 503 as ztunnel does.
+Counterparts: ztunnel src/proxy/inbound.rs and inbound_passthrough.rs (docs/istio-behaviour.md,
+"Inbound HBONE (15008)" and "Inbound passthrough (15006)"). The HBONE server presents the certificate of the
+destination workload (chosen by the address the connection arrived on), requires a client certificate from our
+trust domain, then checks each CONNECT stream and answers 200 / 400 / 401 / 503 as ztunnel does.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class InboundTarget:
     address: SocketAddr
     service: Service | None
     # What the client asked for (:authority as an address): the PROXY header's destination for
-    # application tunnels; a hostname authority maps to a VIP of the service (reference 8.1).
+    # application tunnels; a hostname authority maps to a VIP of the service
+    # (docs/istio-behaviour.md, "PROXY protocol and application tunnels").
     authority_target: SocketAddr | None = None
 
 
@@ -244,8 +245,9 @@ class InboundProxy:
         workload: Workload,
         forwarded_host: str | None = None,
     ) -> InboundTarget | InboundRefusal:
-        """The checks of reference 3.2, steps 1-6, as a pure decision. `forwarded_host`: the
-        `host=` of the request's `forwarded` header (`hbone_headers.parse_forwarded_host`)."""
+        """The checks of docs/istio-behaviour.md, "Inbound HBONE (15008)", steps 1-6, as a pure decision.
+        `forwarded_host`: the `host=` of the request's `forwarded` header
+        (`hbone_headers.parse_forwarded_host`)."""
         if request is None or request.method != "CONNECT":
             return InboundRefusal(
                 status=400, reason=f"method {request.method if request else '?'} is not CONNECT"
@@ -446,7 +448,8 @@ class InboundProxy:
         target: InboundTarget,
         authority: str,
     ) -> Admitted | InboundRefusal:
-        """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
+        """Steps 7-8 of docs/istio-behaviour.md, "Inbound HBONE (15008)": authorize, then connect to the app.
+        Failures are recorded."""
         admitting = self._start_admit(
             peer=peer,
             src_id=src_id,
@@ -493,7 +496,7 @@ class InboundProxy:
             mtls=True,
         )
         # Authorization sees the peer's address, its certificate identity and the real target
-        # (never 15008), reference 3.2 step 7.
+        # (never 15008), docs/istio-behaviour.md, "Inbound HBONE (15008)" step 7.
         rbac_conn = RbacConnection(
             src_identity=src_id,
             src_ip=peer.ip,
@@ -579,9 +582,9 @@ class InboundProxy:
     ) -> tuple[SocketAddr, IPAddress | None, bytes | None]:
         """Where the app gets the connection, from which source, and the PROXY header if any.
 
-        Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another
-        port, and with protocol PROXY get a PROXY v2 header naming the real client and target,
-        delivered over loopback unless LOCALHOST_APP_TUNNEL=false (reference 3.7).
+        Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another port, and with
+        protocol PROXY get a PROXY v2 header naming the real client and target, delivered over loopback unless
+        LOCALHOST_APP_TUNNEL=false (docs/istio-behaviour.md, "PROXY protocol and application tunnels").
         """
         address = target.address
         connect_from: IPAddress | None = peer.ip

@@ -1,9 +1,9 @@
 """The outbound decision: where a connection captured on 15001 should go, and how.
 
 Counterpart: ztunnel src/proxy/outbound.rs (`build_request`, `fetch_upstream`,
-`fetch_waypoint`), behaviour from reference/ztunnel.md section 3.1. A pure function over the
+`fetch_waypoint`), behaviour from docs/istio-behaviour.md, "Outbound (15001)". A pure function over the
 `StateReader`: it returns a `Route` plan (or a `RouteRefused` value) and the outbound shell
-carries it out. Multi-network routing (double HBONE through an east-west gateway, 3.4) and
+carries it out. Multi-network routing (double HBONE through an east-west gateway) and
 hostname-only workloads (resolved by DNS on demand) are refused with a reason for now.
 """
 
@@ -183,7 +183,7 @@ def _self_call(
     0.0.0.0 and :: name no host: connect() takes them as "this host", so on any port they reach
     the proxy's own network namespace (0.0.0.0:15008 reached our own HBONE listener). On one of
     the proxy's listener ports, loopback, the workload's own addresses and the listeners' bound
-    addresses reach the proxy too (reference 1.1, illegal_ports).
+    addresses reach the proxy too (docs/istio-behaviour.md, "Ports", illegal_ports).
     """
     ip = target.ip
     if ip.is_unspecified:
@@ -314,8 +314,8 @@ def _is_source_the_waypoint(state: StateReader, source: Workload, gateway: Gatew
 
 
 def _select_ip(workload: Workload, requested: IPAddress, service: Service | None) -> IPAddress | None:
-    """The original IP if it is the workload's own; else one the service's families allow,
-    preferring the family of the original request (reference 3.1)."""
+    """The original IP if it is the workload's own; else one the service's families allow, preferring the
+    family of the original request (docs/istio-behaviour.md, "Outbound (15001)")."""
     if requested in workload.workload_ips:
         return requested
     families = {4, 6}

@@ -2,7 +2,7 @@
 
 Counterparts: ztunnel src/state/policy.rs (`PolicyStore`, the by-namespace index) and the
 selection in `assert_rbac` (src/state.rs): the destination namespace's policies, the global ones,
-then the workload's own list (reference/ztunnel.md 5.2).
+then the workload's own list (docs/istio-behaviour.md, "Authorization").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .model import REASON_NO_ALLOW_POLICIES, Authorization, Decision, RbacConnec
 
 log = logging.getLogger(__name__)
 
-# -- which policies apply (reference 5.2) -----------------------------------------------------------
+# -- which policies apply (docs/istio-behaviour.md, "Authorization") -------------------------------
 
 
 class PolicyTarget(Protocol):

@@ -164,7 +164,8 @@ class _ConnectionError(Http2Error):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreSettings:
-    """What we advertise and how we keep the connection alive (defaults: ztunnel's, reference 11)."""
+    """What we advertise and how we keep the connection alive (defaults: ztunnel's, docs/istio-behaviour.md,
+    "HBONE")."""
 
     client_side: bool
     stream_window_bytes: int = 4 * 1024 * 1024
