@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
 # -- the entry points Istio's Helm charts call (so our image drops into them with --set alone) --
 
 # Where istio-cni's `install-cni` container finds the node's directories: the chart mounts the
-# host's CNI config and bin dirs and /proc under /host (reference/istio-cni.md 1.2, 1.6, 1.7).
+# host's CNI config and bin dirs and /proc under /host (docs/istio-behaviour.md, "Node agent configuration").
 INSTALL_CNI_DEFAULTS = {
     "HOST_PREFIX": "/host",
     "MOUNTED_CNI_NET_DIR": "/host/etc/cni/net.d",

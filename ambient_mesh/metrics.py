@@ -2,8 +2,8 @@
 
 Counterparts: ztunnel src/proxy/metrics.rs (`Metrics`, `CommonTrafficLabels`,
 `ConnectionResult`), src/metrics.rs (`istio_build`), src/xds/metrics.rs (`XdsMetrics`) and
-src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow reference/ztunnel.md
-8.2, which is what Istio dashboards and Kiali query.
+src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow
+docs/istio-behaviour.md, "Metrics", which is what Istio dashboards and Kiali query.
 
 Each `Metrics` owns a `CollectorRegistry`; nothing touches prometheus-client's global registry,
 so several proxies (or tests) can live in one process. Other packages register their own
@@ -305,7 +305,7 @@ class XdsMetrics:
 class WorkloadManagerMetrics:
     """Shared (in-pod) mode: how many pod proxies run, wait for a retry, were started and stopped.
 
-    ztunnel registers these under the `workload_manager` prefix (reference/ztunnel.md 8.2 notes
+    ztunnel registers these under the `workload_manager` prefix (docs/istio-behaviour.md, "Metrics" notes
     that its README's `istio_*` spelling is wrong). Active and pending are set from the owner's
     own bookkeeping after every change, so they cannot drift from it.
     """

@@ -250,8 +250,8 @@ class Ztunnel:
     def _dns_server(
         self, name: str, client: Callable[[], Workload | None], socket_factory: DnsSocketFactory
     ) -> DnsServer | None:
-        """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared
-        mode synthesizes each pod's (reference/ztunnel.md section 10)."""
+        """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared mode
+        synthesizes each pod's (docs/istio-behaviour.md, "DNS proxy")."""
         if self.dns_metrics is None or self.resolv is None:
             return None
         return workload_dns_server(

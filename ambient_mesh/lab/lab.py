@@ -650,7 +650,7 @@ class Lab:
         return port in listening_ports(self.runner, netns)
 
     def agent_env(self, node: LabNode) -> dict[str, str]:
-        """istio-cni's settings for one node (reference/istio-cni.md 1.2, 1.5)."""
+        """istio-cni's settings for one node (docs/istio-behaviour.md, "Node agent configuration")."""
         env = {
             "AMBIENT_ENABLED": "true",
             "CNI_AGENT_RUN_DIR": str(node.run_dir),
@@ -772,7 +772,8 @@ class Lab:
         return any(isinstance(p, dict) and p.get("type") == "istio-cni" for p in conflist.get("plugins", []))
 
     def proxy_env(self, node: LabNode) -> dict[str, str]:
-        """ztunnel's settings in shared mode (reference/ztunnel.md 1.2), pointed at the lab's control plane."""
+        """ztunnel's settings in shared mode (docs/istio-behaviour.md, "Proxy modes"), pointed at the lab's
+        control plane."""
         root = str(self.control_dir / "root-cert.pem")
         env = {
             "PROXY_MODE": "shared",
@@ -910,7 +911,7 @@ class Lab:
         one, connects to the node agent (the newest connection gets every pod, in its snapshot)
         and opens its listeners in every pod beside the old one's (SO_REUSEPORT); once it is
         ready the old one gets SIGTERM, stops accepting, and drains its open connections until
-        they end or its deadline passes (reference/istio-cni.md 4.4). A new proxy that does not
+        they end or its deadline passes (docs/istio-behaviour.md, "ZDS"). A new proxy that does not
         become ready is stopped and the old one keeps serving. Returns the new proxy."""
         node = self.nodes[name]
         old = node.proxy
