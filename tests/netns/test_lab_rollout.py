@@ -1,10 +1,10 @@
 """A node proxy rollout without a gap, in a whole lab, with traffic running.
 
-Counterpart: the ztunnel DaemonSet rolling with maxSurge 1 and maxUnavailable 0, and ztunnel's
-upgrade sequence (reference/istio-cni.md 4.4, 5.1): the new node proxy connects to the node
-agent, which hands it every pod (the newest ZDS connection gets them), it listens in every pod
-beside the old one (SO_REUSEPORT), and only then does the old one get SIGTERM, stop accepting
-and drain its open connections.
+Counterpart: the ztunnel DaemonSet rolling with maxSurge 1 and maxUnavailable 0, and ztunnel's upgrade
+sequence (docs/istio-behaviour.md, "ZDS" and "Node agent start and shutdown"): the new node proxy connects to
+the node agent, which hands it every pod (the newest ZDS connection gets them), it listens in every pod beside
+the old one (SO_REUSEPORT), and only then does the old one get SIGTERM, stop accepting and drain its open
+connections.
 
     node-1   demo/client            node-2   demo/server
 

@@ -1,7 +1,7 @@
 """The node agent's pure decisions and its data plane against recording fakes (no root, no kernel).
 
-Covers istio-cni's node-agent checklist (reference/istio-cni.md 8.2): add ordering and its
-failure modes, removal, the start-up rebuild, the pod cache, the informer's per-pod decision, the
+Covers istio-cni's node-agent scenarios (docs/istio-behaviour.md, "Node agent pod lifecycle"): add ordering
+and its failure modes, removal, the start-up rebuild, the pod cache, the informer's per-pod decision, the
 /proc scan, and the command runner's netns-path form.
 """
 

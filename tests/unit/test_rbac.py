@@ -1,4 +1,4 @@
-"""L4 authorization evaluation (reference/ztunnel.md 5.2-5.4, spec/wire-protocols.md 3.2).
+"""L4 authorization evaluation (docs/istio-behaviour.md, "Authorization" and "STRICT mTLS").
 
 Table-driven: every match field, positive and negated, with and without a peer identity; the
 structural edge cases (empty rules, clauses, matches); evaluation order with dry run; which
@@ -647,7 +647,7 @@ def test_compiled_policy_repr() -> None:
     )
 
 
-# -- STRICT mTLS (reference 5.4) --------------------------------------------------------------------------------
+# -- STRICT mTLS (docs/istio-behaviour.md, "STRICT mTLS") ------------------------------------------
 
 
 def test_strict_policy_shape() -> None:
