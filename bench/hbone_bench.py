@@ -1,6 +1,6 @@
 """Data-plane benchmark: throughput, latency, connection rate and memory through two node proxies.
 
-Counterpart: ztunnel benches/throughput.rs (reference/ztunnel.md 14.1) with its three modes:
+Counterpart: ztunnel benches/throughput.rs with its three modes:
 
   direct  client -> server, no proxy
   tcp     client -> client proxy -> server (the destination is a TCP workload: plain passthrough)
@@ -30,7 +30,7 @@ get their own cores. Topologies:
 Every run prints ours/Envoy ratios (hbone / envoy) next to the ratios to direct when both modes
 ran in it.
 
-Measurements, in interleaved rounds (reference/performance.md, "Method"): every round runs every
+Measurements, in interleaved rounds (docs/performance.md, "How we measure"): every round runs every
 test for every mode, rotating the mode order, and ratios to `direct` are taken within a round.
 
   throughput     one connection, --size-mib bytes client -> server, Gbit/s
@@ -48,8 +48,8 @@ Proxy CPU comes from /proc/<pid>/stat (utime + stime) around each measurement: C
 GiB and "Gbit/s per proxy core" for throughput, CPU-ms per connection for the connection rate.
 
 Pinning (with 2+ CPUs, unless --no-pin): client and bench servers on CPU0, client proxy on CPU1,
-server proxy floating over CPU0-1 (performance.md's "pair" layout); the `one-core` layout puts
-everything on CPU0.
+server proxy floating over CPU0-1 (the `spread` layout of docs/performance.md, "How we measure");
+the `one-core` layout puts everything on CPU0.
 
     sudo .venv/bin/python bench/hbone_bench.py [--rounds 3] [--size-mib 256] [--topology auto]
 
