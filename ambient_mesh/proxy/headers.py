@@ -118,7 +118,7 @@ def parse_baggage(values: Iterable[str]) -> Baggage:
 
 # Trace ids need to be unlikely to collide, not to be unguessable: a generator seeded once per
 # process from the OS (as ztunnel's rand::thread_rng is), not two getrandom calls per CONNECT
-# (bench/README.md, connection path). A forked child reseeds, so it draws ids of its own.
+# (docs/performance.md, "The per-connection path"). A forked child reseeds, so it draws ids of its own.
 _TRACE_ID_RNG = random.Random()
 os.register_at_fork(after_in_child=_TRACE_ID_RNG.seed)
 _IDS_BYTES = (_TRACE_ID_HEX + _PARENT_ID_HEX) // 2

@@ -116,7 +116,7 @@ class OutboundProxy:
         downstream = wrap_socket(sock)
         # The client's address as the transport read it when it was made (uvloop and asyncio
         # both read and keep it): not a getpeername of our own before the same call of theirs
-        # (bench/README.md, connection path). None: the client reset before it was served.
+        # (docs/performance.md, "The per-connection path"). None: the client reset before it was served.
         transport = downstream.transport
         peername = transport.get_extra_info("peername") if transport is not None else None
         if peername is None:

@@ -238,7 +238,7 @@ class Connection:
 
     # Slots, not an instance dict: with more than 30 attributes CPython 3.11 cannot share the
     # instance dict's keys, so every attribute read and write on the per-message path became a
-    # dict lookup instead of a fixed offset (bench/README.md, issue 11, per message).
+    # dict lookup instead of a fixed offset (docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
     __slots__ = (
         "settings",
         "client_side",
@@ -459,7 +459,7 @@ class Connection:
             if type(data) is not bytes and not (isinstance(data, memoryview) and data.readonly):
                 data = bytes(data)
             # The frame parser, inlined here (it was `_feed`): one Python call per read fewer on
-            # the per-message path (bench/README.md, issue 11).
+            # the per-message path (docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
             try:
                 n = len(data)
                 pos = 0
