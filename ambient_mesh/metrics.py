@@ -171,7 +171,7 @@ class ConnectionRecorder:
     collected (a scrape, a worker's stats) and with each recorder when it closes. A locked
     counter add per read and per write was about a tenth of a proxy's user time per small
     message, and a call per chunk into plain ints 4 of 18 Python calls per round trip
-    (bench/README.md)."""
+    (docs/performance.md, "The per-connection path")."""
 
     __slots__ = (
         "_metrics",
@@ -459,7 +459,7 @@ class Metrics:
         (after their pending counts are given to the counters). A connection's open, its clean
         close and its last bytes add to the pending counts in plain ints, and the counters catch
         up when the registry is collected: four locked counter adds per connection were about
-        1.2 µs each (bench/README.md, connection path).
+        1.2 µs each (docs/performance.md, "The per-connection path").
         """
         hit = self._bound.get(id(labels))
         if hit is not None and hit[0] is labels:

@@ -13,11 +13,10 @@ names (a cycle). Refusals are `AliasLimitError`, a PyYAML ComposerError whose ma
 alias's line and column, so every reader that reports YAML errors with a position reports these
 too. Anchors used the ordinary way (shared labels, `<<: *defaults`) stay far below the bound.
 
-Large files are parsed by libyaml (bench/README.md, local_config_bench.py: a 20,000-workload
-local config): `BoundedCSafeLoader` takes libyaml's events and composes them with the same
-alias-counting Python composer, and text without a possible alias (`may_have_aliases`) is composed
-by libyaml too, since there is nothing to bound. A property test holds both to the pure-Python
-loader (`compose(text, fast=False)`).
+Large files are parsed by libyaml (docs/performance.md, "The control plane at scale"):
+`BoundedCSafeLoader` takes libyaml's events and composes them with the same alias-counting Python
+composer, and text without a possible alias (`may_have_aliases`) is composed by libyaml too, since there
+is nothing to bound. A property test holds both to the pure-Python loader (`compose(text, fast=False)`).
 """
 
 from __future__ import annotations

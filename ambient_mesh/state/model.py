@@ -145,7 +145,8 @@ class Workload:
     capacity: int = 1
     # `identity`, made and checked on the first read and kept: a workload is frozen and replaced,
     # never changed, by state updates (`dataclasses.replace` starts the copy without it). The
-    # per-connection path reads it three or four times (bench/README.md, issue 11). Not kept
+    # per-connection path reads it three or four times (docs/performance.md, "The per-connection
+    # path"). Not kept
     # when the fields make no valid Identity: every read raises IdentityError again.
     _identity: Identity | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 
