@@ -1109,8 +1109,8 @@ class Bench:
             )
             if "ConnectionRefusedError" not in stderr or attempt == REFUSED_RETRIES:
                 raise RuntimeError(what)
-            # A refused connect with every bench process alive and listening (bench/README.md,
-            # "refused connections"): recorded with what the network said, then run again.
+            # A refused connect with every bench process alive and listening: recorded with what
+            # the network said, then run again.
             self.refused.append({"mode": mode, "test": " ".join(extra), "diagnosis": what[-2000:]})
             print(f"refused, retrying once: {what[-1500:]}", file=sys.stderr, flush=True)
             time.sleep(REFUSED_RETRY_DELAY_S)
@@ -1306,9 +1306,9 @@ class Bench:
     def warm_up(self) -> None:
         """First use of each path: certificates, the pooled HBONE connection, code paths.
 
-        One full-size transfer too: a freshly started proxy moves bulk data markedly slower in
-        its first transfers (1.5 vs 3.1 Gbit/s here; the MALLOC_* A/B in bench/README.md points
-        at glibc's allocator), and the memory test restarts the proxies every round.
+        One full-size transfer too: a freshly started proxy moves bulk data markedly slower in its first
+        transfers (glibc's allocator: docs/performance.md, "Buffers and copies"), and the memory test
+        restarts the proxies every round.
         """
         for mode in self.args.modes:
             self.run_client(

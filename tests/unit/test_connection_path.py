@@ -1,5 +1,5 @@
-"""Pieces of the per-connection path that were reshaped for speed (bench/README.md, issue 11):
-they must still mean what the plain versions meant."""
+"""Pieces of the per-connection path that were reshaped for speed (docs/performance.md,
+"The per-connection path"): they must still mean what the plain versions meant."""
 
 from __future__ import annotations
 
