@@ -69,9 +69,6 @@ CITATIONS_LEFT_FOR_MERGES: dict[str, str] = {
     "bench/tls_transport_bench.py": "rewritten by the TLS branch",
     "docs/architecture.md": "its TLS paragraph is rewritten by the TLS branch",
     "tests/integration/test_waypoint.py": "rewritten by the waypoint branch",
-    # Not a comment: the cluster tier reads Istio's CRDs (871 KB) from the sibling shared/ tree
-    # (`istio_crds`); where they should live in the repository is the lead's call.
-    "tests/cluster/kube.py": "reads Istio's CRDs from outside the repository",
 }
 
 # A documentation path named anywhere (`docs/performance.md`), and a section cited in it by title
