@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import ProxyError, ResponseFlag
+from ..tls.transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
 from . import http2
 from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
 from .http2.frames import ErrorCode
 from .relay import Endpoint
-from .tls_transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
 
 if TYPE_CHECKING:
     from ..identity.spiffe import Identity

@@ -21,6 +21,7 @@ from ..metrics import ConnectionRecorder
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
+from ..tls.transport import start_tls
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
@@ -28,7 +29,6 @@ from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .telemetry import ConnectionResult
-from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
 

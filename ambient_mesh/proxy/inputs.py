@@ -13,7 +13,6 @@ import functools
 import os
 import random
 import socket
-import ssl
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -30,11 +29,11 @@ from ..host.sockets import (
 )
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
-from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr, ip_text
 from ..state.model import Workload
 from ..state.store import StateReader
+from ..tls.context import TlsContext, TlsContextCache
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
@@ -215,11 +214,11 @@ class ProxyInputs:
     def mark(self) -> int | None:
         return self.config.packet_mark
 
-    async def client_context(self, identity: Identity) -> ssl.SSLContext:
+    async def client_context(self, identity: Identity) -> TlsContext:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.client(cert)
 
-    async def server_context(self, identity: Identity) -> ssl.SSLContext:
+    async def server_context(self, identity: Identity) -> TlsContext:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.server(cert)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from ..errors import ResponseFlag
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr, ip_text
+from ..tls.context import TlsContext
+from ..tls.transport import start_tls
 from .hbone import (
     DEFAULT_SETTINGS,
     ConnectResponse,
@@ -32,7 +34,6 @@ from .hbone import (
     HboneStream,
     HboneStreamRefused,
 )
-from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.pool")
 
@@ -259,7 +260,7 @@ class HboneConnector:
     def __init__(
         self,
         *,
-        fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
+        fetch_client_context: Callable[[Identity], Awaitable[TlsContext]],
         verify_server: Callable[[object, tuple[Identity, ...]], Identity],
         open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[socket.socket]],
         settings: HboneSettings = DEFAULT_SETTINGS,

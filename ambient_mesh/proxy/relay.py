@@ -443,7 +443,7 @@ def wrap_socket(sock: socket.socket) -> TcpEndpoint:
     """A connected non-blocking plain socket (accepted or dialled) as a TcpEndpoint, reading at
     once and holding what it reads until `attach`; on our own transport
     (proxy/tcp_transport.py), made here and now: no await, no turn of the event loop. HBONE's TLS
-    has its own transport (proxy/tls_transport.py).
+    has its own transport (tls/transport.py).
 
     Reading is not paused up front: what arrives before `attach` is held, and reading pauses
     once MAX_HELD_BEFORE_RELAY_BYTES are (`data_received`), so a socket whose peer sends nothing

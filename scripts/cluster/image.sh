@@ -65,7 +65,7 @@ if [ "$(cat "$CTX/wheels/.deps" 2>/dev/null)" != "$deps_stamp" ]; then
 fi
 rm -f "$CTX"/wheels/ambient_mesh-*.whl
 rm -rf "$CACHE/wheel-build"; mkdir -p "$CACHE/wheel-build"
-cp -a pyproject.toml setup.py ambient_mesh "$CACHE/wheel-build/"
+cp -a pyproject.toml ambient_mesh "$CACHE/wheel-build/"
 find "$CACHE/wheel-build" -name '*.so' -delete  # the extension is built for the wheel, not copied
 (cd "$CACHE/wheel-build" && find . -exec touch -h -d @315532800 {} + \
   && SOURCE_DATE_EPOCH=315532800 "$OLDPWD/.venv/bin/pip" wheel -q --no-deps --no-build-isolation \

@@ -39,7 +39,7 @@ from hyperframe.frame import (
 
 from ambient_mesh.host.netns import entered, netns_socket
 from ambient_mesh.identity.certificate import WorkloadCertificate
-from ambient_mesh.identity.tls import client_context
+from tests.tls_stdlib import stdlib_client_context as client_context
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_BYTES = 9

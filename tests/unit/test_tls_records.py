@@ -1,4 +1,4 @@
-"""HBONE's TLS 1.3 record layer core (proxy/tls_records.py) without sockets: two cores talking,
+"""HBONE's TLS 1.3 record layer core (tls/records.py) without sockets: two cores talking,
 and a peer that breaks each rule of RFC 8446 the core implements (one test per rule)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.errors import ProtocolError
-from ambient_mesh.proxy import tls_records as tr
-from ambient_mesh.proxy.tls_records import (
+from ambient_mesh.tls import records as tr
+from ambient_mesh.tls.records import (
     BUFFER_FULL,
     CLOSED,
     NEED_MORE,
@@ -367,7 +367,7 @@ def test_close_notify_is_the_end_of_data_and_what_follows_is_ignored():
 
 @pytest.mark.parametrize(
     "code,name",
-    [(40, "handshake_failure"), (90, "user_canceled"), (80, "internal_error"), (200, "unknown alert 200")],
+    [(40, "handshake_failure"), (80, "internal_error"), (200, "unknown alert 200")],
 )
 @pytest.mark.parametrize("level", [1, 2])
 def test_every_other_alert_ends_the_connection_with_its_name(code, name, level):
@@ -377,6 +377,46 @@ def test_every_other_alert_ends_the_connection_with_its_name(code, name, level):
         open_all(core, peer.record(b"ok") + peer.record(bytes((level, code)), tr.ALERT))
     assert err.value.alert == name and name in str(err.value)
     assert not core.output  # no alert is answered with one
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_user_canceled_is_a_closure_alert_not_an_error(level):
+    # RFC 8446 6.1: user_canceled is a closure alert; the close_notify that follows ends the data.
+    core, peer, _ = peer_of("client")
+    wire = peer.record(b"before") + peer.record(bytes((level, 90)), tr.ALERT) + peer.record(b"after")
+    got, _used, status = open_all(core, wire + peer.record(bytes((1, 0)), tr.ALERT))
+    assert (got, status) == (b"beforeafter", CLOSED) and core.read_closed and not core.failed
+    assert not core.output  # no alert is answered with one
+
+
+def test_user_canceled_without_end_is_cut_off():
+    # Like empty records, closure alerts without data in between are bounded.
+    core, peer, _ = peer_of("client")
+    wire = b"".join(peer.record(bytes((1, 90)), tr.ALERT) for _ in range(tr.MAX_NO_DATA_IN_A_ROW + 1))
+    with pytest.raises(TlsRecordError, match="unexpected_message"):
+        open_all(core, wire)
+
+
+def test_the_write_sequence_continues_after_records_openssl_sealed():
+    # A TLS 1.3 server's NewSessionTickets are sealed by OpenSSL under the first write key
+    # (tls/handshake.py); our records continue with the next sequence numbers.
+    client, server = pair()
+    secrets = {"read_secret": bytes(server._read.secret), "write_secret": bytes(server._write.secret)}
+    openssl = RecordLayer(server.suite, client_side=False, **secrets)
+    tickets = openssl._seal_control(tr.HANDSHAKE, ticket()) + openssl._seal_control(tr.HANDSHAKE, ticket())
+    ours = RecordLayer(server.suite, client_side=False, write_sequence=2, **secrets)
+    assert open_all(client, tickets + bytes(ours.seal(b"data")))[0] == b"data"
+    # Without the count, our first record reuses the tickets' nonce and fails as a forgery would.
+    fresh = RecordLayer(
+        server.suite,
+        client_side=True,
+        read_secret=secrets["write_secret"],
+        write_secret=secrets["read_secret"],
+    )
+    with pytest.raises(TlsRecordError, match="bad_record_mac"):
+        open_all(fresh, bytes(ours.seal(b"x")))
+    with pytest.raises(ValueError, match="write_sequence"):
+        RecordLayer(server.suite, client_side=False, write_sequence=-1, **secrets)
 
 
 @pytest.mark.parametrize("content", [b"", b"\x01", b"\x01\x00\x00"])

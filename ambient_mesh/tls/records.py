@@ -1,11 +1,11 @@
 """HBONE's TLS 1.3 record layer after the handshake (sans-IO): records in, plaintext out;
 plaintext in, records out.
 
-OpenSSL does the handshake (proxy/tls_transport.py drives it); once it is done, the two
-application traffic secrets (identity/tls_suites.py `TrafficSecrets`, from OpenSSL's keylog
-callback) are all this core needs. Counterparts: rustls' record layer under ztunnel, BoringSSL's
-under Envoy, OpenSSL's `ssl/record/` (which this replaces for HBONE because the system OpenSSL
-3.0 does AES-GCM without VAES: bench/README.md, issue 11, "Per message, session 17").
+OpenSSL does the handshake (tls/handshake.py drives it through pyOpenSSL); once it is done, the
+two application traffic secrets (from OpenSSL's keylog callback, tls/handshake.py
+`TrafficSecrets`) are all this core needs. Counterparts: rustls' record layer under ztunnel,
+BoringSSL's under Envoy, OpenSSL's `ssl/record/`; why HBONE keeps a record layer of its own rather
+than OpenSSL's is measured in bench/README.md (issue 24).
 
 What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_records.py:
 - 5.1 / 5.2: every record after the handshake is a TLSCiphertext (outer type application_data,
@@ -22,12 +22,14 @@ What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_reco
 - 5.1: alerts are exactly one 2-byte message per record; handshake messages are not interleaved
   with other content types, and a KeyUpdate ends its record (4.6.3, 5.1: a key change is on a
   record boundary).
-- 6: close_notify is the peer's end of data (data after it is ignored, 6.1); every other alert
-  ends the connection with its name in the error (6.2: all others are fatal, unknown ones too).
+- 6: close_notify is the peer's end of data (data after it is ignored, 6.1); user_canceled, the
+  other closure alert (6.1), is not an error: reading goes on to the close_notify that should
+  follow it. Every other alert ends the connection with its name in the error (6.2: all others
+  are fatal, unknown ones too).
   Our fatal alerts (bad_record_mac, record_overflow, unexpected_message, decode_error,
   illegal_parameter) are sealed for the shell to send before it closes.
 - 4.6.1: a NewSessionTicket (server to client only) is checked for its structure and dropped: we
-  do no resumption (identity/tls.py). 4.6.3: a KeyUpdate rotates the read key; update_requested
+  do no resumption (tls/context.py). 4.6.3: a KeyUpdate rotates the read key; update_requested
   is answered by a KeyUpdate of ours (update_not_requested) before our next record, several
   requests in a row by one answer, and rotates our write key. 4.6.2 (post-handshake
   authentication) is never offered, so a CertificateRequest, like any other post-handshake
@@ -35,9 +37,10 @@ What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_reco
 - 7.1 / 7.3: traffic keys and ivs by HKDF-Expand-Label from the traffic secret, next secrets by
   "traffic upd". Every output here is at most the hash length, so HKDF-Expand is one HMAC.
 
-Suites: TLS_AES_128_GCM_SHA256 and TLS_AES_256_GCM_SHA384, ztunnel's two (identity/tls_suites.py
-narrows the handshake to them); the AEAD is proxy/aes_gcm.py's (our VAES code where the CPU
-has it, `cryptography`'s AESGCM elsewhere).
+Suites: TLS_AES_128_GCM_SHA256 and TLS_AES_256_GCM_SHA384, ztunnel's two (tls/context.py
+narrows the handshake to them); the AEAD is `cryptography`'s AESGCM (its OpenSSL's AES-GCM): no
+cryptographic primitive here is our own, only the record framing, nonces and key schedule of
+RFC 8446 around it.
 
 Bounds on what a peer can make us hold or do: one record (MAX_CIPHERTEXT_BYTES), one
 post-handshake message (MAX_POST_HANDSHAKE_MESSAGE_BYTES), post-handshake messages in a row without
@@ -53,9 +56,9 @@ from collections.abc import Iterable
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import ProtocolError
-from .aes_gcm import aes_gcm
 
 # RFC 8446 5.1: at most 2^14 bytes of content per record.
 MAX_RECORD_PLAINTEXT_BYTES: Final = 2**14
@@ -94,7 +97,9 @@ NEW_SESSION_TICKET: Final = 4
 KEY_UPDATE: Final = 24
 UPDATE_NOT_REQUESTED: Final = 0
 UPDATE_REQUESTED: Final = 1
-# Alert descriptions (RFC 8446 6).
+# Alert descriptions (RFC 8446 6). close_notify and user_canceled are the closure alerts (6.1).
+CLOSE_NOTIFY: Final = 0
+USER_CANCELED: Final = 90
 ALERT_NAMES: Final = {
     0: "close_notify",
     10: "unexpected_message",
@@ -188,7 +193,7 @@ class _Keys:
 
     def __init__(self, secret: bytearray, key_bytes: int, hash_name: str) -> None:
         key = bytearray(hkdf_expand_label(secret, b"key", b"", key_bytes, hash_name))
-        self.aead = aes_gcm(key)
+        self.aead = AESGCM(key)
         _wipe(key)
         self.iv = int.from_bytes(hkdf_expand_label(secret, b"iv", b"", IV_BYTES, hash_name), "big")
         self.seq = 0
@@ -274,13 +279,14 @@ class RecordLayer:
         read_secret: bytes | bytearray,
         write_secret: bytes | bytearray,
         records_per_key: int = RECORDS_PER_KEY,
+        write_sequence: int = 0,
     ) -> None:
         try:
             key_bytes, hash_name, hash_bytes = SUITES[suite]
         except KeyError:
             raise ProtocolError(
                 f"TLS 1.3 suite {suite!r} is not one HBONE's record layer has",
-                hint=f"the handshake must negotiate one of {', '.join(SUITES)} (identity/tls_suites.py)",
+                hint=f"the handshake must negotiate one of {', '.join(SUITES)} (tls/context.py)",
             ) from None
         if len(read_secret) != hash_bytes or len(write_secret) != hash_bytes:
             raise ValueError(f"{suite} traffic secrets are {hash_bytes} bytes")
@@ -291,6 +297,11 @@ class RecordLayer:
         self._key_bytes, self._hash_name, self._hash_bytes = key_bytes, hash_name, hash_bytes
         self._read = _Keys(bytearray(read_secret), key_bytes, hash_name)
         self._write = _Keys(bytearray(write_secret), key_bytes, hash_name)
+        # Records OpenSSL sealed under our first write key before we took over (a server's
+        # NewSessionTickets, tls/handshake.py): our sequence numbers continue after them.
+        if not 0 <= write_sequence <= records_per_key - 2:
+            raise ValueError(f"write_sequence {write_sequence} is out of range")
+        self._write.seq = write_sequence
         self.records_per_key = records_per_key
         self.output = bytearray()  # sealed records waiting to be sent (see the class docstring)
         self._answer_due = False  # a KeyUpdate(update_requested) waits for our KeyUpdate
@@ -464,9 +475,18 @@ class RecordLayer:
                 )
             code = content[1]
             name = ALERT_NAMES.get(code, f"unknown alert {code}")
-            if code == 0:
+            if code == CLOSE_NOTIFY:
                 self.read_closed = True
                 return True
+            if code == USER_CANCELED:
+                # RFC 8446 6.1: a closure alert, not an error; its close_notify should follow.
+                # It counts as a record without data, so a peer cannot send them forever.
+                self._in_a_row += 1
+                if self._in_a_row > MAX_NO_DATA_IN_A_ROW:
+                    raise self._fail(
+                        "unexpected_message", f"more than {MAX_NO_DATA_IN_A_ROW} user_canceled in a row"
+                    )
+                return False
             self.failed = True
             raise TlsPeerAlert(name, code)
         if kind == APPLICATION_DATA:  # only here with a message pending, refused above
