@@ -266,7 +266,11 @@ class Handshake:
         return bytes(self._held)
 
     def finish(
-        self, records_per_key: int = records.RECORDS_PER_KEY, *, openssl_records: bool = False
+        self,
+        records_per_key: int = records.RECORDS_PER_KEY,
+        *,
+        openssl_records: bool = False,
+        request_peer_update: bool = False,
     ) -> tuple[PeerTls, records.RecordLayer | None]:
         """After `done`: the peer's facts and, for TLS 1.3, HBONE's record layer; the OpenSSL
         connection is released then (see the module docstring). For TLS 1.2 (or TLS 1.3 with
@@ -301,6 +305,7 @@ class Handshake:
                     write_secret=write,
                     records_per_key=records_per_key,
                     write_sequence=sealed,
+                    request_peer_update=request_peer_update,
                 )
             except Exception as e:  # noqa: BLE001 - an unknown suite or a malformed secret
                 raise HandshakeError(f"TLS handshake failed: {e}") from None

@@ -240,6 +240,20 @@ def _scratch() -> _Scratch:
 SMALL_SEAL_BYTES: Final = 2048
 _APPLICATION_DATA_TYPE: Final = bytes((APPLICATION_DATA,))
 _KEY_UPDATE_NOT_REQUESTED: Final = bytes((KEY_UPDATE, 0, 0, 1, UPDATE_NOT_REQUESTED))
+_KEY_UPDATE_REQUESTED: Final = bytes((KEY_UPDATE, 0, 0, 1, UPDATE_REQUESTED))
+
+
+class KeyUpdates:
+    """How often new record layers change keys on their own, process-wide. The defaults are RFC
+    8446 5.5's AES-GCM limit and a KeyUpdate that asks nothing of the peer. Interop tests lower
+    the limit and ask for the peer's KeyUpdate too (update_requested, which every TLS 1.3 peer
+    must answer, 4.6.3), so that real peers (Envoy's BoringSSL, Node's OpenSSL) change keys both
+    ways inside one transfer; `start_tls` (tls/transport.py) reads both when it makes a layer."""
+
+    records_per_key: int = RECORDS_PER_KEY
+    request_peer_update: bool = False
+
+
 KEY_UPDATE_RECORD_BYTES: Final = RECORD_HEADER_BYTES + len(_KEY_UPDATE_NOT_REQUESTED) + 1 + AEAD_TAG_BYTES
 
 
@@ -260,6 +274,7 @@ class RecordLayer:
         "_read",
         "_write",
         "records_per_key",
+        "request_peer_update",
         "output",
         "_answer_due",
         "_handshake",
@@ -280,6 +295,7 @@ class RecordLayer:
         write_secret: bytes | bytearray,
         records_per_key: int = RECORDS_PER_KEY,
         write_sequence: int = 0,
+        request_peer_update: bool = False,
     ) -> None:
         try:
             key_bytes, hash_name, hash_bytes = SUITES[suite]
@@ -303,6 +319,7 @@ class RecordLayer:
             raise ValueError(f"write_sequence {write_sequence} is out of range")
         self._write.seq = write_sequence
         self.records_per_key = records_per_key
+        self.request_peer_update = request_peer_update  # our own KeyUpdates: update_requested
         self.output = bytearray()  # sealed records waiting to be sent (see the class docstring)
         self._answer_due = False  # a KeyUpdate(update_requested) waits for our KeyUpdate
         self._handshake = bytearray()  # a post-handshake message not yet whole
@@ -650,7 +667,7 @@ class RecordLayer:
         for chunk in chunks:
             if seq >= last:
                 keys.seq = seq
-                record = self._key_update()
+                record = self._key_update(requested=self.request_peer_update)
                 out[o : o + len(record)] = record
                 o += len(record)
                 keys = self._write
@@ -668,10 +685,12 @@ class RecordLayer:
         keys.seq = seq
         return out[:o]
 
-    def _key_update(self) -> bytes:
-        """Our KeyUpdate (update_not_requested), sealed under the current write key, which it
-        then replaces (RFC 8446 4.6.3)."""
-        record = self._seal_control(HANDSHAKE, _KEY_UPDATE_NOT_REQUESTED)
+    def _key_update(self, *, requested: bool = False) -> bytes:
+        """Our KeyUpdate, sealed under the current write key, which it then replaces (RFC 8446
+        4.6.3): update_not_requested, unless `requested` (only ever at our own limit, never in
+        answer to the peer's, so two of us cannot make each other update forever)."""
+        message = _KEY_UPDATE_REQUESTED if requested else _KEY_UPDATE_NOT_REQUESTED
+        record = self._seal_control(HANDSHAKE, message)
         self._write = self._next_keys(self._write)
         return record
 

@@ -199,7 +199,7 @@ async def start_tls(
     *,
     server_side: bool,
     handshake_timeout_s: float,
-    records_per_key: int = tls_records.RECORDS_PER_KEY,
+    records_per_key: int | None = None,
     openssl_records: bool | None = None,
 ) -> TlsTransport | OpenSslTransport:
     """TLS on the connected `sock`, then `protocol.connection_made(transport)`; the transport.
@@ -209,7 +209,8 @@ async def start_tls(
     tls/handshake.py `PeerTls`). TLS 1.3 gets HBONE's own records (`TlsTransport`), TLS 1.2
     OpenSSL's (`OpenSslTransport`; for TLS 1.3 too with `openssl_records`, what
     bench/tls_transport_bench.py and the issue 24 comparison in bench/README.md measure ours
-    against). `records_per_key` lowers RFC 8446 5.5's limit for tests. Raises HandshakeError (an ssl.SSLError, so an OSError) for a
+    against). `records_per_key` lowers RFC 8446 5.5's limit for tests (by default
+    tls/records.py's `KeyUpdates`, which interop tests change). Raises HandshakeError (an ssl.SSLError, so an OSError) for a
     failed handshake, TimeoutError after `handshake_timeout_s`.
     """
     loop = asyncio.get_running_loop()
@@ -221,7 +222,11 @@ async def start_tls(
         await _handshake(loop, sock, handshake, handshake_timeout_s)
         if openssl_records is None:
             openssl_records = OPENSSL_RECORDS
-        peer, records = handshake.finish(records_per_key, openssl_records=openssl_records)
+        peer, records = handshake.finish(
+            records_per_key or tls_records.KeyUpdates.records_per_key,
+            openssl_records=openssl_records,
+            request_peer_update=tls_records.KeyUpdates.request_peer_update,
+        )
         leftover = handshake.leftover()
         if records is None:
             transport = OpenSslTransport(loop, sock, protocol, peer, handshake.take_openssl())

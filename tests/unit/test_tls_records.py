@@ -689,3 +689,20 @@ def test_a_layer_made_on_another_thread_seals_through_buffers_of_its_own():
     thread.join()
     assert here._scratch is not there[0]._scratch
     assert here._scratch is pair()[0]._scratch
+
+
+def test_our_key_update_may_ask_for_the_peers_and_the_answer_asks_nothing():
+    """`request_peer_update` (what interop tests switch on through `KeyUpdates`): our KeyUpdate at
+    the limit carries update_requested; the peer answers with update_not_requested, so two of
+    ours rotate both ways once per limit and never answer each other in a loop."""
+    client, server = pair(records_per_key=4, request_peer_update=True)
+    first_client_write, first_server_write, first_server_read = client._write, server._write, server._read
+    wire = b"".join(bytes(client.seal(b"c%d" % i)) for i in range(5))  # past the limit
+    got, _, _ = open_all(server, wire)
+    assert got == b"".join(b"c%d" % i for i in range(5))
+    assert client._write is not first_client_write and server._read is not first_server_read
+    assert server.output  # its answer waits, sealed under its old key, before its next record
+    answer = bytes(server.seal(b"s"))
+    assert server._write is not first_server_write
+    got, _, _ = open_all(client, answer)
+    assert got == b"s" and not client.output  # no answer to an answer
