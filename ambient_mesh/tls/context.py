@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
@@ -66,6 +67,7 @@ TlsContext = SSL.Context
 STALE_KEY_DIR = "/dev/shm"
 STALE_KEY_PREFIX = "ambient-key-"
 STALE_KEY_SUFFIX = ".pem"
+STALE_KEY_AGE_S = 60.0
 
 
 class PeerCertificateSource(Protocol):
@@ -142,10 +144,14 @@ def _context(cert: WorkloadCertificate, tls12: bool) -> SSL.Context:
     return ctx
 
 
-def remove_stale_key_files(directory: str = STALE_KEY_DIR) -> int:
+def remove_stale_key_files(
+    directory: str = STALE_KEY_DIR, *, older_than_s: float = STALE_KEY_AGE_S, now: float | None = None
+) -> int:
     """Delete the key files an older version left in `directory` when it was killed while loading
-    a key (module docstring); how many. Only regular files with that name pattern; a symlink is
-    removed itself, never followed."""
+    a key (module docstring); how many. Only regular files with that name pattern and older than
+    `older_than_s` (an older proxy still running beside us holds its file for microseconds; a
+    left-over one stays forever); a symlink is removed itself, never followed."""
+    cutoff = (time.time() if now is None else now) - older_than_s
     removed = 0
     try:
         names = os.listdir(directory)
@@ -156,8 +162,8 @@ def remove_stale_key_files(directory: str = STALE_KEY_DIR) -> int:
             continue
         path = os.path.join(directory, name)
         try:
-            mode = os.lstat(path).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            info = os.lstat(path)
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)) or info.st_mtime > cutoff:
                 continue
             os.unlink(path)
         except OSError as e:

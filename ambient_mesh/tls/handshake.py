@@ -223,7 +223,10 @@ class Handshake:
                 if stop > len(held):
                     break
                 assert self._conn is not None
-                self._conn.bio_write(bytes(held[pos:stop]))
+                try:
+                    self._conn.bio_write(bytes(held[pos:stop]))
+                except SSL.Error as e:
+                    raise _ssl_error(e) from None
                 pos = stop
                 out += self._step()
                 if self.done:

@@ -210,8 +210,9 @@ async def start_tls(
     OpenSSL's (`OpenSslTransport`; for TLS 1.3 too with `openssl_records`, what
     bench/tls_transport_bench.py and the issue 24 comparison in bench/README.md measure ours
     against). `records_per_key` lowers RFC 8446 5.5's limit for tests (by default
-    tls/records.py's `KeyUpdates`, which interop tests change). Raises HandshakeError (an ssl.SSLError, so an OSError) for a
-    failed handshake, TimeoutError after `handshake_timeout_s`.
+    tls/records.py's `KeyUpdates`, which interop tests change). Raises HandshakeError (an
+    ssl.SSLError, so an OSError) for a failed handshake, TimeoutError after
+    `handshake_timeout_s`.
     """
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
@@ -843,11 +844,11 @@ class _OpenSslRecords:
         conn = self._conn
         if self._failed:
             raise ProtocolError("TLS record layer already failed: no more records are opened")
-        if end:
-            conn.bio_write(bytes(src[:end]))
         room = len(dst)
         status = tls_records.NEED_MORE
         try:
+            if end:
+                conn.bio_write(bytes(src[:end]))
             while filled < room:
                 n = conn.recv_into(dst[filled:], room - filled)
                 if not n:
