@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ambient_mesh.identity import CertificateAuthority, Identity, WorkloadCertificate
-from ambient_mesh.metrics import TLS_RECORD_FAILURES
+from ambient_mesh.metrics import TLS_RECORD_FAILURES, Metrics
 from ambient_mesh.tls import records as tls_records
 from ambient_mesh.tls import transport as transport_module
 from ambient_mesh.tls.context import client_context, server_context
@@ -268,6 +268,8 @@ async def test_a_broken_record_from_openssl_is_answered_with_its_alert(breakage,
     assert reported in str(await join(peer)).upper().replace(" ", "_")
     # Counted, and one warning naming the failure and the peer's address (issue 24).
     assert TLS_RECORD_FAILURES.labels(alert)._value.get() == before + 1
+    served = Metrics(process_metrics=False).render()[0].decode()  # what /metrics shows
+    assert f'istio_tls_record_failures_total{{reason="{alert}"}} {before + 1:.1f}' in served
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"({alert}) with peer ('127.0.0.1', " in warnings[0], warnings
 
