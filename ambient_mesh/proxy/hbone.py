@@ -67,9 +67,9 @@ SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 # TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
-# over at most (tls_transport fills it with the records that wait, uvloop's TLS reads this
+# over at most (tls/transport.py fills it with the records that wait, uvloop's TLS reads this
 # much). More than this is read in the next round. As large as the TLS transport's receive
-# (tls_transport.RECV_BYTES): one pass of HTTP/2 and relay per read.
+# (tls/transport.py RECV_BYTES): one pass of HTTP/2 and relay per read.
 RECEIVE_BUFFER_BYTES = 1024 * 1024
 # What a socket carrying more than one stream holds unsent (module docstring). A 1-byte round
 # trip beside a 2 GiB transfer on one pooled connection, one core: p99 23.1 ms -> 0.33 ms, p50

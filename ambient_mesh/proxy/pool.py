@@ -291,7 +291,7 @@ class HboneConnector:
 
         conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)
         try:
-            # OpenSSL on the socket itself (tls_transport.py); no SNI, as ztunnel.
+            # HBONE's TLS on the socket itself (tls/transport.py); no SNI, as ztunnel.
             await start_tls(sock, ctx, conn, server_side=False, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()

@@ -34,7 +34,7 @@ UVLOOP_READ_BYTES = READ_BYTES
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
 # write of this many bytes per read. 9 bytes short of 1 MiB: such a read goes out as one
 # HTTP/2 DATA frame whose 9-byte header (RFC 9113 4.1) shares the first TLS record
-# (tls_transport.TlsTransport.writelines), so header and payload fill 64 records of 2^14 bytes
+# (tls/transport.py TlsTransport.writelines), so header and payload fill 64 records of 2^14 bytes
 # exactly (RFC 8446 5.1); a full 1 MiB would leave a 9-byte last record per frame to seal, send,
 # open and hand over (bench/README.md, issue 11, per message). 1 MiB rather than 256 KiB: a
 # quarter of the reads, seals, sends and wake-ups per GiB on both proxies (bench/README.md,
