@@ -47,7 +47,7 @@ from ..identity.certificate import WorkloadCertificate, spiffe_ids
 from ..identity.spiffe import Identity
 from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 from .crl import CrlChecker
-from .handshake import on_keylog
+from .handshake import NO_VERIFIED_CHAIN, on_keylog
 
 log = logging.getLogger("ambient_mesh.tls")
 
@@ -256,10 +256,17 @@ class TlsContextCache:
         return len(self._server) + len(self._client)
 
     def server(self, cert: WorkloadCertificate) -> SSL.Context:
-        return self._get(self._server, cert, lambda c: server_context(c, tls12=self.tls12))
+        return self._get(self._server, cert, lambda c: self._mark(server_context(c, tls12=self.tls12)))
 
     def client(self, cert: WorkloadCertificate) -> SSL.Context:
-        return self._get(self._client, cert, lambda c: client_context(c, tls12=self.tls12))
+        return self._get(self._client, cert, lambda c: self._mark(client_context(c, tls12=self.tls12)))
+
+    def _mark(self, ctx: SSL.Context) -> SSL.Context:
+        """Without CRL_PATH nothing reads a peer's verified chain: its connections skip copying it
+        (tls/handshake.py `PeerTls.of`)."""
+        if self.crl is None:
+            ctx.set_app_data(NO_VERIFIED_CHAIN)
+        return ctx
 
     def verify_server(self, ssl_object: PeerCertificateSource, expected: Collection[Identity]) -> Identity:
         """Client side: CRL_PATH (if set), then the server's SPIFFE identity."""

@@ -9,8 +9,10 @@ from datetime import UTC, datetime
 import pytest
 from OpenSSL import SSL
 
+from ambient_mesh.errors import CertificateError
 from ambient_mesh.identity import CertificateAuthority, Identity
 from ambient_mesh.tls.context import (
+    TlsContextCache,
     client_context,
     server_context,
     verify_client_identity,
@@ -169,3 +171,19 @@ def test_peer_facts_are_copies_without_a_way_to_write():
     assert isinstance(peer, PeerTls) and isinstance(layer, RecordLayer)
     assert not any(hasattr(peer, name) for name in ("write", "send", "do_handshake", "unwrap"))
     assert peer.getpeercert() == {} and isinstance(peer.getpeercert(binary_form=True), bytes)
+
+
+def test_the_verified_chain_is_copied_only_where_a_crl_check_may_read_it():
+    """TlsContextCache without CRL_PATH marks its contexts NO_VERIFIED_CHAIN: the peer's facts
+    then hold no chain (a per-connection copy saved), and asking for it fails closed."""
+    cache = TlsContextCache()
+    server = Handshake(cache.server(SERVER_CERT), server_side=True)
+    client = Handshake(client_context(CLIENT_CERT), server_side=False)
+    server.receive(client.receive(server.receive(client.start())))
+    server_peer, _ = server.finish()
+    client_peer, _ = client.finish()
+    assert verify_client_identity(server_peer, "cluster.local") == CLIENT  # the leaf is there
+    with pytest.raises(CertificateError, match="verified chain was not kept"):
+        server_peer.get_verified_chain()
+    assert "chain=not kept" in repr(server_peer)
+    assert len(client_peer.get_verified_chain()) == 2  # an unmarked context keeps it
