@@ -217,7 +217,8 @@ class Handshake:
 
     def start(self) -> bytes:
         """The client's first flight (a server has nothing to say first)."""
-        return self._step()
+        self._step()
+        return self._drain()
 
     def receive(self, data: bytes | bytearray | memoryview) -> bytes:
         """Feed what the peer sent, one whole record at a time, until the handshake is done;
@@ -226,7 +227,6 @@ class Handshake:
             raise RuntimeError("the handshake is already done")
         held = self._held
         held += data
-        out = bytearray()
         pos = 0
         try:
             while len(held) - pos >= records.RECORD_HEADER_BYTES:
@@ -245,16 +245,24 @@ class Handshake:
                 except SSL.Error as e:
                     raise _ssl_error(e) from None
                 pos = stop
-                out += self._step()
+                self._step()
                 if self.done:
                     break
         finally:
             del held[:pos]
         if not self.done and len(held) > MAX_HANDSHAKE_HELD_BYTES:
             raise HandshakeError(f"TLS handshake failed: more than {MAX_HANDSHAKE_HELD_BYTES} bytes unfed")
-        return bytes(out)
+        # What OpenSSL wrote, read out once per call rather than after every record (each read
+        # of an empty BIO is a raised WantReadError in pyOpenSSL).
+        output = self._drain()
+        if self.done:
+            # A TLS 1.3 server writes nothing between its own flight and the client's Finished,
+            # and the client's last flight cannot share a call with anything before the server's
+            # flight: all this call's output is what came after the Finished (its tickets).
+            self._last_output_records = _count_records(output)
+        return output
 
-    def _step(self) -> bytes:
+    def _step(self) -> None:
         conn = self._conn
         assert conn is not None
         try:
@@ -266,10 +274,6 @@ class Handshake:
             # Our alert, if OpenSSL sealed one, still goes out: the caller sends what
             # `failure_output` holds before it closes.
             raise _ssl_error(e) from None
-        output = self._drain()
-        if self.done:
-            self._last_output_records = _count_records(output)
-        return output
 
     def failure_output(self) -> bytes:
         """What OpenSSL left to send after a failure (its alert), best effort."""
