@@ -249,6 +249,19 @@ class ConnectionRecorder:
         )
 
 
+# HBONE's TLS record-layer failures (tls/transport.py `record_failure`): records that failed
+# authentication, oversized or malformed ones, unexpected messages; `reason` is the alert we
+# answered with (bad_record_mac, record_overflow, unexpected_message, decode_error,
+# illegal_parameter) or "openssl" for one OpenSSL's TLS 1.2 records refused. Not one of Istio's
+# standard metrics: named in their style. One per process, served by every `Metrics` registry.
+TLS_RECORD_FAILURES = Counter(
+    "istio_tls_record_failures",
+    "The total number of HBONE connections ended by a TLS record-layer failure",
+    ("reason",),
+    registry=None,
+)
+
+
 class XdsMetrics:
     """The xDS client's counters: stream ends by reason, and responses and their bytes by type URL.
 
@@ -419,6 +432,7 @@ class Metrics:
                     self.sent_bytes,
                     self.sockets_open,
                     self.build,
+                    TLS_RECORD_FAILURES,
                     *self.xds.collectors(),
                 ),
                 before_collect=self._before_collect,

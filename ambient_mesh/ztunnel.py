@@ -30,10 +30,7 @@ from .identity.ca import CaClient, CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
 from .identity.spiffe import Identity
-from .identity.tls import TlsContextCache
-from .identity.tls_crl import CrlChecker
 from .metrics import Metrics, WithoutCreated
-from .proxy import aes_gcm
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
@@ -42,6 +39,8 @@ from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import parse_local_config
 from .state.model import Workload
 from .state.store import ProxyState
+from .tls.context import TlsContextCache, remove_stale_key_files
+from .tls.crl import CrlChecker
 from .workers.owner import (
     OwnerInpodManager,
     PoolMetrics,
@@ -135,6 +134,7 @@ class Ztunnel:
         else:
             self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
         self.cert_manager = SecretManager(self.ca_client)
+        remove_stale_key_files()  # an older version's, left by a kill -9 (tls/context.py)
         self.tls = TlsContextCache(tls12=config.tls12_enabled, crl=self._crl_checker(config))
         self.workload_proxy: WorkloadProxy | None = None
         self.inpod: InpodManager | None = None
@@ -322,8 +322,6 @@ class Ztunnel:
                     "admin": str(self.admin.bound_address),
                     "stats": str(self.stats.bound_address),
                     "readiness": str(self.readiness_server.bound_address),
-                    "aes_gcm": aes_gcm.IMPLEMENTATION
-                    + (f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""),
                 }
             },
         )

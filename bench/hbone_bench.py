@@ -529,12 +529,17 @@ def parse_fields(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
 
 
-def aes_gcm_implementation() -> str:
-    """Which AES-GCM our proxies' record layer uses on this host (proxy/aes_gcm.py)."""
-    from ambient_mesh.proxy import aes_gcm
+def tls_stack() -> str:
+    """What our proxies' HBONE TLS runs on (tls/): pyOpenSSL over cryptography's OpenSSL, whose
+    AESGCM the TLS 1.3 record layer seals and opens with."""
+    import cryptography
+    import OpenSSL
+    from cryptography.hazmat.backends.openssl.backend import backend
 
-    reason = f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""
-    return aes_gcm.IMPLEMENTATION + reason
+    return (
+        f"pyOpenSSL {OpenSSL.__version__}, cryptography {cryptography.__version__} "
+        f"({backend.openssl_version_text()}); AES-GCM: cryptography's AESGCM"
+    )
 
 
 # The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
@@ -1698,7 +1703,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(
                 f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}; "
                 f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-                f"interpreter {interpreter()}; AES-GCM {aes_gcm_implementation()}"
+                f"interpreter {interpreter()}; TLS {tls_stack()}"
             )
             if topo.envoys:
                 console.print(
@@ -1718,7 +1723,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "interpreter": interpreter(),
-        "aes_gcm": aes_gcm_implementation(),
+        "tls": tls_stack(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),

@@ -205,9 +205,9 @@ signal.signal(signal.SIGUSR2, _stop)
 # resumption is timed). Names a tree does not have are skipped.
 ROOTS = (
     ("ambient_mesh.proxy.listener", "Listener._on_readable", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport._on_readable", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport.write", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport.writelines", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport._on_readable", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport.write", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport.writelines", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.buffer_updated", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.flush", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.respond", "call"),

@@ -42,10 +42,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $want"
   "$python" -m venv .venv
 fi
-# The AES-GCM extension (setup.py) is built by the editable install: a changed source rebuilds it.
 if ! .venv/bin/python -c 'import ambient_mesh, h2, grpc, pytest, hypothesis' 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ] \
-   || [ ambient_mesh/proxy/_aes_gcm_vaes.c -nt .venv/.installed ]; then
+   || [ pyproject.toml -nt .venv/.installed ]; then
   echo "setup: installing Python dependencies"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'

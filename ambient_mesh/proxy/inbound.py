@@ -22,6 +22,7 @@ from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
 from ..state.memo import StateMemo
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
+from ..tls.transport import start_tls
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
@@ -29,7 +30,6 @@ from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .telemetry import ConnectionResult
-from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
 
@@ -207,7 +207,7 @@ class InboundProxy:
             on_request=lambda s: self._on_request(s, local, peer, server_identity),
         )
         try:
-            # OpenSSL on the socket itself (tls_transport.py).
+            # OpenSSL for the handshake, then our own records (tls/transport.py).
             await start_tls(sock, ctx, conn, server_side=True, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             log.info("HBONE TLS handshake from %s failed: %s", peer, e)

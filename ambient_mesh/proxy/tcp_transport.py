@@ -30,7 +30,7 @@ import logging
 import socket
 from typing import Any
 
-from .write_backlog import BacklogOverflow, WriteBacklog
+from ..write_backlog import BacklogOverflow, WriteBacklog
 
 log = logging.getLogger("ambient_mesh.proxy.tcp_transport")
 

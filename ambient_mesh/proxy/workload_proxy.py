@@ -20,12 +20,12 @@ from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..host.sockets import SocketFactory, plain_socket
 from ..identity.manager import SecretManager
-from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
 from ..state.memo import StateMemo
 from ..state.model import Workload
 from ..state.store import StateReader
+from ..tls.context import TlsContextCache
 from .hbone import HboneSettings
 from .inbound import InboundPassthroughProxy, InboundProxy
 from .inputs import ProxyInputs

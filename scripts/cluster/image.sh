@@ -68,8 +68,8 @@ if [ "$(cat "$CTX/wheels/.deps" 2>/dev/null)" != "$deps_stamp" ]; then
 fi
 rm -f "$CTX"/wheels/ambient_mesh-*.whl
 rm -rf "$CACHE/wheel-build"; mkdir -p "$CACHE/wheel-build"
-cp -a pyproject.toml setup.py ambient_mesh "$CACHE/wheel-build/"
-find "$CACHE/wheel-build" -name '*.so' -delete  # the extension is built for the wheel, not copied
+cp -a pyproject.toml ambient_mesh "$CACHE/wheel-build/"
+find "$CACHE/wheel-build" -name '*.so' -delete  # no compiled module of ours: a stale one must not ride along
 (cd "$CACHE/wheel-build" && find . -exec touch -h -d @315532800 {} + \
   && SOURCE_DATE_EPOCH=315532800 "$OLDPWD/.venv/bin/pip" wheel -q --no-deps --no-build-isolation \
        --wheel-dir "$CTX/wheels" . 2>&1 | grep -v '^WARNING: Location' >&2 || true)

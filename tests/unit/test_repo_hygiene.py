@@ -55,21 +55,7 @@ MAY_NAME_BENCH_LOG = frozenset({"README.md", "docs/performance.md", "bench/READM
 # Files other branches are rewriting while this rule lands (the TLS package, the HBONE shell and pool,
 # the waypoint work): their citations are re-pointed after those merges, and each entry goes then.
 # The list only shrinks: an entry whose file no longer cites anything outside fails the test below.
-CITATIONS_LEFT_FOR_MERGES: dict[str, str] = {
-    "ambient_mesh/identity/tls.py": "moves to ambient_mesh/tls/ (TLS branch)",
-    "ambient_mesh/identity/tls_crl.py": "moves to ambient_mesh/tls/crl.py (TLS branch)",
-    "ambient_mesh/identity/tls_suites.py": "removed by the TLS branch",
-    "ambient_mesh/proxy/_aes_gcm_vaes.c": "removed by the TLS branch",
-    "ambient_mesh/proxy/tls_records.py": "moves to ambient_mesh/tls/records.py (TLS branch)",
-    "ambient_mesh/proxy/tls_transport.py": "replaced by ambient_mesh/tls/transport.py (TLS branch)",
-    "ambient_mesh/proxy/hbone.py": "rewritten by the HBONE-shell and TLS work",
-    "ambient_mesh/proxy/inputs.py": "rewritten by the TLS work",
-    "ambient_mesh/proxy/pool.py": "rewritten by the pool work",
-    "ambient_mesh/proxy/relay.py": "rewritten by the TLS work",
-    "bench/tls_transport_bench.py": "rewritten by the TLS branch",
-    "docs/architecture.md": "its TLS paragraph is rewritten by the TLS branch",
-    "tests/integration/test_waypoint.py": "rewritten by the waypoint branch",
-}
+CITATIONS_LEFT_FOR_MERGES: dict[str, str] = {}
 
 # A documentation path named anywhere (`docs/performance.md`), and a section cited in it by title
 # (`docs/istio-behaviour.md, "Inbound HBONE (15008)"`, a title possibly wrapped over a comment line).

@@ -1,11 +1,11 @@
 """Certificate revocation for HBONE's mutual TLS (`CRL_PATH`), checked on both sides of every
 handshake.
 
-Counterpart: ztunnel src/tls/crl.rs (the CRL manager behind `CRL_PATH`), reference/ztunnel.md
-6.5-6.6: PEM or DER CRLs, reloaded when the file changes (a symlink swap too), revoked chains
+Counterpart: ztunnel src/tls/crl.rs (the CRL manager behind `CRL_PATH`), docs/istio-behaviour.md,
+"Data-plane TLS": PEM or DER CRLs, reloaded when the file changes (a symlink swap too), revoked chains
 refused in both directions, a certificate whose issuer has no CRL allowed (unknown status).
 
-Where: after the handshake, beside the SPIFFE checks (identity/tls.py), on the chain OpenSSL
+Where: after the handshake, beside the SPIFFE checks (tls/context.py), on the chain OpenSSL
 verified (leaf, intermediates, root). Python's `ssl` cannot give OpenSSL a CRL with "unknown
 status allowed": X509_V_FLAG_CRL_CHECK fails every chain whose issuer has no CRL, and a reload
 would mean rebuilding every context. So each certificate of the verified chain is looked up by
@@ -34,7 +34,7 @@ from prometheus_client import Counter
 from ..errors import CertificateError, ConfigError, ResponseFlag
 from ..metrics import REPORTER_DESTINATION, REPORTER_SOURCE
 
-log = logging.getLogger("ambient_mesh.identity.crl")
+log = logging.getLogger("ambient_mesh.tls.crl")
 
 # The CRL file comes from the operator, but it is still read into memory whole: bound it.
 MAX_CRL_FILE_BYTES = 32 * 1024 * 1024
@@ -119,27 +119,26 @@ def _describe(cert: x509.Certificate) -> str:
 
 
 def verified_chain(ssl_object: object) -> list[x509.Certificate]:
-    """The chain OpenSSL verified for the peer, leaf first.
-
-    `get_verified_chain` is public from Python 3.13 and the `_ssl` object's method before.
-    Without it the issuers are unknown, so no CRL could be checked: that fails closed.
-    """
+    """The chain OpenSSL verified for the peer, leaf first: tls/handshake.py's `PeerTls` copies it
+    out of OpenSSL (`cryptography` certificates). Without it the issuers are unknown, so no CRL
+    could be checked: that fails closed."""
     getter = getattr(ssl_object, "get_verified_chain", None)
-    if getter is None:
-        getter = getattr(getattr(ssl_object, "_sslobj", None), "get_verified_chain", None)
     if getter is None:
         raise CertificateError(
             "cannot read the peer's verified chain to check CRL_PATH",
-            hint="CRL checking needs Python's ssl get_verified_chain (3.10 or later)",
+            hint="the TLS connection must come from tls/transport.py, whose peer object has it",
         )
     out = []
     for item in getter():
-        der = item if isinstance(item, bytes) else item.public_bytes(_DER)
-        out.append(x509.load_der_x509_certificate(der))
+        if isinstance(item, x509.Certificate):
+            out.append(item)
+        elif isinstance(item, bytes):
+            out.append(x509.load_der_x509_certificate(item))
+        else:
+            raise CertificateError(
+                f"the peer's verified chain holds a {type(item).__name__}, not a certificate"
+            )
     return out
-
-
-_DER = 2  # _ssl.ENCODING_DER
 
 
 class CrlMetrics:

@@ -1,11 +1,11 @@
 """HBONE's TLS 1.3 record layer after the handshake (sans-IO): records in, plaintext out;
 plaintext in, records out.
 
-OpenSSL does the handshake (proxy/tls_transport.py drives it); once it is done, the two
-application traffic secrets (identity/tls_suites.py `TrafficSecrets`, from OpenSSL's keylog
-callback) are all this core needs. Counterparts: rustls' record layer under ztunnel, BoringSSL's
-under Envoy, OpenSSL's `ssl/record/` (which this replaces for HBONE because the system OpenSSL
-3.0 does AES-GCM without VAES: bench/README.md, issue 11, "Per message, session 17").
+OpenSSL does the handshake (tls/handshake.py drives it through pyOpenSSL); once it is done, the
+two application traffic secrets (from OpenSSL's keylog callback, tls/handshake.py
+`TrafficSecrets`) are all this core needs. Counterparts: rustls' record layer under ztunnel,
+BoringSSL's under Envoy, OpenSSL's `ssl/record/`; why HBONE keeps a record layer of its own rather
+than OpenSSL's: docs/performance.md, "TLS: our own TLS 1.3 records on `cryptography`'s AES-GCM".
 
 What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_records.py:
 - 5.1 / 5.2: every record after the handshake is a TLSCiphertext (outer type application_data,
@@ -22,12 +22,14 @@ What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_reco
 - 5.1: alerts are exactly one 2-byte message per record; handshake messages are not interleaved
   with other content types, and a KeyUpdate ends its record (4.6.3, 5.1: a key change is on a
   record boundary).
-- 6: close_notify is the peer's end of data (data after it is ignored, 6.1); every other alert
-  ends the connection with its name in the error (6.2: all others are fatal, unknown ones too).
+- 6: close_notify is the peer's end of data (data after it is ignored, 6.1); user_canceled, the
+  other closure alert (6.1), is not an error: reading goes on to the close_notify that should
+  follow it. Every other alert ends the connection with its name in the error (6.2: all others
+  are fatal, unknown ones too).
   Our fatal alerts (bad_record_mac, record_overflow, unexpected_message, decode_error,
   illegal_parameter) are sealed for the shell to send before it closes.
 - 4.6.1: a NewSessionTicket (server to client only) is checked for its structure and dropped: we
-  do no resumption (identity/tls.py). 4.6.3: a KeyUpdate rotates the read key; update_requested
+  do no resumption (tls/context.py). 4.6.3: a KeyUpdate rotates the read key; update_requested
   is answered by a KeyUpdate of ours (update_not_requested) before our next record, several
   requests in a row by one answer, and rotates our write key. 4.6.2 (post-handshake
   authentication) is never offered, so a CertificateRequest, like any other post-handshake
@@ -35,9 +37,10 @@ What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_reco
 - 7.1 / 7.3: traffic keys and ivs by HKDF-Expand-Label from the traffic secret, next secrets by
   "traffic upd". Every output here is at most the hash length, so HKDF-Expand is one HMAC.
 
-Suites: TLS_AES_128_GCM_SHA256 and TLS_AES_256_GCM_SHA384, ztunnel's two (identity/tls_suites.py
-narrows the handshake to them); the AEAD is proxy/aes_gcm.py's (our VAES code where the CPU
-has it, `cryptography`'s AESGCM elsewhere).
+Suites: TLS_AES_128_GCM_SHA256 and TLS_AES_256_GCM_SHA384, ztunnel's two (tls/context.py
+narrows the handshake to them); the AEAD is `cryptography`'s AESGCM (its OpenSSL's AES-GCM): no
+cryptographic primitive here is our own, only the record framing, nonces and key schedule of
+RFC 8446 around it.
 
 Bounds on what a peer can make us hold or do: one record (MAX_CIPHERTEXT_BYTES), one
 post-handshake message (MAX_POST_HANDSHAKE_MESSAGE_BYTES), post-handshake messages in a row without
@@ -53,9 +56,9 @@ from collections.abc import Iterable
 from typing import Final
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import ProtocolError
-from .aes_gcm import aes_gcm
 
 # RFC 8446 5.1: at most 2^14 bytes of content per record.
 MAX_RECORD_PLAINTEXT_BYTES: Final = 2**14
@@ -94,7 +97,9 @@ NEW_SESSION_TICKET: Final = 4
 KEY_UPDATE: Final = 24
 UPDATE_NOT_REQUESTED: Final = 0
 UPDATE_REQUESTED: Final = 1
-# Alert descriptions (RFC 8446 6).
+# Alert descriptions (RFC 8446 6). close_notify and user_canceled are the closure alerts (6.1).
+CLOSE_NOTIFY: Final = 0
+USER_CANCELED: Final = 90
 ALERT_NAMES: Final = {
     0: "close_notify",
     10: "unexpected_message",
@@ -188,7 +193,7 @@ class _Keys:
 
     def __init__(self, secret: bytearray, key_bytes: int, hash_name: str) -> None:
         key = bytearray(hkdf_expand_label(secret, b"key", b"", key_bytes, hash_name))
-        self.aead = aes_gcm(key)
+        self.aead = AESGCM(key)
         _wipe(key)
         self.iv = int.from_bytes(hkdf_expand_label(secret, b"iv", b"", IV_BYTES, hash_name), "big")
         self.seq = 0
@@ -235,6 +240,20 @@ def _scratch() -> _Scratch:
 SMALL_SEAL_BYTES: Final = 2048
 _APPLICATION_DATA_TYPE: Final = bytes((APPLICATION_DATA,))
 _KEY_UPDATE_NOT_REQUESTED: Final = bytes((KEY_UPDATE, 0, 0, 1, UPDATE_NOT_REQUESTED))
+_KEY_UPDATE_REQUESTED: Final = bytes((KEY_UPDATE, 0, 0, 1, UPDATE_REQUESTED))
+
+
+class KeyUpdates:
+    """How often new record layers change keys on their own, process-wide. The defaults are RFC
+    8446 5.5's AES-GCM limit and a KeyUpdate that asks nothing of the peer. Interop tests lower
+    the limit and ask for the peer's KeyUpdate too (update_requested, which every TLS 1.3 peer
+    must answer, 4.6.3), so that real peers (Envoy's BoringSSL, Node's OpenSSL) change keys both
+    ways inside one transfer; `start_tls` (tls/transport.py) reads both when it makes a layer."""
+
+    records_per_key: int = RECORDS_PER_KEY
+    request_peer_update: bool = False
+
+
 KEY_UPDATE_RECORD_BYTES: Final = RECORD_HEADER_BYTES + len(_KEY_UPDATE_NOT_REQUESTED) + 1 + AEAD_TAG_BYTES
 
 
@@ -255,6 +274,7 @@ class RecordLayer:
         "_read",
         "_write",
         "records_per_key",
+        "request_peer_update",
         "output",
         "_answer_due",
         "_handshake",
@@ -274,13 +294,15 @@ class RecordLayer:
         read_secret: bytes | bytearray,
         write_secret: bytes | bytearray,
         records_per_key: int = RECORDS_PER_KEY,
+        write_sequence: int = 0,
+        request_peer_update: bool = False,
     ) -> None:
         try:
             key_bytes, hash_name, hash_bytes = SUITES[suite]
         except KeyError:
             raise ProtocolError(
                 f"TLS 1.3 suite {suite!r} is not one HBONE's record layer has",
-                hint=f"the handshake must negotiate one of {', '.join(SUITES)} (identity/tls_suites.py)",
+                hint=f"the handshake must negotiate one of {', '.join(SUITES)} (tls/context.py)",
             ) from None
         if len(read_secret) != hash_bytes or len(write_secret) != hash_bytes:
             raise ValueError(f"{suite} traffic secrets are {hash_bytes} bytes")
@@ -291,7 +313,13 @@ class RecordLayer:
         self._key_bytes, self._hash_name, self._hash_bytes = key_bytes, hash_name, hash_bytes
         self._read = _Keys(bytearray(read_secret), key_bytes, hash_name)
         self._write = _Keys(bytearray(write_secret), key_bytes, hash_name)
+        # Records OpenSSL sealed under our first write key before we took over (a server's
+        # NewSessionTickets, tls/handshake.py): our sequence numbers continue after them.
+        if not 0 <= write_sequence <= records_per_key - 2:
+            raise ValueError(f"write_sequence {write_sequence} is out of range")
+        self._write.seq = write_sequence
         self.records_per_key = records_per_key
+        self.request_peer_update = request_peer_update  # our own KeyUpdates: update_requested
         self.output = bytearray()  # sealed records waiting to be sent (see the class docstring)
         self._answer_due = False  # a KeyUpdate(update_requested) waits for our KeyUpdate
         self._handshake = bytearray()  # a post-handshake message not yet whole
@@ -464,9 +492,18 @@ class RecordLayer:
                 )
             code = content[1]
             name = ALERT_NAMES.get(code, f"unknown alert {code}")
-            if code == 0:
+            if code == CLOSE_NOTIFY:
                 self.read_closed = True
                 return True
+            if code == USER_CANCELED:
+                # RFC 8446 6.1: a closure alert, not an error; its close_notify should follow.
+                # It counts as a record without data, so a peer cannot send them forever.
+                self._in_a_row += 1
+                if self._in_a_row > MAX_NO_DATA_IN_A_ROW:
+                    raise self._fail(
+                        "unexpected_message", f"more than {MAX_NO_DATA_IN_A_ROW} user_canceled in a row"
+                    )
+                return False
             self.failed = True
             raise TlsPeerAlert(name, code)
         if kind == APPLICATION_DATA:  # only here with a message pending, refused above
@@ -630,7 +667,7 @@ class RecordLayer:
         for chunk in chunks:
             if seq >= last:
                 keys.seq = seq
-                record = self._key_update()
+                record = self._key_update(requested=self.request_peer_update)
                 out[o : o + len(record)] = record
                 o += len(record)
                 keys = self._write
@@ -648,10 +685,12 @@ class RecordLayer:
         keys.seq = seq
         return out[:o]
 
-    def _key_update(self) -> bytes:
-        """Our KeyUpdate (update_not_requested), sealed under the current write key, which it
-        then replaces (RFC 8446 4.6.3)."""
-        record = self._seal_control(HANDSHAKE, _KEY_UPDATE_NOT_REQUESTED)
+    def _key_update(self, *, requested: bool = False) -> bytes:
+        """Our KeyUpdate, sealed under the current write key, which it then replaces (RFC 8446
+        4.6.3): update_not_requested, unless `requested` (only ever at our own limit, never in
+        answer to the peer's, so two of us cannot make each other update forever)."""
+        message = _KEY_UPDATE_REQUESTED if requested else _KEY_UPDATE_NOT_REQUESTED
+        record = self._seal_control(HANDSHAKE, message)
         self._write = self._next_keys(self._write)
         return record
 

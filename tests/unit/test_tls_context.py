@@ -1,10 +1,11 @@
-"""HBONE TLS without sockets: context settings, the SPIFFE checks, the context cache."""
+"""HBONE TLS without sockets (tls/context.py): context settings, keys from memory, the SPIFFE
+checks, the context cache."""
 
 from __future__ import annotations
 
 import dataclasses
-import ssl
-import tempfile
+import sys
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,17 +15,16 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from OpenSSL import SSL
 
+import ambient_mesh
 from ambient_mesh.errors import CertificateError, ProtocolError
-from ambient_mesh.identity import (
-    CertificateAuthority,
-    Identity,
+from ambient_mesh.identity import CertificateAuthority, Identity, WorkloadCertificate
+from ambient_mesh.tls.context import (
     TlsContextCache,
-    WorkloadCertificate,
     client_context,
-    openssl_native,
+    remove_stale_key_files,
     server_context,
-    tls_suites,
     verify_client_identity,
     verify_server_identity,
 )
@@ -77,105 +77,86 @@ def _der_with_uris(*uris: str) -> bytes:
     return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER)
 
 
-def test_server_context_settings(ca: CertificateAuthority) -> None:
-    ctx = server_context(ca.issue(ALICE, 3600, now=NOW))
-
-    assert ctx.minimum_version == ctx.maximum_version == ssl.TLSVersion.TLSv1_3
-    assert ctx.verify_mode == ssl.CERT_REQUIRED
-    assert ctx.check_hostname is False
-    assert ctx.options & ssl.OP_NO_TICKET
-    assert not ctx.options & ssl.OP_IGNORE_UNEXPECTED_EOF  # a truncation stays an error (RFC 8446 6.1)
-    assert len(ctx.get_ca_certs()) == 1
+def _options(ctx: SSL.Context) -> int:
+    return ctx.set_options(0)  # SSL_CTX_set_options returns the options now set
 
 
-def test_client_context_settings(ca: CertificateAuthority) -> None:
-    ctx = client_context(ca.issue(ALICE, 3600, now=NOW))
-
-    assert ctx.minimum_version == ctx.maximum_version == ssl.TLSVersion.TLSv1_3
-    assert ctx.verify_mode == ssl.CERT_REQUIRED
-    assert ctx.check_hostname is False
-    assert ctx.options & ssl.OP_NO_TICKET
-    assert not ctx.options & ssl.OP_IGNORE_UNEXPECTED_EOF
+def _tls13_suites(ctx: SSL.Context) -> list[str]:
+    return [name for name in SSL.Connection(ctx, None).get_cipher_list() if name.startswith("TLS_")]
 
 
-def tls13_suites(ctx: ssl.SSLContext) -> list[str]:
-    return [c["name"] for c in ctx.get_ciphers() if c["protocol"] == "TLSv1.3"]
+@pytest.mark.parametrize("make", [server_context, client_context])
+def test_context_settings(ca: CertificateAuthority, make: Any) -> None:
+    ctx = make(ca.issue(ALICE, 3600, now=NOW))
+
+    assert ctx.get_verify_mode() == SSL.VERIFY_PEER | SSL.VERIFY_FAIL_IF_NO_PEER_CERT
+    options = _options(ctx)
+    assert options & SSL.OP_NO_TICKET and options & SSL.OP_NO_RENEGOTIATION
+    assert bool(options & SSL.OP_CIPHER_SERVER_PREFERENCE) == (make is server_context)
+    assert ctx.get_session_cache_mode() == SSL.SESS_CACHE_OFF  # no resumption
 
 
 def test_both_contexts_offer_exactly_ztunnels_tls13_suites(ca: CertificateAuthority) -> None:
     cert = ca.issue(ALICE, 3600, now=NOW)
     for ctx in (server_context(cert), client_context(cert)):
-        assert tls13_suites(ctx) == ["TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384"]
-    assert "TLS_CHACHA20_POLY1305_SHA256" in tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+        assert _tls13_suites(ctx) == ["TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384"]
+    assert "TLS_CHACHA20_POLY1305_SHA256" in _tls13_suites(SSL.Context(SSL.TLS_METHOD))
 
 
-def test_suites_are_not_written_through_a_pointer_that_fails_the_check(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    real = openssl_native.libssl()
-    assert real is not None
-    writes: list[object] = []
-
-    class Skewed:
-        ctx_get_verify_mode = real.ctx_get_verify_mode
-
-        @staticmethod
-        def ctx_get_options(pointer: int) -> int:
-            return int(real.ctx_get_options(pointer)) ^ 1  # what another layout would read
-
-        @staticmethod
-        def set_ciphersuites(pointer: int, names: bytes) -> int:
-            writes.append(names)
-            return 1
-
-    monkeypatch.setattr(openssl_native, "libssl", lambda: Skewed)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    with pytest.raises(CertificateError, match="cannot find the OpenSSL context"):
-        tls_suites.set_tls13_suites(ctx)
-    assert writes == []
-    assert "TLS_CHACHA20_POLY1305_SHA256" in tls13_suites(ctx)
+def test_no_module_reads_interpreter_memory_or_calls_libssl_through_ctypes() -> None:
+    """Issue 24: OpenSSL is reached through pyOpenSSL's public API only: no `ctypes` in the TLS,
+    identity or proxy packages (host/ keeps libc's, for mallopt and setns), nothing anywhere that
+    opens libssl or reads object addresses (`id()` + `__basicsize__`), no C module of our own."""
+    root = Path(ambient_mesh.__file__).parent
+    offenders = []
+    for path in root.rglob("*"):
+        name = path.relative_to(root).as_posix()
+        if path.suffix in (".so", ".c", ".pyd"):
+            offenders.append(f"{name}: a compiled or C module")
+        elif path.suffix == ".py" and not name.startswith("wire/istio"):
+            text = path.read_text()
+            needles = ["_ssl.__file__", "libssl", "__basicsize__", "from_address", "_sslobj"]
+            if name.split("/")[0] in ("tls", "identity", "proxy"):
+                needles += ["import ctypes", "from ctypes"]
+            offenders += [f"{name}: {needle}" for needle in needles if needle in text]
+    assert offenders == []
 
 
-def test_suites_are_refused_on_an_unchecked_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openssl_native, "CHECKED_CPYTHON", ((3, 0), (3, 1)))
-    openssl_native.libssl.cache_clear()
-    try:
-        assert not openssl_native.interpreter_checked() and openssl_native.libssl() is None
-        with pytest.raises(CertificateError, match="cannot set TLS 1.3 cipher suites on cpython"):
-            tls_suites.set_tls13_suites(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
-    finally:
-        monkeypatch.undo()
-        openssl_native.libssl.cache_clear()
-    assert openssl_native.libssl() is not None
-
-
-def test_an_unknown_suite_name_is_an_error() -> None:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    with pytest.raises(CertificateError, match="OpenSSL refused the TLS 1.3 cipher suites TLS_NO_SUCH"):
-        tls_suites.set_tls13_suites(ctx, ("TLS_NO_SUCH",))
-
-
-def test_building_contexts_leaves_no_key_file_behind(
-    ca: CertificateAuthority, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The key files this process makes (the directory is shared with every other process on the
-    # host, so it is not compared as a whole).
-    made: list[str] = []
-    real_mkstemp = tempfile.mkstemp
-
-    def recording_mkstemp(*args: Any, **kwargs: Any) -> tuple[int, str]:
-        fd, name = real_mkstemp(*args, **kwargs)
-        made.append(name)
-        return fd, name
-
-    monkeypatch.setattr(tempfile, "mkstemp", recording_mkstemp)
+def test_building_contexts_opens_no_file(ca: CertificateAuthority) -> None:
+    """Keys and certificates reach OpenSSL from memory: not one file is opened while the
+    contexts are built, so a kill -9 at any moment leaves nothing of a key behind."""
     cert = ca.issue(ALICE, 3600, now=NOW)
+    opened: list[object] = []
+    watching = [True]
 
-    server_context(cert)
-    client_context(cert)
+    def hook(event: str, args: tuple[object, ...]) -> None:
+        if watching[0] and event in ("open", "os.open", "tempfile.mkstemp", "tempfile.mkdtemp"):
+            opened.append((event, args[0] if args else None))
 
-    assert len(made) == 2 and all(Path(n).name.startswith("ambient-key-") for n in made), made
-    assert [n for n in made if Path(n).exists()] == []
+    sys.addaudithook(hook)  # cannot be removed: it stops recording below
+    try:
+        server_context(cert)
+        client_context(cert)
+        server_context(cert, tls12=True)
+    finally:
+        watching[0] = False
+    assert opened == []
+
+
+def test_stale_key_files_of_the_older_version_are_removed_at_start(tmp_path: Path) -> None:
+    (tmp_path / "ambient-key-abc123.pem").write_bytes(b"-----BEGIN PRIVATE KEY-----")
+    (tmp_path / "ambient-key-link.pem").symlink_to(tmp_path / "keep-me.pem")
+    (tmp_path / "keep-me.pem").write_bytes(b"not ours")
+    (tmp_path / "ambient-key-dir.pem").mkdir()
+    (tmp_path / "other.pem").write_bytes(b"not ours either")
+
+    # Younger than a minute: perhaps an older proxy beside us loading its key right now.
+    assert remove_stale_key_files(str(tmp_path)) == 0
+    assert remove_stale_key_files(str(tmp_path), now=time.time() + 61) == 2
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ambient-key-dir.pem", "keep-me.pem", "other.pem"]
+    assert (tmp_path / "keep-me.pem").read_bytes() == b"not ours"  # a link is removed, not followed
+    assert remove_stale_key_files(str(tmp_path / "missing"), now=time.time() + 61) == 0
 
 
 def test_a_key_that_does_not_match_the_chain_is_refused(ca: CertificateAuthority) -> None:

@@ -4,8 +4,8 @@ Counterpart: the write buffer of an asyncio transport (uvloop's, CPython's selec
 the protocol is told to `pause_writing` once more than the high-water mark waits and to
 `resume_writing` once no more than the low-water mark does. Here a protocol that keeps writing
 after `pause_writing` is also cut off at `max_bytes`, so a peer that stops reading cannot make
-us hold more than that. Both of our transports keep one: HBONE's TLS (tls_transport.py) and the
-plain TCP endpoints (tcp_transport.py).
+us hold more than that. Both of our transports keep one: HBONE's TLS (tls/transport.py) and the
+plain TCP endpoints (proxy/tcp_transport.py).
 """
 
 from __future__ import annotations

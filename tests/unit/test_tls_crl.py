@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from ambient_mesh.errors import ConfigError
 from ambient_mesh.identity import CertificateAuthority, Identity
 from ambient_mesh.identity.certificate import load_pem_certificates
-from ambient_mesh.identity.tls_crl import (
+from ambient_mesh.tls.crl import (
     CRL_RECHECK_INTERVAL_S,
     REPORTER_DESTINATION,
     REPORTER_SOURCE,
@@ -94,7 +94,7 @@ def test_revoked_client_and_server_are_refused_others_pass(ca, tmp_path, caplog)
     path = tmp_path / "crl.pem"
     write(path, crl_pem(ca, alice_serial))
     checker = CrlChecker(str(path))
-    caplog.set_level(logging.WARNING, logger="ambient_mesh.identity.crl")
+    caplog.set_level(logging.WARNING, logger="ambient_mesh.tls.crl")
     with pytest.raises(CertificateRevoked) as err:
         checker.check(alice, REPORTER_DESTINATION)
     assert err.value.response_flag == "CERT_REVOKED"
@@ -158,7 +158,7 @@ def test_reload_when_the_file_changes_at_most_once_per_interval(ca, tmp_path, ca
         checker.check(alice, REPORTER_DESTINATION)
     assert checker.reloads == 1
     # A bad write keeps the last good CRLs (revocation never silently turns off).
-    caplog.set_level(logging.WARNING, logger="ambient_mesh.identity.crl")
+    caplog.set_level(logging.WARNING, logger="ambient_mesh.tls.crl")
     write(path, b"garbage")
     clock.now += CRL_RECHECK_INTERVAL_S
     with pytest.raises(CertificateRevoked):
