@@ -192,14 +192,8 @@ print(json.dumps(out))
 """
 
 
-def test_node_proxy_rollout_keeps_a_long_lived_stream(cluster):
-    """The stream lasts STREAM_S, less than the old node proxy's drain deadline (25 s after its
-    SIGTERM), so it ends on its own while the old proxy still carries it."""
-    if kubernetes_minor() < DAEMONSET_SURGE_MINOR:
-        pytest.skip(
-            f"DaemonSet maxSurge needs Kubernetes 1.{DAEMONSET_SURGE_MINOR}+; "
-            f"this cluster is 1.{kubernetes_minor()} (its ztunnel rolls one pod at a time)"
-        )
+def _echo_and_client(cluster) -> tuple[str, str]:
+    """A namespace in the mesh with a raw echo pod and a client pod: (namespace, echo's IP)."""
     ns = cluster.namespace(ambient=True)
     cluster.pod(ns, "client", sa="client", serve=False)
     cluster.apply(
@@ -225,28 +219,106 @@ def test_node_proxy_rollout_keeps_a_long_lived_stream(cluster):
     )
     cluster.running(ns, "client")
     cluster.running(ns, "echo")
-    ip = cluster.pod_ip(ns, "echo")
-    old = cluster.ztunnel_pod()["metadata"]["name"]
-    seconds = STREAM_S
+    return ns, cluster.pod_ip(ns, "echo")
+
+
+def _while_the_loop_runs(cluster, ns: str, ip: str, replace) -> tuple[float, dict]:
+    """Run the client's stream and request loop for STREAM_S seconds, and `replace()` (the node
+    proxy's replacement) 3 s into it; (how long `replace` took, the client's counts)."""
     loop = subprocess.Popen(
-        ["kubectl", "exec", "-n", ns, "client", "--", "python3", "-c", CLIENT, ip, str(seconds)],
+        ["kubectl", "exec", "-n", ns, "client", "--", "python3", "-c", CLIENT, ip, str(STREAM_S)],
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         time.sleep(3)
         t0 = time.monotonic()
+        replace()
+        took = time.monotonic() - t0
+        out, _ = loop.communicate(timeout=STREAM_S + 60)
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+    return took, json.loads(out.strip().splitlines()[-1])
+
+
+def test_node_proxy_rollout_keeps_a_long_lived_stream(cluster):
+    """The stream lasts STREAM_S, less than the old node proxy's drain deadline (25 s after its
+    SIGTERM), so it ends on its own while the old proxy still carries it."""
+    if kubernetes_minor() < DAEMONSET_SURGE_MINOR:
+        pytest.skip(
+            f"DaemonSet maxSurge needs Kubernetes 1.{DAEMONSET_SURGE_MINOR}+; "
+            f"this cluster is 1.{kubernetes_minor()} (its ztunnel rolls one pod at a time; "
+            "test_node_proxy_surge_by_a_second_daemonset covers the same hand-over there)"
+        )
+    ns, ip = _echo_and_client(cluster)
+    old = cluster.ztunnel_pod()["metadata"]["name"]
+
+    def rollout() -> None:
         cluster.kubectl("rollout", "restart", "daemonset", "-n", "istio-system", "ztunnel")
         cluster.kubectl(
             "rollout", "status", "daemonset", "-n", "istio-system", "ztunnel", "--timeout=120s", timeout=150
         )
-        rolled_s = time.monotonic() - t0
-        out, _ = loop.communicate(timeout=seconds + 60)
-    finally:
-        if loop.poll() is None:
-            loop.kill()
-    counts = json.loads(out.strip().splitlines()[-1])
+
+    rolled_s, counts = _while_the_loop_runs(cluster, ns, ip, rollout)
     assert cluster.ztunnel_pod()["metadata"]["name"] != old
     print(f"\nztunnel rollout {rolled_s:.1f}s: {counts}")
     assert counts["request_errors"] == 0 and counts["requests_ok"] > 0, counts
     assert counts["stream_errors"] == [] and counts["stream_ok"] > 0, counts
+
+
+def _surge_copy(ds: dict, name: str) -> dict:
+    """The ztunnel DaemonSet as another DaemonSet `name` (its own pod label), same pods otherwise."""
+    copy = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": ds["metadata"]["namespace"]},
+        "spec": json.loads(json.dumps(ds["spec"])),
+    }
+    copy["spec"]["selector"] = {"matchLabels": {"app": name}}
+    copy["spec"]["template"]["metadata"].setdefault("labels", {})["app"] = name
+    return copy
+
+
+def test_node_proxy_surge_by_a_second_daemonset_keeps_a_long_lived_stream(cluster):
+    """What maxSurge does, by hand, on a Kubernetes without it (1.20): a second node proxy starts
+    on the node, the node agent hands it every pod over ZDS, then the first one's DaemonSet is
+    deleted and that proxy drains. No request of the loop fails and the open stream, carried by the
+    old proxy to its end, is never cut. The original DaemonSet is put back the same way."""
+    ns, ip = _echo_and_client(cluster)
+    original = cluster.get("daemonset", "-n", "istio-system", "ztunnel")
+    surge = _surge_copy(original, "ztunnel-surge")
+    restore = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "ztunnel", "namespace": "istio-system"},
+        "spec": original["spec"],
+    }
+
+    def ready(label: str) -> bool:
+        pods = [p for p in cluster.system_pods(f"app={label}") if not p["metadata"].get("deletionTimestamp")]
+        return len(pods) == 1 and all(
+            c.get("ready") for c in pods[0]["status"].get("containerStatuses", [{}])
+        )
+
+    def hand_over(to: dict, away: str) -> None:
+        cluster.apply(json.dumps(to))
+        wait_for(lambda: ready(to["metadata"]["name"]), "the new node proxy ready", 120)
+        time.sleep(1)  # the node agent hands the pods to the newest ZDS connection as it connects
+        cluster.kubectl("delete", "daemonset", "-n", "istio-system", away, "--wait=false")
+
+    try:
+        took, counts = _while_the_loop_runs(cluster, ns, ip, lambda: hand_over(surge, "ztunnel"))
+        print(f"\nsurge to ztunnel-surge ({took:.1f}s to ready and hand over): {counts}")
+        assert counts["request_errors"] == 0 and counts["requests_ok"] > 0, counts
+        assert counts["stream_errors"] == [] and counts["stream_ok"] > 0, counts
+        back, counts = _while_the_loop_runs(cluster, ns, ip, lambda: hand_over(restore, "ztunnel-surge"))
+        print(f"and back to ztunnel ({back:.1f}s): {counts}")
+        assert counts["request_errors"] == 0 and counts["stream_errors"] == [], counts
+    finally:
+        if not cluster.kubectl("get", "daemonset", "-n", "istio-system", "ztunnel", check=False).strip():
+            cluster.apply(json.dumps(restore))
+        cluster.kubectl("delete", "daemonset", "-n", "istio-system", "ztunnel-surge", "--ignore-not-found")
+        wait_for(
+            lambda: ready("ztunnel") and not cluster.system_pods("app=ztunnel-surge"), "ztunnel alone", 180
+        )
