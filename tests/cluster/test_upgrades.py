@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import time
 
 import pytest
 
-from .kube import DAEMONSET_SURGE_MINOR, kubernetes_minor, wait_for
+from .kube import DAEMONSET_SURGE_MINOR, KUBECONFIG, kubernetes_minor, wait_for
 
 REDIRECTION = "ambient.istio.io/redirection"
 AGENT_LABEL = "k8s-app=istio-cni-node"
@@ -229,6 +230,7 @@ def _while_the_loop_runs(cluster, ns: str, ip: str, replace) -> tuple[float, dic
         ["kubectl", "exec", "-n", ns, "client", "--", "python3", "-c", CLIENT, ip, str(STREAM_S)],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "KUBECONFIG": str(KUBECONFIG)},
     )
     try:
         time.sleep(3)
