@@ -31,7 +31,6 @@ from ambient_mesh.control.plane import mint_token
 from ambient_mesh.host.netns import Fabric, Node, netns_socket
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import client_context
 from tests.interop.envoy import _dechunk
 
 CONTROL_PORT = 15012
@@ -482,8 +481,17 @@ def _h2_exchange(wmesh, identity: Identity) -> bytes:
     (signed by the mesh CA); returns what the server sends after our preface ("" if refused)."""
     ca = CertificateAuthority.from_plugged_in_dir(wmesh.state / "cacerts")
     cert = ca.issue(identity, 600, now=datetime.now(UTC))
-    ctx = client_context(cert)
+    # HBONE's client side, as a node proxy offers it: TLS 1.3 only, ALPN h2, our certificate.
+    files = wmesh.tmp / f"h2-{identity.trust_domain}"
+    files.mkdir(exist_ok=True)
+    (files / "key.pem").write_bytes(cert.private_key_pem)
+    (files / "chain.pem").write_bytes(b"".join(cert.chain_pem))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=cert.roots_pem.decode())
+    ctx.load_cert_chain(files / "chain.pem", files / "key.pem")
+    ctx.set_alpn_protocols(["h2"])
     sock = netns_socket(wmesh.client.netns)
     sock.settimeout(IO_TIMEOUT_S)
     sock.connect((str(wmesh.waypoint.ipv4), 15008))
