@@ -582,3 +582,19 @@ def test_a_push_keeps_the_tunnel_in_flight(wmesh):
 def test_readiness_and_connections(wmesh, get):
     status, body = get(wmesh.waypoint.netns, "127.0.0.1", READY_PORT, "/healthz/ready")
     assert (status, body) == (200, b"ready\n")
+
+
+def test_a_policy_pushed_while_the_waypoints_connection_is_open_applies(wmesh):
+    # The waypoint's pooled HBONE connection to the server opened under the mesh's policy
+    # (client and waypoint allowed). A policy naming only the client, pushed now, must refuse the
+    # next request on that same connection: the destination decides per stream, not per
+    # connection (docs/architecture.md, "Decisions and caches").
+    assert wmesh.http_get(HTTP_VIP, 80)[0] == 200
+    wmesh.write("policy.yaml", ALLOW_ONLY_CLIENT)
+    try:
+        _wait(lambda: wmesh.http_get(HTTP_VIP, 80)[0] == 503, "the pushed policy to refuse the waypoint", 30)
+    finally:
+        wmesh.write("policy.yaml", ALLOW_CLIENT_AND_WAYPOINT)
+    _wait(
+        lambda: wmesh.http_get(HTTP_VIP, 80)[0] == 200, "the restored policy to let the waypoint through", 30
+    )
