@@ -2,8 +2,8 @@
 
 Counterparts: ztunnel src/proxy/metrics.rs (`Metrics`, `CommonTrafficLabels`,
 `ConnectionResult`), src/metrics.rs (`istio_build`), src/xds/metrics.rs (`XdsMetrics`) and
-src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow reference/ztunnel.md
-8.2, which is what Istio dashboards and Kiali query.
+src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow
+docs/istio-behaviour.md, "Metrics", which is what Istio dashboards and Kiali query.
 
 Each `Metrics` owns a `CollectorRegistry`; nothing touches prometheus-client's global registry,
 so several proxies (or tests) can live in one process. Other packages register their own
@@ -171,7 +171,7 @@ class ConnectionRecorder:
     collected (a scrape, a worker's stats) and with each recorder when it closes. A locked
     counter add per read and per write was about a tenth of a proxy's user time per small
     message, and a call per chunk into plain ints 4 of 18 Python calls per round trip
-    (bench/README.md)."""
+    (docs/performance.md, "The per-connection path")."""
 
     __slots__ = (
         "_metrics",
@@ -305,7 +305,7 @@ class XdsMetrics:
 class WorkloadManagerMetrics:
     """Shared (in-pod) mode: how many pod proxies run, wait for a retry, were started and stopped.
 
-    ztunnel registers these under the `workload_manager` prefix (reference/ztunnel.md 8.2 notes
+    ztunnel registers these under the `workload_manager` prefix (docs/istio-behaviour.md, "Metrics" notes
     that its README's `istio_*` spelling is wrong). Active and pending are set from the owner's
     own bookkeeping after every change, so they cannot drift from it.
     """
@@ -459,7 +459,7 @@ class Metrics:
         (after their pending counts are given to the counters). A connection's open, its clean
         close and its last bytes add to the pending counts in plain ints, and the counters catch
         up when the registry is collected: four locked counter adds per connection were about
-        1.2 µs each (bench/README.md, connection path).
+        1.2 µs each (docs/performance.md, "The per-connection path").
         """
         hit = self._bound.get(id(labels))
         if hit is not None and hit[0] is labels:

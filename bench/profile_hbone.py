@@ -288,9 +288,9 @@ def print_aead(console, path: Path, name: str, mode: str, cpu_s: float, result: 
     console.print(line + " (" + ", ".join(f"{k} {v:.1f}%" for k, v in share.by_object.items()) + ")")
 
 
-# The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on
-# one core a wall-clock profile puts the woken peer's run time on the waking write; bench/README.md,
-# issue 11). Written when the proxy exits (stop_member's SIGTERM drains it).
+# The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on one core
+# a wall-clock profile puts the woken peer's run time on the waking write). Written when the proxy exits
+# (stop_member's SIGTERM drains it).
 _CPROFILE_THREAD_TIME = """
 import cProfile, runpy, sys, time
 out = sys.argv[1]

@@ -32,12 +32,12 @@ import asyncio
 import enum
 import logging
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import ProxyError, ResponseFlag
+from ..host.cpython import ReusableBuffer
 from . import http2
 from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
@@ -387,37 +387,21 @@ class HboneStream(Endpoint):
             self.relay.unblocked(self)
 
 
-class _ReceiveBuffer:
-    """The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
-    time (the event loop runs one read callback at a time), so it is reused while nothing
-    refers to its bytes. What a read hands on is a read-only view of it; whoever keeps
-    bytes past the call either copies them (the HTTP/2 core, below its zero-copy size; pending
-    bytes of a closed window) or holds the view (a socket that could not send it yet, bytes
-    held before a relay is attached), and then the next read gets a new buffer and the old one
-    goes when its last view does. Made on the first read: a process that never reads HBONE (the
-    workers' owner) does not hold it."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-
-_RECEIVE = _ReceiveBuffer()
+# The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
+# time, so it is reused while nothing refers to its bytes. What a read hands on is a read-only
+# view of it; whoever keeps bytes past the call either copies them (the HTTP/2 core, below its
+# zero-copy size; pending bytes of a closed window) or holds the view (a socket that could not
+# send it yet, bytes held before a relay is attached), and then the next read gets a new buffer.
+# Made on the first read: a process that never reads HBONE (the workers' owner) does not hold it.
+_RECEIVE = ReusableBuffer(RECEIVE_BUFFER_BYTES)
 
 
 def _receive_into(_protocol: object, sizehint: int) -> memoryview:
     """`HboneConnection.get_buffer`: the shared receive buffer, or a new one while a view of the
     current one is alive. A view, not the bytearray: the TLS transport slices what it gets to
-    fill it in parts. A plain function assigned in the class: one Python call per read.
-    Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the two callbacks cost
-    more per small message than the copy saves (bench/README.md)."""
-    buf = _RECEIVE.buf
-    # CPython: the attribute, `buf` and the call's argument are the only references when no
-    # memoryview of the buffer is alive (every view holds one).
-    if sys.getrefcount(buf) > 3 or not buf:
-        buf = _RECEIVE.buf = bytearray(RECEIVE_BUFFER_BYTES)
-    return memoryview(buf)
+    fill it in parts. Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the
+    two callbacks cost more per small message than the copy saves."""
+    return memoryview(_RECEIVE.take())
 
 
 class HboneConnection(asyncio.BufferedProtocol):

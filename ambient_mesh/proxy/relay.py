@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 
+from ..host.cpython import ReusableBuffer
 from .tcp_transport import READ_BYTES, TcpTransport
 
 # The TCP transport's read size (tcp_transport.py, as uvloop's UV_STREAM_RECV_BUF_SIZE was): a
@@ -243,29 +243,12 @@ _NOTHING_HELD: list[
 ] = []  # shared and always empty: nothing is held once a relay is attached
 
 
-class _AppReceiveBuffer:
-    """The process's one buffer for bulk reads of plain sockets (the event loop runs one read
-    callback at a time). What a read hands on is a read-only view of it; whoever keeps the bytes
-    past the call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's
-    outbox while writing is paused), and then the next read gets a new buffer and the old one
-    goes when its last view does (hbone.py's TLS receive buffer works the same way). Made on the
-    first bulk read: a process that never relays (the workers' owner) does not hold it."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def take(self) -> bytearray:
-        buf = self.buf
-        # CPython: the attribute, `buf` and getrefcount's argument are the only references when
-        # no memoryview of the buffer is alive (every view holds one).
-        if sys.getrefcount(buf) > 3 or not buf:
-            buf = self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
-        return buf
-
-
-_APP_RECEIVE = _AppReceiveBuffer()
+# The process's one buffer for bulk reads of plain sockets (the event loop runs one read callback
+# at a time). What a read hands on is a read-only view of it; whoever keeps the bytes past the
+# call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's outbox while
+# writing is paused), and then the next read gets a new buffer (hbone.py's TLS receive buffer
+# works the same way). Made on the first bulk read: the workers' owner never relays.
+_APP_RECEIVE = ReusableBuffer(APP_RECEIVE_BUFFER_BYTES)
 _QUARTER_BUFFER = APP_RECEIVE_BUFFER_BYTES // 4
 
 

@@ -72,7 +72,7 @@ AFTER_GOAWAY_BYTES = 8 * 1024 * 1024
 
 
 def mesh_config() -> str:
-    """Local xDS for the two HBONE workloads (ztunnel's local config, reference/ztunnel.md 2.3)."""
+    """Local xDS for the two HBONE workloads (docs/istio-behaviour.md, "Local config file")."""
 
     def workload(name: str, ip: str, node: str) -> dict:
         return {
