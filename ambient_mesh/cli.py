@@ -445,11 +445,22 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
 
 # Commands that parse their own arguments (istio-cni style --flags, lab sub-commands).
 PASS_THROUGH = {"lab": cmd_lab, "cni-agent": cmd_cni_agent}
+# `ambient waypoint VERB ...` is istioctl's waypoint command (waypointctl.py); without a verb,
+# `ambient waypoint` is the waypoint pod's agent.
+WAYPOINT_VERBS = ("apply", "generate", "list", "status", "delete")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["waypoint"] and argv[1:2] and argv[1] in WAYPOINT_VERBS:
+            from .waypointctl import main as waypoint_main
+
+            try:
+                return waypoint_main(argv[1:])
+            except AmbientError as e:
+                print(f"ambient waypoint {argv[1]}: {e}", file=sys.stderr)
+                return 1
         if argv and argv[0] in PASS_THROUGH:
             rest = argv[1:]
             namespace = argparse.Namespace(command=argv[0], args=rest, settings=rest)

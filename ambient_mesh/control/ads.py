@@ -35,8 +35,8 @@ from .ads_state import (
     Snapshot,
     TypeStatus,
 )
-from .waypoint_index import WaypointIndex
 from .caller_gate import MAX_RECEIVE_MESSAGE_BYTES
+from .waypoint_index import WaypointIndex
 
 log = logging.getLogger(__name__)
 
