@@ -163,6 +163,7 @@ def cmd_control(args: argparse.Namespace) -> int:
             trust_domain=args.trust_domain, cluster_id=args.cluster_id, root_namespace=args.root_namespace
         ),
         trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
+        waypoint_image=args.waypoint_image,
         debug_listen=SocketAddr.parse(args.debug_listen) if args.debug_listen else None,
     )
     return _run(run(config))
@@ -299,6 +300,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         "--trusted-node-accounts",
         default=os.environ.get("CA_TRUSTED_NODE_ACCOUNTS", "istio-system/ztunnel"),
         help="ns/sa list allowed to impersonate (env CA_TRUSTED_NODE_ACCOUNTS)",
+    )
+    p.add_argument(
+        "--waypoint-image",
+        default=os.environ.get("WAYPOINT_IMAGE", ""),
+        help="--kube: the image of waypoint pods (env WAYPOINT_IMAGE; default: this pod's own)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
