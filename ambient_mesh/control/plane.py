@@ -69,8 +69,8 @@ from .status import (
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
-from .waypoint_deploy import WaypointDeployer, deploy_settings
 from .waypoint_index import WaypointIndex
+from .waypoint_kube import KubeWaypointDeployer, deploy_settings
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
@@ -101,9 +101,9 @@ class ControlPlaneConfig:
     poll_interval_s: float = POLL_INTERVAL_S
     # istiod's debug endpoint (control/debug.py): connected proxies and object status; None: off.
     debug_listen: SocketAddr | None = None
-    # With the API server: deploy waypoint Gateways as istiod does (control/waypoint_deploy.py),
+    # With the API server: deploy waypoint Gateways as istiod does (control/waypoint_kube.py),
     # in this image (default: the control plane pod's own).
-    deploy_waypoints: bool = True
+    kube_waypoints: bool = True
     waypoint_image: str = ""
 
     def __post_init__(self) -> None:
@@ -266,7 +266,7 @@ class ControlPlane:
         )
         self._namespace_task: asyncio.Task[None] | None = None
         # istiod's waypoint deployment controller (made in start(): it reads its own pod first).
-        self.waypoint_deployer: WaypointDeployer | None = None
+        self.waypoint_deployer: KubeWaypointDeployer | None = None
         self._deployer_task: asyncio.Task[None] | None = None
         self.server: grpc.aio.Server | None = None  # TLS: xDS and the CA
         self.plaintext_server: grpc.aio.Server | None = None  # xDS only (--plaintext-listen)
@@ -432,7 +432,7 @@ class ControlPlane:
             )
 
     async def _start_waypoint_deployer(self) -> None:
-        if self.kube_client is None or not self.config.deploy_waypoints:
+        if self.kube_client is None or not self.config.kube_waypoints:
             return
         import os
 
@@ -451,9 +451,9 @@ class ControlPlane:
         except KubeApiError as exc:
             log.warning("waypoints will not be deployed: %s%s", exc, f" ({exc.hint})" if exc.hint else "")
             return
-        self.waypoint_deployer = WaypointDeployer(self.kube_client, settings)
+        self.waypoint_deployer = KubeWaypointDeployer(self.kube_client, settings)
         self._deployer_task = asyncio.get_running_loop().create_task(
-            self.waypoint_deployer.run(), name="waypoint deployer"
+            self.waypoint_deployer.run(), name="waypoint deployer (API server)"
         )
         log.info("deploying waypoints with image %s", settings.image)
 

@@ -1,4 +1,4 @@
-"""The waypoint deployment controller (control/waypoint_deploy.py): what it renders for a
+"""The waypoint deployment controller (control/waypoint_kube.py): what it renders for a
 Gateway, and what its shell writes, against a recording fake of the API client."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import asyncio
 import json
 from typing import Any
 
-from ambient_mesh.control.waypoint_deploy import (
+from ambient_mesh.control.waypoint_kube import (
     FIELD_MANAGER,
     DeploySettings,
-    WaypointDeployer,
+    KubeWaypointDeployer,
     deploy_settings,
     status_patch,
     waypoint_objects,
@@ -110,7 +110,7 @@ class FakeClient:
         return self.objects.get((resource.kind, namespace, name))
 
 
-async def drive(deployer: WaypointDeployer) -> None:
+async def drive(deployer: KubeWaypointDeployer) -> None:
     task = asyncio.create_task(deployer.run())
     for _ in range(50):
         await asyncio.sleep(0)
@@ -120,7 +120,7 @@ async def drive(deployer: WaypointDeployer) -> None:
 
 async def test_the_deployer_applies_once_per_change_and_retries():
     client = FakeClient(fail=2)
-    deployer = WaypointDeployer(client, SETTINGS, sleep=lambda _s: asyncio.sleep(0))  # type: ignore[arg-type]
+    deployer = KubeWaypointDeployer(client, SETTINGS, sleep=lambda _s: asyncio.sleep(0))  # type: ignore[arg-type]
     deployer.set_gateways([gateway(), gateway(name="other", cls="istio")])  # only the waypoint class
     await drive(deployer)
     assert client.calls == [

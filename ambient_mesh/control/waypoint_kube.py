@@ -21,7 +21,7 @@ the same way), so a write is idempotent and a user's edit of another field is ke
 create and patch of deployments, services and serviceaccounts, patch of gateways/status
 (deploy/control/istiod.yaml); no delete (the garbage collector deletes).
 
-`waypoint_objects` and `status_patch` are pure; `WaypointDeployer` is the shell: the Gateways
+`waypoint_objects` and `status_patch` are pure; `KubeWaypointDeployer` is the shell: the Gateways
 come from the control plane's snapshots (`set_gateways`), a queue with bounded retries writes.
 """
 
@@ -253,7 +253,7 @@ def _fingerprint(objects: list[tuple[Resource, dict[str, Any]]]) -> str:
     return hashlib.sha256(json.dumps([o for _, o in objects], sort_keys=True).encode()).hexdigest()
 
 
-class WaypointDeployer:
+class KubeWaypointDeployer:
     """Keeps each waypoint Gateway's objects and address written."""
 
     def __init__(
@@ -276,7 +276,7 @@ class WaypointDeployer:
 
     def __repr__(self) -> str:
         return (
-            f"WaypointDeployer({len(self._gateways)} waypoints, {len(self._queue)} queued; "
+            f"KubeWaypointDeployer({len(self._gateways)} waypoints, {len(self._queue)} queued; "
             f"{self.applied} applied, {self.addressed} addresses written, {self.failed} failed)"
         )
 
@@ -376,7 +376,7 @@ async def deploy_settings(
 __all__ = [
     "FIELD_MANAGER",
     "DeploySettings",
-    "WaypointDeployer",
+    "KubeWaypointDeployer",
     "deploy_settings",
     "owner_reference",
     "service_hostname",
