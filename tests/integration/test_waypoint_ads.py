@@ -53,7 +53,12 @@ async def test_waypoint_and_ztunnel_on_one_server():
         await envoy.ack(eds)
         envoy.send(type_url=LISTENER_TYPE_URL)
         lds = await envoy.recv()
-        assert sorted(names(lds)) == ["connect_originate", "connect_terminate", "main_internal"]
+        assert sorted(names(lds)) == [
+            "connect_originate",
+            "connect_terminate",
+            "main_internal",
+            "main_internal_sniff",
+        ]
         await envoy.ack(lds)
         ztunnel = Proxy(ch)
         ztunnel.send(type_url=ADDRESS_TYPE_URL, node=node("ztunnel-a"))
