@@ -8,6 +8,7 @@ measured and printed); deleting the Gateway deletes its objects."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -28,7 +29,7 @@ def ambient(*argv: str, timeout: float = 240) -> str:
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={"KUBECONFIG": str(KUBECONFIG), "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "KUBECONFIG": str(KUBECONFIG)},
     )
     assert proc.returncode == 0, f"ambient {' '.join(argv)}: {proc.stdout}{proc.stderr}"
     return proc.stdout
@@ -168,7 +169,7 @@ def test_deleting_the_waypoint_pod_interrupts_traffic_briefly(cluster, waypointe
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={"KUBECONFIG": str(KUBECONFIG), "PATH": "/usr/local/bin:/usr/bin:/bin"},
+        env={**os.environ, "KUBECONFIG": str(KUBECONFIG)},
     )
     try:
         wait_for(lambda: probe.poll() is None, "the probe running", 10)
