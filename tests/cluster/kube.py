@@ -327,6 +327,8 @@ def overlay(image: str) -> Path:
 
 # The Istio kinds the mesh reads, as the project's own minimal CRDs (Istio's install brings its own).
 ISTIO_KINDS_CRDS = ROOT / "deploy" / "crds" / "istio-kinds.yaml"
+# The Gateway API's Gateway and HTTPRoute, the same way (waypoints are Gateways).
+GATEWAY_API_CRDS = ROOT / "deploy" / "crds" / "gateway-api-kinds.yaml"
 
 
 @contextlib.contextmanager
@@ -344,8 +346,9 @@ def cluster_session() -> Iterator[Cluster]:
         run(["bash", str(SCRIPTS / "up.sh"), image], timeout=600)
         timings["up"] = time.monotonic() - t
         t = time.monotonic()
-        run(["kubectl", "apply", "-f", str(ISTIO_KINDS_CRDS)], timeout=300)
+        run(["kubectl", "apply", "-f", str(ISTIO_KINDS_CRDS), "-f", str(GATEWAY_API_CRDS)], timeout=300)
         run(["kubectl", "wait", "--for=condition=Established", "crd/authorizationpolicies.security.istio.io"])
+        run(["kubectl", "wait", "--for=condition=Established", "crd/gateways.gateway.networking.k8s.io"])
         run(["bash", str(SCRIPTS / "mesh-ca.sh"), str(CL / "mesh-ca")])
         run(["kubectl", "apply", "-k", str(overlay(image))])
         cluster = Cluster(image=image, timings=timings)

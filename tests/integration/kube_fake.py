@@ -8,7 +8,9 @@ point (as an ERROR event, or as the watch response's status with `gone_as_http_s
 merge PATCH on `<kind>/status` (annotations for pods, `status` for every kind, each recorded
 in `status_patches`); POST of TokenReviews answered from `token_reviews`; for
 ConfigMaps also `fieldSelector=metadata.name=`, POST (409 when it exists) and PUT (409 when its
-resourceVersion is not the current one); TokenRequest (POST serviceaccounts/NAME/token) minting
+resourceVersion is not the current one); server-side apply (PATCH `application/apply-patch+yaml`
+on an object path: created, or its top-level fields replaced; recorded in `applies` with the
+field manager) and DELETE of any kind; TokenRequest (POST serviceaccounts/NAME/token) minting
 tokens that are accepted only for the reads `scoped_rights` gives that account (other requests
 with them: 403), expiring `minted_ttl_s` after issue if set (else as asked), refused with
 `token_request_status` if set. Plain HTTP, or TLS with the given server context. Every request is recorded as
@@ -49,6 +51,7 @@ KINDS = {
     "workloadentries": "WorkloadEntry",
     "gateways": "Gateway",
     "configmaps": "ConfigMap",
+    "deployments": "Deployment",
 }
 
 
@@ -102,6 +105,7 @@ class FakeApiServer:
         self.gone_as_http_status = False
         self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
         self.status_patches: list[tuple[str, str, str, dict]] = []  # (kind, namespace, name, patch)
+        self.applies: list[tuple[str, str, str, str]] = []  # (kind, namespace, name, fieldManager)
         self.unserved: set[str] = set()  # plurals answered 404, as for a CRD not installed
         self.forbidden_namespaces: set[str] = set()  # writes there are answered 403
         self.requests: list[tuple[str, str, str, bytes]] = []
@@ -296,6 +300,18 @@ class FakeApiServer:
                 await self._reply(writer, 200, self._list(kind, namespace, node, name))
             return
         key = (kind, namespace or "", rest[1])
+        if (
+            request.method == "PATCH"
+            and not rest[2:]
+            and (request.header("content-type") or "").startswith("application/apply-patch")
+        ):
+            body = json.loads(request.body)  # JSON is YAML; lightkube sends JSON
+            self.applies.append((kind, namespace or "", rest[1], query.get("fieldManager", "")))
+            obj = {**_copy(self.objects.get(key, {})), **body, "kind": kind}
+            obj["metadata"] = {**obj.get("metadata", {}), "namespace": namespace or ""}
+            obj["metadata"].setdefault("uid", f"uid-{kind.lower()}-{rest[1]}")
+            await self._reply(writer, 200 if key in self.objects else 201, await self.put(obj))
+            return
         if key not in self.objects:
             await self._reply(writer, 404, {"kind": "Status", "code": 404, "message": "not found"})
         elif request.method == "PUT" and kind == "ConfigMap" and not rest[2:]:
@@ -305,6 +321,9 @@ class FakeApiServer:
                 await self._reply(writer, 409, {"kind": "Status", "code": 409, "reason": "Conflict"})
             else:
                 await self._reply(writer, 200, await self.put({**obj, "kind": kind}))
+        elif request.method == "DELETE" and not rest[2:]:
+            await self.delete(*key)
+            await self._reply(writer, 200, {"kind": "Status", "code": 200, "status": "Success"})
         elif request.method == "PATCH" and rest[2:] == ["status"]:
             patch = json.loads(request.body)
             obj = _copy(self.objects[key])

@@ -233,6 +233,52 @@ async def test_control_plane_serves_workloads_from_the_api_server(api, tmp_path:
         await plane.stop(0)
 
 
+WAYPOINT_GATEWAY = {
+    "apiVersion": "gateway.networking.k8s.io/v1",
+    "kind": "Gateway",
+    "metadata": {"name": "waypoint", "namespace": "shop", "uid": "uid-gw"},
+    "spec": {
+        "gatewayClassName": "istio-waypoint",
+        "listeners": [{"name": "mesh", "port": 15008, "protocol": "HBONE"}],
+    },
+}
+
+
+async def test_control_plane_deploys_a_waypoint_gateway_and_writes_its_address(api, tmp_path: Path):
+    await api.put(WAYPOINT_GATEWAY)
+    config = ControlPlaneConfig(
+        kube=KubeCredentials(server=api.url, token=TOKEN),
+        state_dir=tmp_path / "state",
+        listen=SocketAddr.parse("127.0.0.1:0"),
+        waypoint_image="reg/ambient-mesh:1",
+    )
+    plane = build(config)
+    await plane.start()
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while ("Service", "shop", "waypoint") not in api.objects or not api.objects[
+                ("Gateway", "shop", "waypoint")
+            ].get("status", {}).get("addresses"):
+                await asyncio.sleep(0.02)
+        assert [a[:3] for a in api.applies] == [
+            ("ServiceAccount", "shop", "waypoint"),
+            ("Deployment", "shop", "waypoint"),
+            ("Service", "shop", "waypoint"),
+        ]
+        assert {a[3] for a in api.applies} == {"ambient-control"}
+        deployment = api.objects[("Deployment", "shop", "waypoint")]
+        assert deployment["metadata"]["ownerReferences"][0]["uid"] == "uid-gw"
+        assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/ambient-mesh:1"
+        gw = api.objects[("Gateway", "shop", "waypoint")]
+        assert gw["status"]["addresses"] == [{"type": "Hostname", "value": "waypoint.shop.svc.cluster.local"}]
+        # the next snapshots (the Gateway's status, the new objects) write nothing more
+        await asyncio.sleep(0.5)
+        assert len(api.applies) == 3
+        assert "1 applied, 1 addresses written, 0 failed" in repr(plane.waypoint_deployer)
+    finally:
+        await plane.stop(0)
+
+
 def test_exactly_one_source_is_configured(tmp_path: Path):
     with pytest.raises(ConfigError, match="exactly one source"):
         ControlPlaneConfig(state_dir=tmp_path)

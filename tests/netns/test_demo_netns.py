@@ -32,6 +32,9 @@ STEPS = (
     "a pod outside the mesh reaches the Service in plaintext",
     "STRICT mTLS refuses the non-mesh caller at every replica, not the mesh's",
     "removing STRICT restores plaintext at every replica",
+    "a waypoint for shop's Services",
+    "a call to the Service goes through the waypoint",
+    "removing the waypoint sends the call straight to a replica",
     "lab down",
 )
 
@@ -62,6 +65,8 @@ def test_the_tour_passes_every_step_and_leaves_nothing(runner):
         "answered by shop/echo-1, shop/echo-2",
         "authorizationpolicy.security.istio.io/deny-client created",
         "peerauthentication.security.istio.io/strict deleted",
+        "gateway.gateway.networking.k8s.io/waypoint created",
+        "Server: istio-envoy; the replica's node proxy saw spiffe://cluster.local/ns/shop/sa/waypoint",
         "all steps behaved as shown",
     ):
         assert expected in out, f"{expected!r} missing from:\n{out}"

@@ -250,14 +250,18 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         for groups, resources, verbs in rules(mesh, "istiod-clusterrole-istio-system")
         if verbs - {"get", "list", "watch"}
     ]
-    # istiod's chart grants these writes (and more); we keep the two the CA needs and the status
-    # subresource of the kinds it reads (patch only: never the objects themselves)
+    # istiod's chart grants these writes (and more); we keep the two the CA needs, the status
+    # subresource of the kinds it reads (patch only: never the objects themselves), and the
+    # waypoints' own objects
     assert writes == [
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
         (("security.istio.io",), ("authorizationpolicies/status", "peerauthentications/status"), {"patch"}),
         (("networking.istio.io",), ("serviceentries/status",), {"patch"}),
         (("gateway.networking.k8s.io",), ("gateways/status",), {"patch"}),
         (("",), ("services/status",), {"patch"}),
+        # waypoints: server-side apply of their three objects; deletion is the garbage collector's
+        (("",), ("services", "serviceaccounts"), frozenset({"create", "patch"})),
+        (("apps",), ("deployments",), frozenset({"create", "patch"})),
         (("authentication.k8s.io",), ("tokenreviews",), frozenset({"create"})),
     ]
     # The plugin's own account reads one pod and its namespace; the agent may mint tokens of
