@@ -1,6 +1,7 @@
 """`ambient waypoint apply|list|status|delete --lab` on a running lab: the Gateway reaches the lab's
-API server and its control plane (which writes its `Programmed` condition), the namespace is
-enrolled, `ambient lab get gtw -o yaml` shows both, and delete removes it.
+API server and its control plane, which deploys it (ServiceAccount, Deployment, Service) and
+writes its address and its `Programmed` condition; the namespace is enrolled; `ambient lab get gtw
+-o yaml` shows both; delete removes it, and the lab's controller its pod.
 
 Topology: one node, demo/client and demo/server (namespace demo in ambient mode)."""
 
@@ -44,18 +45,23 @@ def test_apply_list_status_delete_on_a_running_lab(lab):
     assert "gateway.gateway.networking.k8s.io/wp created" in out.splitlines()
     assert "namespace/demo configured" in out.splitlines()
 
-    def gateway_yaml():
+    def programmed_gateway():
+        lab.supervise()  # the lab's Deployment controller and kubelet run the waypoint's pod
         code, text = run(
             lab_main, "--state-dir", str(lab.state_dir), "get", "gtw", "-n", "demo", "-o", "yaml"
         )
         items = yaml.safe_load(text)["items"] if code == 0 else []
-        return items[0] if items and items[0].get("status") else None
+        conditions = (items[0].get("status") or {}).get("conditions", []) if items else []
+        return (
+            items[0] if any(c["type"] == "Programmed" and c["status"] == "True" for c in conditions) else None
+        )
 
-    # the control plane read it and wrote its condition: no address, since nothing deploys it here
-    gw = wait_until(gateway_yaml, timeout_s=20, what="the control plane's status on demo/wp")
+    # the control plane deployed it, wrote its address and its condition
+    gw = wait_until(programmed_gateway, timeout_s=60, what="demo/wp deployed and Programmed")
     assert gw["metadata"]["labels"] == {"istio.io/waypoint-for": "all"}
     (cond,) = gw["status"]["conditions"]
-    assert (cond["type"], cond["status"], cond["reason"]) == ("Programmed", "False", "AddressNotAssigned")
+    assert (cond["type"], cond["status"], cond["reason"]) == ("Programmed", "True", "Programmed")
+    assert "demo/wp-0" in lab.pods
     _, text = run(lab_main, "--state-dir", str(lab.state_dir), "get", "ns", "-o", "yaml")
     (ns,) = [n for n in yaml.safe_load(text)["items"] if n["metadata"]["name"] == "demo"]
     assert ns["metadata"]["labels"]["istio.io/use-waypoint"] == "wp"
@@ -63,12 +69,18 @@ def test_apply_list_status_delete_on_a_running_lab(lab):
     code, out = run(waypoint_main, "list", *state)
     assert out.splitlines() == [
         "NAME  REVISION  PROGRAMMED  FOR  ADDRESS",
-        "wp    default   False       all  <none>",
+        "wp    default   True        all  wp.demo.svc.cluster.local",
     ]
     code, out = run(waypoint_main, "status", *state)
-    assert out.splitlines()[1].split()[:5] == ["demo", "wp", "False", "Programmed", "AddressNotAssigned"]
+    assert out.splitlines()[1].split()[:5] == ["demo", "wp", "True", "Programmed", "Programmed"]
     print("\n" + out)
 
     assert run(waypoint_main, "delete", *state, "wp") == (0, "waypoint demo/wp deleted\n")
     code, text = run(lab_main, "--state-dir", str(lab.state_dir), "get", "gtw", "-n", "demo")
     assert text == "No resources found in demo namespace.\n"
+
+    def pod_gone():
+        lab.supervise()
+        return "demo/wp-0" not in lab.pods
+
+    wait_until(pod_gone, timeout_s=60, what="the waypoint's pod removed with its Gateway")
