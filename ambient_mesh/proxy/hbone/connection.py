@@ -55,6 +55,7 @@ log = logging.getLogger("ambient_mesh.hbone")
 # piece (header + payload), longer ones as two (TlsTransport.writelines puts the header inside
 # the payload's first record).
 _ONE_RECORD_PAYLOAD_BYTES = MAX_RECORD_PLAINTEXT_BYTES - FRAME_HEADER_BYTES
+_DataReceived = ev.DataReceived  # the one event per message: a global, not an attribute lookup
 
 
 # The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
@@ -158,13 +159,12 @@ class HboneConnection(asyncio.BufferedProtocol):
     get_buffer = _receive_into
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(memoryview(_RECEIVE.buf)[:nbytes].toreadonly())
-
-    def data_received(self, data: bytes | memoryview) -> None:
+        """The one way in: `nbytes` read into the shared receive buffer are fed to the core, its
+        events dispatched, what it queued flushed."""
         if self._error is not None:
             return
         core = self.core
-        events = core.receive(data, self.loop.time())
+        events = core.receive(memoryview(_RECEIVE.buf)[:nbytes].toreadonly(), self.loop.time())
         if events:
             self._dispatch(events)
         if core.events or core.outbox_bytes:
@@ -172,13 +172,23 @@ class HboneConnection(asyncio.BufferedProtocol):
         if core.deadline != self._timer_at:
             self._arm_timer()
 
+    def data_received(self, data: bytes | memoryview) -> None:
+        """A transport that does not fill buffers (a test's memory transport): its bytes go in
+        through the receive buffer, a buffer's worth at a time, as a buffered transport's do."""
+        view = memoryview(data)
+        step = hs.RECEIVE_BUFFER_BYTES
+        for start in range(0, max(len(view), 1), step):
+            piece = view[start : start + step]
+            _RECEIVE.take()[: len(piece)] = piece  # not kept: a reference would look like a view
+            self.buffer_updated(len(piece))
+
     def _dispatch(self, events: list[Any]) -> None:
         # ev.Event items; dispatched on `type(event) is` (cheaper per frame than isinstance or
         # match), which mypy does not narrow, hence Any.
         streams = self.streams
         for event in events:
             t = type(event)
-            if t is ev.DataReceived:
+            if t is _DataReceived:
                 stream = streams.get(event.stream_id)
                 if stream is None:
                     self.core.acknowledge(event.stream_id, len(event.data))
