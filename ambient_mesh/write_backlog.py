@@ -14,9 +14,9 @@ import collections
 
 # A protocol that keeps writing after pause_writing is cut off here (our protocols stop: the
 # HBONE connection's core holds and bounds what waits, up to its 16 MiB connection window,
-# hbone.py; a relay's endpoint pauses the other side's reading, relay.py).
+# hbone/; a relay's endpoint pauses the other side's reading, relay.py).
 MAX_WRITE_BACKLOG_BYTES = 64 * 1024 * 1024
-# A view that waits holds its whole buffer alive (a 1 MiB receive buffer of relay.py or hbone.py,
+# A view that waits holds its whole buffer alive (a 1 MiB receive buffer of relay.py or hbone/connection.py,
 # reused only once no view of it is alive): one shorter than this share of its buffer is copied
 # instead, so what waits pins at most this many times its size (a slow app's socket,
 # tests/netns/test_attack_hbone.py).

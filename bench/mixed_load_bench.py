@@ -2,7 +2,7 @@
 pair while a transfer runs through it, their p50 / p99, and the transfer's Gbit/s.
 
 Counterpart: none of issue 11's targets; it measures head-of-line blocking between streams that
-share one HBONE connection (proxy/hbone.py, "Streams sharing a connection"). Both clients go from
+share one HBONE connection (proxy/hbone/connection.py, "Streams sharing a connection"). Both clients go from
 the same client workload to the same server workload, so our client proxy pools them onto one
 HBONE connection; the Envoy pair carries them on its one upstream HTTP/2 connection as well.
 

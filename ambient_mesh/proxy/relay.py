@@ -244,7 +244,7 @@ _NOTHING_HELD: list[
 # The process's one buffer for bulk reads of plain sockets (the event loop runs one read callback
 # at a time). What a read hands on is a read-only view of it; whoever keeps the bytes past the
 # call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's outbox while
-# writing is paused), and then the next read gets a new buffer (hbone.py's TLS receive buffer
+# writing is paused), and then the next read gets a new buffer (hbone/connection.py's TLS receive buffer
 # works the same way). Made on the first bulk read: the workers' owner never relays.
 _APP_RECEIVE = ReusableBuffer(APP_RECEIVE_BUFFER_BYTES)
 _QUARTER_BUFFER = APP_RECEIVE_BUFFER_BYTES // 4

@@ -60,7 +60,7 @@ def _attack(port: int) -> tuple[str | None, float, str]:
 
 
 async def test_goaway_reaches_a_peer_that_keeps_sending_and_the_close_is_bounded(monkeypatch):
-    monkeypatch.setattr(hbone, "ERROR_CLOSE_LINGER_S", LINGER_S)
+    monkeypatch.setattr(hbone.settings, "ERROR_CLOSE_LINGER_S", LINGER_S)
     loop = asyncio.get_running_loop()
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

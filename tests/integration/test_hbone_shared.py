@@ -1,4 +1,4 @@
-"""Streams sharing one HBONE connection (proxy/hbone.py, module docstring): while more than one
+"""Streams sharing one HBONE connection (proxy/hbone/connection.py, module docstring): while more than one
 stream is open the socket holds at most SHARED_NOTSENT_LOWAT_BYTES unsent (TCP_NOTSENT_LOWAT),
 and a stream alone gives the kernel's default back. Two HboneConnections over loopback TCP, the
 server's streams echoing."""

@@ -190,7 +190,7 @@ async def test_bytes_and_copied_bytearrays_arrive_intact_behind_a_backlog():
 async def test_a_waiting_view_is_kept_only_when_it_is_a_large_share_of_its_buffer():
     """A view of a 1 MiB receive buffer that must wait is held as it is when it is at least
     1 / HELD_VIEW_MIN_SHARE of the buffer; a shorter one is copied, so the buffer is not pinned
-    for a few bytes (relay.py's and hbone.py's buffers are reused once no view is alive)."""
+    for a few bytes (relay.py's and hbone/connection.py's buffers are reused once no view is alive)."""
     sock, peer = tcp_pair()  # the peer does not read until the end: everything waits
     protocol = Recorder()
     transport = make(sock, protocol)

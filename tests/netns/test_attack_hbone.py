@@ -48,7 +48,7 @@ RSS_GROWTH_MAX_BYTES = 48 * 1024 * 1024
 APP_CONNECTIONS_FOR_RESET_STREAMS_MAX = 5
 HONEST_PAUSE_S = 0.005
 HONEST_TAIL_S = 0.5  # the honest tunnel is watched this long past the attack's end
-CONNECTION_WINDOW_BYTES = 16 * 1024 * 1024  # the proxy's HBONE connection window (hbone.py)
+CONNECTION_WINDOW_BYTES = 16 * 1024 * 1024  # the proxy's HBONE connection window (hbone/settings.py)
 
 
 class AttackLab:

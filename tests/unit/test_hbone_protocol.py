@@ -492,7 +492,7 @@ async def test_early_bytes_beyond_the_stream_window_wait_for_window():
     events = exchange(ours, transport, server)
     assert [e.data for e in events if isinstance(e, h2.events.DataReceived)] == [b"lo"]
     stream, response = await opening
-    assert response.status == 200 and not stream._pending
+    assert response.status == 200 and not ours.core.queued_bytes(stream.stream_id)
     ours._cancel_timers()
 
 
@@ -540,14 +540,14 @@ class RepausingTransport(MemoryTransport):
 async def test_writing_paused_again_while_resuming_keeps_every_stream_blocked_and_loses_nothing():
     # Seen under load (4 streams sharing a connection): resume_writing's own flush filled the
     # transport again, then resume_writing unblocked every stream anyway; their relays read the
-    # app sockets into `_pending` while writing stayed paused, and the next resume pumped only the
-    # streams in `_blocked_streams`, so one stream's 250 MiB sat pending for good.
+    # app sockets into the stream's queue while writing stayed paused, and the next resume drained
+    # only the streams it knew were blocked, so one stream's 250 MiB sat pending for good.
     ours = HboneConnection(client_side=True)
     transport = RepausingTransport()
     ours.connection_made(transport)
     server = peer(client_side=False)
-    first, tcp1, relay1, sid1 = await _open(ours, transport, server)
-    second, tcp2, relay2, sid2 = await _open(ours, transport, server)
+    _first, tcp1, relay1, sid1 = await _open(ours, transport, server)
+    _second, tcp2, relay2, sid2 = await _open(ours, transport, server)
     transport.protocol = ours
 
     ours.pause_writing()
@@ -555,7 +555,7 @@ async def test_writing_paused_again_while_resuming_keeps_every_stream_blocked_an
     relay1.data_from(tcp1, b"a" * 1000)  # one read already on its way when the pause came
     transport.repause = True
     ours.resume_writing()  # its flush writes the first stream's bytes, and pauses again
-    assert ours._write_paused
+    assert ours.core.output_paused
     assert tcp1.paused and tcp2.paused  # nobody reads while the transport is full
     relay2.data_from(tcp2, b"b" * 2000)  # the second stream's read in flight: held, not lost
     relay2.eof_from(tcp2)
@@ -570,7 +570,7 @@ async def test_writing_paused_again_while_resuming_keeps_every_stream_blocked_an
             got[e.stream_id] += e.data
     assert got == {sid1: b"a" * 1000, sid2: b"b" * 2000}
     assert any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid2 for e in events)
-    assert not first._pending and not second._pending
+    assert not ours.core.waiting(sid1) and not ours.core.waiting(sid2)
     ours._cancel_timers()
 
 
@@ -579,7 +579,7 @@ async def test_a_stream_that_is_fed_while_blocked_fails_at_its_bound_instead_of_
     # it fixed, or any like it) ends the stream with an error that names the bound.
     from ambient_mesh.proxy import hbone
 
-    monkeypatch.setattr(hbone, "MAX_STREAM_PENDING_BYTES", 64 * 1024)
+    monkeypatch.setattr(hbone.settings, "MAX_STREAM_PENDING_BYTES", 64 * 1024)
     ours = HboneConnection(client_side=True)
     transport = MemoryTransport()
     ours.connection_made(transport)
@@ -588,12 +588,12 @@ async def test_a_stream_that_is_fed_while_blocked_fails_at_its_bound_instead_of_
     ours.pause_writing()
     for _ in range(4):
         stream.write(b"x" * 16 * 1024)  # up to the bound: held
-    assert not relay.done.done() and len(stream._pending) == 64 * 1024
+    assert not relay.done.done() and ours.core.queued_bytes(sid) == 64 * 1024
     stream.write(b"x")  # one byte past it
     assert relay.done.done()
     error = relay.done.result()
     assert isinstance(error, hbone.HboneError) and "past its bound of 65536" in str(error)
-    assert not stream._pending and tcp.aborted
+    assert not ours.core.queued_bytes(sid) and tcp.aborted
     ours.resume_writing()
     events = exchange(ours, transport, server)
     assert any(isinstance(e, h2.events.StreamReset) and e.stream_id == sid for e in events)

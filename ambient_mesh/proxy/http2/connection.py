@@ -1,7 +1,7 @@
 """A sans-IO HTTP/2 connection for CONNECT tunnels (HBONE): bytes and `now` in, events and bytes out.
 
 Counterparts: the `h2` crate under ztunnel (src/proxy/h2.rs) and python-hyper's `h2`, which this
-replaces. No sockets, no awaits, no clock: the shell (proxy/hbone.py) passes `now` to
+replaces. No sockets, no awaits, no clock: the shell (proxy/hbone/connection.py) passes `now` to
 `receive`, `handle_timeout` and `start_drain`, writes what `data_to_send` returns, and arms one
 timer at `next_deadline()`.
 
@@ -53,6 +53,15 @@ What the core enforces (budgets are per connection; the names are the constants 
   (RFC 9113 8.5). `:protocol` (RFC 8441 extended CONNECT, never enabled by us) and any other
   malformed request -> RST_STREAM PROTOCOL_ERROR; a well-formed non-CONNECT request -> 400.
 - Keepalive: a PING every `ping_interval_s`; no answer within `ping_timeout_s` -> terminated.
+
+Send state per stream (`send`, `end`, `pause_output`, `resume_output`): what the windows do not
+take, or what comes while the shell's transport is paused, waits in the stream's send queue,
+bounded by `max_stream_queued_bytes` (past it `send` raises SendQueueFull and drops the queue);
+an END_STREAM asked for behind queued bytes waits behind them. Queues drain, in the order the
+streams started waiting, as WINDOW_UPDATEs and SETTINGS open windows and when output resumes;
+a stream whose queue emptied is reported with a `StreamWritable` event, and `send` returns False
+when the caller must stop producing until then. Receive credit the shell consumed while its own
+consumer is paused is held (`hold_credit`) and returned at `release_credit`.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ from .events import (
     ResponseReceived,
     StreamEnded,
     StreamReset,
+    StreamWritable,
     WindowUpdated,
 )
 from .hpack_block import BlockDecoder, BlockEncoder, HeaderListTooLarge, HpackError
@@ -154,6 +164,11 @@ class StreamClosedError(Http2Error):
     """The stream is not open for sending (reset, ended or unknown)."""
 
 
+class SendQueueFull(Http2Error):
+    """A stream's send queue went past `CoreSettings.max_stream_queued_bytes`: its producer kept
+    writing after `send` returned False. The queue was dropped; the caller resets the stream."""
+
+
 class _ConnectionError(Http2Error):
     """Internal: a connection error (RFC 9113 5.4.1); caught inside the core, never escapes."""
 
@@ -175,6 +190,9 @@ class CoreSettings:
     max_concurrent_streams: int | None = 200  # advertised by servers; None: not advertised
     ping_interval_s: float = 10.0
     ping_timeout_s: float = 20.0
+    # What one stream may hold in its send queue (module docstring): a producer that stops when
+    # `send` returns False holds at most one read and the part of one write past the window.
+    max_stream_queued_bytes: int = 8 * 1024 * 1024
 
     @property
     def max_header_block_bytes(self) -> int:
@@ -215,6 +233,10 @@ class _Stream:
         "local_closed",
         "remote_closed",
         "answered",
+        "queued",
+        "end_queued",
+        "credit_held",
+        "held_credit",
     )
 
     def __init__(self, sid: int, local: bool, send_window: int, recv_window: int) -> None:
@@ -227,6 +249,10 @@ class _Stream:
         self.local_closed = False
         self.remote_closed = False
         self.answered = False  # server: response sent; client: final response received
+        self.queued: bytearray | None = None  # bytes waiting for window or for output to resume
+        self.end_queued = False  # END_STREAM asked for, waiting behind `queued`
+        self.credit_held = False  # hold_credit: acknowledged bytes keep their credit
+        self.held_credit = 0  # acknowledged while held: returned by release_credit
 
 
 def _text(value: bytes) -> str:
@@ -300,6 +326,8 @@ class Connection:
         "_window_updates_received",
         "_data_frames_sent",
         "_now",
+        "_output_paused",
+        "_waiting",
     )
     # The one-read DATA fast path in `receive` (tests/unit/test_http2_properties.py turns it off
     # in a subclass to hold it to the general path's results).
@@ -376,6 +404,10 @@ class Connection:
         self._window_updates_received = 0
         self._data_frames_sent = 0
         self._now = now
+        # Send queues: output paused by the shell (its transport's backpressure), and the streams
+        # whose queue holds bytes or an END_STREAM, in the order they started waiting.
+        self._output_paused = False
+        self._waiting: dict[int, _Stream] = {}
 
     def __repr__(self) -> str:
         side = "client" if self.client_side else "server"
@@ -801,12 +833,14 @@ class Connection:
         """`send_data` for the common cases, without the outbox: when nothing is queued and the
         windows take all `n` bytes in one frame, the header of that DATA frame (counted as sent,
         the windows taken) for the shell to write at once with the payload behind it; otherwise
-        None, and `send_data` applies (it also raises for a stream not open for sending)."""
-        if self._outbox or not 0 < n <= self._peer_max_frame:
+        None, and `send` applies (it also raises for a stream not open for sending). Declines
+        while output is paused or the stream has bytes queued: those go first."""
+        if self._outbox or self._output_paused or not 0 < n <= self._peer_max_frame:
             return None
         s = self.streams.get(sid)
         if (
             s is None
+            or s.queued is not None
             or s.local_closed
             or self.terminated is not None
             or n > self._send_window
@@ -851,6 +885,9 @@ class Connection:
             n = s.unacked
             if not n:
                 return
+        if s.credit_held:
+            s.held_credit = min(s.held_credit + n, s.unacked)
+            return
         s.unacked -= n
         credit = self._recv_credit + n
         self._recv_credit = credit
@@ -866,6 +903,130 @@ class Connection:
                     return  # outbox overflow: the connection is terminated
         if credit >= self._connection_credit_step or self._recv_window < self._connection_credit_floor:
             self._flush_credit()
+
+    # Send queues (module docstring) -------------------------------------------------------
+    def send(self, sid: int, data: bytes | bytearray | memoryview) -> bool:
+        """Send `data` on `sid` behind whatever of the stream waits: DATA frames for what the
+        windows take now (none while output is paused), the rest into the stream's send queue.
+
+        Returns True when nothing of the stream waits, False when its producer must stop until a
+        `StreamWritable` event. Raises StreamClosedError for a stream not open for sending (or
+        ended), SendQueueFull past `max_stream_queued_bytes` (the queue is dropped)."""
+        s = self.streams.get(sid)
+        if s is None or s.local_closed or s.end_queued or self.terminated is not None:
+            raise StreamClosedError(f"stream {sid} is not open for sending")
+        queue = s.queued
+        if not data:
+            return queue is None  # nothing to frame or queue
+        if queue is None:
+            if not self._output_paused:
+                n = self.send_data(sid, data)
+                if n == len(data):
+                    return True
+                if n:
+                    data = memoryview(data)[n:]
+            queue = s.queued = bytearray()
+            self._waiting[sid] = s
+        queue += data
+        if len(queue) > self.settings.max_stream_queued_bytes:
+            held = len(queue)
+            s.queued = None
+            del self._waiting[sid]
+            raise SendQueueFull(
+                f"HBONE stream {sid} held {held} bytes waiting to be sent, past its bound of "
+                f"{self.settings.max_stream_queued_bytes}: its producer kept writing while the "
+                "stream was blocked (a bug in the proxy: report it with this log line)"
+            )
+        return False
+
+    def end(self, sid: int) -> bool:
+        """Half-close our side behind whatever of the stream waits. True: the END_STREAM is
+        queued to send now; False: it waits behind queued bytes or paused output, and a
+        `StreamWritable(ended=True)` reports when it went. Raises StreamClosedError as `send`."""
+        s = self.streams.get(sid)
+        if s is None or s.local_closed or s.end_queued or self.terminated is not None:
+            raise StreamClosedError(f"stream {sid} is not open for sending")
+        if s.queued is None and not self._output_paused:
+            self.end_stream(sid)
+            return True
+        s.end_queued = True
+        self._waiting[sid] = s
+        return False
+
+    def waiting(self, sid: int) -> bool:
+        """The stream holds queued bytes or an END_STREAM (its producer should be stopped)."""
+        return sid in self._waiting
+
+    def queued_bytes(self, sid: int) -> int:
+        s = self._waiting.get(sid)
+        return len(s.queued) if s is not None and s.queued is not None else 0
+
+    @property
+    def output_paused(self) -> bool:
+        return self._output_paused
+
+    def pause_output(self) -> None:
+        """The shell's transport is full: every `send` queues until `resume_output`."""
+        self._output_paused = True
+
+    def resume_output(self) -> None:
+        """The transport takes bytes again: every queue drains as far as the windows allow, at
+        once (so a pause that comes while the shell writes the result leaves no stream behind:
+        what is left waits for a window and drains when it opens)."""
+        self._output_paused = False
+        if self._waiting:
+            self._drain(None)
+
+    def _drain(self, only: _Stream | None) -> None:
+        """Move queued bytes into DATA frames as the windows allow; report emptied queues."""
+        if self._output_paused or self.terminated is not None:
+            return
+        waiting = self._waiting
+        for s in list(waiting.values()) if only is None else (only,):
+            if s.local_closed:  # ended or answered past the queue (`end_stream`, a non-200)
+                s.queued = None
+                s.end_queued = False
+                waiting.pop(s.sid, None)
+                continue
+            queue = s.queued
+            if queue is not None:
+                n = min(self._send_window, s.send_window, len(queue))
+                if n <= 0:
+                    continue
+                if n == len(queue):
+                    self.send_data(s.sid, bytes(queue))
+                    s.queued = None
+                else:
+                    with memoryview(queue) as view:
+                        chunk = view[:n].tobytes()
+                    self.send_data(s.sid, chunk)
+                    del queue[:n]
+                    continue
+            ended = s.end_queued
+            if ended:
+                s.end_queued = False
+                self.end_stream(s.sid)  # may remove the stream (both sides ended)
+            waiting.pop(s.sid, None)
+            self._emit(StreamWritable(s.sid, ended))
+            if self.terminated is not None:
+                return  # the last stream after a GOAWAY: nothing more goes out
+
+    def hold_credit(self, sid: int) -> None:
+        """The shell's consumer of `sid` is paused: bytes acknowledged from now on keep their
+        window credit (a slow reader closes the window instead of growing buffers)."""
+        s = self.streams.get(sid)
+        if s is not None:
+            s.credit_held = True
+
+    def release_credit(self, sid: int) -> None:
+        """The consumer takes bytes again: return the credit held since `hold_credit`."""
+        s = self.streams.get(sid)
+        if s is None or not s.credit_held:
+            return
+        s.credit_held = False
+        n, s.held_credit = s.held_credit, 0
+        if n:
+            self.acknowledge(sid, n)
 
     def start_drain(self, now: float) -> None:
         """Graceful shutdown: no new streams; open ones finish; terminated when none is left."""
@@ -901,6 +1062,7 @@ class Connection:
         self._data_stream = None
         self.streams.clear()
         self._reset_allowance.clear()
+        self._waiting.clear()
 
     # Internals: stream lifecycle -----------------------------------------------------------
     def _send_reset(self, s: _Stream, code: int) -> None:
@@ -914,6 +1076,11 @@ class Connection:
     def _remove(self, s: _Stream) -> None:
         if self.streams.pop(s.sid, None) is None:
             return
+        if s.queued is not None or s.end_queued:
+            # Reset either way: nothing more of it can be sent.
+            s.queued = None
+            s.end_queued = False
+            self._waiting.pop(s.sid, None)
         # Conservation: whatever the shell never acknowledged goes back to the connection.
         self._recv_credit += s.unacked
         s.unacked = 0
@@ -1399,6 +1566,8 @@ class Connection:
             if self._send_window > f.MAX_WINDOW_BYTES:
                 raise _ConnectionError(E.FLOW_CONTROL_ERROR, "connection window above 2^31-1")
             self._emit(WindowUpdated(0))
+            if self._waiting:
+                self._drain(None)
             return
         s = self.streams.get(sid)
         if s is None:
@@ -1414,6 +1583,8 @@ class Connection:
             return
         if not s.local_closed:
             self._emit(WindowUpdated(sid))
+            if s.sid in self._waiting:
+                self._drain(s)
 
     def _on_rst_stream(self, sid: int, payload: bytes) -> None:
         if sid == 0:
@@ -1478,6 +1649,8 @@ class Connection:
         self._queue_control(f.SETTINGS_ACK)
         if opened:
             self._emit(WindowUpdated(0))
+            if self._waiting:
+                self._drain(None)
 
     def _on_ping(self, flags: int, sid: int, payload: bytes) -> None:
         if sid:

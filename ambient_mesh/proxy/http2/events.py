@@ -76,6 +76,16 @@ class WindowUpdated:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamWritable:
+    """The stream's send queue drained (`Connection.send`/`end` had held bytes or the END_STREAM
+    back behind a closed window or paused output): its producer may write again. `ended`: the
+    END_STREAM that waited went out with it."""
+
+    stream_id: int
+    ended: bool
+
+
+@dataclass(frozen=True, slots=True)
 class GoawayReceived:
     """No new streams on this connection; streams up to `last_stream_id` carry on (RFC 9113 6.8)."""
 
@@ -107,6 +117,7 @@ Event = (
     | StreamEnded
     | StreamReset
     | WindowUpdated
+    | StreamWritable
     | GoawayReceived
     | ConnectionTerminated
 )
