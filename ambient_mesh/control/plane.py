@@ -280,6 +280,8 @@ class ControlPlane:
             log.info("note: %s", note)
         self._notes_logged = notes
         self._translation = None
+        if self.ads.waypoints is not None:  # part 2 hook: routes and L7 policy of waypoints
+            self.ads.waypoints.update_l7(store, changed)
         queued = self.ads.apply(
             addresses=delta.addresses,
             removed_addresses=delta.removed_addresses,

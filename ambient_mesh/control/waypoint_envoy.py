@@ -24,8 +24,8 @@ node proxy.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # Every message type named by an `@type` below must be in the descriptor pool before ParseDict.
@@ -119,6 +119,12 @@ class WaypointInputs:
     trust_domains: tuple[str, ...]
     services: tuple[ServicePort, ...]
     workload_ips: tuple[str, ...]
+    # Part 2 hook (waypoint_l7.py): per HTTP chain name, its route configuration (HTTPRoute,
+    # VirtualService) and the HTTP filters before the router (RBAC, fault, CORS). A chain not
+    # listed keeps istiod's default route.
+    http_chains: Mapping[str, tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]] = field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -309,7 +315,7 @@ def _tcp_proxy(stat_prefix: str, cluster: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _hcm(stat_prefix: str, route_config: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _hcm(stat_prefix: str, route_config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": _typed(
@@ -413,9 +419,9 @@ def connect_terminate(trust_domains: Iterable[str]) -> dict[str, Any]:
     }
 
 
-def _http_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
+def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
     name = sp.cluster("http")
-    route = {
+    route: Mapping[str, Any] = {
         "name": name,
         "validate_clusters": False,
         "virtual_hosts": [
@@ -450,21 +456,22 @@ def _http_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
             }
         ],
     }
-    return {
-        "name": name,
-        "filters": [
-            _hcm(
-                f"inbound_{vip}_{sp.port}",
-                route,
-                server_name="istio-envoy",
-                normalize_path=True,
-                merge_slashes=True,
-                path_with_escaped_slashes_action="KEEP_UNCHANGED",
-                forward_client_cert_details="APPEND_FORWARD",
-                set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
-            )
-        ],
-    }
+    hcm = _hcm(
+        f"inbound_{vip}_{sp.port}",
+        route,
+        server_name="istio-envoy",
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action="KEEP_UNCHANGED",
+        forward_client_cert_details="APPEND_FORWARD",
+        set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
+    )
+    # Part 2 hook: this chain's routes and L7 filters (waypoint_l7.py).
+    l7 = inputs.http_chains.get(name)
+    if l7 is not None:
+        hcm["typed_config"]["route_config"] = l7[0]
+        hcm["typed_config"]["http_filters"] = [*l7[1], _router()]
+    return {"name": name, "filters": [hcm]}
 
 
 def _tcp_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
@@ -495,7 +502,7 @@ def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
             continue
         stat_vip = sp.vips[0]
         if sp.protocol in ("http", "auto"):
-            chains.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip))
+            chains.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip, inputs))
         if sp.protocol in ("tcp", "auto"):
             chains.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
         if sp.protocol == "auto":
