@@ -120,9 +120,9 @@ class WaypointInputs:
     services: tuple[ServicePort, ...]
     workload_ips: tuple[str, ...]
     # Part 2 hook (waypoint_l7.py): per HTTP chain name, its route configuration (HTTPRoute,
-    # VirtualService) and the HTTP filters before the router (RBAC, fault, CORS). A chain not
-    # listed keeps istiod's default route.
-    http_chains: Mapping[str, tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]] = field(
+    # VirtualService; None: istiod's default route) and the HTTP filters before the router (RBAC,
+    # fault, CORS). A chain not listed keeps the default route and the router alone.
+    http_chains: Mapping[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]] = field(
         default_factory=dict
     )
 
@@ -469,7 +469,8 @@ def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, 
     # Part 2 hook: this chain's routes and L7 filters (waypoint_l7.py).
     l7 = inputs.http_chains.get(name)
     if l7 is not None:
-        hcm["typed_config"]["route_config"] = l7[0]
+        if l7[0] is not None:
+            hcm["typed_config"]["route_config"] = l7[0]
         hcm["typed_config"]["http_filters"] = [*l7[1], _router()]
     return {"name": name, "filters": [hcm]}
 

@@ -68,7 +68,7 @@ class WaypointIndex:
         self._version = 0
         # Part 2 hook: routes and L7 policy (waypoint_l7.py); `_l7_dirty` holds the waypoints
         # an L7 change touched, built again on the next `apply`.
-        self.l7 = WaypointL7(self.settings.domain_suffix)
+        self.l7 = WaypointL7(self.settings)
         self._l7_dirty: set[str] = set()
 
     def __repr__(self) -> str:
@@ -132,6 +132,9 @@ class WaypointIndex:
     def update_l7(self, store: KubeStore, changed: Iterable[ObjectKey] | None = None) -> None:
         """Part 2 hook: follow the route objects of `store`; the waypoints serving a hostname
         whose routes changed are built again on the next `apply`."""
+        changed = list(changed) if changed is not None else None
+        if self.l7.update_policies(store, changed):
+            self._l7_dirty |= set(self._snapshots)
         hosts = self.l7.update(store, changed)
         refs = {
             self._ref_of[name] for name in (f"{namespace_of(h)}/{h}" for h in hosts) if name in self._ref_of
@@ -225,7 +228,7 @@ class WaypointIndex:
             trust_domains=(self.settings.trust_domain,),
             services=tuple(services),
             workload_ips=tuple(sorted(workload_ips)),
-            http_chains=self.l7.http_chains(key.split("/", 1)[0], services),
+            http_chains=self.l7.http_chains(_waypoint_of(key), services),
         )
 
     def _build(self, key: str, previous: Snapshot | None) -> Snapshot:
@@ -234,6 +237,12 @@ class WaypointIndex:
         return Snapshot.of_messages(
             version=str(self._version), messages=resources.by_type(), previous=previous
         )
+
+
+def _waypoint_of(key: str) -> tuple[str, str]:
+    """(namespace, Gateway name) of a waypoint key."""
+    namespace, _, hostname = key.partition("/")
+    return namespace, hostname.split(".", 1)[0]
 
 
 def _discard(index: dict[str, set[str]], key: str, name: str) -> None:

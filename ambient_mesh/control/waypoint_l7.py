@@ -1,4 +1,5 @@
-"""The L7 part of each waypoint's configuration: routes (HTTPRoute, VirtualService) per HTTP chain.
+"""The L7 part of each waypoint's configuration: routes (HTTPRoute, VirtualService) and L7
+authorization (AuthorizationPolicy with targetRefs) per HTTP chain.
 
 Counterpart: what istiod's waypoint listener builder reads beside the services
 (listener_waypoint.go: the VirtualServices of each service, the policies attached to the
@@ -14,7 +15,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..kube.objects import HTTPRoute, KubeStore, ObjectKey, VirtualService
+from ..kube.objects import AuthorizationPolicy, HTTPRoute, KubeStore, ObjectKey, VirtualService
+from .translate.common import MeshSettings
 from .translate.http_routes import (
     CORS_FILTER,
     FAULT_FILTER,
@@ -23,13 +25,14 @@ from .translate.http_routes import (
     notes,
     route_configuration,
 )
+from .translate.l7_authz import Attachment, applies, attachments, rbac_filters
 from .waypoint_envoy import ServicePort
 
 log = logging.getLogger(__name__)
 
 _T = "type.googleapis.com/"
 
-HttpChains = dict[str, tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]]
+HttpChains = dict[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]]
 
 
 def _filter(name: str, type_name: str) -> dict[str, Any]:
@@ -39,16 +42,43 @@ def _filter(name: str, type_name: str) -> dict[str, Any]:
 class WaypointL7:
     """Route objects by hostname, and the HTTP chains they make for one waypoint."""
 
-    def __init__(self, domain_suffix: str) -> None:
-        self.domain_suffix = domain_suffix
-        self.routes = RouteTable(domain_suffix)
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self.domain_suffix = settings.domain_suffix
+        self.routes = RouteTable(settings.domain_suffix)
         self.notes: dict[ObjectKey, tuple[str, ...]] = {}
+        # targetRef policies: the object (compared by identity) and where it binds.
+        self.policies: dict[ObjectKey, tuple[AuthorizationPolicy, list[Attachment]]] = {}
 
     def __repr__(self) -> str:
-        return f"WaypointL7({len(self.routes)} route objects)"
+        return f"WaypointL7({len(self.routes)} route objects, {len(self.policies)} targetRef policies)"
+
+    def update_policies(self, store: KubeStore, changed: Iterable[ObjectKey] | None = None) -> bool:
+        """Follow the targetRef AuthorizationPolicies of `store`; True when one changed."""
+        if changed is None:
+            keys = {k for k in store.keys() if k[0] == "AuthorizationPolicy"} | set(self.policies)
+        else:
+            keys = {k for k in changed if k[0] == "AuthorizationPolicy"}
+        moved = False
+        for key in keys:
+            obj = store.get(*key)
+            old = self.policies.get(key)
+            if old is not None and old[0] is obj:
+                continue
+            if isinstance(obj, AuthorizationPolicy) and obj.target_refs:
+                self.policies[key] = (
+                    obj,
+                    attachments(obj, self.settings.root_namespace, self.settings.domain_suffix),
+                )
+                moved = True
+            elif old is not None:
+                del self.policies[key]
+                moved = True
+        return moved
 
     def update(self, store: KubeStore, changed: Iterable[ObjectKey] | None = None) -> set[str]:
-        """Follow `store`; returns the service hostnames whose chains may differ."""
+        """Follow the route objects of `store`; returns the service hostnames whose chains may differ."""
+        changed = list(changed) if changed is not None else None
         hosts = self.routes.update(store, changed)
         keys = [
             k
@@ -67,8 +97,10 @@ class WaypointL7:
                 self.notes.pop(key, None)
         return hosts
 
-    def http_chains(self, waypoint_namespace: str, services: Sequence[ServicePort]) -> HttpChains:
-        """Per HTTP chain with at least one route: its route configuration and filters."""
+    def http_chains(self, waypoint: tuple[str, str], services: Sequence[ServicePort]) -> HttpChains:
+        """Per HTTP chain of `waypoint` (namespace, gateway name) with a route or a policy: its
+        route configuration (None: the default route) and filters."""
+        waypoint_namespace = waypoint[0]
         owned: dict[str, list[int]] = {}
         for sp in services:
             if sp.protocol in ("http", "auto"):
@@ -78,15 +110,20 @@ class WaypointL7:
             if sp.protocol not in ("http", "auto"):
                 continue
             rules = self.routes.rules(sp.hostname, sp.port, waypoint_namespace)
-            if not rules:
+            bound = [p for p, where in self.policies.values() if applies(where, waypoint, sp.hostname)]
+            if not rules and not bound:
                 continue
             name = sp.cluster("http")
-            cluster_of = cluster_resolver(owned, sp.hostname, sp.port, self.domain_suffix)
-            chain = route_configuration(name, sp.port, rules, cluster_of)
-            filters: list[Mapping[str, Any]] = []
-            if chain.needs_fault:
-                filters.append(_filter(FAULT_FILTER, "envoy.extensions.filters.http.fault.v3.HTTPFault"))
-            if chain.needs_cors:
-                filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
-            out[name] = (chain.route_config, filters)
+            # istiod's order: authorization, then fault and CORS, then the router.
+            filters: list[Mapping[str, Any]] = list(rbac_filters(bound))
+            route_config = None
+            if rules:
+                cluster_of = cluster_resolver(owned, sp.hostname, sp.port, self.domain_suffix)
+                chain = route_configuration(name, sp.port, rules, cluster_of)
+                route_config = chain.route_config
+                if chain.needs_fault:
+                    filters.append(_filter(FAULT_FILTER, "envoy.extensions.filters.http.fault.v3.HTTPFault"))
+                if chain.needs_cors:
+                    filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
+            out[name] = (route_config, filters)
         return out

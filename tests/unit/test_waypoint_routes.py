@@ -155,3 +155,31 @@ spec:
         ("HTTPRoute default/old", "/a", ""),
         ("HTTPRoute default/young", "/a", ""),
     ]
+
+
+def test_policies_bind_only_through_target_refs() -> None:
+    from ambient_mesh.control.translate.l7_authz import Attachment, attachments
+
+    text = """
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: a, namespace: default}
+spec:
+  targetRefs:
+  - {group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}
+  - {group: "", kind: Service, name: web}
+  - {group: gateway.networking.k8s.io, kind: GatewayClass, name: istio-waypoint}
+  - {group: gateway.networking.k8s.io, kind: Gateway, name: other, namespace: elsewhere}
+"""
+    (policy,) = parse_documents(text, "p.yaml").objects
+    # The GatewayClass binds only from the root namespace; a ref to another namespace never.
+    assert attachments(policy, "istio-system", "cluster.local") == [  # type: ignore[arg-type]
+        Attachment(waypoint=("default", "waypoint")),
+        Attachment(service="web.default.svc.cluster.local"),
+    ]
+    store = _store("authz")
+    chains = http_chains(_index(store))
+    text_all = json.dumps(chains)
+    assert "selector-only" not in text_all
+    assert "deny-admin" in json.dumps(chains["inbound-vip|80|http|web.default.svc.cluster.local"])
+    assert "deny-admin" not in json.dumps(chains["inbound-vip|80|http|v2.default.svc.cluster.local"])
