@@ -787,17 +787,43 @@ class DeltaConnectionState:
         # Patched from the snapshot this stream holds: only the names it lists can differ.
         hint = snapshot.changed if snapshot.parent_id == id(self.snapshot) else None
         self.snapshot = snapshot
-        responses = []
+        changes = []
         for type_url in self.type_urls:
             sub = self._subs.get(type_url)
             if sub is not None:
                 names = hint.get(type_url) if hint is not None else None
-                responses.extend(self._nonempty(self._diff(sub, snapshot, names)))
+                change = self._changes(sub, snapshot, names)
+                if change is not None:
+                    changes.append((sub, *change))
+        if self.type_urls is not ENVOY_TYPE_URLS:
+            return [
+                self._respond(sub, send, removed, aliases=aliases) for sub, send, removed, aliases in changes
+            ]
+        # Envoy, make before break: what is added or updated goes clusters, endpoints, listeners;
+        # what is removed goes after, listeners first, so nothing names a cluster that is gone.
+        responses = [
+            self._respond(sub, send, (), aliases=aliases) for sub, send, _, aliases in changes if send
+        ]
+        responses.extend(
+            self._respond(sub, (), removed, aliases=aliases)
+            for sub, _, removed, aliases in reversed(changes)
+            if removed
+        )
         return responses
 
     def _diff(
         self, sub: _Subscription, snapshot: Snapshot, changed: frozenset[str] | None = None
     ) -> discovery_pb2.DeltaDiscoveryResponse | None:
+        change = self._changes(sub, snapshot, changed)
+        if change is None:
+            return None
+        send, removed, aliases = change
+        return self._respond(sub, send, removed, aliases=aliases)
+
+    def _changes(
+        self, sub: _Subscription, snapshot: Snapshot, changed: frozenset[str] | None = None
+    ) -> tuple[list[str], list[str], bool] | None:
+        """(names to send, names to remove, whether to send aliases), or None when nothing differs."""
         present = snapshot.of(sub.type_url)
         if changed is not None and sub.mode is SubscriptionMode.WILDCARD:
             # A wildcard stream holds every name of the previous snapshot at its digest (each
@@ -806,7 +832,7 @@ class DeltaConnectionState:
             removed = [n for n in changed if n not in present and n in sub.sent]
             if not send and not removed:
                 return None
-            return self._respond(sub, send, removed, aliases=False)
+            return send, removed, False
         if sub.mode is SubscriptionMode.WILDCARD:
             wanted: Iterable[str] = present
         else:
@@ -816,7 +842,7 @@ class DeltaConnectionState:
         removed = [n for n in sub.sent if n not in present]
         if not send and not removed:
             return None
-        return self._respond(sub, send, removed, aliases=sub.mode is SubscriptionMode.ON_DEMAND)
+        return send, removed, sub.mode is SubscriptionMode.ON_DEMAND
 
     @staticmethod
     def _nonempty(

@@ -59,6 +59,9 @@ from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
+# Ours, not istiod's: where destinations of unknown protocol are sniffed (dispatch_listeners).
+MAIN_SNIFF = "main_internal_sniff"
+SNIFF_CHAIN = "sniff"
 CONNECT_ORIGINATE = "connect_originate"
 ENCAP = "encap"
 BLACKHOLE = "BlackHoleCluster"
@@ -284,21 +287,23 @@ def _prefix(ip: str) -> dict[str, Any]:
     return {"address_prefix": ip, "prefix_len": 32 if ipaddress.ip_address(ip).version == 4 else 128}
 
 
-def _copy_original_dst() -> dict[str, Any]:
-    # The CONNECT authority, set by connect_terminate, handed on to connect_originate.
+def _copy_filter_state() -> dict[str, Any]:
+    """The CONNECT's target and the client's identity, set by connect_terminate for one hop,
+    handed on to the next internal listener."""
+    entries = []
+    for key, factory in ((_LOCAL_IP_KEY, None), (PEER_PRINCIPAL_KEY, "envoy.string")):
+        entry: dict[str, Any] = {
+            "object_key": key,
+            "format_string": {"text_format_source": {"inline_string": f"%FILTER_STATE({key}:PLAIN)%"}},
+            "shared_with_upstream": "ONCE",
+        }
+        if factory:
+            entry["factory_key"] = factory
+        entries.append(entry)
     return {
         "name": "connect_authority",
         "typed_config": _typed(
-            "envoy.extensions.filters.network.set_filter_state.v3.Config",
-            on_new_connection=[
-                {
-                    "object_key": _LOCAL_IP_KEY,
-                    "format_string": {
-                        "text_format_source": {"inline_string": f"%FILTER_STATE({_LOCAL_IP_KEY}:PLAIN)%"}
-                    },
-                    "shared_with_upstream": "ONCE",
-                }
-            ],
+            "envoy.extensions.filters.network.set_filter_state.v3.Config", on_new_connection=entries
         ),
     }
 
@@ -495,71 +500,8 @@ def _http_or_tcp(http: str, tcp: str) -> dict[str, Any]:
     }
 
 
-def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
-    chains: dict[str, dict[str, Any]] = {}
-    by_vip: dict[str, dict[str, dict[str, Any]]] = {}
-    for sp in inputs.services:
-        if not sp.vips:
-            continue
-        stat_vip = sp.vips[0]
-        if sp.protocol in ("http", "auto"):
-            chains.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip, inputs))
-        if sp.protocol in ("tcp", "auto"):
-            chains.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
-        if sp.protocol == "auto":
-            on_match = _http_or_tcp(sp.cluster("http"), sp.cluster("tcp"))
-        else:
-            on_match = _string_action(sp.cluster(sp.protocol))
-        for vip in sp.vips:
-            by_vip.setdefault(vip, {})[str(sp.port)] = on_match
-    ranges = []
-    for vip in sorted(by_vip, key=lambda ip: ipaddress.ip_address(ip).packed):
-        ranges.append(
-            {
-                "ranges": [_prefix(vip)],
-                "on_match": {
-                    "matcher": {
-                        "matcher_tree": {
-                            "input": _input("port", "DestinationPortInput"),
-                            "exact_match_map": {"map": dict(sorted(by_vip[vip].items()))},
-                        }
-                    }
-                },
-            }
-        )
-    vips = set(by_vip)
-    workload_ips = [ip for ip in inputs.workload_ips if ip not in vips]
-    if workload_ips:
-        # Workload-addressed: straight to the pod (HTTP parsed when it is HTTP), through HBONE.
-        chains["direct-tcp"] = {
-            "name": "direct-tcp",
-            "filters": [_copy_original_dst(), _tcp_proxy("direct-tcp", ENCAP)],
-        }
-        direct_route = {
-            "name": "direct",
-            "virtual_hosts": [
-                {
-                    "name": "inbound",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": ENCAP, "timeout": "0s"}}],
-                }
-            ],
-        }
-        chains["direct-http"] = {
-            "name": "direct-http",
-            "filters": [_copy_original_dst(), _hcm("direct-http", direct_route)],
-        }
-        for ip in sorted(workload_ips, key=lambda ip: ipaddress.ip_address(ip).packed):
-            ranges.append({"ranges": [_prefix(ip)], "on_match": _http_or_tcp("direct-http", "direct-tcp")})
-    # Sniffing is on for every destination, unlike istiod (which turns it off per port whose
-    # protocol is known): a listener filter that changes with the services makes every push a
-    # full listener update, which drains the connections already open.
-    inspector = _listener_filter(
-        "envoy.filters.listener.http_inspector",
-        "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
-    )
+def _ip_matcher(ranges: list[dict[str, Any]]) -> dict[str, Any]:
     # Anything else (an unknown VIP or port) is closed: istiod's BlackHoleCluster.
-    chains["blackhole"] = {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
     matcher: dict[str, Any] = {"on_no_match": _string_action("blackhole")}
     if ranges:
         matcher["matcher_tree"] = {
@@ -569,21 +511,111 @@ def main_internal(inputs: WaypointInputs) -> dict[str, Any]:
                 "typed_config": _typed("xds.type.matcher.v3.IPMatcher", range_matchers=ranges),
             },
         }
-    return {
+    return matcher
+
+
+def _by_ip(by_ip: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    ranges = []
+    for ip in sorted(by_ip, key=lambda ip: ipaddress.ip_address(ip).packed):
+        ports = by_ip[ip]
+        if "*" in ports:
+            on_match = ports["*"]
+        else:
+            on_match = {
+                "matcher": {
+                    "matcher_tree": {
+                        "input": _input("port", "DestinationPortInput"),
+                        "exact_match_map": {"map": dict(sorted(ports.items()))},
+                    }
+                }
+            }
+        ranges.append({"ranges": [_prefix(ip)], "on_match": on_match})
+    return ranges
+
+
+def _blackhole() -> dict[str, Any]:
+    return {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
+
+
+def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`main_internal` and `main_internal_sniff`: where a CONNECT's original destination goes.
+
+    Ports of known protocol and workload-addressed traffic are served in `main_internal` itself;
+    ports of unknown protocol go on to `main_internal_sniff`, whose HTTP inspector tells HTTP
+    from TCP. istiod keeps one listener and turns its inspector off per known port instead; here
+    neither listener's filters ever change with the services, so every push is an in-place
+    filter-chain update that keeps the connections already open (a listener filter change is a
+    full update, which drains them), and a TCP client that half-closes before a line end is
+    is handed to an inspector (which would close it) only on a port of unknown protocol."""
+    main: dict[str, dict[str, Any]] = {}
+    sniffed: dict[str, dict[str, Any]] = {}
+    main_ips: dict[str, dict[str, dict[str, Any]]] = {}
+    sniff_ips: dict[str, dict[str, dict[str, Any]]] = {}
+    for sp in inputs.services:
+        if not sp.vips:
+            continue
+        stat_vip = sp.vips[0]
+        if sp.protocol == "auto":
+            sniffed.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip, inputs))
+            sniffed.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
+            main.setdefault(SNIFF_CHAIN, _sniff_chain())
+            for vip in sp.vips:
+                main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(SNIFF_CHAIN)
+                sniff_ips.setdefault(vip, {})[str(sp.port)] = _http_or_tcp(
+                    sp.cluster("http"), sp.cluster("tcp")
+                )
+            continue
+        main.setdefault(
+            sp.cluster(sp.protocol),
+            _http_chain(sp, stat_vip, inputs) if sp.protocol == "http" else _tcp_chain(sp, stat_vip),
+        )
+        for vip in sp.vips:
+            main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
+    workload_ips = [ip for ip in inputs.workload_ips if ip not in main_ips]
+    if workload_ips:
+        # Workload-addressed: straight to the pod through HBONE, as TCP. istiod sniffs these
+        # (direct-http when it looks like HTTP), which L7 policy on pods will need; an inspector
+        # closes a client that half-closes before a line end, so until then they are TCP.
+        main["direct-tcp"] = {
+            "name": "direct-tcp",
+            "filters": [_copy_filter_state(), _tcp_proxy("direct-tcp", ENCAP)],
+        }
+        for ip in workload_ips:
+            main_ips.setdefault(ip, {})["*"] = _string_action("direct-tcp")
+    main["blackhole"] = sniffed["blackhole"] = _blackhole()
+    original_dst = _listener_filter(
+        _ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"
+    )
+    main_listener = {
         "name": MAIN_INTERNAL,
         "internal_listener": {},
         "traffic_direction": "INBOUND",
+        "listener_filters": [original_dst],
+        "filter_chain_matcher": _ip_matcher(_by_ip(main_ips)),
+        "filter_chains": [main[name] for name in sorted(main)],
+    }
+    sniff_listener = {
+        "name": MAIN_SNIFF,
+        "internal_listener": {},
+        "traffic_direction": "INBOUND",
         "listener_filters": [
-            _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"),
-            inspector,
+            original_dst,
+            _listener_filter(
+                "envoy.filters.listener.http_inspector",
+                "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
+            ),
         ],
-        # Sniffing waits for the first bytes; a server-first protocol on a port of unknown
-        # protocol waits this long and is then taken as TCP.
+        # A server-first protocol waits this long for the client's first bytes, then is TCP.
         "listener_filters_timeout": SNIFF_TIMEOUT,
         "continue_on_listener_filters_timeout": True,
-        "filter_chain_matcher": matcher,
-        "filter_chains": [chains[name] for name in sorted(chains)],
+        "filter_chain_matcher": _ip_matcher(_by_ip(sniff_ips)),
+        "filter_chains": [sniffed[name] for name in sorted(sniffed)],
     }
+    return main_listener, sniff_listener
+
+
+def _sniff_chain() -> dict[str, Any]:
+    return {"name": SNIFF_CHAIN, "filters": [_copy_filter_state(), _tcp_proxy(MAIN_SNIFF, MAIN_SNIFF)]}
 
 
 def connect_originate_listener() -> dict[str, Any]:
@@ -698,10 +730,12 @@ def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]
 
 def build_resources(inputs: WaypointInputs) -> EnvoyResources:
     """The Listeners, Clusters and ClusterLoadAssignments of one waypoint."""
-    listeners = [connect_terminate(inputs.trust_domains), main_internal(inputs), connect_originate_listener()]
+    main, sniff = dispatch_listeners(inputs)
+    listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
     clusters = [
         _static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
         _static_internal(ENCAP, CONNECT_ORIGINATE),
+        _static_internal(MAIN_SNIFF, MAIN_SNIFF),
         connect_originate_cluster(inputs.trust_domains),
         {"name": BLACKHOLE, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT},
     ]

@@ -62,7 +62,9 @@ class PodSpec:
     node: str
     service_account: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
-    app: str = "echo"  # runtime.py's apps: `echo` (a server) or `sleep` (a client)
+    app: str = (
+        "echo"  # runtime.py's apps: `echo` (a server) or `sleep` (a client); `waypoint`: `ambient waypoint`
+    )
 
     @property
     def image(self) -> str:

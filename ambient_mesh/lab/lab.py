@@ -909,6 +909,14 @@ class Lab:
         """Once its app listens, the status kubelet reports: Running, Ready, with its IP."""
         app, spec = pod.app, pod.spec
         serves = spec.app == "echo"
+        if spec.app == "waypoint" and app is not None:
+            # Ready once its Envoy holds a certificate and its first listeners (its 15021).
+            wait_until(
+                lambda: self._waypoint_ready(pod, app),
+                timeout_s=self.config.ready_timeout_s,
+                what=f"waypoint pod {spec.key} to be ready",
+                on_timeout=app.tail,
+            )
         if serves and app is not None:
             wait_until(
                 lambda: self._listening(pod.netns, self.config.app_port, app),
@@ -922,6 +930,8 @@ class Lab:
         )
 
     def _start_app(self, pod: LabPod) -> Program:
+        if pod.spec.app == "waypoint":
+            return self._start_waypoint(pod)
         pod.app = self._spawn(
             f"app-{pod.spec.namespace}-{pod.spec.name}",
             pod.net.netns,
@@ -938,6 +948,41 @@ class Lab:
             ],
             {},
             restart=lambda: self._start_app(pod),
+        )
+        return pod.app
+
+    def _start_waypoint(self, pod: LabPod) -> Program:
+        """A waypoint pod's container: `ambient waypoint` (Envoy as its child) with the pod's
+        projected token, the mesh root and the control plane's address, as istiod's waypoint
+        Deployment mounts and passes them (its Gateway: the pod's gateway-name label)."""
+        from ..control.plane import mint_token
+        from ..metadata import LABEL_GATEWAY_NAME
+
+        spec = pod.spec
+        sa = spec.service_account or "default"
+        run_dir = self.config.state_dir / "waypoints" / f"{spec.namespace}-{spec.name}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        token = run_dir / "istio-token"
+        token.write_text(
+            mint_token(
+                self.control_dir, account=(spec.namespace, sa), node=spec.node, pod=spec.name, uid=pod.uid
+            )
+        )
+        token.chmod(0o600)
+        argv = [
+            self.config.python, "-m", "ambient_mesh.cli", "waypoint",
+            "--pod-name", spec.name, "--namespace", spec.namespace, "--pod-ip", str(pod.net.ip),
+            "--service-account", sa, "--gateway", spec.labels.get(LABEL_GATEWAY_NAME, sa),
+            "--xds-address", f"https://{self.control_address}",
+            "--root-cert", str(self.control_dir / "root-cert.pem"), "--token", str(token),
+            "--alt-hostname", ISTIOD_HOSTNAME, "--run-dir", str(run_dir),
+        ]  # fmt: skip
+        pod.app = self._spawn(
+            f"app-{spec.namespace}-{spec.name}",
+            pod.net.netns,
+            argv,
+            {},
+            restart=lambda: self._start_waypoint(pod),
         )
         return pod.app
 
@@ -959,6 +1004,15 @@ class Lab:
                 runtime.delete(pod.net, **args)
             time.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, SANDBOX_RETRY_MAX_S)
+
+    def _waypoint_ready(self, pod: LabPod, app: Program) -> bool:
+        if not app.running:
+            raise AmbientError(f"waypoint pod {pod.spec.key} exited:\n{app.tail()}")
+        try:
+            status, _ = http_get(pod.netns, "127.0.0.1", READINESS_PORT, "/healthz/ready", timeout_s=2.0)
+        except (OSError, ValueError):
+            return False
+        return status == 200
 
     def reconcile_pods(self) -> list[str]:
         """The kubelet's pod sync for objects changed while the lab runs (`ambient lab apply` or

@@ -29,7 +29,12 @@ from .topology import MAX_LAB_NODES
 LAB_API_VERSION = "lab.ambient-mesh.io/v1"
 LAB_KIND = "Lab"
 LAB_FIELDS = ("apiVersion", "kind", "nodes", "nftables")
-APP_IMAGES = {f"{APP_IMAGE_PREFIX}echo": "echo", f"{APP_IMAGE_PREFIX}sleep": "sleep"}
+# `waypoint`: `ambient waypoint` (Envoy and its agent), the container istiod's waypoint Deployment runs.
+APP_IMAGES = {
+    f"{APP_IMAGE_PREFIX}echo": "echo",
+    f"{APP_IMAGE_PREFIX}sleep": "sleep",
+    f"{APP_IMAGE_PREFIX}waypoint": "waypoint",
+}
 
 DEFAULT_TOPOLOGY = """\
 # The default lab: two nodes; `shop` in the mesh with a client and an HTTP echo service
@@ -147,7 +152,7 @@ def pod_spec_from_object(doc: Mapping[str, Any], where: str) -> PodSpec:
     app = APP_IMAGES.get(image)
     if app is None:
         raise ConfigError(
-            where, f"Pod {key}: image {image!r}: the lab runs {' or '.join(APP_IMAGES)} (its two apps)"
+            where, f"Pod {key}: image {image!r}: the lab runs {' or '.join(APP_IMAGES)} (its apps)"
         )
     labels = meta.get("labels") or {}
     return PodSpec(

@@ -77,7 +77,12 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     index = WaypointIndex()
     index.reset(translate(_store("echo"), MeshSettings()).addresses)
     r = index.resources(WAYPOINT)
-    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
+    assert set(r.listeners) == {
+        "connect_terminate",
+        "main_internal",
+        "main_internal_sniff",
+        "connect_originate",
+    }
     assert {
         "inbound-vip|80|http|echo.default.svc.cluster.local",
         "inbound-vip|5432|tcp|db.default.svc.cluster.local",
@@ -90,14 +95,36 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     echo = r.endpoints["inbound-vip|80|http|echo.default.svc.cluster.local"]
     ids = [e.endpoint.address.envoy_internal_address.endpoint_id for e in echo.endpoints[0].lb_endpoints]
     assert ids == ["10.0.0.2:8080", "10.0.1.2:8080"]
-    chains = {c.name for c in r.listeners["main_internal"].filter_chains}
-    assert {"direct-http", "direct-tcp", "blackhole"} <= chains
+    # Known protocols and the pod are served in main_internal; the port of unknown protocol is sniffed.
+    main = {c.name for c in r.listeners["main_internal"].filter_chains}
+    assert main == {
+        "inbound-vip|80|http|echo.default.svc.cluster.local",
+        "inbound-vip|5432|tcp|db.default.svc.cluster.local",
+        "direct-tcp",
+        "sniff",
+        "blackhole",
+    }
+    assert [f.name for f in r.listeners["main_internal"].listener_filters] == [
+        "envoy.filters.listener.original_dst"
+    ]
+    sniffed = {c.name for c in r.listeners["main_internal_sniff"].filter_chains}
+    assert sniffed == {
+        "inbound-vip|9000|http|misc.default.svc.cluster.local",
+        "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+        "blackhole",
+    }
 
 
 def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
     r = build_resources(WaypointIndex().inputs("ns/none.ns.svc.cluster.local"))
-    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
+    assert set(r.listeners) == {
+        "connect_terminate",
+        "main_internal",
+        "main_internal_sniff",
+        "connect_originate",
+    }
     assert [c.name for c in r.listeners["main_internal"].filter_chains] == ["blackhole"]
+    assert [c.name for c in r.listeners["main_internal_sniff"].filter_chains] == ["blackhole"]
     assert r.endpoints == {}
 
 
@@ -125,6 +152,9 @@ def test_incremental_upkeep_equals_a_fresh_build() -> None:
     assert second.changed is not None
     assert "inbound-vip|80|http|echo.default.svc.cluster.local" in second.changed[CLUSTER_TYPE_URL]
     assert "connect_originate" not in second.changed[LISTENER_TYPE_URL]
+    # The listeners' filters never change with the services: pushes stay in-place updates.
+    for name in ("main_internal", "main_internal_sniff"):
+        assert first_listener_filters(first, name) == first_listener_filters(second, name)
     assert "main_internal" in second.changed[LISTENER_TYPE_URL]
     assert (
         second.of(LISTENER_TYPE_URL)["connect_terminate"] is first.of(LISTENER_TYPE_URL)["connect_terminate"]
@@ -137,6 +167,14 @@ def test_incremental_upkeep_equals_a_fresh_build() -> None:
     meta = type(other.metadata)(**{**_fields(other.metadata), "labels": {"team": "x"}})
     delta = ambient.apply([Service(**{**_fields(other), "metadata": meta})])
     assert index.apply(delta.addresses, delta.removed_addresses) == set()
+
+
+def first_listener_filters(snapshot: Snapshot, name: str) -> list[bytes]:
+    from envoy.config.listener.v3 import listener_pb2
+
+    listener = listener_pb2.Listener()
+    snapshot.of(LISTENER_TYPE_URL)[name].resource.Unpack(listener)
+    return [f.SerializeToString() for f in listener.listener_filters]
 
 
 def _fields(obj: object) -> dict[str, object]:
@@ -192,7 +230,7 @@ def test_envoy_delta_ads_wildcard_then_eds_then_incremental_push() -> None:
     )
     assert sorted(r.name for r in eds.resources) == eds_names
     [lds] = state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=LISTENER_TYPE_URL))
-    assert len(lds.resources) == 3
+    assert len(lds.resources) == 4
     for resp in (cds, eds, lds):
         assert (
             state.receive(

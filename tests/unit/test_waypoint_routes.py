@@ -41,13 +41,18 @@ def _index(store: KubeStore) -> WaypointIndex:
 
 
 def http_chains(index: WaypointIndex, key: str = WAYPOINT) -> dict[str, Any]:
-    listener = json_format.MessageToDict(index.resources(key).listeners["main_internal"])
     out = {}
-    for chain in listener["filterChains"]:
-        for f in chain["filters"]:
-            if f["name"] == "envoy.filters.network.http_connection_manager":
-                hcm = f["typedConfig"]
-                out[chain["name"]] = {"routeConfig": hcm["routeConfig"], "httpFilters": hcm["httpFilters"]}
+    for name, message in index.resources(key).listeners.items():
+        if name == "connect_terminate":
+            continue
+        for chain in json_format.MessageToDict(message).get("filterChains", []):
+            for f in chain["filters"]:
+                if f["name"] == "envoy.filters.network.http_connection_manager":
+                    hcm = f["typedConfig"]
+                    out[chain["name"]] = {
+                        "routeConfig": hcm["routeConfig"],
+                        "httpFilters": hcm["httpFilters"],
+                    }
     return out
 
 

@@ -1,0 +1,298 @@
+"""A waypoint in the lab: client pod -> node proxy -> waypoint (Envoy) -> node proxy -> pod.
+
+Every program is its own process started by `ambient lab`: the control plane, per node the node
+agent and a shared-mode node proxy (pods captured through the real CNI plugin), and the waypoint
+pod, which the lab's kubelet runs as `ambient waypoint` (image ambient-lab/waypoint) with the
+pod's token. A user's part is `lab apply` of the Gateway, its Service and the labels.
+
+    node-1   demo/client, demo/local
+    node-2   demo/server, demo/waypoint-0 (not captured: istio.io/dataplane-mode=none)
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ambient_mesh.errors import AmbientError, ConfigError
+from ambient_mesh.lab import apply as lab_apply
+from ambient_mesh.lab.cluster import PodSpec
+from ambient_mesh.lab.lab import APP_PORT, Lab, LabConfig, tcp_roundtrip, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+WAYPOINT_ID = "spiffe://cluster.local/ns/demo/sa/waypoint"
+CLIENT_ID = "spiffe://cluster.local/ns/demo/sa/client"
+SERVER_VIP, LOCAL_VIP = "10.96.50.10", "10.96.50.11"
+LOG_WAIT_S = 15.0
+
+
+def _pods() -> tuple[PodSpec, ...]:
+    return (
+        PodSpec(
+            namespace="demo", name="client", node="node-1", service_account="client", labels={"app": "client"}
+        ),
+        PodSpec(
+            namespace="demo", name="local", node="node-1", service_account="local", labels={"app": "local"}
+        ),
+        PodSpec(
+            namespace="demo", name="server", node="node-2", service_account="server", labels={"app": "server"}
+        ),
+        PodSpec(
+            namespace="demo",
+            name="waypoint-0",
+            node="node-2",
+            service_account="waypoint",
+            labels={"gateway.networking.k8s.io/gateway-name": "waypoint", "istio.io/dataplane-mode": "none"},
+            app="waypoint",
+        ),
+    )
+
+
+WAYPOINT = """
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: waypoint, namespace: demo, labels: {istio.io/waypoint-for: all}}
+spec:
+  gatewayClassName: istio-waypoint
+  listeners: [{name: mesh, port: 15008, protocol: HBONE}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: waypoint
+  namespace: demo
+  labels: {gateway.istio.io/managed: istio.io-mesh-controller, gateway.networking.k8s.io/gateway-name: waypoint}
+spec:
+  selector: {gateway.networking.k8s.io/gateway-name: waypoint}
+  ports: [{name: status-port, port: 15021}, {name: mesh, port: 15008}]
+"""
+
+
+def services(use_waypoint: bool) -> str:
+    label = "labels: {istio.io/use-waypoint: waypoint}" if use_waypoint else "labels: {}"
+    return f"""
+apiVersion: v1
+kind: Service
+metadata: {{name: server, namespace: demo, {label}}}
+spec: {{selector: {{app: server}}, clusterIP: {SERVER_VIP}, ports: [{{name: tcp-echo, port: 80, targetPort: {APP_PORT}}}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: local, namespace: demo, {label}}}
+spec: {{selector: {{app: local}}, clusterIP: {LOCAL_VIP}, ports: [{{name: tcp-echo, port: 80, targetPort: {APP_PORT}}}]}}
+"""
+
+
+def namespace(use_waypoint: bool) -> str:
+    extra = ", istio.io/use-waypoint: waypoint" if use_waypoint else ""
+    return f"""
+apiVersion: v1
+kind: Namespace
+metadata: {{name: demo, labels: {{istio.io/dataplane-mode: ambient{extra}}}}}
+"""
+
+
+def apply_text(lab: Lab, text: str, file: str = "test.yaml") -> list[str]:
+    manifests = lab_apply.check_documents(
+        lab_apply.documents(text, file), file, default_namespace="demo", allow_pods=False
+    )
+    return lab_apply.apply(lab.objects_dir, manifests)
+
+
+def delete_text(lab: Lab, text: str, file: str = "test.yaml") -> None:
+    manifests = lab_apply.check_documents(
+        lab_apply.documents(text, file), file, default_namespace="demo", allow_pods=False
+    )
+    lab_apply.delete(lab.objects_dir, manifests)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    config = LabConfig(
+        state_dir=tmp_path_factory.mktemp("labwp"),
+        pods=_pods(),
+        ambient_namespaces=frozenset({"demo"}),
+        cluster_dns=False,
+    )
+    with Lab(config) as running:
+        apply_text(running, WAYPOINT)
+        apply_text(running, services(True))
+        yield running
+
+
+def envoy_admin(lab: Lab, path: str) -> str:
+    sock_path = lab.config.state_dir / "waypoints" / "demo-waypoint-0" / "admin.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(sock_path))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data.decode(errors="replace")
+
+
+def via_waypoint(lab: Lab, node: str, since: int, hbone_addr: str) -> dict[str, str]:
+    """The client node proxy's outbound event for `hbone_addr` that went to the waypoint."""
+
+    def find():
+        for e in lab.access_log(node, since):
+            if e.get("direction") == "outbound" and e.get("dst.hbone_addr") == hbone_addr:
+                return e
+        return None
+
+    try:
+        return wait_until(find, timeout_s=LOG_WAIT_S, what=f"outbound event for {hbone_addr} on {node}")
+    except AmbientError:
+        pytest.fail(
+            f"no outbound event for {hbone_addr}:\n" + "\n".join(map(str, lab.access_log(node, since)))
+        )
+
+
+def roundtrip_when(lab: Lab, ip: str, payload: bytes, predicate, what: str) -> None:
+    """Send through the client pod until the change has reached the proxies (bounded)."""
+    client = lab.pods["demo/client"]
+    last: list[object] = []
+
+    def attempt():
+        since = lab.proxy_log_offset("node-1")
+        try:
+            got = tcp_roundtrip(client.netns, ip, 80, payload, timeout_s=5.0)
+        except OSError as e:
+            last[:] = [repr(e)]
+            return None
+        if got != payload:
+            last[:] = [got]
+            return None
+        # The access event is written when the proxy has closed its side: give it a moment.
+        try:
+            return wait_until(lambda: predicate(since), timeout_s=3.0, what="the access event")
+        except AmbientError:
+            last[:] = [got, *lab.access_log("node-1", since)]
+            return None
+
+    try:
+        wait_until(attempt, timeout_s=30.0, what=what)
+    except AmbientError:
+        stats = envoy_admin(lab, "/stats")
+        interesting = [
+            ln for ln in stats.splitlines()
+            if any(k in ln for k in ("inbound-vip", "connect_originate", "main_internal", "ssl", "tcp."))
+            and not ln.endswith(": 0") and "No recorded" not in ln and "P0(" not in ln
+        ]  # fmt: skip
+        clusters = [
+            ln for ln in envoy_admin(lab, "/clusters").splitlines() if "::" in ln and "cx_total" in ln
+        ]
+        pytest.fail(f"{what}: last attempt {last}\n" + "\n".join(interesting + clusters))
+
+
+def _outbound(lab: Lab, since: int, hbone: str) -> dict[str, str] | None:
+    for e in lab.access_log("node-1", since):
+        if e.get("direction") == "outbound" and e.get("dst.hbone_addr") == hbone:
+            return e
+    return None
+
+
+@pytest.mark.parametrize(
+    ("key", "vip"), [("demo/server", SERVER_VIP), ("demo/local", LOCAL_VIP)], ids=["cross-node", "same-node"]
+)
+def test_service_addressed_through_the_waypoint(lab, key, vip):
+    waypoint = lab.pods["demo/waypoint-0"]
+    dest = lab.pods[key]
+    node = dest.spec.node
+    since_dest = lab.proxy_log_offset(node)
+
+    def went_via_waypoint(since):
+        e = _outbound(lab, since, f"{vip}:80")
+        return e if e is not None and e.get("dst.addr") == f"{waypoint.ip}:15008" else None
+
+    roundtrip_when(
+        lab, vip, b"via waypoint " + key.encode(), went_via_waypoint, f"{vip} through the waypoint"
+    )
+    # The destination's node proxy received it from the waypoint, with the waypoint's identity,
+    # on the pod's own address (Envoy's connect_originate).
+    inbound = wait_until(
+        lambda: next(
+            (
+                e
+                for e in lab.access_log(node, since_dest)
+                if e.get("direction") == "inbound"
+                and e.get("dst.addr") == f"{dest.ip}:{APP_PORT}"
+                and e.get("src.identity") == WAYPOINT_ID
+            ),
+            None,
+        ),
+        timeout_s=LOG_WAIT_S,
+        what=f"inbound event from the waypoint on {node}",
+    )
+    assert inbound["src.addr"].startswith(f"{waypoint.ip}:")
+    stats = envoy_admin(lab, "/stats?filter=inbound-vip")
+    host = key.split("/")[1]
+    assert f"cluster.inbound-vip|80|tcp|{host}.demo.svc.cluster.local.upstream_cx_total" in stats
+
+
+def test_workload_addressed_through_the_waypoint_and_off_again(lab):
+    server = lab.pods["demo/server"]
+    waypoint = lab.pods["demo/waypoint-0"]
+    target = f"{server.ip}:{APP_PORT}"
+    client = lab.pods["demo/client"]
+    apply_text(lab, namespace(True))
+    try:
+
+        def via(since):
+            e = _outbound(lab, since, target)
+            return e if e is not None and e.get("dst.addr") == f"{waypoint.ip}:15008" else None
+
+        def attempt(check):
+            since = lab.proxy_log_offset("node-1")
+            try:
+                got = tcp_roundtrip(client.netns, server.ip, APP_PORT, b"direct to pod", timeout_s=5.0)
+            except OSError:
+                return None
+            if got != b"direct to pod":
+                return None
+            try:
+                return wait_until(lambda: check(since), timeout_s=3.0, what="the access event")
+            except AmbientError:
+                return None
+
+        wait_until(lambda: attempt(via), timeout_s=30.0, what="pod-addressed traffic through the waypoint")
+    finally:
+        apply_text(lab, namespace(False))
+
+    def direct(since):
+        e = _outbound(lab, since, target)
+        return e if e is not None and e.get("dst.addr") == f"{server.ip}:15008" else None
+
+    # Label removed: traffic goes straight to the pod's node proxy again.
+    wait_until(lambda: attempt(direct), timeout_s=30.0, what="pod-addressed traffic off the waypoint")
+
+
+def test_deleting_the_gateway_takes_traffic_off_the_waypoint(lab):
+    server = lab.pods["demo/server"]
+    delete_text(lab, WAYPOINT)
+    try:
+
+        def direct(since):
+            for e in lab.access_log("node-1", since):
+                if (
+                    e.get("direction") == "outbound"
+                    and e.get("dst.service") == "server.demo.svc.cluster.local"
+                ):
+                    return e if e.get("dst.addr") == f"{server.ip}:15008" else None
+            return None
+
+        roundtrip_when(
+            lab, SERVER_VIP, b"no waypoint", direct, "the service's traffic off the deleted waypoint"
+        )
+    finally:
+        apply_text(lab, WAYPOINT)
+
+
+def test_invalid_gateway_is_refused_with_its_position(lab):
+    bad = WAYPOINT.replace("port: 15008, protocol: HBONE", "port: not-a-port, protocol: HBONE")
+    with pytest.raises(ConfigError) as e:
+        apply_text(lab, bad, "bad.yaml")
+    assert "bad.yaml:" in str(e.value) and "nothing applied" in str(e.value)
