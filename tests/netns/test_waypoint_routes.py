@@ -468,3 +468,58 @@ def test_virtual_service_uri_rewrite_redirect_and_source_labels(rmesh, routes):
     assert r.echo["path"] == "/new/x" and r.echo["headers"]["host"] == "rewritten.example"
     # The sourceLabels match is dropped (a waypoint cannot honour it): nothing goes to v2.
     assert request(rmesh, "/any").echo["name"] == "v1"
+
+
+# -- changes under load ------------------------------------------------------------------------
+
+CHANGE_ROUNDS = 6
+CHANGE_DEADLINE_S = 60.0
+
+
+def test_route_and_policy_changes_while_requests_flow(rmesh, routes):
+    """Requests flow while the routes and an L7 policy change back and forth; each request is
+    one that both the old and the new configuration serve (200), so none may fail."""
+    import threading
+
+    to_v2 = http_route("  - backendRefs: [{name: routed-v2, port: 80}]")
+    to_v1 = http_route(
+        "  - backendRefs: [{name: routed, port: 80, weight: 1}, {name: routed-v2, port: 80, weight: 0}]"
+    )
+    deny_other = """
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-other, namespace: default}
+spec:
+  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}]
+  action: DENY
+  rules: [{to: [{operation: {paths: [/other]}}]}]
+"""
+    stop = threading.Event()
+    results: list[tuple[int, str]] = []
+
+    def load() -> None:
+        deadline = time.monotonic() + CHANGE_DEADLINE_S
+        while not stop.is_set() and time.monotonic() < deadline and len(results) < 5000:
+            try:
+                r = request(rmesh, "/flow")
+                results.append((r.status, r.echo.get("name", "")))
+            except OSError as e:
+                results.append((0, repr(e)))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    try:
+        for i in range(CHANGE_ROUNDS):
+            routes(to_v2 if i % 2 == 0 else to_v1)
+            routes(deny_other if i % 2 == 0 else "", "policy.yaml")
+            want = "v2" if i % 2 == 0 else "v1"
+            served(rmesh, lambda want=want: request(rmesh, "/probe").echo["name"] == want, f"round {i}")
+    finally:
+        stop.set()
+        thread.join(timeout=CHANGE_DEADLINE_S)
+    failures = [r for r in results if r[0] != 200]
+    names = {name for _, name in results}
+    assert len(results) >= 20, f"only {len(results)} requests ran"
+    assert not failures, f"{len(failures)} of {len(results)} failed: {failures[:5]}"
+    assert {"v1", "v2"} <= names, names
+    print(f"{len(results)} requests across {CHANGE_ROUNDS} route and policy changes, none failed")
