@@ -31,7 +31,7 @@ from typing import Any
 # Every message type named by an `@type` below must be in the descriptor pool before ParseDict.
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.config.listener.v3 import listener_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2  # noqa: F401
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2  # noqa: F401
@@ -56,6 +56,7 @@ from xds.type.matcher.v3 import ip_pb2  # noqa: F401
 from ..ports import HBONE_PORT
 from ..wire.istio.workload import workload_pb2 as wl
 from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+from .envoy_parse_cache import ParseCache
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
@@ -728,8 +729,9 @@ def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]
 # The whole
 
 
-def build_resources(inputs: WaypointInputs) -> EnvoyResources:
-    """The Listeners, Clusters and ClusterLoadAssignments of one waypoint."""
+def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> EnvoyResources:
+    """The Listeners, Clusters and ClusterLoadAssignments of one waypoint (with `cache`, the
+    resources of its previous build that did not change are not parsed again)."""
     main, sniff = dispatch_listeners(inputs)
     listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
     clusters = [
@@ -747,6 +749,19 @@ def build_resources(inputs: WaypointInputs) -> EnvoyResources:
             name = sp.cluster(protocol)
             clusters.append(_eds_cluster(name))
             assignments.append(_load_assignment(name, sp.endpoints))
+    if cache is not None:  # part 2 hook: envoy_parse_cache.py
+        resources = EnvoyResources(
+            listeners={
+                d["name"]: cache.parse_listener(d, listener_pb2.Listener, listener_components_pb2.FilterChain)
+                for d in listeners
+            },
+            clusters={d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in clusters},
+            endpoints={
+                d["cluster_name"]: cache.parse(d, endpoint_pb2.ClusterLoadAssignment) for d in assignments
+            },
+        )
+        cache.end_build()
+        return resources
     return EnvoyResources(
         listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
         clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},

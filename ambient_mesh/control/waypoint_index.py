@@ -24,6 +24,7 @@ from ..identity.spiffe import Identity
 from ..kube.objects import KubeStore, ObjectKey
 from ..wire.istio.workload import workload_pb2 as wl
 from .ads_state import ProxyInfo, Snapshot
+from .envoy_parse_cache import ParseCache
 from .translate import MeshSettings
 from .translate.http_routes import namespace_of
 from .waypoint_envoy import (
@@ -70,6 +71,7 @@ class WaypointIndex:
         # an L7 change touched, built again on the next `apply`.
         self.l7 = WaypointL7(self.settings)
         self._l7_dirty: set[str] = set()
+        self._parse_caches: dict[str, ParseCache] = {}
 
     def __repr__(self) -> str:
         return f"WaypointIndex({len(self._addresses)} addresses, {len(self._named_by)} waypoints named, {len(self._snapshots)} built)"
@@ -94,7 +96,9 @@ class WaypointIndex:
         return snap
 
     def resources(self, key: str) -> EnvoyResources:
-        return build_resources(self.inputs(key))
+        # Part 2 hook: each built waypoint keeps its parsed resources (envoy_parse_cache.py).
+        cache = self._parse_caches.setdefault(key, ParseCache())
+        return build_resources(self.inputs(key), cache)
 
     # -- changes --------------------------------------------------------------------------------
 

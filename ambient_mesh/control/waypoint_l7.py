@@ -49,6 +49,11 @@ class WaypointL7:
         self.notes: dict[ObjectKey, tuple[str, ...]] = {}
         # targetRef policies: the object (compared by identity) and where it binds.
         self.policies: dict[ObjectKey, tuple[AuthorizationPolicy, list[Attachment]]] = {}
+        # Built once per set of bound policies (every chain of a waypoint usually shares one),
+        # and per chain while its rules and the waypoint's services stay the same.
+        self._rbac: dict[tuple[int, ...], tuple[tuple[AuthorizationPolicy, ...], list[dict[str, Any]]]] = {}
+        self._chains: dict[str, tuple[tuple[Any, ...], object, Any]] = {}
+        self._owned: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __repr__(self) -> str:
         return f"WaypointL7({len(self.routes)} route objects, {len(self.policies)} targetRef policies)"
@@ -105,6 +110,10 @@ class WaypointL7:
         for sp in services:
             if sp.protocol in ("http", "auto"):
                 owned.setdefault(sp.hostname, []).append(sp.port)
+        owned_now = tuple((h, tuple(p)) for h, p in sorted(owned.items()))
+        if owned_now != self._owned:
+            self._owned = owned_now  # a new object: chains built for the old services miss
+        owned_key: object = self._owned
         out: HttpChains = {}
         for sp in services:
             if sp.protocol not in ("http", "auto"):
@@ -115,15 +124,51 @@ class WaypointL7:
                 continue
             name = sp.cluster("http")
             # istiod's order: authorization, then fault and CORS, then the router.
-            filters: list[Mapping[str, Any]] = list(rbac_filters(bound))
+            filters: list[Mapping[str, Any]] = list(self._rbac_filters(bound))
             route_config = None
             if rules:
-                cluster_of = cluster_resolver(owned, sp.hostname, sp.port, self.domain_suffix)
-                chain = route_configuration(name, sp.port, rules, cluster_of)
+                chain = self._route_configuration(name, sp, rules, owned, owned_key)
                 route_config = chain.route_config
                 if chain.needs_fault:
                     filters.append(_filter(FAULT_FILTER, "envoy.extensions.filters.http.fault.v3.HTTPFault"))
                 if chain.needs_cors:
                     filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
             out[name] = (route_config, filters)
+        live = set(out)
+        for gone in [n for n in self._chains if n not in live]:
+            del self._chains[gone]
         return out
+
+    def _rbac_filters(self, bound: list[AuthorizationPolicy]) -> list[dict[str, Any]]:
+        key = tuple(sorted(id(p) for p in bound))
+        hit = self._rbac.get(key)
+        if hit is not None and len(hit[0]) == len(bound) and all(any(p is q for q in hit[0]) for p in bound):
+            return hit[1]
+        filters = rbac_filters(bound)
+        if len(self._rbac) > 256:  # a few sets per waypoint; start again rather than grow
+            self._rbac.clear()
+        self._rbac[key] = (tuple(bound), filters)
+        return filters
+
+    def _route_configuration(
+        self,
+        name: str,
+        sp: ServicePort,
+        rules: Sequence[Any],
+        owned: Mapping[str, Sequence[int]],
+        owned_key: object,
+    ) -> Any:
+        kept = tuple(b.rule for b in rules)
+        hit = self._chains.get(name)
+        if (
+            hit is not None
+            and hit[1] is owned_key
+            and len(hit[0]) == len(kept)
+            and all(a is b for a, b in zip(hit[0], kept, strict=True))
+        ):
+            return hit[2]
+        cluster_of = cluster_resolver(owned, sp.hostname, sp.port, self.domain_suffix)
+        chain = route_configuration(name, sp.port, rules, cluster_of)
+        # Compared by identity: an unchanged route object keeps its rule objects.
+        self._chains[name] = (kept, owned_key, chain)
+        return chain

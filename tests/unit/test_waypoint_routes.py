@@ -188,3 +188,26 @@ spec:
     assert "selector-only" not in text_all
     assert "deny-admin" in json.dumps(chains["inbound-vip|80|http|web.default.svc.cluster.local"])
     assert "deny-admin" not in json.dumps(chains["inbound-vip|80|http|v2.default.svc.cluster.local"])
+
+
+def test_cached_rebuilds_equal_a_fresh_build() -> None:
+    from ambient_mesh.control.waypoint_envoy import build_resources
+
+    store = _store("authz")
+    index = _index(store)
+    index.snapshot(WAYPOINT)
+    routes = _store("routes")
+    objects = [o for o in store.all()] + [
+        o for o in routes.all() if o.kind in ("HTTPRoute", "VirtualService")
+    ]
+    changed = KubeStore(objects)
+    index.update_l7(changed)
+    assert index.apply({}) == {WAYPOINT}
+    cached = index.resources(WAYPOINT)
+    fresh = build_resources(index.inputs(WAYPOINT))
+    for kind in ("listeners", "clusters", "endpoints"):
+        a, b = getattr(cached, kind), getattr(fresh, kind)
+        assert {k: v.SerializeToString(deterministic=True) for k, v in a.items()} == {
+            k: v.SerializeToString(deterministic=True) for k, v in b.items()
+        }, kind
+    assert index._parse_caches[WAYPOINT].hits > 0
