@@ -129,6 +129,8 @@ class WaypointInputs:
     http_chains: Mapping[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]] = field(
         default_factory=dict
     )
+    # Part 2 hook: the access log of every service HTTP chain (Istio's HTTP metrics).
+    access_log: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -472,7 +474,9 @@ def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, 
         forward_client_cert_details="APPEND_FORWARD",
         set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
     )
-    # Part 2 hook: this chain's routes and L7 filters (waypoint_l7.py).
+    # Part 2 hook: this chain's routes, L7 filters and access log (waypoint_l7.py).
+    if inputs.access_log:
+        hcm["typed_config"]["access_log"] = list(inputs.access_log)
     l7 = inputs.http_chains.get(name)
     if l7 is not None:
         if l7[0] is not None:

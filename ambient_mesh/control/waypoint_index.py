@@ -35,7 +35,7 @@ from .waypoint_envoy import (
     ip_text,
     service_ports,
 )
-from .waypoint_l7 import WaypointL7
+from .waypoint_l7 import ACCESS_LOG, WaypointL7
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,7 @@ class WaypointIndex:
             services=tuple(services),
             workload_ips=tuple(sorted(workload_ips)),
             http_chains=self.l7.http_chains(_waypoint_of(key), services),
+            access_log=ACCESS_LOG,
         )
 
     def _build(self, key: str, previous: Snapshot | None) -> Snapshot:

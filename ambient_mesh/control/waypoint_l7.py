@@ -15,6 +15,9 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+# Types named by an `@type` below must be in the descriptor pool when the listener is parsed.
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
+
 from ..kube.objects import AuthorizationPolicy, HTTPRoute, KubeStore, ObjectKey, VirtualService
 from .translate.common import MeshSettings
 from .translate.http_routes import (
@@ -29,6 +32,28 @@ from .translate.l7_authz import Attachment, applies, attachments, rbac_filters
 from .waypoint_envoy import ServicePort
 
 log = logging.getLogger(__name__)
+
+# The waypoint agent's access-log cluster (waypoint/bootstrap.py ALS_CLUSTER): every request of a
+# service's HTTP chain is sent to the agent, which keeps Istio's HTTP metrics from it.
+ALS_CLUSTER = "als-grpc"
+ACCESS_LOG_NAME = "istio-http-metrics"
+ACCESS_LOG_FLUSH = "0.25s"
+ACCESS_LOG: tuple[dict[str, Any], ...] = (
+    {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": ACCESS_LOG_NAME,
+                "grpc_service": {"envoy_grpc": {"cluster_name": ALS_CLUSTER}},
+                "transport_api_version": "V3",
+                "buffer_flush_interval": ACCESS_LOG_FLUSH,
+                "filter_state_objects_to_log": ["io.istio.peer_principal"],
+            },
+            "additional_request_headers_to_log": ["content-type"],
+        },
+    },
+)
 
 _T = "type.googleapis.com/"
 
