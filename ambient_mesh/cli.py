@@ -163,6 +163,7 @@ def cmd_control(args: argparse.Namespace) -> int:
             trust_domain=args.trust_domain, cluster_id=args.cluster_id, root_namespace=args.root_namespace
         ),
         trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
+        deploy_waypoints=args.deploy_waypoints,
     )
     return _run(run(config))
 
@@ -294,6 +295,12 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         "--trusted-node-accounts",
         default=os.environ.get("CA_TRUSTED_NODE_ACCOUNTS", "istio-system/ztunnel"),
         help="ns/sa list allowed to impersonate (env CA_TRUSTED_NODE_ACCOUNTS)",
+    )
+    p.add_argument(
+        "--deploy-waypoints",
+        action="store_true",
+        help="with --dir: write each waypoint Gateway's ServiceAccount, Deployment and Service, and its "
+        "status.addresses, into the directory, as istiod creates them (the lab's API server is a directory)",
     )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_control, action=None)

@@ -20,6 +20,12 @@ Rounds interleave the modes. Then `attach`: a service's `istio.io/use-waypoint` 
 written at t0 (the waypoint already running), and the time until a request has gone through the
 waypoint (Envoy's counter for that service's cluster) is measured.
 
+`--lab-runs N` (default 3) then brings up an `ambient lab` (2 nodes, a client and a server pod)
+and measures, N times, `lab apply` of a Gateway (the service already labelled) -> the control
+plane deploys it -> the lab's Deployment controller and kubelet run the pod -> the first
+request the client's node proxy sends through the waypoint; the Gateway is deleted (and its pod
+gone) between runs.
+
 Prints a table and writes JSON (default bench/results/waypoint.json). Never a timed assertion.
 """
 
@@ -415,11 +421,64 @@ def wait(predicate, timeout_s: float) -> bool:
     return False
 
 
+def lab_apply_to_first_request(runs: int) -> list[float]:
+    """`ambient lab apply` of a Gateway -> the first request through its waypoint, per run."""
+    import tempfile
+
+    from ambient_mesh.lab.lab import Lab, LabConfig, tcp_roundtrip
+    from tests.netns.test_lab_waypoint import (
+        SERVER_VIP,
+        WAYPOINT,
+        WAYPOINT_POD,
+        _pods,
+        apply_text,
+        delete_text,
+        services,
+    )
+
+    out: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="wplab-") as state:
+        config = LabConfig(
+            state_dir=Path(state), pods=_pods(), ambient_namespaces=frozenset({"demo"}), cluster_dns=False
+        )
+        with Lab(config) as lab:
+            apply_text(lab, services(True))
+            client = lab.pods["demo/client"]
+            for _ in range(runs):
+                since = lab.proxy_log_offset("node-1")
+                t0 = time.perf_counter()
+                apply_text(lab, WAYPOINT)
+
+                def through(since: int = since) -> bool:
+                    lab.supervise()
+                    try:
+                        tcp_roundtrip(client.netns, SERVER_VIP, 80, b"x", timeout_s=2.0)
+                    except OSError:
+                        return False
+                    return any(
+                        e.get("direction") == "outbound"
+                        and e.get("dst.workload") == WAYPOINT_POD.split("/")[1]
+                        for e in lab.access_log("node-1", since)
+                    )
+
+                if wait(through, 60):
+                    out.append((time.perf_counter() - t0) * 1000)
+                delete_text(lab, WAYPOINT)
+
+                def gone() -> bool:
+                    lab.supervise()
+                    return WAYPOINT_POD not in lab.pods
+
+                wait(gone, 60)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300, help="requests per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--attach-runs", type=int, default=3)
+    parser.add_argument("--lab-runs", type=int, default=3, help="0 skips the lab measurement")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "waypoint.json"))
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -513,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                     attach_ms.append((time.perf_counter() - t0) * 1000)
                 mesh.remove("late.yaml")
                 wait(lambda: "web-late" not in mesh.envoy_admin("/clusters").decode(), 30)
+    lab_ms = lab_apply_to_first_request(max(0, min(args.lab_runs, 10))) if args.lab_runs else []
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "cpus": os.cpu_count(),
@@ -520,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency": {mode: summary(s) for mode, s in samples.items()},
         "failures": failures,
         "attach_ms": summary(attach_ms) | {"runs": attach_ms},
+        "lab_apply_to_first_request_ms": summary(lab_ms) | {"runs": lab_ms},
     }
     lat = result["latency"]
     print(f"{'mode':<10} {'n':>6} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'failed':>7}")
@@ -537,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     if attach_ms:
         print(
             f"label written -> first request through the waypoint: p50 {result['attach_ms']['p50_ms']:.0f} ms over {len(attach_ms)} runs {[round(x) for x in attach_ms]}"
+        )
+    if lab_ms:
+        print(
+            f"lab apply of the Gateway -> first request through its waypoint: p50 "
+            f"{result['lab_apply_to_first_request_ms']['p50_ms']:.0f} ms over {len(lab_ms)} runs {[round(x) for x in lab_ms]}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

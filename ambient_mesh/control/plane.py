@@ -48,6 +48,8 @@ from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
+from .waypoint_deployer import apply_plan, read_current
+from .waypoint_deployer import plan as plan_waypoints
 from .waypoint_index import WaypointIndex
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
@@ -76,6 +78,9 @@ class ControlPlaneConfig:
     mesh: MeshSettings = field(default_factory=MeshSettings)
     trusted_node_accounts: frozenset[str] = frozenset({"istio-system/ztunnel"})
     poll_interval_s: float = POLL_INTERVAL_S
+    # With `directory`: create what istiod creates for each waypoint Gateway (its ServiceAccount,
+    # Deployment and Service, and its status.addresses) as files there (waypoint_deployer.py).
+    deploy_waypoints: bool = False
 
     def __post_init__(self) -> None:
         if (self.directory is None) == (self.kube is None):
@@ -280,6 +285,8 @@ class ControlPlane:
             log.info("note: %s", note)
         self._notes_logged = notes
         self._translation = None
+        if self.config.deploy_waypoints and self.config.directory is not None:
+            self._deploy_waypoints(store)
         if self.ads.waypoints is not None:  # part 2 hook: routes and L7 policy of waypoints
             self.ads.waypoints.update_l7(store, changed)
         queued = self.ads.apply(
@@ -297,6 +304,15 @@ class ControlPlane:
             queued,
         )
         self.loaded.set()
+
+    def _deploy_waypoints(self, store: KubeStore) -> None:
+        directory = self.config.directory
+        assert directory is not None
+        deploy = plan_waypoints(store, read_current(directory), self.config.mesh)
+        if deploy:
+            # The writes come back as the next directory change, as an API server's watch would.
+            for line in apply_plan(directory, deploy):
+                log.info("waypoint deployment: %s", line)
 
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:

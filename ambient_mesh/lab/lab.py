@@ -243,6 +243,13 @@ def http_get(
     return status, body.decode(errors="replace")
 
 
+def _read_objects(directory: Path, kind: str) -> list[dict[str, Any]]:
+    """The objects of `kind` in the lab's objects directory (one file each)."""
+    from ..control.waypoint_deployer import read_current
+
+    return list(read_current(directory, (kind,)).values())
+
+
 def wait_until(
     predicate: Callable[[], object],
     *,
@@ -290,6 +297,7 @@ class Lab:
         self._restart_delay: dict[str, float] = {}
         self._services_stamp: tuple[object, ...] | None = None
         self._pods_stamp: tuple[object, ...] | None = None
+        self._deployments_stamp: tuple[object, ...] | None = None
         self._started = False
 
     def __repr__(self) -> str:
@@ -545,6 +553,7 @@ class Lab:
         now = time.monotonic() if now is None else now
         events: list[str] = []
         if self._started and self.ready:
+            events += self.reconcile_deployments()
             events += self.reconcile_pods()
             try:
                 self.reconcile_services()
@@ -594,6 +603,8 @@ class Lab:
             str(self.control_dir),
             "--listen",
             self.control_address,
+            # istiod's gateway deployment controller: the lab's kubelet runs what it asks for.
+            "--deploy-waypoints",
         ]
         self.control = self._spawn(
             "control", self.topology.network_netns, argv, {}, restart=lambda: self._start_control(wait=False)
@@ -1013,6 +1024,42 @@ class Lab:
         except (OSError, ValueError):
             return False
         return status == 200
+
+    def reconcile_deployments(self) -> list[str]:
+        """The lab's Deployment controller (deployments.py): a Pending Pod for each waypoint
+        Deployment the control plane wrote, and the Pod deleted when its Deployment is. Returns
+        what it did, one line each; the kubelet pass that follows runs the new Pods."""
+        from collections import Counter
+
+        from .deployments import DEPLOYMENT_LABEL
+        from .deployments import plan as plan_deployments
+
+        stamp = objects_stamp(self.objects_dir)
+        if stamp == self._deployments_stamp:
+            return []
+        self._deployments_stamp = stamp
+        deployments = _read_objects(self.objects_dir, "Deployment")
+        controlled, others = {}, set()
+        for doc in _read_objects(self.objects_dir, "Pod"):
+            meta = doc.get("metadata") or {}
+            key = f"{meta.get('namespace')}/{meta.get('name')}"
+            owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
+            if owner:
+                controlled[key] = str(owner)
+            else:
+                others.add(key)
+        counts = Counter(pod.spec.node for pod in self.pods.values())
+        deploy = plan_deployments(deployments, controlled, sorted(self.nodes), counts, frozenset(others))
+        events = list(deploy.skipped)
+        for spec in deploy.create:
+            uid = pod_uid(self.lab_id, spec.namespace, spec.name)
+            write_objects(self.objects_dir, [pod_object(spec, uid=uid, ip=None)])
+            events.append(f"deployment: pod {spec.key} created on {spec.node}")
+        for key in deploy.delete:
+            namespace, _, name = key.partition("/")
+            remove_object(self.objects_dir, "Pod", namespace, name)
+            events.append(f"deployment: pod {key} deleted (its Deployment is gone)")
+        return events
 
     def reconcile_pods(self) -> list[str]:
         """The kubelet's pod sync for objects changed while the lab runs (`ambient lab apply` or

@@ -1,19 +1,23 @@
 """A waypoint in the lab: client pod -> node proxy -> waypoint (Envoy) -> node proxy -> pod.
 
 Every program is its own process started by `ambient lab`: the control plane, per node the node
-agent and a shared-mode node proxy (pods captured through the real CNI plugin), and the waypoint
-pod, which the lab's kubelet runs as `ambient waypoint` (image ambient-lab/waypoint) with the
-pod's token. A user's part is `lab apply` of the Gateway, its Service and the labels.
+agent and a shared-mode node proxy (pods captured through the real CNI plugin). A user's part is
+`lab apply` of the Gateway and the `use-waypoint` labels: the control plane deploys the waypoint
+as istiod does (ServiceAccount, Deployment, Service, status.addresses), the lab's Deployment
+controller makes its Pod and the kubelet runs it as `ambient waypoint` with the pod's token.
 
     node-1   demo/client, demo/local
-    node-2   demo/server, demo/waypoint-0 (not captured: istio.io/dataplane-mode=none)
+    node-2   demo/server
+    either   demo/waypoint-0 (not captured: istio.io/dataplane-mode=none), from the Deployment
 """
 
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
+import yaml
 
 from ambient_mesh.errors import AmbientError, ConfigError
 from ambient_mesh.lab import apply as lab_apply
@@ -39,14 +43,6 @@ def _pods() -> tuple[PodSpec, ...]:
         PodSpec(
             namespace="demo", name="server", node="node-2", service_account="server", labels={"app": "server"}
         ),
-        PodSpec(
-            namespace="demo",
-            name="waypoint-0",
-            node="node-2",
-            service_account="waypoint",
-            labels={"gateway.networking.k8s.io/gateway-name": "waypoint", "istio.io/dataplane-mode": "none"},
-            app="waypoint",
-        ),
     )
 
 
@@ -57,17 +53,8 @@ metadata: {name: waypoint, namespace: demo, labels: {istio.io/waypoint-for: all}
 spec:
   gatewayClassName: istio-waypoint
   listeners: [{name: mesh, port: 15008, protocol: HBONE}]
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: waypoint
-  namespace: demo
-  labels: {gateway.istio.io/managed: istio.io-mesh-controller, gateway.networking.k8s.io/gateway-name: waypoint}
-spec:
-  selector: {gateway.networking.k8s.io/gateway-name: waypoint}
-  ports: [{name: status-port, port: 15021}, {name: mesh, port: 15008}]
 """
+WAYPOINT_POD = "demo/waypoint-0"
 
 
 def services(use_waypoint: bool) -> str:
@@ -108,6 +95,17 @@ def delete_text(lab: Lab, text: str, file: str = "test.yaml") -> None:
     lab_apply.delete(lab.objects_dir, manifests)
 
 
+def wait_waypoint_pod(lab: Lab, *, present: bool, timeout_s: float = 60.0) -> None:
+    """The supervisor's passes (Deployment controller, then kubelet) until the waypoint pod is
+    running (or gone)."""
+
+    def done():
+        lab.supervise()
+        return (WAYPOINT_POD in lab.pods) == present
+
+    wait_until(done, timeout_s=timeout_s, what=f"waypoint pod {'running' if present else 'gone'}")
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     config = LabConfig(
@@ -117,13 +115,17 @@ def lab(tmp_path_factory):
         cluster_dns=False,
     )
     with Lab(config) as running:
-        apply_text(running, WAYPOINT)
         apply_text(running, services(True))
+        t0 = time.monotonic()
+        apply_text(running, WAYPOINT)
+        wait_waypoint_pod(running, present=True)
+        # Printed for the report (pytest -s): apply of the Gateway -> its pod running and ready.
+        print(f"\nGateway applied -> waypoint pod ready: {time.monotonic() - t0:.1f} s")
         yield running
 
 
 def envoy_admin(lab: Lab, path: str) -> str:
-    sock_path = lab.config.state_dir / "waypoints" / "demo-waypoint-0" / "admin.sock"
+    sock_path = lab.config.state_dir / "waypoints" / "demo-waypoint-0" / "admin.sock"  # WAYPOINT_POD's
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(5)
         sock.connect(str(sock_path))
@@ -199,7 +201,7 @@ def _outbound(lab: Lab, since: int, hbone: str) -> dict[str, str] | None:
     ("key", "vip"), [("demo/server", SERVER_VIP), ("demo/local", LOCAL_VIP)], ids=["cross-node", "same-node"]
 )
 def test_service_addressed_through_the_waypoint(lab, key, vip):
-    waypoint = lab.pods["demo/waypoint-0"]
+    waypoint = lab.pods[WAYPOINT_POD]
     dest = lab.pods[key]
     node = dest.spec.node
     since_dest = lab.proxy_log_offset(node)
@@ -235,7 +237,7 @@ def test_service_addressed_through_the_waypoint(lab, key, vip):
 
 def test_workload_addressed_through_the_waypoint_and_off_again(lab):
     server = lab.pods["demo/server"]
-    waypoint = lab.pods["demo/waypoint-0"]
+    waypoint = lab.pods[WAYPOINT_POD]
     target = f"{server.ip}:{APP_PORT}"
     client = lab.pods["demo/client"]
     apply_text(lab, namespace(True))
@@ -270,10 +272,39 @@ def test_workload_addressed_through_the_waypoint_and_off_again(lab):
     wait_until(lambda: attempt(direct), timeout_s=30.0, what="pod-addressed traffic off the waypoint")
 
 
-def test_deleting_the_gateway_takes_traffic_off_the_waypoint(lab):
+def test_the_control_plane_deployed_the_waypoint_as_istiod_does(lab):
+    names = sorted(p.name for p in lab.objects_dir.glob("*-demo-waypoint.yaml"))
+    assert names == [
+        "deployment-demo-waypoint.yaml",
+        "gateway-demo-waypoint.yaml",
+        "service-demo-waypoint.yaml",
+        "serviceaccount-demo-waypoint.yaml",
+    ], names
+    gateway = yaml.safe_load((lab.objects_dir / "gateway-demo-waypoint.yaml").read_text())
+    assert gateway["status"]["addresses"] == [
+        {"type": "Hostname", "value": "waypoint.demo.svc.cluster.local"}
+    ]
+    service = yaml.safe_load((lab.objects_dir / "service-demo-waypoint.yaml").read_text())
+    assert sorted(p["port"] for p in service["spec"]["ports"]) == [15008, 15021]
+    pod = lab.pods[WAYPOINT_POD]
+    assert pod.spec.labels["istio.io/dataplane-mode"] == "none" and not lab.enrolled(WAYPOINT_POD)
+
+
+def test_invalid_gateway_is_refused_with_its_position(lab):
+    bad = WAYPOINT.replace("port: 15008, protocol: HBONE", "port: not-a-port, protocol: HBONE")
+    with pytest.raises(ConfigError) as e:
+        apply_text(lab, bad, "bad.yaml")
+    assert "bad.yaml:" in str(e.value) and "nothing applied" in str(e.value)
+
+
+def test_deleting_the_gateway_removes_the_pod_and_takes_traffic_off(lab):
+    # Last in the module: the pod comes back only after the next supervisor passes.
     server = lab.pods["demo/server"]
     delete_text(lab, WAYPOINT)
     try:
+        wait_waypoint_pod(lab, present=False)
+        deployed = [p.name for p in lab.objects_dir.glob("*-demo-waypoint.yaml")]
+        assert deployed == [], deployed
 
         def direct(since):
             for e in lab.access_log("node-1", since):
@@ -289,10 +320,3 @@ def test_deleting_the_gateway_takes_traffic_off_the_waypoint(lab):
         )
     finally:
         apply_text(lab, WAYPOINT)
-
-
-def test_invalid_gateway_is_refused_with_its_position(lab):
-    bad = WAYPOINT.replace("port: 15008, protocol: HBONE", "port: not-a-port, protocol: HBONE")
-    with pytest.raises(ConfigError) as e:
-        apply_text(lab, bad, "bad.yaml")
-    assert "bad.yaml:" in str(e.value) and "nothing applied" in str(e.value)
