@@ -164,6 +164,7 @@ def cmd_control(args: argparse.Namespace) -> int:
         ),
         trusted_node_accounts=frozenset(parse_trusted_node_accounts(args.trusted_node_accounts)),
         deploy_waypoints=args.deploy_waypoints,
+        debug_listen=SocketAddr.parse(args.debug_listen) if args.debug_listen else None,
     )
     return _run(run(config))
 
@@ -282,7 +283,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--listen", default=f"[::]:{XDS_CA_PORT}", help="TLS address for xDS and CA (default: %(default)s)"
     )
-    p.add_argument("--plaintext-listen", default=None, help="optional plaintext address (istiod's 15010)")
+    p.add_argument(
+        "--plaintext-listen",
+        default=None,
+        help="optional plaintext address for xDS only, no CA (istiod's 15010)",
+    )
     p.add_argument(
         "--root-ca-dir",
         default=os.environ.get("ROOT_CA_DIR"),
@@ -303,6 +308,11 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
         "status.addresses, into the directory, as istiod creates them (the lab's API server is a directory)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--debug-listen",
+        default="127.0.0.1:15014",
+        help="istiod's debug endpoint: /debug/connections, /debug/status ('' turns it off; default: %(default)s)",
+    )
     p.set_defaults(func=cmd_control, action=None)
     actions = p.add_subparsers(dest="action")
     t = actions.add_parser("token", help="mint a JWT this control plane accepts (like a projected SA token)")
@@ -417,7 +427,7 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--admin", default=None, help=f"the proxy's admin address (default {DEFAULT_ADMIN})")
     p.add_argument("--node", default=None, help="the node proxy of this lab node (by node name)")
     p.add_argument(
-        "--state-dir", default="/tmp/ambient-lab", help="the lab's, for --node (default: %(default)s)"
+        "--state-dir", default="/run/ambient-lab", help="the lab's, for --node (default: %(default)s)"
     )
     p.add_argument("-f", "--file", default=None, help="a saved /config_dump JSON file (- for stdin)")
     p.add_argument("-o", "--output", choices=["short", "table", "json", "yaml"], default="short")
@@ -434,6 +444,9 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--level", default=None, help="log: [<scope>:]<level>,... to set (trace ... off)")
     p.add_argument("-r", "--reset", action="store_true", help="log: back to info")
     p.set_defaults(func=cmd_ztunnel_config)
+    from .diagnostics.commands import add_parsers as add_diagnostics
+
+    add_diagnostics(sub)
     return parser
 
 
@@ -471,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
 # -- the entry points Istio's Helm charts call (so our image drops into them with --set alone) --
 
 # Where istio-cni's `install-cni` container finds the node's directories: the chart mounts the
-# host's CNI config and bin dirs and /proc under /host (reference/istio-cni.md 1.2, 1.6, 1.7).
+# host's CNI config and bin dirs and /proc under /host (docs/istio-behaviour.md, "Node agent configuration").
 INSTALL_CNI_DEFAULTS = {
     "HOST_PREFIX": "/host",
     "MOUNTED_CNI_NET_DIR": "/host/etc/cni/net.d",

@@ -1,7 +1,7 @@
 """The node proxy's configuration: one frozen object built once from the environment.
 
 Counterpart: ztunnel src/config.rs (`Config`, `construct_config`). The variables, their
-defaults and their validation follow ztunnel (reference/ztunnel.md 2.1-2.2); every bad value
+defaults and their validation follow ztunnel (docs/istio-behaviour.md, "Configuration"); every bad value
 raises ConfigError whose `source` is the variable's name and whose message lists the accepted
 forms.
 
@@ -439,10 +439,10 @@ class ZtunnelConfig:
     ) -> ZtunnelConfig:
         """Build the config from `env` (normally os.environ); raise ConfigError on any bad value.
 
-        The callables are the only reads outside `env`: whether the kernel has IPv6 off on
-        loopback, whether a path names a file (for root certs and the auth token), and how many
-        CPUs we may run on (for ZTUNNEL_WORKER_THREADS=0 or N%). Each
-        section below reads one group of ztunnel's variables (reference 2.1), in its order.
+        The callables are the only reads outside `env`: whether the kernel has IPv6 off on loopback, whether a
+        path names a file (for root certs and the auth token), and how many CPUs we may run on (for
+        ZTUNNEL_WORKER_THREADS=0 or N%). Each section below reads one group of ztunnel's variables
+        (docs/istio-behaviour.md, "Configuration"), in its order.
         """
         e = EnvReader(env)
         meta = _istio_metadata(env)
@@ -718,7 +718,8 @@ def _listeners(e: EnvReader, *, ipv6_enabled: bool) -> dict[str, Any]:
 
 # --- at start: what we do not support, and the effective configuration (ztunnel logs both) --------
 
-# Istio ztunnel variables (reference 2.1) this proxy does not implement, and what happens instead.
+# Istio ztunnel variables (docs/istio-behaviour.md, "Configuration") this proxy does not implement, and what
+# happens instead.
 UNSUPPORTED_VARIABLES: dict[str, str] = {
     "PROXY_CONFIG": "ProxyConfig overlays (and the mesh config file) are not read",
     "ZTUNNEL_CPU_LIMIT": "the worker count comes from ZTUNNEL_WORKER_THREADS alone",

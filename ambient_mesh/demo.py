@@ -19,6 +19,7 @@ step did not behave as shown. Manifests go through the same path as `ambient lab
 
 from __future__ import annotations
 
+import functools
 import http.client
 import sys
 import tempfile
@@ -47,6 +48,8 @@ CURL_TIMEOUT_S = 3
 POLICY_TIMEOUT_S = 15.0  # the control plane reads the change and pushes it; the proxies apply it
 ACCESS_LOG_TIMEOUT_S = 5.0
 POLL_S = 0.2
+REPLICAS = ("shop/echo-1", "shop/echo-2")  # echo-1 on the client's node, echo-2 on the other
+REPLICA_CHECKS = 3  # calls after the first with the wanted outcome, each of which must agree
 MAX_SERVICE_CALLS = 20  # until both replicas answered: with random picks, 20 miss one at 2^-19
 TRUST_DOMAIN = "cluster.local"
 
@@ -250,11 +253,11 @@ class Tour:
         )
 
         self.apply(DENY_POLICY, "deny-client.yaml")
-        call = self.until(lambda: curl(lab, CLIENT, SERVICE_URL), want_ok=False)
-        self.check("DENY refuses the client", not call.ok, f"{CLIENT} -> {SERVICE_URL}: {call.detail}")
+        refused, detail = self.every_replica(CLIENT, want_ok=False)
+        self.check("DENY refuses the client at every replica", refused, detail)
         self.delete(DENY_POLICY, "deny-client.yaml")
-        call = self.until(lambda: curl(lab, CLIENT, SERVICE_URL), want_ok=True)
-        self.check("removing it lets the client in", call.ok, f"{CLIENT} -> {SERVICE_URL}: {call.detail}")
+        served, detail = self.every_replica(CLIENT, want_ok=True)
+        self.check("removing it lets the client in again", served, detail)
 
         call = self.until(lambda: curl(lab, LEGACY, LEGACY_SERVICE_URL), want_ok=True, timeout_s=5.0)
         self.check(
@@ -263,18 +266,34 @@ class Tour:
             f"{LEGACY} -> {LEGACY_SERVICE_URL} (lab DNS, kube-proxy DNAT): {call.detail} from {call.answered_by or '-'}",
         )
         self.apply(STRICT_MTLS, "strict.yaml")
-        call = self.until(lambda: curl(lab, LEGACY, LEGACY_SERVICE_URL), want_ok=False)
-        mesh = curl(lab, CLIENT, SERVICE_URL)
+        refused, detail = self.every_replica(LEGACY, want_ok=False)
+        served, mesh_detail = self.every_replica(CLIENT, want_ok=True)
         self.check(
-            "STRICT mTLS refuses the non-mesh caller",
-            not call.ok and mesh.ok,
-            f"{LEGACY}: {call.detail}; {CLIENT} (mTLS): {mesh.detail}",
+            "STRICT mTLS refuses the non-mesh caller at every replica, not the mesh's",
+            refused and served,
+            f"{detail}; {mesh_detail} (mTLS)",
         )
         self.delete(STRICT_MTLS, "strict.yaml")
-        call = self.until(lambda: curl(lab, LEGACY, LEGACY_SERVICE_URL), want_ok=True)
-        self.check(
-            "removing STRICT restores plaintext", call.ok, f"{LEGACY} -> {LEGACY_SERVICE_URL}: {call.detail}"
-        )
+        served, detail = self.every_replica(LEGACY, want_ok=True)
+        self.check("removing STRICT restores plaintext at every replica", served, detail)
+
+    def every_replica(self, caller: str, *, want_ok: bool) -> tuple[bool, str]:
+        """Call each echo replica by its own address (the Service would balance over them and
+        could hide one that still answers) until the outcome is the wanted one, then
+        REPLICA_CHECKS more times: every call must have that outcome. The verdict and a line of
+        detail per replica."""
+        ok, parts = True, []
+        for target in REPLICAS:
+            url = f"http://{self.lab.pods[target].ip}:{ECHO_PORT}/"
+            first = self.until(functools.partial(curl, self.lab, caller, url), want_ok=want_ok)
+            calls = [first] + [curl(self.lab, caller, url) for _ in range(REPLICA_CHECKS)]
+            wanted = sum(c.ok == want_ok for c in calls)
+            ok = ok and wanted == len(calls)
+            parts.append(
+                f"{caller} -> {target} ({url}): {wanted}/{len(calls)} {'served' if want_ok else 'refused'}"
+                f" (last {calls[-1].detail})"
+            )
+        return ok, "; ".join(parts)
 
 
 def netns_unavailable_reason() -> str | None:
@@ -297,7 +316,8 @@ def run_demo(*, verbose: bool = False, out: IO[str] | None = None, state_dir: Pa
         print(f"ambient demo: {reason}", file=sys.stderr)
         return 2
     topo = load_topology(None)
-    with tempfile.TemporaryDirectory(prefix="ambient-demo-", dir="/tmp") as tmp:
+    # Under /run, root's (the lab refuses a state directory others can write).
+    with tempfile.TemporaryDirectory(prefix="ambient-demo-", dir="/run") as tmp:
         config = LabConfig(
             state_dir=state_dir or Path(tmp),
             nodes=topo.nodes,

@@ -190,7 +190,7 @@ def _plain_fields(fields: Mapping[str, Any]) -> str:
 
     One regex search over all the values, joined by NUL (which needs no quotes, so the join adds
     no match), instead of one call and search per value: the access line has 14 values
-    (bench/README.md, connection path).
+    (docs/performance.md, "The per-connection path").
     """
     texts = [v if isinstance(v, str) else str(v) for v in fields.values()]
     if "" in texts or _NEEDS_QUOTES.search("\x00".join(texts)):
@@ -448,7 +448,7 @@ def _emit(
     When the only handler it would reach is the one configure_logging installed (a proxy's
     normal state), the line is formatted and written as that handler would write it, without a
     LogRecord: logging's record, handler and filter calls were about two thirds of an access
-    line's cost in the running proxy (bench/README.md, connection path). Otherwise (a test's
+    line's cost in the running proxy (docs/performance.md, "The per-connection path"). Otherwise (a test's
     capture handler, a filter) the record is made and handled as Logger.log does, naming the
     caller's frame as Logger.findCaller would, without its walk up the stack. `created`: the
     line's time, when it is not now.
@@ -536,7 +536,7 @@ class AccessPeers:
     """The part of a `connection complete` line that is the same for every connection between
     the same peers (workloads, identities, service, direction), with its plain text, worked out
     once: building, filtering and quoting all 17 fields was about 40 µs per line, twice per
-    proxied connection (bench/README.md, connection path). proxy/telemetry.py keeps one per set
+    proxied connection (docs/performance.md, "The per-connection path"). proxy/telemetry.py keeps one per set
     of peers; `log_access_complete` adds the per-connection fields.
     """
 
@@ -566,7 +566,7 @@ class AccessPeers:
 # and written on its own took 45-50 µs of CPU in the running proxy, where the same code run line
 # after line costs a fraction of that: on a busy core the proxies, the apps and the kernel take
 # turns, and a line's code and data are out of the CPU's caches by the next connection's end
-# (bench/README.md, connection path). Envoy buffers its file access logs likewise (flushed every
+# (docs/performance.md, "The per-connection path"). Envoy buffers its file access logs likewise (flushed every
 # second by default); ztunnel hands its lines to a writer thread. Any other line through the
 # handler and its flush (logging.shutdown flushes every handler at exit) write the kept lines
 # first, so lines stay in order; outside a batch, an error line, another handler or the JSON

@@ -2,8 +2,8 @@
 
 Counterparts: ztunnel src/proxy/metrics.rs (`Metrics`, `CommonTrafficLabels`,
 `ConnectionResult`), src/metrics.rs (`istio_build`), src/xds/metrics.rs (`XdsMetrics`) and
-src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow reference/ztunnel.md
-8.2, which is what Istio dashboards and Kiali query.
+src/inpod/metrics.rs (`WorkloadManagerMetrics`). Names and labels follow
+docs/istio-behaviour.md, "Metrics", which is what Istio dashboards and Kiali query.
 
 Each `Metrics` owns a `CollectorRegistry`; nothing touches prometheus-client's global registry,
 so several proxies (or tests) can live in one process. Other packages register their own
@@ -171,7 +171,7 @@ class ConnectionRecorder:
     collected (a scrape, a worker's stats) and with each recorder when it closes. A locked
     counter add per read and per write was about a tenth of a proxy's user time per small
     message, and a call per chunk into plain ints 4 of 18 Python calls per round trip
-    (bench/README.md)."""
+    (docs/performance.md, "The per-connection path")."""
 
     __slots__ = (
         "_metrics",
@@ -249,6 +249,19 @@ class ConnectionRecorder:
         )
 
 
+# HBONE's TLS record-layer failures (tls/transport.py `record_failure`): records that failed
+# authentication, oversized or malformed ones, unexpected messages; `reason` is the alert we
+# answered with (bad_record_mac, record_overflow, unexpected_message, decode_error,
+# illegal_parameter) or "openssl" for one OpenSSL's TLS 1.2 records refused. Not one of Istio's
+# standard metrics: named in their style. One per process, served by every `Metrics` registry.
+TLS_RECORD_FAILURES = Counter(
+    "istio_tls_record_failures",
+    "The total number of HBONE connections ended by a TLS record-layer failure",
+    ("reason",),
+    registry=None,
+)
+
+
 class XdsMetrics:
     """The xDS client's counters: stream ends by reason, and responses and their bytes by type URL.
 
@@ -305,7 +318,7 @@ class XdsMetrics:
 class WorkloadManagerMetrics:
     """Shared (in-pod) mode: how many pod proxies run, wait for a retry, were started and stopped.
 
-    ztunnel registers these under the `workload_manager` prefix (reference/ztunnel.md 8.2 notes
+    ztunnel registers these under the `workload_manager` prefix (docs/istio-behaviour.md, "Metrics" notes
     that its README's `istio_*` spelling is wrong). Active and pending are set from the owner's
     own bookkeeping after every change, so they cannot drift from it.
     """
@@ -419,6 +432,7 @@ class Metrics:
                     self.sent_bytes,
                     self.sockets_open,
                     self.build,
+                    TLS_RECORD_FAILURES,
                     *self.xds.collectors(),
                 ),
                 before_collect=self._before_collect,
@@ -459,7 +473,7 @@ class Metrics:
         (after their pending counts are given to the counters). A connection's open, its clean
         close and its last bytes add to the pending counts in plain ints, and the counters catch
         up when the registry is collected: four locked counter adds per connection were about
-        1.2 µs each (bench/README.md, connection path).
+        1.2 µs each (docs/performance.md, "The per-connection path").
         """
         hit = self._bound.get(id(labels))
         if hit is not None and hit[0] is labels:

@@ -1,8 +1,8 @@
 """The well-known ports of Istio's ambient data plane, defined once.
 
 Counterparts: ztunnel's listener defaults (src/config.rs), istio-cni's redirection targets
-(cni/pkg/iptables) and istiod's `HBONE_MTLS_PORT`; the numbers are in reference/ztunnel.md and
-spec/wire-protocols.md. Rules, listeners, routing and the lab take them from here.
+(cni/pkg/iptables) and istiod's `HBONE_MTLS_PORT`; docs/istio-behaviour.md, "Ports", lists
+them. Rules, listeners, routing and the lab take them from here.
 """
 
 OUTBOUND_PORT = 15001  # captured outbound traffic

@@ -13,7 +13,10 @@ names (a cycle). Refusals are `AliasLimitError`, a PyYAML ComposerError whose ma
 alias's line and column, so every reader that reports YAML errors with a position reports these
 too. Anchors used the ordinary way (shared labels, `<<: *defaults`) stay far below the bound.
 
-Text without a possible alias can still go to libyaml (`may_have_aliases` says when not).
+Large files are parsed by libyaml (docs/performance.md, "The control plane at scale"):
+`BoundedCSafeLoader` takes libyaml's events and composes them with the same alias-counting Python
+composer, and text without a possible alias (`may_have_aliases`) is composed by libyaml too, since there
+is nothing to bound. A property test holds both to the pure-Python loader (`compose(text, fast=False)`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import re
 from typing import Any
 
 import yaml
-from yaml.composer import ComposerError
+from yaml.composer import Composer, ComposerError
+from yaml.constructor import SafeConstructor
 from yaml.events import AliasEvent
 from yaml.nodes import Node
+from yaml.resolver import Resolver
 
 # Nodes the aliases of one file (all its documents) may add to it. Ordinary anchors add tens or
 # hundreds; the bombs above add billions. A limit on what aliases add, not on the file, so large
@@ -42,13 +47,13 @@ class AliasLimitError(ComposerError):
     """A YAML alias that expands past MAX_YAML_ALIAS_NODES, or refers to a node it is inside."""
 
 
-class BoundedSafeLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader whose composer bounds what aliases expand to."""
+class _AliasBound(Composer):
+    """PyYAML's Composer, counting what aliases expand to. Mixed in before a parser (PyYAML's
+    pure-Python one, or libyaml's CParser), so composition is always this Python code."""
 
     max_alias_nodes = MAX_YAML_ALIAS_NODES
 
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
+    def _init_alias_bound(self) -> None:
         self._expanded = 0  # nodes composed so far, with every alias counted as what it names
         self._alias_nodes = 0  # of those, the ones aliases added (for the whole stream)
         self._anchor_sizes: dict[str, int] = {}
@@ -58,12 +63,17 @@ class BoundedSafeLoader(yaml.SafeLoader):
         self._anchor_sizes = {}  # anchors are per document (YAML 1.1 section 3.2.2.2)
         return super().compose_document()
 
+    def _parser(self) -> Any:
+        """Self as the parser mixed in beside this composer (PyYAML's Parser or libyaml's
+        CParser), whose event methods the stubs do not give Composer."""
+        return self
+
     def _next_event(self) -> Any:
-        # PyYAML's stubs leave Parser.peek_event untyped; it returns the next event, not consumed.
-        return self.peek_event()  # type: ignore[no-untyped-call]
+        # The next event, not consumed.
+        return self._parser().peek_event()
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
-        if self.check_event(AliasEvent):
+        if self._parser().check_event(AliasEvent):
             event = self._next_event()
             anchor = event.anchor
             if anchor in self._open_anchors:
@@ -103,11 +113,48 @@ class BoundedSafeLoader(yaml.SafeLoader):
         return node
 
 
-def compose(text: str) -> Node | None:
-    """The node tree of a single-document stream (`yaml.compose`), aliases bounded."""
-    loader = BoundedSafeLoader(text)
+class BoundedSafeLoader(_AliasBound, yaml.SafeLoader):
+    """PyYAML's SafeLoader whose composer bounds what aliases expand to."""
+
+    def __init__(self, stream: Any) -> None:
+        yaml.SafeLoader.__init__(self, stream)
+        self._init_alias_bound()
+
+
+# libyaml's parser and loader; None when PyYAML was built without it.
+# yaml imports its cyaml module only when libyaml is there.
+_CParser: Any = getattr(getattr(yaml, "cyaml", None), "CParser", None)
+_CSafeLoader: Any = getattr(yaml, "CSafeLoader", None)
+FastLoader: Any = BoundedSafeLoader
+
+if _CParser is not None:
+
+    class BoundedCSafeLoader(_AliasBound, _CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+        """libyaml scans and parses (in C, most of the time a large file takes); the composer
+        is still _AliasBound's Python, so aliases are bounded exactly as in BoundedSafeLoader.
+        Python's Composer methods come first in the MRO and override CParser's C composer."""
+
+        def __init__(self, stream: Any) -> None:
+            _CParser.__init__(self, stream)
+            Composer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+            self._init_alias_bound()
+
+    FastLoader = BoundedCSafeLoader
+
+
+def compose(text: str, *, fast: bool = True) -> Node | None:
+    """The node tree of a single-document stream (`yaml.compose`), aliases bounded; libyaml
+    parses it unless `fast` is False (held to the pure-Python loader by a property test)."""
+    if fast and _CSafeLoader is not None and not may_have_aliases(text):
+        # No alias, nothing to bound: libyaml composes too (most of what is left of the time).
+        loader: Any = _CSafeLoader(text)
+    else:
+        loader = FastLoader(text) if fast else BoundedSafeLoader(text)
     try:
-        return loader.get_single_node()
+        node: Node | None = loader.get_single_node()
+        return node
     finally:
         loader.dispose()
 
@@ -127,3 +174,8 @@ def load_all(text: str) -> list[Any]:
 def may_have_aliases(text: str) -> bool:
     """False when `text` certainly has no alias, so an unbounded loader (libyaml) is safe on it."""
     return "*" in text and _POSSIBLE_ALIAS.search(text) is not None
+
+
+def compose_loader_name() -> str:
+    """Which loader `compose` uses by default (for benchmarks)."""
+    return str(FastLoader.__name__)

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import __version__
 from .admin import AdminServer, Readiness, ReadinessServer, StatsServer
+from .admin.readiness import DRAINING
 from .config import ProxyMode, ZtunnelConfig, log_startup
 from .dns.server import DnsMetrics, DnsServer, DnsSocketFactory, ResolvConf, workload_dns_server
 from .errors import AmbientError, ConfigError
@@ -29,18 +30,17 @@ from .identity.ca import CaClient, CertificateAuthority, EmbeddedCaClient
 from .identity.caclient import GrpcCaClient
 from .identity.manager import SecretManager
 from .identity.spiffe import Identity
-from .identity.tls import TlsContextCache
-from .identity.tls_crl import CrlChecker
 from .metrics import Metrics, WithoutCreated
-from .proxy import aes_gcm
 from .proxy.inpod import InpodManager
 from .proxy.inputs import ProxyInputs
 from .proxy.listener import Listener
-from .proxy.workload_proxy import ListenerAddresses, ServedWorkload, WorkloadProxy
+from .proxy.workload_proxy import ListenerAddresses, ServedWorkload, WorkloadProxy, served_workload
 from .state.dump import dump_policies, dump_services, dump_workloads
 from .state.localconfig import parse_local_config
 from .state.model import Workload
 from .state.store import ProxyState
+from .tls.context import TlsContextCache, remove_stale_key_files
+from .tls.crl import CrlChecker
 from .workers.owner import (
     OwnerInpodManager,
     PoolMetrics,
@@ -127,13 +127,14 @@ class Ztunnel:
 
     def __post_init__(self) -> None:
         config = self.config
-        self._served = ServedWorkload(config, self.state)
+        self._served = ServedWorkload(self.state, lambda: served_workload(config, self.state))
         self.ca_client: CaClient
         if self.ca is not None:
             self.ca_client = EmbeddedCaClient(self.ca, ttl_s=int(config.secret_ttl_s))
         else:
             self.ca_client = GrpcCaClient(config, shared_mode=config.proxy_mode is ProxyMode.SHARED)
         self.cert_manager = SecretManager(self.ca_client)
+        remove_stale_key_files()  # an older version's, left by a kill -9 (tls/context.py)
         self.tls = TlsContextCache(tls12=config.tls12_enabled, crl=self._crl_checker(config))
         self.workload_proxy: WorkloadProxy | None = None
         self.inpod: InpodManager | None = None
@@ -249,8 +250,8 @@ class Ztunnel:
     def _dns_server(
         self, name: str, client: Callable[[], Workload | None], socket_factory: DnsSocketFactory
     ) -> DnsServer | None:
-        """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared
-        mode synthesizes each pod's (reference/ztunnel.md section 10)."""
+        """A DNS proxy for one workload; dedicated mode uses our resolv.conf search list, shared mode
+        synthesizes each pod's (docs/istio-behaviour.md, "DNS proxy")."""
         if self.dns_metrics is None or self.resolv is None:
             return None
         return workload_dns_server(
@@ -321,8 +322,6 @@ class Ztunnel:
                     "admin": str(self.admin.bound_address),
                     "stats": str(self.stats.bound_address),
                     "readiness": str(self.readiness_server.bound_address),
-                    "aes_gcm": aes_gcm.IMPLEMENTATION
-                    + (f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""),
                 }
             },
         )
@@ -418,6 +417,14 @@ class Ztunnel:
     async def drain(self, deadline_s: float | None = None) -> None:
         """Stop accepting, GOAWAY, wait for open connections up to the deadline, then abort them."""
         deadline = self.config.termination_deadline_s if deadline_s is None else deadline_s
+        # Not ready from the first moment of the drain, and saying why: the kubelet stops sending
+        # probes' traffic our way, and a supervisor (the lab's) can start the next node proxy now
+        # rather than after this one exits (its listeners are about to close).
+        if DRAINING not in self.readiness.pending:
+            try:
+                self.readiness.register(DRAINING)
+            except ValueError:
+                self.readiness.mark_not_ready(DRAINING)
         if self.remote is not None:
             assert self.pool is not None
             log.info("draining %d worker processes, deadline %.1fs", self.pool.count, deadline)

@@ -1,7 +1,7 @@
 """Attack benchmark: an honest client's latency on its own tunnel while each HBONE attack runs.
 
 Counterpart: issue 8's attacks (tests/interop/h2attack.py, the same code the netns attack tests
-use), measured the way reference/performance.md measures latency: an honest client in the
+use), measured as docs/performance.md, "Under attack", reports it: an honest client in the
 client pod does 64-byte round trips to the server pod's app through both node proxies (its own
 HBONE connection), first alone (the baseline), then while an attacker in another namespace,
 holding a valid mesh certificate, repeats one attack against the server proxy's 15008 for

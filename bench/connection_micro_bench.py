@@ -3,7 +3,7 @@
 Each piece is timed in a fresh process per tree (`--tree` picks the ambient_mesh package), the
 trees alternated ABAB for `--rounds` rounds; a figure is the minimum over the rounds of the mean
 CPU time (`time.thread_time`) per operation in a batch, which is what a loaded 2-vCPU host lets
-one compare (bench/README.md, issue 11: the connection path). The pieces:
+one compare (docs/performance.md, "How we measure"). The pieces:
 
 - accept: one connection accepted by a `Listener` with the proxy's default keepalive settings
   and its handler task run (uvloop; the client connects, the loop turns until the handler has

@@ -1,6 +1,6 @@
 """Data-plane benchmark: throughput, latency, connection rate and memory through two node proxies.
 
-Counterpart: ztunnel benches/throughput.rs (reference/ztunnel.md 14.1) with its three modes:
+Counterpart: ztunnel benches/throughput.rs with its three modes:
 
   direct  client -> server, no proxy
   tcp     client -> client proxy -> server (the destination is a TCP workload: plain passthrough)
@@ -30,7 +30,7 @@ get their own cores. Topologies:
 Every run prints ours/Envoy ratios (hbone / envoy) next to the ratios to direct when both modes
 ran in it.
 
-Measurements, in interleaved rounds (reference/performance.md, "Method"): every round runs every
+Measurements, in interleaved rounds (docs/performance.md, "How we measure"): every round runs every
 test for every mode, rotating the mode order, and ratios to `direct` are taken within a round.
 
   throughput     one connection, --size-mib bytes client -> server, Gbit/s
@@ -48,8 +48,8 @@ Proxy CPU comes from /proc/<pid>/stat (utime + stime) around each measurement: C
 GiB and "Gbit/s per proxy core" for throughput, CPU-ms per connection for the connection rate.
 
 Pinning (with 2+ CPUs, unless --no-pin): client and bench servers on CPU0, client proxy on CPU1,
-server proxy floating over CPU0-1 (performance.md's "pair" layout); the `one-core` layout puts
-everything on CPU0.
+server proxy floating over CPU0-1 (the `spread` layout of docs/performance.md, "How we measure");
+the `one-core` layout puts everything on CPU0.
 
     sudo .venv/bin/python bench/hbone_bench.py [--rounds 3] [--size-mib 256] [--topology auto]
 
@@ -529,12 +529,17 @@ def parse_fields(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in _FIELD.findall(line)}
 
 
-def aes_gcm_implementation() -> str:
-    """Which AES-GCM our proxies' record layer uses on this host (proxy/aes_gcm.py)."""
-    from ambient_mesh.proxy import aes_gcm
+def tls_stack() -> str:
+    """What our proxies' HBONE TLS runs on (tls/): pyOpenSSL over cryptography's OpenSSL, whose
+    AESGCM the TLS 1.3 record layer seals and opens with."""
+    import cryptography
+    import OpenSSL
+    from cryptography.hazmat.backends.openssl.backend import backend
 
-    reason = f" ({aes_gcm.FALLBACK_REASON})" if aes_gcm.FALLBACK_REASON else ""
-    return aes_gcm.IMPLEMENTATION + reason
+    return (
+        f"pyOpenSSL {OpenSSL.__version__}, cryptography {cryptography.__version__} "
+        f"({backend.openssl_version_text()}); AES-GCM: cryptography's AESGCM"
+    )
 
 
 # The interpreter the proxies spawned now run (`tree_benches`: NAME=PATH@PYTHON).
@@ -1109,8 +1114,8 @@ class Bench:
             )
             if "ConnectionRefusedError" not in stderr or attempt == REFUSED_RETRIES:
                 raise RuntimeError(what)
-            # A refused connect with every bench process alive and listening (bench/README.md,
-            # "refused connections"): recorded with what the network said, then run again.
+            # A refused connect with every bench process alive and listening: recorded with what
+            # the network said, then run again.
             self.refused.append({"mode": mode, "test": " ".join(extra), "diagnosis": what[-2000:]})
             print(f"refused, retrying once: {what[-1500:]}", file=sys.stderr, flush=True)
             time.sleep(REFUSED_RETRY_DELAY_S)
@@ -1306,9 +1311,9 @@ class Bench:
     def warm_up(self) -> None:
         """First use of each path: certificates, the pooled HBONE connection, code paths.
 
-        One full-size transfer too: a freshly started proxy moves bulk data markedly slower in
-        its first transfers (1.5 vs 3.1 Gbit/s here; the MALLOC_* A/B in bench/README.md points
-        at glibc's allocator), and the memory test restarts the proxies every round.
+        One full-size transfer too: a freshly started proxy moves bulk data markedly slower in its first
+        transfers (glibc's allocator: docs/performance.md, "Buffers and copies"), and the memory test
+        restarts the proxies every round.
         """
         for mode in self.args.modes:
             self.run_client(
@@ -1698,7 +1703,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(
                 f"topology: {topo.label}; pinning: {'on' if pin else 'off'}; proxies {topo.pids()}; "
                 f"RLIMIT_NOFILE {fd_limit}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-                f"interpreter {interpreter()}; AES-GCM {aes_gcm_implementation()}"
+                f"interpreter {interpreter()}; TLS {tls_stack()}"
             )
             if topo.envoys:
                 console.print(
@@ -1718,7 +1723,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "interpreter": interpreter(),
-        "aes_gcm": aes_gcm_implementation(),
+        "tls": tls_stack(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "load_average_at_end": os.getloadavg(),

@@ -1,6 +1,6 @@
 """ztunnel's `metrics` benchmark in Python: what Istio's TCP metrics cost per connection.
 
-Counterpart: ztunnel benches/throughput.rs `metrics` (reference/ztunnel.md 14.1): the cost of
+Counterpart: ztunnel benches/throughput.rs `metrics`: the cost of
 building labels and incrementing, and of encoding the registry. Cases:
 
   connection, N chunks   connection_labels + Metrics.connection_opened + follow + N x

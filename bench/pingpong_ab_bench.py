@@ -6,7 +6,7 @@ mode, as bench/profile_connections.py builds them: SOCKS5 in, HBONE over TLS bet
 echo app and the client run in one uvloop process, so the process's CPU time per round trip is
 the whole path of both proxies (TLS, HTTP/2 shell and core, relay, uvloop, syscalls) plus a
 client and an echo that cost the same in every tree. Nothing of ours is preempted by a peer,
-which is what makes small changes visible on a shared host (bench/README.md, issue 11).
+which is what makes small changes visible on a shared host (docs/performance.md, "How we measure").
 
 Each trial is a fresh process in a private network namespace (the proxies listen on fixed
 loopback ports), the trees alternated trial by trial (ABAB...), and the ratio taken within each

@@ -2,7 +2,7 @@
 
 Both node proxies (dedicated mode, on 127.0.0.2 and 127.0.0.3 as tests/integration/mesh.py has
 them), the echo app and the client run in one uvloop process, so nothing of ours is preempted
-by a peer while inside a call (bench/README.md, issue 11: on one core a wall-clock profile puts
+by a peer while inside a call (on one core a wall-clock profile puts
 the woken peer's run time on the waking `write` or `connect`). The client opens --connections
 tunnels one after another through the client proxy's SOCKS5 listener (connect, 1-byte round
 trip, close); cProfile, timed by `time.thread_time`, is switched on after --warmup of them, so
@@ -205,9 +205,9 @@ signal.signal(signal.SIGUSR2, _stop)
 # resumption is timed). Names a tree does not have are skipped.
 ROOTS = (
     ("ambient_mesh.proxy.listener", "Listener._on_readable", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport._on_readable", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport.write", "call"),
-    ("ambient_mesh.proxy.tls_transport", "TlsTransport.writelines", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport._on_readable", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport.write", "call"),
+    ("ambient_mesh.tls.transport", "TlsTransport.writelines", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.buffer_updated", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.flush", "call"),
     ("ambient_mesh.proxy.hbone", "HboneConnection.respond", "call"),

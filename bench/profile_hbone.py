@@ -252,9 +252,8 @@ def print_perf(console, path: Path, title: str, top: int) -> None:
 
 def aead_objects(mode: str) -> dict[str, str]:
     """The shared objects whose AES-GCM `perf_aead` looks for: Envoy's binary (BoringSSL is in it),
-    or ours: our VAES extension (the record layer's AEAD where the CPU has VAES, proxy/aes_gcm.py),
-    `cryptography`'s Rust extension (its own OpenSSL: the record layer's AEAD elsewhere) and the
-    system OpenSSL (the handshake)."""
+    or ours: `cryptography`'s Rust extension (its own OpenSSL: the record layer's AEAD and, through
+    pyOpenSSL, the handshake) and the system OpenSSL (whatever else links it)."""
     if mode == "envoy":
         from tests.interop.envoy import envoy_binary
 
@@ -263,12 +262,6 @@ def aead_objects(mode: str) -> dict[str, str]:
     import cryptography.hazmat.bindings._rust as rust
 
     objects = {Path(rust.__file__).name: rust.__file__}
-    try:
-        from ambient_mesh.proxy import _aes_gcm_vaes  # type: ignore[attr-defined]
-
-        objects[Path(_aes_gcm_vaes.__file__).name] = _aes_gcm_vaes.__file__
-    except ImportError:
-        pass
     libcrypto = Path("/usr/lib/x86_64-linux-gnu/libcrypto.so.3")
     if libcrypto.exists():
         objects[libcrypto.name] = str(libcrypto)
@@ -288,9 +281,9 @@ def print_aead(console, path: Path, name: str, mode: str, cpu_s: float, result: 
     console.print(line + " (" + ", ".join(f"{k} {v:.1f}%" for k, v in share.by_object.items()) + ")")
 
 
-# The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on
-# one core a wall-clock profile puts the woken peer's run time on the waking write; bench/README.md,
-# issue 11). Written when the proxy exits (stop_member's SIGTERM drains it).
+# The proxy under cProfile timed by `time.thread_time`: the process's own CPU, not wall time (on one core
+# a wall-clock profile puts the woken peer's run time on the waking write). Written when the proxy exits
+# (stop_member's SIGTERM drains it).
 _CPROFILE_THREAD_TIME = """
 import cProfile, runpy, sys, time
 out = sys.argv[1]

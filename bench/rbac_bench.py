@@ -1,6 +1,6 @@
 """ztunnel's `rbac` benchmark in Python: authorization with 10,000 policies x 10 rules.
 
-Counterpart: ztunnel benches/throughput.rs `rbac` (reference/ztunnel.md 14.1). Cases:
+Counterpart: ztunnel benches/throughput.rs `rbac`. Cases:
 
   (a) "few": policies spread over 1,000 namespaces (NAMESPACE scope, 10 per namespace) plus a
       handful of WORKLOAD_SELECTOR ones; the destination workload sees about a dozen.

@@ -1,10 +1,9 @@
 """HBONE's two TLS record layers, both ends in one process (no HTTP/2).
 
-`proxy.tls_transport.start_tls` after OpenSSL's handshake: HBONE's own TLS 1.3 records
-(`own-records`, `TlsTransport` over proxy/tls_records.py, the default) against OpenSSL's records
-on the socket itself (`openssl-records`, `OpenSslTransport`: the same contexts with CPython's
-`keylog_filename` set, whose callback replaces ours, so no traffic secrets reach us; what TLS 1.2
-and the tree before the record layer use). Per trial and transport: CPU
+`tls.transport.start_tls` after OpenSSL's handshake (pyOpenSSL): HBONE's own TLS 1.3 records
+(`own-records`, `TlsTransport` over tls/records.py, the default) against OpenSSL's records over
+the handshake's memory BIOs (`openssl-records`, `OpenSslTransport` with `openssl_records=True`:
+what TLS 1.2 uses). Per trial and transport: CPU
 (`time.process_time`, both ends together) per GiB sent one way in 256 KiB writes, and per 1-byte
 round trip; trials alternate the transports, and the ratio is taken within each trial (the host is
 shared: only paired ratios compare). The receiving protocols are BufferedProtocols with one
@@ -16,10 +15,9 @@ reused buffer, as HboneConnection is; the allocator is tuned as the proxy tunes 
 one socket of a socketpair, received and opened on the other, in one thread: through the system
 OpenSSL that CPython's `_ssl` links (`SSLSocket` write / read after a real handshake, AES-128-GCM)
 and through a record layer sketched in Python over `cryptography`'s AESGCM (the OpenSSL its
-wheel carries) and over ours (proxy/_aes_gcm_vaes.c, where the CPU has VAES): nonce = IV xor sequence number, the 5-byte header as associated data, the inner
+wheel carries): nonce = IV xor sequence number, the 5-byte header as associated data, the inner
 content type, `encrypt_into` / `decrypt_into` (RFC 8446 5.2-5.3). The sketch has no key schedule
-of its own (a random key), no KeyUpdate or alerts: it prices the per-record work only (bench/README.md,
-issue 11, what is left for CPU per GiB).
+of its own (a random key), no KeyUpdate or alerts: it prices the per-record work only (docs/performance.md, "TLS: our own TLS 1.3 records on `cryptography`'s AES-GCM").
 
     .venv/bin/python bench/tls_transport_bench.py --aead [--trials 8] [--records 20000]
 """
@@ -45,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ambient_mesh.host.malloc import tune_allocator  # noqa: E402
-from ambient_mesh.identity import CertificateAuthority, Identity, client_context, server_context  # noqa: E402
-from ambient_mesh.proxy.tls_transport import OpenSslTransport, TlsTransport, start_tls  # noqa: E402
+from ambient_mesh.identity import CertificateAuthority, Identity  # noqa: E402
+from ambient_mesh.tls.context import client_context, server_context  # noqa: E402
+from ambient_mesh.tls.transport import OpenSslTransport, TlsTransport, start_tls  # noqa: E402
 
 CHUNK_BYTES = 256 * 1024
 RECEIVE_BUFFER_BYTES = 256 * 1024
@@ -117,8 +116,22 @@ async def connect(kind: str, contexts, server: Side, client: Side) -> None:
     sctx, cctx = contexts[kind]
     s, c = tcp_pair()
     transports = await asyncio.gather(
-        start_tls(s, sctx, server, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
-        start_tls(c, cctx, client, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
+        start_tls(
+            s,
+            sctx,
+            server,
+            server_side=True,
+            handshake_timeout_s=STEP_TIMEOUT_S,
+            openssl_records=kind != "own-records",
+        ),
+        start_tls(
+            c,
+            cctx,
+            client,
+            server_side=False,
+            handshake_timeout_s=STEP_TIMEOUT_S,
+            openssl_records=kind != "own-records",
+        ),
     )
     expected = TlsTransport if kind == "own-records" else OpenSslTransport
     assert all(type(t) is expected for t in transports), transports
@@ -176,8 +189,6 @@ async def run(args) -> dict:
     server_cert = ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)
     client_cert = ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)
     openssl = (server_context(server_cert), client_context(client_cert))
-    for ctx in openssl:
-        ctx.keylog_filename = os.devnull  # CPython's keylog callback replaces ours: OpenSSL's records
     contexts = {
         "own-records": (server_context(server_cert), client_context(client_cert)),
         "openssl-records": openssl,
@@ -205,7 +216,7 @@ async def run(args) -> dict:
 
 
 AEAD_SIZES = (1, 16 * 1024)
-AEAD_KINDS = ("system-openssl", "cryptography-aesgcm", "ours-vaes")
+AEAD_KINDS = ("system-openssl", "cryptography-aesgcm")
 _RECORD_HEADER = struct.Struct(">BHH")  # content type, legacy version, length (RFC 8446 5.1)
 
 
@@ -222,14 +233,13 @@ def _openssl_records(contexts, size: int, records: int) -> float:
     client.do_handshake()
     handshake.join()
     try:
-        writer, reader = client._sslobj, server._sslobj  # type: ignore[attr-defined]
         data, buf = b"x" * size, bytearray(size + 64)
         started = time.thread_time()
         for _ in range(records):
-            writer.write(data)
+            client.sendall(data)
             got = 0
             while got < size:
-                got += reader.read(size - got, memoryview(buf)[got:])
+                got += server.recv_into(memoryview(buf)[got:], size - got)
         return (time.thread_time() - started) / records * 1e6
     finally:
         client.close()
@@ -237,9 +247,7 @@ def _openssl_records(contexts, size: int, records: int) -> float:
 
 
 def _aesgcm_records(size: int, records: int, aead: type) -> float:
-    """CPU µs per record through a Python record layer over `aead` (cryptography's AESGCM or
-    our VAES one, proxy/aes_gcm.py)."""
-    import os
+    """CPU µs per record through a Python record layer over `aead` (cryptography's AESGCM)."""
 
     a, b = socket.socketpair()
     try:
@@ -272,36 +280,26 @@ def _aesgcm_records(size: int, records: int, aead: type) -> float:
 
 
 def aead_main(args) -> int:
-    ca = CertificateAuthority.insecure_test_ca()
-    now = datetime.now(UTC)
-    contexts = (
-        server_context(ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)),
-        client_context(ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)),
-    )
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from ambient_mesh.proxy import aes_gcm
+    from tests.tls_stdlib import stdlib_client_context, stdlib_server_context
 
-    vaes: type | None = None
-    if aes_gcm.IMPLEMENTATION == "vaes":
-        from ambient_mesh.proxy._aes_gcm_vaes import AesGcm  # type: ignore[attr-defined]
-
-        vaes = AesGcm
-    else:
-        print(f"ours-vaes: not measured ({aes_gcm.FALLBACK_REASON})")
+    ca = CertificateAuthority.insecure_test_ca()
+    now = datetime.now(UTC)
+    contexts = (  # Python's `ssl` (the system OpenSSL), as a test peer makes them
+        stdlib_server_context(ca.issue(Identity("cluster.local", "ns1", "server"), 3600, now=now)),
+        stdlib_client_context(ca.issue(Identity("cluster.local", "ns2", "client"), 3600, now=now)),
+    )
     us: dict[str, dict[int, list[float]]] = {k: {n: [] for n in AEAD_SIZES} for k in AEAD_KINDS}
     for _ in range(args.trials):
         for size in AEAD_SIZES:
             us["system-openssl"][size].append(_openssl_records(contexts, size, args.records))
             us["cryptography-aesgcm"][size].append(_aesgcm_records(size, args.records, AESGCM))
-            if vaes is not None:
-                us["ours-vaes"][size].append(_aesgcm_records(size, args.records, vaes))
     from cryptography.hazmat.backends.openssl.backend import backend
 
     versions = {
         "system-openssl": ssl.OPENSSL_VERSION,
         "cryptography-aesgcm": backend.openssl_version_text(),
-        "ours-vaes": "proxy/_aes_gcm_vaes.c",
     }
     kinds = [k for k in AEAD_KINDS if us[k][AEAD_SIZES[0]]]
     print(
@@ -332,7 +330,7 @@ def aead_main(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--aead", action="store_true", help="per-record cost: system OpenSSL, cryptography's AESGCM and ours"
+        "--aead", action="store_true", help="per-record cost: system OpenSSL and cryptography's AESGCM"
     )
     p.add_argument("--records", type=int, default=20000, help="--aead: records per trial and size")
     p.add_argument("--trials", type=int, default=12)

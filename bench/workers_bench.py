@@ -1,6 +1,6 @@
 """ZTUNNEL_WORKER_THREADS: one node proxy's many-connection throughput with 1 and with 2 workers.
 
-Counterpart: ztunnel's scaling figures with worker threads (reference/ztunnel.md 14, e.g.
+Counterpart: ztunnel's scaling figures with worker threads (e.g.
 istio/ztunnel#1174). One proxy only, in the `tcp` mode of bench/hbone_bench.py: the bench
 client enters the proxy through SOCKS5 and the destination is a TCP workload, so the proxy
 under test does the whole outbound path (SOCKS5, routing, authorization, upstream connect,

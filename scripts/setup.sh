@@ -13,7 +13,7 @@ done
 # It is the one a fresh Debian machine runs and the node image ships (scripts/cluster/image.sh),
 # and Debian builds it with profile-guided and link-time optimization. A python3 found first on
 # PATH may be a build without them (pyenv's default here), on which the proxies spent 40% more
-# CPU per small message: bench/README.md, "The interpreter".
+# CPU per small message (docs/performance.md, "How we measure").
 python=${AMBIENT_PYTHON:-/usr/bin/python3}
 if ! "$python" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
   if [ -n "${AMBIENT_PYTHON:-}" ]; then
@@ -42,10 +42,8 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $want"
   "$python" -m venv .venv
 fi
-# The AES-GCM extension (setup.py) is built by the editable install: a changed source rebuilds it.
 if ! .venv/bin/python -c 'import ambient_mesh, h2, grpc, pytest, hypothesis' 2>/dev/null \
-   || [ pyproject.toml -nt .venv/.installed ] || [ setup.py -nt .venv/.installed ] \
-   || [ ambient_mesh/proxy/_aes_gcm_vaes.c -nt .venv/.installed ]; then
+   || [ pyproject.toml -nt .venv/.installed ]; then
   echo "setup: installing Python dependencies"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'

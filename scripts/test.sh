@@ -14,8 +14,14 @@ echo "test: ruff check, ruff format --check, mypy, lint-imports"
 .venv/bin/ruff format --check .
 .venv/bin/mypy            # configuration: [tool.mypy] in pyproject.toml
 .venv/bin/lint-imports    # contracts: [tool.importlinter] in pyproject.toml (docs/architecture.md)
-# tests/cluster is collected here too and skips itself: the cluster tier runs below, on its own
-env -u AMBIENT_CLUSTER_TIER .venv/bin/python -m pytest -p no:cacheprovider "$@"
+# tests/cluster is collected here too and skips itself: the cluster tier runs below, on its own.
+# Under coverage ([tool.coverage] in pyproject.toml: the sans-IO cores and their floor).
+rm -f .coverage
+env -u AMBIENT_CLUSTER_TIER .venv/bin/python -m coverage run -m pytest -p no:cacheprovider "$@"
+if [ $# -eq 0 ]; then
+  echo "test: coverage of the sans-IO cores (floor: fail_under in pyproject.toml)"
+  .venv/bin/python -m coverage report
+fi
 if [ $# -gt 0 ]; then
   echo "test: cluster tier not run (pytest arguments given; bash scripts/cluster/test.sh runs it)"
 elif [ "${AMBIENT_CLUSTER_TIER:-}" = 0 ]; then

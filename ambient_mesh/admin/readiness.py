@@ -1,6 +1,7 @@
 """Readiness (15021): the start-up tasks still pending and `/healthz/ready`.
 
-Counterparts: ztunnel src/readiness.rs and src/readiness/server.rs (reference/ztunnel.md 8.1).
+Counterparts: ztunnel src/readiness.rs and src/readiness/server.rs (docs/istio-behaviour.md,
+"Admin and readiness").
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from http import HTTPStatus
 from ..http1 import Request, Response, not_found
 from ..http1.server import HttpServer, HttpService
 from ..net import SocketAddr
+
+# The readiness task pending once shutdown began: `/healthz/ready` then names it, and the lab's
+# supervisor starts the next node proxy without waiting for this one to exit.
+DRAINING = "draining"
 
 
 class ReadinessToken:

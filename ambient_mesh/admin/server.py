@@ -1,8 +1,8 @@
 """The node proxy's admin API (15000): `/`, `/config_dump`, `/logging`, `/quitquitquit`.
 
-Counterpart: ztunnel src/admin.rs; endpoints and replies follow reference/ztunnel.md 8.1 and 12.
-Admin imports no domain package: workloads, services, policies and certificates register a
-provider with `AdminServer.register_dump`, and logging is reached through `LogControl`.
+Counterpart: ztunnel src/admin.rs; endpoints and replies follow docs/istio-behaviour.md, "Admin and readiness"
+and "Lifecycle and draining". Admin imports no domain package: workloads, services, policies and certificates
+register a provider with `AdminServer.register_dump`, and logging is reached through `LogControl`.
 """
 
 from __future__ import annotations

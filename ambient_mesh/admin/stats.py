@@ -1,6 +1,6 @@
 """The node proxy's Prometheus endpoint (15020): `/metrics`, `/stats/prometheus`.
 
-Counterpart: ztunnel src/metrics/server.rs (reference/ztunnel.md 12). What is rendered comes from
+Counterpart: ztunnel src/metrics/server.rs (docs/istio-behaviour.md, "Metrics"). What is rendered comes from
 a `MetricsRenderer` (the metrics registry); this module only answers, gzipped when asked.
 """
 

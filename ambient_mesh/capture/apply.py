@@ -2,7 +2,7 @@
 
 Counterparts: istio-cni's IptablesConfigurator / NftablesConfigurator (CreateInpodRules,
 DeleteInpodRules) and the reconcile helper of tools/istio-iptables/pkg/capture/helper.go
-(reference/istio-cni.md 3.4-3.5, 3.8).
+(docs/istio-behaviour.md, "In-pod redirection rules").
 
 Decide, then do: `observe_inpod` runs only read-only commands (`iptables-save`, `iptables -C`,
 `nft list tables`, a sysctl read) and returns what it saw; `plan_inpod_apply` /
@@ -10,12 +10,12 @@ Decide, then do: `observe_inpod` runs only read-only commands (`iptables-save`, 
 `execute_plan` carries a plan out through a CommandRunner. `apply_inpod_rules` and
 `remove_inpod_rules` chain the three and return the plan they executed.
 
-Reconcile (3.5): the current state is "in sync" when every expected ISTIO_* chain exists with
-the same number of rules, every expected rule passes `iptables -C`, every jump from a built-in
-chain exists exactly once and no other ISTIO_* chain is left over. In sync: nothing to do.
-Clean: apply. Anything else: guardrails (drop all TCP/UDP in filter INPUT/FORWARD/OUTPUT for
-the few milliseconds it takes), remove everything ISTIO_* that is there, apply, drop the
-guardrails (always, even when the apply failed). nftables needs no guardrails: one `nft -f`
+Reconcile (docs/istio-behaviour.md, "In-pod redirection rules", idempotency): the current state is
+"in sync" when every expected ISTIO_* chain exists with the same number of rules, every expected rule
+passes `iptables -C`, every jump from a built-in chain exists exactly once and no other ISTIO_* chain is
+left over. In sync: nothing to do. Clean: apply. Anything else: guardrails (drop all TCP/UDP in filter
+INPUT/FORWARD/OUTPUT for the few milliseconds it takes), remove everything ISTIO_* that is there, apply,
+drop the guardrails (always, even when the apply failed). nftables needs no guardrails: one `nft -f`
 transaction deletes our tables and recreates them atomically.
 """
 
@@ -183,7 +183,7 @@ def observe_inpod(
             try:
                 saved = runner.run([family.save], netns=netns, check=family in cfg.families)
             except CommandError:
-                # ip6tables may be missing entirely: fine while IPv6 is off for this pod (8.2)
+                # ip6tables may be missing entirely: fine while IPv6 is off for this pod
                 if family in cfg.families:
                     raise
                 continue

@@ -1,7 +1,7 @@
 """Traffic capture for dedicated mode: iptables rules that hand a workload's TCP to its proxy.
 
-Counterpart: ztunnel's scripts/ztunnel-redirect.sh (dedicated mode, reference/ztunnel.md 1.2),
-with the mark/connmark facts of the in-pod rules (reference/ztunnel.md 9.5, istio-cni.md 3.3-3.4).
+Counterpart: ztunnel's scripts/ztunnel-redirect.sh (dedicated mode, docs/istio-behaviour.md, "Proxy modes"),
+with the mark/connmark facts of the in-pod rules (docs/istio-behaviour.md, "In-pod redirection rules").
 In dedicated mode the proxy shares the workload's network namespace, like a sidecar:
 
 - nat OUTPUT: the app's TCP goes to the outbound listener (15001), except traffic that leaves

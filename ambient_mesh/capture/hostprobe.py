@@ -2,7 +2,7 @@
 
 Counterparts: istio-cni's CreateHostRulesForHealthChecks / DeleteHostRules (iptables.go,
 nftables.go), its ipset / nft-set managers (cni/pkg/ipset, cni/pkg/nftables/host_sets.go);
-facts from reference/istio-cni.md 3.7 and 3.8.
+facts from docs/istio-behaviour.md, "Host probe rules" and "In-pod redirection rules".
 
 In the node's netns, TCP that a local process sends to an enrolled pod IP is SNATed to the probe
 address (169.254.7.127, or its v6 counterpart); the in-pod rules accept traffic from that address
@@ -133,7 +133,7 @@ def render_host_nftables(cfg: HostProbeConfig) -> str:
 
 
 def plan_host_rules(cfg: HostProbeConfig, backend: Backend, saved: Mapping[IpFamily, str]) -> RulePlan:
-    """Pure: delete-then-create of the host rule (3.7). `saved` is iptables-save per family."""
+    """Pure: delete-then-create of the host rule ("Host probe rules"). `saved` is iptables-save per family."""
     if backend is Backend.NFTABLES:
         return RulePlan(
             backend=backend,

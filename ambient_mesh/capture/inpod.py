@@ -1,14 +1,14 @@
 """In-pod redirection rules for shared (ambient) mode, rendered for iptables and for nftables.
 
 Counterparts: istio-cni's `cni/pkg/iptables/iptables.go` (AppendInpodRules) and
-`cni/pkg/nftables/nftables.go`, facts from reference/istio-cni.md section 3 and
-reference/ztunnel.md 9.5. The node agent installs these inside each enrolled pod's network
-namespace; the node proxy then opens its listeners there (15001 outbound, 15006 inbound
-plaintext, 15008 HBONE, 15053 DNS) and marks every socket it owns with SO_MARK 1337 (0x539).
+`cni/pkg/nftables/nftables.go`, facts in docs/istio-behaviour.md, "In-pod redirection rules". The node
+agent installs these inside each enrolled pod's network namespace; the node proxy then opens its listeners
+there (15001 outbound, 15006 inbound plaintext, 15008 HBONE, 15053 DNS) and marks every socket it owns with
+SO_MARK 1337 (0x539).
 
 Everything here is pure: `render_iptables` gives `iptables-restore --noflush` input for one IP
 family, `render_nftables` gives `nft -f` input for the three `inet` tables, and
-`routing_commands` gives the `ip` commands for the policy route of section 3.4. Applying,
+`routing_commands` gives the `ip` commands for the policy route ("Routing" in that section). Applying,
 removing and reconciling live in `apply.py`.
 """
 
@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from ..metadata import ANNOTATION_BYPASS_INBOUND, ANNOTATION_DNS_CAPTURE, ANNOTATION_VIRTUAL_INTERFACES
 from ..ports import DNS_CAPTURE_PORT, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT
 
-# reference/istio-cni.md 1.6 and 3.1
+# docs/istio-behaviour.md, "Node agent configuration" and "In-pod redirection rules"
 INPOD_MARK = 0x539  # ztunnel's SO_MARK 1337 on every socket it opens in the pod
 INPOD_MASK = 0xFFF
 INPOD_TPROXY_MARK = 0x111  # connmark: "ztunnel touched this connection"
@@ -52,7 +52,8 @@ NFT_TABLES = (NFT_NAT_TABLE, NFT_MANGLE_TABLE, NFT_RAW_TABLE)
 NFT_CHAIN_PREROUTING = "istio-prerouting"
 NFT_CHAIN_OUTPUT = "istio-output"
 
-# Pod annotations that change the rules (reference/istio-cni.md 2.4 and 3.2).
+# Pod annotations that change the rules (docs/istio-behaviour.md, "Ambient enablement" and
+# "In-pod redirection rules").
 
 
 IFNAME_MAX_CHARS = 15  # IFNAMSIZ - 1
@@ -272,7 +273,8 @@ def _hex(value: int) -> str:
 
 
 def iptables_rule_set(cfg: InpodConfig, family: IpFamily) -> IptablesRuleSet:
-    """The in-pod rules of reference/istio-cni.md 3.3 for one family, in istio-cni's order."""
+    """The in-pod rules of docs/istio-behaviour.md, "In-pod redirection rules" for one family, in istio-cni's
+    order."""
     mark = f"{_hex(cfg.mark)}/{_hex(cfg.mark_mask)}"
     connmark = f"{_hex(cfg.connmark)}/{_hex(cfg.connmark_mask)}"
     localhost = family.localhost
@@ -344,7 +346,7 @@ def iptables_rule_set(cfg: InpodConfig, family: IpFamily) -> IptablesRuleSet:
             str(cfg.inbound_plaintext_port),
         )
 
-    # Copy the connection's tag back onto its outgoing packets; the fwmark policy route (3.4)
+    # Copy the connection's tag back onto its outgoing packets; the fwmark policy route ("Routing")
     # then keeps replies to spoofed-source connections inside the pod.
     add(
         "mangle",
@@ -551,7 +553,8 @@ class NftRuleSet:
 
 
 def nft_rule_set(cfg: InpodConfig) -> NftRuleSet:
-    """The rules of reference/istio-cni.md 3.8: the iptables set of 3.3 in three `inet` tables.
+    """The rules of docs/istio-behaviour.md, "In-pod redirection rules": the iptables set in three `inet`
+    tables.
 
     One `inet` table serves both families; the v6 variants of address-specific rules are only
     emitted when IPv6 is on for the pod, as ip6tables rules would be.
@@ -653,7 +656,7 @@ def render_nftables(cfg: InpodConfig) -> str:
     return nft_rule_set(cfg).render()
 
 
-# --- routing (reference/istio-cni.md 3.4) --------------------------------------------------------
+# --- routing (docs/istio-behaviour.md, "In-pod redirection rules") --------------------------------
 
 
 def routing_commands(cfg: InpodConfig, *, ipv6_loopback: bool = True) -> tuple[tuple[str, ...], ...]:

@@ -1,8 +1,9 @@
 """`ambient cni-agent`: the CNI node agent (istio-cni's `install-cni` with the ambient node agent).
 
-Counterparts: istio-cni's cni/pkg/cmd/root.go (the program), cni/pkg/install (installer and
-its readiness), cni/pkg/nodeagent/server.go (the ambient agent: informers, plugin server, ZDS
-server, start and stop), cni/pkg/monitoring; reference/istio-cni.md 0, 5.5, 5.7, 7.
+Counterparts: istio-cni's cni/pkg/cmd/root.go (the program), cni/pkg/install (installer and its
+readiness), cni/pkg/nodeagent/server.go (the ambient agent: informers, plugin server, ZDS server, start
+and stop), cni/pkg/monitoring; docs/istio-behaviour.md, "Node agent start and shutdown" and
+"Node agent health and metrics".
 
 Start-up, in order:
   1. health server (`/healthz` 200 always; `/readyz` 200 only once the plugin is installed AND
@@ -13,11 +14,12 @@ Start-up, in order:
      queue running; every pod evaluated once;
   3. plugin installed (executable + chained entry) and watched for drift.
 
-Shutdown (SIGTERM/SIGINT, 5.7): unless AMBIENT_DISABLE_SAFE_UPGRADE, ask the pod source whether
-the agent's DaemonSet still exists. If so this is an upgrade (or a reboot): the plugin, the host
-rule and the probe set stay, so new ambient pods fail closed until the next agent is ready, and
-running pods keep their rules and node proxy. Otherwise everything installed is removed. In both
-cases in-pod rules and enrollment marks stay: enrolled pods keep working without the agent.
+Shutdown (SIGTERM/SIGINT; docs/istio-behaviour.md, "Node agent start and shutdown"): unless
+AMBIENT_DISABLE_SAFE_UPGRADE, ask the pod source whether the agent's DaemonSet still exists. If so this is
+an upgrade (or a reboot): the plugin, the host rule and the probe set stay, so new ambient pods fail
+closed until the next agent is ready, and running pods keep their rules and node proxy. Otherwise
+everything installed is removed. In both cases in-pod rules and enrollment marks stay: enrolled pods keep
+working without the agent.
 
 Run with `python -m ambient_mesh.cni.agent [--flag=value ...]`; settings are the environment
 variables of agent_config.py.
@@ -65,8 +67,10 @@ from .install import (
 )
 from .kubeconfig import KubeconfigError, KubeconfigInputs, KubeconfigWriter
 from .netns_discovery import IpCommandProbe, NetnsFinder, find_kubelet_uid
+from .plugin_token import PluginTokens
 from .podinfo import PLUGIN_KUBECONFIG_NAME
-from .pods import PodSource, build_pod_source
+from .pods import KubeApiPodSource, PodSource, build_pod_source
+from .sandbox import NetnsGuard
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 
@@ -85,8 +89,9 @@ INSTALL_RESULTS = (
 
 
 class AgentMetrics:
-    """istio-cni's metrics (reference 7), in a registry of our own. Served without
-    prometheus-client's `_created` series, which istio-cni (Go's client) does not export."""
+    """istio-cni's metrics (docs/istio-behaviour.md, "Node agent health and metrics"), in a registry of
+    our own. Served without prometheus-client's `_created` series, which istio-cni (Go's client) does not
+    export."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -144,8 +149,12 @@ class CniAgent:
         metrics: AgentMetrics | None = None,
         install_interval_s: float = INSTALL_WATCH_INTERVAL_S,
         kubeconfig: KubeconfigWriter | None = None,
+        netns_guard: NetnsGuard | None = None,
+        plugin_tokens: PluginTokens | None = None,
     ) -> None:
         self.cfg = cfg
+        # The plugin's own short-lived token, when the agent may request one (plugin_token.py).
+        self.plugin_tokens = plugin_tokens
         # The plugin's kubeconfig (Kubernetes API pod source): written at install, refreshed when
         # the token rotates, removed on a final shutdown and kept on an upgrade, as istio-cni does.
         self.kubeconfig = kubeconfig
@@ -175,7 +184,13 @@ class CniAgent:
             settings = DataplaneSettings.from_agent_config(cfg)
             self.zds = ZdsServer(cfg.ztunnel_uds_address, _LateSnapshot(self))
             self.dataplane = MeshDataplane(
-                settings, runner=runner, probe_set=probe_set, ztunnel=self.zds, marker=source, locator=finder
+                settings,
+                runner=runner,
+                probe_set=probe_set,
+                ztunnel=self.zds,
+                marker=source,
+                locator=finder,
+                netns_guard=netns_guard,
             )
             self.informer = Informer(
                 source,
@@ -191,6 +206,7 @@ class CniAgent:
                 on_response=lambda code: self.metrics.plugin_requests.labels(response_code=str(code)).inc(),
                 run_socket=cfg.plugin_run_address,
                 pods=source,
+                netns_guard=netns_guard,
             )
             self.metrics.ztunnel_connected.set_function(lambda: self.zds.connected if self.zds else 0)
         self.health = self._server("health", cfg.health_port, self._health)
@@ -265,6 +281,10 @@ class CniAgent:
         self.monitoring = await self._start_http(self.monitoring, self._metrics)
         if self.cfg.ambient_enabled:
             await self._start_ambient()
+        if self.plugin_tokens is not None:
+            # Before the kubeconfig is first written, so it carries the plugin's token at once.
+            await self.plugin_tokens.refresh()
+            self._tasks.append(asyncio.create_task(self._renew_plugin_token(), name="plugin token"))
         if self.installer is not None:
             self._install_once()
             self._tasks.append(asyncio.create_task(self._watch_install(), name="cni install watch"))
@@ -329,6 +349,22 @@ class CniAgent:
         if self.kubeconfig is not None:
             self._tasks.append(asyncio.create_task(self._refresh_kubeconfig(), name="plugin kubeconfig"))
         await watch(self.installer, interval_s=self.install_interval_s, on_drift=drifted)
+
+    async def _renew_plugin_token(self) -> None:
+        """Request the plugin's next token before the current one expires, then rewrite the
+        kubeconfig with it (on failures: backoff, and the kubeconfig falls back to the agent's
+        own token once the plugin's has expired)."""
+        tokens = self.plugin_tokens
+        assert tokens is not None  # started only when there are
+        failures = 0 if tokens.token is not None else 1
+        while True:
+            await asyncio.sleep(tokens.next_delay(failures))
+            failures = 0 if await tokens.refresh() else failures + 1
+            if self.kubeconfig is not None:
+                try:
+                    self.kubeconfig.sync()
+                except KubeconfigError as exc:
+                    log.warning("plugin kubeconfig not refreshed: %s", exc)
 
     async def _refresh_kubeconfig(self) -> None:
         """Rewrite the plugin's kubeconfig when the service-account token or CA changes."""
@@ -397,6 +433,8 @@ class CniAgent:
             out["pods"] = self.dataplane.cache.dump()
         if self.zds is not None:
             out["ztunnels"] = list(self.zds.connections)
+        if self.plugin_tokens is not None:
+            out["plugin_token"] = repr(self.plugin_tokens)
         if self.plugin_server is not None:
             out["plugin_runs"] = {
                 "handed_over": self.plugin_server.plugin_runs,
@@ -465,14 +503,28 @@ def build(cfg: AgentConfig, *, runner: CommandRunner | None = None) -> CniAgent:
         )
     )
     kubeconfig = None
+    tokens: PluginTokens | None = None
     if cfg.ambient_enabled and not cfg.pod_source_directory:
+        if isinstance(source, KubeApiPodSource) and cfg.plugin_service_account:
+            tokens = PluginTokens(
+                source.client,
+                namespace=cfg.pod_namespace or cfg.system_namespace,
+                service_account=cfg.plugin_service_account,
+            )
+        plugin_tokens = tokens
         kubeconfig = KubeconfigWriter(
             cfg.cni_agent_run_dir / PLUGIN_KUBECONFIG_NAME,
-            lambda: KubeconfigInputs.for_agent(cfg),
+            lambda: KubeconfigInputs.for_plugin(cfg, plugin_tokens.current() if plugin_tokens else None),
             mode=cfg.kubeconfig_mode,
         )
     return CniAgent(
-        cfg, runner=runner, source=source, probe_set=probe_set, installer=installer, kubeconfig=kubeconfig
+        cfg,
+        runner=runner,
+        source=source,
+        probe_set=probe_set,
+        installer=installer,
+        kubeconfig=kubeconfig,
+        plugin_tokens=tokens,
     )
 
 

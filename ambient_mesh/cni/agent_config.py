@@ -1,7 +1,7 @@
 """The node agent's configuration: environment variables (and flags) -> one frozen `AgentConfig`.
 
 Counterpart of istio-cni's cni/pkg/config (InstallConfig) and cni/pkg/cmd/root.go, facts from
-reference/istio-cni.md sections 1.2-1.6. As with istio-cni's cobra+viper setup, every setting is
+docs/istio-behaviour.md, "Node agent configuration". As with istio-cni's cobra+viper setup, every setting is
 an environment variable, and a flag `--kebab-case-name=value` sets the variable of the same name
 upper-cased with `-` -> `_` (flags win over the environment).
 
@@ -14,7 +14,8 @@ directly on the node (no `/host` mount prefix); HOST_PREFIX adds one for a conta
 Ours, not istio-cni's: CNI_BIN_DIR (istio-cni hard-codes /host/opt/cni/bin), HEALTH_PORT (the
 constant 8000), POD_SOURCE_DIRECTORY / POD_SOURCE_POLL_INTERVAL (pods from the embedded control
 plane's YAML directory instead of the API server), KUBECONFIG (a kubeconfig instead of the
-in-cluster service account), HOST_PREFIX, PROBE_SET_PREFIX and KUBELET_UID (the nftables host
+in-cluster service account), PLUGIN_SERVICE_ACCOUNT (whose short-lived token the plugin's
+kubeconfig carries, plugin_token.py), HOST_PREFIX, PROBE_SET_PREFIX and KUBELET_UID (the nftables host
 rule's uid when no kubelet process can be found).
 """
 
@@ -42,6 +43,7 @@ DEFAULT_CNI_BIN_DIR = "/opt/cni/bin"
 DEFAULT_ZTUNNEL_UDS_ADDRESS = "/var/run/ztunnel/ztunnel.sock"
 DEFAULT_SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_SYSTEM_NAMESPACE = "istio-system"
+DEFAULT_PLUGIN_SERVICE_ACCOUNT = "istio-cni-plugin"
 DEFAULT_EXCLUDE_NAMESPACES = ("kube-system",)
 DEFAULT_POD_SOURCE_POLL_INTERVAL_S = 1.0
 MAX_POD_SOURCE_POLL_INTERVAL_S = 3600.0
@@ -69,6 +71,8 @@ SETTINGS = frozenset(
         "HOST_PREFIX",
         "HOST_PROBE_SNAT_IP",
         "HOST_PROBE_SNAT_IPV6",
+        "ISTIO_OWNED_CNI_CONFIG",
+        "ISTIO_OWNED_CNI_CONFIG_FILENAME",
         "K8S_SERVICE_ACCOUNT_PATH",
         "KUBECONFIG",
         "KUBECONFIG_MODE",
@@ -85,6 +89,7 @@ SETTINGS = frozenset(
         "NATIVE_NFTABLES",
         "NODE_NAME",
         "PLUGIN_LOG_LEVEL",
+        "PLUGIN_SERVICE_ACCOUNT",
         "POD_NAME",
         "POD_NAMESPACE",
         "POD_SOURCE_DIRECTORY",
@@ -132,7 +137,8 @@ def parse_enablement_selector_env(
 class AgentConfig:
     """Everything the node agent needs, resolved once at start and passed down."""
 
-    # installation (reference 1.2, 2.6)
+    # installation (docs/istio-behaviour.md, "Node agent configuration" and
+    # "CNI config and kubeconfig installation")
     mounted_cni_net_dir: Path = Path(DEFAULT_MOUNTED_CNI_NET_DIR)
     cni_bin_dir: Path = Path(DEFAULT_CNI_BIN_DIR)
     cni_agent_run_dir: Path = Path(DEFAULT_CNI_AGENT_RUN_DIR)
@@ -152,6 +158,9 @@ class AgentConfig:
     node_name: str = ""
     pod_name: str = ""
     pod_namespace: str = ""
+    # ours: whose token the agent requests for the plugin's kubeconfig (plugin_token.py); "" =
+    # none, the plugin gets the agent's own token as with istio-cni
+    plugin_service_account: str = DEFAULT_PLUGIN_SERVICE_ACCOUNT
     system_namespace: str = DEFAULT_SYSTEM_NAMESPACE
     revision: str = ""
     # our second pod source: the embedded control plane's YAML directory
@@ -255,6 +264,17 @@ class AgentConfig:
         protocol = e.text("KUBERNETES_SERVICE_PROTOCOL", "https")
         if protocol not in ("http", "https"):
             raise ConfigError("KUBERNETES_SERVICE_PROTOCOL", f"{protocol!r} is not http or https")
+        # A setting we accept must act: istio-cni's own conflist (02-istio-cni.conflist, a copy
+        # of the primary network's with our entry) is not written by this agent, which always
+        # inserts its entry into the primary's; asked for, it stops here rather than ignore it.
+        if e.boolean("ISTIO_OWNED_CNI_CONFIG", False) or e.text("ISTIO_OWNED_CNI_CONFIG_FILENAME"):
+            raise ConfigError(
+                "ISTIO_OWNED_CNI_CONFIG",
+                "istio-cni's owned config file is not supported: this node agent inserts its entry "
+                "into the primary network's conflist (as istio-cni does by default)",
+                hint="unset ISTIO_OWNED_CNI_CONFIG and ISTIO_OWNED_CNI_CONFIG_FILENAME "
+                "(Helm: istioOwnedCNIConfig=false)",
+            )
         force = e.text("FORCE_IPTABLES_BINARY")
         if force not in ("", "legacy", "nft"):
             raise ConfigError("FORCE_IPTABLES_BINARY", f"{force!r} is not legacy or nft")
@@ -306,6 +326,12 @@ class AgentConfig:
             node_name=node_name,
             pod_name=e.text("POD_NAME"),
             pod_namespace=e.text("POD_NAMESPACE"),
+            # set and empty: no account, the agent's own token (raw: empty means something here)
+            plugin_service_account=(
+                DEFAULT_PLUGIN_SERVICE_ACCOUNT
+                if e.raw("PLUGIN_SERVICE_ACCOUNT") is None
+                else e.text("PLUGIN_SERVICE_ACCOUNT")
+            ),
             system_namespace=e.text("SYSTEM_NAMESPACE", DEFAULT_SYSTEM_NAMESPACE),
             revision=e.text("REVISION"),
             pod_source_directory=e.text("POD_SOURCE_DIRECTORY"),

@@ -1,7 +1,7 @@
 """The node agent's end of the CNI plugin: HTTP/1.1 over unix sockets in the run dir.
 
 Counterpart of istio-cni's CNIPluginServer (cni/pkg/nodeagent/cni-watcher.go) and its UDS log
-server (cni/pkg/log/uds.go); facts from reference/istio-cni.md 2.1 and 2.5.
+server (cni/pkg/log/uds.go); facts from docs/istio-behaviour.md, "CNI plugin".
 
 - `<run dir>/pluginevent.sock`, `POST /cmdadd`: the plugin's add event (Go-shaped JSON, decoded
   by cniconf.decode_add_event). 400 when the body is not an event; 500 with the reason when the
@@ -18,8 +18,12 @@ server (cni/pkg/log/uds.go); facts from reference/istio-cni.md 2.1 and 2.5.
   most MAX_CONCURRENT_PLUGIN_RUNS at once; a run over that or a bad request is closed without a
   reply, and the plugin then runs by itself.
 
-Sockets: the directory is created 0750, a stale socket is removed, the socket is made 0666 (the
-runtime runs the plugin as whatever user it likes).
+Sockets: the run dir is root's alone (created 0700, checked at every start: owned by root and
+writable by nobody else), a stale socket is removed, each socket is made 0600, and every
+connection's peer must be root (SO_PEERCRED) before a byte of its request is read: the container
+runtime runs the plugin as root, and any other local user could otherwise name pods and network
+namespaces to the agent. On a plugin run, whether CNI_NETNS is the caller's own namespace is
+decided from the caller's pid, not from its request.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import AmbientError, ProtocolError
+from ..host.private import SOCKET_FILE_MODE, peer_credentials, peer_refusal, private_dir
 from ..http1 import ClientResponse, Request, Response
 from ..http1.server import serve_connection
 from .cniconf import CNI_ADD_EVENT_PATH, UDS_LOG_PATH, CniAddEvent, decode_add_event
@@ -47,6 +52,7 @@ from .plugin import Outcome, Plugin
 from .plugin_basics import DELEGATED_ENV_PREFIX, MAX_PLUGIN_STDIN_BYTES
 from .podinfo import API_LOOKUP_TIMEOUT_S, NamespaceInfo, PodInfo, PodLookupError
 from .pods import PodSource, PodSourceError, WatchedPod
+from .sandbox import NetnsGuard
 
 log = logging.getLogger("ambient_mesh.cni-agent")
 T = TypeVar("T")
@@ -63,8 +69,6 @@ MAX_PLUGIN_RUN_ENV_VARS = 32
 # Runs in flight at once (each holds a thread while it looks a pod up or waits for /cmdadd);
 # the kubelet starts a node's sandboxes a few at a time.
 MAX_CONCURRENT_PLUGIN_RUNS = 8
-RUN_DIR_MODE = 0o750
-SOCKET_MODE = 0o666
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -134,7 +138,7 @@ def emit_plugin_lines(body: bytes) -> int:
     """Re-emit the plugin's log lines; ProtocolError when the body is not a list of strings."""
     try:
         lines = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"log body is not JSON: {exc}") from None
     if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
         raise ProtocolError("log body must be a JSON array of strings")
@@ -147,7 +151,7 @@ def emit_plugin_records(lines: list[str]) -> None:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             record = {"msg": line}
         if not isinstance(record, dict):
             record = {"msg": line}
@@ -170,7 +174,7 @@ def decode_plugin_run(data: bytes) -> PluginRunRequest:
     """The plugin handoff's request (plugin_handoff.encode_request); ProtocolError otherwise."""
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"plugin run request is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ProtocolError("plugin run request must be a JSON object")
@@ -271,8 +275,10 @@ class CniPluginServer:
         on_response: Callable[[int], None] | None = None,
         run_socket: str | Path | None = None,
         pods: PodSource | None = None,
+        netns_guard: NetnsGuard | None = None,
     ) -> None:
         self.event_socket = Path(event_socket)
+        self.netns_guard = netns_guard if netns_guard is not None else NetnsGuard()
         self.log_socket = Path(log_socket) if log_socket is not None else None
         # Plugin runs are served only with a pod cache to run them against.
         self.run_socket = Path(run_socket) if run_socket is not None and pods is not None else None
@@ -290,6 +296,7 @@ class CniPluginServer:
         self.log_lines = 0
         self.plugin_runs = 0
         self.plugin_runs_refused = 0
+        self.refused_peers = 0  # connections closed unread: the peer was not root
 
     def __repr__(self) -> str:
         state = "listening" if self._servers else "stopped"
@@ -307,11 +314,11 @@ class CniPluginServer:
             )
             sockets.append((self.run_socket, self._serve_run))
         for path, serve in sockets:
-            path.parent.mkdir(mode=RUN_DIR_MODE, parents=True, exist_ok=True)
+            private_dir(path.parent)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a previous agent's
             server = await asyncio.start_unix_server(serve, path=str(path))
-            os.chmod(path, SOCKET_MODE)
+            os.chmod(path, SOCKET_FILE_MODE)
             self._servers.append(server)
             log.info("CNI plugin server listening on %s", path)
 
@@ -339,6 +346,8 @@ class CniPluginServer:
         assert task is not None
         self._tasks.add(task)
         try:
+            if self._refuse_peer(writer) is not None:
+                return
             if await serve_connection(
                 "CNI plugin",
                 self.handle,
@@ -356,6 +365,9 @@ class CniPluginServer:
         assert task is not None
         self._tasks.add(task)
         try:
+            peer = self._refuse_peer(writer)
+            if peer is not None:
+                return
             if self._runs is None or self._runs_active >= MAX_CONCURRENT_PLUGIN_RUNS:
                 self.plugin_runs_refused += 1
                 log.warning(
@@ -364,7 +376,7 @@ class CniPluginServer:
                 return
             self._runs_active += 1
             try:
-                reply = await self._run(reader)
+                reply = await self._run(reader, peer_credentials(writer.get_extra_info("socket")).pid)
             finally:
                 self._runs_active -= 1
             if reply is not None:
@@ -376,7 +388,16 @@ class CniPluginServer:
             self._tasks.discard(task)
             writer.close()
 
-    async def _run(self, reader: asyncio.StreamReader) -> bytes | None:
+    def _refuse_peer(self, writer: asyncio.StreamWriter) -> str | None:
+        """Why this connection's peer may not talk to the agent (it is then closed unread)."""
+        refusal = peer_refusal(writer.get_extra_info("socket"))
+        if refusal is not None:
+            self.refused_peers += 1
+            log.warning("CNI plugin connection refused: %s", refusal)
+            writer.close()
+        return refusal
+
+    async def _run(self, reader: asyncio.StreamReader, peer_pid: int) -> bytes | None:
         try:
             async with asyncio.timeout(REQUEST_READ_TIMEOUT_S):
                 data = await reader.read(MAX_PLUGIN_RUN_REQUEST_BYTES + 1)
@@ -397,7 +418,8 @@ class CniPluginServer:
         plugin = Plugin(
             lookup_factory=lambda _conf: AgentPodLookup(pods, loop),
             transport_factory=lambda _path: InProcessTransport(self, loop),
-            same_netns=lambda _path: request.netns_is_own,
+            # The request's netns_is_own is the caller's word; the kernel's pid of it is checked too.
+            same_netns=lambda path: request.netns_is_own or self.netns_guard.is_callers(path, peer_pid),
             sleep=self._stopping.wait,
         )
         outcome = await loop.run_in_executor(self._runs, plugin.run, request.environ, request.stdin)

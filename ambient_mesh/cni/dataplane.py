@@ -1,9 +1,10 @@
 """The node agent's mesh data plane: put a pod into the ambient mesh and take it out again.
 
 Counterparts: istio-cni's meshDataplane (cni/pkg/nodeagent/meshdataplane_linux.go), its netServer
-(net_linux.go) and the pod cache (pod_cache.go); reference/istio-cni.md 5.2, 5.4, 5.5, 5.8.
+(net_linux.go) and the pod cache (pod_cache.go); docs/istio-behaviour.md, "Node agent pod lifecycle" and
+"Node agent start and shutdown".
 
-AddPodToMesh, in istio-cni's order (5.2):
+AddPodToMesh, in istio-cni's order:
   1. open the pod's netns (the CNI event's path, the cached handle, or a /proc scan) and cache it;
   2. install the in-pod redirection rules inside it (idempotent: leftovers are reconciled);
   3. hand the netns to the node proxy over ZDS and wait for its ack;
@@ -13,7 +14,7 @@ A failure in 1-2 is not retryable: the pod is dropped from the cache and nothing
 failure in 3 is retryable and marks the pod `pending` (rules stay: the pod is captured but not
 yet proxied, so it has no traffic rather than unmeshed traffic). 4-5 failures are retryable.
 
-RemovePodFromMesh (5.4): probe-set entries first (only those carrying the pod's UID), then the
+RemovePodFromMesh: probe-set entries first (only those carrying the pod's UID), then the
 in-pod rules, then `del` to every node proxy, then the mark. For a deleted pod istio-cni skips
 the rules (the netns is going away); we still remove them, best effort, because we hold the
 netns open and a sandbox that outlives its pod object must not keep redirecting to nothing.
@@ -51,6 +52,7 @@ from ..net import IPAddress
 from ..zds.server import SnapshotEntry
 from .netns_discovery import NetnsCandidate
 from .pods import REDIRECTION_PENDING, WatchedPod
+from .sandbox import NetnsGuard, SandboxCheck
 
 if TYPE_CHECKING:
     from .agent_config import AgentConfig
@@ -331,8 +333,10 @@ class MeshDataplane:
         marker: EnrollmentMarker,
         locator: NetnsLocator,
         open_netns: Callable[[str], OpenNetns] = OpenNetns.open,
+        netns_guard: SandboxCheck | None = None,
     ) -> None:
         self.settings = settings
+        self.netns_guard: SandboxCheck = netns_guard if netns_guard is not None else NetnsGuard()
         self.runner = runner
         self.probe_set = probe_set
         self.ztunnel = ztunnel
@@ -426,8 +430,26 @@ class MeshDataplane:
                 raise
             self.added += 1
 
+    def _check_named_netns(self, pod: WatchedPod, netns_path: str) -> None:
+        """A CNI add names the netns: it must be a pod sandbox's (sandbox.py), and an enrolled pod
+        is not moved out of a sandbox that still runs. Checked before the cache is touched, so a
+        refused add leaves the enrolled pod as it was."""
+        path = self.settings.host_path(netns_path)
+        refusal = self.netns_guard.refusal(path)
+        cached = self.cache.get(pod.uid)
+        if refusal is None and cached is not None and cached.netns is not None:
+            refusal = self.netns_guard.move_refusal(cached.netns.key, path, str(pod))
+        if refusal is not None:
+            raise DataplaneError(
+                f"refusing netns {netns_path} for pod {pod}: {refusal}",
+                retryable=False,
+                hint="CNI_NETNS must be the pod sandbox's network namespace",
+            )
+
     async def _add(self, pod: WatchedPod, ips: tuple[str, ...], netns_path: str) -> None:
         info = workload_info(pod)
+        if netns_path:
+            self._check_named_netns(pod, netns_path)
         self.cache.ensure(pod.uid, info, ips)
         try:
             netns = await self._resolve_netns(pod, ips, netns_path)

@@ -1,7 +1,7 @@
 """Enroll and unenroll already-running pods as pods and namespaces change; rebuild state at start.
 
-Counterpart of istio-cni's InformerHandlers (cni/pkg/nodeagent/informers.go) and the start-up
-half of its Server (server.go), reference/istio-cni.md 5.3 and 5.5.
+Counterpart of istio-cni's InformerHandlers (cni/pkg/nodeagent/informers.go) and the start-up half of its
+Server (server.go), docs/istio-behaviour.md, "Node agent pod lifecycle" and "Node agent start and shutdown".
 
 New pods reach the mesh through their CNI ADD; this module handles everything else: a namespace
 or pod label change that enrolls or releases a running pod, a pod that terminates or is deleted,

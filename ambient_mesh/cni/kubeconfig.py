@@ -1,10 +1,10 @@
 """The kubeconfig the node agent writes for the CNI plugin, and when it rewrites it.
 
-Counterpart of istio-cni's cni/pkg/install/kubeconfig.go (reference/istio-cni.md 2.6). The plugin
-is run by the container runtime on the host, outside any pod, so it has no service-account token
-of its own: the agent renders one kubeconfig from its own token, the cluster CA and the API
-server address, into `<CNI_AGENT_RUN_DIR>/istio-cni-kubeconfig` (mode KUBECONFIG_MODE, 0600 by
-default). The plugin reads it on every ADD (podinfo.KubeApiPodLookup).
+Counterpart of istio-cni's cni/pkg/install/kubeconfig.go (docs/istio-behaviour.md,
+"CNI config and kubeconfig installation"). The plugin is run by the container runtime on the host, outside any
+pod, so it has no service-account token of its own: the agent renders one kubeconfig from its own token, the
+cluster CA and the API server address, into `<CNI_AGENT_RUN_DIR>/istio-cni-kubeconfig` (mode KUBECONFIG_MODE,
+0600 by default). The plugin reads it on every ADD (podinfo.KubeApiPodLookup).
 
 Same content as istio-cni's: a v1 `Config` with cluster `local` (server
 `<KUBERNETES_SERVICE_PROTOCOL>://<HOST>:<PORT>`, `certificate-authority-data` from KUBE_CA_FILE or
@@ -13,7 +13,9 @@ the service account's `ca.crt`, or `insecure-skip-tls-verify` with SKIP_TLS_VERI
 kubectl and client-go read it): the plugin then parses it with the `json` module it has loaded
 anyway instead of importing a YAML parser on every pod start.
 
-Kubelet rotates projected service-account tokens (hourly by default). `plan_write` is the pure
+The token is the plugin's own when the agent could get one (plugin_token.py: short-lived, not
+bound to the agent's pod, so it outlives an agent restart), else the agent's. Kubelet rotates
+projected service-account tokens (hourly by default), and the agent renews the plugin's. `plan_write` is the pure
 decision: render from the current token and CA, and rewrite only when the bytes or the file
 mode differ, so a rotation is picked up on the next `sync()` and an unchanged file is never
 touched. Writes are atomic (temp file and rename): a plugin never reads half a kubeconfig.
@@ -106,6 +108,20 @@ class KubeconfigInputs:
             token=token,
             ca_data=access.ca_data,
             insecure_skip_tls_verify=access.insecure_skip_tls_verify,
+        )
+
+    @classmethod
+    def for_plugin(cls, cfg: Any, token: str | None) -> KubeconfigInputs:
+        """The agent's API server and CA with the plugin's own token (plugin_token.py) when there
+        is one, else the agent's token (istio-cni's behaviour)."""
+        inputs = cls.for_agent(cfg)
+        if not token:
+            return inputs
+        return cls(
+            server=inputs.server,
+            token=token,
+            ca_data=inputs.ca_data,
+            insecure_skip_tls_verify=inputs.insecure_skip_tls_verify,
         )
 
     @classmethod

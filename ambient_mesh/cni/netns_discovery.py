@@ -1,8 +1,8 @@
 """Find a running pod's network namespace by scanning /proc.
 
-Counterpart of istio-cni's podcgroupns_linux.go (reference/istio-cni.md 5.6): when a pod is
-enrolled after it started (a label change) or when the agent restarts, there is no CNI event to
-say where the pod's netns is, so every process's `/proc/<pid>/ns/net` is a candidate.
+Counterpart of istio-cni's podcgroupns_linux.go (docs/istio-behaviour.md, "Node agent pod lifecycle"): when a
+pod is enrolled after it started (a label change) or when the agent restarts, there is no CNI event to say
+where the pod's netns is, so every process's `/proc/<pid>/ns/net` is a candidate.
 
 Guards, from the node-breaking bug istio/istio#55139 (rules landed in the host netns because a
 CRI-O `conmon` process looked like the pod): the host's netns and the agent's own netns are never

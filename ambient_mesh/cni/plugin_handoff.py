@@ -52,7 +52,7 @@ def plugin_run_socket(stdin: bytes) -> str:
     run_dir = DEFAULT_CNI_AGENT_RUN_DIR
     try:
         conf = json.loads(stdin) if stdin else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting past the parser's depth: not a config either
         conf = {}
     if isinstance(conf, dict):
         named = conf.get("cni_agent_run_dir")
@@ -77,7 +77,7 @@ def decode_reply(data: bytes) -> tuple[int, bytes, bytes] | None:
     """(exit code, stdout, stderr) from the agent's reply; None when it is not one."""
     try:
         reply = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(reply, dict):
         return None

@@ -2,7 +2,7 @@
 
 Counterpart of istio-cni's informers (cni/pkg/nodeagent/informers.go: a Pod informer filtered by
 `spec.nodeName`, a Namespace informer) and of its annotation patches (`ambient.istio.io/redirection`
-on the `pods/status` subresource, reference/istio-cni.md 5.2-5.4).
+on the `pods/status` subresource, docs/istio-behaviour.md, "Node agent pod lifecycle").
 
 `PodSource` is the one small interface; two implementations:
 
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import yaml
 
 from ..errors import ConfigError, ProtocolError
-from ..host.files import atomic_write
+from ..host.private import private_dir, write_private
 from ..kube.client import DAEMONSETS, NAMESPACES, PODS, KubeApiError, KubeClient, WatchEvent
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials
 from ..kube.reflector import Reflector
@@ -318,8 +318,9 @@ class EnrollmentState:
         self._save()
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path, json.dumps({"pods": self._marks}, indent=2, sort_keys=True).encode())
+        # Which pods are enrolled, in the agent's run dir: root's alone (0700, checked), the file 0600.
+        private_dir(self.path.parent)
+        write_private(self.path, json.dumps({"pods": self._marks}, indent=2, sort_keys=True).encode())
 
 
 def pod_from_store(obj: Any) -> WatchedPod:

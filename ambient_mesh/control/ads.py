@@ -35,19 +35,22 @@ from .ads_state import (
     Snapshot,
     TypeStatus,
 )
+from .caller_gate import MAX_RECEIVE_MESSAGE_BYTES
 from .waypoint_index import WaypointIndex
 
 log = logging.getLogger(__name__)
 
-# ztunnel accepts messages up to 200 MiB (spec 4.1); a full push of a large mesh can be that big.
-MAX_MESSAGE_BYTES = 200 * 1024 * 1024
+# ztunnel accepts messages up to 200 MiB (docs/istio-behaviour.md, "Delta xDS"); a full push of a large mesh
+# can be that big. What we receive is istiod's 4 MiB (caller_gate.MAX_RECEIVE_MESSAGE_BYTES): requests are
+# small.
+MAX_SEND_MESSAGE_BYTES = 200 * 1024 * 1024
 # ztunnel sends an HTTP/2 PING every 30 s even when idle; gRPC's server default (one per 5 min
 # without data) would answer those with GOAWAY ENHANCE_YOUR_CALM and drop the stream.
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
     ("grpc.http2.max_ping_strikes", 0),
@@ -177,7 +180,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
     ) -> int:
         """Replace the served resources and push the differences to every connected proxy.
 
-        Keys are the xDS names (spec 2.3: workload uid, `<ns>/<hostname>`, `<ns>/<policy>`).
+        Keys are the xDS names (docs/istio-behaviour.md, "Workloads and services": workload uid,
+        `<ns>/<hostname>`, `<ns>/<policy>`).
         `aliases` maps an on-demand key to the names carrying it; by default it is derived from
         the resources. Returns how many responses were queued.
         """
@@ -240,7 +244,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
     async def StreamAggregatedResources(
         self, request_iterator: AsyncIterator[DeltaDiscoveryRequest], context: AdsContext
     ) -> None:  # noqa: N802
-        # ztunnel speaks delta only (spec 4.1); state-of-the-world is refused outright.
+        # ztunnel speaks delta only (docs/istio-behaviour.md, "Delta xDS"); state-of-the-world is refused
+        # outright.
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only DeltaAggregatedResources is served")
 
     async def DeltaAggregatedResources(

@@ -1,9 +1,9 @@
 """istiod's side of delta xDS for ztunnel, without sockets: one object per connected proxy.
 
-Counterparts: istiod pilot/pkg/xds/delta.go (request handling: first-request node, ACK/NACK,
-stale nonces, subscription changes), pilot/pkg/xds/workload.go (the Address and Authorization
-generators: wildcard and on-demand lookups), pilot/pkg/xds/auth.go (the caller's identity must
-match the proxy's namespace). Wire rules: spec/wire-protocols.md sections 2.3 and 4.
+Counterparts: istiod pilot/pkg/xds/delta.go (request handling: first-request node, ACK/NACK, stale nonces,
+subscription changes), pilot/pkg/xds/workload.go (the Address and Authorization generators: wildcard and
+on-demand lookups), pilot/pkg/xds/auth.go (the caller's identity must match the proxy's namespace). Wire
+rules: docs/istio-behaviour.md, "Workloads and services" and "Delta xDS".
 
 `Snapshot` is the control plane's current view (every resource, packed, with its version and its
 on-demand lookup keys). `DeltaConnectionState` is fed DeltaDiscoveryRequests (`receive`) and new
@@ -78,7 +78,7 @@ class AdsRefused(ProtocolError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyInfo:
-    """What the first request's Node says about the proxy (spec 4.4)."""
+    """What the first request's Node says about the proxy (docs/istio-behaviour.md, "Delta xDS")."""
 
     node_id: str
     node_type: str
@@ -194,7 +194,8 @@ class VersionedResource:
     # Content hash of every type, so pushes can skip unchanged Authorizations too.
     digest: str
     resource: any_pb2.Any = field(repr=False, compare=False)
-    # The resource's own lookup keys (2.3), sent in Resource.aliases on on-demand answers.
+    # The resource's own lookup keys ("Workloads and services"), sent in Resource.aliases on on-demand
+    # answers.
     aliases: tuple[str, ...] = ()
     # For a workload, the services it is an endpoint of (the keys of Workload.services), so a
     # patched snapshot can keep `Snapshot.endpoints` without unpacking the old resource.
@@ -433,15 +434,17 @@ class Snapshot:
 
 
 def address_name(address: workload_pb2.Address) -> str:
-    """An Address's primary xDS name (spec 2.3): workload uid, or `<namespace>/<hostname>`."""
+    """An Address's primary xDS name (docs/istio-behaviour.md, "Workloads and services"): workload uid, or
+    `<namespace>/<hostname>`."""
     if address.WhichOneof("type") == "service":
         return f"{address.service.namespace}/{address.service.hostname}"
     return address.workload.uid
 
 
 def address_aliases(address: workload_pb2.Address) -> list[str]:
-    """An Address's on-demand keys (spec 2.3): `<network>/<ip>` per workload address, and per
-    service address `<network>/<vip>`, or `<network>/<ip>/<prefixlen>` for a CIDR."""
+    """An Address's on-demand keys (docs/istio-behaviour.md, "Workloads and services"): `<network>/<ip>`
+    per workload address, and per service address `<network>/<vip>`, or `<network>/<ip>/<prefixlen>` for a
+    CIDR."""
     kind = address.WhichOneof("type")
     if kind == "workload":
         wl = address.workload
@@ -709,8 +712,8 @@ class DeltaConnectionState:
         type_url = request.type_url
         subscribe = set(request.resource_names_subscribe)
         unsubscribe = set(request.resource_names_unsubscribe)
-        # Spec 4.5: an empty subscribe list is wildcard; `*` is wildcard unless also unsubscribed
-        # in the same message (ztunnel's on-demand "subscribed to nothing").
+        # docs/istio-behaviour.md, "Delta xDS": an empty subscribe list is wildcard; `*` is wildcard
+        # unless also unsubscribed in the same message (ztunnel's on-demand "subscribed to nothing").
         wildcard = not subscribe or (WILDCARD in subscribe and WILDCARD not in unsubscribe)
         sub = _Subscription(type_url, SubscriptionMode.WILDCARD if wildcard else SubscriptionMode.ON_DEMAND)
         self._subs[type_url] = sub
@@ -726,8 +729,8 @@ class DeltaConnectionState:
         send = []
         for name in wanted:
             res = present[name]
-            # Spec 4.7: skip what the proxy holds at the current version. Authorization has no
-            # versions, so an empty version never matches and everything is re-sent.
+            # docs/istio-behaviour.md, "Delta xDS": skip what the proxy holds at the current version.
+            # Authorization has no versions, so an empty version never matches and everything is re-sent.
             if res.version and known.get(name) == res.version:
                 sub.sent[name] = res.digest
             else:

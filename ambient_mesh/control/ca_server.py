@@ -221,8 +221,10 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
         default_ttl_s: int = DEFAULT_WORKLOAD_CERT_TTL_S,
         max_ttl_s: int = MAX_WORKLOAD_CERT_TTL_S,
         clock: Callable[[], float] = time.time,
+        precheck_in_full: bool = False,
     ) -> None:
         self.ca = ca
+        self.precheck_in_full = precheck_in_full
         self.authenticator = authenticator
         self.trust_domain = trust_domain
         self.node_index = node_index
@@ -257,6 +259,20 @@ class CaServer(ca_pb2_grpc.IstioCertificateServiceServicer):
             return await self.authenticator.authenticate(token, now)
         except AuthenticationError as e:
             return Refusal(reason=e.reason)
+
+    async def precheck(self, call_metadata: Iterable[tuple[str, Any]]) -> str | None:
+        """caller_gate's check, made when a call's headers arrive and before its body is read:
+        a bearer token for our cluster, verified in full when `precheck_in_full` (our own
+        tokens, checked locally). None lets the call through; a string says why not."""
+        call_metadata = list(call_metadata)
+        if not self.precheck_in_full:
+            token = bearer_token(call_metadata)
+            if isinstance(token, Refusal):
+                return token.message
+            refusal = check_cluster_id(call_metadata, self.cluster_id)
+            return None if refusal is None else refusal.message
+        caller = await self.authenticate(call_metadata, self._clock())
+        return caller.message if isinstance(caller, Refusal) else None
 
     def decide(self, caller: Caller, request: ca_pb2.IstioCertificateRequest) -> Issuance | Refusal:
         """Pure: for which identity the authenticated caller gets a certificate, for how long."""

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import grpc
 from cryptography.hazmat.primitives import serialization
 
-from ..errors import ConfigError
+from ..errors import BindError, ConfigError
+from ..host.private import private_dir, write_private
 from ..identity.ca import CertificateAuthority
 from ..identity.grpc_tls import (
     DEFAULT_SERVING_DNS_NAMES,
@@ -36,15 +37,35 @@ from ..identity.grpc_tls import (
     serving_certificate,
 )
 from ..identity.spiffe import Identity
-from ..kube.client import KubeClient
+from ..kube.client import SERVICES, KubeClient
 from ..kube.kubeconfig import KubeCredentials
 from ..kube.objects import KubeStore, ObjectKey, Pod
 from ..net import SocketAddr
 from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated
 from .ca_server import BoundPod, CaServer, Refusal
+from .caller_gate import CallerGate
+from .debug import DebugServer, connections_doc, status_doc, sync_state
 from .namespace_controller import NamespaceController
-from .sources import ConfigSource, DirectorySource, KubeApiSource, SourceChange
+from .sources import (
+    AUTHORIZATION_POLICIES,
+    GATEWAYS,
+    PEER_AUTHENTICATIONS,
+    SERVICE_ENTRIES,
+    ConfigSource,
+    DirectorySource,
+    KubeApiSource,
+    SourceChange,
+)
+from .status import (
+    STATUS_INPUT_KINDS,
+    DirectoryStatusWriter,
+    KubeStatusWriter,
+    StatusMap,
+    StatusWriter,
+    changed_status,
+    compute_status,
+)
 from .tokenreview import Authenticator, TokenReviewAuthenticator
 from .tokens import TokenIssuer, load_or_create_issuer
 from .translate import AmbientIndex, MeshSettings, Translation
@@ -54,7 +75,6 @@ from .waypoint_index import WaypointIndex
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
-    from rich.table import Table
 
 log = logging.getLogger("ambient_mesh.control")
 
@@ -64,6 +84,8 @@ POLL_INTERVAL_S = 1.0
 CA_DIR_NAME = "cacerts"
 TOKEN_KEY_FILE = "token-key.pem"
 ROOT_CERT_FILE = "root-cert.pem"
+# With --dir, the objects' status subresource: one file per object (control/status.py).
+STATUS_DIR_NAME = "status"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +103,8 @@ class ControlPlaneConfig:
     # With `directory`: create what istiod creates for each waypoint Gateway (its ServiceAccount,
     # Deployment and Service, and its status.addresses) as files there (waypoint_deployer.py).
     deploy_waypoints: bool = False
+    # istiod's debug endpoint (control/debug.py): connected proxies and object status; None: off.
+    debug_listen: SocketAddr | None = None
 
     def __post_init__(self) -> None:
         if (self.directory is None) == (self.kube is None):
@@ -94,6 +118,14 @@ def build_source(config: ControlPlaneConfig, client: KubeClient | None) -> Confi
         return KubeApiSource(client)
     assert config.directory is not None
     return DirectorySource(config.directory, config.poll_interval_s)
+
+
+def build_status_writer(config: ControlPlaneConfig, client: KubeClient | None) -> StatusWriter:
+    """Where conditions go: the API server's status subresources, or beside a YAML directory."""
+    if client is not None:
+        kinds = (AUTHORIZATION_POLICIES, PEER_AUTHENTICATIONS, SERVICE_ENTRIES, GATEWAYS, SERVICES)
+        return KubeStatusWriter(client, {r.kind: r for r in kinds})
+    return DirectoryStatusWriter(config.state_dir / STATUS_DIR_NAME)
 
 
 def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
@@ -110,14 +142,12 @@ def load_or_create_ca(config: ControlPlaneConfig) -> CertificateAuthority:
 
 def write_plugged_in_files(ca: CertificateAuthority, directory: Path) -> None:
     """Istio's plugged-in CA files for a self-signed root (the root is also the signer)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     cert_pem = ca.signing_cert.public_bytes(serialization.Encoding.PEM)
     key_pem = ca.signing_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    key_path = directory / "ca-key.pem"
-    key_path.touch(mode=0o600)
-    key_path.write_bytes(key_pem)
+    write_private(directory / "ca-key.pem", key_pem)
     (directory / "ca-cert.pem").write_bytes(cert_pem)
     (directory / "root-cert.pem").write_bytes(ca.root_pem)
     (directory / "cert-chain.pem").write_bytes(cert_pem)
@@ -217,8 +247,17 @@ class ControlPlane:
             node_index=self.node_index,
             trusted_node_accounts=self.config.trusted_node_accounts,
             cluster_id=mesh.cluster_id,
+            # Our own tokens are checked in microseconds, before a CSR is read; a TokenReview
+            # is a call to the API server, made once per request by the servicer.
+            precheck_in_full=self.kube_client is None,
         )
         self.source = build_source(self.config, self.kube_client)
+        # Object status (istiod's status queue): computed per snapshot, written when it changes.
+        self.status_writer = build_status_writer(self.config, self.kube_client)
+        self.status: StatusMap = {}
+        self._status_pending: StatusMap = {}
+        self._status_task: asyncio.Task[None] | None = None
+        self.debug: DebugServer | None = None
         # istiod's namespace controller: the root bundle as a ConfigMap in every namespace.
         self.namespace_controller = (
             NamespaceController(self.kube_client, self.ca.root_pem.decode())
@@ -226,7 +265,9 @@ class ControlPlane:
             else None
         )
         self._namespace_task: asyncio.Task[None] | None = None
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.aio.Server | None = None  # TLS: xDS and the CA
+        self.plaintext_server: grpc.aio.Server | None = None  # xDS only (--plaintext-listen)
+        self.gate: CallerGate | None = None
         self.bound: dict[str, SocketAddr] = {}
         self._watch_task: asyncio.Task[None] | None = None
         self.loaded = asyncio.Event()
@@ -289,6 +330,9 @@ class ControlPlane:
             self._deploy_waypoints(store)
         if self.ads.waypoints is not None:  # part 2 hook: routes and L7 policy of waypoints
             self.ads.waypoints.update_l7(store, changed)
+        # No condition depends on pods (most of the churn): recomputed only when what it reads changed.
+        if not self.loaded.is_set() or any(kind in STATUS_INPUT_KINDS for kind, _, _ in delta.objects):
+            self._queue_status(compute_status(store, self.config.mesh))
         queued = self.ads.apply(
             addresses=delta.addresses,
             removed_addresses=delta.removed_addresses,
@@ -314,6 +358,34 @@ class ControlPlane:
             for line in apply_plan(directory, deploy):
                 log.info("waypoint deployment: %s", line)
 
+    def _queue_status(self, status: StatusMap) -> None:
+        changes = changed_status(self.status, status)
+        self.status = status
+        if not changes:
+            return
+        self._status_pending.update(changes)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # applied outside a loop (tests): written with the next change made inside one
+        if self._status_task is None or self._status_task.done():
+            self._status_task = loop.create_task(self._write_status(), name="status writer")
+
+    async def _write_status(self) -> None:
+        while self._status_pending:
+            changes, self._status_pending = self._status_pending, {}
+            try:
+                written = await self.status_writer.write(changes, datetime.now(UTC))
+            except OSError as exc:
+                log.warning("cannot write object status: %s", exc)
+                continue
+            log.info("status: %d objects written (%r)", written, self.status_writer)
+
+    async def wait_status(self) -> None:
+        """Until the status of the last snapshot is written (tests, `lab apply`)."""
+        while self._status_task is not None and not self._status_task.done():
+            await asyncio.shield(self._status_task)
+
     # Lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         now = datetime.now(UTC)
@@ -325,7 +397,9 @@ class ControlPlane:
             now,
             trust_domain=self.config.mesh.trust_domain,
         )
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        gate = CallerGate(self.ca_server.precheck)
+        self.gate = gate
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(gate,))
         self.ads.serve(self.server)
         self.ca_server.register(self.server)
         port = self.server.add_secure_port(str(self.config.listen), server_credentials(cert))
@@ -337,11 +411,17 @@ class ControlPlane:
             )
         self.bound["tls"] = SocketAddr(self.config.listen.ip, port)
         if self.config.plaintext_listen is not None:
-            port = self.server.add_insecure_port(str(self.config.plaintext_listen))
+            # istiod's 15010 serves xDS only: the CA is on the TLS port alone, so a bearer token
+            # never crosses the network in clear text. A server of its own, without the CA.
+            self.plaintext_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(gate,))
+            self.ads.serve(self.plaintext_server)
+            port = self.plaintext_server.add_insecure_port(str(self.config.plaintext_listen))
             if port == 0:
                 raise ConfigError("--plaintext-listen", f"cannot bind {self.config.plaintext_listen}")
             self.bound["plaintext"] = SocketAddr(self.config.plaintext_listen.ip, port)
+            await self.plaintext_server.start()
         await self.server.start()
+        await self._start_debug()
         try:
             self._on_change(await self.source.first())
         except BaseException:
@@ -355,23 +435,43 @@ class ControlPlane:
                 self.namespace_controller.run(), name="namespace controller"
             )
 
+    async def _start_debug(self) -> None:
+        if self.config.debug_listen is None:
+            return
+        debug = DebugServer(
+            self.config.debug_listen,
+            lambda: connections_doc(self.ads.connections(), self.ads.snapshot.version),
+            lambda: status_doc(self.status),
+        )
+        try:
+            await debug.start()
+        except (BindError, OSError) as exc:  # the debug endpoint is optional, serving is not
+            log.warning("debug endpoint not served: %s", exc)
+            return
+        self.debug = debug
+        self.bound["debug"] = debug.bound_address
+
     async def stop(self, grace_s: float = 1.0) -> None:
-        for task in (self._watch_task, self._namespace_task):
+        for task in (self._watch_task, self._namespace_task, self._status_task):
             if task is not None:
                 task.cancel()
                 try:
                     await task
                 except asyncio.CancelledError:
                     pass
-        if self.server is not None:
-            await self.server.stop(grace_s)
+        for server in (self.server, self.plaintext_server):
+            if server is not None:
+                await server.stop(grace_s)
+        if self.debug is not None:
+            await self.debug.stop()
         await self.source.close()
         if self.kube_client is not None:
             await self.kube_client.close()
 
 
 def build(config: ControlPlaneConfig) -> ControlPlane:
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    # The CA's key and the token signing key live here: root's alone (0700), checked every start.
+    private_dir(config.state_dir)
     ca = load_or_create_ca(config)
     (config.state_dir / ROOT_CERT_FILE).write_bytes(ca.root_pem)
     issuer = load_or_create_issuer(config.state_dir / TOKEN_KEY_FILE)
@@ -404,43 +504,64 @@ def mint_token(
 STATUS_INTERVAL_S = 2.0
 
 
-def status_table(plane: ControlPlane) -> Table:
-    """What each connected proxy has been sent: one row per proxy and type."""
-    from rich.table import Table
+Rows = list[tuple[str, ...]]
 
-    table = Table(title="connected node proxies", title_justify="left")
-    for header in ("NODE", "PROXY", "IDENTITY", "TYPE", "MODE", "SENT", "ACKED", "NACKED", "LAST ERROR"):
-        table.add_column(header)
+
+def status_table(plane: ControlPlane) -> tuple[str, tuple[str, ...], Rows]:
+    """What each connected proxy has been sent: one row per proxy and type."""
+    headers = ("NODE", "PROXY", "IDENTITY", "TYPE", "MODE", "SENT", "ACKED", "NACKED", "SYNC", "LAST ERROR")
+    rows: Rows = []
     for info in plane.ads.connections():
         for t in info.types:
-            table.add_row(
-                info.node_name or "-",
-                info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
-                info.identity or "-",
-                t.type_url.rsplit(".", 1)[-1],
-                t.mode.value,
-                str(t.resources_sent),
-                str(t.resources_acked),
-                str(t.resources_nacked),
-                t.last_error or "",
+            rows.append(
+                (
+                    info.node_name or "-",
+                    info.node_id.split("~")[2] if "~" in info.node_id else info.node_id,
+                    info.identity or "-",
+                    t.type_url.rsplit(".", 1)[-1],
+                    t.mode.value,
+                    str(t.resources_sent),
+                    str(t.resources_acked),
+                    str(t.resources_nacked),
+                    sync_state(t),
+                    t.last_error or "",
+                )
             )
-    return table
+    return "connected node proxies", headers, rows
 
 
-def loaded_table(plane: ControlPlane) -> Table:
-    from rich.table import Table
-
-    table = Table(title=f"loaded from {plane.source.location}", title_justify="left")
-    for header in ("RESOURCE", "COUNT"):
-        table.add_column(header)
+def loaded_table(plane: ControlPlane) -> tuple[str, tuple[str, ...], Rows]:
+    rows: Rows = []
     t = plane.translation
     if t is not None:
         workloads = sum(1 for a in t.addresses.values() if a.WhichOneof("type") == "workload")
-        table.add_row("workloads (istio.workload.Address)", str(workloads))
-        table.add_row("services (istio.workload.Address)", str(len(t.addresses) - workloads))
-        table.add_row("authorizations (istio.security.Authorization)", str(len(t.authorizations)))
-    table.add_row("objects skipped with errors", str(len(plane.load_errors)))
-    return table
+        rows.append(("workloads (istio.workload.Address)", str(workloads)))
+        rows.append(("services (istio.workload.Address)", str(len(t.addresses) - workloads)))
+        rows.append(("authorizations (istio.security.Authorization)", str(len(t.authorizations))))
+    rows.append(("objects skipped with errors", str(len(plane.load_errors))))
+    return f"loaded from {plane.source.location}", ("RESOURCE", "COUNT"), rows
+
+
+def print_table(console: Console, title: str, headers: tuple[str, ...], rows: Rows) -> None:
+    """A rich table on a terminal; into a file (a log), plain whole lines: the title, then
+    space-aligned columns, never cut or boxed (the README's promise for every table we print)."""
+    if console.is_terminal:
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for header in headers:
+            table.add_column(header)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    lines = [title] + [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+    console.file.write("\n".join(lines) + "\n")
+    console.file.flush()
 
 
 async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> int:
@@ -456,6 +577,12 @@ async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> 
         f"ambient control: serving xDS and CA on {plane.bound['tls']} (TLS)"
         + (f" and {plane.bound['plaintext']} (plaintext)" if "plaintext" in plane.bound else "")
         + f"; mesh root {config.state_dir / ROOT_CERT_FILE}"
+        + (
+            f"; debug endpoint http://{plane.bound['debug']}/debug/connections"
+            if "debug" in plane.bound
+            else ""
+        ),
+        soft_wrap=True,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -467,8 +594,8 @@ async def run(config: ControlPlaneConfig, *, console: Console | None = None) -> 
             view = (id(plane.translation), tuple((c.conn_id, c.types) for c in plane.ads.connections()))
             if view != shown:
                 shown = view
-                console.print(loaded_table(plane))
-                console.print(status_table(plane))
+                print_table(console, *loaded_table(plane))
+                print_table(console, *status_table(plane))
             try:
                 await asyncio.wait_for(stop.wait(), STATUS_INTERVAL_S)
             except TimeoutError:

@@ -6,18 +6,16 @@ are the issuer: `TokenIssuer` mints ES256 tokens carrying the same claims a kube
 `istio-token` carries, and `TokenVerifier` checks one the way a TokenReview would (signature,
 issuer, audience, validity window) and returns who the caller is.
 
-The JWS compact serialization (RFC 7515 section 7.1) and ES256 (RFC 7518 section 3.4) are
-written out here rather than pulled in as a dependency; only ES256 is accepted, so the `alg`
-confusion attacks (`none`, HS256 keyed with the public key) have nothing to work with.
+Signing and checking go through PyJWT with an algorithm allow-list of ES256 alone, so the `alg`
+confusion attacks (`none`, HS256 keyed with the public key) have nothing to work with; PyJWT
+checks the signature, the issuer and the audience. The validity window is checked here against
+the `now` the caller passes (PyJWT reads the wall clock), with the skew Kubernetes allows.
 Pure: the caller passes `now`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
 import math
 import os
 import re
@@ -26,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+import jwt
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
+from jwt.utils import base64url_encode
 
 from ..errors import AmbientError, ConfigError
+from ..host.private import private_dir
 from ..identity.spiffe import Identity
 
 ALGORITHM = "ES256"
@@ -49,8 +48,6 @@ MAX_NUMERIC_DATE = 2**53
 SUBJECT_PREFIX = "system:serviceaccount:"
 KUBERNETES_CLAIM = "kubernetes.io"
 
-_P256_COORDINATE_BYTES = 32
-_B64URL = re.compile(r"[A-Za-z0-9_-]*\Z")
 # RFC 1123 labels joined by dots: what Kubernetes allows for namespace, service account,
 # pod and node names. Anything else could not come from a real token and would not fit in
 # a SPIFFE id either.
@@ -94,7 +91,7 @@ def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
     spki = public_key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    return _b64encode(hashlib.sha256(spki).digest()[:16])
+    return base64url_encode(hashlib.sha256(spki).digest()[:16]).decode("ascii")
 
 
 class TokenIssuer:
@@ -173,12 +170,7 @@ class TokenIssuer:
             "exp": issued + ttl_s,
             KUBERNETES_CLAIM: k8s,
         }
-        header = {"alg": ALGORITHM, "typ": "JWT", "kid": self.kid}
-        signing_input = f"{_b64encode(_json(header))}.{_b64encode(_json(claims))}"
-        der = self._key.sign(signing_input.encode("ascii"), ec.ECDSA(hashes.SHA256()))
-        r, s = decode_dss_signature(der)
-        raw = r.to_bytes(_P256_COORDINATE_BYTES, "big") + s.to_bytes(_P256_COORDINATE_BYTES, "big")
-        return f"{signing_input}.{_b64encode(raw)}"
+        return jwt.encode(claims, self._key, algorithm=ALGORITHM, headers={"typ": "JWT", "kid": self.kid})
 
 
 class TokenVerifier:
@@ -212,47 +204,53 @@ class TokenVerifier:
             raise AuthenticationError("the token is empty")
         if len(token) > MAX_TOKEN_CHARS:
             raise AuthenticationError(f"the token is longer than {MAX_TOKEN_CHARS} characters")
-        parts = token.split(".")
-        if len(parts) != 3:
-            raise AuthenticationError(
-                f"the token is not a JWS compact serialization ({len(parts)} parts, not 3)"
-            )
-        header = _object(_b64decode(parts[0], "header"), "header")
+        try:
+            header = jwt.get_unverified_header(token)
+        except (jwt.DecodeError, RecursionError) as e:
+            raise AuthenticationError(f"the token is not a JWS compact serialization ({_why(e)})") from None
+        except jwt.InvalidTokenError as e:
+            # A `crit` extension PyJWT does not implement: RFC 7515 section 4.1.11 makes the
+            # token invalid.
+            raise AuthenticationError(f"the token's header is refused ({_why(e)})") from None
         alg = header.get("alg")
         if alg != ALGORITHM:
             raise AuthenticationError(f"the token is signed with alg {alg!r}; only {ALGORITHM} is accepted")
-        if "crit" in header:
-            # RFC 7515 section 4.1.11: extensions we do not understand make the token invalid.
-            raise AuthenticationError("the token has critical header extensions we do not understand")
         kid = header.get("kid")
         if kid is not None and kid != self.kid:
             raise AuthenticationError(f"the token was signed by another key (kid {kid!r}, ours {self.kid!r})")
-        signature = _b64decode(parts[2], "signature")
-        if len(signature) != 2 * _P256_COORDINATE_BYTES:
-            raise AuthenticationError(f"the ES256 signature is {len(signature)} bytes, not 64")
-        r = int.from_bytes(signature[:_P256_COORDINATE_BYTES], "big")
-        s = int.from_bytes(signature[_P256_COORDINATE_BYTES:], "big")
         try:
-            self._key.verify(
-                encode_dss_signature(r, s),
-                f"{parts[0]}.{parts[1]}".encode("ascii"),
-                ec.ECDSA(hashes.SHA256()),
+            claims = jwt.decode(
+                token,
+                self._key,
+                algorithms=[ALGORITHM],
+                issuer=self.issuer,
+                audience=sorted(self.audiences),
+                # The validity window is checked in _claims against the caller's `now`.
+                options={"verify_exp": False, "verify_nbf": False, "verify_iat": False, "require": ["aud"]},
             )
-        except (InvalidSignature, ValueError):
+        except jwt.InvalidSignatureError:
             raise AuthenticationError("the token's signature does not verify") from None
-        return self._claims(_object(_b64decode(parts[1], "payload"), "payload"), now)
-
-    def _claims(self, claims: Mapping[str, Any], now: float) -> Caller:
-        if claims.get("iss") != self.issuer:
-            raise AuthenticationError(f"the token's issuer {claims.get('iss')!r} is not {self.issuer!r}")
-        aud = claims.get("aud")
-        audiences = [aud] if isinstance(aud, str) else aud
-        if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences):
-            raise AuthenticationError("the token's aud claim is not a string or a list of strings")
-        if not self.audiences.intersection(audiences):
+        except jwt.InvalidIssuerError:
+            # Raised only once the signature verified: the claims are the signer's.
+            iss = _signed_claims(token).get("iss")
+            raise AuthenticationError(f"the token's issuer {iss!r} is not {self.issuer!r}") from None
+        except jwt.InvalidAudienceError:
+            aud = _signed_claims(token).get("aud")
+            audiences = [aud] if isinstance(aud, str) else aud
+            if not isinstance(audiences, list) or not all(isinstance(a, str) for a in audiences):
+                raise AuthenticationError(
+                    "the token's aud claim is not a string or a list of strings"
+                ) from None
             raise AuthenticationError(
                 f"the token's audiences {audiences} do not include {sorted(self.audiences)}"
-            )
+            ) from None
+        except jwt.MissingRequiredClaimError as e:
+            raise AuthenticationError(f"the token has no {e.claim} claim") from None
+        except (jwt.InvalidTokenError, RecursionError) as e:
+            raise AuthenticationError(f"the token is invalid ({_why(e)})") from None
+        return self._claims(claims, now)
+
+    def _claims(self, claims: Mapping[str, Any], now: float) -> Caller:
         exp = _time(claims, "exp", required=True)
         assert exp is not None
         if now >= exp + CLOCK_SKEW_S:
@@ -324,7 +322,7 @@ def load_or_create_issuer(path: str | Path, issuer: str = DEFAULT_ISSUER) -> Tok
         raise ConfigError(str(path), f"cannot be read: {e.strerror or e}") from e
     created = TokenIssuer.generate(issuer)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         # O_EXCL: if another process created it meanwhile, use theirs rather than overwrite it.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -336,32 +334,16 @@ def load_or_create_issuer(path: str | Path, issuer: str = DEFAULT_ISSUER) -> Tok
     return created
 
 
-def _json(value: object) -> bytes:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+def _signed_claims(token: str) -> dict[str, Any]:
+    """The payload of a token whose signature PyJWT has already verified (for error messages)."""
+    claims: dict[str, Any] = jwt.decode(token, options={"verify_signature": False})
+    return claims
 
 
-def _b64encode(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _b64decode(part: str, what: str) -> bytes:
-    # RFC 7515 section 2: base64url without padding; a length of 1 mod 4 cannot be produced.
-    if not _B64URL.match(part) or len(part) % 4 == 1:
-        raise AuthenticationError(f"the token's {what} is not base64url")
-    try:
-        return base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
-    except (binascii.Error, ValueError):
-        raise AuthenticationError(f"the token's {what} is not base64url") from None
-
-
-def _object(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except (ValueError, RecursionError):
-        raise AuthenticationError(f"the token's {what} is not JSON") from None
-    if not isinstance(value, dict):
-        raise AuthenticationError(f"the token's {what} is not a JSON object")
-    return value
+def _why(error: BaseException) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return str(error) or type(error).__name__
 
 
 def _time(claims: Mapping[str, Any], name: str, *, required: bool) -> float | None:

@@ -2,7 +2,7 @@
 
 Counterparts: ztunnel src/dns/server.rs (`Store`: aliases, wildcards, `find_server`,
 `get_addresses`, `service_family_allowed`), src/dns/handler.rs (opcode and message-type checks)
-and src/dns/name_util.rs. Behaviour follows reference/ztunnel.md section 10.
+and src/dns/name_util.rs. Behaviour follows docs/istio-behaviour.md, "DNS proxy".
 
 Pure: a parsed query, the client workload and a read-only view of the mesh go in, a typed
 decision comes out (`LocalAnswer`, `Forward` or `Refuse`). No sockets, no clock; the shuffle
@@ -43,7 +43,7 @@ DNS_HEADER_BYTES = 12
 SVC_LABEL = "svc"
 WILDCARD_LABEL = "*"
 
-# Access-log `result` values (reference 8.3).
+# Access-log `result` values (docs/istio-behaviour.md, "Logs").
 RESULT_SUCCESS = "success"
 RESULT_NO_RECORDS = "no records"
 RESULT_FAMILY_NOT_SUPPORTED = "service does not support this record type"
@@ -417,8 +417,8 @@ def _visible(service: Service, client_namespace: str) -> bool:
 
 
 def best_service(services: Sequence[Service], client_namespace: str, preferred: str | None) -> Service | None:
-    """The client's own namespace, then a canonical service, then the preferred namespace,
-    then the first to arrive (reference 4.3)."""
+    """The client's own namespace, then a canonical service, then the preferred namespace, then the first to
+    arrive (docs/istio-behaviour.md, "Workloads and services")."""
     best: Service | None = None
     best_rank: tuple[bool, bool, bool] | None = None
     for service in services:

@@ -1,8 +1,8 @@
 """The node proxy's DNS proxy: UDP and TCP on 15053, one per pod in shared mode.
 
 Counterparts: ztunnel src/dns/server.rs (`Server`, `SystemForwarder`), src/dns/forwarder.rs
-and src/dns/metrics.rs. Behaviour follows reference/ztunnel.md section 10; metric names and
-labels 8.2; the access log 8.3 (logger `ambient_mesh.dns`, so its scope is `dns`, at DEBUG).
+and src/dns/metrics.rs. Behaviour follows docs/istio-behaviour.md, "DNS proxy"; metric names and
+labels: "Metrics"; the access log: "Logs" (logger `ambient_mesh.dns`, so its scope is `dns`, at DEBUG).
 
 The shell around `resolver.decide`: read a query, ask the resolver, carry out its decision
 (reply, or forward to the nameservers of /etc/resolv.conf and relay what they say), count it,
@@ -375,8 +375,13 @@ class DnsServer:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         tcp_request_timeout_s: float = TCP_REQUEST_TIMEOUT_S,
+        reuse_port: bool = False,
     ) -> None:
         self.name = name
+        # INPOD_PORT_REUSE: a pod's DNS proxy shares 15053 with the next node proxy's during an upgrade
+        # (ztunnel sets SO_REUSEPORT on its UDP sockets too, docs/istio-behaviour.md,
+        # "Listeners inside the pod").
+        self._reuse_port = reuse_port
         self.address = address
         self._view: MeshView = StateView(state) if isinstance(state, StateReader) else state
         self._settings = settings
@@ -458,6 +463,8 @@ class DnsServer:
         try:
             if type == socket.SOCK_STREAM:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(addr.sockaddr())
             if type == socket.SOCK_STREAM:
                 sock.listen(LISTEN_BACKLOG)
@@ -693,8 +700,8 @@ def workload_dns_server(
     client: Callable[[], Workload | None],
     socket_factory: DnsSocketFactory,
 ) -> DnsServer:
-    """The DNS proxy of one served workload, from the node proxy's config: dedicated mode uses
-    our resolv.conf search list, shared mode synthesizes each pod's (reference/ztunnel.md 10)."""
+    """The DNS proxy of one served workload, from the node proxy's config: dedicated mode uses our resolv.conf
+    search list, shared mode synthesizes each pod's (docs/istio-behaviour.md, "DNS proxy")."""
     shared = config.proxy_mode is ProxyMode.SHARED
     settings = DnsSettings(
         cluster_domain=config.cluster_domain,
@@ -712,6 +719,7 @@ def workload_dns_server(
         forwarder=forwarder,
         metrics=metrics,
         socket_factory=socket_factory,
+        reuse_port=shared and config.inpod_port_reuse,
     )
 
 

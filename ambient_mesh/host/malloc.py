@@ -2,8 +2,7 @@
 
 Relaying allocates and frees a buffer of up to 1 MiB per read; above glibc's default mmap
 threshold (128 KiB) every such buffer is an mmap/munmap pair and fresh pages to fault in.
-Raising the thresholds keeps those buffers on the heap (reference/performance.md B4.3: 14.8 ->
-2.3 µs per read; bench/README.md: HBONE 3.4-5.0 -> 5.6-5.9 Gbit/s in an A/B run).
+Raising the thresholds keeps those buffers on the heap (docs/performance.md, "Buffers and copies").
 """
 
 from __future__ import annotations

@@ -471,8 +471,8 @@ def stop_process(process: subprocess.Popen[bytes], *, grace_s: float = PROCESS_T
     Signals go to the group only while the leader is unreaped (its pid cannot be reused
     then). For a leader already reaped, the group is killed only if `leftover_group` says its
     members are the leader's leftovers: a blind killpg of a reaped leader's pid SIGKILLed
-    other runs' processes that had been given the recycled pid (bench servers refusing
-    connections mid-run while other test suites ran, bench/README.md).
+    other runs' processes that had been given the recycled pid (bench servers refused
+    connections mid-run while other test suites ran).
     """
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):

@@ -34,7 +34,7 @@ LISTEN_BACKLOG = 1024
 
 # Original destinations by SO_ORIGINAL_DST's raw bytes: a pod's connections go to the same few
 # services and pods, and the unpacking, address lookup and SocketAddr were a few µs of every
-# captured connection (bench/README.md, per connection, session 19). Cleared when full.
+# captured connection (docs/performance.md, "The per-connection path"). Cleared when full.
 ORIGINAL_DESTINATIONS_KEPT = 4096
 _original_destinations: dict[bytes, SocketAddr] = {}
 
@@ -72,7 +72,8 @@ def is_own_listener(sock: socket.socket, target: SocketAddr, listener_ports: fro
     An accepted socket's local port is its listener's, so a target on any other port cannot be
     it: the local address (a getsockname call) is read only when `target.port` is one of the
     proxy's listener ports (`listener_ports`, ProxyInputs.illegal_ports once the listeners are
-    bound), not for every redirected connection (bench/README.md, connection path)."""
+    bound), not for every redirected connection
+    (docs/performance.md, "The per-connection path")."""
     return target.port in listener_ports and target == SocketAddr.from_sockaddr(sock.getsockname())
 
 
@@ -119,7 +120,7 @@ def configure_listener(sock: socket.socket, *, keepalive: KeepaliveSettings | No
     sockets it accepts: a Linux TCP socket made by accept() is a copy of its listener
     (inet_csk_clone_lock), so it inherits the options and, with SO_KEEPALIVE, starts with its
     keepalive timer armed (tcp_create_openreq_child). Set once here instead of five setsockopt
-    calls per accepted socket (bench/README.md, connection path); test_socket_options reads them
+    calls per accepted socket (docs/performance.md, "The per-connection path"); test_socket_options reads them
     back from real accepted sockets."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if keepalive is not None:
@@ -202,7 +203,7 @@ class IntKindSocket(socket.socket):
     socket.socket's `family` and `type` are Python properties that convert the int to an enum
     (three Python calls per read), and the event loop's transport set-up reads both for every
     connection it is handed (uvloop's create_connection(sock=): `relay.wrap_socket`, once per
-    proxied connection on each proxy; bench/README.md, connection path). The values compare
+    proxied connection on each proxy; docs/performance.md, "The per-connection path"). The values compare
     equal to the enums; only their repr differs. Everything else is socket.socket's.
     """
 

@@ -1,20 +1,13 @@
-"""Workload identity: SPIFFE ids, certificates, the embedded CA, the SecretManager, HBONE TLS.
+"""Workload identity: SPIFFE ids, certificates, the embedded CA, the SecretManager (HBONE's TLS
+is the `tls` package, which builds on this one).
 
-Counterpart: ztunnel src/identity/ and src/tls/.
+Counterpart: ztunnel src/identity/.
 """
 
 from .ca import CaClient, CertificateAuthority, EmbeddedCaClient
 from .certificate import WorkloadCertificate, generate_csr, spiffe_ids
 from .manager import CertificateState, Priority, SecretManager
 from .spiffe import Identity
-from .tls import (
-    TlsContextCache,
-    client_context,
-    require_h2,
-    server_context,
-    verify_client_identity,
-    verify_server_identity,
-)
 
 __all__ = [
     "CaClient",
@@ -24,13 +17,7 @@ __all__ = [
     "Identity",
     "Priority",
     "SecretManager",
-    "TlsContextCache",
     "WorkloadCertificate",
-    "client_context",
     "generate_csr",
-    "require_h2",
-    "server_context",
     "spiffe_ids",
-    "verify_client_identity",
-    "verify_server_identity",
 ]

@@ -41,6 +41,11 @@ ROOT_LIFETIME = timedelta(days=3650)
 DEFAULT_WORKLOAD_CERT_TTL_S = 86400
 MAX_WORKLOAD_CERT_TTL_S = 90 * 86400
 
+# The CSR key allow-list (csr_key_refusal).
+MIN_RSA_KEY_BITS = 2048
+RSA_PUBLIC_EXPONENT = 65537
+ALLOWED_CURVES = (ec.SECP256R1, ec.SECP384R1)
+
 TESTDATA_DIR = Path(__file__).parent / "testdata"
 
 # Istio's plugged-in CA layout (the `cacerts` secret mounted into istiod).
@@ -48,6 +53,34 @@ CA_CERT_FILE = "ca-cert.pem"
 CA_KEY_FILE = "ca-key.pem"
 ROOT_CERT_FILE = "root-cert.pem"
 CERT_CHAIN_FILE = "cert-chain.pem"
+
+
+def csr_key_refusal(public_key: CertificatePublicKeyTypes) -> str | None:
+    """Why the CA will not certify this key, or None when it is on the allow-list.
+
+    The allow-list is what a workload certificate may carry and every peer can verify: RSA of at
+    least `MIN_RSA_KEY_BITS` with the exponent 65537, ECDSA on P-256 or P-384, and Ed25519 (the
+    keys istiod's CSR checks and Go's TLS stack accept). Short RSA moduli can be factored, small
+    exponents invite signature forgeries, and P-192 or secp256k1 are curves TLS 1.3 peers do not
+    offer, so a certificate for them would only ever serve an attacker."""
+    if isinstance(public_key, rsa.RSAPublicKey):
+        numbers = public_key.public_numbers()
+        if public_key.key_size < MIN_RSA_KEY_BITS:
+            return f"an RSA key of {public_key.key_size} bits (at least {MIN_RSA_KEY_BITS} are needed)"
+        if numbers.e != RSA_PUBLIC_EXPONENT:
+            return f"an RSA key with public exponent {numbers.e} (only {RSA_PUBLIC_EXPONENT} is accepted)"
+        return None
+    if isinstance(public_key, ec.EllipticCurvePublicKey):
+        if not isinstance(public_key.curve, ALLOWED_CURVES):
+            allowed = ", ".join(c.name for c in (ec.SECP256R1, ec.SECP384R1))
+            return f"an ECDSA key on curve {public_key.curve.name} (only {allowed} are accepted)"
+        return None
+    if isinstance(public_key, ed25519.Ed25519PublicKey):
+        return None
+    return (
+        f"a {type(public_key).__name__} key (accepted: RSA >= {MIN_RSA_KEY_BITS} bits with "
+        f"e={RSA_PUBLIC_EXPONENT}, ECDSA P-256 or P-384, Ed25519)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,12 +191,9 @@ class CertificateAuthority:
         if not valid:
             raise CertificateError(f"CSR for {identity} has an invalid signature")
         public_key = csr.public_key()
-        if not isinstance(
-            public_key, ec.EllipticCurvePublicKey | rsa.RSAPublicKey | ed25519.Ed25519PublicKey
-        ):
-            raise CertificateError(
-                f"CSR for {identity} has an unsupported key type {type(public_key).__name__}"
-            )
+        refused = csr_key_refusal(public_key)
+        if refused is not None:
+            raise CertificateError(f"CSR for {identity} is refused: {refused}")
         signer_not_after = self.signing_cert.not_valid_after_utc
         if not (self.signing_cert.not_valid_before_utc <= now < signer_not_after):
             raise CertificateError(

@@ -34,9 +34,10 @@ DEFAULT_SERVING_IPS = ("127.0.0.1",)
 DEFAULT_SERVING_TTL_S = 365 * 86400
 
 MIB = 1024 * 1024
-# spec 4.1: ztunnel raises the receive limit to 200 MiB; a full-state xDS push is large.
+# ztunnel raises the receive limit to 200 MiB: a full-state xDS push is large
+# (docs/istio-behaviour.md, "Delta xDS").
 MAX_RECEIVE_MESSAGE_BYTES = 200 * MIB
-# spec 4.1: HTTP/2 PING every 30 s, 10 s to answer.
+# docs/istio-behaviour.md, "Delta xDS": HTTP/2 PING every 30 s, 10 s to answer.
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 
@@ -122,7 +123,8 @@ def channel_credentials(root_pem: bytes | None) -> grpc.ChannelCredentials:
 
 
 def channel_options(alt_hostname: str | None = None) -> list[tuple[str, int | str]]:
-    """gRPC channel options for the control-plane channel (spec 4.1 limits and keepalive).
+    """gRPC channel options for the control-plane channel (docs/istio-behaviour.md,
+    "Delta xDS": limits and keepalive).
 
     `alt_hostname` (ALT_CA_HOSTNAME / ALT_XDS_HOSTNAME) is the name checked against the
     server's certificate. gRPC replaces the target host with it, where ztunnel accepts

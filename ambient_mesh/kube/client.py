@@ -395,6 +395,33 @@ class KubeClient:
             raise self._error(f"create {resource}", exc) from None
         return self._plain(obj, resource)
 
+    async def request_token(
+        self, namespace: str, service_account: str, *, expiration_s: int, audiences: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """TokenRequest (POST serviceaccounts/NAME/token): a token for the service account, not
+        bound to any object, valid `expiration_s` (the server may shorten it); no `audiences`
+        means the API server's own. Returns the TokenRequest's `status` (token,
+        expirationTimestamp)."""
+        from lightkube.models.authentication_v1 import TokenRequestSpec
+        from lightkube.models.meta_v1 import ObjectMeta
+        from lightkube.resources.core_v1 import ServiceAccountToken
+
+        self.requests += 1
+        request = ServiceAccountToken(
+            metadata=ObjectMeta(name=service_account, namespace=namespace),
+            spec=TokenRequestSpec(audiences=list(audiences), expirationSeconds=expiration_s),
+        )
+        try:
+            obj = await self._api.create(request, service_account, namespace=namespace)
+        except self._failures() as exc:
+            raise self._error(f"create token for serviceaccount {namespace}/{service_account}", exc) from None
+        status = obj.status
+        if status is None or not status.token:
+            raise KubeApiError(
+                f"create token for serviceaccount {namespace}/{service_account}: the answer has no token"
+            )
+        return {"token": status.token, "expirationTimestamp": status.expirationTimestamp}
+
     async def replace(self, resource: Resource, body: Mapping[str, Any]) -> dict[str, Any]:
         """PUT a whole object; the server refuses it with 409 when its resourceVersion is stale."""
         self.requests += 1

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..kube import objects as kube
 from ..ztunnel_config import Table
 from .cluster import object_file_name, remove_object, write_objects
+from .selectors import Selector
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024  # per file; kubectl's own request limit is 3 MiB
 MAX_MANIFEST_FILES = 1000
@@ -282,6 +283,17 @@ def route_warnings(m: Manifest) -> list[str]:
     return out
 
 
+def apply_warnings(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
+    """The control plane's conditions on what was just applied, as kubectl prints an API
+    server's warnings: computed by the control plane's own status code over the objects as they
+    now are (its status subresource follows within a second; `get -o yaml` shows it)."""
+    from ..control.status import compute_status, warnings_for
+
+    loaded = kube.load_directory(objects_dir)
+    keys = [(m.kind, m.namespace, m.name) for m in manifests]
+    return warnings_for(compute_status(kube.KubeStore(loaded.objects)), keys)
+
+
 def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:
     """A Service without `spec.clusterIP` gets one, as the API server allocates it; an update
     keeps the address the stored object has."""
@@ -331,8 +343,7 @@ def _row(obj: Any) -> tuple[str, ...]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(obj.selector.items())) or "<none>"
         return (obj.cluster_ip or "<none>", _ports(obj), selector)
     if isinstance(obj, kube.Namespace):
-        labels = ",".join(f"{k}={v}" for k, v in sorted(obj.metadata.labels.items())) or "<none>"
-        return (labels,)
+        return (labels_text(obj.metadata.labels),)
     if isinstance(obj, kube.AuthorizationPolicy):
         return (obj.action, str(len(obj.rules)))
     if isinstance(obj, kube.PeerAuthentication):
@@ -349,38 +360,71 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 
-def get_objects(objects_dir: Path, kind: str, namespace: str | None) -> list[Any]:
+def get_objects(
+    objects_dir: Path, kind: str, namespace: str | None, selector: Selector | None = None
+) -> list[Any]:
     loaded = kube.load_directory(objects_dir)
     return [
         o
         for o in loaded.objects
         if o.kind == kind
         and (namespace is None or kind in CLUSTER_SCOPED or o.metadata.namespace == namespace)
+        and (selector is None or selector.matches(o.metadata.labels))
     ]
 
 
-def get_table(objects_dir: Path, kind: str, namespace: str | None) -> Table:
-    """`kubectl get KIND [-n NS | -A]` as a table (namespace None: every namespace)."""
-    objects = get_objects(objects_dir, kind, namespace)
+def labels_text(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) or "<none>"
+
+
+def get_table(
+    objects_dir: Path,
+    kind: str,
+    namespace: str | None,
+    *,
+    selector: Selector | None = None,
+    wide: bool = False,
+) -> Table:
+    """`kubectl get KIND [-n NS | -A] [-l SELECTOR] [-o wide]` as a table (namespace None: every
+    namespace); wide adds the objects' labels."""
+    objects = get_objects(objects_dir, kind, namespace, selector)
     head: tuple[str, ...] = ("NAME",) if kind in CLUSTER_SCOPED else ("NAMESPACE", "NAME")
+    extra: tuple[str, ...] = ("LABELS",) if wide and "LABELS" not in _COLUMNS.get(kind, ()) else ()
     rows = []
     for o in sorted(objects, key=lambda o: (o.metadata.namespace, o.metadata.name)):
         key = (o.metadata.name,) if kind in CLUSTER_SCOPED else (o.metadata.namespace, o.metadata.name)
-        rows.append((*key, *_row(o)))
-    return Table(title=kind, headers=(*head, *_COLUMNS.get(kind, ())), rows=tuple(rows))
+        rows.append((*key, *_row(o), *((labels_text(o.metadata.labels),) if extra else ())))
+    return Table(title=kind, headers=(*head, *_COLUMNS.get(kind, ()), *extra), rows=tuple(rows))
 
 
-def get_documents(objects_dir: Path, kind: str, namespace: str | None) -> list[dict[str, Any]]:
-    """The stored objects themselves (`-o yaml|json`)."""
+def get_documents(
+    objects_dir: Path,
+    kind: str,
+    namespace: str | None,
+    *,
+    selector: Selector | None = None,
+    status_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """The stored objects themselves (`-o yaml|json`), with the status the control plane wrote
+    for them in `status_dir` (its status subresource) where it wrote one."""
+    from ..control.status import read_status_dir
+
     out = []
     for o in sorted(
-        get_objects(objects_dir, kind, namespace), key=lambda o: (o.metadata.namespace, o.metadata.name)
+        get_objects(objects_dir, kind, namespace, selector),
+        key=lambda o: (o.metadata.namespace, o.metadata.name),
     ):
         path = objects_dir / object_file_name(
             {"kind": kind, "metadata": {"namespace": o.metadata.namespace, "name": o.metadata.name}}
         )
         try:
-            out.append(yaml.safe_load(path.read_text()))
+            doc = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             continue  # written under another file name (not by the lab): the table still lists it
+        conditions = (
+            read_status_dir(status_dir, (kind, o.metadata.namespace, o.metadata.name)) if status_dir else ()
+        )
+        if conditions and isinstance(doc, dict):
+            doc["status"] = {**(doc.get("status") or {}), "conditions": [c.to_dict() for c in conditions]}
+        out.append(doc)
     return out

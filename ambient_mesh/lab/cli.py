@@ -23,15 +23,19 @@ import yaml
 
 from ..errors import AmbientError, ConfigError
 from ..host.commands import SubprocessRunner
-from ..ztunnel_config import render_tables
+from ..host.private import check_private_dir
+from ..ztunnel_config import Table, render_tables
 from .cluster import parse_pod_spec, pod_uid
 from .journal import read_journal, same_process, sweep
 from .lab import (
     DEFAULT_STATE_DIR,
+    READY_TIMEOUT_S,
+    ROLLOUT_DIR,
     STATE_FILE,
     Lab,
     LabConfig,
 )
+from .selectors import Selector, parse_selector
 from .status import headline, live_status, status_tables
 from .topofile import DEFAULT_TOPOLOGY, load_topology, pod_spec_from_object
 from .topology import MAX_LAB_NODES
@@ -43,9 +47,12 @@ SUPERVISE_INTERVAL_S = 0.2
 FOLLOW_INTERVAL_S = 0.2
 LOG_READ_BYTES = 1 << 20
 COMPONENTS = ("control", "agent", "ztunnel")
+ROLLOUT_TIMEOUT_S = READY_TIMEOUT_S + 30.0  # the new proxy's start, plus the supervisor's other work
 
 
 def read_record(state_dir: Path) -> dict[str, Any]:
+    if state_dir.exists():
+        check_private_dir(state_dir)  # a record another user could write is not the lab's
     try:
         record: dict[str, Any] = json.loads((state_dir / STATE_FILE).read_text())
         return record
@@ -126,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--node", default=None, help="the node, for agent and ztunnel (default: the first)")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing as the log grows")
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    ds = sub.add_parser(
+        "describe", help="one object in detail: a pod or node (what is live), else the object"
+    )
+    ds.add_argument("kind", help="pod, node, or any kind `get` serves")
+    ds.add_argument("name", help="the object's name (a pod's may be NAMESPACE/NAME)")
+    ds.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
+    ro = sub.add_parser(
+        "rollout",
+        help="replace the node proxies one node at a time, the new one first (kubectl rollout restart)",
+    )
+    ro.add_argument("component", choices=("ztunnel",), help="what to roll: the node proxies")
+    ro.add_argument("--node", action="append", default=None, help="only this node (repeatable; default: all)")
     for verb, text in (
         ("apply", "create or update objects from manifests (checked as the control plane checks them)"),
         ("delete", "delete the objects named in manifests"),
@@ -146,7 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     gt.add_argument("kind", help="a kind, its plural or short name (kubectl's)")
     gt.add_argument("-n", "--namespace", default="default", help="(default: %(default)s)")
     gt.add_argument("-A", "--all-namespaces", action="store_true")
-    gt.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table")
+    gt.add_argument(
+        "-o",
+        "--output",
+        choices=("table", "wide", "yaml", "json"),
+        default="table",
+        help="wide: the table with more columns (labels; for nodes their namespace and components)",
+    )
+    gt.add_argument(
+        "-l",
+        "--selector",
+        default=None,
+        metavar="SELECTOR",
+        help="only objects whose labels match (kubectl's: k=v, k!=v, 'k in (a,b)', k, !k; comma = and)",
+    )
     return parser
 
 
@@ -264,8 +296,13 @@ def _logs(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> 
         raise AmbientError(f"{path} does not exist (has the component started?)") from None
     with f:
         size = f.seek(0, 2)
-        f.seek(max(0, size - LOG_READ_BYTES))
-        text = f.read().decode(errors="replace")
+        start = max(0, size - LOG_READ_BYTES)
+        f.seek(start)
+        data = f.read()
+        if start > 0:
+            # Only the last LOG_READ_BYTES are read: begin at the first whole line in them.
+            data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+        text = data.decode(errors="replace")
         if args.tail is not None:
             text = "".join(text.splitlines(keepends=True)[-args.tail :]) if args.tail > 0 else ""
         out.write(text)
@@ -292,8 +329,13 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
     if args.action == "get":
         kind = verbs.kind_of(args.kind)
         namespace = None if args.all_namespaces else args.namespace
-        if args.output == "table":
-            table = verbs.get_table(objects_dir, kind, namespace)
+        selector = parse_selector(args.selector) if args.selector is not None else None
+        if kind == "Node":
+            return _nodes(record, args.output, selector, out)
+        if args.output in ("table", "wide"):
+            table = verbs.get_table(
+                objects_dir, kind, namespace, selector=selector, wide=args.output == "wide"
+            )
             if not table.rows:
                 print(
                     f"No resources found{'' if namespace is None else ' in ' + namespace + ' namespace'}.",
@@ -302,7 +344,9 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
                 return 0
             render_tables([table], out)
         else:
-            docs = verbs.get_documents(objects_dir, kind, namespace)
+            docs = verbs.get_documents(
+                objects_dir, kind, namespace, selector=selector, status_dir=control_status_dir(record)
+            )
             listed = {"apiVersion": "v1", "kind": "List", "items": docs}
             if args.output == "json":
                 out.write(json.dumps(listed, indent=2, default=str) + "\n")
@@ -321,12 +365,207 @@ def _objects(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) 
                 # kubelet then runs the sandbox (and ZDS) under.
                 m.doc["metadata"]["uid"] = pod_uid(record["lab"], m.namespace, m.doc["metadata"]["name"])
         lines = verbs.apply(objects_dir, manifests)
+        lines += verbs.apply_warnings(objects_dir, manifests)
         ok = True
     else:
         lines, ok = verbs.delete(objects_dir, manifests)
     for line in lines:
         print(line, file=out)
     return 0 if ok else 1
+
+
+def node_objects(status: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The lab's nodes as the API server would list them: labels, addresses, pod CIDR, and the
+    Ready condition (true while both its node agent and its node proxy are ready)."""
+    docs = []
+    for name, node in status["nodes"].items():
+        ready = node["agent"]["ready"] and node["ztunnel"]["ready"]
+        docs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"},
+                    "annotations": {"ambient.lab/netns": node["netns"]},
+                },
+                "spec": {"podCIDR": node["pod_cidr"], "podCIDRs": [node["pod_cidr"]]},
+                "status": {
+                    "addresses": [
+                        {"type": "InternalIP", "address": node["address"]},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                },
+            }
+        )
+    return docs
+
+
+def _nodes(record: Mapping[str, Any], output: str, selector: Selector | None, out: IO[str]) -> int:
+    """`ambient lab get nodes`: nodes are the lab's own (lab.json), not objects a user applies."""
+    from .apply import labels_text
+
+    status = live_status(record, SubprocessRunner())
+    docs = [d for d in node_objects(status) if selector is None or selector.matches(d["metadata"]["labels"])]
+    if output in ("yaml", "json"):
+        listed = {"apiVersion": "v1", "kind": "List", "items": docs}
+        out.write(
+            json.dumps(listed, indent=2) + "\n"
+            if output == "json"
+            else yaml.safe_dump(listed, sort_keys=False)
+        )
+        return 0
+    if not docs:
+        print("No resources found.", file=out)
+        return 0
+    wide = output == "wide"
+    headers: tuple[str, ...] = ("NAME", "STATUS", "INTERNAL-IP", "POD CIDR")
+    if wide:
+        headers += ("NETNS", "AGENT", "ZTUNNEL", "LABELS")
+    rows = []
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        node = status["nodes"][name]
+        ready = doc["status"]["conditions"][0]["status"] == "True"
+        row: tuple[str, ...] = ("Ready" if ready else "NotReady", node["address"], node["pod_cidr"])
+        if wide:
+            row += (
+                node["netns"],
+                node["agent"]["state"] + ("" if node["agent"]["ready"] else " (not ready)"),
+                node["ztunnel"]["state"] + ("" if node["ztunnel"]["ready"] else " (not ready)"),
+                labels_text(doc["metadata"]["labels"]),
+            )
+        rows.append((name, *row))
+    render_tables([Table(title="Node", headers=headers, rows=tuple(rows))], out)
+    return 0
+
+
+def _lines(pairs: list[tuple[str, object]]) -> str:
+    """kubectl describe's layout: `Key:  value`, the values aligned."""
+    width = max(len(k) for k, _ in pairs) + 2
+    return "".join(f"{k + ':':<{width}}{v}\n" for k, v in pairs)
+
+
+def _process(component: Mapping[str, Any]) -> str:
+    text = f"{component['state']}, {'ready' if component['ready'] else 'not ready'}"
+    if component.get("pid"):
+        text += f", pid {component['pid']}"
+    if component.get("restarts"):
+        text += f", {component['restarts']} restarts"
+    return text
+
+
+def _describe(record: Mapping[str, Any], args: argparse.Namespace, out: IO[str]) -> int:
+    """`ambient lab describe KIND NAME`: for a pod or a node, its object joined with what is live
+    (processes, readiness, enrollment, identity, services); for other kinds, the object."""
+    from . import apply as verbs
+
+    kind = verbs.kind_of(args.kind)
+    if kind == "Node":
+        status = live_status(record, SubprocessRunner())
+        node = status["nodes"].get(args.name)
+        if node is None:
+            raise AmbientError(f"no node {args.name!r} in the lab; nodes: {', '.join(status['nodes'])}")
+        pods = sorted(k for k, p in status["pods"].items() if p["node"] == args.name)
+        pairs: list[tuple[str, object]] = [
+            ("Name", args.name),
+            ("Ready", node["agent"]["ready"] and node["ztunnel"]["ready"]),
+            ("Address", node["address"]),
+            ("Pod CIDR", node["pod_cidr"]),
+            ("Netns", node["netns"]),
+            ("Node agent", _process(node["agent"])),
+            ("Node proxy", _process(node["ztunnel"])),
+            ("Node proxy admin", f"{node['admin']} (stats {node['stats']})"),
+        ]
+        pairs += [("Draining proxy", _process(old)) for old in node.get("ztunnel_draining", ())]
+        pairs.append(("Pods", ", ".join(pods) or "<none>"))
+        out.write(_lines(pairs))
+        return 0
+    if kind == "Pod":
+        key = args.name if "/" in args.name else f"{args.namespace}/{args.name}"
+        status = live_status(record, SubprocessRunner())
+        pod = status["pods"].get(key)
+        if pod is None:
+            raise AmbientError(f"no pod {key!r} in the lab; pods: {', '.join(status['pods'])}")
+        rec = record["pods"][key]
+        labels = ",".join(f"{k}={v}" for k, v in sorted(rec.get("labels", {}).items())) or "<none>"
+        out.write(
+            _lines(
+                [
+                    ("Name", rec["name"]),
+                    ("Namespace", rec["namespace"]),
+                    ("Node", pod["node"]),
+                    ("IP", pod["ip"]),
+                    ("UID", rec["uid"]),
+                    ("Service account", rec["service_account"]),
+                    ("Labels", labels),
+                    ("Netns", pod["netns"]),
+                    ("Ambient namespace", pod["ambient"]),
+                    ("Enrolled", pod["enrolled"]),
+                    ("Identity", pod["identity"] or "<none>"),
+                    ("Services", ", ".join(pod["services"]) or "<none>"),
+                    ("App", _process(pod["app"])),
+                    ("Log", f"ambient lab logs {key}"),
+                ]
+            )
+        )
+        return 0
+    namespace = None if kind in verbs.CLUSTER_SCOPED else args.namespace
+    docs = [
+        d
+        for d in verbs.get_documents(Path(record["objects_dir"]), kind, namespace)
+        if (d.get("metadata") or {}).get("name") == args.name
+    ]
+    if not docs:
+        raise AmbientError(f"no {kind} {args.name!r}" + (f" in namespace {namespace}" if namespace else ""))
+    out.write(yaml.safe_dump(docs[0], sort_keys=False))
+    return 0
+
+
+def _rollout(record: Mapping[str, Any], nodes: list[str], out: IO[str]) -> int:
+    """Ask the `up` supervisor to roll each node's proxy (lab.py `rollout_proxy`), one node after
+    the other as a DaemonSet with maxUnavailable 0 does, and wait for each to be done."""
+    if not same_process(int(record["pid"]), None):
+        raise AmbientError(f"the lab in {record['state_dir']} is not running (pid {record['pid']} is gone)")
+    for name in nodes:
+        if name not in record["nodes"]:
+            raise AmbientError(f"no node {name!r} in the lab; nodes: {', '.join(record['nodes'])}")
+    requests = Path(record["state_dir"]) / ROLLOUT_DIR
+    requests.mkdir(exist_ok=True)
+    failed = False
+    for name in nodes:
+        done = requests / f"done-ztunnel-{name}"
+        done.unlink(missing_ok=True)
+        started = time.monotonic()
+        (requests / f"ztunnel-{name}").write_text("restart\n")
+        deadline = started + ROLLOUT_TIMEOUT_S
+        while not done.exists():
+            if time.monotonic() > deadline or not same_process(int(record["pid"]), None):
+                raise AmbientError(
+                    f"the rollout of the node proxy on {name} did not finish within {ROLLOUT_TIMEOUT_S:.0f}s",
+                    hint="`ambient lab logs ztunnel --node " + name + "` and the `up` output say why",
+                )
+            time.sleep(FOLLOW_INTERVAL_S)
+        outcome = done.read_text().strip()
+        done.unlink(missing_ok=True)
+        if outcome.startswith("ok "):
+            print(
+                f"ztunnel on {name}: pid {outcome[3:]} serves every pod "
+                f"({time.monotonic() - started:.1f}s); the old one drains its connections",
+                file=out,
+            )
+        else:
+            print(f"ztunnel on {name}: {outcome}", file=out)
+            failed = True
+    return 1 if failed else 0
+
+
+def control_status_dir(record: Mapping[str, Any]) -> Path:
+    """Where the lab's control plane writes its objects' status (control/plane.py, --state-dir)."""
+    from ..control.plane import STATUS_DIR_NAME
+
+    return Path(record["state_dir"]) / "control" / STATUS_DIR_NAME
 
 
 def check_new_pod(record: Mapping[str, Any], manifest: Manifest) -> None:
@@ -380,6 +619,10 @@ def main(argv: Iterable[str] | None = None, *, out: IO[str] | None = None) -> in
             return 0 if status["running"] else 1
         if args.action == "logs":
             return _logs(record, args, out)
+        if args.action == "describe":
+            return _describe(record, args, out)
+        if args.action == "rollout":
+            return _rollout(record, args.node or list(record["nodes"]), out)
         if args.action in ("apply", "delete", "get"):
             return _objects(record, args, out)
         return _exec(record, args)

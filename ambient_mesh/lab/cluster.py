@@ -7,7 +7,7 @@ and the node agents' directory watchers see each change whole): Namespaces (labe
 podIP and a Ready condition, Services, one `ztunnel` Pod per node in istio-system (the CA lets a
 node proxy impersonate workloads only with a token bound to a pod that exists), and the
 `istio-cni-node` DaemonSet (its presence tells a stopping node agent that it is being restarted,
-not removed, so it leaves the plugin in place: reference/istio-cni.md 5.7).
+not removed, so it leaves the plugin in place: docs/istio-behaviour.md, "Node agent start and shutdown").
 
 Everything here is pure but `write_objects`/`remove_object`, which only touch the directory.
 """

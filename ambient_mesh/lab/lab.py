@@ -44,12 +44,14 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..admin.readiness import DRAINING
 from ..errors import AmbientError, ConfigError
 from ..host.commands import CommandRunner, CompletedCommand, SubprocessRunner
 from ..host.files import atomic_write
 from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
+from ..host.private import private_dir, write_private
 from ..kube.objects import load_directory
 from ..logs import access_events
 from ..ports import (
@@ -94,7 +96,9 @@ from .topology import MAX_LAB_NODES, MAX_PODS_PER_NODE, NodeNet, PodNet, Topolog
 
 APP_PORT = 8080
 ISTIOD_HOSTNAME = "istiod.istio-system.svc"  # a name in the control plane's serving certificate
-DEFAULT_STATE_DIR = "/tmp/ambient-lab"  # short: unix socket paths must stay under 108 bytes
+# Root's, under /run (journal.py: a state directory others can write is refused); short: unix
+# socket paths must stay under 108 bytes.
+DEFAULT_STATE_DIR = "/run/ambient-lab"
 READY_TIMEOUT_S = 30.0
 AGENT_STOP_GRACE_S = 15.0
 PROCESS_STOP_GRACE_S = 5.0
@@ -105,11 +109,22 @@ MAX_PARALLEL_CNI_CALLS = 8  # plugin processes at once when the lab starts its p
 SANDBOX_RETRY_FIRST_S = 0.1
 SANDBOX_RETRY_MAX_S = 2.0
 STATE_FILE = "lab.json"
+ROLLOUT_DIR = "rollouts"  # `ambient lab rollout` requests, read by the `up` supervisor
 ETC_NETNS = Path("/etc/netns")  # per-namespace /etc overrides that `ip netns exec` mounts
 MAX_LAB_PODS = 256
 RESTART_BACKOFF_FIRST_S = 1.0  # kubelet's CrashLoopBackOff starts at 10 s and doubles to 5 min;
 RESTART_BACKOFF_MAX_S = 30.0  # the lab's components start in about a second, so it is scaled down
 RESTART_BACKOFF_RESET_S = 60.0  # a component that ran this long starts again from the first delay
+# A node proxy that is replaced keeps its open connections this long (ztunnel's drain deadline,
+# CONNECTION_TERMINATION_DEADLINE); the kubelet's SIGKILL comes PROXY_KILL_MARGIN_S later.
+PROXY_DRAIN_S = 10.0
+PROXY_KILL_MARGIN_S = 2.0
+# During a rollout two node proxies run in the node's namespace (on Kubernetes each has its own
+# pod namespace): the surge proxy's admin, stats and readiness ports are the usual ones plus this.
+SURGE_PORT_OFFSET = 100
+DRAIN_CHECK_INTERVAL_S = 0.5  # how often the supervisor asks each node proxy whether it drains
+DRAIN_CHECK_TIMEOUT_S = 0.5
+STOP_GRACE_S = {"agent": AGENT_STOP_GRACE_S, "ztunnel": PROXY_DRAIN_S + PROXY_KILL_MARGIN_S}
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR")
 
 
@@ -193,6 +208,13 @@ class LabNode:
     proxy: Program | None = None
     agent_starts: int = 0
     proxy_starts: int = 0
+    proxy_slot: int = 0  # 0: the usual admin/stats/readiness ports, 1: plus SURGE_PORT_OFFSET
+
+    def proxy_port(self, port: int) -> int:
+        """Where the current node proxy serves one of its own well-known ports."""
+        if port in (ADMIN_PORT, STATS_PORT, READINESS_PORT):
+            return port + SURGE_PORT_OFFSET * self.proxy_slot
+        return port
 
     @property
     def run_dir(self) -> Path:
@@ -299,6 +321,9 @@ class Lab:
         self._pods_stamp: tuple[object, ...] | None = None
         self._deployments_stamp: tuple[object, ...] | None = None
         self._started = False
+        # Node proxies replaced by a rollout, draining their open connections until they exit.
+        self._draining: list[tuple[Program, float]] = []  # (program, SIGKILL due, monotonic)
+        self._drain_checked: dict[str, float] = {}  # node -> when its proxy was last asked
 
     def __repr__(self) -> str:
         running = sum(1 for p in self.programs if p.running)
@@ -335,7 +360,7 @@ class Lab:
         self.journal = Journal(self.state_dir)
         self.journal.lab(os.getpid())
         for d in (self.objects_dir, self.control_dir, self.logs_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            private_dir(d)  # 0700: the control plane's keys, the node proxies' tokens, pod records
         self.topology.open()
         for name in self.config.nodes:
             self._write_resolv_conf(f"{self.topology.prefix}{name}", None)
@@ -352,8 +377,8 @@ class Lab:
                     self.runner, node_netns=net.netns, net_dir=node_dir / "net.d", bin_dir=node_dir / "bin"
                 ),
             )
-            for d in (node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
-                d.mkdir(parents=True, exist_ok=True)
+            for d in (node.dir, node.run_dir, node.net_dir, node.bin_dir, node.zds_socket.parent):
+                private_dir(d)
             # The primary network the lab provides; the agent chains istio-cni after it.
             (node.net_dir / "10-ambient-lab.conflist").write_text(
                 json.dumps(
@@ -399,7 +424,9 @@ class Lab:
     def stop(self) -> None:
         """Stop every process (all signalled first, so they drain side by side), then delete
         every namespace; finally sweep what the journal records, in case anything escaped. Safe
-        to call more than once."""
+        to call more than once. A lab that never got its state directory (`start` refused: another
+        lab runs from it) touches nothing there: lab.json and the journal are the running lab's."""
+        owns_state = self._started
         self._supervised.clear()
         try:
             for program in self.programs:
@@ -409,7 +436,7 @@ class Lab:
             for program in reversed(self.programs):
                 stop_process(
                     program.process,
-                    grace_s=AGENT_STOP_GRACE_S if program.name.startswith("agent") else PROCESS_STOP_GRACE_S,
+                    grace_s=STOP_GRACE_S.get(program.name.split("-", 1)[0], PROCESS_STOP_GRACE_S),
                 )
         finally:
             self.topology.close()
@@ -419,8 +446,9 @@ class Lab:
                 self.journal.close()
                 self.journal = None
                 sweep(self.state_dir, self.runner)
-            with contextlib.suppress(OSError):
-                (self.state_dir / STATE_FILE).unlink()
+            if owns_state:
+                with contextlib.suppress(OSError):
+                    (self.state_dir / STATE_FILE).unlink()
 
     # -- objects -----------------------------------------------------------------------------------
 
@@ -522,7 +550,7 @@ class Lab:
             out.flush()
             process = spawn_in_netns(netns, argv, env=self._env(env), stdout=out, stderr=subprocess.STDOUT)
         if self.journal is not None:
-            self.journal.process(process.pid, name)
+            self.journal.process(process.pid, name, argv)
         program = Program(
             name=name, netns=netns, log=log, process=process, started_at=time.monotonic(), log_start=log_start
         )
@@ -551,8 +579,10 @@ class Lab:
         a delay that doubles each time (RESTART_BACKOFF_*), as a DaemonSet's pods are by the
         kubelet. Returns what it did, one line each; lab.json is rewritten when anything changed."""
         now = time.monotonic() if now is None else now
-        events: list[str] = []
+        events: list[str] = self._reap_draining(now)
         if self._started and self.ready:
+            events += self.reconcile_rollouts()
+            events += self.replace_draining_proxies(now)
             events += self.reconcile_deployments()
             events += self.reconcile_pods()
             try:
@@ -631,7 +661,7 @@ class Lab:
         return port in listening_ports(self.runner, netns)
 
     def agent_env(self, node: LabNode) -> dict[str, str]:
-        """istio-cni's settings for one node (reference/istio-cni.md 1.2, 1.5)."""
+        """istio-cni's settings for one node (docs/istio-behaviour.md, "Node agent configuration")."""
         env = {
             "AMBIENT_ENABLED": "true",
             "CNI_AGENT_RUN_DIR": str(node.run_dir),
@@ -753,7 +783,8 @@ class Lab:
         return any(isinstance(p, dict) and p.get("type") == "istio-cni" for p in conflist.get("plugins", []))
 
     def proxy_env(self, node: LabNode) -> dict[str, str]:
-        """ztunnel's settings in shared mode (reference/ztunnel.md 1.2), pointed at the lab's control plane."""
+        """ztunnel's settings in shared mode (docs/istio-behaviour.md, "Proxy modes"), pointed at the lab's
+        control plane."""
         root = str(self.control_dir / "root-cert.pem")
         env = {
             "PROXY_MODE": "shared",
@@ -771,7 +802,11 @@ class Lab:
             "SERVICE_ACCOUNT": ZTUNNEL_SERVICE_ACCOUNT,
             "INSTANCE_IP": str(node.net.uplink_ip),
             "ISTIO_META_DNS_CAPTURE": "true" if self.config.cluster_dns else "false",
-            "TERMINATION_GRACE_PERIOD_SECONDS": "2",
+            "TERMINATION_GRACE_PERIOD_SECONDS": str(int(PROXY_DRAIN_S + PROXY_KILL_MARGIN_S)),
+            "CONNECTION_TERMINATION_DEADLINE": f"{PROXY_DRAIN_S:g}s",
+            "ADMIN_ADDR": f"127.0.0.1:{node.proxy_port(ADMIN_PORT)}",
+            "STATS_ADDR": f"[::]:{node.proxy_port(STATS_PORT)}",
+            "READINESS_ADDR": f"[::]:{node.proxy_port(READINESS_PORT)}",
             "IPV6_ENABLED": "false",
         }
         env.update(self.config.ztunnel_env)
@@ -782,14 +817,16 @@ class Lab:
 
         node = self.nodes[name]
         # A projected service-account token bound to the node's ztunnel Pod, as the kubelet mounts it.
-        node.token.write_text(
+        # 0600: the token gets certificates for every workload on the node.
+        write_private(
+            node.token,
             mint_token(
                 self.control_dir,
                 account=(SYSTEM_NAMESPACE, ZTUNNEL_SERVICE_ACCOUNT),
                 node=name,
                 pod=ztunnel_pod_name(name),
                 uid=node.uid,
-            )
+            ).encode(),
         )
         node.proxy_starts += 1
         node.proxy = self._spawn(
@@ -806,7 +843,9 @@ class Lab:
         if node.proxy is None or not node.proxy.running:
             return False
         try:
-            status, _ = http_get(node.net.netns, "127.0.0.1", READINESS_PORT, "/healthz/ready")
+            status, _ = http_get(
+                node.net.netns, "127.0.0.1", node.proxy_port(READINESS_PORT), "/healthz/ready"
+            )
         except OSError:
             return False
         return status == 200
@@ -871,9 +910,136 @@ class Lab:
         node = self.nodes[name]
         if node.proxy is None:
             return 0
-        code = self._stop(node.proxy, PROCESS_STOP_GRACE_S)
+        code = self._stop(node.proxy, PROXY_DRAIN_S + PROXY_KILL_MARGIN_S)
         node.proxy = None
         return code
+
+    # -- node proxy rollouts -----------------------------------------------------------------------
+
+    def rollout_proxy(self, name: str) -> Program:
+        """Replace the node proxy on `name` without a moment without one, as the ztunnel
+        DaemonSet rolls with maxSurge 1, maxUnavailable 0: the new proxy starts beside the old
+        one, connects to the node agent (the newest connection gets every pod, in its snapshot)
+        and opens its listeners in every pod beside the old one's (SO_REUSEPORT); once it is
+        ready the old one gets SIGTERM, stops accepting, and drains its open connections until
+        they end or its deadline passes (docs/istio-behaviour.md, "ZDS"). A new proxy that does not
+        become ready is stopped and the old one keeps serving. Returns the new proxy."""
+        node = self.nodes[name]
+        old = node.proxy
+        if old is None or not old.running:
+            # Nothing to hand over from: start one (the supervisor may be waiting to).
+            self._restart_due.pop(f"ztunnel-{name}", None)
+            self.start_proxy(name)
+            self.wait_proxy_ready(name)
+            return self._require_proxy(node)
+        old_slot = node.proxy_slot
+        node.proxy_slot = 1 - old_slot
+        try:
+            new = self.start_proxy(name)
+            self.wait_proxy_ready(name)
+        except BaseException:
+            failed = node.proxy
+            if failed is not None and failed is not old:
+                stop_process(failed.process, grace_s=PROCESS_STOP_GRACE_S)
+                with contextlib.suppress(ValueError):
+                    self.programs.remove(failed)
+            node.proxy, node.proxy_slot = old, old_slot
+            self._supervised[old.name] = old
+            self.write_state()
+            raise
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.process.pid, signal.SIGTERM)
+        self._draining.append((old, time.monotonic() + PROXY_DRAIN_S + PROXY_KILL_MARGIN_S))
+        self.write_state()
+        return new
+
+    def _require_proxy(self, node: LabNode) -> Program:
+        if node.proxy is None:
+            raise AmbientError(f"no node proxy runs on {node.net.name}")
+        return node.proxy
+
+    def _reap_draining(self, now: float) -> list[str]:
+        """Replaced node proxies that exited are forgotten; one still running at its kill time
+        gets SIGKILL (the kubelet's end of the grace period)."""
+        events = []
+        for entry in list(self._draining):
+            program, kill_at = entry
+            if program.running and now >= kill_at:
+                stop_process(program.process, grace_s=0.1)
+                events.append(f"{program.name} (pid {program.process.pid}) outlived its grace period: killed")
+            if not program.running:
+                self._draining.remove(entry)
+                with contextlib.suppress(ValueError):
+                    self.programs.remove(program)
+                events.append(
+                    f"{program.name} (pid {program.process.pid}, replaced) drained and exited "
+                    f"with code {program.process.returncode}"
+                )
+        return events
+
+    def proxy_draining(self, name: str) -> bool:
+        """Whether the node proxy on `name` is shutting down: its readiness names `draining`."""
+        node = self.nodes[name]
+        try:
+            status, body = http_get(
+                node.net.netns,
+                "127.0.0.1",
+                node.proxy_port(READINESS_PORT),
+                "/healthz/ready",
+                timeout_s=DRAIN_CHECK_TIMEOUT_S,
+            )
+        except (OSError, AmbientError):
+            return False
+        return status != 200 and DRAINING in body
+
+    def replace_draining_proxies(self, now: float) -> list[str]:
+        """A node proxy told to stop by someone else (SIGTERM, POST /quitquitquit) closes its
+        listeners and drains: start the next one at once, beside it, instead of after it exits
+        and a backoff (its open connections keep draining on the old one)."""
+        events = []
+        for name, node in self.nodes.items():
+            proxy = node.proxy
+            if proxy is None or not proxy.running:
+                continue
+            if now < self._drain_checked.get(name, 0.0) + DRAIN_CHECK_INTERVAL_S:
+                continue
+            self._drain_checked[name] = now
+            if not self.proxy_draining(name):
+                continue
+            self._supervised.pop(proxy.name, None)  # replaced: its exit is not a crash
+            self._restart_due.pop(proxy.name, None)
+            self._draining.append((proxy, now + PROXY_DRAIN_S + PROXY_KILL_MARGIN_S))
+            node.proxy_slot = 1 - node.proxy_slot
+            self.restarts[proxy.name] = self.restarts.get(proxy.name, 0) + 1
+            try:
+                new = self.start_proxy(name)
+            except (AmbientError, OSError) as e:
+                events.append(f"{proxy.name} is draining; its replacement failed to start: {e}")
+                continue
+            events.append(
+                f"{proxy.name} (pid {proxy.process.pid}) is draining: started pid {new.process.pid} beside it"
+            )
+        return events
+
+    def reconcile_rollouts(self) -> list[str]:
+        """`ambient lab rollout ztunnel` asks through a file in the state directory (as `kubectl
+        rollout restart` patches the DaemonSet): one request per node, done in turn."""
+        events = []
+        requests = self.state_dir / ROLLOUT_DIR
+        for path in sorted(requests.glob("ztunnel-*")) if requests.is_dir() else ():
+            name = path.name.removeprefix("ztunnel-")
+            try:
+                if name not in self.nodes:
+                    raise AmbientError(f"no node {name!r} in the lab")
+                new = self.rollout_proxy(name)
+                events.append(f"ztunnel-{name} rolled out: pid {new.process.pid} serves every pod")
+                outcome = f"ok {new.process.pid}\n"
+            except AmbientError as e:
+                events.append(f"ztunnel-{name} rollout failed: {e}")
+                outcome = f"failed {e}\n"
+            atomic_write(requests / f"done-{path.name}", outcome.encode())
+            path.unlink(missing_ok=True)
+        return events
 
     # -- pods --------------------------------------------------------------------------------------
 
@@ -1151,7 +1317,8 @@ class Lab:
 
     def proxy_get(self, node: str, port: int, path: str) -> tuple[int, str]:
         """GET one of a node proxy's endpoints (admin 15000, stats 15020, readiness 15021)."""
-        return http_get(self.nodes[node].net.netns, "127.0.0.1", port, path)
+        n = self.nodes[node]
+        return http_get(n.net.netns, "127.0.0.1", n.proxy_port(port), path)
 
     def proxy_log(self, node: str, since: int = 0) -> str:
         """The current node proxy's output on `node`, from byte offset `since` (or from its start)."""
@@ -1201,10 +1368,12 @@ class Lab:
                 "pod_cidr": str(node.net.pod_cidr),
                 "host_address": str(node.net.pod_gateway),
                 "run_dir": str(node.run_dir),
-                "admin": f"127.0.0.1:{ADMIN_PORT}",
-                "stats": f"{node.net.uplink_ip}:{STATS_PORT}",
+                "admin": f"127.0.0.1:{node.proxy_port(ADMIN_PORT)}",
+                "stats": f"{node.net.uplink_ip}:{node.proxy_port(STATS_PORT)}",
+                "readiness": f"127.0.0.1:{node.proxy_port(READINESS_PORT)}",
                 "agent": program(node.agent),
                 "ztunnel": program(node.proxy),
+                "ztunnel_draining": [program(p) for p, _ in self._draining if p.name == f"ztunnel-{name}"],
             }
         pods = {}
         for key, pod in self.pods.items():

@@ -1,6 +1,6 @@
 """The lab's kubelet and container runtime: pod sandboxes, CNI ADD/DEL, and the pods' app.
 
-Counterpart: what containerd does for kubelet when a pod starts (reference/istio-cni.md 2.1-2.2):
+Counterpart: what containerd does for kubelet when a pod starts (docs/istio-behaviour.md, "CNI plugin"):
 create the sandbox's network namespace, run the network's CNI chain in order with the chained
 entry plus `prevResult` on stdin and CNI_* in the environment, and run DEL when the pod goes. The
 lab is the primary CNI (topology.py wires the pod before the chain runs), so of the chain in the

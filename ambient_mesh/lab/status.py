@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import AmbientError
 from ..host.commands import CommandRunner
 from ..host.netns import http_get, listening_ports
 from ..kube.objects import Namespace, Service, load_directory
@@ -41,6 +42,14 @@ def _probe(netns: str, port: int, path: str) -> bool:
     return status == 200
 
 
+def _listens(runner: CommandRunner, netns: str, port: int) -> bool:
+    """Whether something listens on `port` in `netns`; a namespace that is gone listens on nothing."""
+    try:
+        return port in listening_ports(runner, netns)
+    except AmbientError:
+        return False
+
+
 def _marks(run_dir: str) -> dict[str, str]:
     import json
 
@@ -53,6 +62,9 @@ def _marks(run_dir: str) -> dict[str, str]:
 
 
 def _component(program: Mapping[str, Any] | None, *, ready: bool | None) -> dict[str, Any]:
+    """One process's state and readiness. `ready` is its probe's answer; None for a process
+    without a readiness probe, which is ready while it runs (the kubelet's rule for a container
+    without one). The table and the JSON both show this one `ready`."""
     alive = _alive(program)
     state = "running" if alive else "exited"
     if program and program.get("backoff_s") is not None and not alive:
@@ -62,7 +74,7 @@ def _component(program: Mapping[str, Any] | None, *, ready: bool | None) -> dict
     return {
         "state": state,
         "pid": program["pid"] if program else None,
-        "ready": bool(ready) and alive,
+        "ready": alive and (ready is None or bool(ready)),
         "restarts": program.get("restarts", 0) if program else 0,
         "log": program.get("log") if program else None,
     }
@@ -73,19 +85,24 @@ def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, A
     lab_alive = same_process(int(record["pid"]), None)
     control = record["control"]
     control_alive = _alive(control.get("process"))
-    control_ready = lab_alive and control_alive and XDS_CA_PORT in listening_ports(runner, control["netns"])
+    control_ready = lab_alive and control_alive and _listens(runner, control["netns"], XDS_CA_PORT)
     nodes = {}
     for name, node in record["nodes"].items():
         agent_ready = (
             lab_alive and _alive(node["agent"]) and _probe(node["netns"], CNI_HEALTH_PORT, "/readyz")
         )
+        # The node proxy's readiness port moves while a rollout runs two of them (lab.py).
+        readiness_port = int(str(node.get("readiness", f":{READINESS_PORT}")).rpartition(":")[2])
         proxy_ready = (
-            lab_alive and _alive(node["ztunnel"]) and _probe(node["netns"], READINESS_PORT, "/healthz/ready")
+            lab_alive and _alive(node["ztunnel"]) and _probe(node["netns"], readiness_port, "/healthz/ready")
         )
         nodes[name] = {
             **{k: node[k] for k in ("netns", "address", "pod_cidr", "admin", "stats")},
             "agent": _component(node["agent"], ready=agent_ready),
             "ztunnel": _component(node["ztunnel"], ready=proxy_ready),
+            "ztunnel_draining": [
+                _component(p, ready=False) for p in node.get("ztunnel_draining", ()) if _alive(p)
+            ],
         }
     loaded = load_directory(record["objects_dir"]) if Path(record["objects_dir"]).is_dir() else None
     services: list[Service] = [o for o in loaded.objects if isinstance(o, Service)] if loaded else []
@@ -120,11 +137,11 @@ def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, A
             "services": selecting,
             "app": _component(pod.get("app"), ready=None),
         }
-    return {
+    status = {
         "lab": record["lab"],
         "pid": record["pid"],
         "running": lab_alive,
-        "ready": bool(record.get("ready")) and lab_alive,
+        "started": bool(record.get("ready")) and lab_alive,
         "state_dir": record["state_dir"],
         "control": {
             "address": control["address"],
@@ -138,15 +155,32 @@ def live_status(record: Mapping[str, Any], runner: CommandRunner) -> dict[str, A
         "nodes": nodes,
         "pods": pods,
     }
+    status["not_ready"] = not_ready(status)
+    status["ready"] = status["started"] and not status["not_ready"]
+    return status
 
 
-def _cell(component: Mapping[str, Any]) -> str:
+def not_ready(status: Mapping[str, Any]) -> list[str]:
+    """Every component whose `ready` is false, as `what (state)`: the one place the lab's own
+    readiness comes from, so the headline, the tables and the JSON cannot disagree."""
+    parts: list[tuple[str, Mapping[str, Any]]] = [("control", status["control"])]
+    if status.get("dns", {}).get("pid"):
+        parts.append(("dns", status["dns"]))
+    for name, node in status["nodes"].items():
+        parts += [(f"agent on {name}", node["agent"]), (f"ztunnel on {name}", node["ztunnel"])]
+    parts += [(f"pod {key}", pod["app"]) for key, pod in status["pods"].items()]
+    return [f"{what} ({c['state']})" for what, c in parts if not c["ready"]]
+
+
+def _state(component: Mapping[str, Any]) -> str:
     text = str(component["state"])
-    if component["state"] == "running" and component["ready"]:
-        text = "ready"
     if component["restarts"]:
         text += f" ({component['restarts']} restarts)"
     return text
+
+
+def _ready(component: Mapping[str, Any]) -> str:
+    return "yes" if component["ready"] else "no"
 
 
 def status_tables(status: Mapping[str, Any]) -> list[Table]:
@@ -156,24 +190,29 @@ def status_tables(status: Mapping[str, Any]) -> list[Table]:
             "control",
             "-",
             str(status["control"]["pid"] or "-"),
-            _cell(status["control"]),
+            _state(status["control"]),
+            _ready(status["control"]),
             status["control"]["address"],
         )
     ]
     dns = status.get("dns")
     if dns and dns["pid"]:
-        components.append(("dns", "-", str(dns["pid"]), _cell(dns), f"{dns['address']} (udp)"))
+        components.append(("dns", "-", str(dns["pid"]), _state(dns), _ready(dns), f"{dns['address']} (udp)"))
     for name, node in status["nodes"].items():
-        components.append(("agent", name, str(node["agent"]["pid"] or "-"), _cell(node["agent"]), "-"))
+        agent = node["agent"]
+        components.append(("agent", name, str(agent["pid"] or "-"), _state(agent), _ready(agent), "-"))
         components.append(
             (
                 "ztunnel",
                 name,
                 str(node["ztunnel"]["pid"] or "-"),
-                _cell(node["ztunnel"]),
+                _state(node["ztunnel"]),
+                _ready(node["ztunnel"]),
                 f"admin {node['admin']} in {node['netns']}",
             )
         )
+        for old in node.get("ztunnel_draining", ()):
+            components.append(("ztunnel", name, str(old["pid"]), "draining (replaced)", "no", "-"))
     pods = []
     for key, pod in status["pods"].items():
         pods.append(
@@ -184,13 +223,14 @@ def status_tables(status: Mapping[str, Any]) -> list[Table]:
                 "yes" if pod["enrolled"] else "no",
                 pod["identity"] or "-",
                 ",".join(pod["services"]) or "-",
-                _cell(pod["app"]),
+                _state(pod["app"]),
+                _ready(pod["app"]),
             )
         )
     return [
         Table(
             title="components",
-            headers=("COMPONENT", "NODE", "PID", "STATE", "ADDRESS"),
+            headers=("COMPONENT", "NODE", "PID", "STATE", "READY", "ADDRESS"),
             rows=tuple(components),
         ),
         Table(
@@ -202,14 +242,21 @@ def status_tables(status: Mapping[str, Any]) -> list[Table]:
         ),
         Table(
             title="pods",
-            headers=("POD", "NODE", "IP", "ENROLLED", "IDENTITY", "SERVICES", "APP"),
+            headers=("POD", "NODE", "IP", "ENROLLED", "IDENTITY", "SERVICES", "APP", "READY"),
             rows=tuple(pods),
         ),
     ]
 
 
 def headline(status: Mapping[str, Any]) -> str:
-    state = "ready" if status["ready"] else ("starting" if status["running"] else "not running")
+    if not status["running"]:
+        state = "not running"
+    elif not status["started"]:
+        state = "starting"
+    elif status["ready"]:
+        state = "ready"
+    else:
+        state = "not ready: " + ", ".join(status["not_ready"])
     return (
         f"lab {status['lab']} (pid {status['pid']}, {state}), control plane {status['control']['address']}, "
         f"state {status['state_dir']}"

@@ -1,12 +1,11 @@
 """Inbound connections under authorization, re-checked when the state changes.
 
 Counterpart: ztunnel src/proxy/connection_manager.rs (ConnectionManager, PolicyWatcher),
-reference/ztunnel.md 5.5. Every inbound connection (HBONE stream or plaintext) is registered
-before its first check. When the state changes, every tracked connection is checked again
-against the destination workload as it is NOW in the state, and closed if it is now denied.
-ztunnel re-checks with the workload captured at accept time and only on Authorization pushes,
-so a workload that gains a selector-scoped policy keeps its open connections; re-reading the
-workload closes that gap.
+docs/istio-behaviour.md, "Policy changes on live connections". Every inbound connection (HBONE stream or
+plaintext) is registered before its first check. When the state changes, every tracked connection is checked
+again against the destination workload as it is NOW in the state, and closed if it is now denied. ztunnel
+re-checks with the workload captured at accept time and only on Authorization pushes, so a workload that gains
+a selector-scoped policy keeps its open connections; re-reading the workload closes that gap.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class ConnectionManager:
         return f"ConnectionManager({len(self._tracked)} inbound tracked, {self.closed_by_policy} closed by policy)"
 
     def authorize(self, conn: RbacConnection, workload: Workload) -> Decision:
-        """One authorization check against the current policies (reference 5.3)."""
+        """One authorization check against the current policies (docs/istio-behaviour.md, "Authorization")."""
         decision = self.state.policies.check(workload, conn)
         log_dry_run(decision, conn)
         # Denials stay at info whatever the setting, as before; allows follow the setting.

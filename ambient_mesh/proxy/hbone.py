@@ -10,7 +10,7 @@ is paused, which is the backpressure), and one timer at `core.next_deadline()`. 
 from a socket callback straight into `core.send_data` and out of DATA events straight into the
 peer socket.
 
-Settings follow ztunnel (reference/ztunnel.md section 11): stream window 4 MiB, connection
+Settings follow ztunnel (docs/istio-behaviour.md, "HBONE"): stream window 4 MiB, connection
 window 16 MiB, max frame 1 MiB, push disabled, header lists 16 KiB (client) and 64 KiB
 (server), 200 concurrent streams on the server side, PING every 10 s and the connection
 dropped after 20 s without an answer. Received bytes are acknowledged (window credit returned
@@ -32,18 +32,18 @@ import asyncio
 import enum
 import logging
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..errors import ProxyError, ResponseFlag
+from ..host.cpython import ReusableBuffer
+from ..tls.transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
 from . import http2
 from .http2 import events as ev
 from .http2.connection import Http2Error, StreamClosedError
 from .http2.frames import ErrorCode
 from .relay import Endpoint
-from .tls_transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
 
 if TYPE_CHECKING:
     from ..identity.spiffe import Identity
@@ -67,14 +67,14 @@ SERVER_MAX_CONCURRENT_STREAMS = 200
 PING_INTERVAL_S = 10.0
 PING_TIMEOUT_S = 20.0
 # TLS decrypts into one buffer per process (HboneConnection.get_buffer): what one read hands
-# over at most (tls_transport fills it with the records that wait, uvloop's TLS reads this
+# over at most (tls/transport.py fills it with the records that wait, uvloop's TLS reads this
 # much). More than this is read in the next round. As large as the TLS transport's receive
-# (tls_transport.RECV_BYTES): one pass of HTTP/2 and relay per read.
+# (tls/transport.py RECV_BYTES): one pass of HTTP/2 and relay per read.
 RECEIVE_BUFFER_BYTES = 1024 * 1024
 # What a socket carrying more than one stream holds unsent (module docstring). A 1-byte round
 # trip beside a 2 GiB transfer on one pooled connection, one core: p99 23.1 ms -> 0.33 ms, p50
 # 0.23 -> 0.21 ms, the transfer 1.05x as fast; 1 MiB (a bulk write's size) bounds nothing of it,
-# p99 26.6 ms (bench/mixed_load_bench.py; bench/README.md, issue 11, session 20).
+# p99 26.6 ms (bench/mixed_load_bench.py; docs/performance.md, "Streams sharing a connection").
 SHARED_NOTSENT_LOWAT_BYTES = 256 * 1024
 # What one stream may hold waiting for window or for the transport (`HboneStream._pending`). A
 # blocked stream's relay stops reading, so it holds at most what was on its way: one bulk read
@@ -359,7 +359,7 @@ class HboneStream(Endpoint):
         relay = self.relay
         if relay is None:
             return
-        # RST_STREAM NO_ERROR / CANCEL is an orderly end (reference 3.6): EOF to the socket,
+        # RST_STREAM NO_ERROR / CANCEL is an orderly end (docs/istio-behaviour.md, "Stream ends and byte copying"): EOF to the socket,
         # and since a reset stream carries nothing more either way, the relay is finished.
         if code in _ORDERLY_RESETS:
             if not self._remote_ended:
@@ -387,37 +387,21 @@ class HboneStream(Endpoint):
             self.relay.unblocked(self)
 
 
-class _ReceiveBuffer:
-    """The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
-    time (the event loop runs one read callback at a time), so it is reused while nothing
-    refers to its bytes. What a read hands on is a read-only view of it; whoever keeps
-    bytes past the call either copies them (the HTTP/2 core, below its zero-copy size; pending
-    bytes of a closed window) or holds the view (a socket that could not send it yet, bytes
-    held before a relay is attached), and then the next read gets a new buffer and the old one
-    goes when its last view does. Made on the first read: a process that never reads HBONE (the
-    workers' owner) does not hold it."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-
-_RECEIVE = _ReceiveBuffer()
+# The process's one receive buffer: TLS connections (HboneConnection) decrypt into it one at a
+# time, so it is reused while nothing refers to its bytes. What a read hands on is a read-only
+# view of it; whoever keeps bytes past the call either copies them (the HTTP/2 core, below its
+# zero-copy size; pending bytes of a closed window) or holds the view (a socket that could not
+# send it yet, bytes held before a relay is attached), and then the next read gets a new buffer.
+# Made on the first read: a process that never reads HBONE (the workers' owner) does not hold it.
+_RECEIVE = ReusableBuffer(RECEIVE_BUFFER_BYTES)
 
 
 def _receive_into(_protocol: object, sizehint: int) -> memoryview:
     """`HboneConnection.get_buffer`: the shared receive buffer, or a new one while a view of the
     current one is alive. A view, not the bytearray: the TLS transport slices what it gets to
-    fill it in parts. A plain function assigned in the class: one Python call per read.
-    Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the two callbacks cost
-    more per small message than the copy saves (bench/README.md)."""
-    buf = _RECEIVE.buf
-    # CPython: the attribute, `buf` and the call's argument are the only references when no
-    # memoryview of the buffer is alive (every view holds one).
-    if sys.getrefcount(buf) > 3 or not buf:
-        buf = _RECEIVE.buf = bytearray(RECEIVE_BUFFER_BYTES)
-    return memoryview(buf)
+    fill it in parts. Plain sockets (relay.TcpEndpoint) stay on `data_received`: for them the
+    two callbacks cost more per small message than the copy saves."""
+    return memoryview(_RECEIVE.take())
 
 
 class HboneConnection(asyncio.BufferedProtocol):
@@ -463,7 +447,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         # TlsTransport.write drops what comes once the transport is closing, so a frame goes to
         # it without asking is_closing first (a Python call per message); other transports are
-        # asked (bench/README.md, issue 11, per message).
+        # asked (docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
         self._tls: TlsTransport | None = None
         self.streams: dict[int, HboneStream] = {}
         self._unsent_bounded = False  # SHARED_NOTSENT_LOWAT_BYTES set on the socket
@@ -501,12 +485,12 @@ class HboneConnection(asyncio.BufferedProtocol):
         self._arm_timer()
 
     # BufferedProtocol: TLS decrypts straight into the shared receive buffer (no bytes object
-    # allocated per TLS read and no join of several reads; bench/README.md, HBONE profiles).
+    # allocated per TLS read and no join of several reads; docs/performance.md, "Buffers and copies").
     get_buffer = _receive_into
 
     def buffer_updated(self, nbytes: int) -> None:
         # `data_received` of a view of the buffer, with that call inlined: this runs once per TLS
-        # read (bench/README.md, issue 11, the per-message path).
+        # read (docs/performance.md, "Buffers and copies").
         if self._error is not None:
             return
         core = self.core
@@ -693,7 +677,7 @@ class HboneConnection(asyncio.BufferedProtocol):
 
         `data` is a fresh chunk from the socket when nothing is pending: in the common case
         (window open) it becomes a frame without being copied. Copies were most of the
-        outbound proxy's CPU (bench/README.md, HBONE profile).
+        outbound proxy's CPU (docs/performance.md, "Buffers and copies").
         """
         pending = stream._pending
         if data and (pending or self._write_paused):
@@ -831,8 +815,8 @@ class HboneConnection(asyncio.BufferedProtocol):
         the answer: after its own HEADERS a client's DATA frames are the tunnel's bytes (RFC
         9113 8.5), and the server holds them until its app connection is up (a refused
         CONNECT discards them with the stream). It saves a TLS record each way and a wakeup
-        of both proxies per connection whose client speaks first (bench/README.md, connection
-        path). What the stream window does not take waits in the stream, as a relay's bytes do."""
+        of both proxies per connection whose client speaks first (docs/performance.md,
+        "Buffers and copies"). What the stream window does not take waits in the stream, as a relay's bytes do."""
         if not self.usable:
             raise HboneError("HBONE connection is closing", response_flag=ResponseFlag.CONNECT)
         request = [(b":method", b"CONNECT"), (b":authority", authority.encode())]

@@ -1,8 +1,8 @@
 """Headers on HBONE CONNECT requests and responses: baggage, traceparent, forwarded.
 
 Counterparts: ztunnel src/baggage.rs (baggage), src/proxy/outbound.rs (request headers),
-src/proxy/inbound.rs (response baggage, reading forwarded). Formats: spec/wire-protocols.md
-sections 7, 8.2 and 8.3; W3C Trace Context for `traceparent`; RFC 7239 for `forwarded`.
+src/proxy/inbound.rs (response baggage, reading forwarded). Formats: docs/istio-behaviour.md,
+"HBONE" and "Headers"; W3C Trace Context for `traceparent`; RFC 7239 for `forwarded`.
 The parsers read what a peer sent, so they never raise: bad input gives empty values or None.
 """
 
@@ -118,7 +118,7 @@ def parse_baggage(values: Iterable[str]) -> Baggage:
 
 # Trace ids need to be unlikely to collide, not to be unguessable: a generator seeded once per
 # process from the OS (as ztunnel's rand::thread_rng is), not two getrandom calls per CONNECT
-# (bench/README.md, connection path). A forked child reseeds, so it draws ids of its own.
+# (docs/performance.md, "The per-connection path"). A forked child reseeds, so it draws ids of its own.
 _TRACE_ID_RNG = random.Random()
 os.register_at_fork(after_in_child=_TRACE_ID_RNG.seed)
 _IDS_BYTES = (_TRACE_ID_HEX + _PARENT_ID_HEX) // 2

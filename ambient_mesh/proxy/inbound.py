@@ -1,9 +1,9 @@
 """Inbound: HBONE on 15008 and plaintext capture on 15006.
 
-Counterparts: ztunnel src/proxy/inbound.rs and inbound_passthrough.rs (reference/ztunnel.md
-3.2, 3.3). The HBONE server presents the certificate of the destination workload (chosen by
-the address the connection arrived on), requires a client certificate from our trust domain,
-then checks each CONNECT stream and answers 200 / 400 / 401 / 503 as ztunnel does.
+Counterparts: ztunnel src/proxy/inbound.rs and inbound_passthrough.rs (docs/istio-behaviour.md,
+"Inbound HBONE (15008)" and "Inbound passthrough (15006)"). The HBONE server presents the certificate of the
+destination workload (chosen by the address the connection arrived on), requires a client certificate from our
+trust domain, then checks each CONNECT stream and answers 200 / 400 / 401 / 503 as ztunnel does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from ..identity.spiffe import Identity
 from ..metrics import ConnectionRecorder
 from ..net import IPAddress, SocketAddr, ip_address, split_host_port
 from ..rbac import RbacConnection
+from ..state.memo import StateMemo
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
+from ..tls.transport import start_tls
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
@@ -28,28 +30,27 @@ from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
 from .relay import Relay, TcpEndpoint, wrap_socket
 from .telemetry import ConnectionResult
-from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
 
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 APP_CONNECT_TIMEOUT_S = 10.0
-# CONNECT :authority values parsed, kept: every stream to one app port names the same one, and
-# its split and address parse were two Python calls and an lru lookup per inbound stream
-# (bench/README.md, connection path). Bounded, the text being the peer's: entries, and the
-# length of a value kept (a longer one is parsed each time).
+# CONNECT :authority values parsed, kept (a StateMemo at version 0: the parse reads no state).
+# Bounded, the text being the peer's: entries, and the length of a value kept (a longer one is
+# parsed each time). Why they are kept: docs/architecture.md, "Decisions and caches".
 MAX_AUTHORITIES_KEPT = 1024
 MAX_KEPT_AUTHORITY_CHARS = 300
-# CONNECT decisions kept (`InboundProxy._decided`): per workload, client, :authority and
-# `forwarded` host; cleared when full.
+# CONNECT checks kept (`InboundProxy._decided`) per state version and request.
 MAX_DECISIONS_KEPT = 1024
-_authorities: dict[str, tuple[str, int, IPAddress | None]] = {}
+_authorities: StateMemo[str, tuple[str, int, IPAddress | None]] = StateMemo(
+    "parsed authorities", MAX_AUTHORITIES_KEPT
+)
 
 
 def parse_authority(authority: str) -> tuple[str, int, IPAddress | None]:
     """`host`, `port` and the host as an IP address (None for a name) of a CONNECT :authority;
     ProtocolError as `split_host_port` raises it."""
-    hit = _authorities.get(authority)
+    hit = _authorities.get(0, authority)
     if hit is not None:
         return hit
     host, port = split_host_port(authority)
@@ -59,9 +60,7 @@ def parse_authority(authority: str) -> tuple[str, int, IPAddress | None]:
         ip = None
     parsed = (host, port, ip)
     if len(authority) <= MAX_KEPT_AUTHORITY_CHARS:
-        if len(_authorities) >= MAX_AUTHORITIES_KEPT:
-            _authorities.clear()
-        _authorities[authority] = parsed
+        _authorities.put(0, authority, parsed)
     return parsed
 
 
@@ -75,7 +74,8 @@ class InboundTarget:
     address: SocketAddr
     service: Service | None
     # What the client asked for (:authority as an address): the PROXY header's destination for
-    # application tunnels; a hostname authority maps to a VIP of the service (reference 8.1).
+    # application tunnels; a hostname authority maps to a VIP of the service
+    # (docs/istio-behaviour.md, "PROXY protocol and application tunnels").
     authority_target: SocketAddr | None = None
 
 
@@ -105,15 +105,11 @@ class InboundRefusal:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Decided:
-    """A CONNECT's decision and the caller's workload, with what they were made for
-    (`InboundProxy._decided`)."""
+    """A CONNECT's checks before authorization (`InboundProxy.decide`) and the caller's workload
+    (by the peer's address), as the state was when the stream arrived (`InboundProxy._decided`)."""
 
     decision: InboundTarget | InboundRefusal
     source: Workload | None
-    version: int  # the state version they were made at
-    workload: Workload
-    local_ip: IPAddress
-    peer_ip: IPAddress
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,7 +160,9 @@ class InboundProxy:
         self._local_workload = local_workload
         self.settings = settings
         self.connections: set[HboneConnection] = set()
-        self._decisions: dict[tuple[object, ...], _Decided] = {}
+        self._decisions: StateMemo[tuple[object, ...], _Decided] = StateMemo(
+            "inbound decisions", MAX_DECISIONS_KEPT
+        )
 
     def __repr__(self) -> str:
         streams = sum(c.open_streams for c in self.connections)
@@ -199,14 +197,17 @@ class InboundProxy:
                 conn.transport.get_extra_info("ssl_object"), trust_domain
             )
 
+        # What the connection was made for: the certificate presented is this identity's. Each
+        # stream looks its destination up again (`serve_stream`); nothing else is kept.
+        server_identity = workload.identity
         conn = HboneConnection(
             client_side=False,
             settings=self.settings,
             on_connected=check_client,
-            on_request=lambda s: self._on_request(s, local, peer, workload),
+            on_request=lambda s: self._on_request(s, local, peer, server_identity),
         )
         try:
-            # OpenSSL on the socket itself (tls_transport.py).
+            # OpenSSL for the handshake, then our own records (tls/transport.py).
             await start_tls(sock, ctx, conn, server_side=True, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (OSError, TimeoutError) as e:
             log.info("HBONE TLS handshake from %s failed: %s", peer, e)
@@ -222,7 +223,7 @@ class InboundProxy:
             self.connections.discard(conn)
 
     def _on_request(
-        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
+        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, server_identity: Identity
     ) -> asyncio.Task[None] | None:
         """A CONNECT on one of our HBONE connections, served here and now (`serve_stream`); a
         task only when the app connection is not made at once, returned to the HBONE shell,
@@ -231,7 +232,7 @@ class InboundProxy:
         The crash barrier of a stream served without a task: a bug in serving it resets that
         stream (logged), not the HBONE connection whose read callback this is."""
         try:
-            return self.serve_stream(stream, local, peer, workload)
+            return self.serve_stream(stream, local, peer, server_identity)
         except Exception:
             log.exception("HBONE stream %d from %s: serving it failed", stream.stream_id, peer)
             stream.abort()
@@ -244,8 +245,9 @@ class InboundProxy:
         workload: Workload,
         forwarded_host: str | None = None,
     ) -> InboundTarget | InboundRefusal:
-        """The checks of reference 3.2, steps 1-6, as a pure decision. `forwarded_host`: the
-        `host=` of the request's `forwarded` header (`hbone_headers.parse_forwarded_host`)."""
+        """The checks of docs/istio-behaviour.md, "Inbound HBONE (15008)", steps 1-6, as a pure decision.
+        `forwarded_host`: the `host=` of the request's `forwarded` header
+        (`hbone_headers.parse_forwarded_host`)."""
         if request is None or request.method != "CONNECT":
             return InboundRefusal(
                 status=400, reason=f"method {request.method if request else '?'} is not CONNECT"
@@ -320,37 +322,32 @@ class InboundProxy:
         return None
 
     def serve_stream(
-        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, workload: Workload
+        self, stream: HboneStream, local: SocketAddr, peer: SocketAddr, server_identity: Identity
     ) -> asyncio.Task[None] | None:
         """Check, authorize, connect to the app, answer and relay one CONNECT stream (reference
-        3.2). Without a task and without awaiting anything when the app connection is made at
-        once (an app on this host, the usual case: `inputs.connect_started`); otherwise the
-        returned task waits for it and does the rest. A task per stream, its creation, its
-        steps and a turn of the event loop, cost about 50 µs of the server proxy's CPU per
-        connection (bench/README.md, per connection, session 19)."""
+        3.2). Every check reads the state as it is now: the destination workload is looked up
+        for this stream (step 3), not taken from the connection, whose only fixed facts are the
+        two certificates; a workload at our address that no longer has the identity whose
+        certificate we presented is refused. Without a task and without awaiting anything when
+        the app connection is made at once (an app on this host, the usual case:
+        `inputs.connect_started`); otherwise the returned task waits for it and does the rest."""
         pi = self.pi
         src_id: Identity | None = stream.conn.peer_identity
+        workload = self._local_workload(local.ip)
+        if workload is None or workload.identity != server_identity:
+            reason = (
+                f"no local workload has address {local.ip}"
+                if workload is None
+                else f"the workload at {local.ip} is now {workload.identity}, not {server_identity}"
+            )
+            self._refuse(
+                stream, peer, local, src_id, None, workload, InboundRefusal(status=503, reason=reason)
+            )
+            return None
         decided = self._decided(stream.request, local, peer, workload)
         source, decision = decided.source, decided.decision
         if isinstance(decision, InboundRefusal):
-            log.info(
-                "HBONE stream from %s (%s) refused with %d: %s",
-                peer,
-                src_id,
-                decision.status,
-                decision.reason,
-            )
-            ConnectionResult.failed(
-                pi,
-                src=peer,
-                dst=local,
-                direction="inbound",
-                error=decision.reason,
-                source=source,
-                destination=workload,
-                response_flag=decision.response_flag,
-            )
-            stream.conn.respond(stream, decision.status)
+            self._refuse(stream, peer, local, src_id, source, workload, decision)
             return None
         admitting = self._start_admit(
             peer=peer,
@@ -366,49 +363,61 @@ class InboundProxy:
         self._answer(stream, admitting)
         return None
 
+    def _refuse(
+        self,
+        stream: HboneStream,
+        peer: SocketAddr,
+        local: SocketAddr,
+        src_id: Identity | None,
+        source: Workload | None,
+        workload: Workload | None,
+        refusal: InboundRefusal,
+    ) -> None:
+        log.info(
+            "HBONE stream from %s (%s) refused with %d: %s", peer, src_id, refusal.status, refusal.reason
+        )
+        ConnectionResult.failed(
+            self.pi,
+            src=peer,
+            dst=local,
+            direction="inbound",
+            error=refusal.reason,
+            source=source,
+            destination=workload,
+            response_flag=refusal.response_flag,
+        )
+        stream.conn.respond(stream, refusal.status)
+
     def _decided(
         self, request: ConnectRequest | None, local: SocketAddr, peer: SocketAddr, workload: Workload
     ) -> _Decided:
-        """`decide` and the caller's workload (by the peer's address), kept per workload,
-        addresses, :authority and `forwarded` host for the state version: every stream of a
-        client to one app port asks the same, and the answer depends on nothing else (no choice
-        is made). They were about 20 µs of the server proxy's CPU per connection (bench/README.md,
-        per connection, session 19). Peer-named text is kept only up to MAX_KEPT_AUTHORITY_CHARS
-        per value; at most MAX_DECISIONS_KEPT entries, cleared when full."""
+        """`decide` and the caller's workload, kept in a StateMemo by the state version and
+        every input they read: the destination workload, both addresses, the method,
+        :authority and `forwarded` host (no choice is made, so the answer depends on nothing
+        else). Authorization is not part of it: `_start_admit` asks the policy index for every
+        stream. Peer-named text is kept only up to MAX_KEPT_AUTHORITY_CHARS per value."""
         pi = self.pi
         forwarded = request.header("forwarded") if request is not None else None
         host = hbone_headers.parse_forwarded_host(forwarded) if forwarded else None
         authority = request.authority if request is not None else None
         key = (
-            id(workload),
-            id(local.ip),
-            id(peer.ip),
+            workload.uid,
+            local.ip,
+            peer.ip,
             request.method if request is not None else None,
             authority,
             host,
         )
         version = pi.state.version
-        kept = self._decisions.get(key)
-        if (
-            kept is not None
-            and kept.version == version
-            and kept.workload is workload
-            and kept.local_ip is local.ip
-            and kept.peer_ip is peer.ip
-        ):
+        kept = self._decisions.get(version, key)
+        if kept is not None:
             return kept
         decided = _Decided(
             decision=self.decide(request, local, workload, host),
             source=pi.state.workloads.find_address(pi.config.network, peer.ip),
-            version=version,
-            workload=workload,
-            local_ip=local.ip,
-            peer_ip=peer.ip,
         )
         if len(authority or "") <= MAX_KEPT_AUTHORITY_CHARS and len(host or "") <= MAX_KEPT_AUTHORITY_CHARS:
-            if len(self._decisions) >= MAX_DECISIONS_KEPT:
-                self._decisions.clear()
-            self._decisions[key] = decided
+            self._decisions.put(version, key, decided)
         return decided
 
     async def _serve_connecting(self, stream: HboneStream, connecting: _Connecting) -> None:
@@ -439,7 +448,8 @@ class InboundProxy:
         target: InboundTarget,
         authority: str,
     ) -> Admitted | InboundRefusal:
-        """Steps 7-8 of reference 3.2: authorize, then connect to the app. Failures are recorded."""
+        """Steps 7-8 of docs/istio-behaviour.md, "Inbound HBONE (15008)": authorize, then connect to the app.
+        Failures are recorded."""
         admitting = self._start_admit(
             peer=peer,
             src_id=src_id,
@@ -486,7 +496,7 @@ class InboundProxy:
             mtls=True,
         )
         # Authorization sees the peer's address, its certificate identity and the real target
-        # (never 15008), reference 3.2 step 7.
+        # (never 15008), docs/istio-behaviour.md, "Inbound HBONE (15008)" step 7.
         rbac_conn = RbacConnection(
             src_identity=src_id,
             src_ip=peer.ip,
@@ -572,9 +582,9 @@ class InboundProxy:
     ) -> tuple[SocketAddr, IPAddress | None, bytes | None]:
         """Where the app gets the connection, from which source, and the PROXY header if any.
 
-        Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another
-        port, and with protocol PROXY get a PROXY v2 header naming the real client and target,
-        delivered over loopback unless LOCALHOST_APP_TUNNEL=false (reference 3.7).
+        Workloads with an application tunnel (e.g. a sandwiched waypoint) may ask for another port, and with
+        protocol PROXY get a PROXY v2 header naming the real client and target, delivered over loopback unless
+        LOCALHOST_APP_TUNNEL=false (docs/istio-behaviour.md, "PROXY protocol and application tunnels").
         """
         address = target.address
         connect_from: IPAddress | None = peer.ip

@@ -28,10 +28,10 @@ from ..dns.server import DnsServer, DnsSocketFactory
 from ..host.netns import NetnsHandle
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
-from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..state.model import TunnelProtocol, Workload
 from ..state.store import StateReader
+from ..tls.context import TlsContextCache
 from .inbound import InboundProxy
 from .workload_proxy import ListenerAddresses, WorkloadProxy
 

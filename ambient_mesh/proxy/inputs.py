@@ -13,7 +13,6 @@ import functools
 import os
 import random
 import socket
-import ssl
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -30,11 +29,11 @@ from ..host.sockets import (
 )
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
-from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr, ip_text
 from ..state.model import Workload
 from ..state.store import StateReader
+from ..tls.context import TlsContext, TlsContextCache
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
 from .relay import Relay
@@ -78,7 +77,7 @@ class ConnectionTracker:
 
     A connection is a task while it is being set up (accept, route, connect) and a relay once
     its bytes flow; the task ends when the relay starts, so an idle tunnel holds no task or
-    coroutine frames (bench/README.md: idle memory), and the relay's end is handled by a
+    coroutine frames (docs/performance.md, "Where we stand (one-core, ours / Envoy, same runs)"), and the relay's end is handled by a
     callback on `relay.done`. Draining waits for both.
     """
 
@@ -149,7 +148,7 @@ class LocalSourceBinder:
     (loopback tests, the demo) it keeps source addresses telling which workload called. An
     address the kernel refused as not local (EADDRNOTAVAIL: a client on another node, the usual
     inbound case) is not tried again for NOT_LOCAL_RECHECK_S: that bind was a failing syscall and
-    an exception per inbound connection (bench/README.md, connection path). Any other bind error
+    an exception per inbound connection (docs/performance.md, "The per-connection path"). Any other bind error
     is ignored as before, and not remembered.
     """
 
@@ -215,11 +214,11 @@ class ProxyInputs:
     def mark(self) -> int | None:
         return self.config.packet_mark
 
-    async def client_context(self, identity: Identity) -> ssl.SSLContext:
+    async def client_context(self, identity: Identity) -> TlsContext:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.client(cert)
 
-    async def server_context(self, identity: Identity) -> ssl.SSLContext:
+    async def server_context(self, identity: Identity) -> TlsContext:
         cert = await self.cert_manager.fetch_certificate(identity)
         return self.tls.server(cert)
 
@@ -304,12 +303,12 @@ def connect_started(sock: socket.socket, address: tuple[Any, ...]) -> bool:
     Together they connect as `loop.sock_connect` does (same errors and messages) but without its
     name resolution, and with the deadline as one timer: uvloop's sock_connect resolves even a
     numeric address (getaddrinfo, IDNA-encoding the host) and, with asyncio.timeout around it,
-    took about twice the CPU per connection (bench/README.md, connection path).
+    took about twice the CPU per connection (docs/performance.md, "The per-connection path").
 
     To an address of this host (the app behind an inbound stream, over loopback or into the
     pod's namespace) the kernel has usually finished the handshake before connect() returns:
     then it is done, without a writer, a timer and a turn of the event loop (about 20 µs per
-    connection; bench/README.md, connection path), and the caller can go on without awaiting
+    connection; docs/performance.md, "The per-connection path"), and the caller can go on without awaiting
     anything (inbound.py serves such a stream without a task)."""
     err = sock.connect_ex(address)
     if err == 0:

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ..errors import BindError
+from ..host.cpython import raw_accept
 from ..host.sockets import (
     IntKindSocket,
     KeepaliveSettings,
@@ -67,7 +68,7 @@ MAX_ACCEPTS_PER_WAKEUP = 64
 # per readiness callback. Every worker's event loop is woken by the same readiness, so a burst is
 # spread over the workers, and a worker busy with its connections comes back for the next one
 # later than an idle one; taking up to MAX_ACCEPTS_PER_WAKEUP gave a burst of 8 bulk connections
-# to one worker (bench/README.md, issue 11, session 20).
+# to one worker (docs/performance.md, "Workers").
 SHARED_ACCEPTS_PER_WAKEUP = 1
 # A worker that carries more connections than another (workers/loads.py BUSIER_SHARE_DIVISOR)
 # leaves a waiting connection to it (`AcceptShare`): it stops watching the socket for
@@ -303,7 +304,7 @@ class Listener:
         A persistent reader, not `await loop.sock_accept()` in a task: that made a future and a
         task step per connection and registered and removed the listening socket with epoll
         around each accept (two epoll_ctl calls); about 20 µs of CPU per accepted connection in
-        a uvloop microbenchmark (bench/README.md, connection path).
+        a uvloop microbenchmark (docs/performance.md, "The per-connection path").
         """
         sock, loop, backlog = self._sock, self._loop, self._backlog
         if sock is None or loop is None or backlog is None:
@@ -323,11 +324,10 @@ class Listener:
                 self._deferring = False
                 share.deferring(-1)
         family, type_, proto = self._accepted_kind
+        accept = raw_accept(sock)  # socket.accept() without its enum reads (host/cpython.py)
         for _ in range(self._accepts_per_wakeup):
             try:
-                # What socket.accept() does (the C `_accept`, accept4 with SOCK_CLOEXEC, then a
-                # socket object on the descriptor), without its enum reads of family and type.
-                fd, _addr = sock._accept()  # type: ignore[attr-defined]
+                fd, _addr = accept()
             except (BlockingIOError, InterruptedError):
                 self._deferrals = 0
                 return  # the backlog is empty: wait for the next readiness
@@ -364,8 +364,8 @@ class Listener:
             # Another client waiting? Asked with poll(0) (about 0.6 µs), not found out by an
             # accept that fails with EAGAIN: that costs 5-8 µs on Linux, which allocates a
             # socket and a file for the call and frees them, and it was the end of nearly every
-            # wakeup, one connection per wakeup being the usual case (bench/README.md,
-            # connection path).
+            # wakeup, one connection per wakeup being the usual case
+            # (docs/performance.md, "The per-connection path").
             if not backlog.poll(0):
                 return
 

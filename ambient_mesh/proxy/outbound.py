@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import ProxyError, ResponseFlag
 from ..host.sockets import is_own_listener, original_destination
 from ..net import IPAddress, SocketAddr
+from ..state.memo import StateMemo
 from ..state.model import Workload
 from . import headers as hbone_headers
 from .hbone import HboneError, HboneStream
@@ -30,7 +31,7 @@ from .telemetry import ConnectionResult, response_flag_of
 log = logging.getLogger("ambient_mesh.proxy.outbound")
 
 # Repeatable routes kept (`OutboundProxy._plan`): one per source workload and target address
-# this proxy's clients reach directly; cleared when full.
+# this proxy's clients reach directly, per state version.
 MAX_PLANS_KEPT = 1024
 _HBONE_KINDS = (RouteKind.DIRECT_HBONE, RouteKind.WAYPOINT)
 
@@ -42,11 +43,6 @@ class _Plan:
     route: Route
     key: WorkloadKey  # the pool's key
     authority: str  # the CONNECT :authority
-    version: int  # the state version it was made at
-    source: Workload
-    ip: IPAddress  # the target's address object (the port is in the cache key)
-    illegal_ports: frozenset[int]
-    self_ips: frozenset[IPAddress]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,7 +93,7 @@ class OutboundProxy:
         # Shared mode: the inbound proxy of a pod this same node proxy serves, for the fast path.
         self._local_inbound = local_inbound
         self.fast_path_connections = 0
-        self._plans: dict[tuple[int, int, int], _Plan] = {}
+        self._plans: StateMemo[tuple[object, ...], _Plan] = StateMemo("outbound plans", MAX_PLANS_KEPT)
 
     def __repr__(self) -> str:
         return f"OutboundProxy({self.pi.pool!r})"
@@ -120,7 +116,7 @@ class OutboundProxy:
         downstream = wrap_socket(sock)
         # The client's address as the transport read it when it was made (uvloop and asyncio
         # both read and keep it): not a getpeername of our own before the same call of theirs
-        # (bench/README.md, connection path). None: the client reset before it was served.
+        # (docs/performance.md, "The per-connection path"). None: the client reset before it was served.
         transport = downstream.transport
         peername = transport.get_extra_info("peername") if transport is not None else None
         if peername is None:
@@ -258,23 +254,14 @@ class OutboundProxy:
 
     def _plan(self, source: Workload, target: SocketAddr) -> _Plan | Route | RouteRefused:
         """`build_request`'s route from `source` to `target`, with its pool key and :authority
-        when it is HBONE; kept per source workload object and target for the state version when
-        no choice went into it (`Route.repeatable`: a workload addressed directly). Routing and
-        the key were about 25 µs of the client proxy's CPU per connection (bench/README.md, per
-        connection, session 19), for the same answer each time."""
+        when it is HBONE; kept in a StateMemo by the state version and every input of the route
+        (source workload, target, the proxy's own ports and addresses) when no choice went into
+        it (`Route.repeatable`: a workload addressed directly)."""
         pi = self.pi
-        ip = target.ip
         version = pi.state.version
-        cache_key = (id(source), id(ip), target.port)
-        kept = self._plans.get(cache_key)
-        if (
-            kept is not None
-            and kept.version == version
-            and kept.source is source
-            and kept.ip is ip
-            and kept.illegal_ports is pi.illegal_ports
-            and kept.self_ips is pi.self_ips
-        ):
+        key = (source.uid, target.ip, target.port, pi.illegal_ports, pi.self_ips)
+        kept = self._plans.get(version, key)
+        if kept is not None:
             return kept
         route = build_request(
             pi.state,
@@ -298,16 +285,9 @@ class OutboundProxy:
                 _source_ip(route.source_workload, route.actual_destination),
             ),
             authority=str(route.hbone_target),
-            version=version,
-            source=source,
-            ip=ip,
-            illegal_ports=pi.illegal_ports,
-            self_ips=pi.self_ips,
         )
         if route.repeatable:
-            if len(self._plans) >= MAX_PLANS_KEPT:
-                self._plans.clear()
-            self._plans[cache_key] = plan
+            self._plans.put(version, key, plan)
         return plan
 
     async def _open_hbone(self, plan: _Plan, peer: SocketAddr, early: bytes) -> HboneStream:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from ..errors import ResponseFlag
 from ..identity.spiffe import Identity
 from ..net import IPAddress, SocketAddr, ip_text
+from ..tls.context import TlsContext
+from ..tls.transport import start_tls
 from .hbone import (
     DEFAULT_SETTINGS,
     ConnectResponse,
@@ -32,7 +34,6 @@ from .hbone import (
     HboneStream,
     HboneStreamRefused,
 )
-from .tls_transport import start_tls
 
 log = logging.getLogger("ambient_mesh.pool")
 
@@ -50,7 +51,7 @@ class WorkloadKey:
     Compared and hashed by `_flat`, the same values as plain strings and ints, worked out once:
     the pool looks a new key up for every connection, and the generated dataclass hash and
     equality went through Identity's, SocketAddr's and ipaddress's Python methods at each level
-    (about 6 µs per lookup; bench/README.md, connection path).
+    (about 6 µs per lookup; docs/performance.md, "The per-connection path").
     """
 
     src_id: Identity
@@ -147,7 +148,7 @@ class HbonePool:
         else:
             return None  # all usable, all full
         # Some connection is no longer usable (GOAWAY, closed): drop those, then look again.
-        # Only then is the list rebuilt, not on every stream (bench/README.md, connection path).
+        # Only then is the list rebuilt, not on every stream (docs/performance.md, "The per-connection path").
         conns[:] = [c for c in conns if c.usable]
         if not conns:
             del self._connections[key]
@@ -259,7 +260,7 @@ class HboneConnector:
     def __init__(
         self,
         *,
-        fetch_client_context: Callable[[Identity], Awaitable[ssl.SSLContext]],
+        fetch_client_context: Callable[[Identity], Awaitable[TlsContext]],
         verify_server: Callable[[object, tuple[Identity, ...]], Identity],
         open_socket: Callable[[SocketAddr, IPAddress | None], Awaitable[socket.socket]],
         settings: HboneSettings = DEFAULT_SETTINGS,
@@ -290,7 +291,7 @@ class HboneConnector:
 
         conn = HboneConnection(client_side=True, settings=self.settings, on_connected=check_server)
         try:
-            # OpenSSL on the socket itself (tls_transport.py); no SNI, as ztunnel.
+            # HBONE's TLS on the socket itself (tls/transport.py); no SNI, as ztunnel.
             await start_tls(sock, ctx, conn, server_side=False, handshake_timeout_s=TLS_HANDSHAKE_TIMEOUT_S)
         except (ssl.SSLError, OSError, TimeoutError) as e:
             sock.close()

@@ -1,9 +1,9 @@
 """HAProxy PROXY protocol version 2, as the node proxy writes it to application tunnels.
 
-Counterpart: ztunnel src/proxy/inbound.rs (PROXY header for `applicationTunnel.protocol =
-PROXY`), spec/wire-protocols.md 8.1: command PROXY, transport STREAM, the original client as
-source, the tunnel target as destination, and TLV 0xD0 carrying the client's SPIFFE identity.
-Layout per the HAProxy specification section 2.2: 12-byte signature, version/command byte,
+Counterpart: ztunnel src/proxy/inbound.rs (PROXY header for `applicationTunnel.protocol = PROXY`),
+docs/istio-behaviour.md, "PROXY protocol and application tunnels": command PROXY, transport STREAM, the
+original client as source, the tunnel target as destination, and TLV 0xD0 carrying the client's SPIFFE
+identity. Layout per the HAProxy specification section 2.2: 12-byte signature, version/command byte,
 family/transport byte, 16-bit length of what follows, addresses, then TLVs.
 """
 

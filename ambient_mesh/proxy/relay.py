@@ -8,24 +8,23 @@ on the other side; EOF on one side becomes a write-shutdown (or END_STREAM) on t
 half-closed connections keep working; an error on either side aborts both.
 
 Protocol callbacks keep the hot path free of awaits: a chunk goes from `data_received` to the
-peer's `write` in one call (see reference/performance.md: Protocols run 2.4-3.8x faster than
-Streams here).
+peer's `write` in one call (docs/performance.md,
+"The per-connection path").
 
 Bulk reads: uvloop reads a plain socket into its own 256,000-byte buffer and copies every read
 into a new bytes object for `data_received`. A read that fills that buffer means more was
 waiting (a bulk transfer), and from then on the endpoint reads through `_BulkReader`, a
 BufferedProtocol, straight into a reused buffer (`_APP_RECEIVE`): no copy, no allocation per
 read. Small messages stay on `data_received`, which costs one Python callback per read where a
-BufferedProtocol costs two (bench/README.md: the BufferedProtocol for every app socket was tried
-and dropped for that); an endpoint that goes back to small reads goes back to it.
+BufferedProtocol costs two (docs/performance.md, "Tried and not kept"); an endpoint that goes back to small reads goes back to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 
+from ..host.cpython import ReusableBuffer
 from .tcp_transport import READ_BYTES, TcpTransport
 
 # The TCP transport's read size (tcp_transport.py, as uvloop's UV_STREAM_RECV_BUF_SIZE was): a
@@ -34,11 +33,10 @@ UVLOOP_READ_BYTES = READ_BYTES
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
 # write of this many bytes per read. 9 bytes short of 1 MiB: such a read goes out as one
 # HTTP/2 DATA frame whose 9-byte header (RFC 9113 4.1) shares the first TLS record
-# (tls_transport.TlsTransport.writelines), so header and payload fill 64 records of 2^14 bytes
+# (tls/transport.py TlsTransport.writelines), so header and payload fill 64 records of 2^14 bytes
 # exactly (RFC 8446 5.1); a full 1 MiB would leave a 9-byte last record per frame to seal, send,
-# open and hand over (bench/README.md, issue 11, per message). 1 MiB rather than 256 KiB: a
-# quarter of the reads, seals, sends and wake-ups per GiB on both proxies (bench/README.md,
-# issue 11, session 20: 0.77 of the CPU per GiB with the three buffers below it).
+# open and hand over (docs/performance.md, "Buffers and copies"). 1 MiB rather than 256 KiB: a
+# quarter of the reads, seals, sends and wake-ups per GiB on both proxies.
 APP_RECEIVE_BUFFER_BYTES = 1024 * 1024 - 9
 # Back to `data_received` after this many reads in a row shorter than a quarter of the buffer.
 SMALL_READS_TO_LEAVE_BULK = 16
@@ -46,7 +44,7 @@ SMALL_READS_TO_LEAVE_BULK = 16
 # until `attach` (one read more can be held: uvloop reads up to UVLOOP_READ_BYTES at a time). A
 # client's first message (sent while the upstream is being reached) is usually far shorter,
 # and pausing and resuming a socket is a uv_read_stop, a uv_read_start and their epoll changes
-# (bench/README.md, connection path).
+# (docs/performance.md, "The per-connection path").
 MAX_HELD_BEFORE_RELAY_BYTES = 16 * 1024
 
 
@@ -59,7 +57,7 @@ class Endpoint:
     """One side of a relay. Subclasses implement the five verbs the relay uses.
 
     An endpoint hands what it reads to `peer.write` itself and counts it in `bytes_read`, with no
-    call through the relay per chunk (bench/README.md, issue 11, per message); `Relay.data_from`
+    call through the relay per chunk (docs/performance.md, "The per-connection path"); `Relay.data_from`
     does the same for the paths that are not per chunk (bytes held before the relay started)."""
 
     relay: Relay | None = None
@@ -200,8 +198,8 @@ class Relay:
         readable. Without those references back, the connection's objects (relay, endpoints,
         transports, futures) are freed by reference counting when the last callback is done
         with them, instead of as a cycle by the garbage collector: about 10 objects per
-        connection and proxy, and a collection every ~100 connections (bench/README.md,
-        connection path).
+        connection and proxy, and a collection every ~100 connections (docs/performance.md,
+        "The per-connection path").
         """
         if not self._closed:
             return
@@ -243,29 +241,12 @@ _NOTHING_HELD: list[
 ] = []  # shared and always empty: nothing is held once a relay is attached
 
 
-class _AppReceiveBuffer:
-    """The process's one buffer for bulk reads of plain sockets (the event loop runs one read
-    callback at a time). What a read hands on is a read-only view of it; whoever keeps the bytes
-    past the call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's
-    outbox while writing is paused), and then the next read gets a new buffer and the old one
-    goes when its last view does (hbone.py's TLS receive buffer works the same way). Made on the
-    first bulk read: a process that never relays (the workers' owner) does not hold it."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-
-    def take(self) -> bytearray:
-        buf = self.buf
-        # CPython: the attribute, `buf` and getrefcount's argument are the only references when
-        # no memoryview of the buffer is alive (every view holds one).
-        if sys.getrefcount(buf) > 3 or not buf:
-            buf = self.buf = bytearray(APP_RECEIVE_BUFFER_BYTES)
-        return buf
-
-
-_APP_RECEIVE = _AppReceiveBuffer()
+# The process's one buffer for bulk reads of plain sockets (the event loop runs one read callback
+# at a time). What a read hands on is a read-only view of it; whoever keeps the bytes past the
+# call copies them or holds the view (the TLS write backlog does, the HTTP/2 core's outbox while
+# writing is paused), and then the next read gets a new buffer (hbone.py's TLS receive buffer
+# works the same way). Made on the first bulk read: the workers' owner never relays.
+_APP_RECEIVE = ReusableBuffer(APP_RECEIVE_BUFFER_BYTES)
 _QUARTER_BUFFER = APP_RECEIVE_BUFFER_BYTES // 4
 
 
@@ -397,7 +378,7 @@ class TcpEndpoint(asyncio.Protocol, Endpoint):
 
     def write(self, data: bytes | memoryview) -> None:
         # No is_closing() call first: our transport drops writes once it is closing itself, and
-        # this runs once per message (bench/README.md, issue 11, session 19).
+        # this runs once per message (docs/performance.md, "Buffers and copies").
         transport = self.transport
         if transport is not None:
             transport.write(data)
@@ -443,12 +424,12 @@ def wrap_socket(sock: socket.socket) -> TcpEndpoint:
     """A connected non-blocking plain socket (accepted or dialled) as a TcpEndpoint, reading at
     once and holding what it reads until `attach`; on our own transport
     (proxy/tcp_transport.py), made here and now: no await, no turn of the event loop. HBONE's TLS
-    has its own transport (proxy/tls_transport.py).
+    has its own transport (tls/transport.py).
 
     Reading is not paused up front: what arrives before `attach` is held, and reading pauses
     once MAX_HELD_BEFORE_RELAY_BYTES are (`data_received`), so a socket whose peer sends nothing
     or a short first message (an inbound app socket, a client waiting for its upstream) is
-    never paused and resumed (bench/README.md, connection path)."""
+    never paused and resumed (docs/performance.md, "The per-connection path")."""
     endpoint = TcpEndpoint()
     TcpTransport(asyncio.get_running_loop(), sock, endpoint)
     return endpoint

@@ -1,9 +1,9 @@
 """The outbound decision: where a connection captured on 15001 should go, and how.
 
 Counterpart: ztunnel src/proxy/outbound.rs (`build_request`, `fetch_upstream`,
-`fetch_waypoint`), behaviour from reference/ztunnel.md section 3.1. A pure function over the
+`fetch_waypoint`), behaviour from docs/istio-behaviour.md, "Outbound (15001)". A pure function over the
 `StateReader`: it returns a `Route` plan (or a `RouteRefused` value) and the outbound shell
-carries it out. Multi-network routing (double HBONE through an east-west gateway, 3.4) and
+carries it out. Multi-network routing (double HBONE through an east-west gateway) and
 hostname-only workloads (resolved by DNS on demand) are refused with a reason for now.
 """
 
@@ -183,7 +183,7 @@ def _self_call(
     0.0.0.0 and :: name no host: connect() takes them as "this host", so on any port they reach
     the proxy's own network namespace (0.0.0.0:15008 reached our own HBONE listener). On one of
     the proxy's listener ports, loopback, the workload's own addresses and the listeners' bound
-    addresses reach the proxy too (reference 1.1, illegal_ports).
+    addresses reach the proxy too (docs/istio-behaviour.md, "Ports", illegal_ports).
     """
     ip = target.ip
     if ip.is_unspecified:
@@ -314,8 +314,8 @@ def _is_source_the_waypoint(state: StateReader, source: Workload, gateway: Gatew
 
 
 def _select_ip(workload: Workload, requested: IPAddress, service: Service | None) -> IPAddress | None:
-    """The original IP if it is the workload's own; else one the service's families allow,
-    preferring the family of the original request (reference 3.1)."""
+    """The original IP if it is the workload's own; else one the service's families allow, preferring the
+    family of the original request (docs/istio-behaviour.md, "Outbound (15001)")."""
     if requested in workload.workload_ips:
         return requested
     families = {4, 6}
@@ -331,20 +331,8 @@ def _select_ip(workload: Workload, requested: IPAddress, service: Service | None
     return allowed[0] if allowed else None
 
 
-# Upstream SANs by workload and service object (the workload's Identity is kept on the workload
-# itself, `Workload.identity`). Workloads and services are frozen and replaced, never changed, by
-# state updates, so an entry keyed by id() holds its objects (the id cannot be reused while
-# cached) and is exact; cleared when full.
-IDENTITY_CACHE_MAX_ENTRIES = 4096
-_sans_cache: dict[tuple[int, int], tuple[Workload, Service | None, tuple[Identity, ...]]] = {}
-
-
 def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
     """The workload's identity, then the service's subject alt names that are SPIFFE ids."""
-    key = (id(workload), id(service))
-    hit = _sans_cache.get(key)
-    if hit is not None and hit[0] is workload and hit[1] is service:
-        return hit[2]
     sans: list[Identity] = []
     identity = _identity(workload)
     if identity is not None:
@@ -357,11 +345,7 @@ def _sans(workload: Workload, service: Service | None) -> tuple[Identity, ...]:
                 continue  # not a SPIFFE id we could ever match a certificate against
             if parsed not in sans:
                 sans.append(parsed)
-    found = tuple(sans)
-    if len(_sans_cache) >= IDENTITY_CACHE_MAX_ENTRIES:
-        _sans_cache.clear()
-    _sans_cache[key] = (workload, service, found)
-    return found
+    return tuple(sans)
 
 
 def _identity(workload: Workload) -> Identity | None:

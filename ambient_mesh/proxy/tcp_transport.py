@@ -7,7 +7,7 @@ upstreams). That call cannot finish synchronously: the caller awaits a waiter th
 resolves a turn of the loop later, so every connection needed a task to drive it, and each
 socket cost two FIONBIO ioctls, a TCP_NODELAY, a getsockname and a getpeername (read up front
 for `get_extra_info`), libuv's handle set-up and an entry in a WeakValueDictionary
-(bench/README.md, issue 11, per connection, session 19). Here the transport exists as soon as it
+(docs/performance.md, "The per-connection path"). Here the transport exists as soon as it
 is made: the socket is already non-blocking and configured by whoever made it (the listener's
 options are inherited by accepted sockets, `ProxyInputs.connect` sets the rest), and the peer's
 address is read only when asked for.
@@ -30,7 +30,7 @@ import logging
 import socket
 from typing import Any
 
-from .write_backlog import BacklogOverflow, WriteBacklog
+from ..write_backlog import BacklogOverflow, WriteBacklog
 
 log = logging.getLogger("ambient_mesh.proxy.tcp_transport")
 

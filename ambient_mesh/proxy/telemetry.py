@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 # about 65 µs of CPU per proxy in the running proxies, the same code run for one connection
 # after another a fraction of that: on a busy core the proxies, the apps and the kernel take
 # turns, and the code and data of the end of a connection are out of the CPU's caches by the
-# next one's (bench/README.md, connection path). An error, a failure, a collection of the
+# next one's (docs/performance.md, "The per-connection path"). An error, a failure, a collection of the
 # metrics (metrics.BEFORE_COLLECT: a scrape, a worker's stats), a drain and the exit (atexit,
 # before logging's own flush) record what is kept first.
 ENDED_RECORD_S = 0.02
@@ -114,7 +114,8 @@ def _peers_entry(
     mtls: bool,
 ) -> list[Any]:
     """`connection_labels`, built once per set of peers: about 25 label values and a dataclass
-    per connection were a tenth of the per-connection CPU (bench/README.md, profile). The
+    per connection were a tenth of the per-connection CPU (docs/performance.md,
+    "The per-connection path"). The
     entry also keeps the peers' part of the access line (`AccessPeers`), which the same values
     decide (the reporter follows the direction), once a connection between them has ended.
 

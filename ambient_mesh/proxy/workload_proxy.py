@@ -20,11 +20,12 @@ from ..dns.server import DnsServer
 from ..errors import AmbientError
 from ..host.sockets import SocketFactory, plain_socket
 from ..identity.manager import SecretManager
-from ..identity.tls import TlsContextCache
 from ..metrics import Metrics
 from ..net import IPAddress, SocketAddr
+from ..state.memo import StateMemo
 from ..state.model import Workload
 from ..state.store import StateReader
+from ..tls.context import TlsContextCache
 from .hbone import HboneSettings
 from .inbound import InboundPassthroughProxy, InboundProxy
 from .inputs import ProxyInputs
@@ -85,25 +86,24 @@ def served_workload(config: ZtunnelConfig, state: StateReader) -> Workload | Non
 
 
 class ServedWorkload:
-    """`served_workload(config, state)`, kept per state version (ProxyState.version: the one
-    writer bumps it after every batch of changes). Every outbound connection asks for its
-    source, and the lookup by name sorts its matches (bench/README.md, connection path). Not
-    found is not kept: the next call looks again."""
+    """The workload a proxy serves (`find`: by PROXY_WORKLOAD_INFO, or the pod the node agent
+    named), looked up once per state version (a StateMemo): every connection asks for it, and
+    the lookup by name sorts its matches. Not found is not kept: the next call looks again."""
 
-    __slots__ = ("config", "state", "_served", "_version")
+    __slots__ = ("state", "_find", "_memo")
 
-    def __init__(self, config: ZtunnelConfig, state: StateReader) -> None:
-        self.config = config
+    def __init__(self, state: StateReader, find: Callable[[], Workload | None]) -> None:
         self.state = state
-        self._served: Workload | None = None
-        self._version = -1
+        self._find = find
+        self._memo: StateMemo[None, Workload] = StateMemo("served workload", 1)
 
     def __call__(self) -> Workload | None:
-        served = self._served
         version = self.state.version
-        if served is None or self._version != version:
-            served = self._served = served_workload(self.config, self.state)
-            self._version = version
+        served = self._memo.get(version, None)
+        if served is None:
+            served = self._find()
+            if served is not None:
+                self._memo.put(version, None, served)
         return served
 
 
@@ -135,7 +135,8 @@ class WorkloadProxy:
     ) -> None:
         self.name = name
         self.dns = dns  # the DNS proxy (15053) serving the same workload, when enabled
-        self._served = served
+        # Looked up per state version, so every connection sees the workload as it is now.
+        self._served = served = ServedWorkload(state, served)
         self.pi = ProxyInputs(
             config=config,
             state=state,

@@ -1,7 +1,8 @@
 """L4 authorization: `istio.security.Authorization` as the node proxy holds and enforces it.
 
-Counterparts: ztunnel src/rbac.rs, src/state/policy.rs (`PolicyStore`) and `assert_rbac` in
-src/state.rs; behaviour in reference/ztunnel.md 5.1-5.5. The package, top to bottom:
+Counterparts: ztunnel src/rbac.rs, src/state/policy.rs (`PolicyStore`) and `assert_rbac` in src/state.rs;
+behaviour in docs/istio-behaviour.md, "Authorization", "STRICT mTLS" and "Policy changes on live connections".
+The package, top to bottom:
 
 - `model`: the policy tree, the connection as policies see it (`RbacConnection`), the `Decision`.
 - `reference`: Istio's semantics stated plainly (walks the tree for every connection).

@@ -224,7 +224,7 @@ def compile_policy(policy: Authorization | CompiledPolicy) -> CompiledPolicy:
     return policy if isinstance(policy, CompiledPolicy) else CompiledPolicy(policy)
 
 
-# -- evaluation (reference 5.3) ---------------------------------------------------------------------
+# -- evaluation (docs/istio-behaviour.md, "Authorization") -----------------------------------------
 
 
 def _decide(

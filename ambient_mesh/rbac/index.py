@@ -2,7 +2,7 @@
 
 Counterparts: ztunnel src/state/policy.rs (`PolicyStore`, the by-namespace index) and the
 selection in `assert_rbac` (src/state.rs): the destination namespace's policies, the global ones,
-then the workload's own list (reference/ztunnel.md 5.2).
+then the workload's own list (docs/istio-behaviour.md, "Authorization").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .model import REASON_NO_ALLOW_POLICIES, Authorization, Decision, RbacConnec
 
 log = logging.getLogger(__name__)
 
-# -- which policies apply (reference 5.2) -----------------------------------------------------------
+# -- which policies apply (docs/istio-behaviour.md, "Authorization") -------------------------------
 
 
 class PolicyTarget(Protocol):
@@ -49,6 +49,40 @@ def _index_namespace(policy: Authorization) -> str | None:
     raise AssertionError(policy.scope)
 
 
+# A workload naming a policy the state does not have is a transition (the workload arrived before
+# its policy, or the policy was removed first) that lasts until the next push; every check meets
+# it. Counted on every check, logged once per policy name (at most MAX_UNKNOWN_POLICIES_LOGGED
+# names remembered; past that the memory starts again).
+MAX_UNKNOWN_POLICIES_LOGGED = 1024
+
+
+class UnknownPolicies:
+    """How often a check skipped a policy name the state does not have, logged once a name."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self._logged: set[str] = set()
+
+    def note(self, key: str) -> None:
+        self.skipped += 1
+        if key in self._logged:
+            return
+        if len(self._logged) >= MAX_UNKNOWN_POLICIES_LOGGED:
+            self._logged.clear()
+        self._logged.add(key)
+        log.warning("skipping unknown policy %s (a workload names it; logged once, counted after)", key)
+
+    def forget(self) -> None:
+        """Log each name again from now on (the count stays)."""
+        self._logged.clear()
+
+    def __repr__(self) -> str:
+        return f"UnknownPolicies({self.skipped} skipped, {len(self._logged)} names logged)"
+
+
+unknown_policies = UnknownPolicies()
+
+
 def _selected(
     lookup: Callable[[str], Authorization | None], workload: PolicyTarget
 ) -> Iterator[tuple[str, Authorization]]:
@@ -59,8 +93,7 @@ def _selected(
     for key in workload.authorization_policies:
         policy = lookup(key)
         if policy is None:
-            # Usually a transition: the workload arrived before its policy, or the policy was removed.
-            log.warning("skipping unknown policy %s", key)
+            unknown_policies.note(key)
             continue
         if key in seen or _index_namespace(policy) in (workload.namespace, GLOBAL_INDEX):
             continue

@@ -1,10 +1,11 @@
 """The L4 authorization model: `istio.security.Authorization` as the node proxy holds it, the
 connection as policies see it, and the decision.
 
-Counterparts: ztunnel src/rbac.rs (`Authorization`, `RbacMatch`, `StringMatch`, `Connection`).
-Wire form: spec/wire-protocols.md section 3, where istiod's `groups -> rules -> matches` is
-ztunnel's `rules -> clauses -> matches`; we use ztunnel's names. Behaviour: reference/ztunnel.md
-5.1-5.5. How a policy is matched: `reference` (the plain reading), `compiled` (the fast path).
+Counterparts: ztunnel src/rbac.rs (`Authorization`, `RbacMatch`, `StringMatch`, `Connection`). Wire form:
+docs/istio-behaviour.md, "Authorization", where istiod's `groups -> rules -> matches` is ztunnel's `rules ->
+clauses -> matches`; we use ztunnel's names. Behaviour: docs/istio-behaviour.md, "Authorization",
+"STRICT mTLS" and "Policy changes on live connections". How a policy is matched: `reference` (the plain
+reading), `compiled` (the fast path).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Authorization:
         return f"{self.namespace}/{self.name}"
 
 
-# -- STRICT mTLS as istiod expresses it (reference 5.4) --------------------------------------------
+# -- STRICT mTLS as istiod expresses it (docs/istio-behaviour.md, "STRICT mTLS") -------------------
 
 STRICT_MTLS_POLICY_NAME = "istio_converted_static_strict"
 DEFAULT_ROOT_NAMESPACE = "istio-system"
@@ -160,7 +161,7 @@ class RbacConnection:
     `dst_ip` is the local pod IP and `dst_port` the resolved target port (the port inside the
     HBONE CONNECT authority, never 15008). `src_identity` is the mTLS-proven peer identity; None
     for plaintext. `dst_network` does not take part in matching; it keys the connection for the
-    policy watcher (reference 5.5).
+    policy watcher (docs/istio-behaviour.md, "Policy changes on live connections").
     """
 
     src_identity: Identity | None
@@ -193,6 +194,7 @@ class Decision:
 
 
 def log_dry_run(decision: Decision, conn: RbacConnection) -> None:
-    """Log what dry-run policies would have done (reference 5.1: evaluated, logged, never enforced)."""
+    """Log what dry-run policies would have done (docs/istio-behaviour.md, "Authorization": evaluated, logged,
+    never enforced)."""
     for key in decision.dry_run_matches:
         log.info("dry-run policy %s matches connection %s", key, conn)

@@ -1,7 +1,7 @@
 """The reference evaluator: Istio's L4 authorization semantics, read top to bottom.
 
 Counterparts: ztunnel src/rbac.rs `Authorization::matches` / `RbacMatch` and `assert_rbac` in
-src/state.rs; behaviour in reference/ztunnel.md 5.1-5.3. Nothing here is fast: it walks the rule
+src/state.rs; behaviour in docs/istio-behaviour.md, "Authorization". Nothing here is fast: it walks the rule
 tree with `StringMatch.matches` and `ip in network` for every connection. It exists to say what a
 decision means; `compiled` (and `PolicyIndex.check` on top of it) is what the proxy runs, and the
 property tests hold the two to the same answer for every policy set and connection.
@@ -77,7 +77,8 @@ def policy_matches(policy: Authorization, conn: RbacConnection) -> bool:
 
 
 def evaluate(policies: Iterable[Authorization], conn: RbacConnection) -> Decision:
-    """Authorize `conn` against the policies that apply to its destination (reference 5.3).
+    """Authorize `conn` against the policies that apply to its destination (docs/istio-behaviour.md,
+    "Authorization").
 
     1. Dry-run DENY policies that match are recorded, never enforced.
     2. The first enforced DENY that matches rejects.

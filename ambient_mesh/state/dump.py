@@ -1,8 +1,8 @@
 """`/config_dump` in ztunnel's JSON shape.
 
-Counterparts: ztunnel src/admin.rs (`ConfigDump`, `CertsDump`, `dump_certs`) and the serde
-derives of src/state/workload.rs, src/state/service.rs and src/rbac.rs (reference/ztunnel.md
-sections 2.3 and 8.1). `istioctl ztunnel-config` and our `ambient ztunnel-config` read this.
+Counterparts: ztunnel src/admin.rs (`ConfigDump`, `CertsDump`, `dump_certs`) and the serde derives of
+src/state/workload.rs, src/state/service.rs and src/rbac.rs (docs/istio-behaviour.md, "Local config file" and
+"Admin and readiness"). `istioctl ztunnel-config` and our `ambient ztunnel-config` read this.
 
 Each function maps one of our frozen values to the dict serde would print for ztunnel's type:
 the same keys, the same key order, and the same omissions (serde's `skip_serializing_if`), so

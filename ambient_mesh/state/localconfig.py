@@ -1,7 +1,7 @@
 """The local (static) xDS file: `LOCAL_XDS_PATH` / `LOCAL_XDS`.
 
 Counterpart: ztunnel src/xds.rs (`LocalConfig`, `LocalWorkload`). The YAML is ztunnel's
-(reference/ztunnel.md section 2.3): camelCase keys, unknown keys rejected. We walk the composed
+(docs/istio-behaviour.md, "Local config file"): camelCase keys, unknown keys rejected. We walk the composed
 YAML nodes rather than loaded Python objects so that every error can name `file:line:column`;
 `yamlload` composes them with aliases bounded (a 1.9 KB file expanded to 943 MiB before).
 

@@ -1,7 +1,7 @@
 """Workloads and services as the node proxy holds them.
 
 Counterparts: ztunnel src/state/workload.rs and src/state/service.rs; the wire form is
-`istio.workload.Address` (spec/wire-protocols.md section 2). These are frozen, typed values:
+`istio.workload.Address` (docs/istio-behaviour.md, "Workloads and services"). These are frozen, typed values:
 the xDS and local-config converters build them, the store indexes them, the proxy reads them.
 """
 
@@ -145,7 +145,8 @@ class Workload:
     capacity: int = 1
     # `identity`, made and checked on the first read and kept: a workload is frozen and replaced,
     # never changed, by state updates (`dataclasses.replace` starts the copy without it). The
-    # per-connection path reads it three or four times (bench/README.md, issue 11). Not kept
+    # per-connection path reads it three or four times (docs/performance.md, "The per-connection
+    # path"). Not kept
     # when the fields make no valid Identity: every read raises IdentityError again.
     _identity: Identity | None = field(default=None, init=False, repr=False, compare=False, hash=False)
 

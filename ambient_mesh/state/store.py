@@ -2,7 +2,7 @@
 
 Counterparts: ztunnel src/state.rs (`ProxyState`, `DemandProxyState`, `load_balance`),
 src/state/workload.rs (`WorkloadStore`) and src/state/service.rs (`ServiceStore`). Behaviour
-follows reference/ztunnel.md section 4 and spec/wire-protocols.md section 2.4.
+follows docs/istio-behaviour.md, "Workloads and services".
 
 One updater (xDS or the local config file) writes; the proxy reads. Everything runs on one
 asyncio loop, so there are no locks. A stored `Service` owns its `endpoints` dict: the store
@@ -34,8 +34,8 @@ from .model import (
     WorkloadStatus,
 )
 
-# Kubernetes pods get uids `<cluster>//Pod/<ns>/<name>`; when several workloads claim one
-# (network, IP), the pod is the real owner (ztunnel's tie-break, reference 4.2).
+# Kubernetes pods get uids `<cluster>//Pod/<ns>/<name>`; when several workloads claim one (network, IP), the
+# pod is the real owner (ztunnel's tie-break, docs/istio-behaviour.md, "Workloads and services").
 _POD_UID_MARKER = "//Pod/"
 
 _K = TypeVar("_K")
@@ -120,7 +120,7 @@ class ServiceStore:
 
     Endpoints are derived from workloads' `services` maps and remembered whether or not the
     service is known yet; those whose service has not arrived are *staged* and attached when it
-    does (reference 4.3).
+    does (docs/istio-behaviour.md, "Workloads and services").
     """
 
     def __init__(self) -> None:
@@ -216,9 +216,9 @@ class ServiceStore:
     def find_vip(self, network: str, ip: IPAddress, client_namespace: str | None = None) -> Service | None:
         """The service owning VIP `ip` on `network`, as seen by a client in `client_namespace`.
 
-        Exact VIPs win over CIDR VIPs. Among exact matches: the client's namespace, then a
-        canonical service, then the first to arrive. Among CIDR matches: the client's
-        namespace, then the longest prefix, then canonical (reference 4.3).
+        Exact VIPs win over CIDR VIPs. Among exact matches: the client's namespace, then a canonical service,
+        then the first to arrive. Among CIDR matches: the client's namespace, then the longest prefix, then
+        canonical (docs/istio-behaviour.md, "Workloads and services").
         """
         keys = self._by_vip.get((network, ip))
         if keys:
@@ -411,7 +411,7 @@ class StateReader(Protocol):
     def add_listener(self, callback: Callable[[ProxyState], None]) -> Callable[[], None]: ...
 
 
-# -- load balancing (reference 4.4) ------------------------------------------------------------
+# -- load balancing (docs/istio-behaviour.md, "Load balancing") ------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -457,8 +457,8 @@ def locality_rank(
 ) -> int:
     """How many leading routing preferences the candidate shares with the source.
 
-    A leading NETWORK preference is a gate: when it matches it is worth (n - 1) more, so an
-    endpoint on the caller's network always outranks one that is not (reference 4.4).
+    A leading NETWORK preference is a gate: when it matches it is worth (n - 1) more, so an endpoint on the
+    caller's network always outranks one that is not (docs/istio-behaviour.md, "Load balancing").
     """
     rank = 0
     for scope in preferences:

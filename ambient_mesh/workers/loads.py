@@ -1,15 +1,14 @@
 """Each worker's open connections, in memory that the owner and every worker map: what lets a
 worker's shared listeners leave a new connection to a worker that carries fewer.
 
-Counterpart: tokio's work stealing, which gives ztunnel's idle worker threads the connection
-tasks of busy ones at any time. A process cannot hand over a connection it accepted, and a bulk
-connection stays where it landed: of a burst of 8 (workers_bench.py's throughput test) one
-worker often took 6 or 7, whichever was awake first (bench/README.md, workers_bench.py, session
-21). So a worker that carries more connections than another (BUSIER_SHARE_DIVISOR) defers its
-accept (proxy/listener.py `Listener.adopt`), and the other, woken by the same readiness, takes
-the connection. The deferral is bounded (listener.MAX_ACCEPT_DEFERRALS times ACCEPT_DEFER_S in
-a row), so a worker that is stalled, or whose count is a moment old, delays a connection by at
-most that.
+Counterpart: tokio's work stealing, which gives ztunnel's idle worker threads the connection tasks of busy
+ones at any time. A process cannot hand over a connection it accepted, and a bulk connection stays where
+it landed: of a burst of 8 (workers_bench.py's throughput test) one worker often took 6 or 7, whichever
+was awake first (docs/performance.md, "Workers"). So a worker that carries more connections than another
+(BUSIER_SHARE_DIVISOR) defers its accept (proxy/listener.py `Listener.adopt`), and the other, woken by the
+same readiness, takes the connection. The deferral is bounded (listener.MAX_ACCEPT_DEFERRALS times
+ACCEPT_DEFER_S in a row), so a worker that is stalled, or whose count is a moment old, delays a connection
+by at most that.
 
 Layout: per worker a signed 64-bit count, then per worker how many of its listeners are deferring
 right now, in a memfd the owner makes (`WorkerLoads.create`) and hands to each worker at spawn
@@ -35,8 +34,7 @@ MAX_WORKERS: Final = 1024
 # connections coming and going, which move the counts by one or two all the time, defer less
 # when many are open; a burst of 8 still splits 4:4). A worker that is deferring right now is
 # not the least loaded one: it is not listening. Without that, two workers deferred to each
-# other in turn while clients waited (0.25x the connection rate of one worker; bench/README.md,
-# workers_bench.py, session 21).
+# other in turn while clients waited (0.25x the connection rate of one worker).
 BUSIER_SHARE_DIVISOR: Final = 4
 
 

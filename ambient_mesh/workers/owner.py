@@ -17,7 +17,7 @@ this module is what the main thread shares with them for free:
   work-stealing runtime gives ztunnel's threads work. Not an SO_REUSEPORT group with one member
   per worker: the kernel splits that by a hash of the 4-tuple, in equal shares whatever each
   worker's core has free, and the proxy's rate was then twice what its slowest worker managed
-  (bench/README.md, workers_bench.py: the second core 30% idle). A worker that dies or stalls
+  (the second core 30% idle; docs/performance.md, "Workers"). A worker that dies or stalls
   leaves new connections to the others; the owner keeps its copy, and a restarted worker gets
   the same sockets again;
 - one view: /stats/prometheus sums every worker's samples with the owner's own (counters of a

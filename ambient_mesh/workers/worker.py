@@ -36,8 +36,6 @@ from ..host.sockets import plain_socket
 from ..identity.certificate import WorkloadCertificate
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
-from ..identity.tls import TlsContextCache
-from ..identity.tls_crl import CrlChecker
 from ..metrics import Metrics, WithoutCreated
 from ..proxy.inpod import InpodManager
 from ..proxy.inputs import count_connections_in
@@ -45,6 +43,8 @@ from ..proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_work
 from ..state.localconfig import parse_local_config
 from ..state.model import Workload
 from ..state.store import ProxyState
+from ..tls.context import TlsContextCache
+from ..tls.crl import CrlChecker
 from ..xds.session import XdsSession
 from ..xds.updater import StateUpdater
 from .channel import Channel

@@ -1,8 +1,8 @@
 """The node proxy's delta ADS client: one gRPC stream to istiod at a time, reconnecting forever.
 
 Counterpart: ztunnel src/xds/client.rs (`AdsClient::run`, `run_loop`, `run_internal`) and the
-channel setup of src/tls/control.rs. Facts: spec/wire-protocols.md 4.1 (transport, call
-metadata, limits, reconnect) and reference/ztunnel.md section 7.
+channel setup of src/tls/control.rs. Facts: docs/istio-behaviour.md, "Delta xDS"
+(transport, call metadata, limits, reconnect).
 
 This is the thin asyncio shell around `XdsSession`: it opens `DeltaAggregatedResources`, writes
 the session's initial requests, then loops read -> decode (session) -> apply (updater) -> wake
@@ -60,7 +60,7 @@ KEEPALIVE_TIMEOUT_S = 10.0
 ON_DEMAND_TIMEOUT_S = 5.0
 
 # Statuses that mean "istiod is rotating this connection" (max connection age, shutdown):
-# reconnect after the initial 10 ms without growing the backoff (spec 4.1).
+# reconnect after the initial 10 ms without growing the backoff (docs/istio-behaviour.md, "Delta xDS").
 _BENIGN_CODES = frozenset(
     {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED}
 )

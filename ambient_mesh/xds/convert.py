@@ -1,7 +1,8 @@
 """Wire protobuf -> the node proxy's model, at the edge only.
 
 Counterparts: ztunnel's `TryFrom` conversions in src/state/workload.rs, src/state/service.rs
-and src/rbac.rs. Facts: spec/wire-protocols.md sections 2 and 3 (2.4: what ztunnel rejects).
+and src/rbac.rs. Facts: docs/istio-behaviour.md, "Workloads and services" (what
+ztunnel rejects) and "Authorization".
 
 Each converter returns a finished, frozen model object or raises `XdsRejection`; the session
 turns a rejection into one entry of a NACK and never stores a half-built object. What ztunnel
@@ -56,9 +57,10 @@ from ..wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ..wire.istio.security import authorization_pb2
 from ..wire.istio.workload import workload_pb2
 
-# An empty cluster_id means the default cluster (spec 2.1, ztunnel src/state/workload.rs).
+# An empty cluster_id means the default cluster (docs/istio-behaviour.md, "Workloads and services", ztunnel
+# src/state/workload.rs).
 DEFAULT_CLUSTER_ID = "Kubernetes"
-# Workload.capacity is a UInt32Value wrapper: absent means 1 (spec section 10, item 2).
+# Workload.capacity is a UInt32Value wrapper: absent means 1 (docs/istio-behaviour.md, "Wire types").
 DEFAULT_CAPACITY = 1
 # ztunnel narrows wire uint32 ports with `as u16`; we keep the same arithmetic so that a
 # resource means the same thing to both proxies.
@@ -243,8 +245,8 @@ def _service(pb: workload_pb2.Service) -> Service:
     for entry in pb.addresses:
         ip = _ip(entry.address, "addresses")
         full = ip.max_prefixlen
-        # A prefix length that is present and shorter than the address makes a CIDR VIP;
-        # absent or full length is a single VIP (spec 2.1, NetworkAddress.length).
+        # A prefix length that is present and shorter than the address makes a CIDR VIP; absent or full length
+        # is a single VIP (docs/istio-behaviour.md, "Workloads and services", NetworkAddress.length).
         if entry.HasField("length") and entry.length != full:
             if entry.length > full:
                 raise _Invalid(f"addresses: prefix length {entry.length} is too long for {ip}")
@@ -282,7 +284,8 @@ def _service(pb: workload_pb2.Service) -> Service:
         load_balancer=load_balancer,
         ip_families=_enum(_IP_FAMILIES, pb.ip_families, "ip_families"),
         canonical=pb.canonical,
-        # Unknown visibility values are treated as PUBLIC, as ztunnel does (spec 2.4).
+        # Unknown visibility values are treated as PUBLIC, as ztunnel does (docs/istio-behaviour.md,
+        # "Workloads and services").
         visibility=Visibility.NAMESPACE if pb.visibility == W.Service.NAMESPACE else Visibility.PUBLIC,
     )
 

@@ -2,8 +2,8 @@
 
 Counterpart: ztunnel src/xds/client.rs (`Config::construct_initial_request`, `AdsClient`'s
 `handle_stream_event` / `handle_demand_event`, `State.known_resources`) and the run loop's
-backoff rules. Facts: spec/wire-protocols.md section 4 (4.4 node, 4.5 subscriptions, 4.6
-ACK/NACK, 4.7 resume, 4.1 reconnect row).
+backoff rules. Facts: docs/istio-behaviour.md, "Delta xDS" (node,
+subscriptions, ACK and NACK, reconnect and resume).
 
 The session outlives streams: what it accepted (name -> version per type), the on-demand keys
 it still waits for and whether it is ready all carry over a reconnect. Each new stream starts
@@ -35,16 +35,17 @@ from .convert import (
 )
 
 # Address first, then Authorization: the order ztunnel registers its handlers in, and so the
-# order of the initial requests on every stream (spec 4.5).
+# order of the initial requests on every stream (docs/istio-behaviour.md, "Delta xDS").
 WATCHED_TYPES = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 
-# Node.id's last part is literally this suffix, whatever the cluster domain (spec 4.4).
+# Node.id's last part is literally this suffix, whatever the cluster domain (docs/istio-behaviour.md,
+# "Delta xDS").
 NODE_ID_SUFFIX = "svc.cluster.local"
 
 # The largest response accepted: istiod's pushes can be large; gRPC's 4 MiB default is too small.
 MAX_RECEIVE_BYTES = 200 * MIB
 
-# Reconnect backoff (spec 4.1, ztunnel INITIAL_BACKOFF / MAX_BACKOFF).
+# Reconnect backoff (docs/istio-behaviour.md, "Delta xDS", ztunnel INITIAL_BACKOFF / MAX_BACKOFF).
 INITIAL_BACKOFF_S = 0.010
 MAX_BACKOFF_S = 15.0
 
@@ -95,7 +96,7 @@ class Outcome:
 
 
 class StreamEnd(enum.Enum):
-    """How a stream ended; decides the wait before the next one (spec 4.1, Reconnect row)."""
+    """How a stream ended; decides the wait before the next one (docs/istio-behaviour.md, "Delta xDS")."""
 
     CONNECTION_ERROR = "ConnectionError"  # could not connect, or no response headers
     RECONNECT = "Reconnect"  # benign gRPC status: istiod rotating connections
@@ -123,7 +124,8 @@ def reconnect_delay(end: StreamEnd, backoff_s: float) -> tuple[float, float]:
 
 
 def build_node(config: ZtunnelConfig) -> base_pb2.Node:
-    """`envoy.config.core.v3.Node` as ztunnel sends it: id and metadata only (spec 4.4)."""
+    """`envoy.config.core.v3.Node` as ztunnel sends it: id and metadata only
+    (docs/istio-behaviour.md, "Delta xDS")."""
     ip = str(config.instance_ip)
     pod_name = config.pod_name or ""
     namespace = config.pod_namespace or ""
@@ -150,11 +152,12 @@ class XdsSession:
     def __init__(self, node: base_pb2.Node, on_demand: bool) -> None:
         self.node = node
         self.on_demand = on_demand
-        # type_url -> name -> version of every resource we accepted (spec 4.7).
+        # type_url -> name -> version of every resource we accepted (docs/istio-behaviour.md, "Delta xDS").
         self.known: dict[str, dict[str, str]] = {t: {} for t in WATCHED_TYPES}
         # On-demand keys asked for and not answered yet (Address type only).
         self.pending: dict[str, None] = {}
-        # Types that must see one ACKed response before the proxy is ready (spec 4.6).
+        # Types that must see one ACKed response before the proxy is ready (docs/istio-behaviour.md,
+        # "Delta xDS").
         self._awaiting: dict[str, None] = {t: None for t in WATCHED_TYPES if not self._is_on_demand(t)}
         self.responses = 0
         self.nacks = 0
@@ -181,7 +184,7 @@ class XdsSession:
             request.node.CopyFrom(self.node)
             if self._is_on_demand(type_url):
                 # xDS cannot say "subscribe to nothing"; subscribing and unsubscribing the
-                # wildcard in one message does (spec 4.5).
+                # wildcard in one message does (docs/istio-behaviour.md, "Delta xDS").
                 request.resource_names_subscribe.append("*")
                 request.resource_names_unsubscribe.append("*")
             requests.append(request)
@@ -190,8 +193,8 @@ class XdsSession:
     def demand(self, key: str) -> DeltaDiscoveryRequest | None:
         """Ask for one Address by key (`network/ip`, workload uid or `namespace/hostname`).
 
-        Returns the request to send, or None when the key is already being waited for. The key
-        is remembered with an empty version, so a reconnect re-subscribes it (spec 4.7).
+        Returns the request to send, or None when the key is already being waited for. The key is remembered
+        with an empty version, so a reconnect re-subscribes it (docs/istio-behaviour.md, "Delta xDS").
         """
         if not self.on_demand:
             raise ValueError("on-demand lookups need XDS_ON_DEMAND=true")
@@ -226,7 +229,8 @@ class XdsSession:
                 resource = decode(raw.name, raw.resource.value)
             except XdsRejection as e:
                 rejected.append(Rejected(raw.name, e.reason))
-                # Not remembered, so that a reconnect asks for it again (spec 4.6).
+                # Not remembered, so that a reconnect asks for it again (docs/istio-behaviour.md,
+                # "Delta xDS").
                 known.pop(raw.name, None)
                 continue
             added.append(Added(raw.name, raw.version, resource))

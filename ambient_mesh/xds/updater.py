@@ -1,8 +1,8 @@
 """The one writer of the node proxy's state, fed by xDS pushes and by the local config file.
 
 Counterpart: ztunnel src/xds.rs (`ProxyStateUpdater` / `ProxyStateUpdateMutator`, and
-`LocalClient::load_config`). Behaviour: spec/wire-protocols.md 2.4 and reference/ztunnel.md
-sections 4.3, 5.5 and 7.
+`LocalClient::load_config`). Behaviour: docs/istio-behaviour.md, "Workloads and services",
+"Policy changes on live connections" and "Delta xDS".
 
 A push is applied as one batch: every resource goes straight into the stores (which keep
 per-service endpoint dicts, so each endpoint costs O(1)), and the state's listeners hear about
@@ -34,7 +34,8 @@ class UpdateSummary:
     services: int = 0
     policies: int = 0
     removed: int = 0
-    not_found: int = 0  # removals of names we never had: normal, and ignored (spec 4.7)
+    # removals of names we never had: normal, and ignored (docs/istio-behaviour.md, "Delta xDS")
+    not_found: int = 0
     rejected: int = 0
 
     def __str__(self) -> str:
@@ -93,8 +94,8 @@ class StateUpdater:
 
     def _upsert_address(self, resource: object, counts: dict[str, int]) -> None:
         if isinstance(resource, Workload):
-            # WorkloadStore.insert replaces any entry with the same uid (spec 2.4) and the
-            # service store re-derives only this workload's endpoints.
+            # WorkloadStore.insert replaces any entry with the same uid (docs/istio-behaviour.md,
+            # "Workloads and services") and the service store re-derives only this workload's endpoints.
             self.state.workloads.insert(resource)
             self.state.services.update_workload(resource)
             counts["workloads"] += 1
@@ -112,7 +113,8 @@ class StateUpdater:
         counts["policies"] += 1
 
     def _remove_address(self, name: str) -> bool:
-        # A workload uid first; otherwise `namespace/hostname` of a service (spec 2.4).
+        # A workload uid first; otherwise `namespace/hostname` of a service (docs/istio-behaviour.md,
+        # "Workloads and services").
         if self.state.workloads.remove(name) is not None:
             self.state.services.remove_workload(name)
             return True

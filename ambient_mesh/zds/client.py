@@ -3,7 +3,7 @@
 Counterparts: ztunnel src/inpod/statemanager.rs (`WorkloadProxyManagerState`: snapshot
 bookkeeping, idempotent adds, pending retries, readiness) and src/inpod/workloadmanager.rs
 (`WorkloadProxyManager`: connect with backoff, hello, one ack per request, retry timer).
-Facts: spec/wire-protocols.md section 6, reference/istio-cni.md 4.3-4.4, reference/ztunnel.md 9.1-9.3.
+Facts: docs/istio-behaviour.md, "ZDS".
 
 `ZdsClientState` is the sans-IO core: decoded requests and proxy start results in, commands out
 (start/stop a pod's proxy, send an ack, close an fd, drop the connection). `ZdsClient` is the

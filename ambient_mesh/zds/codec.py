@@ -2,7 +2,7 @@
 
 Counterparts: ztunnel src/inpod/protocol.rs (`get_workload_data`, `maybe_get_fd`) and the
 `readProto` / `SendMsgAndWaitForAck` halves of istio-cni cni/pkg/nodeagent/ztunnelserver.go.
-Facts: spec/wire-protocols.md section 6, reference/istio-cni.md 4.1-4.2.
+Facts: docs/istio-behaviour.md, "ZDS".
 
 Sans-IO: bytes, received fd numbers and `recvmsg` flags in; a typed message out, or
 `ZdsProtocolError`. Nothing here opens, closes or reads a descriptor. When decoding fails, every

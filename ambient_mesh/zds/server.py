@@ -1,8 +1,10 @@
 """The node agent's side of ZDS: hand pods (and their network namespaces) to the node proxies.
 
 Counterpart: istio-cni cni/pkg/nodeagent/ztunnelserver.go (`ztunnelServer`: listen, accept,
-`handleConn`, `sendSnapshot`, `PodAdded`, `PodDeleted`, `connMgr`). Facts: spec/wire-protocols.md
-section 6, reference/istio-cni.md 4.1-4.4.
+`handleConn`, `sendSnapshot`, `PodAdded`, `PodDeleted`, `connMgr`). Facts: docs/istio-behaviour.md,
+"ZDS". Only root may connect (SO_PEERCRED, checked at accept),
+through a 0600 socket in a directory only root can write: a connection receives network
+namespaces.
 
 `ZdsConnectionState` is the sans-IO core of one connection: hello, then the snapshot one request
 at a time (each waiting for its ack), then steady-state requests in lockstep. `ZdsServer` is the
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..config import ProxyWorkloadInfo
+from ..host.private import SOCKET_FILE_MODE, peer_refusal, private_dir
 from .codec import (
     VERSION_V1,
     AckMsg,
@@ -263,6 +266,7 @@ class ZdsServer:
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Condition()
         self.accepted = 0
+        self.refused = 0  # connections from peers other than root (peer_refusal)
 
     # -- views -------------------------------------------------------------------------------------
 
@@ -294,12 +298,15 @@ class ZdsServer:
         """Create the socket directory, remove a stale socket file, listen, and accept."""
         if self._listener is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # The socket hands out pods' network namespaces: its directory is root's alone, checked
+        # at every start, and the socket itself 0600 (the peer is checked again at accept).
+        private_dir(self.path.parent)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # left over from a previous node agent
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.bind(str(self.path))
+            os.chmod(self.path, SOCKET_FILE_MODE)
             sock.listen()
             sock.setblocking(False)
         except OSError:
@@ -338,6 +345,13 @@ class ZdsServer:
                     continue
                 except OSError as e:
                     log.error("failed to accept a node proxy connection: %s", e)
+                    continue
+                refusal = peer_refusal(conn_sock)
+                if refusal is not None:
+                    # Before a byte is exchanged: a snapshot carries every pod's netns fd.
+                    conn_sock.close()
+                    self.refused += 1
+                    log.warning("refused a node proxy connection: %s", refusal)
                     continue
                 conn_sock.setblocking(False)
                 self.accepted += 1

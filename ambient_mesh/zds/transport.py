@@ -2,7 +2,7 @@
 
 Both the node proxy (client.py) and the node agent (server.py) speak ZDS over one such socket, so
 the channel lives here rather than in either side: the agent must not depend on the proxy's code.
-Facts: spec/wire-protocols.md section 6.
+Facts: docs/istio-behaviour.md, "ZDS".
 """
 
 from __future__ import annotations

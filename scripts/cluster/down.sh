@@ -48,8 +48,10 @@ for pid in $(pgrep -f "containerd-shim-runc-v2 -namespace k8s.io -id [0-9a-f]+ -
   kill "$pid" 2>/dev/null
 done
 for p in kcm apiserver etcd; do stop $p; done
-# the kubelet makes its root dir and pod volumes mounts; netns files are bind mounts too
-grep -o " $CL/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+# the kubelet makes its root dir and pod volumes mounts; netns files are bind mounts too; and
+# containerd mounts each sandbox's /dev/shm (a tmpfs) under its state dir in $RUN, which
+# `rm -rf $RUN` below cannot remove while mounted (three were left after each run)
+grep -o -e " $CL/[^ ]*" -e " $RUN/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
 for l in $POD_BRIDGE $NODE_LINK; do ip link del "$l" 2>/dev/null; done
 # kube-proxy's and portmap's chains (they only exist because this cluster made them)
 for table in nat filter mangle; do
@@ -61,4 +63,6 @@ for top in /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/k8s.io /sys/fs/cgroup/*/kubepo
 done
 [ -f "$RUN/ip_forward" ] && cat "$RUN/ip_forward" > /proc/sys/net/ipv4/ip_forward
 rm -rf "$RUN" "$CL/ipam" "$CL/kubelet/pods"
+left=$(grep -c -e " $CL/" -e " $RUN/" /proc/mounts)
+[ "$left" -eq 0 ] || echo "cluster: $left mounts under $CL or $RUN remain (see /proc/mounts)" >&2
 echo "cluster: down"

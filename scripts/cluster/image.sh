@@ -5,7 +5,10 @@
 #   rootfs-bookworm/   the debootstrap root (about 1 min cold)
 #   containers/        podman's image store (base and built images)
 #   image-context/     wheels/ and cni-plugin/ for the build
-# Prints the built image's name (localhost/ambient-mesh:<id>) on the last line of stdout.
+# Tags it localhost/ambient-mesh:<id> and localhost/ambient-mesh:latest (what deploy/overlays
+# name); prints localhost/ambient-mesh:<id> on the last line of stdout. The same commit builds
+# the same image ID: file times and the image's dates are SOURCE_DATE_EPOCH (the commit's time,
+# or 1980-01-01 outside a git checkout), and Python's bytecode is hash-checked, not dated.
 #   scripts/cluster/image.sh [--base IMAGE]   (--base: an ordinary Debian image instead)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,8 +68,8 @@ if [ "$(cat "$CTX/wheels/.deps" 2>/dev/null)" != "$deps_stamp" ]; then
 fi
 rm -f "$CTX"/wheels/ambient_mesh-*.whl
 rm -rf "$CACHE/wheel-build"; mkdir -p "$CACHE/wheel-build"
-cp -a pyproject.toml setup.py ambient_mesh "$CACHE/wheel-build/"
-find "$CACHE/wheel-build" -name '*.so' -delete  # the extension is built for the wheel, not copied
+cp -a pyproject.toml ambient_mesh "$CACHE/wheel-build/"
+find "$CACHE/wheel-build" -name '*.so' -delete  # no compiled module of ours: a stale one must not ride along
 (cd "$CACHE/wheel-build" && find . -exec touch -h -d @315532800 {} + \
   && SOURCE_DATE_EPOCH=315532800 "$OLDPWD/.venv/bin/pip" wheel -q --no-deps --no-build-isolation \
        --wheel-dir "$CTX/wheels" . 2>&1 | grep -v '^WARNING: Location' >&2 || true)
@@ -75,14 +78,21 @@ plugin=$(bash scripts/cluster/plugin.sh --print-dir)
 rm -rf "$CTX/cni-plugin"; cp -a "$plugin" "$CTX/cni-plugin"
 cp deploy/Containerfile "$CTX/Containerfile"
 
+# The commit's time (a tree with changes gets the same: they still change the image's content).
+SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 315532800)}
+export SOURCE_DATE_EPOCH
 t0=$(date +%s)
 net=()
 [ "$BASE" = "$BASE_TAG" ] && net=(--network=none)   # everything is local: no network in RUN
-podman build -q "${net[@]}" --build-arg "BASE_IMAGE=$BASE" -t "$IMAGE:build" "$CTX" >/dev/null
+# --timestamp: every layer's file times and the image's created date are SOURCE_DATE_EPOCH;
+# the build argument reaches RUN, where pip's bytecode compiling then writes hash-checked .pyc.
+podman build -q "${net[@]}" --timestamp "$SOURCE_DATE_EPOCH" --build-arg "BASE_IMAGE=$BASE" \
+  --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH" -t "$IMAGE:build" "$CTX" >/dev/null
 id=$(podman image inspect --format '{{.Id}}' "$IMAGE:build" | cut -c1-12)
 podman tag "$IMAGE:build" "$IMAGE:$id"
+podman tag "$IMAGE:build" "$IMAGE:latest"
 # the build stage and images of earlier builds would pile up in the cache
-for old in $(podman images --format '{{.Repository}}:{{.Tag}}' "$IMAGE" | grep -v -e ":build$" -e ":$id$"); do
+for old in $(podman images --format '{{.Repository}}:{{.Tag}}' "$IMAGE" | grep -v -e ":build$" -e ":$id$" -e ":latest$"); do
   podman rmi -f "$old" >/dev/null 2>&1 || true
 done
 podman image prune -f >/dev/null 2>&1 || true

@@ -94,6 +94,14 @@ cat /proc/sys/net/ipv4/ip_forward > "$RUN/ip_forward"
 echo 1 > /proc/sys/net/ipv4/ip_forward
 
 # -- etcd, apiserver, controller-manager -------------------------------------------------------
+# Bound service-account tokens, as every Kubernetes since 1.22 has them: pods get projected
+# tokens bound to the pod (refused once the pod is deleted), which the node agent's restart and
+# the CNI plugin's own token (cni/plugin_token.py) are tested against. On 1.20-1.21 that is the
+# BoundServiceAccountTokenVolume gate (with the issuer and signing key flags below); from 1.22 it
+# is always on and the gate is gone (naming it then is an error).
+minor=$("$K8S_BIN/kube-apiserver" --version | sed -n 's/^Kubernetes v1\.\([0-9]*\)\..*/\1/p')
+GATES=()
+[ -n "$minor" ] && [ "$minor" -lt 22 ] && GATES=(--feature-gates=BoundServiceAccountTokenVolume=true)
 rm -rf "$RUN/etcd"
 etcd --name ambient-test --data-dir "$RUN/etcd" \
   --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
@@ -110,7 +118,7 @@ echo $! > "$RUN/etcd.pid"
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --api-audiences=https://kubernetes.default.svc.cluster.local,istio-ca \
   --allow-privileged=true --profiling=false --kubelet-preferred-address-types=InternalIP,Hostname \
-  > "$CL/log/apiserver.log" 2>&1 &
+  "${GATES[@]}" > "$CL/log/apiserver.log" 2>&1 &
 echo $! > "$RUN/apiserver.pid"
 for _ in $(seq 1 600); do
   [ "$(kubectl get --raw /readyz 2>/dev/null)" = ok ] && break
@@ -124,7 +132,7 @@ kubectl create clusterrolebinding ambient-test-kcm --clusterrole=cluster-admin \
 "$K8S_BIN/kube-controller-manager" --kubeconfig="$CL/kubeconfig-kcm" --bind-address=127.0.0.1 --secure-port=0 --port=0 \
   --leader-elect=false --use-service-account-credentials=false --service-account-private-key-file="$P/sa.key" \
   --root-ca-file="$P/ca.crt" --cluster-signing-cert-file="$P/ca.crt" --cluster-signing-key-file="$P/ca.key" \
-  --controllers='*,-nodeipam,-ttl,-bootstrapsigner,-tokencleaner' > "$CL/log/kcm.log" 2>&1 &
+  --controllers='*,-nodeipam,-ttl,-bootstrapsigner,-tokencleaner' "${GATES[@]}" > "$CL/log/kcm.log" 2>&1 &
 echo $! > "$RUN/kcm.pid"
 "$K8S_BIN/kube-scheduler" --kubeconfig="$CL/kubeconfig-kcm" --leader-elect=false --bind-address=127.0.0.1 \
   --secure-port=0 --port=0 > "$CL/log/scheduler.log" 2>&1 &
@@ -222,7 +230,7 @@ YAML
 "$K8S_BIN/kubelet" --container-runtime=remote --container-runtime-endpoint="unix://$CONTAINERD_SOCK" \
   --config="$CL/kubelet/config.yaml" --kubeconfig="$CL/kubeconfig-node" --hostname-override="$NODE_NAME" \
   --node-ip="$NODE_IP" --root-dir="$CL/kubelet/root" --cert-dir="$CL/kubelet/pki" --v=1 \
-  > "$CL/log/kubelet.log" 2>&1 &
+  "${GATES[@]}" > "$CL/log/kubelet.log" 2>&1 &
 echo $! > "$RUN/kubelet.pid"
 "$K8S_BIN/kube-proxy" --kubeconfig="$CL/kubeconfig" --proxy-mode=iptables --cluster-cidr="$POD_CIDR" \
   --hostname-override="$NODE_NAME" --bind-address="$NODE_IP" --healthz-bind-address=127.0.0.1:$((KUBELET_PORT + 6)) \

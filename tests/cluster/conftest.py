@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from .kube import K8S_BIN, cluster_session
+from .kube import K8S_BIN, cluster_session, wait_for
 
 REQUIRED_BINARIES = (
     "kube-apiserver",
@@ -60,3 +60,20 @@ def pytest_collection_modifyitems(config, items):
 def cluster():
     with cluster_session() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def mesh(cluster):
+    """A namespace in the mesh with a `server` pod (HTTP on 8080) and a `client` pod, once the
+    client reaches the server: (namespace, the server's URL)."""
+    ns = cluster.namespace(ambient=True)
+    cluster.pod(ns, "server", sa="server", serve=True)
+    cluster.pod(ns, "client", sa="client", serve=False)
+    cluster.running(ns, "server")
+    wait_for(
+        lambda: cluster.get("pod", "-n", ns, "client")["status"].get("phase") == "Running", "client running"
+    )
+    server_ip = cluster.pod_ip(ns, "server")
+    url = f"http://{server_ip}:8080/"
+    wait_for(lambda: cluster.http_get(ns, "client", url) == "200", f"GET {url} from {ns}/client", 120)
+    return ns, url

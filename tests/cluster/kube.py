@@ -6,6 +6,7 @@ it all down afterwards. `Cluster` wraps kubectl and the few host-side looks the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -213,11 +214,23 @@ class Cluster:
             return r.read().decode()
 
 
+DAEMONSET_SURGE_MINOR = 22  # DaemonSet rollingUpdate.maxSurge, on by default from 1.22
+
+
+@functools.cache
+def kubernetes_minor() -> int:
+    """The minor version of the cluster's Kubernetes (its apiserver binary)."""
+    out = run([str(K8S_BIN / "kube-apiserver"), "--version"])
+    match = re.search(r"v1\.(\d+)\.", out)
+    assert match, out
+    return int(match.group(1))
+
+
 def overlay(image: str) -> Path:
     """The test cluster's overlay over deploy/overlays/mesh: this build's image, the cluster's
     own CNI directories (the charts' cniBinDir/cniConfDir), since this cluster has no DNS a
     fixed ClusterIP for istiod that the node proxy's /etc/hosts names, and no DaemonSet maxSurge
-    (Kubernetes 1.20)."""
+    before Kubernetes 1.22."""
     d = CL / "overlay"
     d.mkdir(parents=True, exist_ok=True)
     name, tag = image.rsplit(":", 1)
@@ -233,20 +246,26 @@ def overlay(image: str) -> Path:
                     {"path": "cluster.yaml"},
                     {"path": "cni.yaml"},
                     {"path": "istiod.yaml"},
-                    # Kubernetes 1.20 has no DaemonSet maxSurge (1.22+): replace ztunnel's
-                    # surge-first update with the default one-at-a-time
-                    {
-                        "target": {"kind": "DaemonSet", "name": "ztunnel"},
-                        "patch": json.dumps(
-                            [
-                                {
-                                    "op": "replace",
-                                    "path": "/spec/updateStrategy",
-                                    "value": {"type": "RollingUpdate"},
-                                }
-                            ]
-                        ),
-                    },
+                    # Kubernetes before 1.22 has no DaemonSet maxSurge: replace ztunnel's
+                    # surge-first update with the default one-at-a-time there
+                    *(
+                        [
+                            {
+                                "target": {"kind": "DaemonSet", "name": "ztunnel"},
+                                "patch": json.dumps(
+                                    [
+                                        {
+                                            "op": "replace",
+                                            "path": "/spec/updateStrategy",
+                                            "value": {"type": "RollingUpdate"},
+                                        }
+                                    ]
+                                ),
+                            }
+                        ]
+                        if kubernetes_minor() < DAEMONSET_SURGE_MINOR
+                        else []
+                    ),
                 ],
             },
             indent=1,
@@ -306,12 +325,8 @@ def overlay(image: str) -> Path:
     return d
 
 
-def istio_crds() -> Path | None:
-    for candidate in (ROOT.parent / "shared", ROOT.parent.parent / "shared", Path("/work/shared")):
-        found = sorted((candidate / "reference").glob("istio-crds-*.yaml"))
-        if found:
-            return found[-1]
-    return None
+# The Istio kinds the mesh reads, as the project's own minimal CRDs (Istio's install brings its own).
+ISTIO_KINDS_CRDS = ROOT / "deploy" / "crds" / "istio-kinds.yaml"
 
 
 @contextlib.contextmanager
@@ -329,11 +344,7 @@ def cluster_session() -> Iterator[Cluster]:
         run(["bash", str(SCRIPTS / "up.sh"), image], timeout=600)
         timings["up"] = time.monotonic() - t
         t = time.monotonic()
-        crds = istio_crds()
-        assert crds is not None, "Istio's CRDs (shared/reference/istio-crds-*.yaml) not found"
-        # Kubernetes 1.20 does not know the CRDs' CEL rules: client-side validation off (the
-        # server drops the unknown schema fields)
-        run(["kubectl", "apply", "--validate=false", "-f", str(crds)], timeout=300)
+        run(["kubectl", "apply", "-f", str(ISTIO_KINDS_CRDS)], timeout=300)
         run(["kubectl", "wait", "--for=condition=Established", "crd/authorizationpolicies.security.istio.io"])
         run(["bash", str(SCRIPTS / "mesh-ca.sh"), str(CL / "mesh-ca")])
         run(["kubectl", "apply", "-k", str(overlay(image))])

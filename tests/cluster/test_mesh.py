@@ -8,26 +8,9 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
-
 from .kube import CL, wait_for
 
 CA_ROOT_CERT = "istio-ca-root-cert"
-
-
-@pytest.fixture(scope="module")
-def mesh(cluster):
-    ns = cluster.namespace(ambient=True)
-    cluster.pod(ns, "server", sa="server", serve=True)
-    cluster.pod(ns, "client", sa="client", serve=False)
-    cluster.running(ns, "server")
-    wait_for(
-        lambda: cluster.get("pod", "-n", ns, "client")["status"].get("phase") == "Running", "client running"
-    )
-    server_ip = cluster.pod_ip(ns, "server")
-    url = f"http://{server_ip}:8080/"
-    wait_for(lambda: cluster.http_get(ns, "client", url) == "200", f"GET {url} from {ns}/client", 120)
-    return ns, url
 
 
 def inbound_from(cluster, ns: str, client_sa: str) -> float:

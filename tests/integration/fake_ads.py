@@ -1,7 +1,7 @@
 """A fake delta-ADS server for tests: a real grpc.aio server on 127.0.0.1 that records every
 request and lets the test push responses.
 
-It answers the way istiod does where the client depends on it (spec/wire-protocols.md 4.5-4.7):
+It answers the way istiod does where the client depends on it (docs/istio-behaviour.md, "Delta xDS"):
 the first request of a type on a stream (the one with a node) gets the current resources of
 that type, minus those whose version the client already reported in
 `initial_resource_versions`, plus removals for reported names that no longer exist; in

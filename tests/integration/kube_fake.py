@@ -5,9 +5,13 @@ otherwise); list of any kind, cluster-wide or in a namespace, with `fieldSelecto
 and the list's resourceVersion; watch as chunked JSON lines from a resourceVersion, with BOOKMARK
 events when asked (`allowWatchBookmarks`), and 410 Gone for a version older than the compaction
 point (as an ERROR event, or as the watch response's status with `gone_as_http_status`); GET;
-merge PATCH on `pods/status`; POST of TokenReviews answered from `token_reviews`; for
+merge PATCH on `<kind>/status` (annotations for pods, `status` for every kind, each recorded
+in `status_patches`); POST of TokenReviews answered from `token_reviews`; for
 ConfigMaps also `fieldSelector=metadata.name=`, POST (409 when it exists) and PUT (409 when its
-resourceVersion is not the current one). Plain HTTP, or TLS with the given server context. Every request is recorded as
+resourceVersion is not the current one); TokenRequest (POST serviceaccounts/NAME/token) minting
+tokens that are accepted only for the reads `scoped_rights` gives that account (other requests
+with them: 403), expiring `minted_ttl_s` after issue if set (else as asked), refused with
+`token_request_status` if set. Plain HTTP, or TLS with the given server context. Every request is recorded as
 (method, target, content-type, body).
 """
 
@@ -97,9 +101,18 @@ class FakeApiServer:
         self.compacted_before = 0  # watches from an older version get 410
         self.gone_as_http_status = False
         self.token_reviews: dict[str, dict] = {}  # token -> TokenReview status
+        self.status_patches: list[tuple[str, str, str, dict]] = []  # (kind, namespace, name, patch)
         self.unserved: set[str] = set()  # plurals answered 404, as for a CRD not installed
         self.forbidden_namespaces: set[str] = set()  # writes there are answered 403
         self.requests: list[tuple[str, str, str, bytes]] = []
+        # TokenRequest: minted token -> (namespace/account, what it may do: {(method, plural)})
+        self.minted: dict[str, tuple[str, frozenset[tuple[str, str]]]] = {}
+        self.scoped_rights: dict[str, frozenset[tuple[str, str]]] = {
+            "istio-system/istio-cni-plugin": frozenset({("GET", "pods"), ("GET", "namespaces")})
+        }
+        self.token_requests: list[dict] = []  # each request's namespace, account and spec
+        self.token_request_status: int | None = None
+        self.minted_ttl_s: float | None = None
         self.authorizations: list[str | None] = []
         self.changed = asyncio.Condition()
         self.server: asyncio.Server | None = None
@@ -179,14 +192,61 @@ class FakeApiServer:
                 (request.method, request.target, request.header("content-type") or "", request.body)
             )
             self.authorizations.append(request.header("authorization"))
-            if request.header("authorization") != f"Bearer {self.token}":
+            bearer = (request.header("authorization") or "").removeprefix("Bearer ")
+            if bearer != self.token and bearer not in self.minted:
                 await self._reply(writer, 401, {"kind": "Status", "code": 401, "message": "Unauthorized"})
+                return
+            if bearer != self.token and not self._allowed(bearer, request):
+                await self._reply(writer, 403, {"kind": "Status", "code": 403, "reason": "Forbidden"})
                 return
             await self._route(request, writer)
         except (ConnectionError, ssl.SSLError, asyncio.CancelledError):
             pass  # ssl.SSLError: a client that rejected our certificate
         finally:
             writer.close()
+
+    def _allowed(self, token: str, request) -> bool:
+        """A minted token's rights: GET of single objects of the kinds its account may read."""
+        _account, rights = self.minted[token]
+        url = urlsplit(request.target)
+        parts = [unquote(p) for p in url.path.strip("/").split("/")]
+        rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+        if len(rest) >= 3 and rest[0] == "namespaces" and rest[2] in KINDS:
+            rest = rest[2:]
+        single = len(rest) == 2 and not url.query
+        return single and (request.method, rest[0]) in rights
+
+    def revoke(self, token: str) -> None:
+        self.minted.pop(token, None)
+
+    async def _token_request(
+        self, writer: asyncio.StreamWriter, namespace: str, account: str, body: dict
+    ) -> None:
+        spec = body.get("spec") or {}
+        self.token_requests.append({"namespace": namespace, "account": account, "spec": spec})
+        if self.token_request_status is not None:
+            status = self.token_request_status
+            await self._reply(writer, status, {"kind": "Status", "code": status, "reason": "Forbidden"})
+            return
+        token = f"minted-{len(self.token_requests)}"
+        self.minted[token] = (
+            f"{namespace}/{account}",
+            self.scoped_rights.get(f"{namespace}/{account}", frozenset()),
+        )
+        ttl = (
+            self.minted_ttl_s
+            if self.minted_ttl_s is not None
+            else float(spec.get("expirationSeconds") or 3600)
+        )
+        expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=ttl)
+        answer = {
+            "kind": "TokenRequest",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"name": account, "namespace": namespace},
+            "spec": spec,
+            "status": {"token": token, "expirationTimestamp": expires.strftime("%Y-%m-%dT%H:%M:%SZ")},
+        }
+        await self._reply(writer, 201, answer)
 
     async def _route(self, request, writer: asyncio.StreamWriter) -> None:
         url = urlsplit(request.target)
@@ -197,6 +257,9 @@ class FakeApiServer:
         namespace = None
         if len(rest) >= 3 and rest[0] == "namespaces" and rest[2] in KINDS:
             namespace, rest = rest[1], rest[2:]
+        if rest[:1] == ["serviceaccounts"] and rest[2:] == ["token"] and request.method == "POST":
+            await self._token_request(writer, namespace or "", rest[1], json.loads(request.body))
+            return
         if rest[:1] == ["tokenreviews"] and request.method == "POST":
             await self._token_review(writer, json.loads(request.body))
             return
@@ -245,12 +308,20 @@ class FakeApiServer:
         elif request.method == "PATCH" and rest[2:] == ["status"]:
             patch = json.loads(request.body)
             obj = _copy(self.objects[key])
+            self.status_patches.append((kind, namespace or "", rest[1], patch))
             annotations = obj["metadata"].setdefault("annotations", {})
-            for k, v in patch["metadata"]["annotations"].items():
+            for k, v in patch.get("metadata", {}).get("annotations", {}).items():
                 if v is None:
                     annotations.pop(k, None)
                 else:
                     annotations[k] = v
+            # A status subresource takes only `status` (and pods/status the annotations above);
+            # a merge patch replaces each key of it, lists whole (RFC 7386).
+            for k, v in patch.get("status", {}).items():
+                if v is None:
+                    obj.setdefault("status", {}).pop(k, None)
+                else:
+                    obj.setdefault("status", {})[k] = v
             await self._reply(writer, 200, await self.put(obj))
         else:
             await self._reply(writer, 200, self.objects[key])

@@ -1,5 +1,5 @@
-"""The delta ADS server over real gRPC on loopback, driven by a raw client built on the
-xds-protos stubs, the way ztunnel talks to istiod (spec/wire-protocols.md section 4)."""
+"""The delta ADS server over real gRPC on loopback, driven by a raw client built on the xds-protos stubs, the
+way ztunnel talks to istiod (docs/istio-behaviour.md, "Delta xDS")."""
 
 from __future__ import annotations
 

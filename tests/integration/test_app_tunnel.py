@@ -1,6 +1,6 @@
 """Tier 2: a destination workload with an application tunnel gets a PROXY v2 header first
-(reference/ztunnel.md 3.7, spec 8.1): the real client, the requested target, and the client's
-SPIFFE identity in TLV 0xD0, delivered over loopback to the tunnel port."""
+(docs/istio-behaviour.md, "PROXY protocol and application tunnels"): the real client, the requested target,
+and the client's SPIFFE identity in TLV 0xD0, delivered over loopback to the tunnel port."""
 
 from __future__ import annotations
 

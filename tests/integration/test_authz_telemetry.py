@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import client_context
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.rbac import Action, Authorization, Clause, Match, Rule, Scope, StringMatch
 from tests.state_writes import upsert
+from tests.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import ECHO_PORT, SERVER_IP, local_config, running_mesh
 

@@ -296,3 +296,32 @@ async def test_an_oversized_reply_is_refused(work):
     finally:
         server.close()
         await server.wait_closed()
+
+
+# -- input nested past the JSON parser's depth (issue 25) -------------------------------------------
+
+NESTED = b"[" * 100_000
+
+
+@pytest.mark.parametrize("command", ["ADD", "CHECK"])
+async def test_deeply_nested_config_gets_a_cni_error_object_not_a_traceback(work, command):
+    nested_conf = b'{"cniVersion": "1.0.0", "name": "n", "type": "istio-cni", "x": ' + NESTED + b"}"
+    for stdin in (NESTED, nested_conf):
+        code, out, err = await run_plugin(cni_env("web-0", "apps", command=command), stdin)
+        assert code == 1, (out, err)
+        error = json.loads(out)
+        assert error["code"] == 6 and error["msg"] == "error decoding network config"
+        assert b"Traceback" not in err
+
+
+async def test_deeply_nested_input_to_the_agent_gets_no_run_and_no_crash(agent, work):
+    server, adds = agent
+    assert server.run_socket is not None
+    request = b'{"env": {}, "stdin": "", "netns_is_own": ' + NESTED + b"}"
+    assert await asyncio.to_thread(exchange_raw, server.run_socket, request) == b""
+    assert server.plugin_runs == 0
+    # Through the agent, the plugin's own decoding answers with the error object.
+    code, out, _ = await run_plugin(cni_env("web-0", "apps"), NESTED)
+    assert code == 1 and json.loads(out)["code"] == 6 and adds.events == []
+    assert decode_reply(NESTED) is None
+    assert plugin_run_socket(NESTED).endswith(PLUGIN_RUN_SOCKET_NAME)

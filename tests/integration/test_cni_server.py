@@ -35,6 +35,7 @@ from ambient_mesh.cni.install import Installer, PluginInstall, plugin_entry
 from ambient_mesh.cni.netns_discovery import NetnsCandidate
 from ambient_mesh.cni.plugin import Plugin, UnixHttpTransport
 from ambient_mesh.cni.pods import DirectoryPodSource
+from ambient_mesh.cni.sandbox import NetnsGuard
 from ambient_mesh.host.commands import RecordingRunner
 from ambient_mesh.zds.client import ZdsClient, netns_id_of
 
@@ -92,8 +93,8 @@ async def test_good_event_is_200_and_reaches_the_handler(served):
     assert response.status == 200 and response.body == b""
     assert handler.events == [EVENT]
     assert codes == [200]
-    assert oct(os.stat(server.event_socket).st_mode & 0o777) == oct(0o666)
-    assert oct(os.stat(server.event_socket.parent).st_mode & 0o777) == oct(0o750)
+    assert oct(os.stat(server.event_socket).st_mode & 0o777) == oct(0o600)
+    assert oct(os.stat(server.event_socket.parent).st_mode & 0o777) == oct(0o700)
 
 
 async def test_failure_is_500_with_the_reason(served):
@@ -362,6 +363,8 @@ async def agent_world(short_dir, request):
         installer=installer,
         finder=NoProc(),
         install_interval_s=0.05,
+        # This process's own namespace stands in for the pod's (module docstring).
+        netns_guard=NetnsGuard(allow_own_netns=True),
     )
     proxies = Proxies()
     client = ZdsClient(cfg.ztunnel_uds_address, proxies, max_backoff_s=0.1)

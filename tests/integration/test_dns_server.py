@@ -438,3 +438,42 @@ async def test_access_log_at_debug(upstream: FakeUpstream, caplog: pytest.LogCap
             "endpoints": 1,
         },
     ]
+
+
+async def test_a_pods_dns_port_is_shared_with_the_next_node_proxy_only_with_port_reuse(
+    upstream: FakeUpstream,
+) -> None:
+    """INPOD_PORT_REUSE: during a node proxy upgrade both proxies' DNS servers hold a pod's 15053
+    (UDP and TCP), as ztunnel's per-pod sockets do; the old one's stop leaves the new one answering."""
+    from ambient_mesh.errors import BindError
+
+    def on_port(reuse: bool, port: int) -> DnsServer:
+        return DnsServer(
+            name="ns1/client",
+            address=SocketAddr.of("127.0.0.1", port),
+            state=make_state(),
+            settings=DnsSettings(),
+            client=lambda: CLIENT,
+            forwarder=UpstreamForwarder([upstream.address]),
+            metrics=DnsMetrics(Metrics(process_metrics=False)),
+            socket_factory=RecordingFactory(),
+            reuse_port=reuse,
+        )
+
+    old = on_port(True, 0)
+    await old.start()
+    port = old.udp_address.port
+    new = on_port(True, port)
+    plain = on_port(False, port)
+    try:
+        await new.start()
+        with pytest.raises(BindError):
+            await plain.start()
+        await old.stop()
+        (tcp,) = await tcp_ask(new, q("productpage.ns1."))
+        udp = await udp_ask(new, q("productpage.ns1."))
+        for response in (udp, tcp):
+            assert [r.to_text() for r in response.answer[0]] == ["9.9.9.9"]
+    finally:
+        await new.stop()
+        await old.stop()

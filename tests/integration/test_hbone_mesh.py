@@ -11,9 +11,9 @@ import pytest
 
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import client_context
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.proxy.relay import Relay, TcpEndpoint
+from tests.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import (
     CLIENT_IP,

@@ -15,6 +15,7 @@ import pytest
 
 from ambient_mesh.identity.spiffe import Identity
 from tests.interop.envoy import write_identity as envoy_write_identity
+from tests.tls_key_updates import key_updates_both_ways
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler, local_config, start_proxy
 
@@ -97,16 +98,19 @@ async def run_node(script: str, *args: str, timeout: float = 60) -> str:
     return out.decode()
 
 
-async def test_node_http2_client_through_our_hbone_server(tmp_path):
+async def test_node_http2_client_through_our_hbone_server(tmp_path, monkeypatch):
     import json
 
     certs = write_identity(tmp_path / "client", Identity("cluster.local", "default", "client"))
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
     server = await start_proxy("server", SERVER_IP, local_config())
     try:
+        # KeyUpdates both ways inside the transfer (tests/tls_key_updates.py).
+        counts = key_updates_both_ways(monkeypatch)
         out = await run_node(
             NODE_CLIENT, str(certs), SERVER_IP, f"{SERVER_IP}:{ECHO_PORT}", str(PAYLOAD_BYTES)
         )
+        assert counts.ours >= 4 and counts.peers >= 4, counts
         result = json.loads(out)
         assert result["status"] == 200
         assert result["received"] == PAYLOAD_BYTES
@@ -121,9 +125,10 @@ async def test_node_http2_client_through_our_hbone_server(tmp_path):
         await echo.wait_closed()
 
 
-async def test_our_hbone_client_through_a_node_http2_server(tmp_path):
+async def test_our_hbone_client_through_a_node_http2_server(tmp_path, monkeypatch):
     certs = write_identity(tmp_path / "server", Identity("cluster.local", "default", "server"))
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
+    counts = key_updates_both_ways(monkeypatch)  # KeyUpdates both ways (tests/tls_key_updates.py)
     node = await asyncio.create_subprocess_exec(
         NODE, "-e", NODE_SERVER, str(certs), SERVER_IP, stdout=asyncio.subprocess.PIPE
     )
@@ -154,6 +159,7 @@ async def test_our_hbone_client_through_a_node_http2_server(tmp_path):
 
         _, n = await asyncio.wait_for(asyncio.gather(send(), receive()), 60)
         assert n == PAYLOAD_BYTES and sent.hexdigest() == got.hexdigest()
+        assert counts.ours >= 4 and counts.peers >= 4, counts
         writer.close()
     finally:
         if client is not None:

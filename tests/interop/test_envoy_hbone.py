@@ -34,6 +34,7 @@ from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.relay import wrap_socket
 from tests.integration.mesh import Mesh, start_proxy, transfer
 from tests.integration.tcp_pair import tcp_pair
+from tests.tls_key_updates import key_updates_both_ways
 
 from .envoy import (
     EnvoyProcess,
@@ -72,7 +73,7 @@ AFTER_GOAWAY_BYTES = 8 * 1024 * 1024
 
 
 def mesh_config() -> str:
-    """Local xDS for the two HBONE workloads (ztunnel's local config, reference/ztunnel.md 2.3)."""
+    """Local xDS for the two HBONE workloads (docs/istio-behaviour.md, "Local config file")."""
 
     def workload(name: str, ip: str, node: str) -> dict:
         return {
@@ -312,6 +313,23 @@ async def test_large_transfers_hashed_and_multiplexed(direction, tmp_path, certs
         assert stats["http.hbone.downstream_cx_total"] == 1, stats
         assert stats["http.hbone.downstream_cx_upgrades_total"] == 1 + PARALLEL_STREAMS
         assert stats["cluster.original_dst.upstream_cx_total"] == 1 + PARALLEL_STREAMS
+
+
+@pytest.mark.parametrize("direction", ["envoy-client", "envoy-server"])
+async def test_key_updates_both_ways_with_envoy(direction, tmp_path, certs, monkeypatch):
+    """Our record layer changes keys every 64 records and asks BoringSSL to change its own
+    (update_requested): a hashed transfer both ways stays intact across dozens of KeyUpdates in
+    each direction (RFC 8446 4.6.3, 5.5)."""
+    counts = key_updates_both_ways(monkeypatch)
+    async with direction_with_app(direction, tmp_path, certs, "echo") as (d, app):
+        reader, writer = await d.dial(app.port)
+        sent, got = await asyncio.wait_for(transfer(reader, writer, PARALLEL_BYTES), TRANSFER_TIMEOUT_S)
+    assert sent == got
+    # 8 MiB each way is over 500 records: several KeyUpdates of ours, and Envoy's answers. A peer
+    # answers update_requested before its next record only (RFC 8446 4.6.3), and requests that
+    # arrive while an answer is pending share it: when Envoy's side of the echo is already sent,
+    # one answer is what is owed.
+    assert counts.ours >= 4 and counts.peers >= 1, counts
 
 
 async def test_a_captured_clients_first_bytes_ride_with_the_connect_to_envoy(tmp_path, certs):

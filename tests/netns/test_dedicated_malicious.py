@@ -1,8 +1,9 @@
 """Calls aimed at the node proxy's own ports, in dedicated mode: none may loop or leak the admin API.
 
-Counterpart: ztunnel's `malicious_calls_inpod` namespaced test (reference/ztunnel.md 13.3), adapted
+Counterpart: ztunnel's `malicious_calls_inpod` namespaced test, adapted
 to dedicated mode, where the proxy shares its pod's network namespace. Facts honoured: the port
-table and `illegal_ports` = {15001, 15006, 15008} (reference 1.1), the inbound checks of 3.2-3.3.
+table and `illegal_ports` = {15001, 15006, 15008} (docs/istio-behaviour.md, "Ports"), the
+inbound checks ("Inbound HBONE (15008)", "Inbound passthrough (15006)").
 
 Topology (one Fabric):
 

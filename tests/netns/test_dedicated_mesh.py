@@ -1,7 +1,7 @@
 """Two meshed pods, each with its own dedicated-mode node proxy, talking HBONE across nodes.
 
-Counterpart: the `*_dedicated` rows of ztunnel's namespaced test matrix (reference/ztunnel.md
-13.3). Topology (one Fabric, subnet 10.240.0.0/24):
+Counterpart: the `*_dedicated` rows of ztunnel's namespaced test matrix.
+Topology (one Fabric, subnet 10.240.0.0/24):
 
     node-a  client pod: the app (this test process, via in-namespace sockets) + `ambient ztunnel`
     node-b  server pod: echo app on 8080 + `ambient ztunnel`
@@ -94,7 +94,8 @@ class Mesh:
 
 
 def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> dict:
-    """One pod of ztunnel's local xDS YAML (reference/ztunnel.md 2.3), at the node's IPv4 address."""
+    """One pod of ztunnel's local xDS YAML (docs/istio-behaviour.md, "Local config file"), at the node's IPv4
+    address."""
     return {
         "uid": f"Kubernetes//Pod/{namespace}/{name}",
         "name": name,
@@ -108,7 +109,8 @@ def workload(name: str, namespace: str, sa: str, node: Node, protocol: str) -> d
 
 
 def local_config(client: Node, server: Node, plain: Node) -> dict:
-    """ztunnel's local xDS YAML (reference/ztunnel.md 2.3): two HBONE pods, one TCP workload, a service."""
+    """ztunnel's local xDS YAML (docs/istio-behaviour.md, "Local config file"): two HBONE pods, one TCP
+    workload, a service."""
     server_workload = workload("server", "shop", "echo", server, "HBONE")
     server_workload["services"] = {f"shop/{SERVICE_HOST}": {SERVICE_PORT: APP_PORT}}
     return {

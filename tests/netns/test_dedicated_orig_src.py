@@ -1,8 +1,9 @@
 """Original-source delivery in dedicated mode: the app sees the client's IP, not the proxy's.
 
-Counterpart: ztunnel's transparent inbound (reference/ztunnel.md 1.1: IP_TRANSPARENT on the inbound
-listeners and the connection to the app made from the client's address; 3.2 step 8, 3.3) with
-the connmark / table 100 return path of the in-pod rules (9.5), here rendered for dedicated mode
+Counterpart: ztunnel's transparent inbound (docs/istio-behaviour.md, "Ports": IP_TRANSPARENT on
+the inbound listeners and the connection to the app made from the client's address; "Inbound HBONE
+(15008)" step 8, "Inbound passthrough (15006)") with the connmark / table 100 return path of the
+in-pod rules ("In-pod redirection rules"), here rendered for dedicated mode
 by `render_dedicated_rules(transparent=True)` and installed with its policy routes.
 
 Topology (one Fabric):

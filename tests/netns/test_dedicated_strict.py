@@ -1,11 +1,11 @@
 """STRICT mTLS on a dedicated-mode node proxy: meshed callers get in, plaintext callers do not.
 
-Counterpart: what istiod does for a STRICT PeerAuthentication (reference/ztunnel.md 5.4): it sends
-the static policy `istio-system/istio_converted_static_strict` (scope WorkloadSelector, action
-Deny, one match `notPrincipals: [Presence]`) and the STRICT workload lists that key. Evaluation
-(5.3): a connection without an mTLS identity has principal "" so presence fails, the negated
-match holds, and the Deny fires. Plaintext arrives through the inbound passthrough (3.3), which
-closes denied connections and records response flag DENY.
+Counterpart: what istiod does for a STRICT PeerAuthentication (docs/istio-behaviour.md, "STRICT mTLS"): it
+sends the static policy `istio-system/istio_converted_static_strict` (scope WorkloadSelector, action Deny,
+one match `notPrincipals: [Presence]`) and the STRICT workload lists that key. Evaluation
+("Authorization"): a connection without an mTLS identity has principal "" so presence fails, the negated
+match holds, and the Deny fires. Plaintext arrives through the inbound passthrough
+("Inbound passthrough (15006)"), which closes denied connections and records response flag DENY.
 
 Topology (one Fabric):
 

@@ -27,11 +27,11 @@ STEPS = (
     "cross-node call over HBONE",
     "call through the Service by name",
     "both identities in the proxies' metrics",
-    "DENY refuses the client",
-    "removing it lets the client in",
+    "DENY refuses the client at every replica",
+    "removing it lets the client in again",
     "a pod outside the mesh reaches the Service in plaintext",
-    "STRICT mTLS refuses the non-mesh caller",
-    "removing STRICT restores plaintext",
+    "STRICT mTLS refuses the non-mesh caller at every replica, not the mesh's",
+    "removing STRICT restores plaintext at every replica",
     "lab down",
 )
 

@@ -2,7 +2,7 @@
 
 Counterpart: ztunnel's namespaced shared-mode scenarios local_captured_inpod,
 server_uncaptured_inpod / client_uncaptured_inpod and cross_node_captured_inpod
-(reference/ztunnel.md 13.3), and istio-cni's host probe handling (reference/istio-cni.md 3.7).
+and istio-cni's host probe handling (docs/istio-behaviour.md, "Host probe rules").
 Every program is its own process, started by `ambient lab` (ambient_mesh/lab): the control plane,
 per node the node agent and the shared-mode node proxy; each pod is created by the lab's kubelet
 and added through the real CNI plugin.
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 
 PODS = ("node-1:demo/client", "node-1:demo/local", "node-2:demo/server", "node-2:legacy/plain")
 CLIENT_ID = "spiffe://cluster.local/ns/demo/sa/client"
-PROBE_SNAT_IP = "169.254.7.127"  # HOST_PROBE_SNAT_IP's default (reference/istio-cni.md 3.7)
+PROBE_SNAT_IP = "169.254.7.127"  # HOST_PROBE_SNAT_IP's default (docs/istio-behaviour.md, "Host probe rules")
 LOG_WAIT_S = 10.0
 PAYLOAD = bytes(range(256)) * 64
 

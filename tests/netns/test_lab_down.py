@@ -203,6 +203,11 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
             up,
         )
         assert not (state_dir / "objects" / "pod-demo-stale.yaml").exists()
+        # Secrets (issue 25, S3): the node proxy's token 0600, in 0700 directories.
+        token = state_dir / "nodes" / "node-1" / "ztunnel.token"
+        assert oct(token.stat().st_mode & 0o777) == oct(0o600)
+        for d in (state_dir, token.parent, state_dir / "control", state_dir / "nodes" / "node-1" / "run"):
+            assert oct(d.stat().st_mode & 0o777) == oct(0o700), d
         status = lab(state_dir, "status", "-o", "json")
         assert status.returncode == 0, status.stderr
         live = json.loads(status.stdout)
@@ -210,6 +215,29 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
             n["ztunnel"]["ready"] and n["agent"]["ready"] for n in live["nodes"].values()
         )
         assert live["pods"]["shop/client"]["enrolled"] and not live["pods"]["legacy/client"]["enrolled"]
+        assert live["not_ready"] == [] and "READY" in lab(state_dir, "status").stdout
+        # A second `up` from the same state dir is refused and touches nothing of this lab.
+        record = (state_dir / "lab.json").read_bytes()
+        second = lab(state_dir, "up", timeout_s=30)
+        assert second.returncode == 1 and "already running" in second.stderr, second.stderr
+        assert (state_dir / "lab.json").read_bytes() == record
+        assert lab(state_dir, "status").returncode == 0
+        # `rollout ztunnel`: the `up` supervisor starts node-1's new proxy beside the old one,
+        # then the old one drains; status then shows the new pid, ready, on the surge ports.
+        rolled = lab(state_dir, "rollout", "ztunnel", "--node", "node-1")
+        assert rolled.returncode == 0 and "serves every pod" in rolled.stdout, rolled.stdout + rolled.stderr
+        after = json.loads(lab(state_dir, "status", "-o", "json").stdout)
+        proxy = after["nodes"]["node-1"]["ztunnel"]
+        assert proxy["pid"] != live["nodes"]["node-1"]["ztunnel"]["pid"] and proxy["ready"], proxy
+        assert after["nodes"]["node-1"]["admin"] == "127.0.0.1:15100" and after["ready"], after["not_ready"]
+        live = after
+        # Nodes are listed, with -o wide and label selectors.
+        nodes = lab(state_dir, "get", "nodes").stdout.splitlines()
+        assert [line.split()[:2] for line in nodes[1:]] == [["node-1", "Ready"], ["node-2", "Ready"]], nodes
+        wide = lab(state_dir, "get", "nodes", "-o", "wide", "-l", "kubernetes.io/hostname=node-2").stdout
+        assert wide.splitlines()[0].split()[-1] == "LABELS" and len(wide.splitlines()) == 2, wide
+        pods = lab(state_dir, "get", "pods", "-A", "-l", "app=echo", "-o", "wide").stdout.splitlines()
+        assert sorted(line.split()[1] for line in pods[1:]) == ["echo-1", "echo-2"], pods
         # kubectl-like verbs against the running lab: a typo is refused with its line; a Pod
         # applied gets a sandbox from the lab's kubelet, is enrolled and reachable; deleted, it goes.
         typo = state_dir.parent / f"{state_dir.name}-typo.yaml"
@@ -275,7 +303,7 @@ def test_down_after_up_was_killed_when_ready_and_a_new_run_starts_clean(runner, 
 
         wait_for(restarted, "node-1's node proxy to be restarted and ready", up)
         text = lab(state_dir, "status").stdout
-        assert "ready (1 restarts)" in text, text
+        assert "running (1 restarts) yes" in " ".join(text.split()), text
         kill_and_down(runner, state_dir, up)
         after = lab(state_dir, "status")
         assert after.returncode == 1 and "no lab is running" in after.stderr

@@ -1,9 +1,9 @@
 """Calls aimed at the node proxy's own ports in shared mode: none may loop or reach the admin API.
 
-Counterpart: ztunnel's `malicious_calls_inpod` (reference/ztunnel.md 13.3), in a whole lab where
+Counterpart: ztunnel's `malicious_calls_inpod`, in a whole lab where
 the node proxy runs in the node's namespace and opens 15001/15006/15008 inside each enrolled pod
-(reference 1.1: `illegal_ports` = {15001, 15006, 15008}). The raw-TCP probe and the expectation
-checks are tests/netns/test_dedicated_malicious.py's.
+(docs/istio-behaviour.md, "Ports": `illegal_ports` = {15001, 15006, 15008}). The raw-TCP probe
+and the expectation checks are tests/netns/test_dedicated_malicious.py's.
 
     node-1   demo/client (captured), legacy/outside (not captured)
     node-2   demo/server (captured, echo app on 8080)

@@ -1,8 +1,9 @@
 """Restarts in a whole lab: the node agent and the node proxy come and go while pods run.
 
 Counterpart: istio-cni's "traffic with established pods if CNI missing" and restart/reconcile
-scenarios (reference/istio-cni.md 5.5, 5.7, 8.2) and ztunnel's restart behaviour in shared mode
-(the node agent's ZDS snapshot hands every enrolled pod back to a new node proxy, 4.3 and 5.1).
+scenarios (docs/istio-behaviour.md, "Node agent start and shutdown") and ztunnel's restart
+behaviour in shared mode (the node agent's ZDS snapshot hands every enrolled pod back to a new
+node proxy: "ZDS").
 
 One lab (2 nodes). The steps depend on each other, so each test is one step, in file order:
 

@@ -31,7 +31,6 @@ from ambient_mesh.control.plane import mint_token
 from ambient_mesh.host.netns import Fabric, Node, netns_socket
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import client_context
 from tests.interop.envoy import _dechunk
 
 CONTROL_PORT = 15012
@@ -482,8 +481,17 @@ def _h2_exchange(wmesh, identity: Identity) -> bytes:
     (signed by the mesh CA); returns what the server sends after our preface ("" if refused)."""
     ca = CertificateAuthority.from_plugged_in_dir(wmesh.state / "cacerts")
     cert = ca.issue(identity, 600, now=datetime.now(UTC))
-    ctx = client_context(cert)
+    # HBONE's client side, as a node proxy offers it: TLS 1.3 only, ALPN h2, our certificate.
+    files = wmesh.tmp / f"h2-{identity.trust_domain}"
+    files.mkdir(exist_ok=True)
+    (files / "key.pem").write_bytes(cert.private_key_pem)
+    (files / "chain.pem").write_bytes(b"".join(cert.chain_pem))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=cert.roots_pem.decode())
+    ctx.load_cert_chain(files / "chain.pem", files / "key.pem")
+    ctx.set_alpn_protocols(["h2"])
     sock = netns_socket(wmesh.client.netns)
     sock.settimeout(IO_TIMEOUT_S)
     sock.connect((str(wmesh.waypoint.ipv4), 15008))
@@ -574,3 +582,19 @@ def test_a_push_keeps_the_tunnel_in_flight(wmesh):
 def test_readiness_and_connections(wmesh, get):
     status, body = get(wmesh.waypoint.netns, "127.0.0.1", READY_PORT, "/healthz/ready")
     assert (status, body) == (200, b"ready\n")
+
+
+def test_a_policy_pushed_while_the_waypoints_connection_is_open_applies(wmesh):
+    # The waypoint's pooled HBONE connection to the server opened under the mesh's policy
+    # (client and waypoint allowed). A policy naming only the client, pushed now, must refuse the
+    # next request on that same connection: the destination decides per stream, not per
+    # connection (docs/architecture.md, "Decisions and caches").
+    assert wmesh.http_get(HTTP_VIP, 80)[0] == 200
+    wmesh.write("policy.yaml", ALLOW_ONLY_CLIENT)
+    try:
+        _wait(lambda: wmesh.http_get(HTTP_VIP, 80)[0] == 503, "the pushed policy to refuse the waypoint", 30)
+    finally:
+        wmesh.write("policy.yaml", ALLOW_CLIENT_AND_WAYPOINT)
+    _wait(
+        lambda: wmesh.http_get(HTTP_VIP, 80)[0] == 200, "the restored policy to let the waypoint through", 30
+    )

@@ -1,5 +1,5 @@
 """istiod's delta xDS bookkeeping as playbooks: requests and snapshots in, responses out
-(spec/wire-protocols.md sections 2.3 and 4.4-4.7)."""
+(docs/istio-behaviour.md, "Workloads and services" and "Delta xDS")."""
 
 from __future__ import annotations
 

@@ -185,3 +185,24 @@ def test_from_env_returns_config_or_config_error(env):
         AgentConfig.from_env(env, hostname="h")
     except ConfigError:
         pass
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"ISTIO_OWNED_CNI_CONFIG": "true"},
+        {"ISTIO_OWNED_CNI_CONFIG": "1"},
+        {"ISTIO_OWNED_CNI_CONFIG_FILENAME": "02-istio-cni.conflist"},
+    ],
+)
+def test_istio_owned_cni_config_is_refused_not_ignored(env):
+    """A setting we accept must act: the owned conflist is not written, so asking for it stops
+    the agent with what to change (it used to be ignored silently)."""
+    with pytest.raises(ConfigError, match="owned config file is not supported") as exc:
+        cfg(**env)
+    assert "istioOwnedCNIConfig=false" in (exc.value.hint or "")
+
+
+def test_istio_owned_cni_config_off_is_accepted():
+    assert cfg(ISTIO_OWNED_CNI_CONFIG="false").chained_cni_plugin
+    assert load(["--istio-owned-cni-config=false"], {}, hostname="h").chained_cni_plugin

@@ -285,7 +285,11 @@ async def test_decide_without_impersonation_issues_the_callers_identity_for_the_
     ("metadata", "req", "message"),
     [
         ([], request(), "request authenticate failure: no authorization header"),
-        ([("authorization", "Bearer x.y.z")], request(), "request authenticate failure: the token's header"),
+        (
+            [("authorization", "Bearer x.y.z")],
+            request(),
+            "request authenticate failure: the token is not a JWS compact serialization",
+        ),
         (
             ztunnel_metadata(clusterid="east"),
             request(),

@@ -105,7 +105,7 @@ def test_every_golden_file_has_a_case():
     assert on_disk == expected
 
 
-# --- the facts of reference/istio-cni.md 3.3, line by line -----------------------------------------
+# --- the facts of docs/istio-behaviour.md, "In-pod redirection rules", line by line ---------------
 
 
 def lines_of(cfg: InpodConfig, family: IpFamily = IpFamily.V4) -> list[str]:

@@ -1,7 +1,7 @@
 """The node agent's pure decisions and its data plane against recording fakes (no root, no kernel).
 
-Covers istio-cni's node-agent checklist (reference/istio-cni.md 8.2): add ordering and its
-failure modes, removal, the start-up rebuild, the pod cache, the informer's per-pod decision, the
+Covers istio-cni's node-agent scenarios (docs/istio-behaviour.md, "Node agent pod lifecycle"): add ordering
+and its failure modes, removal, the start-up rebuild, the pod cache, the informer's per-pod decision, the
 /proc scan, and the command runner's netns-path form.
 """
 
@@ -265,6 +265,7 @@ class Harness:
             ztunnel=self.zt,
             marker=self.marker,
             locator=self.locator,
+            netns_guard=FilesStandInForNetns(),
         )
 
     def steps(self) -> list[str]:
@@ -276,6 +277,17 @@ class Harness:
             for c in self.runner.calls
             if c.argv[0].startswith(("iptables-restore", "ip"))
         ]
+
+
+class FilesStandInForNetns:
+    """The harness's netns are ordinary files: every named one is accepted (sandbox.NetnsGuard's
+    own checks are tested on real namespaces in tests/netns/test_local_surfaces.py)."""
+
+    def refusal(self, path, *, peer_pid=None):
+        return None
+
+    def move_refusal(self, enrolled, named, pod):
+        return None
 
 
 @pytest.fixture

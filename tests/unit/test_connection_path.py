@@ -1,5 +1,5 @@
-"""Pieces of the per-connection path that were reshaped for speed (bench/README.md, issue 11):
-they must still mean what the plain versions meant."""
+"""Pieces of the per-connection path that were reshaped for speed (docs/performance.md,
+"The per-connection path"): they must still mean what the plain versions meant."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ambient_mesh.net import SocketAddr, ip_address
 from ambient_mesh.proxy import telemetry
 from ambient_mesh.proxy.inputs import NOT_LOCAL_RECHECK_S, NOT_LOCAL_SOURCES_MAX_ENTRIES, LocalSourceBinder
 from ambient_mesh.proxy.pool import WorkloadKey
-from ambient_mesh.proxy.workload_proxy import ServedWorkload
+from ambient_mesh.proxy.workload_proxy import ServedWorkload, served_workload
 from ambient_mesh.state.model import Workload
 from ambient_mesh.state.store import ProxyState
 
@@ -253,7 +253,7 @@ def test_the_served_workload_is_kept_per_state_version():
     config = ZtunnelConfig(
         proxy_workload_info=ProxyWorkloadInfo(namespace="default", name="client", service_account="client")
     )
-    served = ServedWorkload(config, state)
+    served = ServedWorkload(state, lambda: served_workload(config, state))
     assert served() is None
     first = Workload(
         uid="c1//Pod/default/client", name="client", namespace="default", service_account="client"

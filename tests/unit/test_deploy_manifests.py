@@ -66,6 +66,12 @@ def test_beside_istiod_is_the_data_plane_only(beside):
         ("ConfigMap", "istio-cni-config"),
         ("DaemonSet", "ztunnel"),
         ("DaemonSet", "istio-cni-node"),
+        # the plugin's own narrow account, whose tokens the agent requests (plugin_token.py)
+        ("ServiceAccount", "istio-cni-plugin"),
+        ("ClusterRole", "istio-cni-plugin"),
+        ("ClusterRoleBinding", "istio-cni-plugin"),
+        ("Role", "istio-cni-plugin-token"),
+        ("RoleBinding", "istio-cni-plugin-token"),
     }
     for key, obj in beside.items():
         if key[0] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -91,9 +97,25 @@ def test_mesh_adds_the_control_plane_as_istiod(mesh, beside):
     c = container(mesh, "Deployment", "istiod")
     assert c["command"] == ["ambient"] and c["args"][:2] == ["control", "--kube"]
     assert "--listen=[::]:15012" in c["args"] and "--plaintext-listen=[::]:15010" in c["args"]
+    # The CA key's directory is one the control plane creates itself under the emptyDir (whose
+    # own root is 0777, root's: host.private refuses it), so it is 0700 and the control plane's.
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    state_dir = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--state-dir="))
+    assert state_dir.startswith(mounts["state"] + "/")
     assert env(c)["ROOT_CA_DIR"] == "/etc/cacerts"
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["cacerts"]["secret"]["secretName"] == "cacerts"
+
+
+def test_no_component_asks_for_certificates_on_the_plaintext_port(mesh):
+    # The control plane serves its CA on 15012 (TLS) only; 15010 is plaintext xDS. A CA_ADDRESS
+    # on 15010 would send the node proxy's token in clear text and get UNIMPLEMENTED back.
+    ztunnel = env(container(mesh, "DaemonSet", "ztunnel"))
+    assert ":15010" not in str(ztunnel.get("CA_ADDRESS", ""))
+    for (kind, _name), obj in mesh.items():
+        if kind in ("DaemonSet", "Deployment"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                assert ":15010" not in str(env(c).get("CA_ADDRESS", "")), c["name"]
 
 
 def test_one_image_everywhere(mesh):
@@ -228,13 +250,50 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         for groups, resources, verbs in rules(mesh, "istiod-clusterrole-istio-system")
         if verbs - {"get", "list", "watch"}
     ]
-    # istiod's chart grants these writes (and more); we keep only the two the CA needs
+    # istiod's chart grants these writes (and more); we keep the two the CA needs and the status
+    # subresource of the kinds it reads (patch only: never the objects themselves)
     assert writes == [
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
+        (("security.istio.io",), ("authorizationpolicies/status", "peerauthentications/status"), {"patch"}),
+        (("networking.istio.io",), ("serviceentries/status",), {"patch"}),
+        (("gateway.networking.k8s.io",), ("gateways/status",), {"patch"}),
+        (("",), ("services/status",), {"patch"}),
         (("authentication.k8s.io",), ("tokenreviews",), frozenset({"create"})),
     ]
+    # The plugin's own account reads one pod and its namespace; the agent may mint tokens of
+    # that account only (TokenRequest: no Secret, no other account).
+    assert rules(mesh, "istio-cni-plugin") == [(("",), ("pods", "namespaces"), frozenset({"get"}))]
+    assert mesh[("ServiceAccount", "istio-cni-plugin")]["automountServiceAccountToken"] is False
+    (token_rule,) = mesh[("Role", "istio-cni-plugin-token")]["rules"]
+    assert token_rule == {
+        "apiGroups": [""],
+        "resources": ["serviceaccounts/token"],
+        "resourceNames": ["istio-cni-plugin"],
+        "verbs": ["create"],
+    }
+    (subject,) = mesh[("RoleBinding", "istio-cni-plugin-token")]["subjects"]
+    assert (subject["name"], subject["namespace"]) == ("istio-cni", "istio-system")
     for (kind, name), obj in mesh.items():
         if kind == "ClusterRoleBinding":
             (subject,) = obj["subjects"]
             assert subject["namespace"] == "istio-system" and obj["roleRef"]["name"] == name
     assert not any(kind == "ClusterRole" and "secrets" in str(obj) for (kind, _), obj in mesh.items())
+
+
+@pytest.mark.parametrize("overlay", ["mesh", "beside-istiod"])
+def test_ztunnel_rolls_new_first_and_drains_within_its_grace(overlay, request):
+    """maxSurge 1, maxUnavailable 0 (Istio's ztunnel chart): on a node the new node proxy starts,
+    takes every pod from the node agent (the newest ZDS connection), and only then is the old
+    one terminated, to drain within its grace period (the deadline is 5 s shorter)."""
+    objs = request.getfixturevalue("mesh" if overlay == "mesh" else "beside")
+    ds = objs[("DaemonSet", "ztunnel")]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    spec = ds["spec"]["template"]["spec"]
+    e = env(container(objs, "DaemonSet", "ztunnel"))
+    # The drain deadline comes from the grace period the kubelet enforces (minus 5 s): both the same.
+    assert e["TERMINATION_GRACE_PERIOD_SECONDS"] == str(spec["terminationGracePeriodSeconds"]) == "30"
+    # Per-pod listeners must be shareable with the next node proxy: INPOD_PORT_REUSE stays on.
+    assert e.get("INPOD_PORT_REUSE", "true") == "true"

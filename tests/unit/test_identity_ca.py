@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ambient_mesh.errors import CertificateError, ConfigError
 from ambient_mesh.identity import CertificateAuthority, EmbeddedCaClient, Identity, generate_csr
 from ambient_mesh.identity.certificate import load_pem_certificates
+from tests.weak_keys import ACCEPTED_KEYS, REFUSED_KEYS, csr_pem
 
 NOW = datetime(2030, 6, 1, 12, 0, 0, tzinfo=UTC)
 ALICE = Identity("cluster.local", "ns1", "alice")
@@ -318,3 +319,21 @@ def test_plugged_in_signing_cert_must_be_a_ca(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"ca-cert.pem: the certificate is not a CA"):
         CertificateAuthority.from_plugged_in_dir(path)
+
+
+# --- the CSR key allow-list (issue 25, S6) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_KEYS))
+def test_csr_keys_off_the_allow_list_are_refused_with_a_reason(ca: CertificateAuthority, name: str) -> None:
+    make, reason = REFUSED_KEYS[name]
+    with pytest.raises(CertificateError) as info:
+        ca.sign_csr(csr_pem(make()), ALICE, 3600, now=NOW)  # type: ignore[no-untyped-call]
+    assert f"CSR for {ALICE} is refused" in str(info.value) and reason in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED_KEYS))
+def test_csr_keys_on_the_allow_list_are_signed(ca: CertificateAuthority, name: str) -> None:
+    key = ACCEPTED_KEYS[name]()  # type: ignore[no-untyped-call]
+    leaf = x509.load_pem_x509_certificate(ca.sign_csr(csr_pem(key), ALICE, 3600, now=NOW)[0].encode())
+    assert leaf.public_key() == key.public_key()

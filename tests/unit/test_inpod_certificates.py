@@ -6,11 +6,11 @@ import ipaddress
 
 from ambient_mesh.config import ZtunnelConfig
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.identity.tls import TlsContextCache
 from ambient_mesh.metrics import Metrics
 from ambient_mesh.proxy.inpod import InpodManager
 from ambient_mesh.state.model import TunnelProtocol, Workload
 from ambient_mesh.state.store import ProxyState
+from ambient_mesh.tls.context import TlsContextCache
 from tests.state_writes import remove, upsert
 
 

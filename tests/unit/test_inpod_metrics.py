@@ -18,10 +18,10 @@ import pytest
 
 from ambient_mesh.config import ProxyWorkloadInfo, ZtunnelConfig
 from ambient_mesh.host.netns import NetnsHandle
-from ambient_mesh.identity.tls import TlsContextCache
 from ambient_mesh.metrics import Metrics
 from ambient_mesh.proxy.inpod import InpodManager
 from ambient_mesh.state.store import ProxyState
+from ambient_mesh.tls.context import TlsContextCache
 from ambient_mesh.zds.client import ZdsClient, close_fds
 from ambient_mesh.zds.server import ZdsServer
 

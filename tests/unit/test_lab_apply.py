@@ -3,6 +3,7 @@ field check on Istio's kinds that they rely on."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -165,3 +166,42 @@ def test_lab_apply_refuses_a_route_typo_with_its_position():
     with pytest.raises(ConfigError) as exc:
         verbs.check(text, "vs.yaml")
     assert "vs.yaml:8:5:" in str(exc.value) and "spec.http[0].routes" in str(exc.value)
+
+
+def test_get_selects_by_label_and_wide_adds_labels(tmp_path):
+    from ambient_mesh.lab.selectors import parse_selector
+
+    docs = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}},
+        *(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "labels": {"app": name, "tier": tier}},
+                "spec": {"selector": {"app": name}, "clusterIP": ip, "ports": [{"port": 80}]},
+            }
+            for name, tier, ip in (("echo", "back", "10.96.0.20"), ("web", "front", "10.96.0.21"))
+        ),
+    ]
+    verbs.apply(
+        tmp_path, verbs.check(json.dumps({"kind": "List", "items": docs}), "l.yaml", default_namespace="shop")
+    )
+    back = parse_selector("tier=back")
+    assert [r[1] for r in verbs.get_table(tmp_path, "Service", "shop", selector=back).rows] == ["echo"]
+    assert [
+        r[1] for r in verbs.get_table(tmp_path, "Service", None, selector=parse_selector("tier")).rows
+    ] == [
+        "echo",
+        "web",
+    ]
+    assert [d["metadata"]["name"] for d in verbs.get_documents(tmp_path, "Service", None, selector=back)] == [
+        "echo"
+    ]
+    wide = verbs.get_table(
+        tmp_path, "Service", "shop", selector=parse_selector("app notin (echo)"), wide=True
+    )
+    assert wide.headers[-1] == "LABELS" and wide.rows == (
+        ("shop", "web", "10.96.0.21", "80/TCP", "app=web", "app=web,tier=front"),
+    )
+    # Namespaces show their labels already: wide does not repeat them.
+    assert verbs.get_table(tmp_path, "Namespace", None, wide=True).headers == ("NAME", "LABELS")

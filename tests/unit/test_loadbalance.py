@@ -1,4 +1,4 @@
-"""Endpoint selection (reference/ztunnel.md section 4.4): candidates, port mapping, STRICT and
+"""Endpoint selection (docs/istio-behaviour.md, "Load balancing"): candidates, port mapping, STRICT and
 FAILOVER locality ranking with the NETWORK gate, and weighted random choice by capacity."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from ambient_mesh.state.model import (
 from ambient_mesh.state.store import ProxyState
 from tests.state_writes import load
 
-# The example from reference/ztunnel.md section 2.3, exactly as written there.
+# A local config in ztunnel's format (docs/istio-behaviour.md, "Local config file") with every kind of entry.
 REFERENCE_EXAMPLE = """\
 workloads:
 - uid: k1//v1/Pod/shop/cart-7f9c

@@ -1,4 +1,4 @@
-"""L4 authorization evaluation (reference/ztunnel.md 5.2-5.4, spec/wire-protocols.md 3.2).
+"""L4 authorization evaluation (docs/istio-behaviour.md, "Authorization" and "STRICT mTLS").
 
 Table-driven: every match field, positive and negated, with and without a peer identity; the
 structural edge cases (empty rules, clauses, matches); evaluation order with dry run; which
@@ -37,6 +37,7 @@ from ambient_mesh.rbac import (
     reference,
     strict_mtls_policy,
 )
+from ambient_mesh.rbac.index import unknown_policies
 
 PEER = Identity("cluster.local", "ns1", "sa1")
 PEER_PRINCIPAL = "cluster.local/ns/ns1/sa/sa1"
@@ -505,12 +506,27 @@ def test_policies_for(wl: Target, expected: list[str], indexed: bool) -> None:
     assert [p.key for p in policies_for(policies, wl)] == expected
 
 
+UNKNOWN_WARNING = "skipping unknown policy ns1/gone (a workload names it; logged once, counted after)"
+
+
+@pytest.fixture(autouse=True)
+def _unknown_policies_logged_afresh() -> None:
+    unknown_policies.forget()
+
+
 @pytest.mark.parametrize("indexed", [False, True], ids=["dict", "index"])
-def test_unknown_policy_key_is_warned(indexed: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_policy_key_is_warned_once_and_counted(
+    indexed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every check of a workload that names a missing policy meets it (until the next push):
+    one warning per name, a count per check."""
     policies = PolicyIndex(ALL) if indexed else {p.key: p for p in ALL}
+    before = unknown_policies.skipped
     with caplog.at_level(logging.WARNING, logger="ambient_mesh.rbac"):
-        policies_for(policies, target("ns1", "ns1/gone"))
-    assert [r.getMessage() for r in caplog.records] == ["skipping unknown policy ns1/gone"]
+        for _ in range(5):
+            policies_for(policies, target("ns1", "ns1/gone"))
+    assert [r.getMessage() for r in caplog.records] == [UNKNOWN_WARNING]
+    assert unknown_policies.skipped == before + 5
 
 
 def test_scoping_decides() -> None:
@@ -547,7 +563,7 @@ def test_check_without_applicable_policies_is_the_default_allow(caplog: pytest.L
     assert index.check(target("ns1"), conn()) == empty
     with caplog.at_level(logging.WARNING, logger="ambient_mesh.rbac"):
         assert index.check(target("ns1", "ns1/gone"), conn()) == empty
-    assert [r.getMessage() for r in caplog.records] == ["skipping unknown policy ns1/gone"]
+    assert [r.getMessage() for r in caplog.records] == [UNKNOWN_WARNING]
     # An enforced ALLOW pruned away by the index still makes "none allowed" (no values matched).
     ns1_allows = [policy(one(Match(destination_ports=(9,))), name=f"a{i}") for i in range(20)]
     pruned = PolicyIndex(ns1_allows, min_indexed=1)
@@ -631,7 +647,7 @@ def test_compiled_policy_repr() -> None:
     )
 
 
-# -- STRICT mTLS (reference 5.4) --------------------------------------------------------------------------------
+# -- STRICT mTLS (docs/istio-behaviour.md, "STRICT mTLS") ------------------------------------------
 
 
 def test_strict_policy_shape() -> None:

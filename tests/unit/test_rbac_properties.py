@@ -1,9 +1,9 @@
-"""Properties of L4 authorization over random policy sets (reference/ztunnel.md 5.2-5.3).
+"""Properties of L4 authorization over random policy sets (docs/istio-behaviour.md, "Authorization").
 
-Values come from small pools so that random matches often hold: the interesting cases are the
-ones where some policies match and some do not. `ambient_mesh.rbac.reference` is the plain reading
-of reference 5.3 (StringMatch.matches, `ip in network`, no compilation); the compiled fast path
-and the pruning index must agree with it on every input.
+Values come from small pools so that random matches often hold: the interesting cases are the ones where some
+policies match and some do not. `ambient_mesh.rbac.reference` is the plain reading of docs/istio-behaviour.md,
+"Authorization" (StringMatch.matches, `ip in network`, no compilation); the compiled fast path and the pruning
+index must agree with it on every input.
 """
 
 from __future__ import annotations

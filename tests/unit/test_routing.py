@@ -1,4 +1,4 @@
-"""The outbound decision (`build_request`, reference/ztunnel.md section 3.1), without sockets.
+"""The outbound decision (`build_request`, docs/istio-behaviour.md, "Outbound (15001)"), without sockets.
 
 Test IPs follow ztunnel's local test config: source 127.0.0.2, HBONE workload 127.0.0.3, TCP
 workload 127.0.0.4, waypoint 127.0.0.5, service VIP 127.10.0.1.

@@ -1,5 +1,5 @@
-"""ProxyState, WorkloadStore and ServiceStore: indexes, staging, health policy, VIP and
-hostname ranking, visibility, versions and listeners (reference/ztunnel.md section 4)."""
+"""ProxyState, WorkloadStore and ServiceStore: indexes, staging, health policy, VIP and hostname ranking,
+visibility, versions and listeners (docs/istio-behaviour.md, "Workloads and services")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HBONE's TLS 1.3 record layer core (proxy/tls_records.py) without sockets: two cores talking,
+"""HBONE's TLS 1.3 record layer core (tls/records.py) without sockets: two cores talking,
 and a peer that breaks each rule of RFC 8446 the core implements (one test per rule)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.errors import ProtocolError
-from ambient_mesh.proxy import tls_records as tr
-from ambient_mesh.proxy.tls_records import (
+from ambient_mesh.tls import records as tr
+from ambient_mesh.tls.records import (
     BUFFER_FULL,
     CLOSED,
     NEED_MORE,
@@ -367,7 +367,7 @@ def test_close_notify_is_the_end_of_data_and_what_follows_is_ignored():
 
 @pytest.mark.parametrize(
     "code,name",
-    [(40, "handshake_failure"), (90, "user_canceled"), (80, "internal_error"), (200, "unknown alert 200")],
+    [(40, "handshake_failure"), (80, "internal_error"), (200, "unknown alert 200")],
 )
 @pytest.mark.parametrize("level", [1, 2])
 def test_every_other_alert_ends_the_connection_with_its_name(code, name, level):
@@ -377,6 +377,46 @@ def test_every_other_alert_ends_the_connection_with_its_name(code, name, level):
         open_all(core, peer.record(b"ok") + peer.record(bytes((level, code)), tr.ALERT))
     assert err.value.alert == name and name in str(err.value)
     assert not core.output  # no alert is answered with one
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_user_canceled_is_a_closure_alert_not_an_error(level):
+    # RFC 8446 6.1: user_canceled is a closure alert; the close_notify that follows ends the data.
+    core, peer, _ = peer_of("client")
+    wire = peer.record(b"before") + peer.record(bytes((level, 90)), tr.ALERT) + peer.record(b"after")
+    got, _used, status = open_all(core, wire + peer.record(bytes((1, 0)), tr.ALERT))
+    assert (got, status) == (b"beforeafter", CLOSED) and core.read_closed and not core.failed
+    assert not core.output  # no alert is answered with one
+
+
+def test_user_canceled_without_end_is_cut_off():
+    # Like empty records, closure alerts without data in between are bounded.
+    core, peer, _ = peer_of("client")
+    wire = b"".join(peer.record(bytes((1, 90)), tr.ALERT) for _ in range(tr.MAX_NO_DATA_IN_A_ROW + 1))
+    with pytest.raises(TlsRecordError, match="unexpected_message"):
+        open_all(core, wire)
+
+
+def test_the_write_sequence_continues_after_records_openssl_sealed():
+    # A TLS 1.3 server's NewSessionTickets are sealed by OpenSSL under the first write key
+    # (tls/handshake.py); our records continue with the next sequence numbers.
+    client, server = pair()
+    secrets = {"read_secret": bytes(server._read.secret), "write_secret": bytes(server._write.secret)}
+    openssl = RecordLayer(server.suite, client_side=False, **secrets)
+    tickets = openssl._seal_control(tr.HANDSHAKE, ticket()) + openssl._seal_control(tr.HANDSHAKE, ticket())
+    ours = RecordLayer(server.suite, client_side=False, write_sequence=2, **secrets)
+    assert open_all(client, tickets + bytes(ours.seal(b"data")))[0] == b"data"
+    # Without the count, our first record reuses the tickets' nonce and fails as a forgery would.
+    fresh = RecordLayer(
+        server.suite,
+        client_side=True,
+        read_secret=secrets["write_secret"],
+        write_secret=secrets["read_secret"],
+    )
+    with pytest.raises(TlsRecordError, match="bad_record_mac"):
+        open_all(fresh, bytes(ours.seal(b"x")))
+    with pytest.raises(ValueError, match="write_sequence"):
+        RecordLayer(server.suite, client_side=False, write_sequence=-1, **secrets)
 
 
 @pytest.mark.parametrize("content", [b"", b"\x01", b"\x01\x00\x00"])
@@ -649,3 +689,20 @@ def test_a_layer_made_on_another_thread_seals_through_buffers_of_its_own():
     thread.join()
     assert here._scratch is not there[0]._scratch
     assert here._scratch is pair()[0]._scratch
+
+
+def test_our_key_update_may_ask_for_the_peers_and_the_answer_asks_nothing():
+    """`request_peer_update` (what interop tests switch on through `KeyUpdates`): our KeyUpdate at
+    the limit carries update_requested; the peer answers with update_not_requested, so two of
+    ours rotate both ways once per limit and never answer each other in a loop."""
+    client, server = pair(records_per_key=4, request_peer_update=True)
+    first_client_write, first_server_write, first_server_read = client._write, server._write, server._read
+    wire = b"".join(bytes(client.seal(b"c%d" % i)) for i in range(5))  # past the limit
+    got, _, _ = open_all(server, wire)
+    assert got == b"".join(b"c%d" % i for i in range(5))
+    assert client._write is not first_client_write and server._read is not first_server_read
+    assert server.output  # its answer waits, sealed under its old key, before its next record
+    answer = bytes(server.seal(b"s"))
+    assert server._write is not first_server_write
+    got, _, _ = open_all(client, answer)
+    assert got == b"s" and not client.output  # no answer to an answer

@@ -206,12 +206,13 @@ def test_alg_none_and_hs256_with_the_public_key_are_refused() -> None:
     ("token", "reason"),
     [
         ("", "empty"),
-        ("abc", "1 parts"),
-        ("a.b.c.d", "4 parts"),
-        ("a+b.cc.dd", "header is not base64url"),
-        ("abcde.cc.dd", "header is not base64url"),
-        (f"{b64(b'[1]')}.cc.dd", "header is not a JSON object"),
-        (f"{b64(b'{')}.cc.dd", "header is not JSON"),
+        ("abc", "Not enough segments"),
+        ("a.b.c.d", "not a JWS compact serialization (Invalid header padding)"),
+        ("a+b.cc.dd", "not a JWS compact serialization (Invalid header padding)"),
+        ("abcde.cc.dd", "not a JWS compact serialization (Invalid header padding)"),
+        (f"{b64(b'[1]')}.cc.dd", "Invalid header string: must be a json object"),
+        (f"{b64(b'{')}.cc.dd", "not a JWS compact serialization (Invalid header string"),
+        (f"{b64(b'[' * 100_00)}.cc.dd", "not a JWS compact serialization ("),
         ("x" * 20000, "longer than"),
     ],
 )
@@ -221,11 +222,13 @@ def test_garbled_tokens_say_what_is_wrong(token: str, reason: str) -> None:
 
 def test_short_signature_is_refused() -> None:
     head, body, sig = node_token().split(".")
-    assert "63 bytes" in refused(f"{head}.{body}.{b64(unb64(sig)[:63])}")
+    assert "signature does not verify" in refused(f"{head}.{body}.{b64(unb64(sig)[:63])}")
 
 
 def test_critical_header_extensions_are_refused() -> None:
-    assert "critical" in refused(sign_raw({"alg": "ES256", "crit": ["exp"]}, claims_of(node_token())))
+    assert "Unsupported critical extension" in refused(
+        sign_raw({"alg": "ES256", "crit": ["exp"]}, claims_of(node_token()))
+    )
 
 
 @pytest.mark.parametrize(

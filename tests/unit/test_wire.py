@@ -1,7 +1,7 @@
-"""Generated wire types: reproducible, and numbered as spec/wire-protocols.md says.
+"""Generated wire types: reproducible, and numbered as Istio numbers them.
 
-The descriptor checks cover the checklist in section 10 of the spec; the hand-built byte
-strings check the numbers against bytes we wrote ourselves rather than bytes protoc made.
+The descriptor checks cover docs/istio-behaviour.md, "Wire types" (the details easy to get wrong); the
+hand-built byte strings check the numbers against bytes we wrote ourselves rather than bytes protoc made.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The transports' write backlog (proxy/write_backlog.py): order, marks, partial sends, bound."""
+"""The transports' write backlog (write_backlog.py): order, marks, partial sends, bound."""
 
 from __future__ import annotations
 
 import pytest
 
-from ambient_mesh.proxy.write_backlog import (
+from ambient_mesh.write_backlog import (
     HELD_VIEW_MIN_SHARE,
     MAX_WRITE_BACKLOG_BYTES,
     BacklogOverflow,

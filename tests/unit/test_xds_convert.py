@@ -1,5 +1,5 @@
 """Wire -> model conversion: full round trips, xDS defaults, and every rule ztunnel rejects on
-(spec/wire-protocols.md 2.4 and section 3)."""
+(docs/istio-behaviour.md, "Workloads and services" and "Authorization")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The sans-IO delta ADS session: initial requests, ACK/NACK, resume, readiness, on-demand
-(spec/wire-protocols.md 4.4-4.7), played without sockets."""
+(docs/istio-behaviour.md, "Delta xDS"), played without sockets."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_node_id_and_metadata() -> None:
         "NETWORK": "net1",
         "LABELS": {"app": "ztunnel", "replicas": 2, "tags": ["a", True, None]},
     }
-    # Nothing else in Node is set (spec 4.3).
+    # Nothing else in Node is set (docs/istio-behaviour.md, "Delta xDS").
     assert [f.name for f, _ in node.ListFields()] == ["id", "metadata"]
 
 

@@ -1,5 +1,5 @@
-"""The one state writer: xDS pushes and local config through the same code (spec 2.4,
-reference 4.3, 5.5 and 7)."""
+"""The one state writer: xDS pushes and local config through the same code (docs/istio-behaviour.md,
+"Workloads and services", "Policy changes on live connections" and "Delta xDS")."""
 
 from __future__ import annotations
 

@@ -156,3 +156,52 @@ def test_may_have_aliases_lets_ordinary_text_through():
     assert not yamlload.may_have_aliases("hosts: ['*.example.com']\npath: a*b\n")
     assert yamlload.may_have_aliases("x: *a\n")
     assert yamlload.may_have_aliases("- [*a]\n")
+
+
+# --- the fast path (libyaml parses) is held to the pure-Python loader (issue 25) -------------------
+
+
+def _tree(node: yaml.Node | None) -> object:
+    """A node tree as plain values: tags, scalar values and where each node starts."""
+    if node is None:
+        return None
+    where = (node.start_mark.line, node.start_mark.column)
+    if isinstance(node, yaml.ScalarNode):
+        return (node.tag, node.value, where)
+    if isinstance(node, yaml.SequenceNode):
+        return (node.tag, [_tree(n) for n in node.value], where)
+    return (node.tag, [(_tree(k), _tree(v)) for k, v in node.value], where)
+
+
+_plain = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_docs = st.recursive(
+    _plain,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200)
+@given(_docs, st.booleans(), st.booleans())
+def test_the_fast_loader_composes_what_the_python_loader_composes(doc, flow, shared):
+    # `shared` repeats one object, so yaml.dump writes an anchor and aliases to it.
+    value = {"a": doc, "b": doc, "c": [doc]} if shared else doc
+    text = yaml.dump(value, default_flow_style=flow, allow_unicode=True)
+    try:
+        slow = _tree(yamlload.compose(text, fast=False))
+    except yaml.YAMLError:
+        with pytest.raises(yaml.YAMLError):
+            yamlload.compose(text)
+        return
+    assert _tree(yamlload.compose(text)) == slow
+
+
+def test_the_fast_loader_keeps_the_alias_bound():
+    assert yamlload.compose_loader_name() == "BoundedCSafeLoader"
+    text = local_config_bomb()
+    for fast in (True, False):
+        start = time.monotonic()
+        with pytest.raises(AliasLimitError) as info:
+            yamlload.compose(text, fast=fast)
+        assert time.monotonic() - start < BOMB_SECONDS
+        assert info.value.problem_mark is not None and info.value.problem_mark.line > 0

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import ProtocolError
+from ...host.cpython import new_frozen, slot_setter
 from . import frames as f
 from .events import (
     ConnectionTerminated,
@@ -86,12 +87,11 @@ _END_STREAM = f.FLAG_END_STREAM
 _END_HEADERS = f.FLAG_END_HEADERS
 _PADDED_OR_PRIORITY = f.FLAG_PADDED | f.FLAG_PRIORITY
 _NOT_END_STREAM = 0xFF & ~f.FLAG_END_STREAM
-# A DataReceived per DATA frame made without the frozen dataclass's generated __init__ (a Python
-# frame that sets each field through object.__setattr__): the slots are set directly, so it is
-# the same frozen object, for about half the cost (bench/README.md, issue 11, per message).
-_new_object = object.__new__
-_set_event_sid = vars(DataReceived)["stream_id"].__set__  # the slots' member descriptors
-_set_event_data = vars(DataReceived)["data"].__set__
+# A DataReceived per DATA frame made without the frozen dataclass's generated __init__
+# (host/cpython.py): the same frozen object for about half the cost.
+_new_object = new_frozen
+_set_event_sid = slot_setter(DataReceived, "stream_id")
+_set_event_data = slot_setter(DataReceived, "data")
 
 # Header blocks: encoded bytes may exceed the decoded list only by padding (<= 256 per HEADERS
 # frame), priority fields and table size updates; Huffman is only used when it is shorter.
@@ -164,7 +164,8 @@ class _ConnectionError(Http2Error):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreSettings:
-    """What we advertise and how we keep the connection alive (defaults: ztunnel's, reference 11)."""
+    """What we advertise and how we keep the connection alive (defaults: ztunnel's, docs/istio-behaviour.md,
+    "HBONE")."""
 
     client_side: bool
     stream_window_bytes: int = 4 * 1024 * 1024
@@ -237,7 +238,7 @@ class Connection:
 
     # Slots, not an instance dict: with more than 30 attributes CPython 3.11 cannot share the
     # instance dict's keys, so every attribute read and write on the per-message path became a
-    # dict lookup instead of a fixed offset (bench/README.md, issue 11, per message).
+    # dict lookup instead of a fixed offset (docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
     __slots__ = (
         "settings",
         "client_side",
@@ -458,7 +459,7 @@ class Connection:
             if type(data) is not bytes and not (isinstance(data, memoryview) and data.readonly):
                 data = bytes(data)
             # The frame parser, inlined here (it was `_feed`): one Python call per read fewer on
-            # the per-message path (bench/README.md, issue 11).
+            # the per-message path (docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
             try:
                 n = len(data)
                 pos = 0

@@ -8,7 +8,8 @@ returns. The tables (static + dynamic, eviction) and the Huffman code are the li
 (`hpack.table.HeaderTable`, `hpack.huffman_table.decode_huffman`); encoding uses
 our own stateless encoder (below): we only ever encode our own small header lists, and
 `hpack.Encoder` Huffman-coded and table-indexed each CONNECT's fresh `traceparent` in pure
-Python, about a quarter of the outbound proxy's per-connection CPU (bench/README.md).
+Python, about a quarter of the outbound proxy's per-connection CPU
+(docs/performance.md, "HTTP/2: a purpose-built sans-IO core").
 
 The caller bounds the block's size before it gets here (connection.py); this module bounds the
 decoded header list (RFC 9113 6.5.2 SETTINGS_MAX_HEADER_LIST_SIZE, counted as RFC 7541 4.1
