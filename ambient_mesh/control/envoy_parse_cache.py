@@ -4,7 +4,8 @@ one build of a waypoint to the next.
 A waypoint is built again as a whole when anything it serves changes, and parsing the JSON form
 (`json_format.ParseDict`, pure Python) was most of a rebuild: with 1,000 services, one changed
 HTTPRoute re-parsed 1,000 filter chains, clusters and load assignments to change one chain. The
-canonical JSON text (C-encoded, sorted keys) names a resource; a build reuses the messages of
+JSON text (C-encoded; the builders write keys in a fixed order, and another order only misses)
+names a resource; a build reuses the messages of
 the previous build whose text did not change, and keeps only those it used, so the cache holds
 at most two builds' resources. A listener is parsed without its filter chains, which are
 looked up one by one and copied in. Messages handed out are shared: callers must not modify them.
@@ -22,7 +23,7 @@ M = TypeVar("M", bound=Message)
 
 
 class ParseCache:
-    """Parsed messages by (type, canonical JSON), from this build and the previous one."""
+    """Parsed messages by (type, JSON text), from this build and the previous one."""
 
     __slots__ = ("_previous", "_current", "hits", "misses")
 
@@ -36,7 +37,7 @@ class ParseCache:
         return f"ParseCache({len(self._current)} kept, {self.hits} hits, {self.misses} misses)"
 
     def parse(self, doc: dict[str, Any], message_type: type[M]) -> M:
-        key = (message_type.DESCRIPTOR.full_name, json.dumps(doc, sort_keys=True, separators=(",", ":")))
+        key = (message_type.DESCRIPTOR.full_name, json.dumps(doc, separators=(",", ":")))
         found = self._current.get(key) or self._previous.get(key)
         if found is None:
             found = message_type()
