@@ -341,6 +341,8 @@ class ControlPlane:
         self._translation = None
         if self.config.deploy_waypoints and self.config.directory is not None:
             self._deploy_waypoints(store)
+        if self.ads.waypoints is not None:  # part 2 hook: routes and L7 policy of waypoints
+            self.ads.waypoints.update_l7(store, changed)
         # No condition depends on pods (most of the churn): recomputed only when what it reads changed.
         if not self.loaded.is_set() or any(kind in STATUS_INPUT_KINDS for kind, _, _ in delta.objects):
             self._queue_status(compute_status(store, self.config.mesh))

@@ -24,14 +24,14 @@ node proxy.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # Every message type named by an `@type` below must be in the descriptor pool before ParseDict.
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.config.listener.v3 import listener_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2  # noqa: F401
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2  # noqa: F401
@@ -56,6 +56,7 @@ from xds.type.matcher.v3 import ip_pb2  # noqa: F401
 from ..ports import HBONE_PORT
 from ..wire.istio.workload import workload_pb2 as wl
 from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+from .envoy_parse_cache import ParseCache
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
@@ -122,6 +123,14 @@ class WaypointInputs:
     trust_domains: tuple[str, ...]
     services: tuple[ServicePort, ...]
     workload_ips: tuple[str, ...]
+    # Part 2 hook (waypoint_l7.py): per HTTP chain name, its route configuration (HTTPRoute,
+    # VirtualService; None: istiod's default route) and the HTTP filters before the router (RBAC,
+    # fault, CORS). A chain not listed keeps the default route and the router alone.
+    http_chains: Mapping[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]] = field(
+        default_factory=dict
+    )
+    # Part 2 hook: the access log of every service HTTP chain (Istio's HTTP metrics).
+    access_log: Sequence[Mapping[str, Any]] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -314,7 +323,7 @@ def _tcp_proxy(stat_prefix: str, cluster: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _hcm(stat_prefix: str, route_config: dict[str, Any], **extra: Any) -> dict[str, Any]:
+def _hcm(stat_prefix: str, route_config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": _typed(
@@ -418,9 +427,9 @@ def connect_terminate(trust_domains: Iterable[str]) -> dict[str, Any]:
     }
 
 
-def _http_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
+def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
     name = sp.cluster("http")
-    route = {
+    route: Mapping[str, Any] = {
         "name": name,
         "validate_clusters": False,
         "virtual_hosts": [
@@ -455,21 +464,25 @@ def _http_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
             }
         ],
     }
-    return {
-        "name": name,
-        "filters": [
-            _hcm(
-                f"inbound_{vip}_{sp.port}",
-                route,
-                server_name="istio-envoy",
-                normalize_path=True,
-                merge_slashes=True,
-                path_with_escaped_slashes_action="KEEP_UNCHANGED",
-                forward_client_cert_details="APPEND_FORWARD",
-                set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
-            )
-        ],
-    }
+    hcm = _hcm(
+        f"inbound_{vip}_{sp.port}",
+        route,
+        server_name="istio-envoy",
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action="KEEP_UNCHANGED",
+        forward_client_cert_details="APPEND_FORWARD",
+        set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
+    )
+    # Part 2 hook: this chain's routes, L7 filters and access log (waypoint_l7.py).
+    if inputs.access_log:
+        hcm["typed_config"]["access_log"] = list(inputs.access_log)
+    l7 = inputs.http_chains.get(name)
+    if l7 is not None:
+        if l7[0] is not None:
+            hcm["typed_config"]["route_config"] = l7[0]
+        hcm["typed_config"]["http_filters"] = [*l7[1], _router()]
+    return {"name": name, "filters": [hcm]}
 
 
 def _tcp_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
@@ -548,7 +561,7 @@ def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str
             continue
         stat_vip = sp.vips[0]
         if sp.protocol == "auto":
-            sniffed.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip))
+            sniffed.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip, inputs))
             sniffed.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
             main.setdefault(SNIFF_CHAIN, _sniff_chain())
             for vip in sp.vips:
@@ -557,8 +570,10 @@ def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str
                     sp.cluster("http"), sp.cluster("tcp")
                 )
             continue
-        build = _http_chain if sp.protocol == "http" else _tcp_chain
-        main.setdefault(sp.cluster(sp.protocol), build(sp, stat_vip))
+        main.setdefault(
+            sp.cluster(sp.protocol),
+            _http_chain(sp, stat_vip, inputs) if sp.protocol == "http" else _tcp_chain(sp, stat_vip),
+        )
         for vip in sp.vips:
             main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
     workload_ips = [ip for ip in inputs.workload_ips if ip not in main_ips]
@@ -718,8 +733,9 @@ def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]
 # The whole
 
 
-def build_resources(inputs: WaypointInputs) -> EnvoyResources:
-    """The Listeners, Clusters and ClusterLoadAssignments of one waypoint."""
+def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> EnvoyResources:
+    """The Listeners, Clusters and ClusterLoadAssignments of one waypoint (with `cache`, the
+    resources of its previous build that did not change are not parsed again)."""
     main, sniff = dispatch_listeners(inputs)
     listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
     clusters = [
@@ -737,6 +753,19 @@ def build_resources(inputs: WaypointInputs) -> EnvoyResources:
             name = sp.cluster(protocol)
             clusters.append(_eds_cluster(name))
             assignments.append(_load_assignment(name, sp.endpoints))
+    if cache is not None:  # part 2 hook: envoy_parse_cache.py
+        resources = EnvoyResources(
+            listeners={
+                d["name"]: cache.parse_listener(d, listener_pb2.Listener, listener_components_pb2.FilterChain)
+                for d in listeners
+            },
+            clusters={d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in clusters},
+            endpoints={
+                d["cluster_name"]: cache.parse(d, endpoint_pb2.ClusterLoadAssignment) for d in assignments
+            },
+        )
+        cache.end_build()
+        return resources
     return EnvoyResources(
         listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
         clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},

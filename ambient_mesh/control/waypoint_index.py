@@ -21,9 +21,12 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from ..identity.spiffe import Identity
+from ..kube.objects import KubeStore, ObjectKey
 from ..wire.istio.workload import workload_pb2 as wl
 from .ads_state import ProxyInfo, Snapshot
+from .envoy_parse_cache import ParseCache
 from .translate import MeshSettings
+from .translate.http_routes import namespace_of
 from .waypoint_envoy import (
     EnvoyResources,
     ServicePort,
@@ -32,6 +35,7 @@ from .waypoint_envoy import (
     ip_text,
     service_ports,
 )
+from .waypoint_l7 import ACCESS_LOG, WaypointL7
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,11 @@ class WaypointIndex:
         self._vip_owner: dict[str, set[str]] = {}  # VIP -> service names carrying it
         self._snapshots: dict[str, Snapshot] = {}  # waypoint key -> snapshot, for those asked
         self._version = 0
+        # Part 2 hook: routes and L7 policy (waypoint_l7.py); `_l7_dirty` holds the waypoints
+        # an L7 change touched, built again on the next `apply`.
+        self.l7 = WaypointL7(self.settings)
+        self._l7_dirty: set[str] = set()
+        self._parse_caches: dict[str, ParseCache] = {}
 
     def __repr__(self) -> str:
         return f"WaypointIndex({len(self._addresses)} addresses, {len(self._named_by)} waypoints named, {len(self._snapshots)} built)"
@@ -87,7 +96,9 @@ class WaypointIndex:
         return snap
 
     def resources(self, key: str) -> EnvoyResources:
-        return build_resources(self.inputs(key))
+        # Part 2 hook: each built waypoint keeps its parsed resources (envoy_parse_cache.py).
+        cache = self._parse_caches.setdefault(key, ParseCache())
+        return build_resources(self.inputs(key), cache)
 
     # -- changes --------------------------------------------------------------------------------
 
@@ -111,7 +122,8 @@ class WaypointIndex:
                 refs |= self._unlink(name, old)
             self._addresses[name] = addr
             refs |= self._link(name, addr)
-        touched = self._resolve(refs)
+        touched = self._resolve(refs) | self._l7_dirty
+        self._l7_dirty = set()
         changed = set()
         for key in touched & set(self._snapshots):
             before = self._snapshots[key]
@@ -120,6 +132,18 @@ class WaypointIndex:
                 self._snapshots[key] = after
                 changed.add(key)
         return changed
+
+    def update_l7(self, store: KubeStore, changed: Iterable[ObjectKey] | None = None) -> None:
+        """Part 2 hook: follow the route objects of `store`; the waypoints serving a hostname
+        whose routes changed are built again on the next `apply`."""
+        changed = list(changed) if changed is not None else None
+        if self.l7.update_policies(store, changed):
+            self._l7_dirty |= set(self._snapshots)
+        hosts = self.l7.update(store, changed)
+        refs = {
+            self._ref_of[name] for name in (f"{namespace_of(h)}/{h}" for h in hosts) if name in self._ref_of
+        }
+        self._l7_dirty |= self._resolve(refs)
 
     def _link(self, name: str, addr: wl.Address) -> set[str]:
         refs = self._refs(name, addr)
@@ -208,6 +232,8 @@ class WaypointIndex:
             trust_domains=(self.settings.trust_domain,),
             services=tuple(services),
             workload_ips=tuple(sorted(workload_ips)),
+            http_chains=self.l7.http_chains(_waypoint_of(key), services),
+            access_log=ACCESS_LOG,
         )
 
     def _build(self, key: str, previous: Snapshot | None) -> Snapshot:
@@ -216,6 +242,12 @@ class WaypointIndex:
         return Snapshot.of_messages(
             version=str(self._version), messages=resources.by_type(), previous=previous
         )
+
+
+def _waypoint_of(key: str) -> tuple[str, str]:
+    """(namespace, Gateway name) of a waypoint key."""
+    namespace, _, hostname = key.partition("/")
+    return namespace, hostname.split(".", 1)[0]
 
 
 def _discard(index: dict[str, set[str]], key: str, name: str) -> None:

@@ -304,6 +304,156 @@ class Gateway:
     status_addresses: tuple[GatewayAddress, ...] = ()
 
 
+# -- L7 routes (waypoints) -------------------------------------------------------------------------
+# HTTPRoute and VirtualService are kept in one shape, Istio's VirtualService `http` route: istiod
+# converts an HTTPRoute whose parent is a Service into a VirtualService with gateway semantics
+# (pilot/pkg/config/kube/gateway/conversion.go), and the waypoint reads only that form.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StringMatch:
+    kind: str  # "exact", "prefix" or "regex"
+    value: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeaderOps:
+    set: tuple[tuple[str, str], ...] = ()
+    add: tuple[tuple[str, str], ...] = ()
+    remove: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.set or self.add or self.remove)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteMatch:
+    name: str = ""
+    path: StringMatch | None = None
+    headers: tuple[tuple[str, StringMatch], ...] = ()
+    query_params: tuple[tuple[str, StringMatch], ...] = ()
+    method: str = ""
+    port: int = 0
+    ignore_uri_case: bool = False
+    # A VirtualService match with sourceLabels: never honoured by a waypoint (dropped).
+    source_labels: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteDestination:
+    host: str  # as written: a short name is resolved in `namespace`
+    namespace: str
+    port: int = 0
+    subset: str = ""
+    weight: int | None = None  # None: not given (a single destination takes everything)
+    request_headers: HeaderOps = HeaderOps()
+    response_headers: HeaderOps = HeaderOps()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteRedirect:
+    scheme: str = ""
+    host: str = ""
+    port: int = 0
+    path: str = ""  # the whole path
+    prefix: str = ""  # the matched prefix replaced by this
+    code: int = 301
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteRewrite:
+    prefix: str | None = None
+    full_path: str | None = None
+    regex: tuple[str, str] | None = None  # (pattern, substitution)
+    host: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteRetry:
+    attempts: int = 0
+    per_try_timeout_ms: int | None = None
+    retry_on: tuple[str, ...] = ()
+    codes: tuple[int, ...] = ()
+    backoff_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteFault:
+    delay_ms: int | None = None
+    delay_percent: float = 100.0
+    abort_status: int | None = None
+    abort_percent: float = 100.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteMirror:
+    destination: RouteDestination
+    percent: float = 100.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteCors:
+    allow_origins: tuple[StringMatch, ...] = ()
+    allow_methods: tuple[str, ...] = ()
+    allow_headers: tuple[str, ...] = ()
+    expose_headers: tuple[str, ...] = ()
+    max_age_s: int | None = None
+    allow_credentials: bool | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HttpRouteRule:
+    """One VirtualService `http` entry (an HTTPRoute rule converted as istiod converts it)."""
+
+    name: str = ""
+    matches: tuple[RouteMatch, ...] = ()
+    destinations: tuple[RouteDestination, ...] = ()
+    redirect: RouteRedirect | None = None
+    direct_response: tuple[int, str | None] | None = None
+    rewrite: RouteRewrite | None = None
+    timeout_ms: int | None = None
+    retries: RouteRetry | None = None
+    fault: RouteFault | None = None
+    mirrors: tuple[RouteMirror, ...] = ()
+    cors: RouteCors | None = None
+    request_headers: HeaderOps = HeaderOps()
+    response_headers: HeaderOps = HeaderOps()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteParent:
+    """An HTTPRoute parentRef naming a Service (Istio's mesh routing)."""
+
+    kind: str
+    name: str
+    namespace: str
+    port: int = 0
+    group: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HTTPRoute:
+    """gateway.networking.k8s.io HTTPRoute, its rules already in VirtualService form."""
+
+    kind = "HTTPRoute"
+    metadata: ObjectMeta
+    parents: tuple[RouteParent, ...] = ()
+    hostnames: tuple[str, ...] = ()
+    http: tuple[HttpRouteRule, ...] = ()
+    # What a waypoint cannot honour, said where the object is applied.
+    unsupported: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VirtualService:
+    kind = "VirtualService"
+    metadata: ObjectMeta
+    hosts: tuple[str, ...] = ()
+    gateways: tuple[str, ...] = ()
+    http: tuple[HttpRouteRule, ...] = ()
+    unsupported: tuple[str, ...] = ()
+
+
 KubeObject = (
     Namespace
     | Pod
@@ -315,6 +465,8 @@ KubeObject = (
     | ServiceEntry
     | WorkloadEntry
     | Gateway
+    | HTTPRoute
+    | VirtualService
 )
 
 ObjectKey = tuple[str, str, str]  # (kind, namespace, name)
@@ -833,6 +985,594 @@ def _parse_gateway(doc: _Fields) -> Gateway:
     )
 
 
+# -- HTTPRoute and VirtualService -------------------------------------------------------------------
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
+_DURATION_MS = {"h": 3_600_000, "m": 60_000, "s": 1000, "ms": 1}
+
+
+def _duration_ms(f: _Fields, key: str) -> int | None:
+    """A duration as Gateway API (`1h30m`, `500ms`) or Istio (`1.5s`) writes it, in milliseconds."""
+    text = f.str(key)
+    if not text:
+        return None
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DURATION_MS[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or pos == 0 or len(text) > 32:
+        raise _FieldError(f._child(key), f"{text!r} is not a duration (for example 10s, 500ms, 1m30s)")
+    return int(total)
+
+
+def _percent(f: _Fields | None, key: str = "value", default: float = 100.0) -> float:
+    if f is None:
+        return default
+    value = f._get(key)
+    if value is _MISSING:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+        raise _FieldError(f._child(key), "expected a percentage 0-100")
+    return float(value)
+
+
+def _string_match(f: _Fields) -> StringMatch:
+    f.only("exact", "prefix", "regex")
+    for kind in ("exact", "prefix", "regex"):
+        if f.has(kind):
+            return StringMatch(kind=kind, value=f.str(kind))
+    raise _FieldError(f._path, "one of exact, prefix or regex is required")
+
+
+def _name_values(f: _Fields, key: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for h in f.items(key):
+        h.only("name", "value")
+        name = h.str("name")
+        if not name:
+            raise _FieldError(f"{h._path}.name", "missing")
+        out.append((name.lower(), h.str("value")))
+    return tuple(out)
+
+
+def _gateway_header_ops(f: _Fields | None) -> HeaderOps:
+    if f is None:
+        return HeaderOps()
+    f.only("set", "add", "remove")
+    return HeaderOps(
+        set=_name_values(f, "set"),
+        add=_name_values(f, "add"),
+        remove=tuple(h.lower() for h in f.strings("remove")),
+    )
+
+
+def _istio_header_ops(f: _Fields | None) -> HeaderOps:
+    if f is None:
+        return HeaderOps()
+    f.only("set", "add", "remove")
+    return HeaderOps(
+        set=tuple((k.lower(), v) for k, v in f.string_map("set").items()),
+        add=tuple((k.lower(), v) for k, v in f.string_map("add").items()),
+        remove=tuple(h.lower() for h in f.strings("remove")),
+    )
+
+
+_GATEWAY_MATCH_TYPES = {"Exact": "exact", "PathPrefix": "prefix", "RegularExpression": "regex"}
+
+
+def _gateway_string_match(f: _Fields, default: str) -> StringMatch:
+    kind = f.enum("type", ("Exact", "PathPrefix", "RegularExpression"), default)
+    return StringMatch(kind=_GATEWAY_MATCH_TYPES[kind], value=f.str("value"))
+
+
+def _gateway_match(m: _Fields) -> RouteMatch:
+    m.only("path", "headers", "queryParams", "method")
+    path = None
+    p = m.sub("path")
+    if p is not None:
+        p.only("type", "value")
+        path = _gateway_string_match(p, "PathPrefix")
+        if not path.value.startswith("/") and path.kind != "regex":
+            raise _FieldError(f"{p._path}.value", "must start with /")
+    headers = []
+    for h in m.items("headers"):
+        h.only("type", "name", "value")
+        headers.append((h.str("name").lower(), _gateway_string_match(h, "Exact")))
+    query = []
+    for q in m.items("queryParams"):
+        q.only("type", "name", "value")
+        query.append((q.str("name"), _gateway_string_match(q, "Exact")))
+    return RouteMatch(
+        path=path or StringMatch(kind="prefix", value="/"),
+        headers=tuple(headers),
+        query_params=tuple(query),
+        method=m.str("method"),
+    )
+
+
+def _backend(b: _Fields, namespace: str, notes: list[str], *, weighted: bool) -> RouteDestination | None:
+    kind = b.str("kind", "Service")
+    group = b.str("group")
+    if kind != "Service" or group not in ("", "core"):
+        notes.append(f"{b._path}: backend {group or 'core'}/{kind} is not served (only Service)")
+        return None
+    ns = b.str("namespace") or namespace
+    if ns != namespace:
+        notes.append(f"{b._path}: a backend in another namespace needs a ReferenceGrant, not served")
+        return None
+    return RouteDestination(
+        host=b.str("name"),
+        namespace=ns,
+        port=b.int("port", lo=0, hi=65535),
+        weight=b.int("weight", 1, lo=0, hi=1_000_000) if weighted else None,
+    )
+
+
+def _gateway_path_modifier(f: _Fields) -> tuple[str, str]:
+    f.only("type", "replaceFullPath", "replacePrefixMatch")
+    kind = f.enum("type", ("ReplaceFullPath", "ReplacePrefixMatch"), "ReplaceFullPath")
+    return kind, f.str("replaceFullPath" if kind == "ReplaceFullPath" else "replacePrefixMatch")
+
+
+_FILTER_FIELDS = (
+    "type",
+    "requestHeaderModifier",
+    "responseHeaderModifier",
+    "requestRedirect",
+    "urlRewrite",
+    "requestMirror",
+    "extensionRef",
+    "cors",
+    "externalAuth",
+)
+
+
+def _gateway_rule(r: _Fields, index: int, route: ObjectMeta, notes: list[str]) -> list[HttpRouteRule]:
+    r.only("name", "matches", "filters", "backendRefs", "timeouts", "retry", "sessionPersistence")
+    if r.has("sessionPersistence"):
+        notes.append(f"{r._path}.sessionPersistence: not served by the waypoint, ignored")
+    request_headers = response_headers = HeaderOps()
+    redirect: RouteRedirect | None = None
+    rewrite: RouteRewrite | None = None
+    mirrors: list[RouteMirror] = []
+    for f in r.items("filters"):
+        f.only(*_FILTER_FIELDS)
+        kind = f.str("type")
+        if kind == "RequestHeaderModifier":
+            request_headers = _gateway_header_ops(f.sub("requestHeaderModifier"))
+        elif kind == "ResponseHeaderModifier":
+            response_headers = _gateway_header_ops(f.sub("responseHeaderModifier"))
+        elif kind == "RequestRedirect":
+            rr = f.sub("requestRedirect") or _Fields({}, f"{f._path}.requestRedirect")
+            rr.only("scheme", "hostname", "path", "port", "statusCode")
+            path_kind, path_value = ("", "")
+            if rr.sub("path") is not None:
+                path_kind, path_value = _gateway_path_modifier(rr.sub("path"))  # type: ignore[arg-type]
+            redirect = RouteRedirect(
+                scheme=rr.str("scheme"),
+                host=rr.str("hostname"),
+                port=rr.int("port", lo=0, hi=65535),
+                path=path_value if path_kind == "ReplaceFullPath" else "",
+                prefix=path_value if path_kind == "ReplacePrefixMatch" else "",
+                code=rr.int("statusCode", 302, lo=300, hi=399),
+            )
+        elif kind == "URLRewrite":
+            ur = f.sub("urlRewrite") or _Fields({}, f"{f._path}.urlRewrite")
+            ur.only("hostname", "path")
+            prefix = full = None
+            if ur.sub("path") is not None:
+                path_kind, path_value = _gateway_path_modifier(ur.sub("path"))  # type: ignore[arg-type]
+                if path_kind == "ReplaceFullPath":
+                    full = path_value
+                else:
+                    prefix = path_value
+            rewrite = RouteRewrite(prefix=prefix, full_path=full, host=ur.str("hostname"))
+        elif kind == "RequestMirror":
+            rm = f.sub("requestMirror") or _Fields({}, f"{f._path}.requestMirror")
+            rm.only("backendRef", "percent", "fraction")
+            ref = rm.sub("backendRef")
+            if ref is None:
+                raise _FieldError(f"{rm._path}.backendRef", "missing")
+            ref.only("group", "kind", "name", "namespace", "port")
+            dest = _backend(ref, route.namespace, notes, weighted=False)
+            percent = float(rm.int("percent", 100, lo=0, hi=100))
+            fraction = rm.sub("fraction")
+            if fraction is not None:
+                fraction.only("numerator", "denominator")
+                den = fraction.int("denominator", 100, lo=1)
+                percent = 100.0 * fraction.int("numerator", lo=0, hi=den) / den
+            if dest is not None:
+                mirrors.append(RouteMirror(destination=dest, percent=percent))
+        else:
+            notes.append(f"{f._path}: filter type {kind!r} is not served by the waypoint, ignored")
+    destinations = []
+    for b in r.items("backendRefs"):
+        b.only("group", "kind", "name", "namespace", "port", "weight", "filters")
+        dest = _backend(b, route.namespace, notes, weighted=True)
+        if dest is None:
+            continue
+        req = resp = HeaderOps()
+        for f in b.items("filters"):
+            f.only(*_FILTER_FIELDS)
+            kind = f.str("type")
+            if kind == "RequestHeaderModifier":
+                req = _gateway_header_ops(f.sub("requestHeaderModifier"))
+            elif kind == "ResponseHeaderModifier":
+                resp = _gateway_header_ops(f.sub("responseHeaderModifier"))
+            else:
+                notes.append(f"{f._path}: backend filter {kind!r} is not served by the waypoint, ignored")
+        destinations.append(
+            RouteDestination(
+                host=dest.host,
+                namespace=dest.namespace,
+                port=dest.port,
+                weight=dest.weight,
+                request_headers=req,
+                response_headers=resp,
+            )
+        )
+    timeout_ms = None
+    retries: RouteRetry | None = None
+    timeouts = r.sub("timeouts")
+    per_try = None
+    if timeouts is not None:
+        timeouts.only("request", "backendRequest")
+        timeout_ms = _duration_ms(timeouts, "request")
+        per_try = _duration_ms(timeouts, "backendRequest")
+    retry = r.sub("retry")
+    if retry is not None:
+        retry.only("codes", "attempts", "backoff")
+        codes = []
+        for i, c in enumerate(retry._get("codes") if retry.has("codes") else []):
+            if isinstance(c, bool) or not isinstance(c, int) or not 400 <= c <= 599:
+                raise _FieldError(f"{retry._path}.codes[{i}]", "expected an HTTP status 400-599")
+            codes.append(c)
+        retries = RouteRetry(
+            attempts=retry.int("attempts", 2, lo=0, hi=100),
+            per_try_timeout_ms=per_try,
+            retry_on=("connect-failure", "refused-stream", "unavailable", "cancelled"),
+            codes=tuple(codes),
+            backoff_ms=_duration_ms(retry, "backoff"),
+        )
+    elif per_try is not None:
+        retries = RouteRetry(attempts=2, per_try_timeout_ms=per_try)
+    matches = [_gateway_match(m) for m in r.items("matches")] or [
+        RouteMatch(path=StringMatch(kind="prefix", value="/"))
+    ]
+    name = r.str("name") or f"{route.namespace}.{route.name}.{index}"
+    direct = None
+    if redirect is None and (not destinations or all(d.weight == 0 for d in destinations)):
+        direct = (500, None)  # no backend to send to: Gateway API's 500
+    # One rule per match: Gateway API orders matches, not rules (translation sorts them).
+    return [
+        HttpRouteRule(
+            name=name,
+            matches=(m,),
+            destinations=tuple(destinations),
+            redirect=redirect,
+            direct_response=direct,
+            rewrite=rewrite,
+            timeout_ms=timeout_ms,
+            retries=retries,
+            mirrors=tuple(mirrors),
+            request_headers=request_headers,
+            response_headers=response_headers,
+        )
+        for m in matches
+    ]
+
+
+def _parse_http_route(doc: _Fields) -> HTTPRoute:
+    meta = _meta(doc, namespaced=True)
+    doc.only(*_CRD_TOP_FIELDS)
+    spec = (doc.sub("spec") or _Fields({}, "spec")).only(
+        "parentRefs", "hostnames", "rules", "useDefaultGateways"
+    )
+    notes: list[str] = []
+    parents = []
+    for p in spec.items("parentRefs"):
+        p.only("group", "kind", "namespace", "name", "sectionName", "port")
+        kind = p.str("kind", "Gateway")
+        group = p.str("group", "gateway.networking.k8s.io")
+        if kind == "Service" and group in ("", "core"):
+            parents.append(
+                RouteParent(
+                    kind=kind,
+                    group="",
+                    name=p.str("name"),
+                    namespace=p.str("namespace") or meta.namespace,
+                    port=p.int("port", lo=0, hi=65535),
+                )
+            )
+        else:
+            notes.append(
+                f"{p._path}: parent {kind} {p.str('name')!r}: only Service parents (mesh routing) are served"
+            )
+    if spec.has("hostnames"):
+        notes.append("spec.hostnames: ignored for Service parents (as istiod)")
+    rules: list[HttpRouteRule] = []
+    for i, r in enumerate(spec.items("rules")):
+        rules.extend(_gateway_rule(r, i, meta, notes))
+    return HTTPRoute(
+        metadata=meta,
+        parents=tuple(parents),
+        hostnames=spec.strings("hostnames"),
+        http=tuple(rules),
+        unsupported=tuple(notes),
+    )
+
+
+def _istio_destination(d: _Fields, namespace: str) -> RouteDestination:
+    d.only("host", "subset", "port")
+    host = d.str("host")
+    if not host:
+        raise _FieldError(f"{d._path}.host", "missing")
+    port = d.sub("port")
+    number = 0
+    if port is not None:
+        number = port.only("number").int("number", lo=0, hi=65535)
+    return RouteDestination(host=host, namespace=namespace, port=number, subset=d.str("subset"))
+
+
+_VS_MATCH_FIELDS = (
+    "name",
+    "uri",
+    "scheme",
+    "method",
+    "authority",
+    "headers",
+    "port",
+    "sourceLabels",
+    "gateways",
+    "queryParams",
+    "ignoreUriCase",
+    "withoutHeaders",
+    "sourceNamespace",
+    "statPrefix",
+)
+
+
+def _istio_match(m: _Fields, notes: list[str]) -> RouteMatch:
+    m.only(*_VS_MATCH_FIELDS)
+    for unsupported in ("scheme", "withoutHeaders", "sourceNamespace", "gateways", "statPrefix"):
+        if m.has(unsupported):
+            notes.append(f"{m._path}.{unsupported}: not served by the waypoint, ignored")
+    if m.has("sourceLabels"):
+        notes.append(
+            f"{m._path}.sourceLabels: a waypoint cannot match on sourceLabels; this match is dropped"
+        )
+    uri = m.sub("uri")
+    headers: list[tuple[str, StringMatch]] = []
+    raw = m.sub("headers")
+    if raw is not None:
+        for name in raw._data:
+            headers.append(
+                (str(name).lower(), _string_match(_Fields(raw._data[name], f"{raw._path}.{name}")))
+            )
+    authority = m.sub("authority")
+    if authority is not None:
+        headers.append((":authority", _string_match(authority)))
+    query: list[tuple[str, StringMatch]] = []
+    rawq = m.sub("queryParams")
+    if rawq is not None:
+        for name in rawq._data:
+            query.append((str(name), _string_match(_Fields(rawq._data[name], f"{rawq._path}.{name}"))))
+    method = ""
+    mm = m.sub("method")
+    if mm is not None:
+        sm = _string_match(mm)
+        if sm.kind == "exact":
+            method = sm.value
+        else:
+            headers.append((":method", sm))
+    return RouteMatch(
+        name=m.str("name"),
+        path=_string_match(uri) if uri is not None else None,
+        headers=tuple(headers),
+        query_params=tuple(query),
+        method=method,
+        port=m.int("port", lo=0, hi=65535),
+        ignore_uri_case=m.bool("ignoreUriCase"),
+        source_labels=m.has("sourceLabels"),
+    )
+
+
+_VS_HTTP_FIELDS = (
+    "name",
+    "match",
+    "route",
+    "redirect",
+    "directResponse",
+    "delegate",
+    "rewrite",
+    "timeout",
+    "retries",
+    "fault",
+    "mirror",
+    "mirrors",
+    "mirrorPercentage",
+    "mirror_percent",
+    "mirrorPercent",
+    "corsPolicy",
+    "headers",
+)
+
+
+def _istio_http(h: _Fields, namespace: str, notes: list[str]) -> HttpRouteRule:
+    h.only(*_VS_HTTP_FIELDS)
+    for unsupported in ("delegate", "mirror_percent", "mirrorPercent"):
+        if h.has(unsupported):
+            notes.append(f"{h._path}.{unsupported}: not served by the waypoint, ignored")
+    destinations = []
+    for r in h.items("route"):
+        r.only("destination", "weight", "headers")
+        d = r.sub("destination")
+        if d is None:
+            raise _FieldError(f"{r._path}.destination", "missing")
+        dest = _istio_destination(d, namespace)
+        hdr = r.sub("headers")
+        if hdr is not None:
+            hdr.only("request", "response")
+        destinations.append(
+            RouteDestination(
+                host=dest.host,
+                namespace=namespace,
+                port=dest.port,
+                subset=dest.subset,
+                weight=r.int("weight", lo=0, hi=1_000_000) if r.has("weight") else None,
+                request_headers=_istio_header_ops(hdr.sub("request") if hdr else None),
+                response_headers=_istio_header_ops(hdr.sub("response") if hdr else None),
+            )
+        )
+    redirect = None
+    rd = h.sub("redirect")
+    if rd is not None:
+        rd.only("uri", "authority", "port", "derivePort", "scheme", "redirectCode")
+        redirect = RouteRedirect(
+            scheme=rd.str("scheme"),
+            host=rd.str("authority"),
+            port=rd.int("port", lo=0, hi=65535),
+            path=rd.str("uri"),
+            code=rd.int("redirectCode", 301, lo=300, hi=399),
+        )
+    direct = None
+    dr = h.sub("directResponse")
+    if dr is not None:
+        dr.only("status", "body")
+        body = dr.sub("body")
+        text = None
+        if body is not None:
+            body.only("string", "bytes")
+            text = body.str("string")
+        direct = (dr.int("status", lo=200, hi=599), text)
+    rewrite = None
+    rw = h.sub("rewrite")
+    if rw is not None:
+        rw.only("uri", "authority", "uriRegexRewrite")
+        rr = rw.sub("uriRegexRewrite")
+        regex = None
+        if rr is not None:
+            rr.only("match", "rewrite")
+            regex = (rr.str("match"), rr.str("rewrite"))
+        rewrite = RouteRewrite(prefix=rw.str("uri") or None, regex=regex, host=rw.str("authority"))
+    retries = None
+    rt = h.sub("retries")
+    if rt is not None:
+        rt.only(
+            "attempts",
+            "perTryTimeout",
+            "retryOn",
+            "retryRemoteLocalities",
+            "retryIgnorePreviousHosts",
+            "backoff",
+        )
+        on = tuple(x.strip() for x in rt.str("retryOn").split(",") if x.strip())
+        retries = RouteRetry(
+            attempts=rt.int("attempts", lo=0, hi=100),
+            per_try_timeout_ms=_duration_ms(rt, "perTryTimeout"),
+            retry_on=tuple(x for x in on if not x.isdigit()),
+            codes=tuple(int(x) for x in on if x.isdigit()),
+            backoff_ms=_duration_ms(rt, "backoff"),
+        )
+    fault = None
+    ft = h.sub("fault")
+    if ft is not None:
+        ft.only("delay", "abort")
+        delay, abort = ft.sub("delay"), ft.sub("abort")
+        if delay is not None:
+            delay.only("fixedDelay", "percentage", "percent", "exponentialDelay")
+        if abort is not None:
+            abort.only("httpStatus", "grpcStatus", "http2Error", "percentage")
+        fault = RouteFault(
+            delay_ms=_duration_ms(delay, "fixedDelay") if delay is not None else None,
+            delay_percent=_percent(delay.sub("percentage")) if delay is not None else 100.0,
+            abort_status=abort.int("httpStatus", lo=200, hi=599) if abort is not None else None,
+            abort_percent=_percent(abort.sub("percentage")) if abort is not None else 100.0,
+        )
+    mirrors = []
+    mirror = h.sub("mirror")
+    if mirror is not None:
+        mirrors.append(
+            RouteMirror(
+                destination=_istio_destination(mirror, namespace), percent=_percent(h.sub("mirrorPercentage"))
+            )
+        )
+    for m in h.items("mirrors"):
+        m.only("destination", "percentage")
+        d = m.sub("destination")
+        if d is None:
+            raise _FieldError(f"{m._path}.destination", "missing")
+        mirrors.append(
+            RouteMirror(destination=_istio_destination(d, namespace), percent=_percent(m.sub("percentage")))
+        )
+    cors = None
+    cp = h.sub("corsPolicy")
+    if cp is not None:
+        cp.only(
+            "allowOrigin",
+            "allowOrigins",
+            "allowMethods",
+            "allowHeaders",
+            "exposeHeaders",
+            "maxAge",
+            "allowCredentials",
+            "unmatchedPreflights",
+        )
+        max_age = _duration_ms(cp, "maxAge")
+        cors = RouteCors(
+            allow_origins=tuple(_string_match(o) for o in cp.items("allowOrigins"))
+            + tuple(StringMatch(kind="exact", value=o) for o in cp.strings("allowOrigin")),
+            allow_methods=cp.strings("allowMethods"),
+            allow_headers=cp.strings("allowHeaders"),
+            expose_headers=cp.strings("exposeHeaders"),
+            max_age_s=max_age // 1000 if max_age is not None else None,
+            allow_credentials=cp.bool("allowCredentials") if cp.has("allowCredentials") else None,
+        )
+    headers = h.sub("headers")
+    if headers is not None:
+        headers.only("request", "response")
+    return HttpRouteRule(
+        name=h.str("name"),
+        matches=tuple(_istio_match(m, notes) for m in h.items("match")),
+        destinations=tuple(destinations),
+        redirect=redirect,
+        direct_response=direct,
+        rewrite=rewrite,
+        timeout_ms=_duration_ms(h, "timeout"),
+        retries=retries,
+        fault=fault,
+        mirrors=tuple(mirrors),
+        cors=cors,
+        request_headers=_istio_header_ops(headers.sub("request") if headers else None),
+        response_headers=_istio_header_ops(headers.sub("response") if headers else None),
+    )
+
+
+def _parse_virtual_service(doc: _Fields) -> VirtualService:
+    meta = _meta(doc, namespaced=True)
+    spec = _crd(doc, "hosts", "gateways", "http", "tls", "tcp", "exportTo")
+    notes: list[str] = []
+    for unsupported in ("tls", "tcp"):
+        if spec.has(unsupported):
+            notes.append(f"spec.{unsupported}: {unsupported} routes are not served by the waypoint, ignored")
+    http = []
+    for h in spec.items("http"):
+        rule = _istio_http(h, meta.namespace, notes)
+        actions = sum(x is not None for x in (rule.redirect, rule.direct_response)) + bool(rule.destinations)
+        if actions != 1:
+            raise _FieldError(h._path, "exactly one of route, redirect or directResponse is required")
+        http.append(rule)
+    return VirtualService(
+        metadata=meta,
+        hosts=spec.strings("hosts"),
+        gateways=spec.strings("gateways"),
+        http=tuple(http),
+        unsupported=tuple(notes),
+    )
+
+
 _PARSERS: dict[str, tuple[tuple[str, ...], Callable[[_Fields], KubeObject]]] = {
     "Namespace": (("v1",), _parse_namespace),
     "Pod": (("v1",), _parse_pod),
@@ -856,6 +1596,11 @@ _PARSERS: dict[str, tuple[tuple[str, ...], Callable[[_Fields], KubeObject]]] = {
         _parse_workload_entry,
     ),
     "Gateway": (("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io/v1beta1"), _parse_gateway),
+    "HTTPRoute": (("gateway.networking.k8s.io/v1", "gateway.networking.k8s.io/v1beta1"), _parse_http_route),
+    "VirtualService": (
+        ("networking.istio.io/v1", "networking.istio.io/v1beta1", "networking.istio.io/v1alpha3"),
+        _parse_virtual_service,
+    ),
 }
 
 
@@ -1169,6 +1914,14 @@ class KubeStore:
     @property
     def gateways(self) -> tuple[Gateway, ...]:
         return self._kind("Gateway")
+
+    @property
+    def http_routes(self) -> tuple[HTTPRoute, ...]:
+        return self._kind("HTTPRoute")
+
+    @property
+    def virtual_services(self) -> tuple[VirtualService, ...]:
+        return self._kind("VirtualService")
 
     def namespace(self, name: str) -> Namespace | None:
         obj = self._by_key.get(("Namespace", "", name))

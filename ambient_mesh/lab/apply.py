@@ -50,6 +50,8 @@ for _kind, _names in {
     "ServiceEntry": ("serviceentries", "serviceentry", "se"),
     "WorkloadEntry": ("workloadentries", "workloadentry", "we"),
     "Gateway": ("gateways", "gateway", "gtw"),
+    "HTTPRoute": ("httproutes", "httproute"),
+    "VirtualService": ("virtualservices", "virtualservice", "vs"),
 }.items():
     for _name in (*_names, _kind.lower()):
         KIND_NAMES[_name] = _kind
@@ -263,7 +265,22 @@ def apply(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:
             continue
         write_objects(objects_dir, [m.doc])
         lines.append(f"{m.ref} {'configured' if before is not None else 'created'}")
+        lines.extend(route_warnings(m))
     return lines
+
+
+def route_warnings(m: Manifest) -> list[str]:
+    """What a waypoint cannot honour in an HTTPRoute or VirtualService, as kubectl prints an API
+    server's warnings (the object is applied; those fields are not served)."""
+    if m.kind not in ("HTTPRoute", "VirtualService"):
+        return []
+    from ..control.translate.http_routes import notes
+
+    out: list[str] = []
+    for obj in kube.parse_documents(json.dumps(m.doc, default=str), m.file).objects:
+        if isinstance(obj, kube.HTTPRoute | kube.VirtualService):
+            out.extend(f"Warning: {note}" for note in notes(obj))
+    return out
 
 
 def apply_warnings(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str]:

@@ -29,10 +29,18 @@ from ..identity.caclient import GrpcCaClient
 from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..net import SocketAddr
-from ..ports import READINESS_PORT
+from ..ports import READINESS_PORT, STATS_PORT
 from .bootstrap import BootstrapParams, bootstrap
 from .envoy import EnvoyChild, check_version, envoy_argv, find_envoy
 from .sds import SDS_SERVER_OPTIONS, SdsServer, SecretSet
+from .telemetry import (
+    ALS_SERVER_OPTIONS,
+    AccessLogReceiver,
+    HttpMetrics,
+    WorkloadWatch,
+    envoy_prometheus,
+    serve_metrics,
+)
 from .xds_proxy import XDS_SERVER_OPTIONS, XdsProxy
 
 log = logging.getLogger("ambient_mesh.waypoint")
@@ -91,6 +99,7 @@ class WaypointAgent:
         self.xds_socket = run / "xds.sock"
         self.sds_socket = run / "sds.sock"
         self.admin_socket = run / "admin.sock"
+        self.als_socket = run / "als.sock"
         self.bootstrap_path = run / "envoy-bootstrap.json"
         self.envoy_log = run / "envoy.log"
         self.sds = SdsServer()
@@ -118,6 +127,20 @@ class WaypointAgent:
         )
         self.envoy: EnvoyChild | None = None
         self._servers: list[grpc.aio.Server] = []
+        # Part 2 hook: Istio's HTTP metrics (telemetry.py), served on 15020 with Envoy's own.
+        self.workloads = WorkloadWatch.for_pod(
+            xds_address=config.xds_address,
+            root_cert=str(config.root_cert),
+            token_file=str(config.token_file) if config.token_file is not None else None,
+            pod_name=config.pod_name,
+            namespace=config.namespace,
+            pod_ip=config.pod_ip,
+            cluster_id=config.cluster_id,
+            trust_domain=config.trust_domain,
+            alt_hostname=config.alt_hostname,
+        )
+        self.metrics = HttpMetrics(self.workloads.state, trust_domain=config.trust_domain)
+        self._metrics_server: asyncio.Server | None = None
 
     def __repr__(self) -> str:
         return f"WaypointAgent({self.config.namespace}/{self.config.gateway_name}: {self.envoy!r}, {self.sds!r}, {self.xds!r})"
@@ -215,7 +238,7 @@ class WaypointAgent:
         version = check_version(binary)
         log.info("Envoy %s at %s", ".".join(map(str, version)), binary)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        for sock in (self.xds_socket, self.sds_socket, self.admin_socket):
+        for sock in (self.xds_socket, self.sds_socket, self.admin_socket, self.als_socket):
             sock.unlink(missing_ok=True)
         xds_server = grpc.aio.server(options=XDS_SERVER_OPTIONS)
         self.xds.serve(xds_server)
@@ -223,12 +246,22 @@ class WaypointAgent:
         sds_server = grpc.aio.server(options=SDS_SERVER_OPTIONS)
         self.sds.serve(sds_server)
         sds_server.add_insecure_port(f"unix:{self.sds_socket}")
-        for server in (xds_server, sds_server):
+        als_server = grpc.aio.server(options=ALS_SERVER_OPTIONS)
+        AccessLogReceiver(self.metrics).serve(als_server)
+        als_server.add_insecure_port(f"unix:{self.als_socket}")
+        for server in (xds_server, sds_server, als_server):
             await server.start()
             self._servers.append(server)
         # Only the pod's own processes reach the sockets.
-        for sock in (self.xds_socket, self.sds_socket):
+        for sock in (self.xds_socket, self.sds_socket, self.als_socket):
             sock.chmod(0o600)
+        self.workloads.start()
+        self._metrics_server = await serve_metrics(
+            str(self.config.readiness_listen.ip),
+            STATS_PORT,
+            self.metrics.render,
+            lambda: envoy_prometheus(str(self.admin_socket)),
+        )
         c = self.config
         params = BootstrapParams(
             pod_name=c.pod_name,
@@ -241,6 +274,7 @@ class WaypointAgent:
             xds_socket=self.xds_socket,
             sds_socket=self.sds_socket,
             admin_socket=self.admin_socket,
+            als_socket=self.als_socket,
         )
         self.bootstrap_path.write_text(json.dumps(bootstrap(params), indent=1))
         self.envoy = EnvoyChild(
@@ -292,6 +326,10 @@ class WaypointAgent:
     async def close(self) -> None:
         if self.envoy is not None:
             await self.envoy.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+        await self.workloads.close()
         for server in self._servers:
             await server.stop(grace=1.0)
         self._servers.clear()

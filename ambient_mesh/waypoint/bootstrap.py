@@ -19,6 +19,7 @@ from typing import Any
 from ..metadata import LABEL_GATEWAY_NAME
 
 XDS_CLUSTER = "xds-grpc"
+ALS_CLUSTER = "als-grpc"  # the access log the control plane configures (waypoint_l7.ALS_CLUSTER)
 SDS_CLUSTER = "sds-grpc"  # the name the control plane's resources use (waypoint_envoy.SDS_CLUSTER)
 # Envoy's limit on one xDS message it accepts from the agent; the agent enforces the same.
 MAX_XDS_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -38,6 +39,8 @@ class BootstrapParams:
     xds_socket: Path
     sds_socket: Path
     admin_socket: Path
+    # Part 2 hook: the agent's access-log socket (waypoint/telemetry.py), cluster `als-grpc`.
+    als_socket: Path | None = None
 
     @property
     def node_id(self) -> str:
@@ -101,6 +104,7 @@ def bootstrap(params: BootstrapParams) -> dict[str, Any]:
             "clusters": [
                 _unix_cluster(XDS_CLUSTER, params.xds_socket),
                 _unix_cluster(SDS_CLUSTER, params.sds_socket),
+                *([_unix_cluster(ALS_CLUSTER, params.als_socket)] if params.als_socket is not None else []),
             ]
         },
     }

@@ -136,6 +136,38 @@ def test_an_alias_bomb_is_refused_with_its_line():
         verbs.check("\n".join(lines) + "\n", "bomb.yaml")
 
 
+VS_WITH_SOURCE_LABELS = textwrap.dedent(
+    """\
+    apiVersion: networking.istio.io/v1
+    kind: VirtualService
+    metadata: {name: web, namespace: shop}
+    spec:
+      hosts: [web]
+      http:
+      - match: [{sourceLabels: {app: client}}]
+        route: [{destination: {host: web}}]
+    """
+)
+
+
+def test_lab_apply_takes_routes_and_says_what_a_waypoint_cannot_honour(tmp_path):
+    manifests = verbs.check(VS_WITH_SOURCE_LABELS, "vs.yaml")
+    lines = verbs.apply(tmp_path, manifests)
+    assert lines == [
+        "virtualservice.networking.istio.io/web created",
+        "Warning: VirtualService shop/web: spec.http[0].match[0].sourceLabels: a waypoint cannot match "
+        "on sourceLabels; this match is dropped",
+    ]
+    assert [o.kind for o in load_directory(tmp_path).objects] == ["VirtualService"]
+
+
+def test_lab_apply_refuses_a_route_typo_with_its_position():
+    text = VS_WITH_SOURCE_LABELS.replace("route:", "routes:")
+    with pytest.raises(ConfigError) as exc:
+        verbs.check(text, "vs.yaml")
+    assert "vs.yaml:8:5:" in str(exc.value) and "spec.http[0].routes" in str(exc.value)
+
+
 def test_get_selects_by_label_and_wide_adds_labels(tmp_path):
     from ambient_mesh.lab.selectors import parse_selector
 
