@@ -154,3 +154,13 @@ def test_every_docs_path_and_cited_section_exists() -> None:
                 if not any(heading == title or heading.startswith(title + " (") for heading in headings[doc]):
                     missing.append(f'{name}:{_line(text, m.start())}: {doc} has no section "{title}"')
     assert missing == [], "\n".join(missing)
+
+
+def test_test_modules_outside_packages_have_unique_names() -> None:
+    """pytest imports a test module of a directory without `__init__.py` by its bare name: two
+    such modules with one name stop the whole run at collection."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if not (path.parent / "__init__.py").exists():
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
