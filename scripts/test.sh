@@ -15,11 +15,18 @@ echo "test: ruff check, ruff format --check, mypy, lint-imports"
 .venv/bin/mypy            # configuration: [tool.mypy] in pyproject.toml
 .venv/bin/lint-imports    # contracts: [tool.importlinter] in pyproject.toml (docs/architecture.md)
 # tests/cluster is collected here too and skips itself: the cluster tier runs below, on its own.
-# Under coverage ([tool.coverage] in pyproject.toml: the sans-IO cores and their floor).
-rm -f .coverage
-env -u AMBIENT_CLUSTER_TIER .venv/bin/python -m coverage run -m pytest -p no:cacheprovider "$@"
+env -u AMBIENT_CLUSTER_TIER .venv/bin/python -m pytest -p no:cacheprovider "$@"
 if [ $# -eq 0 ]; then
-  echo "test: coverage of the sans-IO cores (floor: fail_under in pyproject.toml)"
+  # The floor on the sans-IO cores ([tool.coverage] in pyproject.toml), measured by their own unit
+  # tests run again under coverage: tracing the whole suite slows its timed asyncio tests into
+  # failures, while these are pure and take about 35 s traced.
+  echo "test: coverage of the sans-IO cores by their unit tests (floor: fail_under in pyproject.toml)"
+  rm -f .coverage
+  .venv/bin/python -m coverage run -m pytest -q -p no:cacheprovider \
+    tests/unit/test_http2_core.py tests/unit/test_http2_properties.py tests/unit/test_http2_send_queue.py \
+    tests/unit/test_hpack_encoder.py tests/unit/test_hbone_protocol.py tests/unit/test_tls_records.py \
+    tests/unit/test_rbac.py tests/unit/test_rbac_compile.py tests/unit/test_rbac_properties.py \
+    tests/unit/test_zds_codec.py tests/unit/test_xds_convert.py
   .venv/bin/python -m coverage report
 fi
 if [ $# -gt 0 ]; then
