@@ -42,8 +42,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -53,8 +51,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc  # noqa: E402
 from waypoint_bench import (  # noqa: E402
     DIRECT_VIP,
     STATIC_VIP,
-    _services,
-    static_bootstrap,
+    start_static_waypoint,
     summary,
     timed_requests,
     wait,
@@ -62,11 +59,8 @@ from waypoint_bench import (  # noqa: E402
 
 from ambient_mesh.host.commands import SubprocessRunner  # noqa: E402
 from ambient_mesh.host.netns import http_get  # noqa: E402
-from ambient_mesh.identity.ca import CertificateAuthority  # noqa: E402
-from ambient_mesh.identity.spiffe import Identity  # noqa: E402
-from ambient_mesh.waypoint.envoy import find_envoy  # noqa: E402
 from tests.netns.conftest import start_echo_server  # noqa: E402
-from tests.netns.test_waypoint_envoy import ALLOW_CLIENT_AND_WAYPOINT, HTTP_PORT, running_waypoint_mesh  # noqa: E402
+from tests.netns.test_waypoint_envoy import ALLOW_CLIENT_AND_WAYPOINT, running_waypoint_mesh  # noqa: E402
 
 GENERATED_VIP = "10.96.0.10"
 T = "type.googleapis.com/"
@@ -317,47 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             with running_waypoint_mesh(
                 SubprocessRunner(), http_get, start_echo_server, tmp, ALLOW_CLIENT_AND_WAYPOINT
             ) as mesh:
-                static = mesh.fabric.add_node("static")
-                ca = CertificateAuthority.from_plugged_in_dir(mesh.state / "cacerts")
-                cert = ca.issue(
-                    Identity("cluster.local", "default", "static-wp"),
-                    24 * 3600,
-                    now=datetime.datetime.now(datetime.UTC),
-                )
-                cert_dir = tmp / "static-certs"
-                cert_dir.mkdir()
-                (cert_dir / "key.pem").write_bytes(cert.private_key_pem)
-                (cert_dir / "chain.pem").write_bytes(b"".join(cert.chain_pem))
-                (cert_dir / "root.pem").write_bytes(cert.roots_pem)
-                boot = tmp / "static-envoy.yaml"
-                admin = tmp / "static-admin.sock"
-                config = static_bootstrap(cert_dir, admin, STATIC_VIP, f"{mesh.server.ipv4}:{HTTP_PORT}")
-                boot.write_text(yaml.safe_dump(extend_static(config, als_socket)))
-                with open(tmp / "static-envoy.log", "wb") as out:
-                    mesh.fabric.spawn(
-                        static,
-                        [
-                            str(find_envoy()),
-                            "-c",
-                            str(boot),
-                            "--disable-hot-restart",
-                            "--concurrency",
-                            "2",
-                            "-l",
-                            "warning",
-                        ],
-                        stdout=out,
-                        stderr=out,
-                    )
-                mesh.fabric.wait_for_listen(static, 15008)
-                mesh.write("bench.yaml", _services(str(static.ipv4)))
-                mesh.write(
-                    "policy.yaml",
-                    ALLOW_CLIENT_AND_WAYPOINT.replace(
-                        '"cluster.local/ns/default/sa/waypoint"]',
-                        '"cluster.local/ns/default/sa/waypoint", "cluster.local/ns/default/sa/static-wp"]',
-                    ),
-                )
+                start_static_waypoint(mesh, tmp, lambda c: extend_static(c, als_socket))
                 mesh.write("l7.yaml", ROUTE + "\n---\n" + POLICIES)
 
                 def l7_programmed() -> bool:

@@ -38,7 +38,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -473,6 +475,48 @@ def lab_apply_to_first_request(runs: int) -> list[float]:
     return out
 
 
+def start_static_waypoint(mesh: Any, tmp: Path, extend: Callable[[dict], dict] = lambda c: c) -> None:
+    """A second waypoint, Envoy on the hand-written static configuration (`extend`ed), on a node
+    of its own with a certificate of the mesh CA for `static-wp`; the bench's services pointed at
+    it and the destination's policy allowing it."""
+    static = mesh.fabric.add_node("static")
+    ca = CertificateAuthority.from_plugged_in_dir(mesh.state / "cacerts")
+    cert = ca.issue(
+        Identity("cluster.local", "default", "static-wp"), 24 * 3600, now=datetime.datetime.now(datetime.UTC)
+    )
+    cert_dir = tmp / "static-certs"
+    cert_dir.mkdir()
+    (cert_dir / "key.pem").write_bytes(cert.private_key_pem)
+    (cert_dir / "chain.pem").write_bytes(b"".join(cert.chain_pem))
+    (cert_dir / "root.pem").write_bytes(cert.roots_pem)
+    boot = tmp / "static-envoy.yaml"
+    config = static_bootstrap(
+        cert_dir, tmp / "static-admin.sock", STATIC_VIP, f"{mesh.server.ipv4}:{HTTP_PORT}"
+    )
+    boot.write_text(yaml.safe_dump(extend(config)))
+    argv = [
+        str(find_envoy()),
+        "-c",
+        str(boot),
+        "--disable-hot-restart",
+        "--concurrency",
+        "2",
+        "-l",
+        "warning",
+    ]
+    with open(tmp / "static-envoy.log", "wb") as out:
+        mesh.fabric.spawn(static, argv, stdout=out, stderr=out)
+    mesh.fabric.wait_for_listen(static, 15008)
+    mesh.write("bench.yaml", _services(str(static.ipv4)))
+    mesh.write(
+        "policy.yaml",
+        ALLOW_CLIENT_AND_WAYPOINT.replace(
+            '"cluster.local/ns/default/sa/waypoint"]',
+            '"cluster.local/ns/default/sa/waypoint", "cluster.local/ns/default/sa/static-wp"]',
+        ),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300, help="requests per mode per round")
@@ -495,51 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         with running_waypoint_mesh(
             SubprocessRunner(), http_get, start_echo_server, tmp, ALLOW_CLIENT_AND_WAYPOINT
         ) as mesh:
-            static = mesh.fabric.add_node("static")
-            # The static waypoint's identity, from the mesh CA, in files.
-            ca = CertificateAuthority.from_plugged_in_dir(mesh.state / "cacerts")
-            cert = ca.issue(
-                Identity("cluster.local", "default", "static-wp"),
-                24 * 3600,
-                now=datetime.datetime.now(datetime.UTC),
-            )
-            cert_dir = tmp / "static-certs"
-            cert_dir.mkdir()
-            (cert_dir / "key.pem").write_bytes(cert.private_key_pem)
-            (cert_dir / "chain.pem").write_bytes(b"".join(cert.chain_pem))
-            (cert_dir / "root.pem").write_bytes(cert.roots_pem)
-            boot = tmp / "static-envoy.yaml"
-            admin = tmp / "static-admin.sock"
-            boot.write_text(
-                yaml.safe_dump(
-                    static_bootstrap(cert_dir, admin, STATIC_VIP, f"{mesh.server.ipv4}:{HTTP_PORT}")
-                )
-            )
-            with open(tmp / "static-envoy.log", "wb") as out:
-                mesh.fabric.spawn(
-                    static,
-                    [
-                        str(find_envoy()),
-                        "-c",
-                        str(boot),
-                        "--disable-hot-restart",
-                        "--concurrency",
-                        "2",
-                        "-l",
-                        "warning",
-                    ],
-                    stdout=out,
-                    stderr=out,
-                )
-            mesh.fabric.wait_for_listen(static, 15008)
-            mesh.write("bench.yaml", _services(str(static.ipv4)))
-            mesh.write(
-                "policy.yaml",
-                ALLOW_CLIENT_AND_WAYPOINT.replace(
-                    '"cluster.local/ns/default/sa/waypoint"]',
-                    '"cluster.local/ns/default/sa/waypoint", "cluster.local/ns/default/sa/static-wp"]',
-                ),
-            )
+            start_static_waypoint(mesh, tmp)
             for vip in (DIRECT_VIP, STATIC_VIP):
                 if not wait(lambda vip=vip: mesh.http_get(vip, 80)[0] == 200, 30):
                     print(

@@ -604,20 +604,7 @@ class TlsTransport(_TlsTransportBase):
         except ProtocolError as e:
             self._fatal(e)
             return
-        # _send_sealed, inlined: this runs once per message sent.
-        if not self._backlog.bytes:
-            try:
-                n = _send(self._sock, sealed)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError as e:
-                self._fatal(e)
-                return
-            if n == len(sealed):
-                return
-            sealed = sealed[n:]
-            self._add_writer()
-        self._queue(sealed)
+        self._send_sealed(sealed)
 
     def writelines(self, list_of_data: Any) -> None:
         """All pieces sealed as one stream into one buffer and sent with one `send`: a DATA
