@@ -44,6 +44,8 @@ TCP_VIP = "10.96.0.11"
 START_TIMEOUT_S = 60.0
 IO_TIMEOUT_S = 10.0
 SECRET_TTL_S = 16  # renewed every 8 s
+REQUEST_GAP_S = 0.02  # pacing of the rotation load: at most 50 requests a second
+MAX_REQUESTS = int(3 * SECRET_TTL_S / REQUEST_GAP_S) + 1  # never the bound that ends the loop
 
 
 def ambient_argv(*args: str) -> list[str]:
@@ -533,12 +535,16 @@ def _cert_serials(wmesh) -> set[str]:
 
 def _rotate_under_load(wmesh) -> tuple[str, int, int]:
     """HTTP requests through the waypoint until its certificate rotates (at least 20 requests);
-    (the new serials, requests made, requests failed)."""
+    (the new serials, requests made, requests failed).
+
+    Paced at one request per REQUEST_GAP_S, so the count bound (MAX_REQUESTS) can never end the
+    loop before the renewal, due SECRET_TTL_S / 2 after issue, on a fast machine."""
     first = _wait(lambda: _cert_serials(wmesh), "the waypoint's certificate in Envoy")
     deadline = time.monotonic() + 3 * SECRET_TTL_S
     done = failures = 0
     rotated = ""
-    while time.monotonic() < deadline and done < 2000:
+    while time.monotonic() < deadline and done < MAX_REQUESTS:
+        next_at = time.monotonic() + REQUEST_GAP_S
         try:
             status, _ = wmesh.http_get(HTTP_VIP, 80)
         except OSError:
@@ -550,6 +556,7 @@ def _rotate_under_load(wmesh) -> tuple[str, int, int]:
             rotated = serial
             if done >= 20:
                 break
+        time.sleep(max(0.0, next_at - time.monotonic()))
     return rotated, done, failures
 
 
