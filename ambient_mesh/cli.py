@@ -311,7 +311,8 @@ def build_parser(*, env_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--waypoint-image",
         default=os.environ.get("WAYPOINT_IMAGE", ""),
-        help="--kube: the image of waypoint pods (env WAYPOINT_IMAGE; default: this pod's own)",
+        help="the image of waypoint pods (env WAYPOINT_IMAGE; default with --kube: this pod's own; with "
+        "--dir: ambient-mesh, which the lab runs from its own install)",
     )
     p.add_argument("--log-level", default="info")
     p.add_argument(

@@ -73,6 +73,7 @@ from .waypoint_deployer import apply_plan, read_current
 from .waypoint_deployer import plan as plan_waypoints
 from .waypoint_index import WaypointIndex
 from .waypoint_kube import KubeWaypointDeployer, deploy_settings
+from .waypoint_render import DEFAULT_IMAGE, DeploySettings
 
 if TYPE_CHECKING:  # rich is imported only where the tables are drawn
     from rich.console import Console
@@ -365,7 +366,15 @@ class ControlPlane:
     def _deploy_waypoints(self, store: KubeStore) -> None:
         directory = self.config.directory
         assert directory is not None
-        deploy = plan_waypoints(store, read_current(directory), self.config.mesh)
+        mesh = self.config.mesh
+        settings = DeploySettings(
+            image=self.config.waypoint_image or DEFAULT_IMAGE,
+            trust_domain=mesh.trust_domain,
+            cluster_id=mesh.cluster_id,
+            domain_suffix=mesh.domain_suffix,
+            root_namespace=mesh.root_namespace,
+        )
+        deploy = plan_waypoints(store, read_current(directory), settings)
         if deploy:
             # The writes come back as the next directory change, as an API server's watch would.
             for line in apply_plan(directory, deploy):

@@ -1,12 +1,11 @@
 """What `ambient control --deploy-waypoints` deploys for each waypoint Gateway, into its directory.
 
-Counterpart: istiod's gateway deployment controller (pilot/pkg/config/kube/gateway/
-deploymentcontroller.go with the waypoint template, manifests/.../files/waypoint.yaml): for a
-Gateway of class `istio-waypoint` a ServiceAccount, a Deployment of one `proxy waypoint` pod and
-a Service with `status-port` 15021 and `mesh` 15008, each owned by the Gateway; and the
-Gateway's `status.addresses`, which is what makes it usable. With a directory as the API server
-(the lab's), creating an object is writing its file, one per object (`<kind>-<namespace>-<name>
-.yaml`, the lab's layout); deleting the Gateway deletes the files of what it owned.
+Counterpart: istiod's gateway deployment controller, with a directory as the API server (the
+lab's): the objects waypoint_render.py renders for a Gateway of class `istio-waypoint`
+(ServiceAccount, Deployment, Service, each owned by the Gateway) and the Gateway's
+`status.addresses`. Creating an object is writing its file, one per object
+(`<kind>-<namespace>-<name>.yaml`, the lab's layout); deleting the Gateway deletes the files of
+what it owned (the garbage collector's part).
 
 `plan` is pure: the store's Gateways and the directory's current files in, the files to write and
 to remove out. `apply_plan` writes them atomically.
@@ -23,18 +22,12 @@ from typing import Any
 import yaml
 
 from ..host.files import atomic_write
-from ..kube.objects import Gateway, KubeStore
-from ..metadata import LABEL_GATEWAY_MANAGED, LABEL_GATEWAY_NAME
-from ..ports import HBONE_PORT, READINESS_PORT
-from .translate import MeshSettings
+from ..kube.objects import KubeStore
+from ..metadata import LABEL_GATEWAY_MANAGED, MANAGED_BY_MESH_CONTROLLER
+from .waypoint_render import RENDERED_KINDS, DeploySettings, is_waypoint, status_patch, waypoint_objects
 
 log = logging.getLogger(__name__)
 
-WAYPOINT_CLASS = "istio-waypoint"
-MESH_CONTROLLER = "istio.io-mesh-controller"
-LABEL_GATEWAY_CLASS = "gateway.networking.k8s.io/gateway-class-name"
-# Files this deployer may have written, by kind (the directory's one-file-per-object layout).
-OWNED_KINDS = ("ServiceAccount", "Deployment", "Service")
 MAX_OBJECT_FILE_BYTES = 256 * 1024
 
 
@@ -43,84 +36,15 @@ def file_name(doc: Mapping[str, Any]) -> str:
     return f"{doc['kind'].lower()}-{meta.get('namespace') or '_'}-{meta['name']}.yaml"
 
 
-def _owner(gw: Gateway) -> list[dict[str, Any]]:
-    ref: dict[str, Any] = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "Gateway",
-        "name": gw.metadata.name,
-        "controller": True,
-    }
-    if gw.metadata.uid:
-        ref["uid"] = gw.metadata.uid
-    return [ref]
-
-
-def _labels(gw: Gateway) -> dict[str, str]:
-    return {
-        LABEL_GATEWAY_NAME: gw.metadata.name,
-        LABEL_GATEWAY_CLASS: WAYPOINT_CLASS,
-        LABEL_GATEWAY_MANAGED: MESH_CONTROLLER,
-    }
-
-
-def deployed_objects(gw: Gateway, settings: MeshSettings) -> list[dict[str, Any]]:
-    """The ServiceAccount, Deployment and Service istiod creates for one waypoint Gateway."""
-    name, ns = gw.metadata.name, gw.metadata.namespace
-    meta = {"name": name, "namespace": ns, "labels": _labels(gw), "ownerReferences": _owner(gw)}
-    pod_labels = {
-        LABEL_GATEWAY_NAME: name,
-        LABEL_GATEWAY_MANAGED: MESH_CONTROLLER,
-        # ztunnel must not capture the waypoint itself.
-        "istio.io/dataplane-mode": "none",
-        "sidecar.istio.io/inject": "false",
-        "service.istio.io/canonical-name": name,
-        "service.istio.io/canonical-revision": "latest",
-    }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": meta,
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": {LABEL_GATEWAY_NAME: name}},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {
-                    "serviceAccountName": name,
-                    "containers": [
-                        {
-                            "name": "istio-proxy",
-                            "image": "auto",
-                            "args": [
-                                "proxy",
-                                "waypoint",
-                                "--domain",
-                                f"{ns}.svc.{settings.domain_suffix}",
-                                "--serviceCluster",
-                                f"{name}.{ns}",
-                            ],
-                            "ports": [{"containerPort": READINESS_PORT, "name": "status-port"}],
-                            "readinessProbe": {"httpGet": {"path": "/healthz/ready", "port": READINESS_PORT}},
-                        }
-                    ],
-                },
-            },
-        },
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {**meta, "annotations": {"networking.istio.io/traffic-distribution": "PreferClose"}},
-        "spec": {
-            "selector": {LABEL_GATEWAY_NAME: name},
-            "ports": [
-                {"name": "status-port", "port": READINESS_PORT, "appProtocol": "tcp"},
-                {"name": "mesh", "port": HBONE_PORT, "appProtocol": "all"},
-            ],
-        },
-    }
-    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
-    return [account, deployment, service]
+def _owned(doc: Mapping[str, Any]) -> bool:
+    """Written by this deployer: a rendered kind, labelled managed by the mesh controller and
+    owned by a Gateway."""
+    meta = doc.get("metadata") or {}
+    return (
+        doc.get("kind") in RENDERED_KINDS
+        and (meta.get("labels") or {}).get(LABEL_GATEWAY_MANAGED) == MANAGED_BY_MESH_CONTROLLER
+        and any(ref.get("kind") == "Gateway" for ref in meta.get("ownerReferences") or ())
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,44 +56,30 @@ class DeployPlan:
         return bool(self.write or self.remove)
 
 
-def plan(store: KubeStore, current: Mapping[str, Mapping[str, Any]], settings: MeshSettings) -> DeployPlan:
+def plan(store: KubeStore, current: Mapping[str, Mapping[str, Any]], settings: DeploySettings) -> DeployPlan:
     """What to write and remove so the directory holds what istiod would have created.
 
-    `current` is the directory's present objects by file name (only the owned kinds and the
+    `current` is the directory's present objects by file name (only the rendered kinds and the
     Gateways matter). A Gateway whose status lacks its Service's hostname gets it written back."""
     desired: dict[str, dict[str, Any]] = {}
-    waypoints = [gw for gw in store.gateways if gw.gateway_class_name == WAYPOINT_CLASS]
-    for gw in waypoints:
-        for doc in deployed_objects(gw, settings):
+    for gw in (g for g in store.gateways if is_waypoint(g)):
+        for doc in waypoint_objects(gw, settings):
             desired[file_name(doc)] = doc
-        hostname = f"{gw.metadata.name}.{gw.metadata.namespace}.svc.{settings.domain_suffix}"
         gw_file = file_name(
             {"kind": "Gateway", "metadata": {"name": gw.metadata.name, "namespace": gw.metadata.namespace}}
         )
         stored = current.get(gw_file)
-        if stored is not None and not any(a.value == hostname for a in gw.status_addresses):
-            updated = dict(stored)
-            updated["status"] = {
-                **(stored.get("status") or {}),
-                "addresses": [{"type": "Hostname", "value": hostname}],
-            }
-            desired[gw_file] = updated
+        patch = status_patch(gw, settings.domain_suffix)
+        if stored is not None and patch is not None:
+            desired[gw_file] = {**stored, "status": {**(stored.get("status") or {}), **patch["status"]}}
     write = {name: doc for name, doc in desired.items() if current.get(name) != doc}
-    owned_names = {
-        name
-        for name, doc in current.items()
-        if doc.get("kind") in OWNED_KINDS
-        and ((doc.get("metadata") or {}).get("labels") or {}).get(LABEL_GATEWAY_MANAGED) == MESH_CONTROLLER
-        and any(
-            ref.get("kind") == "Gateway" for ref in (doc.get("metadata") or {}).get("ownerReferences") or ()
-        )
-    }
+    owned_names = {name for name, doc in current.items() if _owned(doc)}
     remove = tuple(sorted(owned_names - set(desired)))
     return DeployPlan(write=write, remove=remove)
 
 
 def read_current(
-    directory: Path, kinds: Iterable[str] = (*OWNED_KINDS, "Gateway")
+    directory: Path, kinds: Iterable[str] = (*RENDERED_KINDS, "Gateway")
 ) -> dict[str, dict[str, Any]]:
     """The directory's objects of `kinds`, by file name (files too large or unreadable skipped)."""
     out: dict[str, dict[str, Any]] = {}

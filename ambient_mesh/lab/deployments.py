@@ -3,8 +3,8 @@
 Counterpart: the Deployment and ReplicaSet controllers and the scheduler, cut to what the lab
 needs: `ambient control --deploy-waypoints` writes a Deployment per waypoint Gateway (as istiod
 asks the API server), and this turns each into one Pod object, Pending on the node with the
-fewest pods, whose container runs `ambient waypoint` (the lab's image for Istio's `proxy waypoint`
-container). The kubelet (`Lab.reconcile_pods`) then creates its sandbox and runs it. A Pod whose
+fewest pods, whose container runs `ambient waypoint` (as control/waypoint_render.py renders it for
+both the lab and Kubernetes; Istio's `proxy waypoint` container). The kubelet (`Lab.reconcile_pods`) then creates its sandbox and runs it. A Pod whose
 Deployment is gone is deleted. Other Deployments are not run (the lab's apps are its own images).
 
 `plan` is pure: the Deployments, the controller's Pods and the nodes in, what to create and
@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..control.waypoint_render import runs_waypoint
 from .cluster import PodSpec
 
 # On a Pod this controller created: the Deployment it belongs to (`namespace/name`).
 DEPLOYMENT_LABEL = "ambient-lab/deployment"
-WAYPOINT_ARGS = ("proxy", "waypoint")
 # Deployment names are DNS labels; the pod's name adds `-0`.
 POD_SUFFIX = "-0"
 
@@ -31,14 +31,6 @@ class DeploymentPlan:
     create: tuple[PodSpec, ...] = ()
     delete: tuple[str, ...] = ()  # pod keys
     skipped: tuple[str, ...] = ()  # why a Deployment is not run, one line each
-
-
-def _runs_waypoint(template: Mapping[str, Any]) -> bool:
-    containers = (template.get("spec") or {}).get("containers") or []
-    if not containers or not isinstance(containers[0], Mapping):
-        return False
-    args = containers[0].get("args") or []
-    return tuple(args[:2]) == WAYPOINT_ARGS
 
 
 def plan(
@@ -61,7 +53,7 @@ def plan(
             continue
         ref = f"{ns}/{name}"
         template = (doc.get("spec") or {}).get("template") or {}
-        if not _runs_waypoint(template):
+        if not runs_waypoint(template):
             skipped.append(f"deployment {ref}: not run (the lab runs waypoint Deployments only)")
             continue
         pod_key = f"{ns}/{name}{POD_SUFFIX}"

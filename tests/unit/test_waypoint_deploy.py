@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
-from ambient_mesh.control.translate import MeshSettings
 from ambient_mesh.control.waypoint_deployer import apply_plan, plan, read_current
+from ambient_mesh.control.waypoint_render import DeploySettings
 from ambient_mesh.kube.objects import load_directory
 from ambient_mesh.lab.deployments import DEPLOYMENT_LABEL
 from ambient_mesh.lab.deployments import plan as plan_pods
@@ -34,7 +34,7 @@ def _converge(directory: Path) -> list[list[str]]:
     rounds = []
     for _ in range(5):
         loaded = load_directory(directory)
-        done = apply_plan(directory, plan(loaded.store, read_current(directory), MeshSettings()))
+        done = apply_plan(directory, plan(loaded.store, read_current(directory), DeploySettings()))
         if not done:
             return rounds
         rounds.append(done)
@@ -63,7 +63,8 @@ def test_a_waypoint_gateway_gets_istiods_objects_and_its_address(tmp_path: Path)
     template = deployment["spec"]["template"]
     assert template["metadata"]["labels"]["istio.io/dataplane-mode"] == "none"
     assert template["spec"]["serviceAccountName"] == "wp"
-    assert template["spec"]["containers"][0]["args"][:2] == ["proxy", "waypoint"]
+    container = template["spec"]["containers"][0]
+    assert [*container["command"], *container["args"]][:2] == ["ambient", "waypoint"]
     assert not (tmp_path / "deployment-shop-ingress.yaml").exists()
 
 
@@ -88,21 +89,24 @@ def test_deleting_the_gateway_removes_what_it_owned_only(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.glob("*.yaml")) == ["service-shop-web.yaml"]
 
 
-def _deployment(name: str, args: list[str]) -> dict:
+def _deployment(name: str, command: list[str]) -> dict:
     return {
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": "shop"},
         "spec": {
             "template": {
                 "metadata": {"labels": {"gateway.networking.k8s.io/gateway-name": name}},
-                "spec": {"serviceAccountName": name, "containers": [{"name": "istio-proxy", "args": args}]},
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [{"name": "istio-proxy", "command": command[:1], "args": command[1:]}],
+                },
             }
         },
     }
 
 
 def test_lab_deployment_controller_runs_waypoints_on_the_least_loaded_node() -> None:
-    deployments = [_deployment("wp", ["proxy", "waypoint"]), _deployment("web", ["serve"])]
+    deployments = [_deployment("wp", ["ambient", "waypoint"]), _deployment("web", ["serve"])]
     p = plan_pods(deployments, {}, ["node-1", "node-2"], {"node-1": 3, "node-2": 1})
     [pod] = p.create
     assert (pod.key, pod.node, pod.app, pod.service_account) == ("shop/wp-0", "node-2", "waypoint", "wp")

@@ -1,22 +1,16 @@
-"""The waypoint deployment controller (control/waypoint_kube.py): what it renders for a
-Gateway, and what its shell writes, against a recording fake of the API client."""
+"""The waypoint deployment controller (control/waypoint_kube.py): what its shell writes, against a
+recording fake of the API client. What it writes is rendered by control/waypoint_render.py
+(tests/unit/control/test_waypoint_render.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
-from ambient_mesh.control.waypoint_kube import (
-    FIELD_MANAGER,
-    DeploySettings,
-    KubeWaypointDeployer,
-    deploy_settings,
-    status_patch,
-    waypoint_objects,
-)
+from ambient_mesh.control.waypoint_kube import FIELD_MANAGER, KubeWaypointDeployer, deploy_settings
+from ambient_mesh.control.waypoint_render import DeploySettings
 from ambient_mesh.kube.client import KubeApiError, Resource
-from ambient_mesh.kube.objects import Gateway, GatewayAddress, ObjectMeta, parse_documents
+from ambient_mesh.kube.objects import Gateway, GatewayAddress, ObjectMeta
 
 SETTINGS = DeploySettings(image="localhost/ambient-mesh:abc", istiod_ip="10.96.0.9")
 
@@ -26,64 +20,6 @@ def gateway(name="waypoint", ns="shop", uid="u-1", cls="istio-waypoint", address
         metadata=ObjectMeta(name=name, namespace=ns, uid=uid),
         gateway_class_name=cls,
         status_addresses=tuple(GatewayAddress(type=t, value=v) for t, v in addresses),
-    )
-
-
-def test_the_three_objects_istiod_deploys_owned_by_the_gateway():
-    objs = {body["kind"]: body for _, body in waypoint_objects(gateway(), SETTINGS)}
-    assert list(objs) == ["ServiceAccount", "Deployment", "Service"]
-    owner = {
-        "apiVersion": "gateway.networking.k8s.io/v1",
-        "kind": "Gateway",
-        "name": "waypoint",
-        "uid": "u-1",
-    }
-    for body in objs.values():
-        assert body["metadata"]["name"] == "waypoint" and body["metadata"]["namespace"] == "shop"
-        assert body["metadata"]["ownerReferences"] == [owner]
-        assert body["metadata"]["labels"]["gateway.networking.k8s.io/gateway-name"] == "waypoint"
-        assert body["metadata"]["labels"]["gateway.networking.k8s.io/gateway-class-name"] == "istio-waypoint"
-    template = objs["Deployment"]["spec"]["template"]
-    assert objs["Deployment"]["spec"]["replicas"] == 1
-    assert objs["Deployment"]["spec"]["selector"] == {
-        "matchLabels": {"gateway.networking.k8s.io/gateway-name": "waypoint"}
-    }
-    labels = template["metadata"]["labels"]
-    assert labels["istio.io/dataplane-mode"] == "none"
-    assert labels["gateway.istio.io/managed"] == "istio.io-mesh-controller"
-    pod = template["spec"]
-    assert pod["serviceAccountName"] == "waypoint"
-    assert pod["hostAliases"] == [{"ip": "10.96.0.9", "hostnames": ["istiod.istio-system.svc"]}]
-    (container,) = pod["containers"]
-    assert container["image"] == "localhost/ambient-mesh:abc"
-    assert container["command"] == ["ambient"] and container["args"][0] == "waypoint"
-    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-    assert env["XDS_ADDRESS"] == "https://istiod.istio-system.svc:15012"
-    assert env["GATEWAY_NAME"] == "waypoint"
-    assert env["INSTANCE_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz/ready", "port": 15021}
-    assert container["securityContext"]["runAsUser"] == 1337
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    token = next(v for v in pod["volumes"] if v["name"] == "istio-token")
-    assert token["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "istio-ca"
-    ports = {(p["name"], p["port"], p["appProtocol"]) for p in objs["Service"]["spec"]["ports"]}
-    assert ports == {("status-port", 15021, "tcp"), ("mesh", 15008, "all")}
-    # the waypoint's own Service is never sent through a waypoint (translate/waypoints.py)
-    assert objs["Service"]["metadata"]["labels"]["gateway.istio.io/managed"] == "istio.io-mesh-controller"
-    # and the control plane reads every one of them without complaint
-    parsed = parse_documents(
-        json.dumps({"kind": "List", "apiVersion": "v1", "items": list(objs.values())}), "x"
-    )
-    assert not parsed.errors
-
-
-def test_status_addresses_the_service_hostname_once():
-    want = {"status": {"addresses": [{"type": "Hostname", "value": "waypoint.shop.svc.cluster.local"}]}}
-    assert status_patch(gateway(), "cluster.local") == want
-    assert status_patch(gateway(addresses=[("IPAddress", "10.0.0.1")]), "cluster.local") == want
-    assert (
-        status_patch(gateway(addresses=[("Hostname", "waypoint.shop.svc.cluster.local")]), "cluster.local")
-        is None
     )
 
 
