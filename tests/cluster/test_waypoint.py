@@ -1,9 +1,12 @@
 """Waypoints on the cluster: `ambient waypoint apply --kube --enroll-namespace` writes the
 Gateway, the control plane deploys it as istiod does (ServiceAccount, Deployment, Service owned by
 the Gateway) and writes its `status.addresses`; a request to a Service of the enrolled namespace
-goes client -> node proxy -> waypoint (the image's Envoy) -> node proxy -> server; deleting the
-waypoint pod interrupts traffic only until the Deployment's new pod is ready (the gap is
-measured and printed); deleting the Gateway deletes its objects.
+goes client -> node proxy -> waypoint (the image's Envoy) -> node proxy -> server; at L7 the
+waypoint routes by a header (an HTTPRoute to a canary), answers a DENY of a path with its own 403
+(a `targetRefs` AuthorizationPolicy), and its pod counts the requests as Istio's
+`istio_requests_total` on 15020; deleting the waypoint pod interrupts traffic only until the
+Deployment's new pod is ready (the gap is measured and printed); deleting the Gateway deletes
+its objects.
 
 The Service's port is named `http` (HTTP known: the waypoint's main_internal serves it). With an
 unnamed port (protocol sniffed in main_internal_sniff), the first waypoint pod serves most
@@ -168,6 +171,233 @@ def test_a_service_request_goes_through_the_waypoint(cluster, waypointed):
         for line in text.splitlines()
     ), "the destination node proxy counted no connection from the waypoint"
     print(f"\nGET {url} from {ns}/client: {answer} (Server header set by the waypoint's Envoy)")
+
+
+# One request from inside a pod, with headers (`name:value` arguments): "<status> <Server
+# header> <first line of the body>", HTTP errors included (a 403 is an answer, not a failure).
+REQUEST_CODE = """
+import sys, urllib.error, urllib.request
+headers = dict(h.split(":", 1) for h in sys.argv[2:])
+try:
+    r = urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers=headers), timeout=5)
+    code, server, body = r.status, r.headers.get("server"), r.read(512)
+except urllib.error.HTTPError as e:
+    code, server, body = e.code, e.headers.get("server"), e.read(512)
+except Exception as e:
+    print("error", type(e).__name__, e)
+    raise SystemExit(0)
+lines = body.decode(errors="replace").strip().splitlines()
+print(code, server, lines[0] if lines else "")
+"""
+
+# The canary: a server of its own that answers every GET with its name.
+CANARY_CODE = """
+import http.server, socket
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"canary {socket.gethostname()}\\n".encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("", 8080), H).serve_forever()
+"""
+CANARY_CALLS = 6  # each way, after the route is served: every one must go where the route says
+DENIED_BODY = "RBAC: access denied"  # Envoy's own 403 body
+
+
+def request(cluster, ns: str, url: str, *headers: str) -> str:
+    return cluster.exec(ns, "client", "python3", "-c", REQUEST_CODE, url, *headers, timeout=30).strip()
+
+
+def canary(cluster, ns: str) -> None:
+    """Pod `server-canary` (the canary server) behind Service `server-canary`."""
+    cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "List",
+                "items": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "name": "server-canary",
+                            "namespace": ns,
+                            "labels": {"app": "server-canary"},
+                        },
+                        "spec": {
+                            "serviceAccountName": "server",
+                            "terminationGracePeriodSeconds": 1,
+                            "containers": [
+                                {
+                                    "name": "main",
+                                    "image": cluster.image,
+                                    "imagePullPolicy": "IfNotPresent",
+                                    "command": ["python3", "-c", CANARY_CODE],
+                                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                                }
+                            ],
+                        },
+                    },
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Service",
+                        "metadata": {"name": "server-canary", "namespace": ns},
+                        "spec": {
+                            "selector": {"app": "server-canary"},
+                            "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                        },
+                    },
+                ],
+            }
+        )
+    )
+    cluster.running(ns, "server-canary")
+
+
+def test_a_header_routes_to_the_canary_through_the_waypoint(cluster, waypointed):
+    """An HTTPRoute on Service `server`: `x-canary: true` goes to `server-canary`, the rest to
+    `server`; the waypoint's Envoy routes each request by its header."""
+    ns, url = waypointed
+    canary(cluster, ns)
+    route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "canary", "namespace": ns},
+        "spec": {
+            "parentRefs": [{"group": "", "kind": "Service", "name": "server", "port": 80}],
+            "rules": [
+                {
+                    "matches": [{"headers": [{"name": "x-canary", "value": "true"}]}],
+                    "backendRefs": [{"name": "server-canary", "port": 80}],
+                },
+                {"backendRefs": [{"name": "server", "port": 80}]},
+            ],
+        },
+    }
+    cluster.apply(json.dumps(route))
+    try:
+        wait_for(
+            lambda: (
+                (out := request(cluster, ns, url, "x-canary:true")).startswith("200 istio-envoy canary")
+                and out
+            ),
+            "the canary route served by the waypoint",
+            120,
+        )
+        with_header = [request(cluster, ns, url, "x-canary:true") for _ in range(CANARY_CALLS)]
+        without = [request(cluster, ns, url, "x-canary:false") for _ in range(CANARY_CALLS)]
+    finally:
+        cluster.kubectl("delete", "httproute", "-n", ns, "canary", "--ignore-not-found")
+    assert all(out == "200 istio-envoy canary server-canary" for out in with_header), with_header
+    assert all(out.startswith("200 istio-envoy") and "canary" not in out for out in without), without
+    print(
+        f"\nHTTPRoute canary: {CANARY_CALLS}/{CANARY_CALLS} with x-canary: true answered by "
+        f"server-canary, {CANARY_CALLS}/{CANARY_CALLS} without by server ({without[0]!r})"
+    )
+    wait_for(
+        lambda: (
+            "canary" not in (out := request(cluster, ns, url, "x-canary:true"))
+            and out.startswith("200")
+            and out
+        ),
+        "the route removed: the header no longer routes",
+        120,
+    )
+
+
+def test_an_l7_deny_is_answered_403_by_the_waypoint(cluster, waypointed):
+    """An AuthorizationPolicy bound to the waypoint (targetRefs) denies a path: the waypoint's
+    Envoy answers 403 itself; other paths are served."""
+    ns, url = waypointed
+    policy = {
+        "apiVersion": "security.istio.io/v1",
+        "kind": "AuthorizationPolicy",
+        "metadata": {"name": "deny-admin", "namespace": ns},
+        "spec": {
+            "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "waypoint"}],
+            "action": "DENY",
+            "rules": [{"to": [{"operation": {"paths": ["/admin", "/admin/*"]}}]}],
+        },
+    }
+    admin = url + "admin/users"
+    cluster.apply(json.dumps(policy))
+    try:
+        answer = wait_for(
+            lambda: (out := request(cluster, ns, admin)).startswith("403") and out,
+            "the DENY served by the waypoint",
+            120,
+        )
+        others = [request(cluster, ns, url) for _ in range(3)]
+        again = request(cluster, ns, url + "admin")
+    finally:
+        cluster.kubectl("delete", "authorizationpolicy", "-n", ns, "deny-admin", "--ignore-not-found")
+    assert answer == f"403 istio-envoy {DENIED_BODY}", answer
+    assert again == f"403 istio-envoy {DENIED_BODY}", again
+    assert all(out.startswith("200 istio-envoy") for out in others), others
+    print(f"\nDENY /admin, /admin/*: GET {admin}: {answer!r}; GET {url}: {others[0]!r}")
+    # removed: the path reaches the server (http.server's own 404 for a file it lacks)
+    wait_for(
+        lambda: (out := request(cluster, ns, admin)).startswith("404") and out,
+        "the DENY removed: the server answers /admin/users",
+        120,
+    )
+
+
+def waypoint_requests(cluster, ns: str) -> dict[tuple[str, str, str], float]:
+    """istio_requests_total from the waypoint pod's 15020, by (source workload, destination
+    service name, response code), reporter waypoint only."""
+    import re
+    import urllib.request
+
+    (pod,) = waypoint_pods(cluster, ns)
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:15020/stats/prometheus", timeout=5) as r:
+        text = r.read().decode()
+    series = re.compile(r"^istio_requests_total\{(.*)\} (\S+)$")
+    label = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    out: dict[tuple[str, str, str], float] = {}
+    for line in text.splitlines():
+        m = series.match(line)
+        if not m:
+            continue
+        labels = dict(label.findall(m.group(1)))
+        if labels.get("reporter") != "waypoint":
+            continue
+        key = (
+            f"{labels.get('source_workload_namespace')}/{labels.get('source_workload')}",
+            labels.get("destination_service_name", ""),
+            labels.get("response_code", ""),
+        )
+        out[key] = out.get(key, 0) + float(m.group(2))
+    return out
+
+
+def test_the_waypoint_pod_serves_istios_http_metrics(cluster, waypointed):
+    """The requests of the tests above, counted by the waypoint pod on 15020 as Istio's
+    `istio_requests_total` (reporter waypoint): the client's 200s to server and server-canary,
+    and its 403s."""
+    ns, _ = waypointed
+    client = f"{ns}/client"
+    wanted = [(client, "server", "200"), (client, "server-canary", "200")]
+
+    def counted():
+        table = waypoint_requests(cluster, ns)
+        denied = sum(n for (src, _, code), n in table.items() if src == client and code == "403")
+        # a 403 counted under whatever destination service the waypoint names for a denied request
+        return table if denied > 0 and all(table.get(k, 0) > 0 for k in wanted) else None
+
+    try:
+        table = wait_for(counted, "the waypoint's istio_requests_total for 200, canary 200 and 403", 30)
+    except AssertionError:
+        raise AssertionError(
+            f"waypoint metrics lack {wanted} or a 403: {waypoint_requests(cluster, ns)}"
+        ) from None
+    print("\nistio_requests_total (reporter waypoint):")
+    for (src, dst, code), n in sorted(table.items()):
+        print(f"  {src:30} -> {dst:15} {code}: {int(n)}")
 
 
 def test_deleting_the_waypoint_pod_interrupts_traffic_briefly(cluster, waypointed):
