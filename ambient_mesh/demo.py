@@ -16,8 +16,12 @@ STRICT mTLS and see it refused while the mesh client still passes, delete it and
 client pass again; then the L7 layer: create a waypoint for `shop`'s Services (the Gateway
 `ambient waypoint apply -n shop --enroll-namespace` writes, and the namespace label) with its pod
 and Service (what `ambient control` deploys for it, as istiod does), call the Service and see the waypoint's Envoy
-answer and the destination proxy see the waypoint's identity, remove the waypoint and see the
-call go straight to the replica again; stop the lab. Each step is checked; the exit status is non-zero when any
+answer and the destination proxy see the waypoint's identity; at L7, a Service for a canary and an
+HTTPRoute that sends `x-canary: true` to it, a DENY of /admin bound to the waypoint (its Envoy
+answers 403), a VirtualService whose /maintenance route is a directResponse, each removed again,
+and the table of Istio's HTTP metrics read from the waypoint pod (who called whom through it, by
+response code); remove the waypoint and see the call go straight to the replica again; stop the
+lab. Each step is checked; the exit status is non-zero when any
 step did not behave as shown. Manifests go through the same path as `ambient lab apply`.
 """
 
@@ -28,6 +32,7 @@ import http.client
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +44,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from .errors import AmbientError
 from .lab import apply as manifests
 from .lab.journal import leftover_namespaces
-from .lab.lab import APP_PORT, Lab, LabConfig
-from .lab.topofile import load_topology
+from .lab.lab import APP_PORT, Lab, LabConfig, http_get
+from .lab.topofile import DEFAULT_TOPOLOGY, parse_topology
 from .ports import STATS_PORT
 from .waypointctl import waypoint_gateway
 from .ztunnel_config import Table, render_tables
@@ -79,6 +84,66 @@ WAYPOINT = "waypoint"
 WAYPOINT_POD = "shop/waypoint-0"
 WAYPOINT_READY_TIMEOUT_S = 30.0
 ENVOY_SERVER = "istio-envoy"  # the Server header the waypoint's HTTP connection manager sets
+CANARY_POD = "shop/echo-canary"
+L7_CALLS = 6  # calls each way once a route or policy is served: every one must agree
+METRICS_TIMEOUT_S = 5.0  # Envoy hands its access log entries to the agent every 0.25 s
+DENIED_BODY = "RBAC: access denied"  # Envoy's own body for an RBAC 403
+MAINTENANCE_BODY = "shop closed for maintenance"
+
+# The canary runs from the start (the lab's pods are its topology's), in no Service until the
+# canary step applies its own.
+CANARY_POD_OBJECT = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: echo-canary, namespace: shop, labels: {app: echo-canary, version: v2}}
+spec:
+  nodeName: node-2
+  serviceAccountName: echo
+  containers: [{name: app, image: ambient-lab/echo, ports: [{containerPort: 8080}]}]
+"""
+
+CANARY = """\
+apiVersion: v1
+kind: Service
+metadata: {name: echo-canary, namespace: shop}
+spec:
+  selector: {app: echo-canary}
+  ports: [{name: http, port: 80, targetPort: 8080}]
+"""
+
+CANARY_ROUTE = """\
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: echo-canary, namespace: shop}
+spec:
+  parentRefs: [{group: "", kind: Service, name: echo, port: 80}]
+  rules:
+  - matches: [{headers: [{name: x-canary, value: "true"}]}]
+    backendRefs: [{name: echo-canary, port: 80}]
+  - backendRefs: [{name: echo, port: 80}]
+"""
+
+DENY_ADMIN = f"""\
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {{name: deny-admin, namespace: shop}}
+spec:
+  targetRefs: [{{group: gateway.networking.k8s.io, kind: Gateway, name: {WAYPOINT}}}]
+  action: DENY
+  rules: [{{to: [{{operation: {{paths: [/admin, /admin/*]}}}}]}}]
+"""
+
+MAINTENANCE = f"""\
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {{name: echo-maintenance, namespace: shop}}
+spec:
+  hosts: [echo]
+  http:
+  - match: [{{uri: {{prefix: /maintenance}}}}]
+    directResponse: {{status: 503, body: {{string: {MAINTENANCE_BODY}}}}}
+  - route: [{{destination: {{host: echo}}}}]
+"""
 
 
 def shop_namespace(waypoint: str | None) -> str:
@@ -158,6 +223,84 @@ def curl_server(lab: Lab, pod: str, url: str) -> tuple[Call, str]:
     return parse_curl(result.text, result.returncode), server
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reply:
+    """One HTTP exchange as the caller saw it: the status (0: none), the Server header, the body,
+    and the replica that answered (the echo app's `Hostname=` line; "" when none did)."""
+
+    status: int
+    server: str
+    body: str
+    answered_by: str
+
+    @property
+    def by_waypoint(self) -> bool:
+        return self.server == ENVOY_SERVER
+
+    def __str__(self) -> str:
+        who = self.answered_by or repr(self.body.strip()[:40])
+        return f"{self.status or 'no response'} from {who}, Server: {self.server or '-'}"
+
+
+def curl_reply(lab: Lab, pod: str, url: str, headers: tuple[str, ...] = ()) -> Reply:
+    """A call with request headers (`name: value`), and everything the demo checks of its reply."""
+    argv = ["curl", "-s", "-m", str(CURL_TIMEOUT_S), "-D", "/dev/stderr", "-o", "-", "-w", "\n%{http_code}"]
+    for header in headers:
+        argv += ["-H", header]
+    result = lab.exec(pod, [*argv, url], check=False)
+    server = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in result.stderr.decode(errors="replace").splitlines()
+            if line.lower().startswith("server:")
+        ),
+        "",
+    )
+    call = parse_curl(result.text, result.returncode)
+    body = result.text.rpartition("\n")[0]
+    return Reply(status=call.status, server=server, body=body, answered_by=call.answered_by)
+
+
+def waypoint_requests(text: str) -> Table:
+    """Who called whom through the waypoint, with response codes: the waypoint pod's
+    `istio_requests_total` (reporter `waypoint`, Istio's labels)."""
+    rows: dict[tuple[str, ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != "istio_requests_total" or sample.labels.get("reporter") != "waypoint":
+                continue
+            labels = sample.labels
+            key = (
+                f"{labels.get('source_workload_namespace')}/{labels.get('source_workload')}",
+                labels.get("source_principal", "unknown"),
+                labels.get("destination_service_name", "unknown"),
+                f"{labels.get('destination_workload_namespace')}/{labels.get('destination_workload')}",
+                labels.get("response_code", "0"),
+                labels.get("response_flags", "-"),
+            )
+            rows[key] = rows.get(key, 0) + sample.value
+    return Table(
+        title="HTTP requests through the waypoint (istio_requests_total, reporter waypoint)",
+        headers=("SOURCE", "SOURCE IDENTITY", "SERVICE", "DESTINATION", "CODE", "FLAGS", "REQUESTS"),
+        rows=tuple((*k, str(int(v))) for k, v in sorted(rows.items())),
+    )
+
+
+def canary_requests(table: Table, source: str) -> int:
+    """The 200s `source` got from the canary, as the waypoint counted them."""
+    return sum(
+        int(r[6]) for r in table.rows if r[0] == source and r[2:5] == ("echo-canary", CANARY_POD, "200")
+    )
+
+
+def requests_by_code(table: Table, source: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in table.rows:
+        if row[0] == source:
+            out[row[4]] = out.get(row[4], 0) + int(row[6])
+    return out
+
+
 def curl(lab: Lab, pod: str, url: str) -> Call:
     result = lab.exec(
         pod, ["curl", "-s", "-m", str(CURL_TIMEOUT_S), "-o", "-", "-w", "\n%{http_code}", url], check=False
@@ -201,6 +344,25 @@ def talked(metrics_by_node: dict[str, str]) -> Table:
     )
 
 
+def served_by_replica(reply: Reply) -> bool:
+    """Routed by the waypoint to one of Service echo's replicas, which answered."""
+    return reply.status == 200 and reply.by_waypoint and reply.answered_by in REPLICAS
+
+
+def made_by_waypoint(status: int, body: str) -> Callable[[Reply], bool]:
+    """The waypoint's Envoy answered itself: `status` with `body`, and no replica's echo."""
+
+    def made(reply: Reply) -> bool:
+        return (
+            reply.status == status
+            and reply.by_waypoint
+            and reply.body.strip() == body
+            and not reply.answered_by
+        )
+
+    return made
+
+
 class Tour:
     """Runs the steps against a started lab; each step prints one PASS/FAIL line."""
 
@@ -210,6 +372,9 @@ class Tour:
         self.verbose = verbose
         self.failures: list[str] = []
         self.started = time.monotonic()
+        # Replies the client got from the waypoint's Envoy, by status; and from the canary.
+        self.through_envoy: Counter[str] = Counter()
+        self.canary_served = 0
 
     def say(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
@@ -350,6 +515,10 @@ class Tour:
             f"apply, namespace shop labelled istio.io/use-waypoint={WAYPOINT}",
         )
         self.through_waypoint("a call to the Service goes through the waypoint", want=True)
+        self.canary_steps()
+        self.deny_path_steps()
+        self.direct_response_steps()
+        self.waypoint_metrics_step()
         self.delete(gateway, "waypoint.yaml")
         self.apply(shop_namespace(None), "namespace.yaml")
         self.until_waypoint_pod(present=False)
@@ -365,6 +534,140 @@ class Tour:
                 return True
             time.sleep(POLL_S)
         return False
+
+    # -- L7: what the waypoint does with HTTP ----------------------------------------------------
+
+    def call(self, url: str, headers: tuple[str, ...] = ()) -> Reply:
+        """One call from the client; a reply the waypoint's Envoy sent is counted by status, for
+        the metrics step to compare with what the waypoint counted."""
+        reply = curl_reply(self.lab, CLIENT, url, headers)
+        if reply.by_waypoint:
+            self.through_envoy[str(reply.status)] += 1
+            if reply.status == 200 and reply.answered_by == CANARY_POD:
+                self.canary_served += 1
+        return reply
+
+    def replies(
+        self, url: str, want: Callable[[Reply], bool], headers: tuple[str, ...] = ()
+    ) -> tuple[bool, str]:
+        """Call until `want` holds (a route or policy takes a moment to reach the waypoint), then
+        L7_CALLS more: every one must hold too. The verdict and a line of detail."""
+        deadline = time.monotonic() + POLICY_TIMEOUT_S
+        while not want(first := self.call(url, headers)) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        calls = [first] + [self.call(url, headers) for _ in range(L7_CALLS)]
+        good = sum(want(c) for c in calls)
+        shown = " ".join(f"-H '{h}'" for h in headers)
+        return good == len(calls), (
+            f"{CLIENT} -> {url}{' ' + shown if shown else ''}: {good}/{len(calls)} as expected (last {calls[-1]})"
+        )
+
+    def canary_steps(self) -> None:
+        """A second version, pod `echo-canary` behind its own Service, and an HTTPRoute on
+        Service echo that sends `x-canary: true` to it: the waypoint picks the backend by the
+        header."""
+        self.apply(CANARY, "echo-canary.yaml")
+        running = CANARY_POD in self.lab.pods
+        self.apply(CANARY_ROUTE, "canary-route.yaml")
+
+        def to_canary(r: Reply) -> bool:
+            return r.status == 200 and r.by_waypoint and r.answered_by == CANARY_POD
+
+        tagged, tagged_detail = self.replies(SERVICE_URL, to_canary, ("x-canary: true",))
+        plain, plain_detail = self.replies(SERVICE_URL, served_by_replica, ("x-canary: false",))
+        self.check(
+            "a header-matched canary route (HTTPRoute)",
+            running and tagged and plain,
+            f"{tagged_detail}; {plain_detail}",
+        )
+        self.delete(CANARY_ROUTE, "canary-route.yaml")
+        back, detail = self.replies(SERVICE_URL, served_by_replica, ("x-canary: true",))
+        self.check("removing the route: the header picks no canary", back, detail)
+
+    def deny_path_steps(self) -> None:
+        """A DENY of /admin bound to the waypoint (targetRefs): the waypoint's Envoy answers 403
+        itself; other paths reach a replica."""
+        self.answered_by_waypoint(
+            "a path DENY answered 403 by the waypoint (L7 AuthorizationPolicy)",
+            (DENY_ADMIN, "deny-admin.yaml"),
+            SERVICE_URL + "admin/users",
+            made_by_waypoint(403, DENIED_BODY),
+            other_url=SERVICE_URL + "cart",
+            removed="removing it lets /admin through again",
+        )
+
+    def direct_response_steps(self) -> None:
+        """A VirtualService whose /maintenance route is a directResponse: the waypoint answers
+        it without calling any replica; the rest is routed as before."""
+        self.answered_by_waypoint(
+            "a directResponse from the waypoint (VirtualService)",
+            (MAINTENANCE, "maintenance.yaml"),
+            SERVICE_URL + "maintenance",
+            made_by_waypoint(503, MAINTENANCE_BODY),
+            other_url=SERVICE_URL,
+            removed="removing it routes /maintenance to a replica again",
+        )
+
+    def answered_by_waypoint(
+        self,
+        title: str,
+        manifest: tuple[str, str],
+        url: str,
+        answer: Callable[[Reply], bool],
+        *,
+        other_url: str,
+        removed: str,
+    ) -> None:
+        """Apply `manifest` (text, file name): `url` gets the waypoint's own `answer` and
+        `other_url` a replica's; delete it: `url` reaches a replica again. Two checked steps."""
+        self.apply(*manifest)
+        answered, detail = self.replies(url, answer)
+        others, others_detail = self.replies(other_url, served_by_replica)
+        self.check(title, answered and others, f"{detail}; {others_detail}")
+        self.delete(*manifest)
+        again, detail = self.replies(url, served_by_replica)
+        self.check(removed, again, detail)
+
+    def waypoint_metrics_step(self) -> None:
+        """Istio's HTTP metrics as the waypoint pod serves them on 15020: every reply the client
+        got from the waypoint in the L7 steps is counted, by response code, with the client's
+        identity (the waypoint's count also holds the earlier step's calls through it)."""
+        pod = self.lab.pods.get(WAYPOINT_POD)
+        deadline = time.monotonic() + METRICS_TIMEOUT_S
+        table = waypoint_requests("")
+
+        def complete(table: Table) -> bool:
+            counted = requests_by_code(table, CLIENT)
+            return canary_requests(table, CLIENT) >= self.canary_served and all(
+                counted.get(c, 0) >= n for c, n in self.through_envoy.items()
+            )
+
+        while pod is not None:
+            try:
+                status, body = http_get(pod.netns, "127.0.0.1", STATS_PORT, "/stats/prometheus")
+            except (OSError, AmbientError):
+                status, body = 0, ""
+            table = waypoint_requests(body if status == 200 else "")
+            if complete(table) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        self.say()
+        render_tables([table], self.out)
+        self.say()
+        counted = requests_by_code(table, CLIENT)
+        client_id = spiffe("shop", "client")
+        seen = ", ".join(f"{c} x{n}" for c, n in sorted(self.through_envoy.items()))
+        got = ", ".join(f"{c} x{n}" for c, n in sorted(counted.items()))
+        self.check(
+            "the waypoint's HTTP metrics count what the client got from it",
+            complete(table)
+            and self.canary_served > 0
+            and {"200", "403", "503"} <= set(self.through_envoy)
+            and all(r[1] == client_id for r in table.rows if r[0] == CLIENT),
+            f"{CLIENT} ({client_id}) got {seen} from the waypoint in the L7 steps; "
+            f"{WAYPOINT_POD}:{STATS_PORT} counted {got or 'nothing'}, "
+            f"{canary_requests(table, CLIENT)} of them answered by {CANARY_POD} ({self.canary_served} seen)",
+        )
 
     def until_programmed(self) -> bool:
         from .control.status import read_status_dir
@@ -444,7 +747,7 @@ def run_demo(*, verbose: bool = False, out: IO[str] | None = None, state_dir: Pa
     if reason:
         print(f"ambient demo: {reason}", file=sys.stderr)
         return 2
-    topo = load_topology(None)
+    topo = parse_topology(f"{DEFAULT_TOPOLOGY}---\n{CANARY_POD_OBJECT}", "<the demo's topology>")
     # Under /run, root's (the lab refuses a state directory others can write).
     with tempfile.TemporaryDirectory(prefix="ambient-demo-", dir="/run") as tmp:
         config = LabConfig(
@@ -456,7 +759,8 @@ def run_demo(*, verbose: bool = False, out: IO[str] | None = None, state_dir: Pa
         )
         print(
             "ambient demo: a lab with 2 nodes (node agent + node proxy each), `shop` in the mesh "
-            f"(client, echo x2 behind Service echo), `legacy` outside it; state in {config.state_dir}",
+            "(client, echo x2 behind Service echo, a canary echo-canary for the L7 steps), `legacy` "
+            f"outside it; state in {config.state_dir}",
             file=out,
             flush=True,
         )
