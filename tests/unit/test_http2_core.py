@@ -215,12 +215,45 @@ def test_each_control_frame_flood_ends_in_goaway(name, burst, make):
 def test_rst_stream_flood_on_closed_streams_goaway():
     peer = Peer.server_core()
     open_stream(peer, 1)
-    peer.send(peer.rst(1))
-    batch = peer.rst(1) * (c.RST_STREAM_BURST - 1)
+    peer.send(peer.rst(1))  # ends the live stream: free
+    batch = peer.rst(1) * c.RST_STREAM_BURST
     peer.send(batch)
     assert peer.terminated() is None
     peer.send(peer.rst(1))
     assert_terminated(peer, E.ENHANCE_YOUR_CALM, "RST_STREAM flood")
+
+
+def test_resets_ending_live_answered_streams_are_no_rst_stream_flood():
+    # Envoy in front of a node proxy resets each tunnel whose far side it closed (a waypoint's
+    # HTTP/1 upstream closing after a `Connection: close` response): one RST_STREAM per request,
+    # at the request rate. Twice the flood burst of them at once must not end the connection.
+    peer = Peer.server_core()
+    open_stream(peer, 1)  # a long-lived tunnel on the same connection
+    for i in range(2 * c.RST_STREAM_BURST):
+        sid = 3 + 2 * i
+        open_stream(peer, sid)
+        peer.send(peer.rst(sid, E.INTERNAL_ERROR))
+    assert peer.terminated() is None and 1 in peer.core.streams
+    # A reset of a stream already gone still draws from the budget.
+    peer.send(peer.rst(3) * c.RST_STREAM_BURST)
+    assert peer.terminated() is None
+    peer.send(peer.rst(3))
+    assert_terminated(peer, E.ENHANCE_YOUR_CALM, "RST_STREAM flood")
+
+
+def test_a_client_whose_streams_the_server_resets_keeps_its_connection():
+    # Our outbound side: Envoy answers each CONNECT, then resets it (CONNECT_ERROR) when its
+    # upstream closes; a held stream on the same connection must outlive any number of those.
+    peer = Peer.client_core()
+    core = peer.core
+    held = core.send_request(CONNECT)
+    peer.read()
+    peer.send(peer.response(held))
+    for _ in range(2 * c.RST_STREAM_BURST):
+        sid = core.send_request(CONNECT)
+        peer.read()
+        peer.send(peer.response(sid) + peer.rst(sid, E.CONNECT_ERROR))
+    assert core.terminated is None and held in core.streams
 
 
 def test_window_updates_are_earned_by_data_we_send():

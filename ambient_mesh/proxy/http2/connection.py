@@ -32,7 +32,8 @@ What the core enforces (budgets are per connection; the names are the constants 
   `answered=False` so the shell cancels the app connect. More than EARLY_RESET_BURST (20, hyper's
   h2 limit) such resets, refilled at EARLY_RESET_PER_S, -> GOAWAY ENHANCE_YOUR_CALM.
 - Control-frame floods, as token buckets (burst, refill per second): SETTINGS (32, 1/s), PING
-  (64, 5/s), RST_STREAM (1000, 33/s: nghttp2's stream-reset rate limit), stream errors we send
+  (64, 5/s), RST_STREAM of a closed stream or an unanswered request (1000, 33/s: nghttp2's
+  stream-reset rate limit; ending a live stream is no flood), stream errors we send
   (100, 10/s), PRIORITY and unknown frame types (1000, 100/s). WINDOW_UPDATE is earned the way
   Envoy earns it: 100 + 10 per DATA frame we sent + 2 per stream. Empty DATA/HEADERS/CONTINUATION
   frames without END_STREAM: at most 10 in a row (Envoy allows 1). Any of these exceeded ->
@@ -1591,15 +1592,19 @@ class Connection:
             raise _ConnectionError(E.PROTOCOL_ERROR, "RST_STREAM on stream 0")
         if self._is_idle(sid):
             raise _ConnectionError(E.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
-        if not self._rst_budget.take(self._now):
+        code = f.parse_u32(payload)
+        s = self.streams.get(sid)
+        early = s is not None and not self.client_side and not s.answered
+        # The flood budget is for resets that cost the peer nothing: of streams already gone, or
+        # of requests we have not answered. Ending a live stream that was set up (ours, or one we
+        # answered) is a stream's normal end: a proxy in the path (Envoy) resets every tunnel
+        # whose far side it closed, so on a busy connection these come at the request rate.
+        if (s is None or early) and not self._rst_budget.take(self._now):
             raise _ConnectionError(
                 E.ENHANCE_YOUR_CALM, f"RST_STREAM flood: more than {RST_STREAM_BURST} in a burst"
             )
-        code = f.parse_u32(payload)
-        s = self.streams.get(sid)
         if s is None:
             return
-        early = not self.client_side and not s.answered
         if early and not self._early_resets.take(self._now):
             raise _ConnectionError(
                 E.ENHANCE_YOUR_CALM,
