@@ -23,12 +23,12 @@ from ..rbac import RbacConnection
 from ..state.memo import StateMemo
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
 from ..tls.transport import start_tls
+from ..transport.relay import Relay, TcpEndpoint, wrap_socket
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
-from .relay import Relay, TcpEndpoint, wrap_socket
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")

@@ -34,9 +34,9 @@ from ..net import IPAddress, SocketAddr, ip_text
 from ..state.model import Workload
 from ..state.store import StateReader
 from ..tls.context import TlsContext, TlsContextCache
+from ..transport.relay import Relay
 from .connection_manager import ConnectionManager
 from .pool import HbonePool
-from .relay import Relay
 
 WORKLOAD_WAIT_S = 5.0
 # Source addresses remembered as not local (a bind that failed with EADDRNOTAVAIL), and how long

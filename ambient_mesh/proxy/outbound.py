@@ -19,12 +19,12 @@ from ..host.sockets import is_own_listener, original_destination
 from ..net import IPAddress, SocketAddr
 from ..state.memo import StateMemo
 from ..state.model import Workload
+from ..transport.relay import Relay, TcpEndpoint, read_waiting, wrap_socket
 from . import headers as hbone_headers
 from .hbone import HboneError, HboneStream
 from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
-from .relay import Relay, TcpEndpoint, read_waiting, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
 from .telemetry import ConnectionResult, response_flag_of
 

@@ -38,8 +38,8 @@ from ..state.model import Service, Workload
 from .routing import Route, RouteKind
 
 if TYPE_CHECKING:
+    from ..transport.relay import Relay
     from .inputs import ProxyInputs
-    from .relay import Relay
 
 
 # Connections that ended cleanly are recorded (metrics, access line) in batches: `complete`

@@ -1,4 +1,4 @@
-"""A relay's end (proxy/inputs.py `ConnectionTracker`, proxy/relay.py `Relay.release`): once a
+"""A relay's end (proxy/inputs.py `ConnectionTracker`, transport/relay.py `Relay.release`): once a
 relay has ended and been recorded, it lets go of its endpoints, so the connection's objects are
 freed by reference counting, without the garbage collector; the released relay keeps its byte
 counts, and late events on its endpoints do nothing."""
@@ -11,7 +11,7 @@ import socket
 import weakref
 
 from ambient_mesh.proxy.inputs import ConnectionTracker
-from ambient_mesh.proxy.relay import Relay, wrap_socket
+from ambient_mesh.transport.relay import Relay, wrap_socket
 
 from .tcp_pair import tcp_pair
 

@@ -62,7 +62,7 @@ def test_a_table_of_the_wrong_size_or_slot_is_refused():
 async def test_trackers_count_tasks_and_relays_into_the_worker_slot():
     import asyncio
 
-    from ambient_mesh.proxy.relay import Endpoint, Relay
+    from ambient_mesh.transport.relay import Endpoint, Relay
 
     owner = WorkerLoads.create(2)
     mine = WorkerLoads(owner.fd, 0)
