@@ -81,7 +81,7 @@ def child(tree: str) -> dict[str, float]:
     from ambient_mesh.logs import configure_logging
     from ambient_mesh.metrics import Metrics
     from ambient_mesh.net import SocketAddr, ip_address
-    from ambient_mesh.proxy import inputs, routing, socks5_server
+    from ambient_mesh.proxy import inputs, open_connections, routing, socks5_server
     from ambient_mesh.proxy.listener import Listener
     from ambient_mesh.proxy.pool import WorkloadKey
     from ambient_mesh.proxy.socks5 import Socks5Handshake
@@ -117,7 +117,7 @@ def child(tree: str) -> dict[str, float]:
                 "bench",
                 SocketAddr.parse("127.0.0.1:0"),
                 serve,
-                inputs.ConnectionTracker(),
+                open_connections.OpenConnections(),
                 keepalive=KeepaliveSettings(),  # KEEPALIVE_ENABLED's default, as the proxies run
             )
             listener.start()

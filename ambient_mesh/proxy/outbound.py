@@ -203,7 +203,7 @@ class OutboundProxy:
         """Relay between the client and an upstream `open` reached: starts it and returns.
 
         The calling task ends here and an idle tunnel keeps no task or coroutine frames; the
-        relay's end is recorded from `relay.done` (a callback), as the connection tracker drains.
+        relay's end is recorded from `relay.done` (a callback), as the open connections (`pi.connections`) drain.
         """
         result = upstream.result
         if upstream.admitted is not None:
