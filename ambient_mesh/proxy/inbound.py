@@ -430,7 +430,9 @@ class InboundProxy:
             return
         response_headers = []
         if self.pi.config.enable_response_baggage:
-            response_headers.append(("baggage", hbone_headers.baggage_for(admitted.workload)))
+            response_headers.append(
+                ("baggage", hbone_headers.baggage_at(self.pi.state.version, admitted.workload))
+            )
         conn.respond(stream, 200, response_headers)
         # The request's headers have served their purpose (routing, telemetry); an idle tunnel
         # would otherwise keep their decoded text (about 700 B) for its whole life.

@@ -298,7 +298,7 @@ class OutboundProxy:
         service = route.destination_service
         headers = [
             ("forwarded", hbone_headers.forwarded_for(peer, service.hostname if service else None)),
-            ("baggage", hbone_headers.baggage_for(route.source_workload)),
+            ("baggage", hbone_headers.baggage_at(pi.state.version, route.source_workload)),
             ("traceparent", hbone_headers.new_traceparent()),
         ]
         stream, response = await pi.pool.open_stream(plan.key, plan.authority, headers, early)
