@@ -142,7 +142,7 @@ BEFORE_COLLECT: list[Callable[[], None]] = []
 
 class ByteTotals(Protocol):
     """Where a connection's byte counts are read: `bytes_up` from the client towards the
-    server, `bytes_down` back (proxy/relay.py's Relay is one). Read only: a recorder never
+    server, `bytes_down` back (transport/relay.py's Relay is one). Read only: a recorder never
     writes them."""
 
     @property

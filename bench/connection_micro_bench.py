@@ -81,12 +81,13 @@ def child(tree: str) -> dict[str, float]:
     from ambient_mesh.logs import configure_logging
     from ambient_mesh.metrics import Metrics
     from ambient_mesh.net import SocketAddr, ip_address
-    from ambient_mesh.proxy import inputs, relay, routing, socks5_server
+    from ambient_mesh.proxy import inputs, open_connections, routing, socks5_server
     from ambient_mesh.proxy.listener import Listener
     from ambient_mesh.proxy.pool import WorkloadKey
     from ambient_mesh.proxy.socks5 import Socks5Handshake
     from ambient_mesh.proxy.telemetry import ConnectionResult
     from ambient_mesh.state.model import Workload
+    from ambient_mesh.transport import relay
 
     configure_logging("plain", "info", stream=open(os.devnull, "w"))  # noqa: SIM115 - process-long
     logging.getLogger("ambient_mesh.proxy.listener").setLevel(logging.WARNING)
@@ -116,7 +117,7 @@ def child(tree: str) -> dict[str, float]:
                 "bench",
                 SocketAddr.parse("127.0.0.1:0"),
                 serve,
-                inputs.ConnectionTracker(),
+                open_connections.OpenConnections(),
                 keepalive=KeepaliveSettings(),  # KEEPALIVE_ENABLED's default, as the proxies run
             )
             listener.start()

@@ -57,9 +57,9 @@ def _tree() -> str:
 
 sys.path.insert(0, _tree())
 
-from ambient_mesh.proxy.http2 import Connection, CoreSettings  # noqa: E402
-from ambient_mesh.proxy.http2 import events as ev  # noqa: E402
-from ambient_mesh.proxy.http2.hpack_block import BlockDecoder  # noqa: E402
+from ambient_mesh.http2 import Connection, CoreSettings  # noqa: E402
+from ambient_mesh.http2 import events as ev  # noqa: E402
+from ambient_mesh.http2.hpack_block import BlockDecoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http2_core.json"
 MiB = 1024 * 1024
@@ -91,7 +91,7 @@ def _join(chunks) -> bytes:
 
 
 class Ours:
-    name = "ours (proxy/http2)"
+    name = "ours (http2)"
 
     def __init__(self) -> None:
         self.c = Connection(

@@ -51,6 +51,7 @@ SO_MARK = getattr(socket, "SO_MARK", 36)  # Linux's value; older Pythons lack th
 
 DEFAULT_SUBNET = ipaddress.IPv4Network("10.240.0.0/24")
 DEFAULT_SUBNET6 = ipaddress.IPv6Network("fd00:240::/64")
+FIRST_NODE_HOST = 11  # the first node's host number on the fabric's subnet
 
 _STALE_NAME = re.compile(rf"^{re.escape(NETNS_PREFIX)}(\d+)-")
 _run_counter = itertools.count(1)
@@ -505,20 +506,24 @@ class Node:
 
 
 class Fabric:
-    """A private L2 test network: a "network" namespace holding a bridge, nodes on veth pairs.
+    """A private L2 network: a "network" namespace holding a bridge, nodes on veth pairs.
+
+    The one network fabric: the netns tests and the benchmarks use it as it is, and the lab
+    (`lab/topology.py`) builds its nodes' pod networks on it.
 
     Layout (all inside namespaces this object creates; the root namespace is never touched):
 
         <prefix>net:  br0 = <subnet>.1 (+ <subnet6>::1), ip_forward on; one veth port per node
-        <prefix><node>: eth0 = <subnet>.<10+n>, default route via br0's address
+        <prefix><node>: eth0 = <subnet>.<first_node_host + n>, default route via br0's address
 
     Use as a context manager: teardown always runs, even on exceptions, and stops every process
-    started through `spawn` before deleting every namespace created here.
+    started through `spawn` before deleting every namespace created here (nodes' and those added
+    with `add_namespace`), newest first. `on_create` is told each namespace's name before it is
+    created (the lab's journal records it, so a crashed lab can be cleaned up).
     """
 
     BRIDGE = "br0"
     NODE_IFNAME = "eth0"
-    FIRST_NODE_HOST = 11
 
     def __init__(
         self,
@@ -527,16 +532,19 @@ class Fabric:
         subnet: str | ipaddress.IPv4Network = DEFAULT_SUBNET,
         subnet6: str | ipaddress.IPv6Network | None = DEFAULT_SUBNET6,
         prefix: str | None = None,
+        first_node_host: int = FIRST_NODE_HOST,
+        on_create: Callable[[str], None] | None = None,
     ) -> None:
         self.runner = runner or SubprocessRunner()
         self.subnet = ipaddress.IPv4Network(subnet)
         self.subnet6 = ipaddress.IPv6Network(subnet6) if subnet6 is not None else None
         self.prefix = prefix or run_prefix()
+        self.first_node_host = first_node_host
+        self.on_create = on_create
         self.network_netns = f"{self.prefix}net"
         self.nodes: dict[str, Node] = {}
         self.processes: list[subprocess.Popen[bytes]] = []
         self._namespaces: list[str] = []
-        self._cleanup = contextlib.ExitStack()
         self._open = False
 
     def __repr__(self) -> str:
@@ -556,6 +564,10 @@ class Fabric:
         return None if self.subnet6 is None else self.subnet6.network_address + 1
 
     @property
+    def is_open(self) -> bool:
+        return self._open
+
+    @property
     def namespaces(self) -> list[str]:
         """Every namespace this fabric created and has not yet deleted."""
         return list(self._namespaces)
@@ -571,21 +583,26 @@ class Fabric:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _create_netns(self, name: str) -> None:
+    def add_namespace(self, name: str) -> None:
+        """Create a namespace this fabric owns: deleted at teardown unless `delete_namespace`
+        deleted it first."""
+        if self.on_create is not None:
+            self.on_create(name)
         create_netns(self.runner, name)
         self._namespaces.append(name)
-        self._cleanup.callback(self._delete_netns, name)
 
-    def _delete_netns(self, name: str) -> None:
+    def delete_namespace(self, name: str) -> None:
+        """Delete a namespace (its interfaces, and their veth peers elsewhere, go with it)."""
         delete_netns(self.runner, name)
-        self._namespaces.remove(name)
+        with contextlib.suppress(ValueError):
+            self._namespaces.remove(name)
 
     def open(self) -> None:
         if self._open:
             return
         self._open = True
         ns = self.network_netns
-        self._create_netns(ns)
+        self.add_namespace(ns)
         add_bridge(self.runner, netns=ns, name=self.BRIDGE)
         add_address(
             self.runner,
@@ -610,12 +627,12 @@ class Fabric:
         if name in self.nodes:
             raise AmbientError(f"fabric already has a node named {name!r}")
         index = len(self.nodes)
-        host = self.FIRST_NODE_HOST + index
+        host = self.first_node_host + index
         if host >= self.subnet.num_addresses - 1:
             raise AmbientError(f"subnet {self.subnet} has no room for node {name!r}")
         netns = f"{self.prefix}{name}"
         bridge_port = f"vp{index}"
-        self._create_netns(netns)
+        self.add_namespace(netns)
         add_veth(
             self.runner,
             netns=netns,
@@ -681,7 +698,14 @@ class Fabric:
             try:
                 self._stop_processes()
             finally:
-                self._cleanup.close()
+                failures: list[BaseException] = []
+                for name in reversed(self._namespaces[:]):
+                    try:
+                        self.delete_namespace(name)
+                    except Exception as e:  # the others are still deleted; the first error is raised
+                        failures.append(e)
+                if failures:
+                    raise failures[0]
         finally:
             self._open = False
             self.nodes.clear()

@@ -14,12 +14,14 @@ pod CIDRs) gives Istio's ambient e2e tests. Layout, every piece inside namespace
                     the node's cni0.
 
 `plan_*` functions decide addresses and names (pure, unit-tested); `Topology` carries them out
-through a CommandRunner, and as a context manager always deletes what it created.
+through a CommandRunner, and as a context manager always deletes what it created. The uplink
+(the network namespace, its bridge, each node's namespace on a veth with its address and default
+route) is `host/netns.py`'s `Fabric`, the same fabric the netns tests run on; this module adds
+what makes a node a Kubernetes node: its pod bridge, pod CIDR routes and pod sandboxes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import ipaddress
 from collections.abc import Callable
@@ -29,15 +31,13 @@ from ..errors import AmbientError
 from ..host.commands import CommandRunner, SubprocessRunner
 from ..host.netns import (
     NETNS_RUN_DIR,
+    Fabric,
     add_address,
     add_bridge,
     add_route,
     add_veth,
     attach_to_bridge,
-    create_netns,
-    delete_netns,
     link_up,
-    run_prefix,
     set_sysctl,
 )
 
@@ -48,9 +48,7 @@ FIRST_POD_HOST = 10
 MAX_NODES = 200  # what the address plan can number
 MAX_LAB_NODES = 32  # each node runs two Python processes (about 60 MB each): more does not fit a laptop
 MAX_PODS_PER_NODE = 256 - FIRST_POD_HOST - 1  # a /24 per node, hosts from .10, .255 is broadcast
-BRIDGE = "br0"
 POD_BRIDGE = "cni0"
-UPLINK_IFNAME = "eth0"
 POD_IFNAME = "eth0"
 HOST_VETH_PREFIX = "veth"
 HOST_VETH_HASH_CHARS = 8  # "veth" + 8 hex = 12 <= IFNAMSIZ-1
@@ -129,7 +127,7 @@ def plan_pod(prefix: str, node: NodeNet, pod: str, slot: int) -> PodNet:
 
 
 class Topology:
-    """The lab's namespaces and links. Use as a context manager: teardown always runs."""
+    """The lab's namespaces and links on a `Fabric`. Use as a context manager: teardown always runs."""
 
     def __init__(
         self,
@@ -138,30 +136,35 @@ class Topology:
         prefix: str | None = None,
         on_create: Callable[[str], None] | None = None,
     ) -> None:
-        self.runner = runner or SubprocessRunner()
-        self.prefix = prefix or run_prefix()
-        self.on_create = on_create  # told each namespace's name before it is created (journal.py)
-        self.network_netns = f"{self.prefix}net"
+        # The uplink: br0 on UPLINK_SUBNET, nodes from FIRST_NODE_HOST (plan_node's addresses);
+        # IPv4 only. `on_create` (journal.py) is told each namespace's name before it is created.
+        self.fabric = Fabric(
+            runner=runner or SubprocessRunner(),
+            subnet=UPLINK_SUBNET,
+            subnet6=None,
+            prefix=prefix,
+            first_node_host=FIRST_NODE_HOST,
+            on_create=on_create,
+        )
+        self.runner = self.fabric.runner
+        self.prefix = self.fabric.prefix
+        self.network_netns = self.fabric.network_netns
         self.nodes: dict[str, NodeNet] = {}
         self.pods: dict[str, PodNet] = {}
         self._slots: dict[str, set[int]] = {}
-        self._namespaces: list[str] = []
-        self._open = False
 
     def __repr__(self) -> str:
-        return (
-            f"Topology({self.prefix!r}, {'up' if self._open else 'down'}, {len(self.nodes)} nodes, "
-            f"{len(self.pods)} pods)"
-        )
+        state = "up" if self.fabric.is_open else "down"
+        return f"Topology({self.prefix!r}, {state}, {len(self.nodes)} nodes, {len(self.pods)} pods)"
 
     @property
     def gateway(self) -> ipaddress.IPv4Address:
         """br0's address in the network namespace, where the control plane listens."""
-        return UPLINK_SUBNET.network_address + 1
+        return self.fabric.gateway
 
     @property
     def namespaces(self) -> list[str]:
-        return list(self._namespaces)
+        return self.fabric.namespaces
 
     def __enter__(self) -> Topology:
         try:
@@ -174,52 +177,21 @@ class Topology:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _create(self, name: str) -> None:
-        if self.on_create is not None:
-            self.on_create(name)
-        create_netns(self.runner, name)
-        self._namespaces.append(name)
-
-    def _delete(self, name: str) -> None:
-        delete_netns(self.runner, name)
-        with contextlib.suppress(ValueError):
-            self._namespaces.remove(name)
-
     def open(self) -> None:
-        if self._open:
-            return
-        self._open = True
-        ns = self.network_netns
-        self._create(ns)
-        add_bridge(self.runner, netns=ns, name=BRIDGE)
-        add_address(
-            self.runner,
-            netns=ns,
-            ifname=BRIDGE,
-            address=ipaddress.IPv4Interface(f"{self.gateway}/{UPLINK_SUBNET.prefixlen}"),
-        )
-        set_sysctl(self.runner, netns=ns, key="net.ipv4.ip_forward", value=1)
+        self.fabric.open()
 
     def add_node(self, name: str) -> NodeNet:
-        if not self._open:
-            raise AmbientError("Topology.add_node called before the topology was opened")
+        """The node on the uplink (the fabric's node), then its pod bridge and pod CIDR route."""
         if name in self.nodes:
             raise AmbientError(f"the lab already has a node named {name!r}")
         node = plan_node(self.prefix, name, len(self.nodes))
+        uplink = self.fabric.add_node(name)
+        if uplink.netns != node.netns or uplink.ipv4 != node.uplink_ip:
+            raise AmbientError(
+                f"the fabric gave node {name!r} {uplink.netns} {uplink.ipv4}, the lab's plan "
+                f"{node.netns} {node.uplink_ip}: check FIRST_NODE_HOST and UPLINK_SUBNET"
+            )
         r = self.runner
-        self._create(node.netns)
-        port = f"up{node.index}"
-        add_veth(r, netns=node.netns, name=UPLINK_IFNAME, peer_netns=self.network_netns, peer_name=port)
-        attach_to_bridge(r, netns=self.network_netns, ifname=port, bridge=BRIDGE)
-        link_up(r, netns=self.network_netns, ifname=port)
-        add_address(
-            r,
-            netns=node.netns,
-            ifname=UPLINK_IFNAME,
-            address=ipaddress.IPv4Interface(f"{node.uplink_ip}/{UPLINK_SUBNET.prefixlen}"),
-        )
-        link_up(r, netns=node.netns, ifname=UPLINK_IFNAME)
-        add_route(r, netns=node.netns, destination="default", via=str(self.gateway))
         add_bridge(r, netns=node.netns, name=POD_BRIDGE)
         add_address(
             r,
@@ -243,7 +215,7 @@ class Topology:
         slot = next(i for i in range(len(used) + 1) if i not in used)
         net = plan_pod(self.prefix, node, pod, slot)
         r = self.runner
-        self._create(net.netns)
+        self.fabric.add_namespace(net.netns)
         try:
             add_veth(r, netns=net.netns, name=POD_IFNAME, peer_netns=node.netns, peer_name=net.host_ifname)
             attach_to_bridge(r, netns=node.netns, ifname=net.host_ifname, bridge=POD_BRIDGE)
@@ -257,7 +229,7 @@ class Topology:
             link_up(r, netns=net.netns, ifname=POD_IFNAME)
             add_route(r, netns=net.netns, destination="default", via=str(net.gateway))
         except BaseException:
-            self._delete(net.netns)
+            self.fabric.delete_namespace(net.netns)
             raise
         used.add(slot)
         self.pods[pod] = net
@@ -268,13 +240,13 @@ class Topology:
         net = self.pods.pop(pod)
         slot = int(net.ip) - int(self.nodes[net.node].pod_cidr.network_address) - FIRST_POD_HOST
         self._slots[net.node].discard(slot)
-        self._delete(net.netns)
+        self.fabric.delete_namespace(net.netns)
 
     def close(self) -> None:
-        """Delete every namespace created here, pods first. Safe to call more than once."""
-        for name in reversed(list(self._namespaces)):
-            self._delete(name)
-        self.pods.clear()
-        self.nodes.clear()
-        self._slots.clear()
-        self._open = False
+        """Delete every namespace created here, newest (pods) first. Safe to call more than once."""
+        try:
+            self.fabric.close()
+        finally:
+            self.pods.clear()
+            self.nodes.clear()
+            self._slots.clear()

@@ -45,6 +45,13 @@ class TrackedConnection:
 
 
 class ConnectionManager:
+    """ztunnel's ConnectionManager and PolicyWatcher in one: the authorization of inbound
+    connections, at their first check (`authorize`) and again on every state change (`recheck`).
+
+    Its one job is policy. Which connections are open, for draining and /config_dump, is
+    `open_connections.OpenConnections`.
+    """
+
     def __init__(self, state: StateReader, *, info_logging: bool = False) -> None:
         self.state = state
         # AUTHZ_POLICY_INFO_LOGGING: every decision at info (ztunnel logs them at debug otherwise).

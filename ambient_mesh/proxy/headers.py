@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..net import SocketAddr
+from ..state.memo import StateMemo
 from ..state.model import Workload, WorkloadType
 
 BAGGAGE = "baggage"
@@ -51,29 +52,27 @@ class Baggage:
     zone: str = ""
 
 
-# `baggage` values already built, per workload object (one per CONNECT otherwise); the entry
-# holds the workload, so its id is not reused while cached. Cleared when full.
-BAGGAGE_CACHE_MAX_ENTRIES = 4096
-_baggage_cache: dict[int, tuple[Workload, str]] = {}
+# `baggage` values built (the text is the same for every CONNECT of one workload object): a
+# StateMemo by state version and workload uid, bounded; an entry answers only for the very object
+# it was built from, so a caller holding an older copy of a workload gets that copy's value.
+BAGGAGE_MAX_ENTRIES = 4096
+_baggage_values: StateMemo[str, tuple[Workload, str]] = StateMemo("baggage values", BAGGAGE_MAX_ENTRIES)
+
+
+def baggage_at(version: int, workload: Workload) -> str:
+    """`baggage_for(workload)`, kept while the state is at `version` (docs/architecture.md,
+    "Decisions and caches")."""
+    kept = _baggage_values.get(version, workload.uid)
+    if kept is not None and kept[0] is workload:
+        return kept[1]
+    return _baggage_values.put(version, workload.uid, (workload, baggage_for(workload)))[1]
 
 
 def baggage_for(workload: Workload) -> str:
     """The `baggage` value describing `workload`, keys in ztunnel's order, empty values left out.
 
     Values are not percent-encoded: they are Kubernetes names, which cannot hold `,` or `=`.
-    Workloads are frozen (a state update replaces them), so the value is built once per object.
     """
-    hit = _baggage_cache.get(id(workload))
-    if hit is not None and hit[0] is workload:
-        return hit[1]
-    value = _baggage(workload)
-    if len(_baggage_cache) >= BAGGAGE_CACHE_MAX_ENTRIES:
-        _baggage_cache.clear()
-    _baggage_cache[id(workload)] = (workload, value)
-    return value
-
-
-def _baggage(workload: Workload) -> str:
     pairs = [
         (_CLUSTER, workload.cluster_id),
         (_NAMESPACE, workload.namespace),

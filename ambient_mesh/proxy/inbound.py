@@ -23,12 +23,12 @@ from ..rbac import RbacConnection
 from ..state.memo import StateMemo
 from ..state.model import AppTunnelProtocol, GatewayAddress, NetworkAddress, Service, Workload
 from ..tls.transport import start_tls
+from ..transport.relay import Relay, TcpEndpoint, wrap_socket
 from . import headers as hbone_headers
 from .connection_manager import PolicyDenied
 from .hbone import DEFAULT_SETTINGS, ConnectRequest, HboneConnection, HboneSettings, HboneStream
 from .inputs import ProxyInputs
 from .proxy_protocol import TLV_PEER_IDENTITY, encode_v2
-from .relay import Relay, TcpEndpoint, wrap_socket
 from .telemetry import ConnectionResult
 
 log = logging.getLogger("ambient_mesh.proxy.inbound")
@@ -430,7 +430,9 @@ class InboundProxy:
             return
         response_headers = []
         if self.pi.config.enable_response_baggage:
-            response_headers.append(("baggage", hbone_headers.baggage_for(admitted.workload)))
+            response_headers.append(
+                ("baggage", hbone_headers.baggage_at(self.pi.state.version, admitted.workload))
+            )
         conn.respond(stream, 200, response_headers)
         # The request's headers have served their purpose (routing, telemetry); an idle tunnel
         # would otherwise keep their decoded text (about 700 B) for its whole life.

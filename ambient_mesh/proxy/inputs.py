@@ -2,21 +2,21 @@
 
 One `ProxyInputs` serves one workload in dedicated mode (or one pod in shared mode): its
 configuration, the shared state, the certificate manager and TLS contexts, metrics, its own
-HBONE pool, and the connections it is carrying (for draining and for /config_dump).
+HBONE pool, the authorization of its inbound connections (`ConnectionManager`) and the
+connections it has open (`OpenConnections`, for draining and for /config_dump).
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import os
 import random
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import ZtunnelConfig
 from ..host.sockets import (
@@ -35,109 +35,14 @@ from ..state.model import Workload
 from ..state.store import StateReader
 from ..tls.context import TlsContext, TlsContextCache
 from .connection_manager import ConnectionManager
+from .open_connections import OpenConnections
 from .pool import HbonePool
-from .relay import Relay
 
 WORKLOAD_WAIT_S = 5.0
 # Source addresses remembered as not local (a bind that failed with EADDRNOTAVAIL), and how long
 # before one is tried again (an address can be added to the namespace later).
 NOT_LOCAL_SOURCES_MAX_ENTRIES = 4096
 NOT_LOCAL_RECHECK_S = 10.0
-
-
-class Dumpable(Protocol):
-    """What a tracked relay is described by (telemetry.ConnectionResult): its /config_dump row."""
-
-    direction: str
-
-    def dump_info(self) -> dict[str, Any]: ...
-
-
-class LoadCounter(Protocol):
-    """A count of the connections this process carries (a worker's slot, workers/loads.py)."""
-
-    def add(self, delta: int) -> None: ...
-
-
-# Where every ConnectionTracker of this process also counts its connections (set by a worker at
-# start, `count_connections_in`); None in a proxy without workers, which counts nothing more.
-_load: LoadCounter | None = None
-
-
-def count_connections_in(counter: LoadCounter | None) -> None:
-    """From now on, every ConnectionTracker of this process counts its open connections (tasks
-    being set up and relays carrying bytes) into `counter` as well."""
-    global _load
-    _load = counter
-
-
-@dataclass(eq=False)
-class ConnectionTracker:
-    """Open connections of one proxy, for draining and dumps (ztunnel ConnectionManager).
-
-    A connection is a task while it is being set up (accept, route, connect) and a relay once
-    its bytes flow; the task ends when the relay starts, so an idle tunnel holds no task or
-    coroutine frames (docs/performance.md, "Where we stand (one-core, ours / Envoy, same runs)"), and the relay's end is handled by a
-    callback on `relay.done`. Draining waits for both.
-    """
-
-    relays: dict[Relay, Dumpable] = field(default_factory=dict)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    def __repr__(self) -> str:
-        return f"ConnectionTracker({len(self.relays)} relays, {len(self.tasks)} tasks)"
-
-    def track(
-        self,
-        relay: Relay,
-        about: Dumpable,
-        on_end: Callable[[Relay, BaseException | None], None] | None = None,
-    ) -> None:
-        """Track `relay` until it ends, then call `on_end(relay, error)`: one callback per relay
-        (each closure on `relay.done` is about 200 B an idle tunnel keeps)."""
-        self.relays[relay] = about
-        load = _load
-        if load is not None:
-            load.add(1)
-        relay.done.add_done_callback(functools.partial(self._ended, relay, on_end, load))
-
-    def _ended(
-        self,
-        relay: Relay,
-        on_end: Callable[[Relay, BaseException | None], None] | None,
-        load: LoadCounter | None,
-        done: asyncio.Future[BaseException | None],
-    ) -> None:
-        self.relays.pop(relay, None)
-        if load is not None:
-            load.add(-1)
-        try:
-            if on_end is not None:
-                on_end(relay, done.result())
-        finally:
-            relay.release()  # recorded: its endpoints are no longer needed (Relay.release)
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        load = _load
-        if load is None:
-            task.add_done_callback(self.tasks.discard)
-        else:
-            load.add(1)
-            task.add_done_callback(functools.partial(self._task_done, load))
-        return task
-
-    def _task_done(self, load: LoadCounter, task: asyncio.Task[None]) -> None:
-        self.tasks.discard(task)
-        load.add(-1)
-
-    def dump(self, direction: str) -> list[dict[str, Any]]:
-        return [about.dump_info() for about in self.relays.values() if about.direction == direction]
-
-    def pending(self) -> set[asyncio.Future[Any]]:
-        """What a drain waits for: connections being set up, and relays still carrying bytes."""
-        return {*self.tasks, *(relay.done for relay in self.relays)}
 
 
 @dataclass(eq=False)
@@ -182,7 +87,7 @@ class ProxyInputs:
     metrics: Metrics
     pool: HbonePool | None = None
     connection_manager: ConnectionManager = field(init=False)  # over `state`, built here
-    connections: ConnectionTracker = field(default_factory=ConnectionTracker)
+    connections: OpenConnections = field(default_factory=OpenConnections)
     rng: random.Random = field(default_factory=random.Random)
     transparent: bool = False  # original-source preservation available
     socket_factory: SocketFactory = plain_socket  # in-pod: sockets are created in the pod's netns

@@ -40,7 +40,7 @@ from ..host.sockets import (
     plain_socket,
 )
 from ..net import SocketAddr
-from .inputs import ConnectionTracker
+from .open_connections import OpenConnections
 
 log = logging.getLogger("ambient_mesh.proxy.listener")
 
@@ -209,7 +209,7 @@ class Listener:
         name: str,
         address: SocketAddr,
         handler: Handler,
-        tracker: ConnectionTracker,
+        tracker: OpenConnections,
         *,
         mark: int | None = None,
         transparent: bool = False,

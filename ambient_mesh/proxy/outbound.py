@@ -19,12 +19,12 @@ from ..host.sockets import is_own_listener, original_destination
 from ..net import IPAddress, SocketAddr
 from ..state.memo import StateMemo
 from ..state.model import Workload
+from ..transport.relay import Relay, TcpEndpoint, read_waiting, wrap_socket
 from . import headers as hbone_headers
 from .hbone import HboneError, HboneStream
 from .inbound import Admitted, InboundProxy, InboundRefusal, InboundTarget
 from .inputs import ProxyInputs
 from .pool import WorkloadKey
-from .relay import Relay, TcpEndpoint, read_waiting, wrap_socket
 from .routing import Route, RouteKind, RouteRefused, build_request
 from .telemetry import ConnectionResult, response_flag_of
 
@@ -203,7 +203,7 @@ class OutboundProxy:
         """Relay between the client and an upstream `open` reached: starts it and returns.
 
         The calling task ends here and an idle tunnel keeps no task or coroutine frames; the
-        relay's end is recorded from `relay.done` (a callback), as the connection tracker drains.
+        relay's end is recorded from `relay.done` (a callback), as the open connections (`pi.connections`) drain.
         """
         result = upstream.result
         if upstream.admitted is not None:
@@ -298,7 +298,7 @@ class OutboundProxy:
         service = route.destination_service
         headers = [
             ("forwarded", hbone_headers.forwarded_for(peer, service.hostname if service else None)),
-            ("baggage", hbone_headers.baggage_for(route.source_workload)),
+            ("baggage", hbone_headers.baggage_at(pi.state.version, route.source_workload)),
             ("traceparent", hbone_headers.new_traceparent()),
         ]
         stream, response = await pi.pool.open_stream(plan.key, plan.authority, headers, early)

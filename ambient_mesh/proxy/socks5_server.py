@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable
 import dns.exception
 
 from ..net import IPAddress, SocketAddr
+from ..transport.relay import wrap_socket
 from .outbound import OutboundFailure, OutboundProxy
-from .relay import wrap_socket
 from .socks5 import ConnectRequest, ReplyCode, Socks5Error, Socks5Handshake, reply_for_failure
 
 log = logging.getLogger("ambient_mesh.proxy.socks5")

@@ -34,12 +34,13 @@ from ..metrics import (
     or_unknown,
 )
 from ..net import SocketAddr
+from ..state.memo import StateMemo
 from ..state.model import Service, Workload
 from .routing import Route, RouteKind
 
 if TYPE_CHECKING:
+    from ..transport.relay import Relay
     from .inputs import ProxyInputs
-    from .relay import Relay
 
 
 # Connections that ended cleanly are recorded (metrics, access line) in batches: `complete`
@@ -97,14 +98,15 @@ def response_flag_of(error: BaseException) -> ResponseFlag:
 
 
 # Label sets kept for reuse (workloads, services and identities repeat from one connection to the
-# next); cleared when full, so churning workloads cannot grow it.
-LABELS_CACHE_MAX_ENTRIES = 4096
+# next): a StateMemo by state version and the peers by value, bounded.
+LABELS_MAX_ENTRIES = 4096
 # Each entry: [(source, destination, service) objects, their labels, their AccessPeers or None
 # until the first connection between them ends].
-_labels_cache: dict[tuple[object, ...], list[Any]] = {}
+_labels: StateMemo[tuple[object, ...], list[Any]] = StateMemo("connection labels", LABELS_MAX_ENTRIES)
 
 
-def _peers_entry(
+def peer_labels(
+    version: int,
     reporter: str,
     source_workload: Workload | None,
     source_identity: Identity | None,
@@ -113,44 +115,35 @@ def _peers_entry(
     destination_identity: Identity | None,
     mtls: bool,
 ) -> list[Any]:
-    """`connection_labels`, built once per set of peers: about 25 label values and a dataclass
-    per connection were a tenth of the per-connection CPU (docs/performance.md,
-    "The per-connection path"). The
-    entry also keeps the peers' part of the access line (`AccessPeers`), which the same values
-    decide (the reporter follows the direction), once a connection between them has ended.
+    """`connection_labels`, built once per set of peers while the state is at `version`: about 25
+    label values and a dataclass per connection were a tenth of the per-connection CPU, and the
+    metrics bind their series to the label object (docs/performance.md, "The per-connection
+    path"). The entry also keeps the peers' part of the access line (`AccessPeers`), which the
+    same values decide (the reporter follows the direction), once a connection between them has
+    ended.
 
-    Workloads and services are frozen objects replaced (never mutated) by state updates, so
-    they are keyed by identity; the entry holds them, so an id cannot be reused while cached.
-    Identities are small values, keyed by equality (an inbound peer's comes from its certificate,
-    not from the workload object).
+    Keyed by value (uids, the service's namespace and hostname, identities); an entry answers
+    only for the very objects it was built from, so a caller holding an older copy of a workload
+    gets labels of that copy, never another's.
     """
-    objects = (source_workload, destination_workload, destination_service)
+    src, dst, svc = source_workload, destination_workload, destination_service
     key = (
         reporter,
         mtls,
-        id(source_workload),
-        id(destination_workload),
-        id(destination_service),
+        src.uid if src is not None else None,
+        dst.uid if dst is not None else None,
+        svc.namespace if svc is not None else None,
+        svc.hostname if svc is not None else None,
         source_identity,
         destination_identity,
     )
-    hit = _labels_cache.get(key)
-    if hit is not None and hit[0][0] is objects[0] and hit[0][1] is objects[1] and hit[0][2] is objects[2]:
-        return hit
-    labels = connection_labels(
-        reporter,
-        source_workload,
-        source_identity,
-        destination_workload,
-        destination_service,
-        destination_identity,
-        mtls,
-    )
-    if len(_labels_cache) >= LABELS_CACHE_MAX_ENTRIES:
-        _labels_cache.clear()
-    entry = [objects, labels, None]
-    _labels_cache[key] = entry
-    return entry
+    hit = _labels.get(version, key)
+    if hit is not None:
+        objects = hit[0]
+        if objects[0] is src and objects[1] is dst and objects[2] is svc:
+            return hit
+    labels = connection_labels(reporter, src, source_identity, dst, svc, destination_identity, mtls)
+    return _labels.put(version, key, [(src, dst, svc), labels, None])
 
 
 def connection_labels(
@@ -245,8 +238,15 @@ class ConnectionResult:
         self.started = time.monotonic()
         self._done = False
         reporter = REPORTER_SOURCE if direction == "outbound" else REPORTER_DESTINATION
-        self._peers = _peers_entry(
-            reporter, source, source_identity, destination, service, destination_identity, mtls
+        self._peers = peer_labels(
+            pi.state.version,
+            reporter,
+            source,
+            source_identity,
+            destination,
+            service,
+            destination_identity,
+            mtls,
         )
         self.recorder = pi.metrics.connection_opened(self._peers[1])
 

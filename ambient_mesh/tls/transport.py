@@ -47,7 +47,7 @@ from OpenSSL import SSL
 
 from ..errors import ProtocolError
 from ..metrics import TLS_RECORD_FAILURES
-from ..write_backlog import BacklogOverflow, WriteBacklog
+from ..transport.write_backlog import BacklogOverflow, WriteBacklog
 from . import records as tls_records
 from .handshake import Handshake, HandshakeError, PeerTls, drain_output
 

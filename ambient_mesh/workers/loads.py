@@ -12,8 +12,8 @@ by at most that.
 
 Layout: per worker a signed 64-bit count, then per worker how many of its listeners are deferring
 right now, in a memfd the owner makes (`WorkerLoads.create`) and hands to each worker at spawn
-(`WorkerLoads(fd, index)` there). A worker writes only its own slots (its ConnectionTrackers count
-into one: proxy/inputs.py `count_connections_in`) and reads the others'; an aligned 8-byte store
+(`WorkerLoads(fd, index)` there). A worker writes only its own slots (its OpenConnections count
+into one: proxy/open_connections.py `count_connections_in`) and reads the others'; an aligned 8-byte store
 is one store on the platforms CPython runs the proxy on, and a count read a moment late only
 makes one deferral wrong. A dead worker's count is set to DEAD, so that nobody defers to it, and
 back to 0 when it is started again.

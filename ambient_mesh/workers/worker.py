@@ -38,7 +38,7 @@ from ..identity.manager import SecretManager
 from ..identity.spiffe import Identity
 from ..metrics import Metrics, WithoutCreated
 from ..proxy.inpod import InpodManager
-from ..proxy.inputs import count_connections_in
+from ..proxy.open_connections import count_connections_in
 from ..proxy.workload_proxy import ListenerAddresses, WorkloadProxy, served_workload
 from ..state.localconfig import parse_local_config
 from ..state.model import Workload
@@ -151,8 +151,8 @@ def adopt_listeners(
 class Worker:
     def __init__(self, sock: socket.socket, index: int, loads: WorkerLoads | None = None) -> None:
         self.index = index
-        # This worker's slot of the owner's connection counts (workers/loads.py): its trackers
-        # count into it, its shared listeners compare it with the other workers'.
+        # This worker's slot of the owner's connection counts (workers/loads.py): its open
+        # connections count into it, its shared listeners compare it with the other workers'.
         self.loads = loads
         self.channel = Channel(
             sock,
@@ -401,7 +401,7 @@ class Worker:
 
 async def serve(channel_fd: int, index: int, loads_fd: int) -> None:
     loads = WorkerLoads(loads_fd, index)
-    count_connections_in(loads)  # every tracker of this process counts into its slot
+    count_connections_in(loads)  # every OpenConnections of this process counts into its slot
     worker = Worker(socket.socket(fileno=channel_fd), index, loads)
     loop = asyncio.get_running_loop()
     # SIGTERM sent to a worker directly (not through the owner): drain with the configured deadline.

@@ -15,7 +15,7 @@ from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.proxy.hbone import HboneConnection, HboneError, HboneStreamRefused
 from ambient_mesh.proxy.pool import HbonePool, WorkloadKey
-from ambient_mesh.proxy.relay import Endpoint, Relay
+from ambient_mesh.transport.relay import Endpoint, Relay
 
 
 class Echo(Endpoint):

@@ -20,10 +20,10 @@ from datetime import UTC, datetime
 
 from hyperframe.frame import PingFrame
 
+from ambient_mesh.http2.connection import EARLY_RESET_BURST
 from ambient_mesh.identity import CertificateAuthority, Identity
 from ambient_mesh.proxy import hbone
 from ambient_mesh.proxy.hbone import HboneConnection
-from ambient_mesh.proxy.http2.connection import EARLY_RESET_BURST
 from ambient_mesh.tls.context import server_context
 from ambient_mesh.tls.transport import start_tls
 from tests.interop.h2attack import H2Peer, PeerClosed, _rapid_reset

@@ -12,7 +12,7 @@ import pytest
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.proxy.hbone import HboneConnection
-from ambient_mesh.proxy.relay import Relay, TcpEndpoint
+from ambient_mesh.transport.relay import Relay, TcpEndpoint
 from tests.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import (

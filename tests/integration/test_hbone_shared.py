@@ -9,7 +9,7 @@ import asyncio
 import socket
 
 from ambient_mesh.proxy.hbone import SHARED_NOTSENT_LOWAT_BYTES, HboneConnection
-from ambient_mesh.proxy.relay import Relay
+from ambient_mesh.transport.relay import Relay
 
 from .test_hbone_drain import Recorder, connect, echo_server, wait_until  # noqa: F401 (fixture)
 

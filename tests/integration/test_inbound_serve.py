@@ -15,7 +15,7 @@ import pytest
 
 from ambient_mesh.net import ip_address
 from ambient_mesh.proxy.connection_manager import ConnectionManager
-from ambient_mesh.proxy.inputs import ConnectionTracker
+from ambient_mesh.proxy.open_connections import OpenConnections
 from tests.state_writes import upsert
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, running_mesh
@@ -25,7 +25,7 @@ STEP_TIMEOUT_S = 15.0
 
 
 @dataclass(eq=False)
-class RecordingTracker(ConnectionTracker):
+class RecordingTracker(OpenConnections):
     """The server proxy's connection tracker, recording the tasks it is asked to start."""
 
     spawned: list[asyncio.Task[None]] = field(default_factory=list)

@@ -17,8 +17,8 @@ import textwrap
 import time
 
 from ambient_mesh.net import SocketAddr
-from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import AcceptErrorLog, Listener
+from ambient_mesh.proxy.open_connections import OpenConnections
 
 NOFILE_LIMIT = 64
 CLIENTS = 150  # well past the limit, bounded
@@ -29,7 +29,7 @@ _CHILD = textwrap.dedent(
     import asyncio, logging, resource, socket, sys
     import uvloop
     from ambient_mesh.net import SocketAddr
-    from ambient_mesh.proxy.inputs import ConnectionTracker
+    from ambient_mesh.proxy.open_connections import OpenConnections
     from ambient_mesh.proxy.listener import Listener
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE_MAX, NOFILE_MAX))
@@ -45,7 +45,7 @@ _CHILD = textwrap.dedent(
         conn.close()
 
     async def main():
-        listener = Listener("limits", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+        listener = Listener("limits", SocketAddr.parse("127.0.0.1:0"), handler, OpenConnections())
         listener.start()
         print(listener.bound_address.port, flush=True)
         loop = asyncio.get_running_loop()
@@ -133,7 +133,7 @@ async def test_client_reset_before_its_handler_runs_is_one_debug_line(caplog):
         conn.getpeername()  # ENOTCONN for a client that already reset
         seen.append("served")
 
-    listener = Listener("reset", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker())
+    listener = Listener("reset", SocketAddr.parse("127.0.0.1:0"), handler, OpenConnections())
     listener.bind()  # bound and listening, but not accepting yet
     port = listener.bound_address.port
     for _ in range(3):
@@ -209,7 +209,7 @@ async def test_a_wakeup_accepts_what_waits_without_an_accept_that_finds_nothing(
         "count",
         SocketAddr.parse("127.0.0.1:0"),
         handler,
-        ConnectionTracker(),
+        OpenConnections(),
         socket_factory=lambda family, type: Counting(family, type),
     )
     listener.bind()
@@ -251,9 +251,9 @@ async def test_a_socket_shared_with_other_workers_is_accepted_from_one_client_pe
     # burst is left for the other workers, which the same readiness woke. A listener that bound
     # its own socket takes the whole burst in one callback.
     owner, port = _owner_socket()
-    shared = Listener("shared", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    shared = Listener("shared", SocketAddr.parse("127.0.0.1:0"), _closing_handler, OpenConnections())
     shared.adopt(owner)
-    own = Listener("own", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    own = Listener("own", SocketAddr.parse("127.0.0.1:0"), _closing_handler, OpenConnections())
     own.bind()
     clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
     clients += [socket.create_connection(("127.0.0.1", own.bound_address.port)) for _ in range(4)]
@@ -300,9 +300,9 @@ async def test_a_busier_worker_leaves_a_waiting_client_to_the_others_for_a_bound
 
     owner, port = _owner_socket()
     busy_share, idle_share = FixedShare(True), FixedShare(False)
-    busy = Listener("busy", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    busy = Listener("busy", SocketAddr.parse("127.0.0.1:0"), _closing_handler, OpenConnections())
     busy.adopt(socket.socket(fileno=os.dup(owner.fileno())), busy_share)
-    idle = Listener("idle", SocketAddr.parse("127.0.0.1:0"), _closing_handler, ConnectionTracker())
+    idle = Listener("idle", SocketAddr.parse("127.0.0.1:0"), _closing_handler, OpenConnections())
     idle.adopt(socket.socket(fileno=os.dup(owner.fileno())), idle_share)
     clients = []
     try:

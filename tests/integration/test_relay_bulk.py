@@ -1,4 +1,4 @@
-"""Bulk reads of plain sockets (proxy/relay.py `_BulkReader`): a relay between two real loopback
+"""Bulk reads of plain sockets (transport/relay.py `_BulkReader`): a relay between two real loopback
 TCP connections switches an endpoint to the reused receive buffer once a read fills uvloop's,
 carries every byte in order while views of that buffer wait in a slow peer's write buffer, and
 goes back to `data_received` for small messages."""
@@ -10,8 +10,8 @@ import hashlib
 import socket
 
 from ambient_mesh.host.cpython import ReusableBuffer
-from ambient_mesh.proxy import relay as relay_module
-from ambient_mesh.proxy.relay import Relay, TcpEndpoint, wrap_socket
+from ambient_mesh.transport import relay as relay_module
+from ambient_mesh.transport.relay import Relay, TcpEndpoint, wrap_socket
 
 from .tcp_pair import tcp_pair
 

@@ -1,4 +1,4 @@
-"""Bytes a plain socket's peer sends before the relay is attached (proxy/relay.py `wrap_socket`,
+"""Bytes a plain socket's peer sends before the relay is attached (transport/relay.py `wrap_socket`,
 `TcpEndpoint`): the endpoint reads while it waits (it is not paused up front), holds what it
 reads and an EOF, pauses once MAX_HELD_BEFORE_RELAY_BYTES are held (one read more at most,
 against a client that sends much before its upstream is reached), and `attach` replays
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from ambient_mesh.proxy.relay import (
+from ambient_mesh.transport.relay import (
     MAX_EARLY_DATA_BYTES,
     MAX_HELD_BEFORE_RELAY_BYTES,
     UVLOOP_READ_BYTES,

@@ -1,4 +1,4 @@
-"""A relay's end (proxy/inputs.py `ConnectionTracker`, proxy/relay.py `Relay.release`): once a
+"""A relay's end (proxy/open_connections.py `OpenConnections`, transport/relay.py `Relay.release`): once a
 relay has ended and been recorded, it lets go of its endpoints, so the connection's objects are
 freed by reference counting, without the garbage collector; the released relay keeps its byte
 counts, and late events on its endpoints do nothing."""
@@ -10,8 +10,8 @@ import gc
 import socket
 import weakref
 
-from ambient_mesh.proxy.inputs import ConnectionTracker
-from ambient_mesh.proxy.relay import Relay, wrap_socket
+from ambient_mesh.proxy.open_connections import OpenConnections
+from ambient_mesh.transport.relay import Relay, wrap_socket
 
 from .tcp_pair import tcp_pair
 
@@ -33,7 +33,7 @@ async def _ended_relay() -> tuple[weakref.ref, weakref.ref, weakref.ref, list]:
     down, up = wrap_socket(down_sock), wrap_socket(up_sock)
     relay = Relay(down, up)
     ended: list = []
-    ConnectionTracker().track(relay, _About(), on_end=lambda r, err: ended.append(err))
+    OpenConnections().track(relay, _About(), on_end=lambda r, err: ended.append(err))
     up.attach(relay)
     down.attach(relay)
     client.send(b"x")

@@ -13,8 +13,8 @@ from ambient_mesh.config import ZtunnelConfig
 from ambient_mesh.host.sockets import TCP_USER_TIMEOUT, KeepaliveSettings, is_own_listener
 from ambient_mesh.logs import access_logger
 from ambient_mesh.net import SocketAddr
-from ambient_mesh.proxy.inputs import ConnectionTracker
 from ambient_mesh.proxy.listener import Listener
+from ambient_mesh.proxy.open_connections import OpenConnections
 from ambient_mesh.proxy.workload_proxy import ListenerAddresses
 from ambient_mesh.workers.owner import open_listener_sockets
 
@@ -65,7 +65,7 @@ async def test_listener_applies_keepalive_to_accepted_sockets():
     # starting any) finds them only because they are set before listen().
     seen, done, handler = _option_recorder()
     listener = Listener(
-        "ka", SocketAddr.parse("127.0.0.1:0"), handler, ConnectionTracker(), keepalive=CONFIGURED_KEEPALIVE
+        "ka", SocketAddr.parse("127.0.0.1:0"), handler, OpenConnections(), keepalive=CONFIGURED_KEEPALIVE
     )
     listener.bind()
     try:
@@ -153,7 +153,7 @@ async def _accepted_options(listener_address: str, keepalive: KeepaliveSettings 
         done.set()
 
     listener = Listener(
-        "ka", SocketAddr.parse(listener_address), handler, ConnectionTracker(), keepalive=keepalive
+        "ka", SocketAddr.parse(listener_address), handler, OpenConnections(), keepalive=keepalive
     )
     listener.start()
     try:

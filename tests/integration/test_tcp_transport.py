@@ -1,4 +1,4 @@
-"""The relay's own plain TCP transport (proxy/tcp_transport.py) on real loopback connections:
+"""The relay's own plain TCP transport (transport/tcp.py) on real loopback connections:
 asyncio's transport contract as the relay uses it (reading at once, half-close, flow control,
 close and abort, errors, a swapped BufferedProtocol), and that the protocol is let go once its
 connection_lost has run."""
@@ -14,12 +14,12 @@ import weakref
 
 import pytest
 
-from ambient_mesh.proxy.tcp_transport import (
+from ambient_mesh.transport.tcp import (
     WRITE_HIGH_WATER_BYTES,
     WRITE_LOW_WATER_BYTES,
     TcpTransport,
 )
-from ambient_mesh.write_backlog import HELD_VIEW_MIN_SHARE, BacklogOverflow
+from ambient_mesh.transport.write_backlog import HELD_VIEW_MIN_SHARE, BacklogOverflow
 
 from .tcp_pair import tcp_pair
 
@@ -330,7 +330,7 @@ async def test_a_protocol_that_raises_is_logged_and_its_connection_closed(caplog
     sock, peer = tcp_pair()
     protocol = Failing()
     transport = make(sock, protocol)
-    with caplog.at_level(logging.ERROR, logger="ambient_mesh.proxy.tcp_transport"):
+    with caplog.at_level(logging.ERROR, logger="ambient_mesh.transport.tcp"):
         peer.send(b"x")
         await until(lambda: protocol.lost, "connection_lost")
     assert transport.is_closing() and isinstance(protocol.lost[0], OSError)

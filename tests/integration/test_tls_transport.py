@@ -30,7 +30,7 @@ from ambient_mesh.tls.context import (
 from ambient_mesh.tls.crl import verified_chain
 from ambient_mesh.tls.handshake import PeerTls
 from ambient_mesh.tls.transport import OpenSslTransport, TlsTransport, start_tls
-from ambient_mesh.write_backlog import BacklogOverflow
+from ambient_mesh.transport.write_backlog import BacklogOverflow
 
 SERVER = Identity("cluster.local", "ns1", "server")
 CLIENT = Identity("cluster.local", "ns2", "client")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import hpack
 
-from ambient_mesh.proxy.http2 import Connection, CoreSettings
-from ambient_mesh.proxy.http2 import events as ev
-from ambient_mesh.proxy.http2 import frames as f
+from ambient_mesh.http2 import Connection, CoreSettings
+from ambient_mesh.http2 import events as ev
+from ambient_mesh.http2 import frames as f
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,7 +202,7 @@ def _closed_and_received(metrics) -> tuple[float, float]:
 
 def _result(metrics: Metrics) -> telemetry.ConnectionResult:
     return telemetry.ConnectionResult(
-        types.SimpleNamespace(metrics=metrics),
+        types.SimpleNamespace(metrics=metrics, state=types.SimpleNamespace(version=1)),
         direction="inbound",
         src_addr=SocketAddr.parse("10.0.0.1:40000"),
         dst_addr=SocketAddr.parse("10.0.0.2:80"),

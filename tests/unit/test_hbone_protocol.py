@@ -22,7 +22,7 @@ from ambient_mesh.proxy.hbone import (
     STREAM_WINDOW_BYTES,
     HboneConnection,
 )
-from ambient_mesh.proxy.relay import Endpoint, Relay
+from ambient_mesh.transport.relay import Endpoint, Relay
 
 
 class MemoryTransport(asyncio.Transport):

@@ -7,7 +7,7 @@ import os
 from unittest import mock
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.net import SocketAddr
@@ -15,6 +15,7 @@ from ambient_mesh.proxy import headers
 from ambient_mesh.proxy.headers import (
     TRACEPARENT_LENGTH,
     Baggage,
+    baggage_at,
     baggage_for,
     forwarded_for,
     new_traceparent,
@@ -346,3 +347,44 @@ _forwarded_pieces = st.sampled_from(
 def test_parse_forwarded_host_skips_only_values_without_a_host_name(value: str) -> None:
     """The shortcut for values that cannot name `host` gives what the full parse gives."""
     assert parse_forwarded_host(value) == headers._first_host(value)
+
+
+# `baggage_at`, the memo of `baggage_for` by state version: always the value of the object named.
+_BAGGAGE_UIDS = ("Kubernetes//Pod/default/a", "Kubernetes//Pod/default/b")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["replace", "bump", "ask"]), st.integers(0, 1), st.data()),
+        max_size=40,
+    )
+)
+def test_baggage_at_is_baggage_for_of_the_object_named(steps) -> None:
+    headers._baggage_values.clear()
+    version = 1
+    generations = {uid: [workload(uid=uid)] for uid in _BAGGAGE_UIDS}
+    names = st.sampled_from(["", "x", "app", "v2"])
+    for op, index, data in steps:
+        uid = _BAGGAGE_UIDS[index]
+        if op == "replace":  # a push replaces the object; the version moves
+            generations[uid].append(
+                workload(uid=uid, workload_name=data.draw(names), canonical_revision=data.draw(names))
+            )
+            version += 1
+        elif op == "bump":
+            version += 1
+        else:  # a caller names the current object, or one it kept from before a push
+            for named in data.draw(st.lists(st.sampled_from(generations[uid]), min_size=1, max_size=4)):
+                assert baggage_at(version, named) == baggage_for(named)
+
+
+def test_baggage_at_keeps_one_value_per_version_and_is_bounded() -> None:
+    headers._baggage_values.clear()
+    w = workload()
+    hits = headers._baggage_values.hits
+    assert baggage_at(5, w) is baggage_at(5, w)
+    assert headers._baggage_values.hits == hits + 1
+    for i in range(headers.BAGGAGE_MAX_ENTRIES + 5):
+        baggage_at(6, workload(uid=f"Kubernetes//Pod/default/w{i}"))
+    assert len(headers._baggage_values) <= headers.BAGGAGE_MAX_ENTRIES

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from ambient_mesh.host.cpython import ReusableBuffer, new_frozen, raw_accept, slot_setter
-from ambient_mesh.proxy.http2.events import DataReceived
+from ambient_mesh.http2.events import DataReceived
 
 
 def test_raw_accept_returns_a_descriptor_and_the_peer_and_raises_when_the_backlog_is_empty() -> None:

@@ -1,4 +1,4 @@
-"""The stateless HPACK encoder (proxy/http2/hpack_block.py BlockEncoder) against two decoders."""
+"""The stateless HPACK encoder (http2/hpack_block.py BlockEncoder) against two decoders."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ambient_mesh.proxy.http2.hpack_block import BlockDecoder, BlockEncoder
+from ambient_mesh.http2.hpack_block import BlockDecoder, BlockEncoder
 
 _names = st.one_of(
     st.sampled_from([b":method", b":authority", b":status", b"baggage", b"traceparent", b"forwarded"]),

@@ -11,10 +11,10 @@ import hpack
 import pytest
 from http2_peer import CONNECT, Peer, frame
 
-from ambient_mesh.proxy.http2 import Connection, CoreSettings, Http2Error, StreamClosedError
-from ambient_mesh.proxy.http2 import connection as c
-from ambient_mesh.proxy.http2 import events as ev
-from ambient_mesh.proxy.http2 import frames as f
+from ambient_mesh.http2 import Connection, CoreSettings, Http2Error, StreamClosedError
+from ambient_mesh.http2 import connection as c
+from ambient_mesh.http2 import events as ev
+from ambient_mesh.http2 import frames as f
 
 E = f.ErrorCode
 MiB = 1024 * 1024

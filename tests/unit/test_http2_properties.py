@@ -13,11 +13,11 @@ from http2_peer import CONNECT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ambient_mesh.proxy.http2 import Connection, CoreSettings, Http2Error
-from ambient_mesh.proxy.http2 import connection as c
-from ambient_mesh.proxy.http2 import events as ev
-from ambient_mesh.proxy.http2 import frames as f
-from ambient_mesh.proxy.http2.hpack_block import BlockDecoder, HpackError
+from ambient_mesh.http2 import Connection, CoreSettings, Http2Error
+from ambient_mesh.http2 import connection as c
+from ambient_mesh.http2 import events as ev
+from ambient_mesh.http2 import frames as f
+from ambient_mesh.http2.hpack_block import BlockDecoder, HpackError
 
 SIDS = st.sampled_from([0, 1, 2, 3, 5, 7, 9, 11, 2**31 - 1])
 HEADER_LISTS = st.sampled_from(

@@ -10,9 +10,9 @@ from http2_peer import CONNECT, Peer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ambient_mesh.proxy.http2 import Connection, CoreSettings, SendQueueFull, StreamClosedError
-from ambient_mesh.proxy.http2 import events as ev
-from ambient_mesh.proxy.http2 import frames as f
+from ambient_mesh.http2 import Connection, CoreSettings, SendQueueFull, StreamClosedError
+from ambient_mesh.http2 import events as ev
+from ambient_mesh.http2 import frames as f
 
 MiB = 1024 * 1024
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ambient_mesh.proxy import inputs
-from ambient_mesh.proxy.inputs import ConnectionTracker, count_connections_in
+from ambient_mesh.proxy import open_connections
+from ambient_mesh.proxy.open_connections import OpenConnections, count_connections_in
 from ambient_mesh.workers.loads import DEAD, WorkerLoads
 
 
@@ -62,13 +62,13 @@ def test_a_table_of_the_wrong_size_or_slot_is_refused():
 async def test_trackers_count_tasks_and_relays_into_the_worker_slot():
     import asyncio
 
-    from ambient_mesh.proxy.relay import Endpoint, Relay
+    from ambient_mesh.transport.relay import Endpoint, Relay
 
     owner = WorkerLoads.create(2)
     mine = WorkerLoads(owner.fd, 0)
     count_connections_in(mine)
     try:
-        tracker = ConnectionTracker()
+        tracker = OpenConnections()
         gate = asyncio.Event()
 
         async def setting_up() -> None:
@@ -90,4 +90,4 @@ async def test_trackers_count_tasks_and_relays_into_the_worker_slot():
         count_connections_in(None)
         mine.close()
         owner.close()
-    assert inputs._load is None
+    assert open_connections._load is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ambient_mesh.write_backlog import (
+from ambient_mesh.transport.write_backlog import (
     HELD_VIEW_MIN_SHARE,
     MAX_WRITE_BACKLOG_BYTES,
     BacklogOverflow,

@@ -2,7 +2,7 @@
 
 `connection.py` is the connection (read -> feed the HTTP/2 core -> dispatch -> flush),
 `stream.py` one CONNECT stream (a relay endpoint), `settings.py` ztunnel's numbers. The HTTP/2
-protocol itself, send queues and flow control included, is the sans-IO core in proxy/http2/.
+protocol itself, send queues and flow control included, is the sans-IO core in http2/.
 """
 
 from .connection import HboneConnection

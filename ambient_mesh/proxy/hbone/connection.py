@@ -1,7 +1,7 @@
 """HBONE: HTTP/2 CONNECT streams over a mutual-TLS connection (port 15008), the asyncio shell.
 
 Counterparts: ztunnel src/proxy/h2.rs, h2/client.rs, h2/server.rs. The HTTP/2 protocol is the
-sans-IO core in proxy/http2/ (frames, flow control, per-stream send queues, GOAWAY, flood
+sans-IO core in http2/ (frames, flow control, per-stream send queues, GOAWAY, flood
 budgets); this module only moves bytes and time in and events out: one `HboneConnection` (an
 asyncio Protocol) per TLS connection, client or server side, that reads, feeds the core,
 dispatches its events to the streams (stream.py) and flushes what the core queued:
@@ -34,13 +34,13 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from ... import http2
 from ...errors import ResponseFlag
 from ...host.cpython import ReusableBuffer
+from ...http2 import events as ev
+from ...http2.connection import Http2Error, SendQueueFull, StreamClosedError
+from ...http2.frames import FRAME_HEADER_BYTES, ErrorCode, error_name
 from ...tls.transport import MAX_RECORD_PLAINTEXT_BYTES, TlsTransport
-from .. import http2
-from ..http2 import events as ev
-from ..http2.connection import Http2Error, SendQueueFull, StreamClosedError
-from ..http2.frames import FRAME_HEADER_BYTES, ErrorCode, error_name
 from . import settings as hs
 from .settings import DEFAULT_SETTINGS, SERVER_MAX_CONCURRENT_STREAMS, HboneSettings
 from .stream import ConnectRequest, ConnectResponse, HboneError, HboneStream

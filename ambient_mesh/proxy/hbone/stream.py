@@ -1,4 +1,4 @@
-"""One HBONE CONNECT stream: the HTTP/2 side of a relay (relay.py's `Endpoint`).
+"""One HBONE CONNECT stream: the HTTP/2 side of a relay (transport/relay.py's `Endpoint`).
 
 Counterpart: ztunnel src/proxy/h2.rs (`H2Stream`). A stream keeps only what its relay needs:
 whether either side ended, whether its relay is told to stop feeding it, the peer's bytes that
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from ...errors import ProxyError
-from ..http2.frames import ErrorCode, error_name
-from ..relay import Endpoint
+from ...http2.frames import ErrorCode, error_name
+from ...transport.relay import Endpoint
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from ...http2 import Connection
     from ...identity.spiffe import Identity
-    from ..http2 import Connection
-    from ..relay import Relay
+    from ...transport.relay import Relay
 
 
 class Cancellable(Protocol):

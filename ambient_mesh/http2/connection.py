@@ -71,8 +71,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...errors import ProtocolError
-from ...host.cpython import new_frozen, slot_setter
+from ..errors import ProtocolError
+from ..host.cpython import new_frozen, slot_setter
 from . import frames as f
 from .events import (
     ConnectionTerminated,

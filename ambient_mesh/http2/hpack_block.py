@@ -24,7 +24,7 @@ import hpack
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
 
-from ...errors import ProtocolError
+from ..errors import ProtocolError
 
 # RFC 7541 4.1: every entry costs its name, its value and 32 octets of overhead.
 ENTRY_OVERHEAD_BYTES = 32

@@ -25,9 +25,9 @@ import asyncio
 import socket
 
 from ..host.cpython import ReusableBuffer
-from .tcp_transport import READ_BYTES, TcpTransport
+from .tcp import READ_BYTES, TcpTransport
 
-# The TCP transport's read size (tcp_transport.py, as uvloop's UV_STREAM_RECV_BUF_SIZE was): a
+# The TCP transport's read size (tcp.py, as uvloop's UV_STREAM_RECV_BUF_SIZE was): a
 # `data_received` this long filled it.
 UVLOOP_READ_BYTES = READ_BYTES
 # What one bulk read takes at most: one DATA frame (hbone.MAX_FRAME_BYTES is 1 MiB) or one TLS
@@ -423,7 +423,7 @@ def read_waiting(sock: socket.socket) -> bytes:
 def wrap_socket(sock: socket.socket) -> TcpEndpoint:
     """A connected non-blocking plain socket (accepted or dialled) as a TcpEndpoint, reading at
     once and holding what it reads until `attach`; on our own transport
-    (proxy/tcp_transport.py), made here and now: no await, no turn of the event loop. HBONE's TLS
+    (transport/tcp.py), made here and now: no await, no turn of the event loop. HBONE's TLS
     has its own transport (tls/transport.py).
 
     Reading is not paused up front: what arrives before `attach` is held, and reading pauses

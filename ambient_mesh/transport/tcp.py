@@ -30,9 +30,9 @@ import logging
 import socket
 from typing import Any
 
-from ..write_backlog import BacklogOverflow, WriteBacklog
+from .write_backlog import BacklogOverflow, WriteBacklog
 
-log = logging.getLogger("ambient_mesh.proxy.tcp_transport")
+log = logging.getLogger("ambient_mesh.transport.tcp")
 
 # One read takes at most this much, as uvloop's did (its UV_STREAM_RECV_BUF_SIZE): relay.py's
 # TcpEndpoint moves to its bulk reader after a read this long.

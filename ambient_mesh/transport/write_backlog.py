@@ -5,7 +5,7 @@ the protocol is told to `pause_writing` once more than the high-water mark waits
 `resume_writing` once no more than the low-water mark does. Here a protocol that keeps writing
 after `pause_writing` is also cut off at `max_bytes`, so a peer that stops reading cannot make
 us hold more than that. Both of our transports keep one: HBONE's TLS (tls/transport.py) and the
-plain TCP endpoints (proxy/tcp_transport.py).
+plain TCP endpoints (transport/tcp.py).
 """
 
 from __future__ import annotations
