@@ -149,10 +149,13 @@ class RouteTable:
 
     def rules(self, host: str, port: int, waypoint_namespace: str) -> list[BoundRule]:
         """The rules for `host`:`port` in the order Envoy tries them, up to the first catch-all."""
+        keys = self._by_host.get(host)
+        if not keys:
+            return []
         service_ns = namespace_of(host)
         gateway: list[tuple[tuple[Any, ...], BoundRule]] = []
         mesh: list[tuple[tuple[Any, ...], BoundRule]] = []
-        for key in self._by_host.get(host, ()):
+        for key in keys:
             obj = self._objects[key]
             ns = obj.metadata.namespace
             if ns not in (service_ns, waypoint_namespace):
