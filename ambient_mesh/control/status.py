@@ -13,7 +13,9 @@ own `status.conditions` (where `kubectl get -o yaml` shows it), what it did with
   nothing, a DENY with L4 parts is enforced on those parts alone).
 - AuthorizationPolicy with targetRefs: `WaypointAccepted`, one binding per target flattened as
   istiod does: reasons `Accepted`, `TargetNotFound`, `AncestorNotBound`, and for several targets
-  `PartiallyInvalid` / `Invalid` with "Invalid targetRefs: ...".
+  `PartiallyInvalid` / `Invalid` with "Invalid targetRefs: ...". Bound but not honoured as
+  written (CUSTOM, requestPrincipals, an unknown `when` key: l7_authz.py `policy_notes`): ours,
+  reason `UnsupportedValue` with what the waypoint does instead.
 - Service and ServiceEntry using a waypoint: `istio.io/WaypointBound`, True with reason
   `WaypointAccepted`, or False with a reason of ours (`WaypointNotFound`, `NotAllowed`,
   `TrafficTypeMismatch`); no condition without `istio.io/use-waypoint`.
@@ -66,6 +68,7 @@ from .translate.authorization import (
 )
 from .translate.common import MeshSettings
 from .translate.context import Context, ServiceIndex
+from .translate.l7_authz import policy_notes
 from .translate.policies import PolicyIndex
 from .translate.waypoints import _allows, _use_waypoint, build_waypoints, waypoint_for_service
 
@@ -434,6 +437,11 @@ def compute_status(store: KubeStore, settings: MeshSettings | None = None) -> St
     for policy in store.authorization_policies:
         key = ("AuthorizationPolicy", policy.metadata.namespace, policy.metadata.name)
         cond = ztunnel_condition(policy, settings) or waypoint_condition(ctx, policy)
+        unserved = policy_notes(policy) if cond is not None and policy.target_refs else ()
+        if cond is not None and unserved:
+            # Bound, but not honoured as written: said where the user looks.
+            reason = REASON_UNSUPPORTED if cond.status else cond.reason
+            cond = replace(cond, reason=reason, message="; ".join((cond.message, *unserved)))
         if cond is not None:
             out[key] = (cond,)
     for key, cond in peer_authentication_conditions(store.peer_authentications, settings).items():

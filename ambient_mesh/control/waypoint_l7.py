@@ -25,10 +25,11 @@ from .translate.http_routes import (
     FAULT_FILTER,
     RouteTable,
     cluster_resolver,
+    mixed_note,
     notes,
     route_configuration,
 )
-from .translate.l7_authz import Attachment, applies, attachments, rbac_filters
+from .translate.l7_authz import Attachment, applies, attachments, policy_notes, rbac_filters
 from .waypoint_envoy import ServicePort
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class WaypointL7:
         self._owned: tuple[tuple[str, tuple[int, ...]], ...] = ()
         # Per chain name: what its output was made of (compared by identity), and the output.
         self._out: dict[str, tuple[tuple[object, ...], HttpChain]] = {}
+        # Hostnames routed by both kinds, with the objects (said once per change).
+        self._mixed: dict[str, tuple[str, ...]] = {}
 
     def __repr__(self) -> str:
         return f"WaypointL7({len(self.routes)} route objects, {len(self.policies)} targetRef policies)"
@@ -104,8 +107,14 @@ class WaypointL7:
                     attachments(obj, self.settings.root_namespace, self.settings.domain_suffix),
                 )
                 moved = True
+                found = policy_notes(obj)
+                if found != self.notes.get(key):
+                    for note in found:
+                        log.warning("not served: %s", note)
+                self.notes[key] = found
             elif old is not None:
                 del self.policies[key]
+                self.notes.pop(key, None)
                 moved = True
         return moved
 
@@ -113,6 +122,12 @@ class WaypointL7:
         """Follow the route objects of `store`; returns the service hostnames whose chains may differ."""
         changed = list(changed) if changed is not None else None
         hosts = self.routes.update(store, changed)
+        for host in sorted(hosts):
+            mixed = self.routes.mixed(host)
+            if mixed != self._mixed.get(host, ()):
+                if mixed:
+                    log.warning("not served as written: %s", mixed_note(host, mixed))
+                self._mixed[host] = mixed
         keys = [
             k
             for k in (changed if changed is not None else store.keys())

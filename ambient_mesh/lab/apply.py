@@ -229,8 +229,12 @@ def check_documents(
                 f"{error.message}"
             )
         if result.notes:
+            from ..control.unserved_kinds import unserved_kind
+
+            meaning = unserved_kind(str(doc.get("kind")))
             problems.append(
                 f"{where(file, node)}: {_label(doc)} ({doc.get('apiVersion')}): not a kind the control plane serves"
+                + (f": {meaning}" if meaning else "")
             )
         if result.errors or result.notes:
             continue

@@ -76,7 +76,7 @@ spec:
     route: [{{destination: {{host: svc-{backend}.default.svc.cluster.local}}}}]"""
 
 
-def policy(i: int, target: int | None, path: str) -> str:
+def policy(i: int, target: int | None, path: str, action: str = "DENY") -> str:
     ref = (
         "{group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}"
         if target is None
@@ -87,7 +87,7 @@ kind: AuthorizationPolicy
 metadata: {{name: policy-{i}, namespace: default}}
 spec:
   targetRefs: [{ref}]
-  action: DENY
+  action: {action}
   rules: [{{to: [{{operation: {{paths: ["{path}"]}}}}]}}]"""
 
 
@@ -111,7 +111,12 @@ state = st.fixed_dictionaries(
             max_size=4,
         ),
         "policies": st.lists(
-            st.tuples(st.integers(0, 2), st.one_of(st.none(), st.integers(0, SERVICES - 1)), PATHS),
+            st.tuples(
+                st.integers(0, 2),
+                st.one_of(st.none(), st.integers(0, SERVICES - 1)),
+                PATHS,
+                st.sampled_from(["DENY", "ALLOW", "CUSTOM"]),
+            ),
             max_size=3,
         ),
     }
