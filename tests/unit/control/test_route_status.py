@@ -172,3 +172,13 @@ def test_lab_apply_warns_and_get_shows_parents(tmp_path: Path) -> None:
         "Accepted": "False",
         "ResolvedRefs": "True",
     }
+
+
+def test_the_debug_status_endpoint_shows_parents() -> None:
+    from ambient_mesh.control.debug import status_doc
+
+    loaded = parse_documents(MESH + "---" + route("ok", "web", "web"), "t.yaml")
+    entries = {e["name"]: e for e in status_doc(compute_status(KubeStore(loaded.objects)))}
+    assert entries["ok"]["conditions"] == []
+    assert entries["ok"]["parents"][0]["parentRef"]["name"] == "web"
+    assert entries["web"]["conditions"][0]["type"] == "istio.io/WaypointBound"
