@@ -50,6 +50,7 @@ from .namespace_controller import NamespaceController
 from .sources import (
     AUTHORIZATION_POLICIES,
     GATEWAYS,
+    HTTP_ROUTES,
     PEER_AUTHENTICATIONS,
     SERVICE_ENTRIES,
     ConfigSource,
@@ -130,7 +131,14 @@ def build_source(config: ControlPlaneConfig, client: KubeClient | None) -> Confi
 def build_status_writer(config: ControlPlaneConfig, client: KubeClient | None) -> StatusWriter:
     """Where conditions go: the API server's status subresources, or beside a YAML directory."""
     if client is not None:
-        kinds = (AUTHORIZATION_POLICIES, PEER_AUTHENTICATIONS, SERVICE_ENTRIES, GATEWAYS, SERVICES)
+        kinds = (
+            AUTHORIZATION_POLICIES,
+            PEER_AUTHENTICATIONS,
+            SERVICE_ENTRIES,
+            GATEWAYS,
+            SERVICES,
+            HTTP_ROUTES,
+        )
         return KubeStatusWriter(client, {r.kind: r for r in kinds})
     return DirectoryStatusWriter(config.state_dir / STATUS_DIR_NAME)
 

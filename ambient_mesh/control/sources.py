@@ -65,6 +65,9 @@ AUTHORIZATION_POLICIES = Resource("security.istio.io", "v1", "AuthorizationPolic
 PEER_AUTHENTICATIONS = Resource("security.istio.io", "v1", "PeerAuthentication", "peerauthentications")
 SERVICE_ENTRIES = Resource("networking.istio.io", "v1", "ServiceEntry", "serviceentries")
 WORKLOAD_ENTRIES = Resource("networking.istio.io", "v1", "WorkloadEntry", "workloadentries")
+# The waypoint's routes (waypoint_l7.py).
+HTTP_ROUTES = Resource("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes")
+VIRTUAL_SERVICES = Resource("networking.istio.io", "v1", "VirtualService", "virtualservices")
 KINDS: tuple[Resource, ...] = (
     NAMESPACES,
     PODS,
@@ -76,6 +79,8 @@ KINDS: tuple[Resource, ...] = (
     SERVICE_ENTRIES,
     WORKLOAD_ENTRIES,
     GATEWAYS,
+    HTTP_ROUTES,
+    VIRTUAL_SERVICES,
 )
 
 __all__ = ["KINDS", "ConfigSource", "DirectorySource", "KubeApiSource", "SourceChange"]

@@ -50,6 +50,8 @@ KINDS = {
     "serviceentries": "ServiceEntry",
     "workloadentries": "WorkloadEntry",
     "gateways": "Gateway",
+    "httproutes": "HTTPRoute",
+    "virtualservices": "VirtualService",
     "configmaps": "ConfigMap",
     "deployments": "Deployment",
 }

@@ -81,6 +81,20 @@ metadata: {name: waypoint, namespace: shop, labels: {istio.io/waypoint-for: serv
 spec:
   gatewayClassName: istio-waypoint
   listeners: [{name: mesh, port: 15008, protocol: HBONE}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: cart, namespace: shop}
+spec:
+  parentRefs: [{group: "", kind: Service, name: cart}]
+  rules: [{matches: [{path: {type: PathPrefix, value: /v2}}], backendRefs: [{name: cart, port: 80}]}]
+---
+apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: ext, namespace: shop}
+spec:
+  hosts: [api.example.com]
+  http: [{route: [{destination: {host: api.example.com}}]}]
 """)
 OBJECTS = [o for o in OBJECTS if o]
 
@@ -134,11 +148,11 @@ async def test_every_kind_is_read_into_the_same_objects_as_from_yaml(api):
     from_yaml = parse_documents(yaml.safe_dump_all(OBJECTS), "objects.yaml")
     assert not from_yaml.errors and not first.errors
     assert first.store.all() == from_yaml.store.all()
-    assert len(first.store) == len(OBJECTS) == 10
+    assert len(first.store) == len(OBJECTS) == 12
     # Every list was cluster-wide, and the node agent's kinds came from the core group.
     lists = sorted(t.split("?")[0] for m, t, _, _ in api.requests if "watch" not in t)
     assert "/api/v1/pods" in lists and "/apis/gateway.networking.k8s.io/v1/gateways" in lists
-    assert repr(source) == f"KubeApiSource({api.url}: 10 objects, 0 errors, 1 snapshots)"
+    assert repr(source) == f"KubeApiSource({api.url}: 12 objects, 0 errors, 1 snapshots)"
     await source.client.close()
 
 
@@ -173,7 +187,7 @@ async def test_a_malformed_object_is_skipped_with_its_field_named(api):
             ),
         )
         assert change.store.pods == ()  # dropped, as the directory loader drops it
-        assert len(change.store) == 9
+        assert len(change.store) == len(OBJECTS) - 1
         await api.put(pod)
         change = await changes.wait_for(lambda c: not c.errors and c.store.pods)
 
