@@ -157,3 +157,21 @@ spec:
     # the HTTPRoute's catch-all comes first, so the VirtualService's rule is never reached
     (bound,) = l7.routes.rules("web.demo.svc.cluster.local", 80, "demo")
     assert bound.source == "HTTPRoute demo/a"
+
+
+def test_a_route_to_a_subset_is_said_at_apply(tmp_path: Path) -> None:
+    vs = """apiVersion: networking.istio.io/v1
+kind: VirtualService
+metadata: {name: canary, namespace: demo}
+spec:
+  hosts: [web]
+  http: [{route: [{destination: {host: web, subset: v2}}]}]
+"""
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    manifests = verbs.check(MESH + "---\n" + vs, "v.yaml", default_namespace="demo", allow_pods=False)
+    lines = verbs.apply(objects, manifests)
+    assert (
+        "Warning: VirtualService demo/canary: destination web subset 'v2': subsets need a DestinationRule, "
+        "not served" in lines
+    )
