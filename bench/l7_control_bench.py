@@ -29,27 +29,13 @@ sys.path.insert(0, str(ROOT))
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings  # noqa: E402
 from ambient_mesh.control.waypoint_index import WaypointIndex  # noqa: E402
 from ambient_mesh.kube.objects import KubeStore, object_key, parse_documents  # noqa: E402
+from tests.unit.control.test_envoy_parse_cache import BASE as WAYPOINT_MESH  # noqa: E402
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
 
 
 def mesh(services: int) -> str:
-    docs = [
-        """apiVersion: v1
-kind: Namespace
-metadata: {name: default, labels: {istio.io/dataplane-mode: ambient}}
----
-apiVersion: gateway.networking.k8s.io/v1
-kind: Gateway
-metadata: {name: waypoint, namespace: default, labels: {istio.io/waypoint-for: service}}
-spec: {gatewayClassName: istio-waypoint, listeners: [{name: mesh, port: 15008, protocol: HBONE}]}
-status: {addresses: [{type: Hostname, value: waypoint.default.svc.cluster.local}]}
----
-apiVersion: v1
-kind: Service
-metadata: {name: waypoint, namespace: default, labels: {gateway.networking.k8s.io/gateway-name: waypoint}}
-spec: {selector: {gateway.networking.k8s.io/gateway-name: waypoint}, clusterIP: 10.96.0.2, ports: [{name: mesh, port: 15008}]}"""
-    ]
+    docs = [WAYPOINT_MESH]
     for i in range(services):
         ip = f"10.97.{i // 250}.{i % 250 + 1}"
         pod_ip = f"10.1.{i // 250}.{i % 250 + 1}"

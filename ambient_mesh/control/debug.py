@@ -21,7 +21,7 @@ from ..net import SocketAddr
 from ..ports import CNI_MONITORING_PORT
 from .ads import ConnectionInfo
 from .ads_state import TypeStatus
-from .status import StatusMap
+from .status import StatusMap, status_document
 
 DEBUG_PORT = CNI_MONITORING_PORT  # istiod's monitoring and debug port is 15014 too
 
@@ -52,7 +52,8 @@ def connections_doc(connections: tuple[ConnectionInfo, ...], version: str) -> di
 
 def status_doc(status: StatusMap) -> list[dict[str, Any]]:
     return [
-        {"kind": kind, "namespace": ns, "name": name, "conditions": [c.to_dict() for c in conditions]}
+        # A route's conditions go in `parents[]`, per parentRef, as in its status.
+        {"kind": kind, "namespace": ns, "name": name, "conditions": [], **status_document(conditions)}
         for (kind, ns, name), conditions in sorted(status.items())
     ]
 

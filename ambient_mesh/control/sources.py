@@ -50,6 +50,7 @@ from ..kube.objects import (
     _parse_one,
 )
 from ..kube.reflector import Reflector
+from .unserved_kinds import explain_note
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +125,17 @@ class DirectorySource:
         self.location = str(path)
         self._on_change: OnChange | None = None
         self.watcher = DirectoryWatcher(path, self._forward, poll_interval_s)
+        self._notes_logged: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"DirectorySource({self.watcher!r})"
 
-    @staticmethod
-    def _change(change: DirectoryChange) -> SourceChange:
+    def _change(self, change: DirectoryChange) -> SourceChange:
+        # What was read and is not served (an Istio kind this mesh lacks), said once per object.
+        notes = frozenset(change.result.notes)
+        for note in sorted(notes - self._notes_logged):
+            log.warning("not served: %s", explain_note(note))
+        self._notes_logged = notes
         return SourceChange(store=change.store, errors=change.result.errors, summary=change.summary())
 
     async def _forward(self, change: DirectoryChange) -> None:

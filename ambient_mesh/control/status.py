@@ -13,7 +13,9 @@ own `status.conditions` (where `kubectl get -o yaml` shows it), what it did with
   nothing, a DENY with L4 parts is enforced on those parts alone).
 - AuthorizationPolicy with targetRefs: `WaypointAccepted`, one binding per target flattened as
   istiod does: reasons `Accepted`, `TargetNotFound`, `AncestorNotBound`, and for several targets
-  `PartiallyInvalid` / `Invalid` with "Invalid targetRefs: ...".
+  `PartiallyInvalid` / `Invalid` with "Invalid targetRefs: ...". Bound but not honoured as
+  written (CUSTOM, requestPrincipals, an unknown `when` key: l7_authz.py `policy_notes`): ours,
+  reason `UnsupportedValue` with what the waypoint does instead.
 - Service and ServiceEntry using a waypoint: `istio.io/WaypointBound`, True with reason
   `WaypointAccepted`, or False with a reason of ours (`WaypointNotFound`, `NotAllowed`,
   `TrafficTypeMismatch`); no condition without `istio.io/use-waypoint`.
@@ -22,6 +24,10 @@ own `status.conditions` (where `kubectl get -o yaml` shows it), what it did with
   root namespace is ignored, the younger of two mesh- or namespace-wide policies loses) and
   Gateway API's `Programmed` on an `istio-waypoint` Gateway (False, `AddressNotAssigned`, until
   it has an address node proxies can send to).
+- HTTPRoute with Service parents: per parent, a `status.parents[]` entry (parentRef,
+  controllerName `istio.io/gateway-controller`) with `Accepted` and `ResolvedRefs`
+  (route_status.py). VirtualService: istiod writes no such status, nor do we (what a waypoint
+  cannot honour in one is said by `lab apply` and the control plane's log).
 
 `compute_status` is pure (a snapshot in, conditions per object out); a `StatusWriter` carries
 them out: `DirectoryStatusWriter` for a YAML directory (the lab's API server keeps status beside
@@ -53,6 +59,7 @@ from ..kube.objects import (
 )
 from ..metadata import LABEL_USE_WAYPOINT
 from ..wire.istio.security import authorization_pb2 as sec
+from .route_status import route_conditions
 from .translate.authorization import (
     L4_WHEN_KEYS,
     _http_operation_fields,
@@ -61,6 +68,7 @@ from .translate.authorization import (
 )
 from .translate.common import MeshSettings
 from .translate.context import Context, ServiceIndex
+from .translate.l7_authz import policy_notes
 from .translate.policies import PolicyIndex
 from .translate.waypoints import _allows, _use_waypoint, build_waypoints, waypoint_for_service
 
@@ -87,10 +95,20 @@ REASON_IGNORED = "Ignored"
 REASON_CONFLICTED = "Conflicted"
 REASON_ADDRESS_NOT_ASSIGNED = "AddressNotAssigned"
 WAYPOINT_CLASS = "istio-waypoint"
+# Who writes a route's `status.parents[]` entries (istiod's Gateway API controller name).
+GATEWAY_CONTROLLER = "istio.io/gateway-controller"
+ROUTE_KINDS = frozenset({"HTTPRoute"})
 
 # Kinds whose status this control plane writes, and every kind the conditions are computed from
 # (37 ms for 6,050 objects with 1,000 policies: not redone for a pod's change).
-STATUS_KINDS = ("AuthorizationPolicy", "PeerAuthentication", "Service", "ServiceEntry", "Gateway")
+STATUS_KINDS = (
+    "AuthorizationPolicy",
+    "PeerAuthentication",
+    "Service",
+    "ServiceEntry",
+    "Gateway",
+    "HTTPRoute",
+)
 STATUS_INPUT_KINDS = frozenset({*STATUS_KINDS, "Namespace"})
 
 
@@ -104,6 +122,9 @@ class Condition:
     message: str
     observed_generation: int = 0
     last_transition_time: str = ""
+    # A route's condition is per parent (Gateway API `status.parents[]`): the parentRef's
+    # fields in order; () for an object's own `status.conditions`.
+    parent: tuple[tuple[str, str | int], ...] = ()
 
     @property
     def negative(self) -> bool:
@@ -111,11 +132,12 @@ class Condition:
         return not self.status or self.reason in (REASON_PARTIALLY_INVALID, REASON_UNSUPPORTED)
 
     def same(self, other: Condition) -> bool:
-        return (self.type, self.status, self.reason, self.message) == (
+        return (self.type, self.status, self.reason, self.message, self.parent) == (
             other.type,
             other.status,
             other.reason,
             other.message,
+            other.parent,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,7 +167,11 @@ class Condition:
         )
 
     def __str__(self) -> str:
-        return f"{self.type}={'True' if self.status else 'False'} ({self.reason}): {self.message}"
+        text = f"{self.type}={'True' if self.status else 'False'} ({self.reason}): {self.message}"
+        if self.parent:
+            ref = dict(self.parent)
+            text = f"parent {ref.get('kind')} {ref.get('namespace')}/{ref.get('name')}: {text}"
+        return text
 
 
 StatusMap = dict[ObjectKey, tuple[Condition, ...]]
@@ -411,6 +437,11 @@ def compute_status(store: KubeStore, settings: MeshSettings | None = None) -> St
     for policy in store.authorization_policies:
         key = ("AuthorizationPolicy", policy.metadata.namespace, policy.metadata.name)
         cond = ztunnel_condition(policy, settings) or waypoint_condition(ctx, policy)
+        unserved = policy_notes(policy) if cond is not None and policy.target_refs else ()
+        if cond is not None and unserved:
+            # Bound, but not honoured as written: said where the user looks.
+            reason = REASON_UNSUPPORTED if cond.status else cond.reason
+            cond = replace(cond, reason=reason, message="; ".join((cond.message, *unserved)))
         if cond is not None:
             out[key] = (cond,)
     for key, cond in peer_authentication_conditions(store.peer_authentications, settings).items():
@@ -432,6 +463,13 @@ def compute_status(store: KubeStore, settings: MeshSettings | None = None) -> St
     for gw in store.gateways:
         if gw.gateway_class_name == WAYPOINT_CLASS:
             out[("Gateway", gw.metadata.namespace, gw.metadata.name)] = (_gateway_programmed(ctx, gw),)
+    for route in store.http_routes:
+        conditions = tuple(
+            Condition(type=c.type, status=c.status, reason=c.reason, message=c.message, parent=c.parent)
+            for c in route_conditions(ctx, route)
+        )
+        if conditions:
+            out[("HTTPRoute", route.metadata.namespace, route.metadata.name)] = conditions
     return out
 
 
@@ -470,15 +508,55 @@ def merge_conditions(
 ) -> tuple[Condition, ...]:
     """Other writers' types kept; ours replaced, keeping lastTransitionTime when status is unchanged."""
     stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    old = {c.type: c for c in existing}
-    out = [c for c in old.values() if c.type not in OWNED_TYPES]
+    old = {(c.parent, c.type): c for c in existing}
+    # A route's parent entries read back are this controller's own (`conditions_of_status`).
+    out = [c for c in old.values() if not c.parent and c.type not in OWNED_TYPES]
     for cond in ours:
-        prev = old.get(cond.type)
+        prev = old.get((cond.parent, cond.type))
         if prev is not None and prev.status == cond.status and prev.last_transition_time:
             out.append(replace(cond, last_transition_time=prev.last_transition_time))
         else:
             out.append(replace(cond, last_transition_time=stamp))
     return tuple(out)
+
+
+def status_document(conditions: Iterable[Condition]) -> dict[str, Any]:
+    """The `status` an object shows: its own `conditions`, and for a route one `parents[]` entry
+    per parentRef (Gateway API RouteParentStatus, `controllerName` istiod's)."""
+    own = [c.to_dict() for c in conditions if not c.parent]
+    by_parent: dict[tuple[tuple[str, str | int], ...], list[dict[str, Any]]] = {}
+    for c in conditions:
+        if c.parent:
+            by_parent.setdefault(c.parent, []).append(c.to_dict())
+    doc: dict[str, Any] = {}
+    if own:
+        doc["conditions"] = own
+    if by_parent:
+        doc["parents"] = [
+            {"parentRef": dict(ref), "controllerName": GATEWAY_CONTROLLER, "conditions": conds}
+            for ref, conds in by_parent.items()
+        ]
+    return doc
+
+
+def conditions_of_status(status: Any) -> tuple[Condition, ...]:
+    """This controller's conditions in a `status` as `status_document` writes it (another
+    controller's `parents[]` entries are not ours)."""
+    if not isinstance(status, Mapping):
+        return ()
+    out = [Condition.from_dict(i) for i in status.get("conditions") or () if isinstance(i, dict)]
+    for entry in status.get("parents") or ():
+        if not isinstance(entry, Mapping) or entry.get("controllerName") != GATEWAY_CONTROLLER:
+            continue
+        ref = entry.get("parentRef")
+        if not isinstance(ref, Mapping):
+            continue
+        parent = tuple((str(k), v) for k, v in ref.items() if isinstance(v, str | int))
+        for item in entry.get("conditions") or ():
+            cond = Condition.from_dict(item) if isinstance(item, dict) else None
+            if cond is not None:
+                out.append(replace(cond, parent=parent))
+    return tuple(c for c in out if c is not None)
 
 
 class StatusWriter(Protocol):
@@ -497,12 +575,11 @@ def read_status_dir(directory: Path, key: ObjectKey) -> tuple[Condition, ...]:
         doc = json.loads((directory / status_file_name(key)).read_text())
     except (OSError, ValueError):
         return ()
-    items = doc.get("conditions", []) if isinstance(doc, dict) else []
-    return tuple(c for c in (Condition.from_dict(i) for i in items if isinstance(i, dict)) if c is not None)
+    return conditions_of_status(doc)
 
 
 class DirectoryStatusWriter:
-    """A YAML directory's status subresource: one JSON file per object, `{"conditions": [...]}`."""
+    """A YAML directory's status subresource: one JSON file per object, its `status_document`."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -519,7 +596,7 @@ class DirectoryStatusWriter:
             if not merged:
                 path.unlink(missing_ok=True)
                 continue
-            text = json.dumps({"conditions": [c.to_dict() for c in merged]}, indent=2) + "\n"
+            text = json.dumps(status_document(merged), indent=2) + "\n"
             atomic_write(path, text.encode())
             self.writes += 1
         return len(changes)
@@ -551,27 +628,19 @@ class KubeStatusWriter:
                     continue  # deleted meanwhile
                 generation = current.get("metadata", {}).get("generation")
                 status = current.get("status") if isinstance(current.get("status"), dict) else {}
-                existing = [
-                    c
-                    for c in (
-                        Condition.from_dict(i)
-                        for i in (status or {}).get("conditions") or []
-                        if isinstance(i, dict)
-                    )
-                    if c is not None
-                ]
+                existing = conditions_of_status(status)
                 ours = [
                     replace(c, observed_generation=generation) if isinstance(generation, int) else c
                     for c in conditions
                 ]
                 merged = merge_conditions(existing, ours, now)
-                if [c.to_dict() for c in merged] == [c.to_dict() for c in existing]:
+                if status_document(merged) == status_document(existing):
                     continue
                 await self.client.patch_merge(
                     resource,
                     namespace or None,
                     name,
-                    {"status": {"conditions": [c.to_dict() for c in merged]}},
+                    {"status": _status_patch(kind, status or {}, merged)},
                     subresource="status",
                 )
                 written += 1
@@ -580,6 +649,20 @@ class KubeStatusWriter:
                 self.failures += 1
                 log.warning("cannot write the status of %s %s/%s: %s", kind, namespace, name, exc)
         return written
+
+
+def _status_patch(kind: str, status: Mapping[str, Any], merged: Iterable[Condition]) -> dict[str, Any]:
+    """A merge patch of `status`: a route's `parents` list (a merge patch replaces a list whole,
+    so other controllers' entries are sent back as they were), anything else's `conditions`."""
+    doc = status_document(merged)
+    if kind in ROUTE_KINDS:
+        others = [
+            p
+            for p in status.get("parents") or ()
+            if isinstance(p, Mapping) and p.get("controllerName") != GATEWAY_CONTROLLER
+        ]
+        return {"parents": [*others, *doc.get("parents", [])]}
+    return {"conditions": doc.get("conditions", [])}
 
 
 def changed_status(previous: Mapping[ObjectKey, tuple[Condition, ...]], current: StatusMap) -> StatusMap:

@@ -24,8 +24,10 @@ node proxy.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+import socket
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 # Every message type named by an `@type` below must be in the descriptor pool before ParseDict.
@@ -287,7 +289,13 @@ def _input(name: str, type_name: str) -> dict[str, Any]:
 
 
 def _prefix(ip: str) -> dict[str, Any]:
-    return {"address_prefix": ip, "prefix_len": 32 if ipaddress.ip_address(ip).version == 4 else 128}
+    # `ip` is an address as ip_text writes it: a colon says IPv6.
+    return {"address_prefix": ip, "prefix_len": 128 if ":" in ip else 32}
+
+
+def _packed(ip: str) -> bytes:
+    """The address's bytes (ipaddress's `packed`), for ordering; inet_pton is C."""
+    return socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip)
 
 
 def _copy_filter_state() -> dict[str, Any]:
@@ -485,6 +493,15 @@ def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, 
     return {"name": name, "filters": [hcm]}
 
 
+# (kind "http" or "tcp", service port, VIP for its stats) -> the filter chain, as JSON or parsed.
+ChainMaker = Callable[[str, ServicePort, str], Any]
+
+
+def chain_doc(kind: str, sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
+    """The filter chain of one service port: HTTP (with its L7 part from `inputs`) or TCP."""
+    return _http_chain(sp, vip, inputs) if kind == "http" else _tcp_chain(sp, vip)
+
+
 def _tcp_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
     name = sp.cluster("tcp")
     return {"name": name, "filters": [_tcp_proxy(f"inbound_{vip}_{sp.port}", name)]}
@@ -521,7 +538,7 @@ def _ip_matcher(ranges: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _by_ip(by_ip: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     ranges = []
-    for ip in sorted(by_ip, key=lambda ip: ipaddress.ip_address(ip).packed):
+    for ip in sorted(by_ip, key=_packed):
         ports = by_ip[ip]
         if "*" in ports:
             on_match = ports["*"]
@@ -542,7 +559,9 @@ def _blackhole() -> dict[str, Any]:
     return {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
 
 
-def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str, Any]]:
+def dispatch_listeners(
+    inputs: WaypointInputs, make_chain: ChainMaker | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """`main_internal` and `main_internal_sniff`: where a CONNECT's original destination goes.
 
     Ports of known protocol and workload-addressed traffic are served in `main_internal` itself;
@@ -552,8 +571,9 @@ def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str
     filter-chain update that keeps the connections already open (a listener filter change is a
     full update, which drains them), and a TCP client that half-closes before a line end is
     is handed to an inspector (which would close it) only on a port of unknown protocol."""
-    main: dict[str, dict[str, Any]] = {}
-    sniffed: dict[str, dict[str, Any]] = {}
+    chain = make_chain or (lambda kind, sp, vip: chain_doc(kind, sp, vip, inputs))
+    main: dict[str, Any] = {}
+    sniffed: dict[str, Any] = {}
     main_ips: dict[str, dict[str, dict[str, Any]]] = {}
     sniff_ips: dict[str, dict[str, dict[str, Any]]] = {}
     for sp in inputs.services:
@@ -561,8 +581,10 @@ def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str
             continue
         stat_vip = sp.vips[0]
         if sp.protocol == "auto":
-            sniffed.setdefault(sp.cluster("http"), _http_chain(sp, stat_vip, inputs))
-            sniffed.setdefault(sp.cluster("tcp"), _tcp_chain(sp, stat_vip))
+            if sp.cluster("http") not in sniffed:
+                sniffed[sp.cluster("http")] = chain("http", sp, stat_vip)
+            if sp.cluster("tcp") not in sniffed:
+                sniffed[sp.cluster("tcp")] = chain("tcp", sp, stat_vip)
             main.setdefault(SNIFF_CHAIN, _sniff_chain())
             for vip in sp.vips:
                 main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(SNIFF_CHAIN)
@@ -570,10 +592,8 @@ def dispatch_listeners(inputs: WaypointInputs) -> tuple[dict[str, Any], dict[str
                     sp.cluster("http"), sp.cluster("tcp")
                 )
             continue
-        main.setdefault(
-            sp.cluster(sp.protocol),
-            _http_chain(sp, stat_vip, inputs) if sp.protocol == "http" else _tcp_chain(sp, stat_vip),
-        )
+        if sp.cluster(sp.protocol) not in main:
+            main[sp.cluster(sp.protocol)] = chain(sp.protocol, sp, stat_vip)
         for vip in sp.vips:
             main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
     workload_ips = [ip for ip in inputs.workload_ips if ip not in main_ips]
@@ -735,42 +755,80 @@ def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]
 
 def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> EnvoyResources:
     """The Listeners, Clusters and ClusterLoadAssignments of one waypoint (with `cache`, the
-    resources of its previous build that did not change are not parsed again)."""
+    resources of its previous build whose inputs did not change are neither built nor parsed
+    again: `_cached_build`)."""
+    if cache is not None:  # part 2 hook: envoy_parse_cache.py
+        return _cached_build(inputs, cache)
     main, sniff = dispatch_listeners(inputs)
     listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
-    clusters = [
+    clusters = _fixed_clusters(inputs)
+    assignments = []
+    for name, sp in _eds_clusters(inputs):
+        clusters.append(_eds_cluster(name))
+        assignments.append(_load_assignment(name, sp.endpoints))
+    return EnvoyResources(
+        listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
+        clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},
+        endpoints={d["cluster_name"]: _parse(d, endpoint_pb2.ClusterLoadAssignment()) for d in assignments},
+    )
+
+
+def _fixed_clusters(inputs: WaypointInputs) -> list[dict[str, Any]]:
+    return [
         _static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
         _static_internal(ENCAP, CONNECT_ORIGINATE),
         _static_internal(MAIN_SNIFF, MAIN_SNIFF),
         connect_originate_cluster(inputs.trust_domains),
         {"name": BLACKHOLE, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT},
     ]
-    assignments = []
-    for sp in inputs.services:
-        for protocol in ("http", "tcp"):
-            if sp.protocol not in (protocol, "auto"):
-                continue
-            name = sp.cluster(protocol)
-            clusters.append(_eds_cluster(name))
-            assignments.append(_load_assignment(name, sp.endpoints))
-    if cache is not None:  # part 2 hook: envoy_parse_cache.py
-        resources = EnvoyResources(
-            listeners={
-                d["name"]: cache.parse_listener(d, listener_pb2.Listener, listener_components_pb2.FilterChain)
-                for d in listeners
-            },
-            clusters={d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in clusters},
-            endpoints={
-                d["cluster_name"]: cache.parse(d, endpoint_pb2.ClusterLoadAssignment) for d in assignments
-            },
+
+
+def _eds_clusters(inputs: WaypointInputs) -> list[tuple[str, ServicePort]]:
+    return [
+        (sp.cluster(protocol), sp)
+        for sp in inputs.services
+        for protocol in ("http", "tcp")
+        if sp.protocol in (protocol, "auto")
+    ]
+
+
+def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
+    """`build_resources` with each service's chains, cluster and endpoints taken from `cache`
+    by what they are made of (held to the uncached build by tests/unit/control/
+    test_envoy_parse_cache.py)."""
+
+    def make_chain(kind: str, sp: ServicePort, vip: str) -> Any:
+        l7 = inputs.http_chains.get(sp.cluster("http")) if kind == "http" else None
+        held = (l7, inputs.access_log) if kind == "http" else ()
+        return cache.memo(
+            ("chain", kind, sp, vip),
+            held,
+            lambda: chain_doc(kind, sp, vip, inputs),
+            listener_components_pb2.FilterChain,
         )
-        cache.end_build()
-        return resources
-    return EnvoyResources(
-        listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
-        clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},
-        endpoints={d["cluster_name"]: _parse(d, endpoint_pb2.ClusterLoadAssignment()) for d in assignments},
+
+    main, sniff = dispatch_listeners(inputs, make_chain)
+    listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
+    clusters = {d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in _fixed_clusters(inputs)}
+    endpoints: dict[str, endpoint_pb2.ClusterLoadAssignment] = {}
+    for name, sp in _eds_clusters(inputs):
+        clusters[name] = cache.memo(("eds", name), (), partial(_eds_cluster, name), cluster_pb2.Cluster)
+        endpoints[name] = cache.memo(
+            ("endpoints", name, sp.endpoints),
+            (),
+            partial(_load_assignment, name, sp.endpoints),
+            endpoint_pb2.ClusterLoadAssignment,
+        )
+    resources = EnvoyResources(
+        listeners={
+            d["name"]: cache.parse_listener(d, listener_pb2.Listener, listener_components_pb2.FilterChain)
+            for d in listeners
+        },
+        clusters=clusters,
+        endpoints=endpoints,
     )
+    cache.end_build()
+    return resources
 
 
 def _parse(doc: dict[str, Any], message: Any) -> Any:

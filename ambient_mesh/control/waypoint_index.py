@@ -72,6 +72,8 @@ class WaypointIndex:
         self.l7 = WaypointL7(self.settings)
         self._l7_dirty: set[str] = set()
         self._parse_caches: dict[str, ParseCache] = {}
+        # service name -> (its Address and its endpoints' Addresses, its ServicePorts)
+        self._ports: dict[str, tuple[tuple[wl.Address, ...], tuple[ServicePort, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"WaypointIndex({len(self._addresses)} addresses, {len(self._named_by)} waypoints named, {len(self._snapshots)} built)"
@@ -224,8 +226,7 @@ class WaypointIndex:
         for name in names:
             addr = self._addresses[name]
             if addr.WhichOneof("type") == "service":
-                endpoints = [self._addresses[uid].workload for uid in sorted(self._endpoints.get(name, ()))]
-                services.extend(service_ports(addr.service, endpoints))
+                services.extend(self._service_ports(name, addr))
             else:
                 workload_ips.update(ip for ip in (ip_text(raw) for raw in addr.workload.addresses) if ip)
         return WaypointInputs(
@@ -235,6 +236,22 @@ class WaypointIndex:
             http_chains=self.l7.http_chains(_waypoint_of(key), services),
             access_log=ACCESS_LOG,
         )
+
+    def _service_ports(self, name: str, addr: wl.Address) -> tuple[ServicePort, ...]:
+        """`service_ports` of one service, kept while the service's Address and its endpoints'
+        Addresses are the same objects (`apply` replaces an Address that changed)."""
+        endpoints = tuple(self._addresses[uid] for uid in sorted(self._endpoints.get(name, ())))
+        held = (addr, *endpoints)
+        hit = self._ports.get(name)
+        if (
+            hit is not None
+            and len(hit[0]) == len(held)
+            and all(a is b for a, b in zip(hit[0], held, strict=True))
+        ):
+            return hit[1]
+        ports = tuple(service_ports(addr.service, [e.workload for e in endpoints]))
+        self._ports[name] = (held, ports)
+        return ports
 
     def _build(self, key: str, previous: Snapshot | None) -> Snapshot:
         self._version += 1

@@ -25,10 +25,11 @@ from .translate.http_routes import (
     FAULT_FILTER,
     RouteTable,
     cluster_resolver,
+    mixed_note,
     notes,
     route_configuration,
 )
-from .translate.l7_authz import Attachment, applies, attachments, rbac_filters
+from .translate.l7_authz import Attachment, applies, attachments, policy_notes, rbac_filters
 from .waypoint_envoy import ServicePort
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ ACCESS_LOG: tuple[dict[str, Any], ...] = (
 
 _T = "type.googleapis.com/"
 
-HttpChains = dict[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]]
+HttpChain = tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]
+HttpChains = dict[str, HttpChain]
 
 
 def _filter(name: str, type_name: str) -> dict[str, Any]:
@@ -79,6 +81,10 @@ class WaypointL7:
         self._rbac: dict[tuple[int, ...], tuple[tuple[AuthorizationPolicy, ...], list[dict[str, Any]]]] = {}
         self._chains: dict[str, tuple[tuple[Any, ...], object, Any]] = {}
         self._owned: tuple[tuple[str, tuple[int, ...]], ...] = ()
+        # Per chain name: what its output was made of (compared by identity), and the output.
+        self._out: dict[str, tuple[tuple[object, ...], HttpChain]] = {}
+        # Hostnames routed by both kinds, with the objects (said once per change).
+        self._mixed: dict[str, tuple[str, ...]] = {}
 
     def __repr__(self) -> str:
         return f"WaypointL7({len(self.routes)} route objects, {len(self.policies)} targetRef policies)"
@@ -101,8 +107,14 @@ class WaypointL7:
                     attachments(obj, self.settings.root_namespace, self.settings.domain_suffix),
                 )
                 moved = True
+                found = policy_notes(obj)
+                if found != self.notes.get(key):
+                    for note in found:
+                        log.warning("not served: %s", note)
+                self.notes[key] = found
             elif old is not None:
                 del self.policies[key]
+                self.notes.pop(key, None)
                 moved = True
         return moved
 
@@ -110,6 +122,12 @@ class WaypointL7:
         """Follow the route objects of `store`; returns the service hostnames whose chains may differ."""
         changed = list(changed) if changed is not None else None
         hosts = self.routes.update(store, changed)
+        for host in sorted(hosts):
+            mixed = self.routes.mixed(host)
+            if mixed != self._mixed.get(host, ()):
+                if mixed:
+                    log.warning("not served as written: %s", mixed_note(host, mixed))
+                self._mixed[host] = mixed
         keys = [
             k
             for k in (changed if changed is not None else store.keys())
@@ -129,7 +147,9 @@ class WaypointL7:
 
     def http_chains(self, waypoint: tuple[str, str], services: Sequence[ServicePort]) -> HttpChains:
         """Per HTTP chain of `waypoint` (namespace, gateway name) with a route or a policy: its
-        route configuration (None: the default route) and filters."""
+        route configuration (None: the default route) and filters. An unchanged chain is the
+        same tuple object as in the previous call, so the build memo (envoy_parse_cache.py) can
+        tell it by identity."""
         waypoint_namespace = waypoint[0]
         owned: dict[str, list[int]] = {}
         for sp in services:
@@ -139,26 +159,55 @@ class WaypointL7:
         if owned_now != self._owned:
             self._owned = owned_now  # a new object: chains built for the old services miss
         owned_key: object = self._owned
+        # Policies in their order, each bound to the whole waypoint or to some of its services.
+        wide: list[AuthorizationPolicy] = []
+        by_service: dict[str, list[AuthorizationPolicy]] = {}
+        for policy, where in self.policies.values():
+            if applies(where, waypoint, ""):
+                wide.append(policy)
+            else:
+                for a in where:
+                    if a.service:
+                        by_service.setdefault(a.service, [])
+        for host in by_service:
+            by_service[host] = [p for p, where in self.policies.values() if applies(where, waypoint, host)]
+        wide_filters = self._rbac_filters(wide)
         out: HttpChains = {}
+        chains: dict[str, tuple[tuple[object, ...], HttpChain]] = {}
         for sp in services:
             if sp.protocol not in ("http", "auto"):
                 continue
             rules = self.routes.rules(sp.hostname, sp.port, waypoint_namespace)
-            bound = [p for p, where in self.policies.values() if applies(where, waypoint, sp.hostname)]
+            bound = by_service.get(sp.hostname, wide)
             if not rules and not bound:
                 continue
             name = sp.cluster("http")
-            # istiod's order: authorization, then fault and CORS, then the router.
-            filters: list[Mapping[str, Any]] = list(self._rbac_filters(bound))
+            rbac = wide_filters if bound is wide else self._rbac_filters(bound)
             route_config = None
+            fault = cors = False
             if rules:
                 chain = self._route_configuration(name, sp, rules, owned, owned_key)
                 route_config = chain.route_config
-                if chain.needs_fault:
-                    filters.append(_filter(FAULT_FILTER, "envoy.extensions.filters.http.fault.v3.HTTPFault"))
-                if chain.needs_cors:
-                    filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
+                fault, cors = chain.needs_fault, chain.needs_cors
+            parts = (route_config, rbac, fault, cors)
+            hit = self._out.get(name)
+            if (
+                hit is not None
+                and len(hit[0]) == 4
+                and all(a is b for a, b in zip(hit[0], parts, strict=True))
+            ):
+                out[name] = hit[1]
+                chains[name] = hit
+                continue
+            # istiod's order: authorization, then fault and CORS, then the router.
+            filters: list[Mapping[str, Any]] = list(rbac)
+            if fault:
+                filters.append(_filter(FAULT_FILTER, "envoy.extensions.filters.http.fault.v3.HTTPFault"))
+            if cors:
+                filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
             out[name] = (route_config, filters)
+            chains[name] = (parts, out[name])
+        self._out = chains
         live = set(out)
         for gone in [n for n in self._chains if n not in live]:
             del self._chains[gone]

@@ -229,8 +229,12 @@ def check_documents(
                 f"{error.message}"
             )
         if result.notes:
+            from ..control.unserved_kinds import unserved_kind
+
+            meaning = unserved_kind(str(doc.get("kind")))
             problems.append(
                 f"{where(file, node)}: {_label(doc)} ({doc.get('apiVersion')}): not a kind the control plane serves"
+                + (f": {meaning}" if meaning else "")
             )
         if result.errors or result.notes:
             continue
@@ -407,7 +411,7 @@ def get_documents(
 ) -> list[dict[str, Any]]:
     """The stored objects themselves (`-o yaml|json`), with the status the control plane wrote
     for them in `status_dir` (its status subresource) where it wrote one."""
-    from ..control.status import read_status_dir
+    from ..control.status import read_status_dir, status_document
 
     out = []
     for o in sorted(
@@ -425,6 +429,6 @@ def get_documents(
             read_status_dir(status_dir, (kind, o.metadata.namespace, o.metadata.name)) if status_dir else ()
         )
         if conditions and isinstance(doc, dict):
-            doc["status"] = {**(doc.get("status") or {}), "conditions": [c.to_dict() for c in conditions]}
+            doc["status"] = {**(doc.get("status") or {}), **status_document(conditions)}
         out.append(doc)
     return out

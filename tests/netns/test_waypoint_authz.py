@@ -206,3 +206,17 @@ def test_audit_and_dry_run_do_not_refuse(rmesh, routes):
 def test_allow_with_no_rules_allows_nothing(rmesh, routes, action):
     routes(policy("nothing", f"{ROUTED}\n  action: {action}"))
     served(rmesh, lambda: denied(request(rmesh)), "allow-nothing")
+
+
+def test_custom_without_a_provider_denies_what_it_matches(rmesh, routes):
+    """No ext_authz provider exists here: as istiod does for a CUSTOM policy whose provider is
+    missing, the requests its rules match are refused (fail closed), the rest pass."""
+    routes(
+        policy(
+            "ext",
+            f"{GATEWAY}\n  action: CUSTOM\n  provider: {{name: my-ext-authz}}\n"
+            "  rules: [{to: [{operation: {paths: [/checked/*]}}]}]",
+        )
+    )
+    served(rmesh, lambda: denied(request(rmesh, "/checked/a")), "CUSTOM /checked")
+    assert request(rmesh, "/open").status == 200

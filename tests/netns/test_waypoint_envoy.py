@@ -29,9 +29,9 @@ import pytest
 
 from ambient_mesh.control.plane import mint_token
 from ambient_mesh.host.netns import Fabric, Node, netns_socket
+from ambient_mesh.http2.connection import RST_STREAM_BURST
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.http2.connection import RST_STREAM_BURST
 from tests.interop.envoy import _dechunk
 
 CONTROL_PORT = 15012

@@ -257,7 +257,7 @@ def test_rbac_no_wider_than_istios_charts(mesh):
         (("",), ("configmaps",), frozenset({"create", "get", "list", "watch", "update"})),
         (("security.istio.io",), ("authorizationpolicies/status", "peerauthentications/status"), {"patch"}),
         (("networking.istio.io",), ("serviceentries/status",), {"patch"}),
-        (("gateway.networking.k8s.io",), ("gateways/status",), {"patch"}),
+        (("gateway.networking.k8s.io",), ("gateways/status", "httproutes/status"), {"patch"}),
         (("",), ("services/status",), {"patch"}),
         # waypoints: server-side apply of their three objects; deletion is the garbage collector's
         (("",), ("services", "serviceaccounts"), frozenset({"create", "patch"})),

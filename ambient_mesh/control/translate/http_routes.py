@@ -147,12 +147,22 @@ class RouteTable:
                     self._by_host.setdefault(host, set()).add(key)
         return touched
 
+    def mixed(self, host: str) -> tuple[str, ...]:
+        """The route objects of `host` when both kinds route it (else ())."""
+        objs = [self._objects[k] for k in sorted(self._by_host.get(host, ()))]
+        if len({o.kind for o in objs}) < 2:
+            return ()
+        return tuple(f"{o.kind} {o.metadata.namespace}/{o.metadata.name}" for o in objs)
+
     def rules(self, host: str, port: int, waypoint_namespace: str) -> list[BoundRule]:
         """The rules for `host`:`port` in the order Envoy tries them, up to the first catch-all."""
+        keys = self._by_host.get(host)
+        if not keys:
+            return []
         service_ns = namespace_of(host)
         gateway: list[tuple[tuple[Any, ...], BoundRule]] = []
         mesh: list[tuple[tuple[Any, ...], BoundRule]] = []
-        for key in self._by_host.get(host, ()):
+        for key in keys:
             obj = self._objects[key]
             ns = obj.metadata.namespace
             if ns not in (service_ns, waypoint_namespace):
@@ -498,6 +508,17 @@ def cluster_resolver(
         return f"outbound|{port}|{d.subset}|{host}"
 
     return cluster_of
+
+
+def mixed_note(host: str, objects: Sequence[str]) -> str:
+    """Istio documents mixing its own routing API with Gateway API's as unsupported (undefined
+    behaviour); what this waypoint does instead: docs/architecture.md, "Waypoint L7: routes,
+    authorization, HTTP metrics"."""
+    return (
+        f"{host} is routed by {', '.join(objects)}: Istio does not support mixing HTTPRoute and "
+        "VirtualService for one service (undefined behaviour); here HTTPRoute rules are tried "
+        "first, then VirtualService rules"
+    )
 
 
 def notes(obj: RouteObject) -> tuple[str, ...]:

@@ -275,6 +275,9 @@ def rbac_filters(
     notes = notes if notes is not None else []
     out = []
     ordered = sorted(policies, key=lambda p: (p.metadata.namespace, p.metadata.name))
+    custom = _custom_deny(ordered, notes)
+    if custom is not None:
+        out.append(custom)
     for action, envoy_action in _ACTIONS.items():
         enforced: dict[str, Any] = {}
         shadow: dict[str, Any] = {}
@@ -296,9 +299,43 @@ def rbac_filters(
             config["shadow_rules"] = {"action": envoy_action, "policies": shadow}
             config["shadow_rules_stat_prefix"] = f"istio_dry_run_{action.lower()}_"
         out.append({"name": RBAC_FILTER, "typed_config": config})
-    for p in ordered:
-        if p.action == "CUSTOM":
-            notes.append(
-                f"AuthorizationPolicy {p.metadata.namespace}/{p.metadata.name}: CUSTOM (ext_authz) is not served by the waypoint"
-            )
     return out
+
+
+def _custom_deny(ordered: Sequence[AuthorizationPolicy], notes: list[str]) -> dict[str, Any] | None:
+    """CUSTOM policies, first as istiod orders ext_authz. No extension provider exists here, so
+    each is what istiod makes of a CUSTOM policy whose provider it cannot find: its rules become
+    DENY rules (fail closed), named `istio-ext-authz-<policy key>-deny-due-to-bad-CUSTOM-action`."""
+    policies: dict[str, Any] = {}
+    for p in ordered:
+        if p.action != "CUSTOM":
+            continue
+        what = f"AuthorizationPolicy {p.metadata.namespace}/{p.metadata.name}"
+        if dry_run(p):
+            notes.append(
+                f"{what}: CUSTOM (ext_authz) is not supported (no extension provider); dry-run: no effect"
+            )
+            continue
+        notes.append(
+            f"{what}: CUSTOM (ext_authz) is not supported (no extension provider): as istiod does for a "
+            "missing provider, the requests its rules match are denied (403)"
+        )
+        for i, rule in enumerate(p.rules):
+            policies[f"istio-ext-authz-{policy_key(p, i)}-deny-due-to-bad-CUSTOM-action"] = rule_policy(
+                rule, notes
+            )
+    if not policies:
+        return None
+    config = {
+        "@type": _T + "envoy.extensions.filters.http.rbac.v3.RBAC",
+        "rules": {"action": "DENY", "policies": policies},
+    }
+    return {"name": RBAC_FILTER, "typed_config": config}
+
+
+def policy_notes(policy: AuthorizationPolicy) -> tuple[str, ...]:
+    """What a waypoint does not honour as written in one targetRef policy, said at apply time."""
+    notes: list[str] = []
+    rbac_filters([policy], notes)
+    what = f"AuthorizationPolicy {policy.metadata.namespace}/{policy.metadata.name}: "
+    return tuple(dict.fromkeys(n if n.startswith("AuthorizationPolicy ") else what + n for n in notes))
