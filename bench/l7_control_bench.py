@@ -28,7 +28,9 @@ sys.path.insert(0, str(ROOT))
 
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings  # noqa: E402
 from ambient_mesh.control.waypoint_index import WaypointIndex  # noqa: E402
-from ambient_mesh.kube.objects import KubeStore, object_key, parse_documents  # noqa: E402
+from ambient_mesh.kube.load import parse_documents  # noqa: E402
+from ambient_mesh.kube.model import object_key  # noqa: E402
+from ambient_mesh.kube.store import KubeStore  # noqa: E402
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
 

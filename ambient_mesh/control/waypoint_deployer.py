@@ -23,7 +23,8 @@ from typing import Any
 import yaml
 
 from ..host.files import atomic_write
-from ..kube.objects import Gateway, KubeStore
+from ..kube.model import Gateway
+from ..kube.store import KubeStore
 from ..metadata import LABEL_GATEWAY_MANAGED, LABEL_GATEWAY_NAME
 from ..ports import HBONE_PORT, READINESS_PORT
 from .translate import MeshSettings

@@ -44,7 +44,7 @@ from ..kube.client import (
     KubeClient,
     Resource,
 )
-from ..kube.objects import Gateway
+from ..kube.model import Gateway
 from ..metadata import (
     DATAPLANE_MODE_NONE,
     LABEL_DATAPLANE_MODE,

@@ -15,7 +15,7 @@ from ambient_mesh.control.plane import ControlPlane, ControlPlaneConfig, build, 
 from ambient_mesh.errors import IdentityError
 from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.kube.objects import KubeStore
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.ztunnel import Ztunnel
 from ambient_mesh.ztunnel import build as build_proxy

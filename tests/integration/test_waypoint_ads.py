@@ -14,7 +14,7 @@ from ambient_mesh.control.ads import AdsServer
 from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_index import WaypointIndex
-from ambient_mesh.kube.objects import load_directory
+from ambient_mesh.kube.load import load_directory
 from ambient_mesh.wire import ADDRESS_TYPE_URL
 
 from .test_ads_server import Proxy, ads_server, channel, names, node

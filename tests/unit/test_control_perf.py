@@ -19,14 +19,10 @@ from hypothesis import strategies as st
 from ambient_mesh.control.ads import AdsServer
 from ambient_mesh.control.ads_state import Snapshot
 from ambient_mesh.control.translate import translate
-from ambient_mesh.kube.objects import (
-    DirectoryWatcher,
-    KubeStore,
-    LoadResult,
-    decode_yaml,
-    load_directory,
-    parse_documents,
-)
+from ambient_mesh.kube.decode import decode_yaml
+from ambient_mesh.kube.load import LoadResult, load_directory, parse_documents
+from ambient_mesh.kube.store import KubeStore
+from ambient_mesh.kube.watch import DirectoryWatcher
 from ambient_mesh.wire import ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL
 from ambient_mesh.wire.istio.security import authorization_pb2
 from ambient_mesh.wire.istio.workload import workload_pb2
@@ -162,11 +158,11 @@ def test_reader_errors_keep_pyyaml_text() -> None:
 def test_plain_kubernetes_yaml_takes_the_libyaml_path() -> None:
     # Plain Kubernetes YAML takes the C loader; observable only through speed, so check that the
     # C loader is what decode_yaml would pick and that it agrees.
-    from ambient_mesh.kube import objects as kube
+    from ambient_mesh.kube import decode
 
-    assert kube._libyaml_agrees(POD_WITH_TIMESTAMPS)
+    assert decode._libyaml_agrees(POD_WITH_TIMESTAMPS)
     for risky in ("a:\tb\n", "a: !\n", "a: |#\n", "\ufeffa: 1\n", "a: b\u2028c\n", "a: b\x85c\n", "{a?}\n"):
-        assert not kube._libyaml_agrees(risky), repr(risky)
+        assert not decode._libyaml_agrees(risky), repr(risky)
     fast = list(yaml.load_all(POD_WITH_TIMESTAMPS, Loader=yaml.CSafeLoader))
     assert repr(fast) == repr(decode_yaml(POD_WITH_TIMESTAMPS))
 

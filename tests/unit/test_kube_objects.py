@@ -12,16 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import (
-    DirectoryChange,
-    DirectoryWatcher,
-    KubeStore,
-    LoadResult,
-    Pod,
-    Service,
-    load_directory,
-    parse_documents,
-)
+from ambient_mesh.kube.load import LoadResult, load_directory, parse_documents
+from ambient_mesh.kube.model import Pod, Service
+from ambient_mesh.kube.store import KubeStore
+from ambient_mesh.kube.watch import DirectoryChange, DirectoryWatcher
 
 POD_OK = """
 apiVersion: v1
@@ -330,7 +324,7 @@ async def test_watcher_real_interval_bounded_wait(tmp_path: Path) -> None:
 
 
 def test_yaml_constructor_errors_are_load_errors_not_crashes():
-    from ambient_mesh.kube.objects import parse_documents
+    from ambient_mesh.kube.load import parse_documents
 
     for text in ("a: !!int x\n", "a: !!int \n", "a: !!timestamp \n"):
         result = parse_documents(text, "bad.yaml")

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import AuthorizationPolicy, load_directory, parse_documents
+from ambient_mesh.kube.load import load_directory, parse_documents
+from ambient_mesh.kube.model import AuthorizationPolicy
 from ambient_mesh.lab import apply as verbs
 
 DENY = textwrap.dedent(

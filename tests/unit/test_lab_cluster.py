@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import Namespace, Pod, Service, load_directory
+from ambient_mesh.kube.load import load_directory
+from ambient_mesh.kube.model import Namespace, Pod, Service
 from ambient_mesh.lab.cluster import (
     PodSpec,
     ServiceSpec,

@@ -8,7 +8,7 @@ import dns.rcode
 import pytest
 
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import parse_documents
+from ambient_mesh.kube.load import parse_documents
 from ambient_mesh.lab.services import (
     allocate_cluster_ip,
     answer,

@@ -16,7 +16,8 @@ from ambient_mesh.control.status import (
     merge_conditions,
     warnings_for,
 )
-from ambient_mesh.kube.objects import KubeStore, parse_documents
+from ambient_mesh.kube.load import parse_documents
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.lab import apply as verbs
 
 NS = """

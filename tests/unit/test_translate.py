@@ -19,7 +19,8 @@ from ambient_mesh.control.translate import (
     MeshSettings,
     translate,
 )
-from ambient_mesh.kube.objects import KubeStore, load_directory
+from ambient_mesh.kube.load import load_directory
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.wire.istio.security import authorization_pb2 as sec
 from ambient_mesh.wire.istio.workload import workload_pb2 as wl
 

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings, TranslationDelta, translate
-from ambient_mesh.kube.objects import (
+from ambient_mesh.kube.labels import LabelSelector
+from ambient_mesh.kube.model import (
     AuthorizationPolicy,
     AuthorizationRule,
     Condition,
@@ -24,8 +25,6 @@ from ambient_mesh.kube.objects import (
     Gateway,
     GatewayAddress,
     GatewayListener,
-    KubeStore,
-    LabelSelector,
     Namespace,
     Node,
     ObjectMeta,
@@ -42,6 +41,7 @@ from ambient_mesh.kube.objects import (
     WorkloadEntrySpec,
     object_key,
 )
+from ambient_mesh.kube.store import KubeStore
 
 ROOT = "istio-system"
 NAMESPACES = ("ns-a", "ns-b", ROOT)

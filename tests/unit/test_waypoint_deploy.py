@@ -9,7 +9,7 @@ import yaml
 
 from ambient_mesh.control.translate import MeshSettings
 from ambient_mesh.control.waypoint_deployer import apply_plan, plan, read_current
-from ambient_mesh.kube.objects import load_directory
+from ambient_mesh.kube.load import load_directory
 from ambient_mesh.lab.deployments import DEPLOYMENT_LABEL
 from ambient_mesh.lab.deployments import plan as plan_pods
 

@@ -30,7 +30,8 @@ from ambient_mesh.control.translate import AmbientIndex, MeshSettings, translate
 from ambient_mesh.control.waypoint_envoy import build_resources
 from ambient_mesh.control.waypoint_index import WaypointIndex, waypoint_key
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.kube.objects import Service, load_directory
+from ambient_mesh.kube.load import load_directory
+from ambient_mesh.kube.model import Service
 
 GOLDEN = Path(__file__).parent / "golden" / "waypoint_envoy"
 UPDATE_GOLDEN = os.environ.get("UPDATE_GOLDEN") == "1"

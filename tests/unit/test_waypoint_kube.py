@@ -16,7 +16,8 @@ from ambient_mesh.control.waypoint_kube import (
     waypoint_objects,
 )
 from ambient_mesh.kube.client import KubeApiError, Resource
-from ambient_mesh.kube.objects import Gateway, GatewayAddress, ObjectMeta, parse_documents
+from ambient_mesh.kube.load import parse_documents
+from ambient_mesh.kube.model import Gateway, GatewayAddress, ObjectMeta
 
 SETTINGS = DeploySettings(image="localhost/ambient-mesh:abc", istiod_ip="10.96.0.9")
 

@@ -19,7 +19,8 @@ from google.protobuf import json_format
 from ambient_mesh.control.translate import MeshSettings, translate
 from ambient_mesh.control.translate.http_routes import RouteTable, notes
 from ambient_mesh.control.waypoint_index import WaypointIndex, waypoint_key
-from ambient_mesh.kube.objects import KubeStore, load_directory, parse_documents
+from ambient_mesh.kube.load import load_directory, parse_documents
+from ambient_mesh.kube.store import KubeStore
 
 GOLDEN = Path(__file__).parent / "golden" / "waypoint_routes"
 UPDATE_GOLDEN = os.environ.get("UPDATE_GOLDEN") == "1"

@@ -31,10 +31,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ...kube.objects import (
+from ...kube.model import (
     AuthorizationPolicy,
     KubeObject,
-    KubeStore,
     Namespace,
     Node,
     ObjectKey,
@@ -45,6 +44,7 @@ from ...kube.objects import (
     WorkloadEntry,
     object_key,
 )
+from ...kube.store import KubeStore
 from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
 from .authorization import convert_authorization_policy
