@@ -13,8 +13,8 @@ from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.rbac import Action, Authorization, Clause, Match, Rule, Scope, StringMatch
-from tests.state_writes import upsert
-from tests.tls_stdlib import stdlib_client_context as client_context
+from tests.helpers.state_writes import upsert
+from tests.helpers.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import ECHO_PORT, SERVER_IP, local_config, running_mesh
 

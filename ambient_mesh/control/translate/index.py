@@ -21,7 +21,7 @@ written down once, per kind of input, and `AmbientIndex.apply` follows them:
   Gateway                    the waypoints; if any waypoint changed, everything
 
 Each step is the same per-object function `translate` uses, so a fresh index and the full
-translation agree (tests/unit/test_translate_incremental.py checks that after any sequence of
+translation agree (tests/unit/control/translate/test_incremental.py checks that after any sequence of
 changes). A recomputed resource equal to the one already served is not reported as changed.
 """
 
