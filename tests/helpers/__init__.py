@@ -10,4 +10,16 @@ own helper modules and conftest fixtures), never from another test module
 - `weak_keys`: CSRs with keys the CA must refuse or accept.
 - `rbac_strategies`: hypothesis strategies for connections, rules and policy sets.
 - `kube_files`: Kubernetes YAML for the kube/ tests' directories.
+- `ads`: an ADS client stream and server for the control plane's xDS tests.
+- `tls_pairs`: both ends of a TLS connection over loopback, per record layer.
+- `control_plane`: the embedded control plane and a node proxy, end to end.
+- `cni_plugin`: the CNI plugin against a fake API server and node agent.
+- `hbone_echo`: HBONE endpoints and a client connection over loopback TCP.
+- `proxy_metrics`: a node proxy's Prometheus samples.
+- `ztunnel_process`: the node proxy as a child process.
+- `workers`: worker processes in tests.
+- `cni_fakes`: fakes for the node agent's dataplane (unit and netns tiers).
+- `dedicated_mesh`, `malicious_probes`: dedicated-mode node proxies on a netns fabric, and probes.
+- `shared_mode`: shared (in-pod) mode on a netns fabric.
+- `waypoint_mesh`, `waypoint_routes`: a waypoint mesh on a netns fabric, and its route tests' apps.
 """
