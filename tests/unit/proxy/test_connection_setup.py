@@ -1,5 +1,9 @@
-"""Pieces of the per-connection path that were reshaped for speed (docs/performance.md,
-"The per-connection path"): they must still mean what the plain versions meant."""
+"""What the proxy works out per connection: a workload's pool key (proxy/pool.py `WorkloadKey`),
+the source address bind (proxy/inputs.py `LocalSourceBinder`), a SOCKS5 request already received
+(proxy/socks5_server.py), a workload's identity kept per object (state/model.py), the served
+workload per state version (proxy/workload_proxy.py), and the batched record of ended connections
+(proxy/telemetry.py). Each was reshaped for speed (docs/performance.md, "The per-connection path")
+and must mean what the plain version meant."""
 
 from __future__ import annotations
 
