@@ -426,7 +426,8 @@ def extras_entry(conn, scale_name: str, mode: str, profile: bool) -> None:
     start-up stages again under tracemalloc, and profiles."""
     from ambient_mesh.control.ads import AdsServer
     from ambient_mesh.control.translate import translate
-    from ambient_mesh.kube.objects import KubeStore, parse_documents
+    from ambient_mesh.kube.load import parse_documents
+    from ambient_mesh.kube.store import KubeStore
 
     scale = SCALES[scale_name]
     text = mesh_yaml(scale)
@@ -460,7 +461,9 @@ async def _control_plane(conn, scale: Scale, mode: str) -> None:
     import grpc
 
     from ambient_mesh.control.ads import SERVER_OPTIONS, AdsServer
-    from ambient_mesh.kube.objects import KubeStore, object_key, parse_documents
+    from ambient_mesh.kube.load import parse_documents
+    from ambient_mesh.kube.model import object_key
+    from ambient_mesh.kube.store import KubeStore
 
     stages: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
@@ -549,7 +552,9 @@ def _sent_by_type(ads) -> dict[str, int]:
 def _mutate(path, objects: dict, scale: Scale, kind: str, index: int) -> dict[str, Any]:
     """Change one object, then do what ControlPlane.apply does with a DirectoryChange: the new
     snapshot (KubeStore), translate (all of it, or the index's delta), push."""
-    from ambient_mesh.kube.objects import KubeStore, PodCondition, parse_documents
+    from ambient_mesh.kube.load import parse_documents
+    from ambient_mesh.kube.model import PodCondition
+    from ambient_mesh.kube.store import KubeStore
 
     if kind == "pod":
         k = (index * 7919 + 13) % scale.pods  # a different pod each time, spread over namespaces

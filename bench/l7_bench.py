@@ -59,8 +59,8 @@ from waypoint_bench import (  # noqa: E402
 
 from ambient_mesh.host.commands import SubprocessRunner  # noqa: E402
 from ambient_mesh.host.netns import http_get  # noqa: E402
+from tests.helpers.waypoint_mesh import ALLOW_CLIENT_AND_WAYPOINT, running_waypoint_mesh  # noqa: E402
 from tests.netns.conftest import start_echo_server  # noqa: E402
-from tests.netns.test_waypoint_envoy import ALLOW_CLIENT_AND_WAYPOINT, running_waypoint_mesh  # noqa: E402
 
 GENERATED_VIP = "10.96.0.10"
 T = "type.googleapis.com/"

@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings  # noqa: E402
 from ambient_mesh.control.waypoint_index import WaypointIndex  # noqa: E402
-from ambient_mesh.kube.objects import KubeStore, object_key, parse_documents  # noqa: E402
-from tests.unit.control.test_envoy_parse_cache import BASE as WAYPOINT_MESH  # noqa: E402
+from ambient_mesh.kube.load import parse_documents  # noqa: E402
+from ambient_mesh.kube.model import object_key  # noqa: E402
+from ambient_mesh.kube.store import KubeStore  # noqa: E402
+from tests.helpers.waypoint_manifests import WAYPOINT_BASE as WAYPOINT_MESH  # noqa: E402
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
 

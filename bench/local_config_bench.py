@@ -1,7 +1,7 @@
 """Local-config benchmark: how long a node proxy takes to read a large LOCAL_XDS file.
 
 Counterpart: ztunnel's local config (serde_yaml). The file has --workloads workloads, each with
-the fields of tests/unit/test_localconfig.py's full example, plus one service per 10 workloads.
+the fields of tests/unit/state/test_localconfig.py's full example, plus one service per 10 workloads.
 The table gives the time to compose the YAML (yamlload, aliases bounded) with the pure-Python
 loader and with the default one (libyaml), and to parse it whole (state.localconfig, default
 loader), best of --repeat runs, side by side so both see the same host load. JSON goes to results/local_config.json.

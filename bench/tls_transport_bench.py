@@ -282,7 +282,7 @@ def _aesgcm_records(size: int, records: int, aead: type) -> float:
 def aead_main(args) -> int:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from tests.tls_stdlib import stdlib_client_context, stdlib_server_context
+    from tests.helpers.tls_stdlib import stdlib_client_context, stdlib_server_context
 
     ca = CertificateAuthority.insecure_test_ca()
     now = datetime.now(UTC)

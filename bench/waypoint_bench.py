@@ -52,12 +52,12 @@ from ambient_mesh.host.netns import http_get  # noqa: E402
 from ambient_mesh.identity.ca import CertificateAuthority  # noqa: E402
 from ambient_mesh.identity.spiffe import Identity  # noqa: E402
 from ambient_mesh.waypoint.envoy import find_envoy  # noqa: E402
-from tests.netns.conftest import start_echo_server  # noqa: E402
-from tests.netns.test_waypoint_envoy import (  # noqa: E402
+from tests.helpers.waypoint_mesh import (  # noqa: E402
     ALLOW_CLIENT_AND_WAYPOINT,
     HTTP_PORT,
     running_waypoint_mesh,
 )
+from tests.netns.conftest import start_echo_server  # noqa: E402
 
 DIRECT_VIP, STATIC_VIP, LATE_VIP = "10.96.0.20", "10.96.0.21", "10.96.0.22"
 HOST = "cluster.local"

@@ -23,10 +23,8 @@ if [ $# -eq 0 ]; then
   echo "test: coverage of the sans-IO cores by their unit tests (floor: fail_under in pyproject.toml)"
   rm -f .coverage
   .venv/bin/python -m coverage run -m pytest -q -p no:cacheprovider \
-    tests/unit/test_http2_core.py tests/unit/test_http2_properties.py tests/unit/test_http2_send_queue.py \
-    tests/unit/test_hpack_encoder.py tests/unit/test_hbone_protocol.py tests/unit/test_tls_records.py \
-    tests/unit/test_rbac.py tests/unit/test_rbac_compile.py tests/unit/test_rbac_properties.py \
-    tests/unit/test_zds_codec.py tests/unit/test_xds_convert.py
+    tests/unit/http2 tests/unit/proxy/hbone/test_protocol.py tests/unit/tls/test_records.py \
+    tests/unit/rbac tests/unit/zds/test_codec.py tests/unit/xds/test_convert.py
   .venv/bin/python -m coverage report
 fi
 if [ $# -gt 0 ]; then

@@ -27,7 +27,7 @@ from ..http1 import deadline, exchange, render_request
 from ..kube.kubeconfig import KubeconfigError, KubeCredentials, load_kubeconfig
 
 if TYPE_CHECKING:
-    from ..kube.objects import KubeStore
+    from ..kube.store import KubeStore
 
 
 class PodLookupError(AmbientError):
@@ -87,7 +87,8 @@ class DirectoryPodLookup:
     def _load(self) -> KubeStore:
         if self._store is None:
             # Imported here: the plugin pays for YAML parsing only when it needs a pod.
-            from ..kube.objects import KubeStore, load_directory
+            from ..kube.load import load_directory
+            from ..kube.store import KubeStore
 
             if not self.path.is_dir():
                 raise PodLookupError(
@@ -100,7 +101,7 @@ class DirectoryPodLookup:
         return self._store
 
     def get_pod(self, namespace: str, name: str) -> PodInfo | None:
-        from ..kube.objects import Pod
+        from ..kube.model import Pod
 
         obj = self._load().get("Pod", namespace, name)
         if not isinstance(obj, Pod):
@@ -108,7 +109,7 @@ class DirectoryPodLookup:
         return pod_info_from_store(obj)
 
     def get_namespace(self, name: str) -> NamespaceInfo | None:
-        from ..kube.objects import Namespace
+        from ..kube.model import Namespace
 
         obj = self._load().get("Namespace", "", name)
         if not isinstance(obj, Namespace):
@@ -173,7 +174,7 @@ def object_field(raw: Any, key: str) -> dict[str, Any]:
 
 
 def pod_info_from_store(obj: Any, *, uid: str | None = None) -> PodInfo:
-    """kube/objects.py's Pod (the YAML-directory source) -> PodInfo; `uid` replaces a missing one."""
+    """kube/model.py's Pod (the YAML-directory source) -> PodInfo; `uid` replaces a missing one."""
     meta = obj.metadata
     return PodInfo(
         name=meta.name,

@@ -10,7 +10,7 @@ on the `pods/status` subresource, docs/istio-behaviour.md, "Node agent pod lifec
   kind lists, then watches from the list's resourceVersion; a relist after 410 Gone is diffed
   against the cache and reported as events. Credentials from the in-cluster service account or a
   kubeconfig (kube.kubeconfig).
-- `DirectoryPodSource`: the embedded control plane's YAML directory (kube/objects.py), polled
+- `DirectoryPodSource`: the embedded control plane's YAML directory (kube/watch.py), polled
   by `DirectoryWatcher`. Those files are the operator's, so the enrollment mark lives in a
   state file in the agent's run dir and is overlaid on the pods as the annotation would be.
 
@@ -324,7 +324,7 @@ class EnrollmentState:
 
 
 def pod_from_store(obj: Any) -> WatchedPod:
-    """kube/objects.py's Pod -> WatchedPod."""
+    """kube/model.py's Pod -> WatchedPod."""
     meta = obj.metadata
     return WatchedPod(
         info=pod_info_from_store(obj, uid=meta.uid or synthesized_uid(meta.namespace, meta.name)),
@@ -346,7 +346,7 @@ class DirectoryPodSource(_CachedSource):
         poll_interval_s: float = 1.0,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
-        from ..kube.objects import DirectoryWatcher
+        from ..kube.watch import DirectoryWatcher
 
         super().__init__(node_name)
         self.path = Path(path)
@@ -369,7 +369,7 @@ class DirectoryPodSource(_CachedSource):
         return pod.with_redirection(mark) if mark else pod
 
     def _poll(self) -> list[SourceEvent] | None:
-        from ..kube.objects import Namespace, Pod
+        from ..kube.model import Namespace, Pod
 
         if not self.path.is_dir():
             raise PodSourceError(
@@ -440,7 +440,7 @@ class DirectoryPodSource(_CachedSource):
             self._pods[pod.key] = cached.with_redirection(None)
 
     async def agent_upgrading(self, pod_namespace: str) -> bool:
-        # kube/objects.py does not model DaemonSets; a raw look for the one object is enough.
+        # kube/model.py does not model DaemonSets; a raw look for the one object is enough.
         for file in sorted(self.path.glob("*")):
             if file.suffix not in (".yaml", ".yml", ".json"):
                 continue

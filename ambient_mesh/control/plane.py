@@ -39,7 +39,8 @@ from ..identity.grpc_tls import (
 from ..identity.spiffe import Identity
 from ..kube.client import SERVICES, KubeApiError, KubeClient
 from ..kube.kubeconfig import KubeCredentials
-from ..kube.objects import KubeStore, ObjectKey, Pod
+from ..kube.model import ObjectKey, Pod
+from ..kube.store import KubeStore
 from ..net import SocketAddr
 from ..ports import XDS_CA_PORT
 from .ads import SERVER_OPTIONS, AdsServer, Authenticated, Unauthenticated

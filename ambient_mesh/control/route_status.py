@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..kube.objects import HTTPRoute, RouteParent, Service
+from ..kube.model import HTTPRoute, RouteParent, Service
 from .translate.context import Context
 from .translate.http_routes import fqdn
 from .translate.waypoints import waypoint_for_service

@@ -5,11 +5,11 @@ serviceregistry/kube), which keep informers on the kinds ambient reads; and, for
 tests, a directory of YAML files standing in for the cluster.
 
 `ConfigSource` is the one interface; `ControlPlane` takes any implementation:
-- `DirectorySource`: kube/objects.py's `DirectoryWatcher` over `--dir` (the lab writes its
+- `DirectorySource`: kube/watch.py's `DirectoryWatcher` over `--dir` (the lab writes its
   cluster there: its store is that directory).
 - `KubeApiSource`: one kube.Reflector per kind (list, watch from the list's resourceVersion,
   bookmarks, relist on 410 Gone) against the API server. Every object goes through the same
-  `_parse_one` as a YAML document, so both sources give the same `KubeObject`s, the same
+  `parse_object` as a YAML document, so both sources give the same `KubeObject`s, the same
   validation, and the same `LoadError`s for a malformed object (skipped, the rest still served).
   A kind whose CRD is not installed (404: the Gateway API is a separate install) is reported
   once and listed again every `ABSENT_KIND_RETRY_S` until it appears, as istiod starts an
@@ -40,16 +40,11 @@ from ..kube.client import (
     Resource,
     WatchEvent,
 )
-from ..kube.objects import (
-    DirectoryChange,
-    DirectoryWatcher,
-    KubeObject,
-    KubeStore,
-    LoadError,
-    ObjectKey,
-    _parse_one,
-)
+from ..kube.load import LoadError, parse_object
+from ..kube.model import KubeObject, ObjectKey
 from ..kube.reflector import Reflector
+from ..kube.store import KubeStore
+from ..kube.watch import DirectoryChange, DirectoryWatcher
 from .unserved_kinds import explain_note
 
 log = logging.getLogger(__name__)
@@ -59,7 +54,7 @@ ABSENT_KIND_RETRY_S = 30.0
 HTTP_NOT_FOUND = 404
 API_SOURCE_NAME = "apiserver"  # the "file" of a LoadError for an object read from the API server
 
-# Every kind kube/objects.py parses, at the version istiod reads (Istio 1.22+ serves v1 for its
+# Every kind kube/load.py parses, at the version istiod reads (Istio 1.22+ serves v1 for its
 # security and networking CRDs; Gateway API v1).
 AUTHORIZATION_POLICIES = Resource("security.istio.io", "v1", "AuthorizationPolicy", "authorizationpolicies")
 PEER_AUTHENTICATIONS = Resource("security.istio.io", "v1", "PeerAuthentication", "peerauthentications")
@@ -119,7 +114,7 @@ async def _deliver(on_change: OnChange, change: SourceChange) -> None:
 
 
 class DirectorySource:
-    """`--dir`: a directory of YAML files, polled (kube/objects.py's DirectoryWatcher)."""
+    """`--dir`: a directory of YAML files, polled (kube/watch.py's DirectoryWatcher)."""
 
     def __init__(self, path: str | Path, poll_interval_s: float) -> None:
         self.location = str(path)
@@ -215,7 +210,7 @@ class KubeApiSource:
     def _store(self, kind: Resource, obj: dict[str, Any]) -> str:
         """Parse one object into the cache; returns added / updated / unchanged / error."""
         key = self._raw_key(kind, obj)
-        parsed, error, _note = _parse_one(obj, API_SOURCE_NAME, 0)
+        parsed, error, _note = parse_object(obj, API_SOURCE_NAME, 0)
         old = self._objects.pop(key, None)
         self._errors.pop(key, None)
         if parsed is None:

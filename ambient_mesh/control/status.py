@@ -47,16 +47,16 @@ from typing import Any, Protocol
 
 from ..host.files import atomic_write
 from ..kube.client import KubeApiError, KubeClient, Resource
-from ..kube.objects import (
+from ..kube.model import (
     AuthorizationPolicy,
     Gateway,
-    KubeStore,
     ObjectKey,
     ObjectMeta,
     PeerAuthentication,
     Service,
     ServiceEntry,
 )
+from ..kube.store import KubeStore
 from ..metadata import LABEL_USE_WAYPOINT
 from ..wire.istio.security import authorization_pb2 as sec
 from .route_status import route_conditions

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from ..host.files import atomic_write
-from ..kube.objects import KubeStore
+from ..kube.store import KubeStore
 from ..metadata import LABEL_GATEWAY_MANAGED, MANAGED_BY_MESH_CONTROLLER
 from .waypoint_render import RENDERED_KINDS, DeploySettings, is_waypoint, status_patch, waypoint_objects
 

@@ -21,7 +21,8 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from ..identity.spiffe import Identity
-from ..kube.objects import KubeStore, ObjectKey
+from ..kube.model import ObjectKey
+from ..kube.store import KubeStore
 from ..wire.istio.workload import workload_pb2 as wl
 from .ads_state import ProxyInfo, Snapshot
 from .envoy_parse_cache import ParseCache

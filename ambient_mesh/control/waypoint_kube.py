@@ -34,7 +34,7 @@ from ..kube.client import (
     KubeClient,
     Resource,
 )
-from ..kube.objects import Gateway
+from ..kube.model import Gateway
 from .waypoint_render import ISTIOD_SERVICE, DeploySettings, status_patch, waypoint_objects
 from .waypoint_render import is_waypoint as is_waypoint_class
 

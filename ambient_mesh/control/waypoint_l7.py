@@ -18,7 +18,8 @@ from typing import Any
 # Types named by an `@type` below must be in the descriptor pool when the listener is parsed.
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2  # noqa: F401
 
-from ..kube.objects import AuthorizationPolicy, HTTPRoute, KubeStore, ObjectKey, VirtualService
+from ..kube.model import AuthorizationPolicy, HTTPRoute, ObjectKey, VirtualService
+from ..kube.store import KubeStore
 from .translate.common import MeshSettings
 from .translate.http_routes import (
     CORS_FILTER,

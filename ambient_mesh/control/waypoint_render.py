@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..kube.client import DEPLOYMENTS, GATEWAYS, SERVICE_ACCOUNTS, SERVICES
-from ..kube.objects import Gateway
+from ..kube.model import Gateway
 from ..metadata import (
     ANNOTATION_TRAFFIC_DISTRIBUTION,
     DATAPLANE_MODE_NONE,

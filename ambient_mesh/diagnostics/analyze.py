@@ -36,7 +36,8 @@ from ..control.status import (
 )
 from ..control.translate.workloads import pod_enrolled
 from ..kube.labels import LabelSelector
-from ..kube.objects import KubeStore, Pod
+from ..kube.model import Pod
+from ..kube.store import KubeStore
 from ..metadata import LABEL_DATAPLANE_MODE, LABEL_USE_WAYPOINT, LABEL_USE_WAYPOINT_NAMESPACE
 from .view import MeshView
 

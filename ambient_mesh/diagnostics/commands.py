@@ -97,7 +97,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .mesh_state import proxy_state, translation_of
 
     if args.dump:
-        from ..kube.objects import KubeStore
+        from ..kube.store import KubeStore
         from ..ztunnel_config import read_dump_file
         from .mesh_state import dump_state
         from .view import MeshView

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..control.translate.workloads import pod_enrolled
 from ..errors import AmbientError
-from ..kube.objects import Pod
+from ..kube.model import Pod
 from ..metadata import LABEL_DATAPLANE_MODE, LABEL_USE_WAYPOINT
 from ..state.model import GatewayAddress, NamespacedHostname, TunnelProtocol, Workload
 from ..state.store import ProxyState

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from ..control.status import http_attributes
 from ..control.translate.workloads import pod_enrolled
 from ..errors import AmbientError
-from ..kube.objects import AuthorizationPolicy, Pod
+from ..kube.model import AuthorizationPolicy, Pod
 from ..metadata import LABEL_DATAPLANE_MODE
 from ..net import SocketAddr, ip_address
 from ..ports import HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT

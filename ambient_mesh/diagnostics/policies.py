@@ -14,7 +14,7 @@ from ..control.translate.peer_authentication import (
     CONVERTED_PEER_AUTHENTICATION_PREFIX,
     STATIC_STRICT_POLICY_NAME,
 )
-from ..kube.objects import AuthorizationPolicy, PeerAuthentication
+from ..kube.model import AuthorizationPolicy, PeerAuthentication
 from ..rbac import Authorization, Scope, policies_for
 from ..state.model import Workload
 from ..state.store import ProxyState

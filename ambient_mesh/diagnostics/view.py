@@ -1,6 +1,6 @@
 """What a diagnostic looks at: the mesh's objects, from a lab, a directory of YAML or a cluster.
 
-The objects go through the control plane's own parser (kube/objects.py) and its status code
+The objects go through the control plane's own parser (kube/load.py) and its status code
 (control/status.py), so a diagnostic sees what `ambient control` would serve and write.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 from ..control.status import StatusMap, compute_status
 from ..control.translate import MeshSettings
 from ..errors import AmbientError
-from ..kube.objects import KubeStore, LoadError, load_directory, load_file, merge_files
+from ..kube.load import LoadError, load_directory, load_file, merge_files
+from ..kube.store import KubeStore
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The few CPython-private behaviours the data path leans on for speed, in one place.
 
 Each one is here for a measured reason (docs/architecture.md, "Speed behind seams") and each has a
-test in tests/unit/test_host_cpython.py that fails loudly when the interpreter changes under it:
+test in tests/unit/host/test_cpython.py that fails loudly when the interpreter changes under it:
 
 - `raw_accept`: `socket.socket._accept`, the C accept (accept4 with SOCK_CLOEXEC) that
   `socket.accept()` wraps; without the wrapper's enum reads of family and type per connection.

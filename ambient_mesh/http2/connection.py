@@ -330,7 +330,7 @@ class Connection:
         "_output_paused",
         "_waiting",
     )
-    # The one-read DATA fast path in `receive` (tests/unit/test_http2_properties.py turns it off
+    # The one-read DATA fast path in `receive` (tests/unit/http2/test_connection_properties.py turns it off
     # in a subclass to hold it to the general path's results).
     _DATA_FAST_PATH = True
 

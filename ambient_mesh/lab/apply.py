@@ -3,7 +3,7 @@
 Counterpart: `kubectl apply/delete/get` with server-side strict field validation. The lab's API
 server is its objects directory, which the control plane watches (one file per object, replaced
 atomically: cluster.py). A manifest is checked with the control plane's own parser
-(kube/objects.py) before anything is written, so what the lab accepts the control plane accepts,
+(kube/load.py) before anything is written, so what the lab accepts the control plane accepts,
 and an error names `file:line:column` (found by walking the YAML node tree along the field path
 the parser reports), the object and the field, as the local config's errors do.
 
@@ -27,7 +27,18 @@ import yaml
 
 from .. import yamlload
 from ..errors import ConfigError
-from ..kube import objects as kube
+from ..kube.decode import decode_yaml
+from ..kube.load import load_directory, parse_documents
+from ..kube.model import (
+    AuthorizationPolicy,
+    HTTPRoute,
+    Namespace,
+    PeerAuthentication,
+    Pod,
+    Service,
+    VirtualService,
+)
+from ..kube.store import KubeStore
 from ..ztunnel_config import Table
 from .cluster import object_file_name, remove_object, write_objects
 from .selectors import Selector
@@ -190,7 +201,7 @@ def documents(text: str, file: str) -> list[tuple[yaml.Node, Any]]:
     """Each document (a `kind: List` expanded) with its node tree, for error positions."""
     try:
         nodes = list(yaml.compose_all(text, Loader=yamlload.BoundedSafeLoader))  # aliases bounded
-        docs = kube.decode_yaml(text)
+        docs = decode_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else file
@@ -222,7 +233,7 @@ def check_documents(
         namespaced = doc.get("kind") not in CLUSTER_SCOPED
         if namespaced and isinstance(doc.get("metadata"), dict) and not doc["metadata"].get("namespace"):
             doc["metadata"]["namespace"] = default_namespace
-        result = kube.parse_documents(json.dumps(doc, default=str), file)
+        result = parse_documents(json.dumps(doc, default=str), file)
         for error in result.errors:
             problems.append(
                 f"{where(file, node, error.field)}: {': '.join(p for p in (error.object, error.field) if p)}: "
@@ -281,8 +292,8 @@ def route_warnings(m: Manifest) -> list[str]:
     from ..control.translate.http_routes import notes
 
     out: list[str] = []
-    for obj in kube.parse_documents(json.dumps(m.doc, default=str), m.file).objects:
-        if isinstance(obj, kube.HTTPRoute | kube.VirtualService):
+    for obj in parse_documents(json.dumps(m.doc, default=str), m.file).objects:
+        if isinstance(obj, HTTPRoute | VirtualService):
             out.extend(f"Warning: {note}" for note in notes(obj))
     return out
 
@@ -293,9 +304,9 @@ def apply_warnings(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str
     now are (its status subresource follows within a second; `get -o yaml` shows it)."""
     from ..control.status import compute_status, warnings_for
 
-    loaded = kube.load_directory(objects_dir)
+    loaded = load_directory(objects_dir)
     keys = [(m.kind, m.namespace, m.name) for m in manifests]
-    return warnings_for(compute_status(kube.KubeStore(loaded.objects)), keys)
+    return warnings_for(compute_status(KubeStore(loaded.objects)), keys)
 
 
 def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:
@@ -306,17 +317,13 @@ def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:
     spec = doc.setdefault("spec", {})
     if spec.get("clusterIP"):
         return
-    stored = kube.load_directory(objects_dir).objects
+    stored = load_directory(objects_dir).objects
     ns, name = doc["metadata"].get("namespace", ""), doc["metadata"]["name"]
     for o in stored:
-        if (
-            isinstance(o, kube.Service)
-            and (o.metadata.namespace, o.metadata.name) == (ns, name)
-            and o.cluster_ip
-        ):
+        if isinstance(o, Service) and (o.metadata.namespace, o.metadata.name) == (ns, name) and o.cluster_ip:
             spec["clusterIP"] = o.cluster_ip
             return
-    spec["clusterIP"] = allocate_cluster_ip(o.cluster_ip for o in stored if isinstance(o, kube.Service))
+    spec["clusterIP"] = allocate_cluster_ip(o.cluster_ip for o in stored if isinstance(o, Service))
 
 
 def delete(objects_dir: Path, manifests: Iterable[Manifest]) -> tuple[list[str], bool]:
@@ -331,26 +338,26 @@ def delete(objects_dir: Path, manifests: Iterable[Manifest]) -> tuple[list[str],
     return lines, found_all
 
 
-def _ports(svc: kube.Service) -> str:
+def _ports(svc: Service) -> str:
     return ",".join(f"{p.port}/{p.protocol}" for p in svc.ports) or "<none>"
 
 
 def _row(obj: Any) -> tuple[str, ...]:
-    if isinstance(obj, kube.Pod):
+    if isinstance(obj, Pod):
         return (
             obj.node_name,
             obj.pod_ip or "<none>",
             "True" if obj.ready else "False",
             obj.service_account_name,
         )
-    if isinstance(obj, kube.Service):
+    if isinstance(obj, Service):
         selector = ",".join(f"{k}={v}" for k, v in sorted(obj.selector.items())) or "<none>"
         return (obj.cluster_ip or "<none>", _ports(obj), selector)
-    if isinstance(obj, kube.Namespace):
+    if isinstance(obj, Namespace):
         return (labels_text(obj.metadata.labels),)
-    if isinstance(obj, kube.AuthorizationPolicy):
+    if isinstance(obj, AuthorizationPolicy):
         return (obj.action, str(len(obj.rules)))
-    if isinstance(obj, kube.PeerAuthentication):
+    if isinstance(obj, PeerAuthentication):
         return (obj.mtls_mode or "UNSET",)
     return ()
 
@@ -367,7 +374,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
 def get_objects(
     objects_dir: Path, kind: str, namespace: str | None, selector: Selector | None = None
 ) -> list[Any]:
-    loaded = kube.load_directory(objects_dir)
+    loaded = load_directory(objects_dir)
     return [
         o
         for o in loaded.objects

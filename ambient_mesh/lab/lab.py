@@ -52,7 +52,7 @@ from ..host.netns import http_get as netns_http_get
 from ..host.netns import listening_ports, spawn_in_netns, stop_process
 from ..host.netns import tcp_roundtrip as tcp_roundtrip  # part of the lab's API: tests drive pods with it
 from ..host.private import private_dir, write_private
-from ..kube.objects import load_directory
+from ..kube.load import load_directory
 from ..logs import access_events
 from ..ports import (
     ADMIN_PORT,

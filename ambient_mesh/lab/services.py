@@ -39,7 +39,8 @@ import dns.rdatatype
 import dns.rrset
 
 from ..dns.resolver import DnsRequest, encode_response, parse_request, refuse_response, udp_limit
-from ..kube import objects as kube
+from ..kube import model
+from ..kube.load import load_directory
 
 CLUSTER_DOMAIN = "cluster.local"
 SERVICE_CIDR = ipaddress.IPv4Network("10.96.0.0/16")
@@ -71,7 +72,7 @@ class ServicePort:
         return f"{CHAIN_SERVICE_PREFIX}{digest[:CHAIN_HASH_CHARS].upper()}"
 
 
-def _target(port: kube.ServicePort, pod: kube.Pod) -> int | None:
+def _target(port: model.ServicePort, pod: model.Pod) -> int | None:
     target = port.target_port
     if target is None:
         return port.port
@@ -87,9 +88,9 @@ def _target(port: kube.ServicePort, pod: kube.Pod) -> int | None:
 def service_ports(objects: Iterable[object]) -> list[ServicePort]:
     """Every ClusterIP port of every Service, with its ready endpoints (selector over pods)."""
     objects = list(objects)
-    pods = [o for o in objects if isinstance(o, kube.Pod) and o.ready and o.pod_ip and not o.host_network]
+    pods = [o for o in objects if isinstance(o, model.Pod) and o.ready and o.pod_ip and not o.host_network]
     out = []
-    for svc in (o for o in objects if isinstance(o, kube.Service)):
+    for svc in (o for o in objects if isinstance(o, model.Service)):
         if not svc.cluster_ip or svc.cluster_ip == "None" or not svc.selector:
             continue
         selected = [
@@ -183,7 +184,7 @@ def resolv_conf(nameserver: str, namespace: str | None) -> str:
 def service_addresses(objects: Iterable[object]) -> dict[str, str]:
     """`<name>.<namespace>.svc.<domain>.` -> ClusterIP."""
     out = {}
-    for svc in (o for o in objects if isinstance(o, kube.Service)):
+    for svc in (o for o in objects if isinstance(o, model.Service)):
         if svc.cluster_ip and svc.cluster_ip != "None":
             out[f"{svc.metadata.name}.{svc.metadata.namespace}.svc.{CLUSTER_DOMAIN}."] = svc.cluster_ip
     return out
@@ -230,7 +231,7 @@ def serve_dns(objects_dir: str, listen: str) -> None:
             current = objects_stamp(objects_dir)
             if current != stamp:
                 stamp = current
-                names = service_addresses(kube.load_directory(objects_dir).objects)
+                names = service_addresses(load_directory(objects_dir).objects)
                 print(f"serving {len(names)} service names", flush=True)
         try:
             wire, peer = sock.recvfrom(MAX_DATAGRAM_BYTES)

@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import AmbientError
 from ..host.commands import CommandRunner
 from ..host.netns import http_get, listening_ports
-from ..kube.objects import Namespace, Service, load_directory
+from ..kube.load import load_directory
+from ..kube.model import Namespace, Service
 from ..metadata import LABEL_DATAPLANE_MODE
 from ..ports import CNI_HEALTH_PORT, READINESS_PORT, XDS_CA_PORT
 from ..ztunnel_config import Table

@@ -1,7 +1,7 @@
 """The fast path of L4 authorization: each policy compiled once into one Python function.
 
 Counterpart: ztunnel src/rbac.rs `Authorization::matches` and the deny-before-allow order of
-`assert_rbac` in src/state.rs. The semantics are `reference`'s (tests/unit/test_rbac_properties.py
+`assert_rbac` in src/state.rs. The semantics are `reference`'s (tests/unit/rbac/test_reference_properties.py
 checks that the two always agree); this module only makes a decision cheap: one generated function
 per policy over sets, tuples for `str.startswith` and masked integers, so a decision costs no
 parsing and no `ipaddress` arithmetic.

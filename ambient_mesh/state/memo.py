@@ -12,7 +12,7 @@ never memoized: the policy index answers every stream. A decision that does not 
 all (parsing text) passes version 0.
 
 The property tests hold every user of this type to its uncached function
-(tests/unit/test_state_memo.py, tests/integration/test_authz_live.py).
+(tests/unit/state/test_memo.py, tests/integration/test_authz_live.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ two application traffic secrets (from OpenSSL's keylog callback, tls/handshake.p
 BoringSSL's under Envoy, OpenSSL's `ssl/record/`; why HBONE keeps a record layer of its own rather
 than OpenSSL's: docs/performance.md, "TLS: our own TLS 1.3 records on `cryptography`'s AES-GCM".
 
-What it implements (RFC 8446), each rule with a test in tests/unit/test_tls_records.py:
+What it implements (RFC 8446), each rule with a test in tests/unit/tls/test_records.py:
 - 5.1 / 5.2: every record after the handshake is a TLSCiphertext (outer type application_data,
   legacy_record_version 0x0303); any other outer type is an unprotected record and ends the
   connection (unexpected_message); a record longer than 2^14 + 256 bytes is record_overflow.

@@ -38,7 +38,7 @@ from ambient_mesh.rbac import (
     strict_mtls_policy,
 )
 from ambient_mesh.state.model import Workload
-from tests.state_writes import remove, upsert
+from tests.helpers.state_writes import remove, upsert
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, Mesh, echo_handler, running_mesh
 

@@ -7,14 +7,14 @@ import dataclasses
 from datetime import UTC, datetime
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.rbac import Action, Authorization, Clause, Match, Rule, Scope, StringMatch
-from tests.state_writes import upsert
-from tests.tls_stdlib import stdlib_client_context as client_context
+from tests.helpers.proxy_metrics import samples
+from tests.helpers.state_writes import upsert
+from tests.helpers.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import ECHO_PORT, SERVER_IP, local_config, running_mesh
 
@@ -30,16 +30,6 @@ ONLY_SOMEONE_ELSE = """
   rules:
   - - - principals: [{Exact: "cluster.local/ns/default/sa/someone-else"}]
 """
-
-
-def samples(proxy, name: str) -> list[tuple[dict, float]]:
-    text = proxy.metrics.render()[0].decode()
-    out = []
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out.append((dict(sample.labels), sample.value))
-    return out
 
 
 def connection_labels(reporter: str, *, flag: str = "-", service: bool = False) -> dict:

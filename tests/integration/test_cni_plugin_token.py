@@ -26,9 +26,7 @@ from ambient_mesh.cni.plugin_token import PLUGIN_SERVICE_ACCOUNT, PluginTokens
 from ambient_mesh.cni.podinfo import PLUGIN_KUBECONFIG_NAME
 from ambient_mesh.kube.client import KubeApiError, KubeClient
 from ambient_mesh.kube.kubeconfig import load_kubeconfig
-
-from .kube_fake import FakeApiServer, api_tls, self_signed
-from .test_cni_plugin_kube_api import (
+from tests.helpers.cni_plugin import (
     AMBIENT,
     PREV,
     FakeAgent,
@@ -38,6 +36,8 @@ from .test_cni_plugin_kube_api import (
     pod,
     run_plugin_json,
 )
+
+from .kube_fake import FakeApiServer, api_tls, self_signed
 
 
 class AgentSide:

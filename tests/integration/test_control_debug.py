@@ -15,8 +15,7 @@ from ambient_mesh.control.plane import ControlPlaneConfig, build, print_table, s
 from ambient_mesh.diagnostics.proxy_status import address_fetch, fetch_connections, proxy_status_table
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.ztunnel_config import plain_table
-
-from .test_control_plane_e2e import NAMESPACE, PODS, SERVICE, proxy_env, start_proxy, wait_for, write
+from tests.helpers.control_plane import NAMESPACE, PODS, SERVICE, proxy_env, start_proxy, wait_for, write
 
 # Its own loopback address, and no HBONE listener: other tests (and waypoints) hold 15008.
 DEBUG_TEST_IP = "127.0.0.57"

@@ -22,7 +22,7 @@ from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.kube.client import KubeClient
 from ambient_mesh.kube.kubeconfig import KubeCredentials
-from ambient_mesh.kube.objects import LoadError, parse_documents
+from ambient_mesh.kube.load import LoadError, parse_documents
 from ambient_mesh.net import SocketAddr
 
 from .kube_fake import TOKEN, FakeApiServer

@@ -15,39 +15,12 @@ from ambient_mesh.control.plane import ControlPlane, ControlPlaneConfig, build, 
 from ambient_mesh.errors import IdentityError
 from ambient_mesh.identity.caclient import GrpcCaClient
 from ambient_mesh.identity.spiffe import Identity
-from ambient_mesh.kube.objects import KubeStore
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.ztunnel import Ztunnel
-from ambient_mesh.ztunnel import build as build_proxy
+from tests.helpers.control_plane import NAMESPACE, PODS, SERVICE, proxy_env, start_proxy, wait_for, write
 
-from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler, listener_env
-
-NAMESPACE = """
-apiVersion: v1
-kind: Namespace
-metadata: {name: default, labels: {istio.io/dataplane-mode: ambient}}
-"""
-
-PODS = """
-apiVersion: v1
-kind: Pod
-metadata: {name: client, namespace: default, uid: uid-client, labels: {app: client}}
-spec: {nodeName: node-a, serviceAccountName: client, containers: [{name: app, image: x}]}
-status: {phase: Running, podIP: 127.0.0.2, conditions: [{type: Ready, status: "True"}]}
----
-apiVersion: v1
-kind: Pod
-metadata: {name: server, namespace: default, uid: uid-server, labels: {app: echo}}
-spec: {nodeName: node-b, serviceAccountName: server, containers: [{name: app, image: x, ports: [{containerPort: 8080, name: http}]}]}
-status: {phase: Running, podIP: 127.0.0.3, conditions: [{type: Ready, status: "True"}]}
-"""
-
-SERVICE = """
-apiVersion: v1
-kind: Service
-metadata: {name: echo, namespace: default}
-spec: {selector: {app: echo}, clusterIP: 127.10.0.1, ports: [{name: http, port: 80, targetPort: 8080}]}
-"""
+from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler
 
 DENY_CLIENT = """
 apiVersion: security.istio.io/v1
@@ -57,13 +30,6 @@ spec:
   action: DENY
   rules: [{from: [{source: {principals: ["cluster.local/ns/default/sa/client"]}}]}]
 """
-
-
-def write(directory: Path, name: str, text: str) -> None:
-    path = directory / name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 async def start_plane(tmp: Path, port: int = 0) -> ControlPlane:
@@ -76,44 +42,6 @@ async def start_plane(tmp: Path, port: int = 0) -> ControlPlane:
     plane = build(config)
     await plane.start()
     return plane
-
-
-def proxy_env(tmp: Path, plane_port: int, name: str, ip: str, **extra: str) -> dict[str, str]:
-    token = tmp / f"{name}.token"
-    token.write_text(mint_token(tmp / "state", account=("default", name), node=None))
-    env = {
-        "PROXY_MODE": "dedicated",
-        "PROXY_WORKLOAD_INFO": f"default/{name}/{name}",
-        "XDS_ADDRESS": f"https://127.0.0.1:{plane_port}",
-        "CA_ADDRESS": f"https://127.0.0.1:{plane_port}",
-        "XDS_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
-        "CA_ROOT_CA": str(tmp / "state" / "root-cert.pem"),
-        "AUTH_TOKEN": str(token),
-        "POD_NAME": name,
-        "POD_NAMESPACE": "default",
-        **listener_env(ip),
-    }
-    env.update(extra)
-    return env
-
-
-async def start_proxy(env: dict[str, str]) -> Ztunnel:
-    proxy = await build_proxy(env)
-    await proxy.start()
-    return proxy
-
-
-async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-
-    async def holds() -> bool:
-        value = predicate()
-        return bool(await value) if asyncio.iscoroutine(value) else bool(value)
-
-    while not await holds():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout}s")
-        await asyncio.sleep(0.05)
 
 
 async def socks(proxy: Ztunnel, ip: str, port: int):

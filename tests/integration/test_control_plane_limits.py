@@ -21,8 +21,8 @@ from ambient_mesh.net import SocketAddr
 from ambient_mesh.wire import ADDRESS_TYPE_URL
 from ambient_mesh.wire.istio.v1.auth import ca_pb2, ca_pb2_grpc
 from ambient_mesh.wire.istio.workload import workload_pb2
-from tests.integration.test_ads_server import Proxy, ads_server, node
-from tests.weak_keys import csr_pem
+from tests.helpers.ads import Proxy, ads_server, node
+from tests.helpers.weak_keys import csr_pem
 
 SEND_ANY = [("grpc.max_send_message_length", -1), ("grpc.ssl_target_name_override", "localhost")]
 WORKLOAD_TOKEN_SA = ("ns1", "sa1")

@@ -20,7 +20,7 @@ from ambient_mesh.metrics import Metrics
 from ambient_mesh.net import SocketAddr, ip_address
 from ambient_mesh.state.model import NetworkAddress, Service, Workload
 from ambient_mesh.state.store import ProxyState
-from tests.state_writes import load
+from tests.helpers.state_writes import load
 
 LOOPBACK = SocketAddr.of("127.0.0.1", 0)
 PORT_ATTEMPTS = 20

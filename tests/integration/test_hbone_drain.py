@@ -13,101 +13,10 @@ import pytest
 
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.net import SocketAddr
-from ambient_mesh.proxy.hbone import HboneConnection, HboneError, HboneStreamRefused
+from ambient_mesh.proxy.hbone import HboneError, HboneStreamRefused
 from ambient_mesh.proxy.pool import HbonePool, WorkloadKey
-from ambient_mesh.transport.relay import Endpoint, Relay
-
-
-class Echo(Endpoint):
-    """The app side of a server stream: sends every byte back, half-closes when the client does."""
-
-    def __init__(self) -> None:
-        self.relay = None
-        self.seen = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.seen += data
-        self.relay.data_from(self, bytes(data))
-
-    def write_eof(self) -> None:
-        self.relay.eof_from(self)
-
-    def abort(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Recorder(Endpoint):
-    def __init__(self) -> None:
-        self.relay = None
-        self.received = bytearray()
-        self.eof = asyncio.Event()
-
-    def write(self, data: bytes) -> None:
-        self.received += data
-
-    def write_eof(self) -> None:
-        self.eof.set()
-
-    def abort(self) -> None:
-        self.eof.set()
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def echo_server():
-    """An HBONE server (plain TCP: the shell does not care) whose streams echo."""
-    conns: list[HboneConnection] = []
-
-    def on_request(stream) -> None:
-        stream.conn.respond(stream, 200)
-        echo = Echo()
-        relay = Relay(stream, echo)
-        echo.relay = relay
-        stream.attach(relay)
-
-    def factory() -> HboneConnection:
-        conn = HboneConnection(client_side=False, on_request=on_request)
-        conns.append(conn)
-        return conn
-
-    server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield port, conns
-    finally:
-        server.close()
-        for conn in conns:
-            conn.abort()
-
-
-async def connect(port: int) -> HboneConnection:
-    _t, conn = await asyncio.get_running_loop().create_connection(
-        lambda: HboneConnection(client_side=True), "127.0.0.1", port
-    )
-    return conn
+from ambient_mesh.transport.relay import Relay
+from tests.helpers.hbone_echo import Recorder, connect, wait_until
 
 
 async def test_drain_lets_a_live_tunnel_keep_sending_after_goaway(echo_server):

@@ -13,7 +13,7 @@ from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.transport.relay import Relay, TcpEndpoint
-from tests.tls_stdlib import stdlib_client_context as client_context
+from tests.helpers.tls_stdlib import stdlib_client_context as client_context
 
 from .mesh import (
     CLIENT_IP,

@@ -10,8 +10,7 @@ import socket
 
 from ambient_mesh.proxy.hbone import SHARED_NOTSENT_LOWAT_BYTES, HboneConnection
 from ambient_mesh.transport.relay import Relay
-
-from .test_hbone_drain import Recorder, connect, echo_server, wait_until  # noqa: F401 (fixture)
+from tests.helpers.hbone_echo import Recorder, connect, wait_until
 
 
 async def _tunnel(client: HboneConnection) -> tuple[Recorder, Relay]:
@@ -28,7 +27,7 @@ def _unsent_bound(conn: HboneConnection) -> int:
     return conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
 
-async def test_the_unsent_bound_follows_the_number_of_open_streams(echo_server):  # noqa: F811
+async def test_the_unsent_bound_follows_the_number_of_open_streams(echo_server):
     port, _server_conns = echo_server
     client = await connect(port)
     try:

@@ -16,10 +16,10 @@ import pytest
 from ambient_mesh.net import ip_address
 from ambient_mesh.proxy.connection_manager import ConnectionManager
 from ambient_mesh.proxy.open_connections import OpenConnections
-from tests.state_writes import upsert
+from tests.helpers.proxy_metrics import samples
+from tests.helpers.state_writes import upsert
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, running_mesh
-from .test_authz_telemetry import samples
 
 STEP_TIMEOUT_S = 15.0
 

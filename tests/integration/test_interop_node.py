@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ambient_mesh.identity.spiffe import Identity
+from tests.helpers.tls_key_updates import key_updates_both_ways
 from tests.interop.envoy import write_identity as envoy_write_identity
-from tests.tls_key_updates import key_updates_both_ways
 
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, echo_handler, local_config, start_proxy
 
@@ -105,7 +105,7 @@ async def test_node_http2_client_through_our_hbone_server(tmp_path, monkeypatch)
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
     server = await start_proxy("server", SERVER_IP, local_config())
     try:
-        # KeyUpdates both ways inside the transfer (tests/tls_key_updates.py).
+        # KeyUpdates both ways inside the transfer (tests/helpers/tls_key_updates.py).
         counts = key_updates_both_ways(monkeypatch)
         out = await run_node(
             NODE_CLIENT, str(certs), SERVER_IP, f"{SERVER_IP}:{ECHO_PORT}", str(PAYLOAD_BYTES)
@@ -128,7 +128,7 @@ async def test_node_http2_client_through_our_hbone_server(tmp_path, monkeypatch)
 async def test_our_hbone_client_through_a_node_http2_server(tmp_path, monkeypatch):
     certs = write_identity(tmp_path / "server", Identity("cluster.local", "default", "server"))
     echo = await asyncio.start_server(echo_handler, SERVER_IP, ECHO_PORT)
-    counts = key_updates_both_ways(monkeypatch)  # KeyUpdates both ways (tests/tls_key_updates.py)
+    counts = key_updates_both_ways(monkeypatch)  # KeyUpdates both ways (tests/helpers/tls_key_updates.py)
     node = await asyncio.create_subprocess_exec(
         NODE, "-e", NODE_SERVER, str(certs), SERVER_IP, stdout=asyncio.subprocess.PIPE
     )

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import socket
-import sys
 import urllib.request
 
 import pytest
 
 from ambient_mesh.errors import BindError
+from tests.helpers.ztunnel_process import AMBIENT, wait_ready_line
 
 from .mesh import local_config, proxy_env, start_proxy
 
-AMBIENT = [sys.executable, "-m", "ambient_mesh.cli", "ztunnel"]
 IP = "127.0.0.32"
 
 
@@ -40,17 +38,6 @@ async def spawn(env_extra: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         *AMBIENT, env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL
     )
-
-
-async def wait_ready_line(proc: asyncio.subprocess.Process) -> dict[str, str]:
-    """Read stderr until the `node proxy ready` line; return its fields."""
-    async with asyncio.timeout(20):
-        while True:
-            line = (await proc.stderr.readline()).decode()
-            if not line:
-                raise AssertionError("node proxy exited before it was ready")
-            if "node proxy ready" in line:
-                return dict(re.findall(r"(\w[\w ]*?)=(\S+)", line.split("node proxy ready", 1)[1]))
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ambient_mesh.net import ip_address
-from tests.state_writes import upsert
+from tests.helpers.state_writes import upsert
 
 from .mesh import ECHO_PORT, SERVER_IP, running_mesh
 

@@ -22,7 +22,7 @@ from OpenSSL import SSL
 from ambient_mesh.tls.handshake import PeerTls
 from ambient_mesh.tls.records import TlsRecordError
 from ambient_mesh.tls.transport import OpenSslTransport, TlsTransport
-from tests.integration.test_tls_transport import _LAYER, OPENSSL, OWN, tls_pair
+from tests.helpers.tls_pairs import LAYER, OPENSSL, OWN, tls_pair
 
 # Every name asyncio's transports answer, and then some.
 EXTRA_INFO_NAMES = (
@@ -87,9 +87,9 @@ def live_openssl_connections() -> list[object]:
 def layer(request):
     """Both record layers, as tests/integration/test_tls_transport.py runs them."""
     gc.collect()  # nothing left from earlier tests
-    _LAYER[0] = request.param
+    LAYER[0] = request.param
     yield request.param
-    _LAYER[0] = OWN
+    LAYER[0] = OWN
 
 
 async def test_nothing_the_connection_exposes_can_write_with_its_keys(layer):
@@ -104,7 +104,7 @@ async def test_nothing_the_connection_exposes_can_write_with_its_keys(layer):
             assert transport.get_extra_info("sslcontext") is None
             found = [o for o in reachable(exposed) if isinstance(o, LIVE_TLS)]
             assert found == [], found
-            if _LAYER[0] == OWN:
+            if LAYER[0] == OWN:
                 # The record layer is the one writer: not even the transport holds OpenSSL.
                 assert type(transport) is TlsTransport
                 assert [o for o in reachable([transport, proto]) if isinstance(o, LIVE_TLS)] == []
@@ -113,7 +113,7 @@ async def test_nothing_the_connection_exposes_can_write_with_its_keys(layer):
                 assert type(transport) is OpenSslTransport
                 holders = [o for o in gc.get_referrers(transport._ssl) if not isinstance(o, types.FrameType)]
                 assert all(h is transport or type(h).__name__ == "_OpenSslRecords" for h in holders), holders
-        if _LAYER[0] == OWN:
+        if LAYER[0] == OWN:
             assert live_openssl_connections() == []  # SSL_free'd after each handshake
         else:
             assert len([o for o in live_openssl_connections() if isinstance(o, SSL.Connection)]) == 2
@@ -122,7 +122,7 @@ async def test_nothing_the_connection_exposes_can_write_with_its_keys(layer):
 async def test_bytes_written_past_the_record_layer_are_no_record_under_its_keys(layer):
     """The raw socket is handed out (as asyncio's transports do); what goes through it carries no
     key, and the peer's record layer refuses it instead of reading it."""
-    if _LAYER[0] == OPENSSL:
+    if LAYER[0] == OPENSSL:
         pytest.skip("the TLS 1.3 record layer's answer is what is checked")
     async with tls_pair() as (server, client):
         assert client.transport is not None

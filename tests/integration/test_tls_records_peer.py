@@ -31,8 +31,8 @@ from ambient_mesh.tls.context import client_context, server_context
 from ambient_mesh.tls.handshake import TrafficSecrets
 from ambient_mesh.tls.records import TlsPeerAlert, TlsRecordError
 from ambient_mesh.tls.transport import TlsTransport, start_tls
-from tests.integration.test_tls_transport import Collector, tcp_pair
-from tests.tls_stdlib import stdlib_client_context, stdlib_server_context
+from tests.helpers.tls_pairs import Collector, tcp_pair
+from tests.helpers.tls_stdlib import stdlib_client_context, stdlib_server_context
 
 CA = CertificateAuthority.insecure_test_ca()
 NOW = datetime.now(UTC)

@@ -18,9 +18,9 @@ from ambient_mesh.identity import CertificateAuthority, Identity
 from ambient_mesh.tls.context import TlsContextCache
 from ambient_mesh.tls.crl import CRL_RECHECK_INTERVAL_S, CertificateRevoked, CrlChecker
 from ambient_mesh.tls.transport import start_tls
+from tests.helpers.tls_pairs import Collector, tcp_pair
 
 from .mesh import ECHO_PORT, SERVER_IP, running_mesh
-from .test_tls_transport import Collector, tcp_pair
 
 NOW = datetime.now(UTC)
 SERVER = Identity("cluster.local", "ns1", "server")

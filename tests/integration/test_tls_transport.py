@@ -11,15 +11,11 @@ import hashlib
 import socket
 import ssl
 import struct
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 import pytest
-from OpenSSL import SSL
 
-from ambient_mesh.identity import CertificateAuthority, Identity
+from ambient_mesh.identity import CertificateAuthority
 from ambient_mesh.tls import transport as tls_transport
 from ambient_mesh.tls.context import (
     client_context,
@@ -29,129 +25,27 @@ from ambient_mesh.tls.context import (
 )
 from ambient_mesh.tls.crl import verified_chain
 from ambient_mesh.tls.handshake import PeerTls
-from ambient_mesh.tls.transport import OpenSslTransport, TlsTransport, start_tls
+from ambient_mesh.tls.transport import TlsTransport, start_tls
 from ambient_mesh.transport.write_backlog import BacklogOverflow
-
-SERVER = Identity("cluster.local", "ns1", "server")
-CLIENT = Identity("cluster.local", "ns2", "client")
-CA = CertificateAuthority.insecure_test_ca()
-STEP_TIMEOUT_S = 10.0
-
-
-def _cert(identity: Identity):
-    return CA.issue(identity, 3600, now=datetime.now(UTC))
-
-
-SERVER_CERT = _cert(SERVER)
-CLIENT_CERT = _cert(CLIENT)
-OWN, OPENSSL = "own records", "OpenSSL records"
-_LAYER = [OWN]  # set per test by the `layer` fixture
+from tests.helpers.tls_pairs import (
+    CLIENT,
+    LAYER,
+    OPENSSL,
+    OWN,
+    SERVER,
+    SERVER_CERT,
+    STEP_TIMEOUT_S,
+    Collector,
+    tcp_pair,
+    tls_pair,
+)
 
 
 @pytest.fixture(autouse=True, params=[OWN, OPENSSL])
 def layer(request):
-    _LAYER[0] = request.param
+    LAYER[0] = request.param
     yield request.param
-    _LAYER[0] = OWN
-
-
-def contexts() -> tuple[SSL.Context, SSL.Context]:
-    """(server, client) contexts for the layer under test: TLS 1.2 keeps OpenSSL's records."""
-    if _LAYER[0] == OWN:
-        return server_context(SERVER_CERT), client_context(CLIENT_CERT)
-    server_ctx = server_context(SERVER_CERT, tls12=True)
-    server_ctx.set_max_proto_version(SSL.TLS1_2_VERSION)
-    return server_ctx, client_context(CLIENT_CERT, tls12=True)
-
-
-class Collector(asyncio.BufferedProtocol):
-    """Keeps what arrives, records the flow-control calls and the end."""
-
-    def __init__(self, buffer_bytes: int = 64 * 1024) -> None:
-        loop = asyncio.get_running_loop()
-        self.buf = bytearray(buffer_bytes)
-        self.data = bytearray()
-        self.transport: TlsTransport | None = None
-        self.eof = loop.create_future()
-        self.lost: asyncio.Future[BaseException | None] = loop.create_future()
-        self.paused = 0
-        self.resumed = 0
-        self.refcounts: list[int] = []
-        self.grew = asyncio.Event()
-
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def get_buffer(self, sizehint):
-        self.refcounts.append(sys.getrefcount(self.buf))
-        return memoryview(self.buf)
-
-    def buffer_updated(self, nbytes):
-        self.data += self.buf[:nbytes]
-        self.grew.set()
-
-    def eof_received(self):
-        if not self.eof.done():
-            self.eof.set_result(None)
-        return False
-
-    def pause_writing(self):
-        self.paused += 1
-
-    def resume_writing(self):
-        self.resumed += 1
-
-    def connection_lost(self, exc):
-        if not self.lost.done():
-            self.lost.set_result(exc)
-
-    async def wait_for_bytes(self, n: int) -> None:
-        async with asyncio.timeout(STEP_TIMEOUT_S):
-            while len(self.data) < n:
-                self.grew.clear()
-                await self.grew.wait()
-
-
-def tcp_pair(buffer_bytes: int | None = None) -> tuple[socket.socket, socket.socket]:
-    """(server side, client side) of one loopback TCP connection; `buffer_bytes` fixes both
-    sockets' SO_SNDBUF and SO_RCVBUF (so that a peer that stops reading fills them soon)."""
-    with socket.socket() as listener:
-        client = socket.socket()
-        if buffer_bytes is not None:
-            for s in (listener, client):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        client.connect(listener.getsockname())
-        server, _ = listener.accept()
-    return server, client
-
-
-@asynccontextmanager
-async def tls_pair(
-    server_proto: asyncio.BufferedProtocol | None = None,
-    client_proto: asyncio.BufferedProtocol | None = None,
-    buffer_bytes: int | None = None,
-) -> AsyncIterator[tuple[Collector, Collector]]:
-    s, c = tcp_pair(buffer_bytes)
-    sp = server_proto or Collector()
-    cp = client_proto or Collector()
-    server_ctx, client_ctx = contexts()
-    sni: list[str | None] = []
-    server_ctx.set_tlsext_servername_callback(lambda conn: sni.append(conn.get_servername()))
-    st, ct = await asyncio.gather(
-        start_tls(s, server_ctx, sp, server_side=True, handshake_timeout_s=STEP_TIMEOUT_S),
-        start_tls(c, client_ctx, cp, server_side=False, handshake_timeout_s=STEP_TIMEOUT_S),
-    )
-    assert sni == [None]  # no SNI, as ztunnel
-    expected = TlsTransport if _LAYER[0] == OWN else OpenSslTransport
-    assert type(st) is expected and type(ct) is expected
-    try:
-        yield sp, cp  # type: ignore[misc]
-    finally:
-        st.abort()
-        ct.abort()
+    LAYER[0] = OWN
 
 
 async def test_identity_checks_read_the_peer_certificate_and_alpn():
@@ -162,7 +56,7 @@ async def test_identity_checks_read_the_peer_certificate_and_alpn():
         assert verify_server_identity(client_tls, [SERVER]) == SERVER
         assert verify_client_identity(server_tls, "cluster.local") == CLIENT
         assert client_tls.selected_alpn_protocol() == "h2"
-        assert client_tls.version() == ("TLSv1.3" if _LAYER[0] == OWN else "TLSv1.2")
+        assert client_tls.version() == ("TLSv1.3" if LAYER[0] == OWN else "TLSv1.2")
         assert len(verified_chain(client_tls)) >= 2  # leaf and root, for the CRL check
         peer = client.transport.get_extra_info("peername")
         assert peer == server.transport.get_extra_info("sockname")
@@ -472,6 +366,6 @@ async def test_a_frame_header_shares_the_first_record_of_its_payload():
         # Both record layers seal all pieces of a writelines as one stream, so only its last
         # record is short. OpenSSL's fills a buffer across record boundaries, so the calls
         # show them for ours only.
-        if _LAYER[0] == OPENSSL:
+        if LAYER[0] == OPENSSL:
             return
         assert calls == [record] * 6 + [1705] + [record, 9] + [record] * 3 + [9] + [record] * 2 + [29], calls

@@ -16,7 +16,7 @@ from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.tls.context import verify_client_identity
-from tests.tls_stdlib import stdlib_server_context as server_context
+from tests.helpers.tls_stdlib import stdlib_server_context as server_context
 
 from .mesh import CLIENT_IP, SERVER_IP, VIP, WAYPOINT_IP, local_config, start_proxy
 

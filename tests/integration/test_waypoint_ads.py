@@ -4,7 +4,6 @@ loopback: each gets its own types, and a change is pushed to a waypoint only whe
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -14,12 +13,12 @@ from ambient_mesh.control.ads import AdsServer
 from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_index import WaypointIndex
-from ambient_mesh.kube.objects import load_directory
+from ambient_mesh.kube.load import load_directory
 from ambient_mesh.wire import ADDRESS_TYPE_URL
+from tests.helpers.ads import Proxy, ads_server, channel, names, node
+from tests.helpers.paths import UNIT_GOLDEN
 
-from .test_ads_server import Proxy, ads_server, channel, names, node
-
-GOLDEN = Path(__file__).parent.parent / "unit" / "golden" / "waypoint_envoy" / "echo" / "input"
+GOLDEN = UNIT_GOLDEN / "waypoint_envoy" / "echo" / "input"
 ECHO_CLUSTER = "inbound-vip|80|http|echo.default.svc.cluster.local"
 
 

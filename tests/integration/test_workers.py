@@ -16,12 +16,12 @@ import json
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
 from ambient_mesh.workers.owner import WorkerPool
 from ambient_mesh.ztunnel import Ztunnel
+from tests.helpers.workers import only_worker
 
 from .fake_ads import AUTHORIZATION, FakeAds, authorization
 from .mesh import CLIENT_IP, ECHO_PORT, SERVER_IP, Mesh, echo_handler, local_config, start_proxy
@@ -74,19 +74,6 @@ def sample(text: str, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-@contextlib.contextmanager
-def only_worker(pool: WorkerPool, index: int) -> Iterator[None]:
-    """Every worker but `index` stopped (SIGSTOP): only it can accept new connections."""
-    others = [w.pid for w in pool.workers if w.index != index and w.pid is not None]
-    for pid in others:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in others:
-            os.kill(pid, signal.SIGCONT)
 
 
 async def open_on_each_worker(mesh: Mesh, pool: WorkerPool, n: int):
@@ -202,8 +189,9 @@ async def test_a_dead_worker_is_restarted_and_served_again_without_losing_counte
 
 
 async def test_sigterm_to_the_owner_drains_every_worker_and_exits_zero():
+    from tests.helpers.ztunnel_process import AMBIENT, wait_ready_line
+
     from .mesh import proxy_env
-    from .test_lifecycle import AMBIENT, wait_ready_line
 
     env = {**os.environ, **proxy_env("server", "127.0.0.33", local_config()), "ZTUNNEL_WORKER_THREADS": "2"}
     proc = await asyncio.create_subprocess_exec(

@@ -116,7 +116,7 @@ class H2Peer:
             raw.settimeout(timeout_s)
             raw.connect((host, port))
             # Imported here: `--slow-app` runs this file as a script, where `tests` is no package.
-            from tests.tls_stdlib import stdlib_client_context
+            from tests.helpers.tls_stdlib import stdlib_client_context
 
             tls = stdlib_client_context(cert).wrap_socket(raw, server_hostname=None)
         except BaseException:

@@ -32,9 +32,9 @@ import yaml
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.net import SocketAddr
 from ambient_mesh.transport.relay import wrap_socket
+from tests.helpers.tls_key_updates import key_updates_both_ways
 from tests.integration.mesh import Mesh, start_proxy, transfer
 from tests.integration.tcp_pair import tcp_pair
-from tests.tls_key_updates import key_updates_both_ways
 
 from .envoy import (
     EnvoyProcess,

@@ -21,6 +21,8 @@ import pytest
 
 from ambient_mesh.host.commands import CommandError, SubprocessRunner
 from ambient_mesh.host.netns import Fabric, Node, cleanup_stale_namespaces, http_get, tcp_roundtrip
+from tests.helpers.waypoint_mesh import ALLOW_CLIENT_AND_WAYPOINT, running_waypoint_mesh
+from tests.helpers.waypoint_routes import APP_PORTS, SERVICES, request, served
 
 ECHO_SCRIPT = Path(__file__).with_name("echo.py")
 
@@ -148,3 +150,51 @@ def pytest_asyncio_loop_factories(config, item):
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+# -- the waypoint route tests' mesh (test_waypoint_routes, _authz, _metrics): one per module ----
+
+
+@pytest.fixture(scope="module")
+def rmesh(runner, get, start_echo, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("waypoint-routes")
+    with running_waypoint_mesh(runner, get, start_echo, tmp, ALLOW_CLIENT_AND_WAYPOINT) as mesh:
+        app = Path(__file__).with_name("http_echo.py")
+        for name, port in APP_PORTS.items():
+            with open(tmp / f"app-{name}.out", "wb") as out:
+                mesh.fabric.spawn(
+                    mesh.server,
+                    [
+                        sys.executable,
+                        str(app),
+                        "--port",
+                        str(port),
+                        "--name",
+                        name,
+                        "--log",
+                        str(tmp / f"app-{name}.jsonl"),
+                    ],
+                    stdout=out,
+                    stderr=out,
+                )
+            mesh.fabric.wait_for_listen(mesh.server, port)
+        mesh.write("routed.yaml", SERVICES)
+        served(mesh, lambda: request(mesh).echo.get("name") == "v1", "the routed service")
+        yield mesh
+
+
+@pytest.fixture
+def routes(rmesh):
+    """Writes route objects for one test; removed (and the default route back) after it."""
+    written = []
+
+    def write(text: str, file: str = "route.yaml") -> None:
+        rmesh.write(file, text)
+        written.append(file)
+
+    yield write
+    for file in written:
+        rmesh.remove(file)
+    served(
+        rmesh, lambda: request(rmesh, "/x/after").echo.get("path") == "/x/after", "the default route again"
+    )

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_dedicated_mesh import APP_PORT, capture, start_proxy, wait_ready, workload
 
 from ambient_mesh.host.netns import Fabric
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.ports import HBONE_PORT, READINESS_PORT
+from tests.helpers.dedicated_mesh import APP_PORT, capture, start_proxy, wait_ready, workload
 from tests.interop import h2attack
 from tests.interop.h2attack import FLOODS, HonestClient, RssWatch, Target, run_aborted_uploads, run_flood
 

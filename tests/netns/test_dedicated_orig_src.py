@@ -26,7 +26,10 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
-from test_dedicated_mesh import (
+
+from ambient_mesh.capture.dedicated import CONNMARK, ROUTE_TABLE
+from ambient_mesh.host.netns import Fabric, Node
+from tests.helpers.dedicated_mesh import (
     APP_PORT,
     CLIENT_ID,
     PAYLOAD,
@@ -38,9 +41,6 @@ from test_dedicated_mesh import (
     wait_ready,
     workload,
 )
-
-from ambient_mesh.capture.dedicated import CONNMARK, ROUTE_TABLE
-from ambient_mesh.host.netns import Fabric, Node
 
 pytestmark = pytest.mark.timeout(240)
 

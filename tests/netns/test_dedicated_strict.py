@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from test_dedicated_malicious import probe
-from test_dedicated_mesh import (
+
+from ambient_mesh.host.netns import Fabric, Node
+from ambient_mesh.ports import ADMIN_PORT, STATS_PORT
+from tests.helpers.dedicated_mesh import (
     APP_PORT,
     CLIENT_ID,
     PAYLOAD,
@@ -35,9 +37,7 @@ from test_dedicated_mesh import (
     wait_ready,
     workload,
 )
-
-from ambient_mesh.host.netns import Fabric, Node
-from ambient_mesh.ports import ADMIN_PORT, STATS_PORT
+from tests.helpers.malicious_probes import probe
 
 pytestmark = pytest.mark.timeout(240)
 

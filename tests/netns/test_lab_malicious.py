@@ -28,7 +28,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_dedicated_malicious import Expect, Outcome, check, payload_for, probe
 
 from ambient_mesh.errors import AmbientError
 from ambient_mesh.lab.cluster import parse_pod_spec
@@ -40,6 +39,7 @@ from ambient_mesh.lab.lab import (
     wait_until,
 )
 from ambient_mesh.ports import ADMIN_PORT, READINESS_PORT, STATS_PORT
+from tests.helpers.malicious_probes import Expect, Outcome, check, payload_for, probe
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -51,8 +51,7 @@ from ambient_mesh.control.tokens import load_or_create_issuer
 from ambient_mesh.host.private import UnsafePathError, private_dir, write_private
 from ambient_mesh.lab.journal import Journal, process_cmdline, process_start_ticks
 from ambient_mesh.zds.server import ZdsServer
-from tests.integration.cni_plugin_run import POD_YAML
-from tests.unit.test_cni_dataplane import (
+from tests.helpers.cni_fakes import (
     FakeLocator,
     FakeMarker,
     FakeProbeSet,
@@ -60,7 +59,8 @@ from tests.unit.test_cni_dataplane import (
     OrderedRunner,
     pod,
 )
-from tests.weak_keys import REFUSED_KEYS, csr_pem
+from tests.helpers.weak_keys import REFUSED_KEYS, csr_pem
+from tests.integration.cni_plugin_run import POD_YAML
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,49 +21,12 @@ import yaml
 from ambient_mesh.capture.apply import Backend, apply_inpod_rules
 from ambient_mesh.capture.inpod import InpodConfig
 from ambient_mesh.config import ProxyWorkloadInfo
-from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric, Node
+from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric
 from ambient_mesh.zds.server import ZdsServer
 from ambient_mesh.ztunnel import build
+from tests.helpers.shared_mode import APP_PORT, CLIENT_ID, NODE, PodTable, dns_query, local_config, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-NODE = "node-1"
-APP_PORT = 8080
-CLIENT_ID = "spiffe://cluster.local/ns/shop/sa/frontend"
-
-
-class PodTable:
-    """The node agent's pod cache as the ZDS server reads it."""
-
-    def __init__(self) -> None:
-        self.pods: dict[str, tuple[ProxyWorkloadInfo, int | None]] = {}
-
-    def snapshot(self):
-        return [(uid, info, fd) for uid, (info, fd) in self.pods.items()]
-
-
-def local_config(client: Node, server: Node, plain: Node, server_node: str = NODE) -> str:
-    def workload(name: str, sa: str, node: Node, protocol: str) -> dict:
-        return {
-            "uid": f"Kubernetes//Pod/shop/{name}",
-            "name": name,
-            "namespace": "shop",
-            "serviceAccount": sa,
-            "trustDomain": "cluster.local",
-            "workloadIps": [str(node.ipv4)],
-            "protocol": protocol,
-            "node": server_node if node is server else NODE,
-        }
-
-    return yaml.safe_dump(
-        {
-            "workloads": [
-                workload("client", "frontend", client, "HBONE"),
-                workload("server", "echo", server, "HBONE"),
-                workload("plain", "plain", plain, "TCP"),
-            ]
-        }
-    )
 
 
 def access(caplog, direction: str) -> list[dict]:
@@ -72,15 +35,6 @@ def access(caplog, direction: str) -> list[dict]:
         for r in caplog.records
         if r.getMessage() == "connection complete" and getattr(r, "fields", {}).get("direction") == direction
     ]
-
-
-async def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not (value := predicate()):
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-    return value
 
 
 async def test_shared_mode_captures_inside_pods_and_carries_hbone(
@@ -217,23 +171,6 @@ async def test_shared_mode_pods_on_two_nodes_talk_hbone(
                 await zds.stop()
             for fd in fds:
                 os.close(fd)
-
-
-def dns_query(netns: str, server: str, name: str) -> list[str]:
-    """An A query sent from inside `netns` to `server`:53 over UDP; the answer's addresses."""
-    import socket
-
-    import dns.message
-    import dns.rdatatype
-
-    from ambient_mesh.host.netns import netns_socket
-
-    query = dns.message.make_query(name, dns.rdatatype.A)
-    with netns_socket(netns, socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(5)
-        sock.sendto(query.to_wire(), (server, 53))
-        reply = dns.message.from_wire(sock.recv(4096))
-    return [rr.address for rrset in reply.answer for rr in rrset if rrset.rdtype == dns.rdatatype.A]
 
 
 async def test_shared_mode_answers_dns_captured_inside_the_pod(runner, tmp_path: Path):

@@ -1,6 +1,7 @@
 """Tier 3: L7 AuthorizationPolicy (targetRefs) enforced by a real waypoint Envoy.
 
-The mesh and apps are test_waypoint_routes's. The caller is the client pod
+The mesh and apps are the route tests' (conftest's `rmesh`, tests/helpers/waypoint_routes.py).
+The caller is the client pod
 (`spiffe://cluster.local/ns/default/sa/client`), whose identity the waypoint takes from the
 HBONE connection its node proxy opened; a denied request gets Envoy's own 403
 `RBAC: access denied`.
@@ -10,12 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.netns import test_waypoint_routes as base
-from tests.netns.test_waypoint_routes import V2_VIP, request, served, virtual_service
+from tests.helpers.waypoint_routes import V2_VIP, request, served, virtual_service
 
-# The routes module's mesh and its per-test object writer (a mesh of this module's own).
-rmesh = base.rmesh
-routes = base.routes
+# `rmesh` and `routes` are tests/netns/conftest.py's: a mesh per module and a per-test object writer.
 
 DENIED = b"RBAC: access denied"
 

@@ -1,6 +1,7 @@
 """Tier 3: Istio's HTTP metrics of a real waypoint, compared label for label with the traffic.
 
-The mesh and apps are test_waypoint_routes's. Envoy sends each request's access log entry to
+The mesh and apps are the route tests' (conftest's `rmesh`, tests/helpers/waypoint_routes.py).
+Envoy sends each request's access log entry to
 `ambient waypoint` (gRPC, unix socket); the agent labels it from the workloads it keeps and
 serves `istio_requests_total` and the three histograms on the waypoint pod's 15020, followed by
 Envoy's own statistics.
@@ -11,11 +12,7 @@ from __future__ import annotations
 import re
 import time
 
-from tests.netns import test_waypoint_routes as base
-from tests.netns.test_waypoint_routes import request, served
-
-rmesh = base.rmesh
-routes = base.routes
+from tests.helpers.waypoint_routes import request, served
 
 _SERIES = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

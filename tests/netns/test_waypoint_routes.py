@@ -12,102 +12,15 @@ waits until Envoy serves them; every request goes client pod -> client node prox
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.netns.test_waypoint_envoy import (
-    ALLOW_CLIENT_AND_WAYPOINT,
-    IO_TIMEOUT_S,
+from tests.helpers.waypoint_mesh import (
     WaypointMesh,
-    _wait,
-    running_waypoint_mesh,
 )
+from tests.helpers.waypoint_routes import request, served, virtual_service
 
-ROUTED_VIP = "10.96.0.20"
-V2_VIP = "10.96.0.21"
-APP_PORTS = {"v1": 8081, "v2": 8082}
 HOST = "routed.default.svc.cluster.local"
-
-SERVICES = f"""
-apiVersion: v1
-kind: Service
-metadata: {{name: routed, namespace: default, labels: {{istio.io/use-waypoint: waypoint}}}}
-spec: {{selector: {{app: server}}, clusterIP: {ROUTED_VIP}, ports: [{{name: http, port: 80, targetPort: 8081}}]}}
----
-apiVersion: v1
-kind: Service
-metadata: {{name: routed-v2, namespace: default, labels: {{istio.io/use-waypoint: waypoint}}}}
-spec: {{selector: {{app: server}}, clusterIP: {V2_VIP}, ports: [{{name: http, port: 80, targetPort: 8082}}]}}
-"""
-
-
-class Response:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-
-    @property
-    def echo(self) -> dict[str, Any]:
-        """What the app received (its JSON answer); {} when the app did not answer."""
-        try:
-            doc = json.loads(self.body)
-        except ValueError:
-            return {}
-        return doc if isinstance(doc, dict) else {}
-
-    def __repr__(self) -> str:
-        return f"Response({self.status}, {self.headers}, {self.body[:200]!r})"
-
-
-def request(
-    mesh: WaypointMesh,
-    path: str = "/",
-    *,
-    method: str = "GET",
-    headers: dict[str, str] | None = None,
-    vip: str = ROUTED_VIP,
-    host: str = "routed",
-) -> Response:
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close", "Content-Length: 0"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    with mesh.socks(vip, 80) as sock:
-        sock.settimeout(IO_TIMEOUT_S)
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        data = b""
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except OSError:
-            pass
-    head, _, body = data.partition(b"\r\n\r\n")
-    first, *rest = head.decode(errors="replace").split("\r\n")
-    parts = first.split()
-    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-    hdrs: dict[str, str] = {}
-    for line in rest:
-        k, _, v = line.partition(":")
-        hdrs.setdefault(k.strip().lower(), v.strip())
-    return Response(status, hdrs, body)
-
-
-def served(mesh: WaypointMesh, check, what: str, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]
-    """Wait until `check()` holds (a route pushed and taken by Envoy); its last result."""
-
-    def attempt():  # type: ignore[no-untyped-def]
-        try:
-            return check()
-        except (AssertionError, OSError, ConnectionError):
-            return None
-
-    try:
-        return _wait(attempt, what, timeout_s, interval_s=0.2)
-    except pytest.fail.Exception:
-        pytest.fail(f"{what}: not served\n{mesh.tail('control', 20)}\n{mesh.tail('waypoint', 20)}")
 
 
 def http_route(rules: str, name: str = "r") -> str:
@@ -122,66 +35,9 @@ spec:
 """
 
 
-def virtual_service(http: str, name: str = "vs") -> str:
-    return f"""
-apiVersion: networking.istio.io/v1
-kind: VirtualService
-metadata: {{name: {name}, namespace: default}}
-spec:
-  hosts: [routed]
-  http:
-{http}
-"""
-
-
 def app_log(mesh: WaypointMesh, name: str) -> list[dict[str, Any]]:
     path = mesh.tmp / f"app-{name}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def rmesh(runner, get, start_echo, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("waypoint-routes")
-    with running_waypoint_mesh(runner, get, start_echo, tmp, ALLOW_CLIENT_AND_WAYPOINT) as mesh:
-        app = Path(__file__).with_name("http_echo.py")
-        for name, port in APP_PORTS.items():
-            with open(tmp / f"app-{name}.out", "wb") as out:
-                mesh.fabric.spawn(
-                    mesh.server,
-                    [
-                        sys.executable,
-                        str(app),
-                        "--port",
-                        str(port),
-                        "--name",
-                        name,
-                        "--log",
-                        str(tmp / f"app-{name}.jsonl"),
-                    ],
-                    stdout=out,
-                    stderr=out,
-                )
-            mesh.fabric.wait_for_listen(mesh.server, port)
-        mesh.write("routed.yaml", SERVICES)
-        served(mesh, lambda: request(mesh).echo.get("name") == "v1", "the routed service")
-        yield mesh
-
-
-@pytest.fixture
-def routes(rmesh):
-    """Writes route objects for one test; removed (and the default route back) after it."""
-    written = []
-
-    def write(text: str, file: str = "route.yaml") -> None:
-        rmesh.write(file, text)
-        written.append(file)
-
-    yield write
-    for file in written:
-        rmesh.remove(file)
-    served(
-        rmesh, lambda: request(rmesh, "/x/after").echo.get("path") == "/x/after", "the default route again"
-    )
 
 
 # -- matches -----------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_shared_mode import APP_PORT, CLIENT_ID, NODE, PodTable, local_config, wait_for
 
 from ambient_mesh.capture.apply import Backend, apply_inpod_rules
 from ambient_mesh.capture.inpod import InpodConfig
@@ -28,7 +27,8 @@ from ambient_mesh.config import ProxyWorkloadInfo
 from ambient_mesh.host.netns import NETNS_RUN_DIR, Fabric
 from ambient_mesh.zds.server import ZdsServer
 from ambient_mesh.ztunnel import Ztunnel, build
-from tests.integration.test_workers import only_worker
+from tests.helpers.shared_mode import APP_PORT, CLIENT_ID, NODE, PodTable, local_config, wait_for
+from tests.helpers.workers import only_worker
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -168,7 +168,7 @@ async def test_two_workers_per_node_proxy_serve_pods_over_hbone(
 async def test_dns_captured_in_the_pod_is_answered_by_the_owner_with_two_workers(runner, tmp_path: Path):
     """The DNS proxy stays in the owner: with two workers, a pod's captured query is answered
     from the pod's 15053, which the owner opened in the pod's namespace."""
-    from test_shared_mode import dns_query
+    from tests.helpers.shared_mode import dns_query
 
     with Fabric(runner=runner) as fabric:
         client = fabric.add_node("client")

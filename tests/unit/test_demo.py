@@ -17,7 +17,7 @@ from ambient_mesh.demo import (
     waypoint_requests,
 )
 from ambient_mesh.host.commands import CompletedCommand
-from ambient_mesh.kube.objects import parse_documents
+from ambient_mesh.kube.load import parse_documents
 
 
 class FakeLab:

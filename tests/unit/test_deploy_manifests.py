@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+from tests.helpers.paths import ROOT
+
+DEPLOY = ROOT / "deploy"
 KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(
     KUBECTL is None, reason="kubectl (with its built-in kustomize) is not installed"

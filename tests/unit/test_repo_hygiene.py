@@ -3,13 +3,14 @@ checks, in the same order."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import ROOT
 
 
 def _test_command_checks() -> list[str]:
@@ -156,11 +157,54 @@ def test_every_docs_path_and_cited_section_exists() -> None:
     assert missing == [], "\n".join(missing)
 
 
-def test_test_modules_outside_packages_have_unique_names() -> None:
-    """pytest imports a test module of a directory without `__init__.py` by its bare name: two
-    such modules with one name stop the whole run at collection."""
-    seen: dict[str, list[str]] = {}
-    for path in sorted((ROOT / "tests").rglob("test_*.py")):
-        if not (path.parent / "__init__.py").exists():
-            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
-    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+# -- the test tree's layout --------------------------------------------------------------------------
+
+
+def _test_tree_modules() -> list[Path]:
+    return sorted(p for p in (ROOT / "tests").rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_test_directory_is_a_package() -> None:
+    """pytest imports a module of a directory without `__init__.py` by its bare name (and puts that
+    directory on sys.path): two such modules with one name stop the whole run at collection, and a
+    bare `from test_x import` works from one directory only. With every directory a package, each
+    module is imported by its full name (`tests.unit.proxy.test_pool`), in one import mode."""
+    missing = sorted(
+        {
+            str(directory.relative_to(ROOT))
+            for path in _test_tree_modules()
+            for directory in [path.parent, *path.parent.parents]
+            if directory.is_relative_to(ROOT / "tests") and not (directory / "__init__.py").is_file()
+        }
+    )
+    assert missing == [], f"add an empty __init__.py to: {missing}"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module `path` imports, as absolute dotted names (relative imports resolved), with
+    the line; `from a import b` yields both `a` and `a.b`, since b may be a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_a_test_module_never_imports_another_test_module() -> None:
+    """What two test modules share lives in tests/helpers/ (or a tier's helper module or conftest):
+    importing a test module runs its tests twice under another name and ties one file's helpers to
+    another file's tests."""
+    offences = [
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for path in _test_tree_modules()
+        for line, module in _imported_modules(path)
+        if module.rsplit(".", 1)[-1].startswith("test_")
+    ]
+    assert offences == [], "move what is shared into tests/helpers/:\n" + "\n".join(offences)

@@ -13,7 +13,7 @@ import yaml
 from ambient_mesh import cli, waypointctl
 from ambient_mesh.control.status import Condition, DirectoryStatusWriter
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import parse_documents
+from ambient_mesh.kube.load import parse_documents
 from ambient_mesh.lab.lab import STATE_FILE
 
 

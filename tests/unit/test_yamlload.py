@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from ambient_mesh import yamlload
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import decode_yaml, parse_documents
+from ambient_mesh.kube.decode import decode_yaml
+from ambient_mesh.kube.load import parse_documents
 from ambient_mesh.state.localconfig import parse_local_config
 from ambient_mesh.yamlload import MAX_YAML_ALIAS_NODES, AliasLimitError
 

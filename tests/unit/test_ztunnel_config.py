@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 import yaml
@@ -29,8 +28,9 @@ from ambient_mesh.ztunnel_config import (
     tables,
     workload_table,
 )
+from tests.helpers.paths import UNIT_GOLDEN
 
-GOLDEN = Path(__file__).parent / "golden" / "config_dump.json"
+GOLDEN = UNIT_GOLDEN / "config_dump.json"
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
 
 

@@ -34,7 +34,7 @@ Where this differs from istiod, on purpose:
 
 from __future__ import annotations
 
-from ...kube.objects import KubeStore
+from ...kube.store import KubeStore
 from ...wire.istio.workload import workload_pb2 as wl
 from .common import MeshSettings, Translation
 from .context import Context, ServiceIndex, ServiceInfo

@@ -13,7 +13,7 @@ import ipaddress
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ...kube.objects import AuthorizationPolicy, AuthorizationRule, Operation, Source
+from ...kube.model import AuthorizationPolicy, AuthorizationRule, Operation, Source
 from ...metadata import ANNOTATION_DRY_RUN
 from ...wire.istio.security import authorization_pb2 as sec
 from .common import MeshSettings

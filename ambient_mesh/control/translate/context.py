@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...kube.labels import LabelSelector
-from ...kube.objects import KubeObject, Namespace, Node
+from ...kube.model import KubeObject, Namespace, Node
 from ...wire.istio.workload import workload_pb2 as wl
 from .common import MeshSettings, selects
 from .policies import PolicyIndex

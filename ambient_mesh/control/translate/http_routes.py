@@ -2,7 +2,7 @@
 
 Counterpart: istiod pilot/pkg/networking/core/{listener_waypoint.go, route/route.go} and
 pilot/pkg/config/kube/gateway/conversion.go. An HTTPRoute whose parent is a Service is read in
-VirtualService form (kube/objects.py converts it as istiod does, with gateway semantics); the
+VirtualService form (kube/parse_gateway.py converts it as istiod does, with gateway semantics); the
 waypoint takes every route for one of its services that lives in the service's namespace or the
 waypoint's, HTTPRoute rules first (ordered by Gateway API precedence: exact path, then regex,
 then the longest prefix, then method, header and query-parameter counts, then the oldest route),
@@ -24,17 +24,17 @@ from typing import Any
 from envoy.extensions.filters.http.cors.v3 import cors_pb2  # noqa: F401
 from envoy.extensions.filters.http.fault.v3 import fault_pb2  # noqa: F401
 
-from ...kube.objects import (
+from ...kube.model import (
     HeaderOps,
     HTTPRoute,
     HttpRouteRule,
-    KubeStore,
     ObjectKey,
     RouteDestination,
     RouteMatch,
     StringMatch,
     VirtualService,
 )
+from ...kube.store import KubeStore
 
 FAULT_FILTER = "envoy.filters.http.fault"
 CORS_FILTER = "envoy.filters.http.cors"

@@ -21,7 +21,7 @@ written down once, per kind of input, and `AmbientIndex.apply` follows them:
   Gateway                    the waypoints; if any waypoint changed, everything
 
 Each step is the same per-object function `translate` uses, so a fresh index and the full
-translation agree (tests/unit/test_translate_incremental.py checks that after any sequence of
+translation agree (tests/unit/control/translate/test_incremental.py checks that after any sequence of
 changes). A recomputed resource equal to the one already served is not reported as changed.
 """
 
@@ -31,10 +31,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ...kube.objects import (
+from ...kube.model import (
     AuthorizationPolicy,
     KubeObject,
-    KubeStore,
     Namespace,
     Node,
     ObjectKey,
@@ -45,6 +44,7 @@ from ...kube.objects import (
     WorkloadEntry,
     object_key,
 )
+from ...kube.store import KubeStore
 from ...wire.istio.security import authorization_pb2 as sec
 from ...wire.istio.workload import workload_pb2 as wl
 from .authorization import convert_authorization_policy

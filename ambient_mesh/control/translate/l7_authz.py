@@ -25,7 +25,7 @@ from typing import Any
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2  # noqa: F401
 from envoy.extensions.path.match.uri_template.v3 import uri_template_match_pb2  # noqa: F401
 
-from ...kube.objects import AuthorizationPolicy, AuthorizationRule, Condition, Operation, Source
+from ...kube.model import AuthorizationPolicy, AuthorizationRule, Condition, Operation, Source
 from ...metadata import ANNOTATION_DRY_RUN
 
 RBAC_FILTER = "envoy.filters.http.rbac"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...kube.objects import PeerAuthentication
+from ...kube.model import PeerAuthentication
 from ...wire.istio.security import authorization_pb2 as sec
 from .common import MeshSettings
 

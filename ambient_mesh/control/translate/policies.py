@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 from ...kube.labels import LabelSelector
-from ...kube.objects import AuthorizationPolicy, KubeStore, PeerAuthentication
+from ...kube.model import AuthorizationPolicy, PeerAuthentication
+from ...kube.store import KubeStore
 from ...wire.istio.security import authorization_pb2 as sec
 from .authorization import convert_authorization_policy
 from .common import MeshSettings

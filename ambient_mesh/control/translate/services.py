@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...kube.objects import Service, ServiceEntry
+from ...kube.model import Service, ServiceEntry
 from ...metadata import ANNOTATION_TRAFFIC_DISTRIBUTION, LABEL_INGRESS_USE_WAYPOINT
 from ...wire.istio.workload import workload_pb2 as wl
 from .common import app_protocol, kube_app_protocol, network_address

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...kube.objects import Gateway, KubeStore, ObjectMeta
+from ...kube.model import Gateway, ObjectMeta
+from ...kube.store import KubeStore
 from ...metadata import (
     ANNOTATION_INBOUND_BINDING,
     LABEL_GATEWAY_MANAGED,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from google.protobuf import wrappers_pb2
 
-from ...kube.objects import ObjectMeta, Pod, ServiceEntry, WorkloadEntry, WorkloadEntrySpec
+from ...kube.model import ObjectMeta, Pod, ServiceEntry, WorkloadEntry, WorkloadEntrySpec
 from ...metadata import (
     ANNOTATION_AUTO_REGISTRATION_GROUP,
     ANNOTATION_REDIRECTION,

@@ -318,7 +318,7 @@ class HboneConnection(asyncio.BufferedProtocol):
         """A stream's bytes (`HboneStream.write`): a chunk the windows take whole in one frame,
         with nothing queued and the transport not paused, is written at once (one piece when it
         fits one TLS record, else with its header inside the first record: the fast path, held
-        to `core.send` by tests/unit/test_http2_properties.py); otherwise the core frames what
+        to `core.send` by tests/unit/http2/test_connection_properties.py); otherwise the core frames what
         the windows take and queues the rest, and the stream's relay stops until it drained.
         Copies were most of the outbound proxy's CPU (docs/performance.md, "Buffers and copies")."""
         if (len(self.streams) > 1) is not self._unsent_bounded:

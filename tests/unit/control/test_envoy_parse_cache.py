@@ -15,23 +15,13 @@ from ambient_mesh.control.envoy_parse_cache import ParseCache
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_envoy import EnvoyResources, build_resources
 from ambient_mesh.control.waypoint_index import WaypointIndex
-from ambient_mesh.kube.objects import KubeObject, KubeStore, ObjectKey, object_key, parse_documents
+from ambient_mesh.kube.load import parse_documents
+from ambient_mesh.kube.model import KubeObject, ObjectKey, object_key
+from ambient_mesh.kube.store import KubeStore
+from tests.helpers.waypoint_manifests import WAYPOINT_BASE
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
-BASE = """apiVersion: v1
-kind: Namespace
-metadata: {name: default, labels: {istio.io/dataplane-mode: ambient}}
----
-apiVersion: gateway.networking.k8s.io/v1
-kind: Gateway
-metadata: {name: waypoint, namespace: default, labels: {istio.io/waypoint-for: service}}
-spec: {gatewayClassName: istio-waypoint, listeners: [{name: mesh, port: 15008, protocol: HBONE}]}
-status: {addresses: [{type: Hostname, value: waypoint.default.svc.cluster.local}]}
----
-apiVersion: v1
-kind: Service
-metadata: {name: waypoint, namespace: default, labels: {gateway.networking.k8s.io/gateway-name: waypoint}}
-spec: {selector: {gateway.networking.k8s.io/gateway-name: waypoint}, clusterIP: 10.96.0.2, ports: [{name: mesh, port: 15008}]}"""
+BASE = WAYPOINT_BASE
 
 SERVICES = 4
 PROTOCOLS = ("http", "tcp", "")

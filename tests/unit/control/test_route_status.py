@@ -21,30 +21,12 @@ from ambient_mesh.control.status import (
     read_status_dir,
     status_document,
 )
-from ambient_mesh.kube.objects import KubeStore, parse_documents
+from ambient_mesh.kube.load import parse_documents
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.lab import apply as verbs
+from tests.helpers.waypoint_manifests import ROUTE_STATUS_MESH
 
-MESH = """
-apiVersion: v1
-kind: Namespace
-metadata: {name: demo, labels: {istio.io/dataplane-mode: ambient}}
----
-apiVersion: gateway.networking.k8s.io/v1
-kind: Gateway
-metadata: {name: waypoint, namespace: demo}
-spec: {gatewayClassName: istio-waypoint, listeners: [{name: mesh, port: 15008, protocol: HBONE}]}
-status: {addresses: [{type: IPAddress, value: 10.0.0.9}]}
----
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: demo, labels: {istio.io/use-waypoint: waypoint}}
-spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}
----
-apiVersion: v1
-kind: Service
-metadata: {name: plain, namespace: demo}
-spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}
-"""
+MESH = ROUTE_STATUS_MESH
 
 
 def route(name: str, parent: str, backend: str, port: int | None = 80) -> str:

@@ -19,9 +19,11 @@ from ambient_mesh.control.translate.l7_authz import policy_notes, rbac_filters
 from ambient_mesh.control.unserved_kinds import UNSERVED_KINDS
 from ambient_mesh.control.waypoint_l7 import WaypointL7
 from ambient_mesh.errors import ConfigError
-from ambient_mesh.kube.objects import AuthorizationPolicy, KubeStore, parse_documents
+from ambient_mesh.kube.load import parse_documents
+from ambient_mesh.kube.model import AuthorizationPolicy
+from ambient_mesh.kube.store import KubeStore
 from ambient_mesh.lab import apply as verbs
-from tests.unit.control.test_route_status import MESH
+from tests.helpers.waypoint_manifests import ROUTE_STATUS_MESH as MESH
 
 API_VERSIONS = {
     "RequestAuthentication": "security.istio.io/v1",
@@ -63,7 +65,7 @@ def test_control_logs_each_unserved_kind_when_it_reads_its_directory(
 
 
 def _unchanged(source: DirectorySource):  # the watcher reports nothing when nothing moved
-    from ambient_mesh.kube.objects import DirectoryChange
+    from ambient_mesh.kube.watch import DirectoryChange
 
     assert source.watcher.last is not None
     return DirectoryChange(result=source.watcher.last, added=(), updated=(), removed=())

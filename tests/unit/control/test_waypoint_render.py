@@ -25,7 +25,8 @@ from ambient_mesh.control.waypoint_render import (
     status_patch,
     waypoint_objects,
 )
-from ambient_mesh.kube.objects import Gateway, GatewayAddress, ObjectMeta, load_directory, parse_documents
+from ambient_mesh.kube.load import load_directory, parse_documents
+from ambient_mesh.kube.model import Gateway, GatewayAddress, ObjectMeta
 from ambient_mesh.lab.deployments import plan as plan_pods
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "waypoint_render" / "waypoint.yaml"

@@ -1,0 +1,272 @@
+"""The Envoy configuration of waypoints: golden files, incremental upkeep, and delta ADS for Envoy.
+
+Each tests/unit/golden/waypoint_envoy/<case>/input/*.yaml is translated as `ambient control` does
+and every waypoint Gateway's Envoy resources (json_format.MessageToDict per resource, keys sorted)
+compared with <case>/expected.json. `UPDATE_GOLDEN=1` rewrites the expected files: read each one
+before accepting it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format, struct_pb2
+
+from ambient_mesh.control.ads_state import (
+    CLUSTER_TYPE_URL,
+    ENDPOINT_TYPE_URL,
+    LISTENER_TYPE_URL,
+    AdsRefused,
+    DeltaConnectionState,
+    ProxyInfo,
+    Snapshot,
+)
+from ambient_mesh.control.translate import AmbientIndex, MeshSettings, translate
+from ambient_mesh.control.waypoint_envoy import build_resources
+from ambient_mesh.control.waypoint_index import WaypointIndex, waypoint_key
+from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.kube.load import load_directory
+from ambient_mesh.kube.model import Service
+from tests.helpers.paths import UNIT_GOLDEN
+
+GOLDEN = UNIT_GOLDEN / "waypoint_envoy"
+UPDATE_GOLDEN = os.environ.get("UPDATE_GOLDEN") == "1"
+CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "input").is_dir())
+WAYPOINT = "default/waypoint.default.svc.cluster.local"
+
+
+def _store(case: str):  # type: ignore[no-untyped-def]
+    loaded = load_directory(GOLDEN / case / "input")
+    assert loaded.errors == (), [str(e) for e in loaded.errors]
+    return loaded.store
+
+
+def _render(case: str) -> str:
+    store = _store(case)
+    index = WaypointIndex(MeshSettings())
+    index.reset(translate(store, MeshSettings()).addresses)
+    doc = {}
+    for gw in store.gateways:
+        key = waypoint_key(gw.metadata.namespace, gw.metadata.name, "cluster.local")
+        resources = index.resources(key)
+        doc[key] = {
+            kind: {name: json_format.MessageToDict(m) for name, m in named.items()}
+            for kind, named in (
+                ("listeners", resources.listeners),
+                ("clusters", resources.clusters),
+                ("endpoints", resources.endpoints),
+            )
+        }
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden(case: str) -> None:
+    text = _render(case)
+    path = GOLDEN / case / "expected.json"
+    if UPDATE_GOLDEN:
+        path.write_text(text)
+    assert path.exists(), f"golden file {path} missing: run with UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), f"waypoint resources differ from {path} (UPDATE_GOLDEN=1 regenerates)"
+
+
+def test_generated_configuration_has_the_waypoint_path() -> None:
+    index = WaypointIndex()
+    index.reset(translate(_store("echo"), MeshSettings()).addresses)
+    r = index.resources(WAYPOINT)
+    assert set(r.listeners) == {
+        "connect_terminate",
+        "main_internal",
+        "main_internal_sniff",
+        "connect_originate",
+    }
+    assert {
+        "inbound-vip|80|http|echo.default.svc.cluster.local",
+        "inbound-vip|5432|tcp|db.default.svc.cluster.local",
+        "inbound-vip|9000|http|misc.default.svc.cluster.local",
+        "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+    } <= set(r.clusters)
+    assert not any("other.default" in name for name in r.clusters)
+    tls = r.listeners["connect_terminate"].filter_chains[0].transport_socket.typed_config
+    assert b"spiffe://cluster.local/" in tls.value
+    echo = r.endpoints["inbound-vip|80|http|echo.default.svc.cluster.local"]
+    ids = [e.endpoint.address.envoy_internal_address.endpoint_id for e in echo.endpoints[0].lb_endpoints]
+    assert ids == ["10.0.0.2:8080", "10.0.1.2:8080"]
+    # Known protocols and the pod are served in main_internal; the port of unknown protocol is sniffed.
+    main = {c.name for c in r.listeners["main_internal"].filter_chains}
+    assert main == {
+        "inbound-vip|80|http|echo.default.svc.cluster.local",
+        "inbound-vip|5432|tcp|db.default.svc.cluster.local",
+        "direct-tcp",
+        "sniff",
+        "blackhole",
+    }
+    assert [f.name for f in r.listeners["main_internal"].listener_filters] == [
+        "envoy.filters.listener.original_dst"
+    ]
+    sniffed = {c.name for c in r.listeners["main_internal_sniff"].filter_chains}
+    assert sniffed == {
+        "inbound-vip|9000|http|misc.default.svc.cluster.local",
+        "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+        "blackhole",
+    }
+
+
+def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
+    r = build_resources(WaypointIndex().inputs("ns/none.ns.svc.cluster.local"))
+    assert set(r.listeners) == {
+        "connect_terminate",
+        "main_internal",
+        "main_internal_sniff",
+        "connect_originate",
+    }
+    assert [c.name for c in r.listeners["main_internal"].filter_chains] == ["blackhole"]
+    assert [c.name for c in r.listeners["main_internal_sniff"].filter_chains] == ["blackhole"]
+    assert r.endpoints == {}
+
+
+def _resources(index: WaypointIndex) -> dict[str, dict[str, bytes]]:
+    snap = index.snapshot(WAYPOINT)
+    return {t: {n: v.resource.value for n, v in snap.of(t).items()} for t in snap.resources}
+
+
+def test_incremental_upkeep_equals_a_fresh_build() -> None:
+    store = _store("echo")
+    ambient = AmbientIndex(MeshSettings())
+    index = WaypointIndex()
+    delta = ambient.update(store)
+    index.apply(delta.addresses, delta.removed_addresses)
+    first = index.snapshot(WAYPOINT)
+    # Take the label off echo: its chain and clusters go, nothing else moves.
+    echo = next(s for s in store.services if s.metadata.name == "echo")
+    labels = {k: v for k, v in echo.metadata.labels.items() if k != "istio.io/use-waypoint"}
+    meta = type(echo.metadata)(**{**_fields(echo.metadata), "labels": labels})
+    unlabelled = Service(**{**_fields(echo), "metadata": meta})
+    delta = ambient.apply([unlabelled])
+    changed = index.apply(delta.addresses, delta.removed_addresses)
+    assert changed == {WAYPOINT}
+    second = index.snapshot(WAYPOINT)
+    assert second.changed is not None
+    assert "inbound-vip|80|http|echo.default.svc.cluster.local" in second.changed[CLUSTER_TYPE_URL]
+    assert "connect_originate" not in second.changed[LISTENER_TYPE_URL]
+    # The listeners' filters never change with the services: pushes stay in-place updates.
+    for name in ("main_internal", "main_internal_sniff"):
+        assert first_listener_filters(first, name) == first_listener_filters(second, name)
+    assert "main_internal" in second.changed[LISTENER_TYPE_URL]
+    assert (
+        second.of(LISTENER_TYPE_URL)["connect_terminate"] is first.of(LISTENER_TYPE_URL)["connect_terminate"]
+    )
+    fresh = WaypointIndex()
+    fresh.reset(ambient.addresses)
+    assert _resources(fresh) == _resources(index)
+    # A change that touches no waypoint rebuilds none.
+    other = next(s for s in store.services if s.metadata.name == "other")
+    meta = type(other.metadata)(**{**_fields(other.metadata), "labels": {"team": "x"}})
+    delta = ambient.apply([Service(**{**_fields(other), "metadata": meta})])
+    assert index.apply(delta.addresses, delta.removed_addresses) == set()
+
+
+def first_listener_filters(snapshot: Snapshot, name: str) -> list[bytes]:
+    from envoy.config.listener.v3 import listener_pb2
+
+    listener = listener_pb2.Listener()
+    snapshot.of(LISTENER_TYPE_URL)[name].resource.Unpack(listener)
+    return [f.SerializeToString() for f in listener.listener_filters]
+
+
+def _fields(obj: object) -> dict[str, object]:
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+# -- delta ADS for a waypoint's Envoy ------------------------------------------------------------
+
+
+def _node(gateway: str = "waypoint") -> base_pb2.Node:
+    labels = struct_pb2.Struct()
+    labels.update({"gateway.networking.k8s.io/gateway-name": gateway})
+    metadata = struct_pb2.Struct()
+    metadata.update({"NAMESPACE": "default"})
+    metadata.fields["LABELS"].struct_value.CopyFrom(labels)
+    return base_pb2.Node(
+        id="waypoint~10.0.0.100~waypoint-0.default~default.svc.cluster.local", metadata=metadata
+    )
+
+
+def test_waypoint_node_is_parsed() -> None:
+    proxy = ProxyInfo.from_node(_node("wp"))
+    assert (proxy.node_type, proxy.gateway_name, proxy.namespace) == ("waypoint", "wp", "default")
+
+
+def test_envoy_delta_ads_wildcard_then_eds_then_incremental_push() -> None:
+    store = _store("echo")
+    ambient = AmbientIndex(MeshSettings())
+    index = WaypointIndex()
+    delta = ambient.update(store)
+    index.apply(delta.addresses, delta.removed_addresses)
+    seen = []
+
+    def snapshot_for(proxy: ProxyInfo, identity: Identity | None) -> Snapshot:
+        key = index.key_of(proxy, identity)
+        seen.append(key)
+        return index.snapshot(key)
+
+    state = DeltaConnectionState(
+        Snapshot.empty(),
+        identities=["spiffe://cluster.local/ns/default/sa/waypoint"],
+        nonce_prefix=lambda: "n",
+        waypoint_snapshot=snapshot_for,
+    )
+    [cds] = state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER_TYPE_URL, node=_node()))
+    assert seen == [WAYPOINT]
+    assert "inbound-vip|80|http|echo.default.svc.cluster.local" in {r.name for r in cds.resources}
+    assert all(r.version for r in cds.resources)
+    # Envoy asks for the endpoints of its EDS clusters by name.
+    eds_names = sorted(n for n in (r.name for r in cds.resources) if n.startswith("inbound-vip"))
+    [eds] = state.receive(
+        discovery_pb2.DeltaDiscoveryRequest(type_url=ENDPOINT_TYPE_URL, resource_names_subscribe=eds_names)
+    )
+    assert sorted(r.name for r in eds.resources) == eds_names
+    [lds] = state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=LISTENER_TYPE_URL))
+    assert len(lds.resources) == 4
+    for resp in (cds, eds, lds):
+        assert (
+            state.receive(
+                discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url, response_nonce=resp.nonce)
+            )
+            == []
+        )
+    # Address types are not served to Envoy.
+    assert (
+        state.receive(
+            discovery_pb2.DeltaDiscoveryRequest(type_url="type.googleapis.com/istio.workload.Address")
+        )
+        == []
+    )
+    # One more echo pod: only echo's endpoints change.
+    pod = next(p for p in store.pods if p.metadata.name == "echo-2")
+    meta = type(pod.metadata)(**{**_fields(pod.metadata), "name": "echo-3"})
+    delta = ambient.apply([type(pod)(**{**_fields(pod), "metadata": meta, "pod_ip": "10.0.1.9"})])
+    assert index.apply(delta.addresses, delta.removed_addresses) == {WAYPOINT}
+    responses = state.push(index.snapshot(WAYPOINT))
+    assert [(r.type_url, [x.name for x in r.resources]) for r in responses] == [
+        (
+            ENDPOINT_TYPE_URL,
+            ["inbound-vip|80|http|echo.default.svc.cluster.local"]
+            + (
+                [
+                    "inbound-vip|9000|http|misc.default.svc.cluster.local",
+                    "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+                ]
+            ),
+        )
+    ]
+
+
+def test_waypoint_is_refused_without_a_generator() -> None:
+    state = DeltaConnectionState(Snapshot.empty())
+    with pytest.raises(AdsRefused, match="generates no Envoy configuration"):
+        state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER_TYPE_URL, node=_node()))
