@@ -17,6 +17,7 @@ Prints a table and writes JSON (default bench/results/l7_control.json). Never a 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ambient_mesh.control.plane import freeze_loaded_state  # noqa: E402
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings  # noqa: E402
 from ambient_mesh.control.waypoint_index import WaypointIndex  # noqa: E402
 from ambient_mesh.kube.load import parse_documents  # noqa: E402
@@ -81,10 +83,19 @@ def main() -> int:
     parser.add_argument("--routes", type=int, default=1000)
     parser.add_argument("--services", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--gc",
+        nargs="+",
+        choices=("freeze", "plain"),
+        default=["freeze", "plain"],
+        help="freeze: the heap frozen after the first load, as `ambient control` does; plain: not",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "l7_control.json")
     args = parser.parse_args()
     rows = []
-    for services in args.services:
+    for gc_mode, services in [(g, s) for s in args.services for g in args.gc]:
+        gc.unfreeze()
+        gc.collect()
         text = mesh(services) + "\n---\n" + "\n---\n".join(route(i, services) for i in range(args.routes))
         t0 = time.process_time()
         loaded = parse_documents(text, "mesh.yaml")
@@ -98,6 +109,8 @@ def main() -> int:
         waypoints.apply(delta.addresses, delta.removed_addresses)
         snapshot = waypoints.snapshot(WAYPOINT)
         start_cpu = time.process_time() - t0
+        if gc_mode == "freeze":
+            freeze_loaded_state()
         cpu_ms = []
         changed_resources = []
         objects = {object_key(o): o for o in loaded.objects}
@@ -119,6 +132,7 @@ def main() -> int:
         chains = len(snapshot.of("type.googleapis.com/envoy.config.listener.v3.Listener"))
         rows.append(
             {
+                "gc": gc_mode,
                 "routes": args.routes,
                 "services": services,
                 "policies": 10,
@@ -130,11 +144,11 @@ def main() -> int:
             }
         )
     print(
-        f"{'routes':>7} {'services':>9} {'initial build CPU s':>20} {'1 change CPU ms p50':>20} {'max':>8} {'resources pushed':>17}"
+        f"{'gc':>7} {'routes':>7} {'services':>9} {'initial build CPU s':>20} {'1 change CPU ms p50':>20} {'max':>8} {'resources pushed':>17}"
     )
     for r in rows:
         print(
-            f"{r['routes']:>7} {r['services']:>9} {r['initial_build_cpu_s']:>20} {r['change_cpu_ms_median']:>20} "
+            f"{r['gc']:>7} {r['routes']:>7} {r['services']:>9} {r['initial_build_cpu_s']:>20} {r['change_cpu_ms_median']:>20} "
             f"{r['change_cpu_ms_max']:>8} {r['changed_resources_per_push']:>17}"
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
