@@ -560,6 +560,8 @@ def dispatch_listener(inputs: WaypointInputs) -> dict[str, Any]:
     filters unchanged when a service of known protocol comes or goes, so such a push is an
     in-place filter-chain update that keeps the open tunnels (a listener filter change is a full
     update, which drains them: that happens only when the set of sniffed port numbers changes).
+    The predicate sees port numbers only, as istiod's: a TCP service that shares its port number
+    with a sniffed one meets the inspector too (its traffic still takes its own chain).
     An earlier design sniffed in a second internal listener behind a TCP proxy hop; that hop lost
     responses whose HTTP connection closed after them (docs/architecture.md, "Waypoints")."""
     chains: dict[str, dict[str, Any]] = {}

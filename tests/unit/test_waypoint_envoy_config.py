@@ -118,20 +118,21 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     assert main.continue_on_listener_filters_timeout
 
 
-def _inspector_off(ports: list[int]) -> dict[str, object]:
-    """main_internal's `filter_disabled` for services of unknown protocol on `ports`."""
+def _inspector_off(ports: list[int], known: tuple[tuple[int, str], ...] = ()) -> dict[str, object]:
+    """main_internal's `filter_disabled` for services of unknown protocol on `ports` and of
+    known protocol on `known` ((port, "http" or "tcp"), ...)."""
     services = tuple(
         ServicePort(
             hostname=f"s{i}.default.svc.cluster.local",
             vips=(f"10.96.0.{i + 1}",),
             port=port,
-            protocol="auto",
+            protocol=protocol,
             endpoints=(Endpoint(ip="10.0.0.2", port=8080),),
         )
-        for i, port in enumerate(ports)
+        for i, (port, protocol) in enumerate([*((p, "auto") for p in ports), *known])
     )
     listener = dispatch_listener(
-        WaypointInputs(trust_domains=("cluster.local",), services=services, workload_ips=())
+        WaypointInputs(trust_domains=("cluster.local",), services=services, workload_ips=("10.0.0.2",))
     )
     predicate = listener["listener_filters"][1]["filter_disabled"]
     # A valid message (an or_match needs at least two rules: protoc-gen-validate, checked by Envoy).
@@ -152,6 +153,10 @@ def test_the_inspector_is_off_except_on_sniffed_ports() -> None:
             }
         }
     }
+    # Services of known protocol (and workloads) never change the listener filters: pushes of
+    # them stay in-place updates. Only the set of sniffed port numbers does.
+    assert _inspector_off([83], known=((80, "http"), (9000, "tcp"), (83, "tcp"))) == _inspector_off([83])
+    assert _inspector_off([], known=((80, "http"),)) == _inspector_off([])
 
 
 def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
