@@ -62,9 +62,6 @@ from .envoy_parse_cache import ParseCache
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
-# Ours, not istiod's: where destinations of unknown protocol are sniffed (dispatch_listeners).
-MAIN_SNIFF = "main_internal_sniff"
-SNIFF_CHAIN = "sniff"
 CONNECT_ORIGINATE = "connect_originate"
 ENCAP = "encap"
 BLACKHOLE = "BlackHoleCluster"
@@ -559,88 +556,83 @@ def _blackhole() -> dict[str, Any]:
     return {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
 
 
-def dispatch_listeners(
-    inputs: WaypointInputs, make_chain: ChainMaker | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`main_internal` and `main_internal_sniff`: where a CONNECT's original destination goes.
+def _sniffed_ports_only(ports: Iterable[int]) -> dict[str, Any]:
+    """`filter_disabled` of main_internal's HTTP inspector: off on every port that is not the
+    port of a service port of unknown protocol (always off when there is none)."""
+    rules = [{"destination_port_range": {"start": p, "end": p + 1}} for p in sorted(set(ports))]
+    if not rules:
+        return {"any_match": True}
+    return {"not_match": rules[0] if len(rules) == 1 else {"or_match": {"rules": rules}}}
 
-    Ports of known protocol and workload-addressed traffic are served in `main_internal` itself;
-    ports of unknown protocol go on to `main_internal_sniff`, whose HTTP inspector tells HTTP
-    from TCP. istiod keeps one listener and turns its inspector off per known port instead; here
-    neither listener's filters ever change with the services, so every push is an in-place
-    filter-chain update that keeps the connections already open (a listener filter change is a
-    full update, which drains them), and a TCP client that half-closes before a line end is
-    is handed to an inspector (which would close it) only on a port of unknown protocol."""
+
+def dispatch_listener(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> dict[str, Any]:
+    """`main_internal`: where a CONNECT's original destination goes, by IP, then port, then (on
+    a port of unknown protocol) the HTTP inspector's verdict.
+
+    As istiod, one listener whose HTTP inspector is turned off where it has nothing to tell. The
+    inspector runs only on the port numbers of service ports of unknown protocol: a TCP client
+    that half-closes before a line end is closed by it, and a server-first protocol waits for
+    it, so known TCP ports and workload-addressed traffic on other ports never meet it. istiod
+    lists the ports of known protocol instead; listing the sniffed ones keeps the listener's
+    filters unchanged when a service of known protocol comes or goes, so such a push is an
+    in-place filter-chain update that keeps the open tunnels (a listener filter change is a full
+    update, which drains them: that happens only when the set of sniffed port numbers changes).
+    The predicate sees port numbers only, as istiod's: a TCP service that shares its port number
+    with a sniffed one meets the inspector too (its traffic still takes its own chain).
+    An earlier design sniffed in a second internal listener behind a TCP proxy hop; that hop lost
+    responses whose HTTP connection closed after them (docs/architecture.md, "Waypoints")."""
     chain = make_chain or (lambda kind, sp, vip: chain_doc(kind, sp, vip, inputs))
-    main: dict[str, Any] = {}
-    sniffed: dict[str, Any] = {}
-    main_ips: dict[str, dict[str, dict[str, Any]]] = {}
-    sniff_ips: dict[str, dict[str, dict[str, Any]]] = {}
+    chains: dict[str, Any] = {}
+    by_ip: dict[str, dict[str, dict[str, Any]]] = {}
+    sniffed_ports: set[int] = set()
     for sp in inputs.services:
         if not sp.vips:
             continue
         stat_vip = sp.vips[0]
         if sp.protocol == "auto":
-            if sp.cluster("http") not in sniffed:
-                sniffed[sp.cluster("http")] = chain("http", sp, stat_vip)
-            if sp.cluster("tcp") not in sniffed:
-                sniffed[sp.cluster("tcp")] = chain("tcp", sp, stat_vip)
-            main.setdefault(SNIFF_CHAIN, _sniff_chain())
+            for kind in ("http", "tcp"):
+                if sp.cluster(kind) not in chains:
+                    chains[sp.cluster(kind)] = chain(kind, sp, stat_vip)
+            sniffed_ports.add(sp.port)
             for vip in sp.vips:
-                main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(SNIFF_CHAIN)
-                sniff_ips.setdefault(vip, {})[str(sp.port)] = _http_or_tcp(
-                    sp.cluster("http"), sp.cluster("tcp")
-                )
+                by_ip.setdefault(vip, {})[str(sp.port)] = _http_or_tcp(sp.cluster("http"), sp.cluster("tcp"))
             continue
-        if sp.cluster(sp.protocol) not in main:
-            main[sp.cluster(sp.protocol)] = chain(sp.protocol, sp, stat_vip)
+        if sp.cluster(sp.protocol) not in chains:
+            chains[sp.cluster(sp.protocol)] = chain(sp.protocol, sp, stat_vip)
         for vip in sp.vips:
-            main_ips.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
-    workload_ips = [ip for ip in inputs.workload_ips if ip not in main_ips]
+            by_ip.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
+    workload_ips = [ip for ip in inputs.workload_ips if ip not in by_ip]
     if workload_ips:
         # Workload-addressed: straight to the pod through HBONE, as TCP. istiod sniffs these
         # (direct-http when it looks like HTTP), which L7 policy on pods will need; an inspector
         # closes a client that half-closes before a line end, so until then they are TCP.
-        main["direct-tcp"] = {
+        chains["direct-tcp"] = {
             "name": "direct-tcp",
             "filters": [_copy_filter_state(), _tcp_proxy("direct-tcp", ENCAP)],
         }
         for ip in workload_ips:
-            main_ips.setdefault(ip, {})["*"] = _string_action("direct-tcp")
-    main["blackhole"] = sniffed["blackhole"] = _blackhole()
-    original_dst = _listener_filter(
-        _ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"
+            by_ip.setdefault(ip, {})["*"] = _string_action("direct-tcp")
+    chains["blackhole"] = _blackhole()
+    inspector = _listener_filter(
+        "envoy.filters.listener.http_inspector",
+        "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
     )
-    main_listener = {
+    inspector["filter_disabled"] = _sniffed_ports_only(sniffed_ports)
+    return {
         "name": MAIN_INTERNAL,
         "internal_listener": {},
         "traffic_direction": "INBOUND",
-        "listener_filters": [original_dst],
-        "filter_chain_matcher": _ip_matcher(_by_ip(main_ips)),
-        "filter_chains": [main[name] for name in sorted(main)],
-    }
-    sniff_listener = {
-        "name": MAIN_SNIFF,
-        "internal_listener": {},
-        "traffic_direction": "INBOUND",
         "listener_filters": [
-            original_dst,
-            _listener_filter(
-                "envoy.filters.listener.http_inspector",
-                "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
-            ),
+            _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"),
+            inspector,
         ],
-        # A server-first protocol waits this long for the client's first bytes, then is TCP.
+        # A server-first protocol on a sniffed port waits this long for the client's first
+        # bytes, then is TCP.
         "listener_filters_timeout": SNIFF_TIMEOUT,
         "continue_on_listener_filters_timeout": True,
-        "filter_chain_matcher": _ip_matcher(_by_ip(sniff_ips)),
-        "filter_chains": [sniffed[name] for name in sorted(sniffed)],
+        "filter_chain_matcher": _ip_matcher(_by_ip(by_ip)),
+        "filter_chains": [chains[name] for name in sorted(chains)],
     }
-    return main_listener, sniff_listener
-
-
-def _sniff_chain() -> dict[str, Any]:
-    return {"name": SNIFF_CHAIN, "filters": [_copy_filter_state(), _tcp_proxy(MAIN_SNIFF, MAIN_SNIFF)]}
 
 
 def connect_originate_listener() -> dict[str, Any]:
@@ -759,8 +751,11 @@ def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> 
     again: `_cached_build`)."""
     if cache is not None:  # part 2 hook: envoy_parse_cache.py
         return _cached_build(inputs, cache)
-    main, sniff = dispatch_listeners(inputs)
-    listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
+    listeners = [
+        connect_terminate(inputs.trust_domains),
+        dispatch_listener(inputs),
+        connect_originate_listener(),
+    ]
     clusters = _fixed_clusters(inputs)
     assignments = []
     for name, sp in _eds_clusters(inputs):
@@ -777,7 +772,6 @@ def _fixed_clusters(inputs: WaypointInputs) -> list[dict[str, Any]]:
     return [
         _static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
         _static_internal(ENCAP, CONNECT_ORIGINATE),
-        _static_internal(MAIN_SNIFF, MAIN_SNIFF),
         connect_originate_cluster(inputs.trust_domains),
         {"name": BLACKHOLE, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT},
     ]
@@ -807,8 +801,11 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
             listener_components_pb2.FilterChain,
         )
 
-    main, sniff = dispatch_listeners(inputs, make_chain)
-    listeners = [connect_terminate(inputs.trust_domains), main, sniff, connect_originate_listener()]
+    listeners = [
+        connect_terminate(inputs.trust_domains),
+        dispatch_listener(inputs, make_chain),
+        connect_originate_listener(),
+    ]
     clusters = {d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in _fixed_clusters(inputs)}
     endpoints: dict[str, endpoint_pb2.ClusterLoadAssignment] = {}
     for name, sp in _eds_clusters(inputs):

@@ -56,7 +56,6 @@ async def test_waypoint_and_ztunnel_on_one_server():
             "connect_originate",
             "connect_terminate",
             "main_internal",
-            "main_internal_sniff",
         ]
         await envoy.ack(lds)
         ztunnel = Proxy(ch)

@@ -331,7 +331,20 @@ def test_live_and_proxy_status_read_the_lab(lab):
         for line in out.splitlines()
     ), out
     assert "the destination's counters agree: a DENY was recorded on node-2" in out
-    code, out = run_cli(["proxy-status", "--state-dir", str(lab.state_dir)])
-    assert code == 0
-    rows = [line for line in out.splitlines() if line.startswith("ztunnel")]
-    assert len(rows) == 2 and all(line.count("SYNCED") == 2 for line in rows), out
+    # Both node proxies SYNCED once the lab settles: a push still unacknowledged is STALE, and
+    # the lab may still be pushing (the waypoint pod, the test connections' pods).
+    seen: list[str] = []
+
+    def synced() -> bool:
+        code, out = run_cli(["proxy-status", "--state-dir", str(lab.state_dir)])
+        assert code == 0, out
+        seen[:] = [out]
+        rows = [line for line in out.splitlines() if line.startswith("ztunnel")]
+        return len(rows) == 2 and all(line.count("SYNCED") == 2 for line in rows)
+
+    wait_until(
+        synced,
+        timeout_s=20,
+        what="both node proxies SYNCED in proxy-status",
+        on_timeout=lambda: f"last proxy-status:\n{seen[0] if seen else ''}",
+    )

@@ -262,7 +262,9 @@ def test_virtual_service_direct_response_and_fault(rmesh, routes):
     assert r.status == 503 and b"fault filter abort" in r.body, r
     start = time.monotonic()
     assert request(rmesh, "/slow").echo["path"] == "/slow"
-    assert time.monotonic() - start >= 0.4
+    # Envoy's 400 ms timer against our clock: a few ms early is still the delay (an undelayed
+    # request here takes a few ms).
+    assert time.monotonic() - start >= 0.35
 
 
 def test_virtual_service_cors_headers_retries_and_timeout(rmesh, routes):

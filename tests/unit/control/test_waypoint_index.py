@@ -13,6 +13,7 @@ import os
 
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.config.listener.v3 import listener_components_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format, struct_pb2
 
@@ -26,7 +27,13 @@ from ambient_mesh.control.ads_state import (
     Snapshot,
 )
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings, translate
-from ambient_mesh.control.waypoint_envoy import build_resources
+from ambient_mesh.control.waypoint_envoy import (
+    Endpoint,
+    ServicePort,
+    WaypointInputs,
+    build_resources,
+    dispatch_listener,
+)
 from ambient_mesh.control.waypoint_index import WaypointIndex, waypoint_key
 from ambient_mesh.identity.spiffe import Identity
 from ambient_mesh.kube.load import load_directory
@@ -78,12 +85,7 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     index = WaypointIndex()
     index.reset(translate(_store("echo"), MeshSettings()).addresses)
     r = index.resources(WAYPOINT)
-    assert set(r.listeners) == {
-        "connect_terminate",
-        "main_internal",
-        "main_internal_sniff",
-        "connect_originate",
-    }
+    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
     assert {
         "inbound-vip|80|http|echo.default.svc.cluster.local",
         "inbound-vip|5432|tcp|db.default.svc.cluster.local",
@@ -96,36 +98,74 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     echo = r.endpoints["inbound-vip|80|http|echo.default.svc.cluster.local"]
     ids = [e.endpoint.address.envoy_internal_address.endpoint_id for e in echo.endpoints[0].lb_endpoints]
     assert ids == ["10.0.0.2:8080", "10.0.1.2:8080"]
-    # Known protocols and the pod are served in main_internal; the port of unknown protocol is sniffed.
-    main = {c.name for c in r.listeners["main_internal"].filter_chains}
-    assert main == {
+    # Every destination is served in main_internal, the port of unknown protocol by its HTTP
+    # inspector's verdict; the inspector runs on that port only.
+    main = r.listeners["main_internal"]
+    assert {c.name for c in main.filter_chains} == {
         "inbound-vip|80|http|echo.default.svc.cluster.local",
         "inbound-vip|5432|tcp|db.default.svc.cluster.local",
-        "direct-tcp",
-        "sniff",
-        "blackhole",
-    }
-    assert [f.name for f in r.listeners["main_internal"].listener_filters] == [
-        "envoy.filters.listener.original_dst"
-    ]
-    sniffed = {c.name for c in r.listeners["main_internal_sniff"].filter_chains}
-    assert sniffed == {
         "inbound-vip|9000|http|misc.default.svc.cluster.local",
         "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+        "direct-tcp",
         "blackhole",
     }
+    assert [f.name for f in main.listener_filters] == [
+        "envoy.filters.listener.original_dst",
+        "envoy.filters.listener.http_inspector",
+    ]
+    disabled = main.listener_filters[1].filter_disabled
+    assert disabled.not_match.destination_port_range.start == 9000
+    assert disabled.not_match.destination_port_range.end == 9001
+    assert main.continue_on_listener_filters_timeout
+
+
+def _inspector_off(ports: list[int], known: tuple[tuple[int, str], ...] = ()) -> dict[str, object]:
+    """main_internal's `filter_disabled` for services of unknown protocol on `ports` and of
+    known protocol on `known` ((port, "http" or "tcp"), ...)."""
+    services = tuple(
+        ServicePort(
+            hostname=f"s{i}.default.svc.cluster.local",
+            vips=(f"10.96.0.{i + 1}",),
+            port=port,
+            protocol=protocol,
+            endpoints=(Endpoint(ip="10.0.0.2", port=8080),),
+        )
+        for i, (port, protocol) in enumerate([*((p, "auto") for p in ports), *known])
+    )
+    listener = dispatch_listener(
+        WaypointInputs(trust_domains=("cluster.local",), services=services, workload_ips=("10.0.0.2",))
+    )
+    predicate = listener["listener_filters"][1]["filter_disabled"]
+    # A valid message (an or_match needs at least two rules: protoc-gen-validate, checked by Envoy).
+    json_format.ParseDict(predicate, listener_components_pb2.ListenerFilterChainMatchPredicate())
+    return predicate
+
+
+def test_the_inspector_is_off_except_on_sniffed_ports() -> None:
+    assert _inspector_off([]) == {"any_match": True}
+    assert _inspector_off([83]) == {"not_match": {"destination_port_range": {"start": 83, "end": 84}}}
+    assert _inspector_off([90, 83, 90]) == {
+        "not_match": {
+            "or_match": {
+                "rules": [
+                    {"destination_port_range": {"start": 83, "end": 84}},
+                    {"destination_port_range": {"start": 90, "end": 91}},
+                ]
+            }
+        }
+    }
+    # Services of known protocol (and workloads) never change the listener filters: pushes of
+    # them stay in-place updates. Only the set of sniffed port numbers does.
+    assert _inspector_off([83], known=((80, "http"), (9000, "tcp"), (83, "tcp"))) == _inspector_off([83])
+    assert _inspector_off([], known=((80, "http"),)) == _inspector_off([])
 
 
 def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
     r = build_resources(WaypointIndex().inputs("ns/none.ns.svc.cluster.local"))
-    assert set(r.listeners) == {
-        "connect_terminate",
-        "main_internal",
-        "main_internal_sniff",
-        "connect_originate",
-    }
+    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
     assert [c.name for c in r.listeners["main_internal"].filter_chains] == ["blackhole"]
-    assert [c.name for c in r.listeners["main_internal_sniff"].filter_chains] == ["blackhole"]
+    # Nothing to sniff: the inspector is off everywhere.
+    assert r.listeners["main_internal"].listener_filters[1].filter_disabled.any_match
     assert r.endpoints == {}
 
 
@@ -153,9 +193,9 @@ def test_incremental_upkeep_equals_a_fresh_build() -> None:
     assert second.changed is not None
     assert "inbound-vip|80|http|echo.default.svc.cluster.local" in second.changed[CLUSTER_TYPE_URL]
     assert "connect_originate" not in second.changed[LISTENER_TYPE_URL]
-    # The listeners' filters never change with the services: pushes stay in-place updates.
-    for name in ("main_internal", "main_internal_sniff"):
-        assert first_listener_filters(first, name) == first_listener_filters(second, name)
+    # The listener's filters change only with the sniffed port numbers (echo's port is HTTP):
+    # the push stays an in-place update that keeps the open tunnels.
+    assert first_listener_filters(first, "main_internal") == first_listener_filters(second, "main_internal")
     assert "main_internal" in second.changed[LISTENER_TYPE_URL]
     assert (
         second.of(LISTENER_TYPE_URL)["connect_terminate"] is first.of(LISTENER_TYPE_URL)["connect_terminate"]
@@ -231,7 +271,7 @@ def test_envoy_delta_ads_wildcard_then_eds_then_incremental_push() -> None:
     )
     assert sorted(r.name for r in eds.resources) == eds_names
     [lds] = state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=LISTENER_TYPE_URL))
-    assert len(lds.resources) == 4
+    assert len(lds.resources) == 3
     for resp in (cds, eds, lds):
         assert (
             state.receive(
