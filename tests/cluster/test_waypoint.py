@@ -8,11 +8,10 @@ waypoint routes by a header (an HTTPRoute to a canary), answers a DENY of a path
 Deployment's new pod is ready (the gap is measured and printed); deleting the Gateway deletes
 its objects.
 
-The Service's port is named `http` (HTTP known: the waypoint's main_internal serves it). With an
-unnamed port (protocol sniffed in main_internal_sniff), the first waypoint pod serves most
-requests but a pod made after a restart reset every client stream (CONNECT_ERROR, while the
-server had answered the waypoint) for the whole 90 s probe, in two runs of this tier: a defect
-of the sniffed path, left to it."""
+The server's Service port has no name (its protocol sniffed by the waypoint's HTTP inspector in
+main_internal), the canary's is named `http` (known): both paths carry the L7 checks, and the
+sniffed one the pod restart. (A second sniffing listener, since removed, once lost responses
+there and made a waypoint pod reset every stream after a restart.)"""
 
 from __future__ import annotations
 
@@ -107,7 +106,7 @@ def waypointed(cluster):
                 "metadata": {"name": "server", "namespace": ns},
                 "spec": {
                     "selector": {"app": "server"},
-                    "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                    "ports": [{"port": 80, "targetPort": 8080}],  # no name: sniffed by the waypoint
                 },
             }
         )
