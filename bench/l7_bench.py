@@ -234,7 +234,7 @@ def _redirected(netns: str) -> bool:
 
 def lab_apply_route_to_first_request(runs: int) -> list[float]:
     from ambient_mesh.lab.lab import APP_PORT, Lab, LabConfig
-    from tests.netns.test_lab_waypoint import WAYPOINT, WAYPOINT_POD, _pods, apply_text, delete_text
+    from tests.helpers.lab_waypoint import WAYPOINT, WAYPOINT_POD, apply_text, delete_text, demo_pods
 
     service = f"""
 apiVersion: v1
@@ -245,7 +245,7 @@ spec: {{selector: {{app: server}}, clusterIP: {LAB_VIP}, ports: [{{name: http, p
     out: list[float] = []
     with tempfile.TemporaryDirectory(prefix="l7lab-") as state:
         config = LabConfig(
-            state_dir=Path(state), pods=_pods(), ambient_namespaces=frozenset({"demo"}), cluster_dns=False
+            state_dir=Path(state), pods=demo_pods(), ambient_namespaces=frozenset({"demo"}), cluster_dns=False
         )
         with Lab(config) as lab:
             apply_text(lab, service + "---" + WAYPOINT)

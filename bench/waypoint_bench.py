@@ -428,20 +428,20 @@ def lab_apply_to_first_request(runs: int) -> list[float]:
     import tempfile
 
     from ambient_mesh.lab.lab import Lab, LabConfig, tcp_roundtrip
-    from tests.netns.test_lab_waypoint import (
+    from tests.helpers.lab_waypoint import (
         SERVER_VIP,
         WAYPOINT,
         WAYPOINT_POD,
-        _pods,
         apply_text,
         delete_text,
+        demo_pods,
         services,
     )
 
     out: list[float] = []
     with tempfile.TemporaryDirectory(prefix="wplab-") as state:
         config = LabConfig(
-            state_dir=Path(state), pods=_pods(), ambient_namespaces=frozenset({"demo"}), cluster_dns=False
+            state_dir=Path(state), pods=demo_pods(), ambient_namespaces=frozenset({"demo"}), cluster_dns=False
         )
         with Lab(config) as lab:
             apply_text(lab, services(True))
