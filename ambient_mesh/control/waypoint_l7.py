@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ALS_CLUSTER = "als-grpc"
 ACCESS_LOG_NAME = "istio-http-metrics"
 ACCESS_LOG_FLUSH = "0.25s"
+ROUTE_CLUSTER_TAG = "route_cluster"
 ACCESS_LOG: tuple[dict[str, Any], ...] = (
     {
         "name": "envoy.access_loggers.http_grpc",
@@ -51,6 +52,9 @@ ACCESS_LOG: tuple[dict[str, Any], ...] = (
                 "transport_api_version": "V3",
                 "buffer_flush_interval": ACCESS_LOG_FLUSH,
                 "filter_state_objects_to_log": ["io.istio.peer_principal"],
+                # The route's cluster, known even when no upstream host was picked (a request
+                # the waypoint answers itself), where the entry's `upstream_cluster` is empty.
+                "custom_tags": [{"tag": ROUTE_CLUSTER_TAG, "value": "%UPSTREAM_CLUSTER_RAW%"}],
             },
             "additional_request_headers_to_log": ["content-type"],
         },

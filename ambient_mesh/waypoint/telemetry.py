@@ -10,9 +10,18 @@ keeps by subscribing to the same workload discovery the node proxies use:
   source       the HBONE peer's identity (`io.istio.peer_principal`, logged filter state) and
                the workload at the connection's remote address (the client's node proxy put the
                pod's address there)
-  destination  the service of the chain's cluster (`inbound-vip|<port>|http|<host>`) and the
-               workload at the endpoint Envoy chose (its internal address's endpoint id,
-               `<pod ip>:<port>`), whose service account is the destination principal
+  destination  the service of the route's cluster (`inbound-vip|<port>|http[/<subset>]|<host>`
+               or `outbound|<port>|<subset>|<host>`), as WDS has it, and the workload at the
+               endpoint Envoy chose (its internal address's endpoint id, `<pod ip>:<port>`),
+               whose service account is the destination principal
+
+A request the waypoint answers itself (an L7 DENY's 403, a fault abort, a direct response) has
+no endpoint, so, as Istio's waypoint, every destination workload label is `unknown`; its service
+is still the route's cluster's (Envoy logs no `upstream_cluster` without an upstream host, so
+the control plane adds the route's cluster as the custom tag `route_cluster`), and `unknown`
+when the route has no cluster (a direct response: Istio's waypoint does not fall back to the
+Host header). Response flags are Envoy's short names in its order (`FI` for a fault abort,
+`DI` for a delay; the RBAC filter sets none).
 
 and serves `istio_requests_total`, `istio_request_duration_milliseconds`, `istio_request_bytes`
 and `istio_response_bytes` on the pod's 15020 `/stats/prometheus`, followed by Envoy's own
@@ -48,6 +57,8 @@ from ..xds.updater import StateUpdater
 log = logging.getLogger(__name__)
 
 PEER_PRINCIPAL_KEY = "io.istio.peer_principal"
+# The access log's custom tag with the route's cluster (control/waypoint_l7.py ROUTE_CLUSTER_TAG).
+ROUTE_CLUSTER_TAG = "route_cluster"
 REPORTER = "waypoint"
 MAX_SERIES = 10_000
 ALS_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -107,7 +118,8 @@ DURATION_BUCKETS_MS = (
 )
 BYTES_BUCKETS = (1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000, 1000000000)
 
-# Envoy's ResponseFlags fields and their short names (%RESPONSE_FLAGS%).
+# Envoy's ResponseFlags fields and their short names (%RESPONSE_FLAGS%), in Envoy's order
+# (`unauthorized_details` is UnauthorizedExternalService, UAEX).
 _FLAGS = (
     ("failed_local_healthcheck", "LH"),
     ("no_healthy_upstream", "UH"),
@@ -121,6 +133,7 @@ _FLAGS = (
     ("delay_injected", "DI"),
     ("fault_injected", "FI"),
     ("rate_limited", "RL"),
+    ("unauthorized_details", "UAEX"),
     ("rate_limit_service_error", "RLSE"),
     ("downstream_connection_termination", "DC"),
     ("upstream_retry_limit_exceeded", "URX"),
@@ -140,10 +153,21 @@ _FLAGS = (
 
 
 def response_flags(flags: accesslog_pb2.ResponseFlags) -> str:
-    short = [name for attr, name in _FLAGS if getattr(flags, attr, False)]
-    if flags.HasField("unauthorized_details"):
-        short.append("UAEX")
+    short = [
+        name
+        for attr, name in _FLAGS
+        if (flags.HasField(attr) if attr == "unauthorized_details" else getattr(flags, attr, False))
+    ]
     return ",".join(short) or "-"
+
+
+def cluster_host(cluster: str) -> str:
+    """The service host of a route's cluster (`inbound-vip|<port>|http[/<subset>]|<host>`,
+    `outbound|<port>|<subset>|<host>`); "" for any other cluster (`encap`, `UnknownService`)."""
+    parts = cluster.split("|")
+    if len(parts) != 4 or parts[0] not in ("inbound-vip", "outbound") or not parts[1].isdigit():
+        return ""
+    return parts[3]
 
 
 def _ip_of(address: Any) -> str:
@@ -208,6 +232,21 @@ class HttpMetrics:
             return None
         return self.state.workloads.find_address(self.network, addr)
 
+    def _service(self, cluster: str) -> tuple[str, str, str]:
+        """(destination_service, _name, _namespace) of a route's cluster: the service WDS has
+        for its host; a host WDS does not know is named by its first two labels, as Istio
+        names a Kubernetes service's host; `unknown` without a service cluster."""
+        host = cluster_host(cluster)
+        if not host:
+            return UNKNOWN, UNKNOWN, UNKNOWN
+        service = self.state.services.find_hostname(host)
+        if service is not None:
+            return host, service.name or UNKNOWN, service.namespace or UNKNOWN
+        parts = host.split(".")
+        if len(parts) > 1:
+            return host, parts[0], parts[1]
+        return host, UNKNOWN, UNKNOWN
+
     def labels(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> tuple[str, ...]:
         common = entry.common_properties
         source_identity = None
@@ -232,15 +271,15 @@ class HttpMetrics:
             destination_identity=destination_identity,
             mtls=True,
         )
-        cluster = common.upstream_cluster.split("|")
-        host = cluster[3] if len(cluster) == 4 and cluster[0] == "inbound-vip" else ""
-        parts = host.split(".")
+        service, service_name, service_namespace = self._service(
+            common.upstream_cluster or common.custom_tags.get(ROUTE_CLUSTER_TAG, "")
+        )
         values = {
             **{name: getattr(base, name) for name in HTTP_LABEL_NAMES if hasattr(base, name)},
             "reporter": REPORTER,
-            "destination_service": host or UNKNOWN,
-            "destination_service_name": parts[0] if len(parts) > 1 else UNKNOWN,
-            "destination_service_namespace": parts[1] if len(parts) > 1 else UNKNOWN,
+            "destination_service": service,
+            "destination_service_name": service_name,
+            "destination_service_namespace": service_namespace,
             "request_protocol": "grpc"
             if entry.request.request_headers.get("content-type", "").startswith("application/grpc")
             else "http",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 
-from tests.helpers.waypoint_routes import request, served
+from tests.helpers.waypoint_routes import request, served, virtual_service
 
 _SERIES = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -61,6 +61,27 @@ def expected(code: int, flags: str = "-") -> dict[str, str]:
         "response_code": str(code),
         "grpc_response_status": "",
     }
+
+
+# The labels Istio's waypoint gives a request it answers itself (no upstream host was picked, so
+# no endpoint's workload): every destination workload label `unknown`; the destination service
+# is the route's cluster's when the route has one, `unknown` when it has none (a direct
+# response: the host header fallback is off for waypoints).
+NO_ENDPOINT = {
+    "destination_workload": "unknown",
+    "destination_workload_namespace": "unknown",
+    "destination_principal": "unknown",
+    "destination_app": "unknown",
+    "destination_version": "unknown",
+    "destination_canonical_service": "unknown",
+    "destination_canonical_revision": "unknown",
+    "destination_cluster": "unknown",
+}
+NO_SERVICE = {
+    "destination_service": "unknown",
+    "destination_service_name": "unknown",
+    "destination_service_namespace": "unknown",
+}
 
 
 def settled(mesh, get) -> str:  # type: ignore[no-untyped-def]
@@ -128,3 +149,93 @@ def test_durations_and_bytes_are_histograms_of_the_traffic(rmesh, get):
     assert len(r.body) < response_bytes < len(r.body) + 1024, (response_bytes, len(r.body))
     # Envoy's own statistics follow on the same page.
     assert "envoy_cluster_upstream_rq" in now
+
+
+def counted_as(mesh, get, send, want: dict[str, str], n: int) -> None:  # type: ignore[no-untyped-def]
+    """`send()` n times; the client's series with `want`'s response code grew by n, and
+    that series has exactly `want`'s labels (label for label; no other series of the code grew)."""
+    before = series(settled(mesh, get), "istio_requests_total")
+    for _ in range(n):
+        send()
+
+    wanted = {tuple(want.items()): float(n)}
+    got: dict[tuple[tuple[str, str], ...], float] = {}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        got = {}
+        for key, value in series(scrape(mesh, get), "istio_requests_total").items():
+            labels = dict(key)
+            if labels["source_workload"] != "client" or labels["response_code"] != want["response_code"]:
+                continue
+            if value - before.get(key, 0):
+                got[key] = value - before.get(key, 0)
+        if got == wanted:
+            return
+        time.sleep(0.3)
+    assert [dict(k) for k in got] == [want], f"counts {list(got.values())}, want {n}"
+    assert got == wanted
+
+
+def test_a_policy_denial_is_counted_with_its_service_and_no_workload(rmesh, get, routes):
+    routes(
+        """
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-admin, namespace: default}
+spec:
+  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}]
+  action: DENY
+  rules: [{to: [{operation: {paths: [/admin]}}]}]
+"""
+    )
+    served(rmesh, lambda: request(rmesh, "/admin").status == 403, "the DENY policy")
+
+    def send() -> None:
+        r = request(rmesh, "/admin")
+        assert r.status == 403 and r.body == b"RBAC: access denied", r
+
+    # Envoy's RBAC filter answers without a response flag (UAEX is ext_authz's).
+    counted_as(rmesh, get, send, {**expected(403), **NO_ENDPOINT}, 3)
+
+
+def test_a_direct_response_is_counted_with_no_service(rmesh, get, routes):
+    routes(
+        virtual_service(
+            """
+  - match: [{uri: {exact: /tea}}]
+    directResponse: {status: 418, body: {string: "short and stout"}}
+  - route: [{destination: {host: routed}}]
+"""
+        )
+    )
+    served(rmesh, lambda: request(rmesh, "/tea").status == 418, "the direct response")
+
+    def send() -> None:
+        assert request(rmesh, "/tea").status == 418
+
+    counted_as(rmesh, get, send, {**expected(418), **NO_ENDPOINT, **NO_SERVICE}, 2)
+
+
+def test_fault_abort_and_delay_carry_envoys_flags(rmesh, get, routes):
+    routes(
+        virtual_service(
+            """
+  - match: [{uri: {prefix: /abort}}]
+    fault: {abort: {httpStatus: 429, percentage: {value: 100}}}
+    route: [{destination: {host: routed}}]
+  - match: [{uri: {prefix: /slow}}]
+    fault: {delay: {fixedDelay: 50ms, percentage: {value: 100}}}
+    route: [{destination: {host: routed}}]
+  - route: [{destination: {host: routed}}]
+"""
+        )
+    )
+    served(rmesh, lambda: request(rmesh, "/abort").status == 429, "the fault abort")
+
+    def abort() -> None:
+        r = request(rmesh, "/abort")
+        assert r.status == 429 and b"fault filter abort" in r.body, r
+
+    counted_as(rmesh, get, abort, {**expected(429, "FI"), **NO_ENDPOINT}, 2)
+    # A delayed request still reaches the app: its endpoint's workload, and `DI`.
+    counted_as(rmesh, get, lambda: request(rmesh, "/slow/x"), expected(200, "DI"), 2)
