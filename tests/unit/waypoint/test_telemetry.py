@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from envoy.data.accesslog.v3 import accesslog_pb2
 from google.protobuf import any_pb2, wrappers_pb2
 
+from ambient_mesh.control import waypoint_l7
+from ambient_mesh.state.model import Service, Workload
 from ambient_mesh.state.store import ProxyState
 from ambient_mesh.waypoint import telemetry
-from ambient_mesh.waypoint.telemetry import HTTP_LABEL_NAMES, HttpMetrics, response_flags
+from ambient_mesh.waypoint.telemetry import HTTP_LABEL_NAMES, HttpMetrics, cluster_host, response_flags
 
 
 def entry(
@@ -71,3 +75,154 @@ def test_response_flags_use_envoys_short_names() -> None:
     flags = accesslog_pb2.ResponseFlags(upstream_connection_failure=True, upstream_retry_limit_exceeded=True)
     assert response_flags(flags) == "UF,URX"
     assert response_flags(accesslog_pb2.ResponseFlags()) == "-"
+    # UAEX (ext_authz's denial) sits between RL and RLSE in Envoy's order.
+    flags = accesslog_pb2.ResponseFlags(rate_limited=True, rate_limit_service_error=True)
+    flags.unauthorized_details.reason = accesslog_pb2.ResponseFlags.Unauthorized.EXTERNAL_SERVICE
+    assert response_flags(flags) == "RL,UAEX,RLSE"
+    assert response_flags(accesslog_pb2.ResponseFlags(delay_injected=True, fault_injected=True)) == "DI,FI"
+
+
+def mesh_state() -> ProxyState:
+    """A server pod behind `web` (in `shop`, whose host does not say so) and a client pod."""
+    state = ProxyState()
+    state.services.insert(Service(name="web", namespace="shop", hostname="web.example.internal"))
+    for name, ip in (("client", "10.0.0.9"), ("server", "10.0.0.2")):
+        state.workloads.insert(
+            Workload(
+                uid=f"Kubernetes//Pod/shop/{name}",
+                name=name,
+                namespace="shop",
+                workload_ips=(ipaddress.ip_address(ip),),
+                service_account=name,
+                canonical_name=name,
+                canonical_revision="v1",
+                workload_name=name,
+                cluster_id="Kubernetes",
+            )
+        )
+    return state
+
+
+def local_reply(code: int, *, route_cluster: str | None) -> accesslog_pb2.HTTPAccessLogEntry:
+    """An entry as Envoy logs a request it answered itself: no upstream host, so no upstream
+    address or cluster; the route's cluster (if the route has one) only in the custom tag."""
+    e = entry(code, principal="spiffe://cluster.local/ns/shop/sa/client")
+    c = e.common_properties
+    c.ClearField("upstream_cluster")
+    c.ClearField("upstream_remote_address")
+    if route_cluster is not None:
+        c.custom_tags[telemetry.ROUTE_CLUSTER_TAG] = route_cluster
+    return e
+
+
+def labels_of(m: HttpMetrics, e: accesslog_pb2.HTTPAccessLogEntry) -> dict[str, str]:
+    return dict(zip(HTTP_LABEL_NAMES, m.labels(e), strict=True))
+
+
+NO_ENDPOINT = dict.fromkeys(
+    (
+        "destination_workload",
+        "destination_workload_namespace",
+        "destination_principal",
+        "destination_app",
+        "destination_version",
+        "destination_canonical_service",
+        "destination_canonical_revision",
+        "destination_cluster",
+    ),
+    "unknown",
+)
+CLIENT = {
+    "reporter": "waypoint",
+    "source_workload": "client",
+    "source_workload_namespace": "shop",
+    "source_principal": "spiffe://cluster.local/ns/shop/sa/client",
+    "source_app": "client",
+    "source_version": "v1",
+    "source_canonical_service": "client",
+    "source_canonical_revision": "v1",
+    "source_cluster": "Kubernetes",
+}
+
+
+def test_a_local_reply_has_the_routes_service_and_no_endpoint() -> None:
+    m = HttpMetrics(mesh_state())
+    denied = local_reply(403, route_cluster="inbound-vip|80|http|web.example.internal")
+    assert labels_of(m, denied) == {
+        **CLIENT,
+        **NO_ENDPOINT,
+        # The service and its namespace as WDS has them, not guessed from the host.
+        "destination_service": "web.example.internal",
+        "destination_service_name": "web",
+        "destination_service_namespace": "shop",
+        "request_protocol": "http",
+        "response_flags": "-",
+        "connection_security_policy": "mutual_tls",
+        "response_code": "403",
+        "grpc_response_status": "",
+    }
+    # A fault abort on a subset's route: the same service, Envoy's FI flag.
+    abort = local_reply(503, route_cluster="inbound-vip|80|http/v2|web.example.internal")
+    abort.common_properties.response_flags.fault_injected = True
+    got = labels_of(m, abort)
+    assert (got["destination_service"], got["destination_service_namespace"], got["response_flags"]) == (
+        "web.example.internal",
+        "shop",
+        "FI",
+    )
+    assert {k: got[k] for k in NO_ENDPOINT} == NO_ENDPOINT
+
+
+def test_a_direct_response_has_no_service() -> None:
+    m = HttpMetrics(mesh_state())
+    # No cluster on the route: Envoy's formatter writes "-" (and the tag may be absent).
+    for e in (local_reply(418, route_cluster="-"), local_reply(418, route_cluster=None)):
+        got = labels_of(m, e)
+        assert {k: v for k, v in got.items() if k.startswith("destination_")} == {
+            **NO_ENDPOINT,
+            "destination_service": "unknown",
+            "destination_service_name": "unknown",
+            "destination_service_namespace": "unknown",
+        }
+        assert {k: got[k] for k in CLIENT} == CLIENT
+
+
+def test_an_upstream_request_has_the_endpoints_workload() -> None:
+    m = HttpMetrics(mesh_state())
+    e = entry(200, principal="spiffe://cluster.local/ns/shop/sa/client")
+    e.common_properties.upstream_cluster = "inbound-vip|80|http|web.example.internal"
+    e.common_properties.response_flags.delay_injected = True
+    got = labels_of(m, e)
+    assert got["destination_workload"] == "server"
+    assert got["destination_workload_namespace"] == "shop"
+    assert got["destination_principal"] == "spiffe://cluster.local/ns/shop/sa/server"
+    assert got["destination_service_namespace"] == "shop"
+    assert got["response_flags"] == "DI"
+
+
+def test_cluster_hosts_and_hosts_wds_does_not_know() -> None:
+    assert (
+        cluster_host("outbound|8080|v1|other.default.svc.cluster.local") == "other.default.svc.cluster.local"
+    )
+    assert cluster_host("inbound-vip|80|http/v2|web.shop.svc.cluster.local") == "web.shop.svc.cluster.local"
+    for other in ("encap", "UnknownService", "-", "", "inbound-vip|x|http|h", "a|1|b|c"):
+        assert cluster_host(other) == ""
+    m = HttpMetrics(ProxyState())
+    e = local_reply(403, route_cluster="inbound-vip|80|http|gone.prod.svc.cluster.local")
+    got = labels_of(m, e)
+    assert (
+        got["destination_service"],
+        got["destination_service_name"],
+        got["destination_service_namespace"],
+    ) == (
+        "gone.prod.svc.cluster.local",
+        "gone",
+        "prod",
+    )
+
+
+def test_the_route_cluster_tag_is_the_control_planes() -> None:
+    (logger,) = waypoint_l7.ACCESS_LOG
+    tags = logger["typed_config"]["common_config"]["custom_tags"]
+    assert tags == [{"tag": telemetry.ROUTE_CLUSTER_TAG, "value": "%UPSTREAM_CLUSTER_RAW%"}]
+    assert waypoint_l7.ROUTE_CLUSTER_TAG == telemetry.ROUTE_CLUSTER_TAG
