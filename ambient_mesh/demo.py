@@ -274,7 +274,10 @@ def waypoint_requests(text: str) -> Table:
                 f"{labels.get('source_workload_namespace')}/{labels.get('source_workload')}",
                 labels.get("source_principal", "unknown"),
                 labels.get("destination_service_name", "unknown"),
-                f"{labels.get('destination_workload_namespace')}/{labels.get('destination_workload')}",
+                # A reply the waypoint made itself (a DENY, a direct response) has no endpoint.
+                "unknown"
+                if labels.get("destination_workload", "unknown") == "unknown"
+                else f"{labels.get('destination_workload_namespace')}/{labels.get('destination_workload')}",
                 labels.get("response_code", "0"),
                 labels.get("response_flags", "-"),
             )

@@ -59,10 +59,11 @@ def test_a_reply_the_waypoint_made_itself_and_no_reply():
 
 
 def _series(code: str, service: str, workload: str, n: int, reporter: str = "waypoint") -> str:
+    namespace = "unknown" if workload == "unknown" else "shop"
     return (
         f'istio_requests_total{{reporter="{reporter}",source_workload="client",source_workload_namespace="shop",'
         f'source_principal="spiffe://cluster.local/ns/shop/sa/client",destination_service_name="{service}",'
-        f'destination_workload="{workload}",destination_workload_namespace="shop",response_code="{code}",'
+        f'destination_workload="{workload}",destination_workload_namespace="{namespace}",response_code="{code}",'
         f'response_flags="-"}} {n}\n'
     )
 
@@ -72,12 +73,32 @@ def test_the_waypoints_requests_by_code_and_the_canarys_share():
         "# TYPE istio_requests_total counter\n"
         + _series("200", "echo", "echo-1", 5)
         + _series("200", "echo-canary", "echo-canary", 7)
-        + _series("403", "unknown", "unknown", 2)
+        # A DENY's 403: the route's service, no endpoint (Istio's labels for a local reply).
+        + _series("403", "echo", "unknown", 2)
+        + _series("503", "unknown", "unknown", 1)  # a direct response: no service either
         + _series("200", "echo", "echo-1", 9, reporter="destination")  # not the waypoint's
     )
     table = waypoint_requests(text)
-    assert len(table.rows) == 3
-    assert requests_by_code(table, CLIENT) == {"200": 12, "403": 2}
+    assert len(table.rows) == 4
+    assert requests_by_code(table, CLIENT) == {"200": 12, "403": 2, "503": 1}
+    assert (
+        "shop/client",
+        "spiffe://cluster.local/ns/shop/sa/client",
+        "echo",
+        "unknown",
+        "403",
+        "-",
+        "2",
+    ) in (table.rows)
+    assert (
+        "shop/client",
+        "spiffe://cluster.local/ns/shop/sa/client",
+        "echo",
+        "shop/echo-1",
+        "200",
+        "-",
+        "5",
+    ) in (table.rows)
     assert canary_requests(table, CLIENT) == 7
     assert requests_by_code(table, "legacy/client") == {}
     assert waypoint_requests("").rows == ()
