@@ -4,7 +4,8 @@ The mesh and apps are the route tests' (conftest's `rmesh`, tests/helpers/waypoi
 Envoy sends each request's access log entry to
 `ambient waypoint` (gRPC, unix socket); the agent labels it from the workloads it keeps and
 serves `istio_requests_total` and the three histograms on the waypoint pod's 15020, followed by
-Envoy's own statistics.
+Envoy's own statistics. Requests Envoy answers itself (a 403 by policy, a direct response, a
+fault abort) are counted with the labels Istio's waypoint gives them.
 """
 
 from __future__ import annotations
