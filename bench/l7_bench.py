@@ -155,7 +155,10 @@ def static_access_log(cluster: str) -> dict[str, Any]:
                 "transport_api_version": "V3",
                 "buffer_flush_interval": "0.25s",
                 "filter_state_objects_to_log": ["io.istio.peer_principal"],
+                # The same fields as the generated log (waypoint_l7.ACCESS_LOG), so both pay alike.
+                "custom_tags": [{"tag": "route_cluster", "value": "%UPSTREAM_CLUSTER_RAW%"}],
             },
+            "additional_request_headers_to_log": ["content-type"],
         },
     }
 
