@@ -245,7 +245,12 @@ class HboneConnection(asyncio.BufferedProtocol):
             out = self.core.data_to_send()
             if out and not transport.is_closing():
                 transport.writelines(out)
-            transport.close()
+            if event.by_peer:
+                transport.close()
+            elif self._linger is None:
+                # Our drain ended: the peer closes first, or we do after the bound (its bytes
+                # read meanwhile go to the terminated core, which drops them).
+                self._linger = self.loop.call_later(hs.DRAIN_CLOSE_LINGER_S, transport.close)
             return
         if self._error is None:
             flag = (

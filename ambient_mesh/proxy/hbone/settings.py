@@ -41,6 +41,12 @@ MAX_STREAM_PENDING_BYTES = 8 * 1024 * 1024
 # peer that neither ends nor reads is cut off (abort) after this long: the connection was
 # hostile or broken, so it gets less than the transport's own close bound.
 ERROR_CLOSE_LINGER_S = 2.0
+# After our drain ends (our final GOAWAY sent, no stream left) the peer is given this long to
+# close the connection itself before we do. A peer may still hold the last DATA of a finished
+# stream, read but not yet delivered (Envoy keeps it while its own downstream is slow, and
+# drops it if the connection closes under it: `upstream_cx_destroy_remote_with_active_rq`); a
+# client closes as soon as it has none (RFC 9113 6.8), so this bound is only for one that waits.
+DRAIN_CLOSE_LINGER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,6 +22,7 @@ from ambient_mesh.proxy.hbone import (
     STREAM_WINDOW_BYTES,
     HboneConnection,
 )
+from ambient_mesh.proxy.hbone import settings as hs
 from ambient_mesh.transport.relay import Endpoint, Relay
 
 
@@ -369,10 +370,12 @@ async def test_receive_buffer_is_reused_only_once_no_view_of_it_is_left():
     ours._cancel_timers()
 
 
-async def test_a_clean_end_while_writing_is_paused_still_writes_what_the_core_holds():
+async def test_a_clean_end_while_writing_is_paused_still_writes_what_the_core_holds(monkeypatch):
     # Draining, writing paused by the transport, the last stream reset: the connection ends
     # cleanly at once, and its RST_STREAM must reach the wire before the close (nothing resumes a
-    # closing transport).
+    # closing transport). The close itself waits for the peer to close first, at most
+    # DRAIN_CLOSE_LINGER_S (a peer may still be delivering the end of a finished stream).
+    monkeypatch.setattr(hs, "DRAIN_CLOSE_LINGER_S", 0.05)
     ours = HboneConnection(client_side=True)
     transport = MemoryTransport()
     ours.connection_made(transport)
@@ -382,11 +385,13 @@ async def test_a_clean_end_while_writing_is_paused_still_writes_what_the_core_ho
     exchange(ours, transport, server)
     ours.pause_writing()
     stream.abort()
-    assert transport.closed
     # (h2 has closed its side on our GOAWAY, so the frame is looked for in the bytes: RFC 9113
     # 6.4, length 4, type RST_STREAM, no flags, the stream id, CANCEL.)
     rst = bytes([0, 0, 4, 3, 0]) + sid.to_bytes(4, "big") + (8).to_bytes(4, "big")
     assert rst in transport.take()
+    assert not transport.closed  # the peer may close first
+    await asyncio.sleep(0.2)
+    assert transport.closed  # it did not: closed after the bound
     ours._cancel_timers()
 
 
