@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import ssl
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -583,8 +585,7 @@ def test_workload_addressed_http_takes_direct_http_and_the_waypoints_policy(wmes
             ]
             return lines or None
 
-        lines = wait_condition(counted_403, "the denied request in istio_requests_total", 15)
-        print("direct-http 403 series:", *lines, sep="\n")
+        wait_condition(counted_403, "the denied request in istio_requests_total", 15)
 
 
 def test_a_tcp_workload_port_is_direct_tcp_even_when_half_closed_before_a_line_end(wmesh):
@@ -603,3 +604,57 @@ def test_a_tcp_workload_port_is_direct_tcp_even_when_half_closed_before_a_line_e
         wait_condition(echoed, "pod-addressed TCP on direct-tcp", 30)
         _half_closed_echoes(wmesh, pod, TCP_PORT, "direct-tcp")
         assert _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") >= before + 6
+
+
+PORT_APP_PORTS = (8091, 8092)
+# No waypoint of its own: it only names the two pod ports as HTTP.
+TWO_PORTS = f"""
+apiVersion: v1
+kind: Service
+metadata: {{name: two-ports, namespace: default}}
+spec: {{selector: {{app: server}}, clusterIP: 10.96.0.14, ports: [{{name: http-a, port: {PORT_APP_PORTS[0]}}}, {{name: http-b, port: {PORT_APP_PORTS[1]}}}]}}
+"""
+
+
+def test_direct_http_never_sends_a_request_to_another_destinations_connection(wmesh):
+    # direct-http's upstream is the one `encap` cluster for every pod and port; Envoy pools its
+    # upstream connections, keyed by the original destination shared with it. Requests to two
+    # ports of the pod, alternating, each reach their own port, over reused connections.
+    pod = str(wmesh.server.ipv4)
+    # tests/netns/http_echo.py: HTTP/1.1, keeps its connections, answers with its name.
+    app = Path(__file__).with_name("http_echo.py")
+    apps = []
+    for port in PORT_APP_PORTS:
+        argv = [sys.executable, str(app), "--port", str(port), "--name", str(port), "--log", os.devnull]
+        with open(wmesh.tmp / f"port-app-{port}.log", "ab") as out:
+            apps.append(wmesh.fabric.spawn(wmesh.server, argv, stdout=out, stderr=out))
+        wmesh.fabric.wait_for_listen(wmesh.server, port)
+    try:
+        with _server_uses_the_waypoint(wmesh, **{"two-ports.yaml": TWO_PORTS}):
+            before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+            wait_condition(
+                lambda: (
+                    _answered_by(wmesh, pod, PORT_APP_PORTS[1]) == (200, str(PORT_APP_PORTS[1]))
+                    and _counter(wmesh, "http.direct-http.downstream_rq_completed") > before
+                ),
+                "both ports named HTTP, on direct-http",
+                30,
+            )
+            cx_before = _counter(wmesh, "cluster.encap.upstream_cx_total")
+            answers = [_answered_by(wmesh, pod, PORT_APP_PORTS[i % 2]) for i in range(20)]
+            assert answers == [(200, str(PORT_APP_PORTS[i % 2])) for i in range(20)], answers
+            # The upstream connections were reused (else this would test nothing).
+            opened = _counter(wmesh, "cluster.encap.upstream_cx_total") - cx_before
+            assert opened < 20, opened
+    finally:
+        for process in apps:
+            process.terminate()
+
+
+def _answered_by(wmesh, ip: str, port: int) -> tuple[int, str]:
+    """The status of one GET and the name of the http_echo.py that answered it."""
+    status, body = wmesh.http_get(ip, port, "/")
+    try:
+        return status, str(json.loads(body).get("name"))
+    except ValueError:
+        return status, body[:80].decode(errors="replace")
