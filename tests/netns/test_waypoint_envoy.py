@@ -658,3 +658,29 @@ def _answered_by(wmesh, ip: str, port: int) -> tuple[int, str]:
         return status, str(json.loads(body).get("name"))
     except ValueError:
         return status, body[:80].decode(errors="replace")
+
+
+def test_a_pod_port_of_unknown_protocol_is_sniffed_to_direct_http_or_direct_tcp(wmesh):
+    # The sniffed Service's target port (no name, no appProtocol) on the pod: the inspector runs
+    # on that port number, HTTP takes direct-http, anything else direct-tcp.
+    pod = str(wmesh.server.ipv4)
+    with _sniffed_service(wmesh), _server_uses_the_waypoint(wmesh):
+        before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+        wait_condition(
+            lambda: (
+                wmesh.http_get(pod, SNIFFED_APP_PORT)[0] == 200
+                and _counter(wmesh, "http.direct-http.downstream_rq_completed") > before
+            ),
+            "pod-addressed HTTP on the sniffed port, on direct-http",
+            30,
+        )
+        # Not HTTP: the inspector says so at once (a byte no method starts with) and the bytes
+        # reach the app over direct-tcp; the app's own 400 comes back as it wrote it.
+        tcp_before = _counter(wmesh, "tcp.direct-tcp.downstream_cx_total")
+        with wmesh.socks(pod, SNIFFED_APP_PORT) as sock:
+            sock.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert b"400" in data.split(b"\r\n", 1)[0] and b"istio-envoy" not in data.lower(), data[:200]
+        assert _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") > tcp_before
