@@ -11,6 +11,7 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
 from ambient_mesh.control.envoy_parse_cache import ParseCache
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_envoy import EnvoyResources, build_resources
@@ -21,6 +22,7 @@ from ambient_mesh.kube.store import KubeStore
 from tests.helpers.waypoint_manifests import WAYPOINT_BASE
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
+KINDS = {"listeners": LISTENER_TYPE_URL, "clusters": CLUSTER_TYPE_URL, "endpoints": ENDPOINT_TYPE_URL}
 # For all traffic: pods that use it bring workload-addressed chains (direct-http, direct-tcp)
 # whose ports take their protocols from the Services they serve.
 BASE = WAYPOINT_BASE.replace("waypoint-for: service", "waypoint-for: all")
@@ -182,7 +184,13 @@ def test_incremental_cached_builds_equal_builds_from_nothing(states: list[dict[s
         if first:
             waypoints.snapshot(WAYPOINT)
             first = False
-        assert serialized(waypoints.resources(WAYPOINT)) == serialized(from_nothing(store))
+        fresh = serialized(from_nothing(store))
+        assert serialized(waypoints.resources(WAYPOINT)) == fresh
+        # What is pushed: the snapshot `apply` kept up to date, rebuilt only for the waypoints a
+        # change touched (a Service's change reaches the waypoints of the pods serving it).
+        snap = waypoints.snapshot(WAYPOINT)
+        pushed = {kind: {n: v.resource.value for n, v in snap.of(url).items()} for kind, url in KINDS.items()}
+        assert pushed == fresh
 
 
 @settings(max_examples=100, deadline=None)
