@@ -18,7 +18,9 @@ manager or TCP proxy -> `inbound-vip|<port>|<http|tcp>|<host>` (EDS; endpoints a
 address `connect_originate` with the pod's `ip:targetPort` as original destination) ->
 `connect_originate` (internal listener, CONNECT `ip:targetPort`) -> cluster `connect_originate`
 (ORIGINAL_DST, port 15008, mTLS h2 with the waypoint's SDS certificate) -> the destination's
-node proxy.
+node proxy. Workload-addressed (a pod IP): `main_internal` -> `direct-http` (HTTP connection
+manager) or `direct-tcp` by the protocol the pod's Services give its port -> cluster `encap` ->
+`connect_originate`, to the CONNECT's own target.
 """
 
 from __future__ import annotations
