@@ -18,7 +18,9 @@ manager or TCP proxy -> `inbound-vip|<port>|<http|tcp>|<host>` (EDS; endpoints a
 address `connect_originate` with the pod's `ip:targetPort` as original destination) ->
 `connect_originate` (internal listener, CONNECT `ip:targetPort`) -> cluster `connect_originate`
 (ORIGINAL_DST, port 15008, mTLS h2 with the waypoint's SDS certificate) -> the destination's
-node proxy.
+node proxy. Workload-addressed (a pod IP): `main_internal` -> `direct-http` (HTTP connection
+manager) or `direct-tcp` by the protocol the pod's Services give its port -> cluster `encap` ->
+`connect_originate`, to the CONNECT's own target.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
 CONNECT_ORIGINATE = "connect_originate"
 ENCAP = "encap"
+# The chains of workload-addressed traffic (istiod's names).
+DIRECT_HTTP = "direct-http"
+DIRECT_TCP = "direct-tcp"
 BLACKHOLE = "BlackHoleCluster"
 # SDS names the pod agent serves (Istio's pilot-agent names).
 SDS_DEFAULT = "default"
@@ -130,6 +135,10 @@ class WaypointInputs:
     )
     # Part 2 hook: the access log of every service HTTP chain (Istio's HTTP metrics).
     access_log: Sequence[Mapping[str, Any]] = ()
+    # Per workload IP of `workload_ips`: the protocol of each of its ports that a Service port
+    # names as a target ((target port, "http", "tcp" or "auto"), ...; `workload_port_protocols`).
+    # A port no Service names is TCP.
+    workload_ports: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,6 +202,29 @@ def service_ports(service: wl.Service, workloads: Iterable[wl.Workload]) -> list
             )
         )
     return out
+
+
+def workload_port_protocols(
+    workload: wl.Workload, services: Mapping[str, wl.Service]
+) -> tuple[tuple[int, str], ...]:
+    """The protocol of each port of `workload` that one of its Services targets, from that
+    Service port's protocol (`services`: by `namespace/hostname`, as `Workload.services` names
+    them). Two Service ports that target one pod port with different known protocols leave it
+    to the inspector ("auto"), as a Service port of unknown protocol does."""
+    found: dict[int, str] = {}
+    for key in sorted(workload.services):
+        service = services.get(key)
+        if service is None:
+            continue
+        own = {q.service_port: q.target_port for q in workload.services[key].ports}
+        for p in service.ports:
+            target = own.get(p.service_port) or p.target_port
+            if not target or not 0 < target < 65536:
+                continue  # a named target port this pod does not declare
+            protocol = port_protocol(p.app_protocol)
+            before = found.get(target)
+            found[target] = protocol if before in (None, protocol) else "auto"
+    return tuple(sorted(found.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,21 +464,21 @@ def connect_terminate(trust_domains: Iterable[str]) -> dict[str, Any]:
     }
 
 
-def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
-    name = sp.cluster("http")
-    route: Mapping[str, Any] = {
+def _default_route(name: str, vhost: str, cluster: str) -> dict[str, Any]:
+    """istiod's default route: everything to `cluster`, no timeout, its default retries."""
+    return {
         "name": name,
         "validate_clusters": False,
         "virtual_hosts": [
             {
-                "name": f"inbound|http|{sp.port}",
+                "name": vhost,
                 "domains": ["*"],
                 "routes": [
                     {
                         "name": "default",
                         "match": {"prefix": "/"},
                         "route": {
-                            "cluster": name,
+                            "cluster": cluster,
                             "timeout": "0s",
                             "max_grpc_timeout": "0s",
                             # istiod's default retry policy.
@@ -469,8 +501,15 @@ def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, 
             }
         ],
     }
+
+
+def _waypoint_hcm(
+    name: str, stat_prefix: str, route: Mapping[str, Any], inputs: WaypointInputs
+) -> dict[str, Any]:
+    """The HTTP connection manager of one inbound HTTP chain, with the chain's L7 part (routes,
+    filters) and the access log from `inputs`."""
     hcm = _hcm(
-        f"inbound_{vip}_{sp.port}",
+        stat_prefix,
         route,
         server_name="istio-envoy",
         normalize_path=True,
@@ -487,7 +526,28 @@ def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, 
         if l7[0] is not None:
             hcm["typed_config"]["route_config"] = l7[0]
         hcm["typed_config"]["http_filters"] = [*l7[1], _router()]
-    return {"name": name, "filters": [hcm]}
+    return hcm
+
+
+def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
+    name = sp.cluster("http")
+    route = _default_route(name, f"inbound|http|{sp.port}", name)
+    return {"name": name, "filters": [_waypoint_hcm(name, f"inbound_{vip}_{sp.port}", route, inputs)]}
+
+
+def direct_http_chain(inputs: WaypointInputs) -> dict[str, Any]:
+    """`direct-http`: workload-addressed HTTP, with the L7 filters bound to the whole waypoint
+    (`inputs.http_chains["direct-http"]`; a Service's routes and policies are not its) and the
+    access log, routed to `encap`: connect_originate's CONNECT to the original destination."""
+    route = _default_route("direct", "inbound|http|direct", ENCAP)
+    return {
+        "name": DIRECT_HTTP,
+        "filters": [_copy_filter_state(), _waypoint_hcm(DIRECT_HTTP, DIRECT_HTTP, route, inputs)],
+    }
+
+
+def _direct_tcp_chain() -> dict[str, Any]:
+    return {"name": DIRECT_TCP, "filters": [_copy_filter_state(), _tcp_proxy(DIRECT_TCP, ENCAP)]}
 
 
 # (kind "http" or "tcp", service port, VIP for its stats) -> the filter chain, as JSON or parsed.
@@ -519,6 +579,15 @@ def _http_or_tcp(http: str, tcp: str) -> dict[str, Any]:
     }
 
 
+def _direct(protocol: str) -> dict[str, Any]:
+    """Where a workload-addressed port of `protocol` goes."""
+    if protocol == "http":
+        return _string_action(DIRECT_HTTP)
+    if protocol == "auto":
+        return _http_or_tcp(DIRECT_HTTP, DIRECT_TCP)
+    return _string_action(DIRECT_TCP)
+
+
 def _ip_matcher(ranges: list[dict[str, Any]]) -> dict[str, Any]:
     # Anything else (an unknown VIP or port) is closed: istiod's BlackHoleCluster.
     matcher: dict[str, Any] = {"on_no_match": _string_action("blackhole")}
@@ -536,9 +605,10 @@ def _ip_matcher(ranges: list[dict[str, Any]]) -> dict[str, Any]:
 def _by_ip(by_ip: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     ranges = []
     for ip in sorted(by_ip, key=_packed):
-        ports = by_ip[ip]
-        if "*" in ports:
-            on_match = ports["*"]
+        ports = dict(by_ip[ip])
+        other = ports.pop("*", None)  # every port not listed
+        if not ports and other is not None:
+            on_match = other
         else:
             on_match = {
                 "matcher": {
@@ -548,6 +618,8 @@ def _by_ip(by_ip: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
                     }
                 }
             }
+            if other is not None:
+                on_match["matcher"]["on_no_match"] = other
         ranges.append({"ranges": [_prefix(ip)], "on_match": on_match})
     return ranges
 
@@ -570,9 +642,12 @@ def dispatch_listener(inputs: WaypointInputs, make_chain: ChainMaker | None = No
     a port of unknown protocol) the HTTP inspector's verdict.
 
     As istiod, one listener whose HTTP inspector is turned off where it has nothing to tell. The
-    inspector runs only on the port numbers of service ports of unknown protocol: a TCP client
-    that half-closes before a line end is closed by it, and a server-first protocol waits for
-    it, so known TCP ports and workload-addressed traffic on other ports never meet it. istiod
+    inspector runs only on the port numbers of service ports of unknown protocol and of the
+    workload ports such a service port targets: a TCP client that half-closes before a line end
+    is closed by it, and a server-first protocol waits for it, so known TCP ports (of services
+    and of workloads) and workload ports no Service names never meet it. A workload's port goes
+    to direct-http or direct-tcp by the protocol its Services give it (`WaypointInputs.
+    workload_ports`), and a port no Service names is TCP. istiod
     lists the ports of known protocol instead; listing the sniffed ones keeps the listener's
     filters unchanged when a service of known protocol comes or goes, so such a push is an
     in-place filter-chain update that keeps the open tunnels (a listener filter change is a full
@@ -603,15 +678,26 @@ def dispatch_listener(inputs: WaypointInputs, make_chain: ChainMaker | None = No
             by_ip.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
     workload_ips = [ip for ip in inputs.workload_ips if ip not in by_ip]
     if workload_ips:
-        # Workload-addressed: straight to the pod through HBONE, as TCP. istiod sniffs these
-        # (direct-http when it looks like HTTP), which L7 policy on pods will need; an inspector
-        # closes a client that half-closes before a line end, so until then they are TCP.
-        chains["direct-tcp"] = {
-            "name": "direct-tcp",
-            "filters": [_copy_filter_state(), _tcp_proxy("direct-tcp", ENCAP)],
-        }
+        # Workload-addressed: straight to the pod through HBONE (`encap`), by the protocol its
+        # Services give the pod's port (docs/architecture.md, "Waypoints"): HTTP on direct-http,
+        # TCP on direct-tcp, a Service port of unknown protocol by the inspector's verdict (its
+        # target port number is sniffed), and a port no Service names as TCP. istiod sniffs
+        # every workload port; the inspector's predicate sees port numbers only, so sniffing
+        # them all would put it before every known TCP port too.
+        used = {DIRECT_TCP}
         for ip in workload_ips:
-            by_ip.setdefault(ip, {})["*"] = _string_action("direct-tcp")
+            ports: dict[str, dict[str, Any]] = {"*": _string_action(DIRECT_TCP)}
+            for port, protocol in inputs.workload_ports.get(ip, ()):
+                if protocol == "tcp":
+                    continue  # the default
+                ports[str(port)] = _direct(protocol)
+                used.add(DIRECT_HTTP)
+                if protocol == "auto":
+                    sniffed_ports.add(port)
+            by_ip.setdefault(ip, {}).update(ports)
+        chains[DIRECT_TCP] = _direct_tcp_chain()
+        if DIRECT_HTTP in used:
+            chains[DIRECT_HTTP] = direct_http_chain(inputs)
     chains["blackhole"] = _blackhole()
     inspector = _listener_filter(
         "envoy.filters.listener.http_inspector",

@@ -35,6 +35,7 @@ from .waypoint_envoy import (
     build_resources,
     ip_text,
     service_ports,
+    workload_port_protocols,
 )
 from .waypoint_l7 import ACCESS_LOG, WaypointL7
 
@@ -191,6 +192,11 @@ class WaypointIndex:
         if kind == "service":
             ref = _ref(addr.service.waypoint) if addr.service.waypoint.WhichOneof("destination") else None
             out.add(name)
+            # The waypoints of the workloads serving it: its ports give their ports' protocols.
+            for uid in self._endpoints.get(name, ()):
+                workload_ref = self._ref_of.get(uid)
+                if workload_ref is not None:
+                    out.add(workload_ref)
         elif kind == "workload":
             ref = _ref(addr.workload.waypoint) if addr.workload.waypoint.WhichOneof("destination") else None
             for service in addr.workload.services:
@@ -224,18 +230,31 @@ class WaypointIndex:
         names = sorted({n for ref in refs for n in self._named_by.get(ref, ())})
         services: list[ServicePort] = []
         workload_ips: set[str] = set()
+        workload_ports: dict[str, tuple[tuple[int, str], ...]] = {}
         for name in names:
             addr = self._addresses[name]
             if addr.WhichOneof("type") == "service":
                 services.extend(self._service_ports(name, addr))
-            else:
-                workload_ips.update(ip for ip in (ip_text(raw) for raw in addr.workload.addresses) if ip)
+                continue
+            # Its Services, whether or not they use a waypoint: their ports give its ports' protocols.
+            served: dict[str, wl.Service] = {}
+            for service_name in addr.workload.services:
+                found = self._addresses.get(service_name)
+                if found is not None and found.WhichOneof("type") == "service":
+                    served[service_name] = found.service
+            ports = workload_port_protocols(addr.workload, served)
+            for ip in (ip_text(raw) for raw in addr.workload.addresses):
+                if ip:
+                    workload_ips.add(ip)
+                    if ports:
+                        workload_ports[ip] = ports
         return WaypointInputs(
             trust_domains=(self.settings.trust_domain,),
             services=tuple(services),
             workload_ips=tuple(sorted(workload_ips)),
             http_chains=self.l7.http_chains(_waypoint_of(key), services),
             access_log=ACCESS_LOG,
+            workload_ports=workload_ports,
         )
 
     def _service_ports(self, name: str, addr: wl.Address) -> tuple[ServicePort, ...]:

@@ -31,7 +31,7 @@ from .translate.http_routes import (
     route_configuration,
 )
 from .translate.l7_authz import Attachment, applies, attachments, policy_notes, rbac_filters
-from .waypoint_envoy import ServicePort
+from .waypoint_envoy import DIRECT_HTTP, ServicePort
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ class WaypointL7:
 
     def http_chains(self, waypoint: tuple[str, str], services: Sequence[ServicePort]) -> HttpChains:
         """Per HTTP chain of `waypoint` (namespace, gateway name) with a route or a policy: its
-        route configuration (None: the default route) and filters. An unchanged chain is the
+        route configuration (None: the default route) and filters; `direct-http` (workload-
+        addressed HTTP) when a policy binds the whole waypoint. An unchanged chain is the
         same tuple object as in the previous call, so the build memo (envoy_parse_cache.py) can
         tell it by identity."""
         waypoint_namespace = waypoint[0]
@@ -195,12 +196,8 @@ class WaypointL7:
                 route_config = chain.route_config
                 fault, cors = chain.needs_fault, chain.needs_cors
             parts = (route_config, rbac, fault, cors)
-            hit = self._out.get(name)
-            if (
-                hit is not None
-                and len(hit[0]) == 4
-                and all(a is b for a, b in zip(hit[0], parts, strict=True))
-            ):
+            hit = self._kept(name, parts)
+            if hit is not None:
                 out[name] = hit[1]
                 chains[name] = hit
                 continue
@@ -212,11 +209,29 @@ class WaypointL7:
                 filters.append(_filter(CORS_FILTER, "envoy.extensions.filters.http.cors.v3.Cors"))
             out[name] = (route_config, filters)
             chains[name] = (parts, out[name])
+        if wide:
+            # Workload-addressed HTTP (`direct-http`): the policies bound to the whole waypoint,
+            # as istiod's direct chain has no service to bind the others by; no routes (an
+            # HTTPRoute's or VirtualService's parent is a Service).
+            parts = (None, wide_filters, False, False)
+            chains[DIRECT_HTTP] = self._kept(DIRECT_HTTP, parts) or (parts, (None, list(wide_filters)))
+            out[DIRECT_HTTP] = chains[DIRECT_HTTP][1]
         self._out = chains
         live = set(out)
         for gone in [n for n in self._chains if n not in live]:
             del self._chains[gone]
         return out
+
+    def _kept(self, name: str, parts: tuple[object, ...]) -> tuple[tuple[object, ...], HttpChain] | None:
+        """The previous call's chain `name` when it was made of the same objects as `parts`."""
+        hit = self._out.get(name)
+        if (
+            hit is not None
+            and len(hit[0]) == len(parts)
+            and all(a is b for a, b in zip(hit[0], parts, strict=True))
+        ):
+            return hit
+        return None
 
     def _rbac_filters(self, bound: list[AuthorizationPolicy]) -> list[dict[str, Any]]:
         key = tuple(sorted(id(p) for p in bound))

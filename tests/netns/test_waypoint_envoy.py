@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import ssl
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -107,7 +109,19 @@ def test_tcp_service_is_proxied_as_tcp(wmesh):
     assert "cluster.inbound-vip|9000|tcp|echo.default.svc.cluster.local.upstream_cx_total" in stats
 
 
-def test_workload_addressed_traffic_goes_through_the_waypoint(wmesh):
+def _counter(wmesh, name: str) -> int:
+    text = wmesh.envoy_admin(f"/stats?filter={name}").decode()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return int(value.strip())
+    return 0
+
+
+@contextlib.contextmanager
+def _server_uses_the_waypoint(wmesh, **files: str):
+    """The server pod addressed through the waypoint (its Services still use it too), with
+    `files` written beside the mesh; all undone after."""
     wmesh.write(
         "mesh.yaml",
         objects(
@@ -117,24 +131,28 @@ def test_workload_addressed_traffic_goes_through_the_waypoint(wmesh):
             server_extra_labels=", istio.io/use-waypoint: waypoint",
         ),
     )
+    for name, text in files.items():
+        wmesh.write(name, text)
     try:
+        yield
+    finally:
+        for name in files:
+            wmesh.remove(name)
+        wmesh.write("mesh.yaml", objects(wmesh.client, wmesh.server, wmesh.waypoint))
+
+
+def test_workload_addressed_traffic_goes_through_the_waypoint(wmesh):
+    with _server_uses_the_waypoint(wmesh):
 
         def direct_chain_used():
             with wmesh.socks(str(wmesh.server.ipv4), TCP_PORT) as sock:
                 sock.sendall(b"direct")
                 assert recv_exactly(sock, 6) == b"direct"
-            stats = wmesh.envoy_admin("/stats?filter=direct-tcp").decode()
-            return any(
-                line.split(":")[-1].strip() not in ("0", "")
-                for line in stats.splitlines()
-                if line.startswith("tcp.direct-tcp.downstream_cx_total")
-            )
+            return _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") > 0
 
         wait_condition(
             direct_chain_used, "workload-addressed TCP through the waypoint's direct-tcp chain", 30
         )
-    finally:
-        wmesh.write("mesh.yaml", objects(wmesh.client, wmesh.server, wmesh.waypoint))
 
 
 def test_destination_l4_policy_allows_the_waypoint_identity(wmesh):
@@ -496,13 +514,173 @@ def test_a_known_tcp_port_never_meets_the_inspector(wmesh):
     # its echo: an inspector would close it (downstream_listener_filter_remote_close).
     with _sniffed_service(wmesh):
         wait_condition(lambda: wmesh.http_get(SNIFFED_VIP, 83)[0] == 200, "HTTP through the sniffed port", 30)
-        for _ in range(5):
-            with wmesh.socks(TCP_VIP, 9000) as sock:
-                sock.sendall(b"no line end, then half-closed")
-                sock.shutdown(socket.SHUT_WR)
-                data = b""
-                while len(data) < 64 and (chunk := sock.recv(64)):
-                    data += chunk
-            assert data == b"no line end, then half-closed", (
-                f"{data!r}\n{wmesh.envoy_stats('listener_filter', 'http_inspector.', 'main_internal.')}"
+        _half_closed_echoes(wmesh, TCP_VIP, 9000, "main_internal.")
+
+
+def _half_closed_echoes(wmesh, ip: str, port: int, stats: str) -> None:
+    """Five TCP clients that send no line end and half-close each get their echo."""
+    for _ in range(5):
+        with wmesh.socks(ip, port) as sock:
+            sock.sendall(b"no line end, then half-closed")
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while len(data) < 64 and (chunk := sock.recv(64)):
+                data += chunk
+        assert data == b"no line end, then half-closed", (
+            f"{data!r}\n{wmesh.envoy_stats('listener_filter', 'http_inspector.', stats)}"
+        )
+
+
+# -- workload-addressed HTTP: the direct-http chain ---------------------------------------------
+
+# Bound to the waypoint itself, so it applies to workload-addressed HTTP as to every service's.
+DENY_ADMIN = """
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-admin, namespace: default}
+spec:
+  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}]
+  action: DENY
+  rules: [{to: [{operation: {paths: ["/admin"]}}]}]
+"""
+
+
+def test_workload_addressed_http_takes_direct_http_and_the_waypoints_policy(wmesh, get):
+    pod = str(wmesh.server.ipv4)
+    with _server_uses_the_waypoint(wmesh, **{"deny-admin.yaml": DENY_ADMIN}):
+        before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+
+        def through_direct_http():
+            status, body = wmesh.http_get(pod, HTTP_PORT)
+            done = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+            return (status, body) if status == 200 and done > before else None
+
+        status, body = wait_condition(through_direct_http, "pod-addressed HTTP on direct-http", 30)
+        assert body == b"hello from server\n"
+        # The waypoint's L7 DENY by path: Envoy's RBAC filter answers on the direct-http chain.
+        wait_condition(
+            lambda: wmesh.http_get(pod, HTTP_PORT, "/admin") == (403, b"RBAC: access denied"),
+            "the waypoint's DENY on workload-addressed HTTP",
+            30,
+        )
+        assert _counter(wmesh, "http.direct-http.rbac.denied") >= 1
+        assert wmesh.http_get(pod, HTTP_PORT)[0] == 200
+        # Envoy's HTTP connection manager answered (its server name on the response).
+        with wmesh.socks(pod, HTTP_PORT) as sock:
+            sock.sendall(b"GET /hello.txt HTTP/1.1\r\nHost: web\r\nConnection: close\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head and (chunk := sock.recv(65536)):
+                head += chunk
+        assert b"server: istio-envoy" in head.lower(), head
+
+        # Istio's HTTP metrics count it, labelled by its source (waypoint/telemetry.py).
+        def counted_403():
+            status, text = get(wmesh.waypoint.netns, "127.0.0.1", 15020, "/stats/prometheus")
+            lines = [
+                line
+                for line in text.decode().splitlines()
+                if line.startswith("istio_requests_total{")
+                and 'response_code="403"' in line
+                and 'source_principal="spiffe://cluster.local/ns/default/sa/client"' in line
+            ]
+            return lines or None
+
+        wait_condition(counted_403, "the denied request in istio_requests_total", 15)
+
+
+def test_a_tcp_workload_port_is_direct_tcp_even_when_half_closed_before_a_line_end(wmesh):
+    # The pod's TCP port (echo's `tcp-echo`) is known TCP: direct-tcp, without the inspector, so
+    # a client that half-closes before any line end gets its echo, as on the service port.
+    pod = str(wmesh.server.ipv4)
+    with _server_uses_the_waypoint(wmesh):
+        before = _counter(wmesh, "tcp.direct-tcp.downstream_cx_total")
+
+        def echoed():
+            with wmesh.socks(pod, TCP_PORT) as sock:
+                sock.sendall(b"ready?")
+                assert recv_exactly(sock, 6) == b"ready?"
+            return _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") > before
+
+        wait_condition(echoed, "pod-addressed TCP on direct-tcp", 30)
+        _half_closed_echoes(wmesh, pod, TCP_PORT, "direct-tcp")
+        assert _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") >= before + 6
+
+
+PORT_APP_PORTS = (8091, 8092)
+# No waypoint of its own: it only names the two pod ports as HTTP.
+TWO_PORTS = f"""
+apiVersion: v1
+kind: Service
+metadata: {{name: two-ports, namespace: default}}
+spec: {{selector: {{app: server}}, clusterIP: 10.96.0.14, ports: [{{name: http-a, port: {PORT_APP_PORTS[0]}}}, {{name: http-b, port: {PORT_APP_PORTS[1]}}}]}}
+"""
+
+
+def test_direct_http_never_sends_a_request_to_another_destinations_connection(wmesh):
+    # direct-http's upstream is the one `encap` cluster for every pod and port; Envoy pools its
+    # upstream connections, keyed by the original destination shared with it. Requests to two
+    # ports of the pod, alternating, each reach their own port, over reused connections.
+    pod = str(wmesh.server.ipv4)
+    # tests/netns/http_echo.py: HTTP/1.1, keeps its connections, answers with its name.
+    app = Path(__file__).with_name("http_echo.py")
+    apps = []
+    for port in PORT_APP_PORTS:
+        argv = [sys.executable, str(app), "--port", str(port), "--name", str(port), "--log", os.devnull]
+        with open(wmesh.tmp / f"port-app-{port}.log", "ab") as out:
+            apps.append(wmesh.fabric.spawn(wmesh.server, argv, stdout=out, stderr=out))
+        wmesh.fabric.wait_for_listen(wmesh.server, port)
+    try:
+        with _server_uses_the_waypoint(wmesh, **{"two-ports.yaml": TWO_PORTS}):
+            before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+            wait_condition(
+                lambda: (
+                    _answered_by(wmesh, pod, PORT_APP_PORTS[1]) == (200, str(PORT_APP_PORTS[1]))
+                    and _counter(wmesh, "http.direct-http.downstream_rq_completed") > before
+                ),
+                "both ports named HTTP, on direct-http",
+                30,
             )
+            cx_before = _counter(wmesh, "cluster.encap.upstream_cx_total")
+            answers = [_answered_by(wmesh, pod, PORT_APP_PORTS[i % 2]) for i in range(20)]
+            assert answers == [(200, str(PORT_APP_PORTS[i % 2])) for i in range(20)], answers
+            # The upstream connections were reused (else this would test nothing).
+            opened = _counter(wmesh, "cluster.encap.upstream_cx_total") - cx_before
+            assert opened < 20, opened
+    finally:
+        for process in apps:
+            process.terminate()
+
+
+def _answered_by(wmesh, ip: str, port: int) -> tuple[int, str]:
+    """The status of one GET and the name of the http_echo.py that answered it."""
+    status, body = wmesh.http_get(ip, port, "/")
+    try:
+        return status, str(json.loads(body).get("name"))
+    except ValueError:
+        return status, body[:80].decode(errors="replace")
+
+
+def test_a_pod_port_of_unknown_protocol_is_sniffed_to_direct_http_or_direct_tcp(wmesh):
+    # The sniffed Service's target port (no name, no appProtocol) on the pod: the inspector runs
+    # on that port number, HTTP takes direct-http, anything else direct-tcp.
+    pod = str(wmesh.server.ipv4)
+    with _sniffed_service(wmesh), _server_uses_the_waypoint(wmesh):
+        before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
+        wait_condition(
+            lambda: (
+                wmesh.http_get(pod, SNIFFED_APP_PORT)[0] == 200
+                and _counter(wmesh, "http.direct-http.downstream_rq_completed") > before
+            ),
+            "pod-addressed HTTP on the sniffed port, on direct-http",
+            30,
+        )
+        # Not HTTP: the inspector says so at once (a byte no method starts with) and the bytes
+        # reach the app over direct-tcp; the app's own 400 comes back as it wrote it.
+        tcp_before = _counter(wmesh, "tcp.direct-tcp.downstream_cx_total")
+        with wmesh.socks(pod, SNIFFED_APP_PORT) as sock:
+            sock.sendall(b"\x16\x03\x01 not http\r\n\r\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert b"400" in data.split(b"\r\n", 1)[0] and b"istio-envoy" not in data.lower(), data[:200]
+        assert _counter(wmesh, "tcp.direct-tcp.downstream_cx_total") > tcp_before

@@ -11,6 +11,7 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
 from ambient_mesh.control.envoy_parse_cache import ParseCache
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_envoy import EnvoyResources, build_resources
@@ -21,7 +22,11 @@ from ambient_mesh.kube.store import KubeStore
 from tests.helpers.waypoint_manifests import WAYPOINT_BASE
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
-BASE = WAYPOINT_BASE
+KINDS = {"listeners": LISTENER_TYPE_URL, "clusters": CLUSTER_TYPE_URL, "endpoints": ENDPOINT_TYPE_URL}
+# For all traffic: pods that use it bring workload-addressed chains (direct-http, direct-tcp)
+# whose ports take their protocols from the Services they serve.
+BASE = WAYPOINT_BASE.replace("waypoint-for: service", "waypoint-for: all")
+assert BASE != WAYPOINT_BASE
 
 SERVICES = 4
 PROTOCOLS = ("http", "tcp", "")
@@ -36,11 +41,12 @@ metadata: {{name: svc-{i}, namespace: default, labels: {label}}}
 spec: {{selector: {{app: app-{i}}}, clusterIP: 10.97.0.{i + 1}, ports: [{{name: web, port: 80, targetPort: 8080{proto}}}]}}"""
 
 
-def pod(i: int, n: int, ready: bool) -> str:
+def pod(i: int, n: int, ready: bool, uses_waypoint: bool = False) -> str:
     status = "True" if ready else "False"
+    label = ", istio.io/use-waypoint: waypoint" if uses_waypoint else ""
     return f"""apiVersion: v1
 kind: Pod
-metadata: {{name: app-{i}-{n}, namespace: default, labels: {{app: app-{i}}}}}
+metadata: {{name: app-{i}-{n}, namespace: default, labels: {{app: app-{i}{label}}}}}
 spec: {{nodeName: node-a, serviceAccountName: app-{i}}}
 status: {{phase: Running, podIP: 10.1.{i}.{n + 1}, conditions: [{{type: Ready, status: "{status}"}}]}}"""
 
@@ -88,7 +94,8 @@ state = st.fixed_dictionaries(
             st.tuples(st.sampled_from(PROTOCOLS), st.booleans()), min_size=SERVICES, max_size=SERVICES
         ),
         "pods": st.lists(
-            st.tuples(st.integers(0, SERVICES - 1), st.integers(0, 1), st.booleans()), max_size=5
+            st.tuples(st.integers(0, SERVICES - 1), st.integers(0, 1), st.booleans(), st.booleans()),
+            max_size=5,
         ),
         "routes": st.lists(
             st.tuples(
@@ -115,7 +122,7 @@ state = st.fixed_dictionaries(
 
 def documents(s: dict[str, Any]) -> list[str]:
     docs = [service(i, proto, uses) for i, (proto, uses) in enumerate(s["services"])]
-    docs += [pod(i, n, ready) for i, n, ready in {(i, n): (i, n, r) for i, n, r in s["pods"]}.values()]
+    docs += [pod(*p) for p in {(p[0], p[1]): p for p in s["pods"]}.values()]
     docs += [route(*r) for r in {r[0]: r for r in s["routes"]}.values()]
     docs += [policy(*p) for p in {p[0]: p for p in s["policies"]}.values()]
     return docs
@@ -177,7 +184,13 @@ def test_incremental_cached_builds_equal_builds_from_nothing(states: list[dict[s
         if first:
             waypoints.snapshot(WAYPOINT)
             first = False
-        assert serialized(waypoints.resources(WAYPOINT)) == serialized(from_nothing(store))
+        fresh = serialized(from_nothing(store))
+        assert serialized(waypoints.resources(WAYPOINT)) == fresh
+        # What is pushed: the snapshot `apply` kept up to date, rebuilt only for the waypoints a
+        # change touched (a Service's change reaches the waypoints of the pods serving it).
+        snap = waypoints.snapshot(WAYPOINT)
+        pushed = {kind: {n: v.resource.value for n, v in snap.of(url).items()} for kind, url in KINDS.items()}
+        assert pushed == fresh
 
 
 @settings(max_examples=100, deadline=None)

@@ -55,6 +55,7 @@ def _store(case: str):  # type: ignore[no-untyped-def]
 def _render(case: str) -> str:
     store = _store(case)
     index = WaypointIndex(MeshSettings())
+    index.update_l7(store, None)
     index.reset(translate(store, MeshSettings()).addresses)
     doc = {}
     for gw in store.gateways:
@@ -169,18 +170,23 @@ def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
     assert r.endpoints == {}
 
 
-def _resources(index: WaypointIndex) -> dict[str, dict[str, bytes]]:
-    snap = index.snapshot(WAYPOINT)
+def _resources(index: WaypointIndex, key: str = WAYPOINT) -> dict[str, dict[str, bytes]]:
+    snap = index.snapshot(key)
     return {t: {n: v.resource.value for n, v in snap.of(t).items()} for t in snap.resources}
 
 
-def test_incremental_upkeep_equals_a_fresh_build() -> None:
-    store = _store("echo")
+def _followed(case: str, key: str = WAYPOINT):  # type: ignore[no-untyped-def]
+    """The case's store, an AmbientIndex and a WaypointIndex following it, and `key`'s snapshot."""
+    store = _store(case)
     ambient = AmbientIndex(MeshSettings())
     index = WaypointIndex()
     delta = ambient.update(store)
     index.apply(delta.addresses, delta.removed_addresses)
-    first = index.snapshot(WAYPOINT)
+    return store, ambient, index, index.snapshot(key)
+
+
+def test_incremental_upkeep_equals_a_fresh_build() -> None:
+    store, ambient, index, first = _followed("echo")
     # Take the label off echo: its chain and clusters go, nothing else moves.
     echo = next(s for s in store.services if s.metadata.name == "echo")
     labels = {k: v for k, v in echo.metadata.labels.items() if k != "istio.io/use-waypoint"}
@@ -310,3 +316,145 @@ def test_waypoint_is_refused_without_a_generator() -> None:
     state = DeltaConnectionState(Snapshot.empty())
     with pytest.raises(AdsRefused, match="generates no Envoy configuration"):
         state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=CLUSTER_TYPE_URL, node=_node()))
+
+
+# -- workload-addressed traffic: direct-http and direct-tcp -------------------------------------
+
+DIRECT = "default/waypoint.default.svc.cluster.local"
+
+
+def _main_internal(index: WaypointIndex) -> dict[str, object]:
+    listener = index.resources(DIRECT).listeners["main_internal"]
+    return json_format.MessageToDict(listener)
+
+
+def _direct_ports(main: dict[str, object]) -> dict[str, object]:
+    """The port map of the one workload IP of the `direct` case: port -> chain name, or
+    "sniffed" for the inspector's verdict between direct-http and direct-tcp; "*" the rest."""
+    ranges = main["filterChainMatcher"]["matcherTree"]["customMatch"]["typedConfig"]["rangeMatchers"]  # type: ignore[index]
+    (entry,) = ranges
+    by_port = entry["onMatch"]["matcher"]
+    out: dict[str, object] = {"*": by_port["onNoMatch"]["action"]["name"]}
+    for port, action in by_port["matcherTree"]["exactMatchMap"]["map"].items():
+        if "action" in action:
+            out[port] = action["action"]["name"]
+        else:
+            tree = action["matcher"]
+            verdicts = {a["action"]["name"] for a in tree["matcherTree"]["exactMatchMap"]["map"].values()}
+            out[port] = ("sniffed", sorted(verdicts), tree["onNoMatch"]["action"]["name"])
+    return out
+
+
+def test_workload_ports_take_the_protocol_their_services_give() -> None:
+    store = _store("direct")
+    index = WaypointIndex()
+    index.update_l7(store, None)
+    index.reset(translate(store, MeshSettings()).addresses)
+    main = _main_internal(index)
+    sniffed = ("sniffed", ["direct-http"], "direct-tcp")
+    # HTTP (web's `http`) is direct-http, TCP (echo's `tcp-echo`) and every port no Service
+    # names are direct-tcp, unknown (misc) and disputed (8081: http-alt and tcp-alt) sniffed.
+    assert _direct_ports(main) == {"*": "direct-tcp", "8080": "direct-http", "7070": sniffed, "8081": sniffed}
+    # The inspector runs on the sniffed target ports only: 9000 (known TCP) never meets it.
+    disabled = main["listenerFilters"][1]["filterDisabled"]  # type: ignore[index]
+    assert disabled == {
+        "notMatch": {
+            "orMatch": {
+                "rules": [
+                    {"destinationPortRange": {"start": 7070, "end": 7071}},
+                    {"destinationPortRange": {"start": 8081, "end": 8082}},
+                ]
+            }
+        }
+    }
+    chains = {c["name"]: c for c in main["filterChains"]}  # type: ignore[index]
+    assert set(chains) == {"direct-http", "direct-tcp", "blackhole"}
+    # direct-http: the original destination handed on, then Istio's HCM with the waypoint's
+    # L7 policy (the Gateway-bound DENY, not the Service-bound one) and the HTTP access log,
+    # routed to encap.
+    filters = chains["direct-http"]["filters"]
+    assert [f["name"] for f in filters] == [
+        "connect_authority",
+        "envoy.filters.network.http_connection_manager",
+    ]
+    hcm = filters[1]["typedConfig"]
+    assert hcm["statPrefix"] == "direct-http"
+    assert hcm["routeConfig"]["virtualHosts"][0]["routes"][0]["route"]["cluster"] == "encap"
+    assert [f["name"] for f in hcm["httpFilters"]] == ["envoy.filters.http.rbac", "envoy.filters.http.router"]
+    policies = hcm["httpFilters"][0]["typedConfig"]["rules"]["policies"]
+    assert list(policies) == ["ns[default]-policy[deny-admin]-rule[0]"]
+    assert hcm["accessLog"][0]["name"] == "envoy.access_loggers.http_grpc"
+    tcp = chains["direct-tcp"]["filters"]
+    assert [f["name"] for f in tcp] == ["connect_authority", "envoy.filters.network.tcp_proxy"]
+    assert tcp[1]["typedConfig"]["cluster"] == "encap"
+
+
+def test_workload_port_protocols_reads_each_services_ports() -> None:
+    from ambient_mesh.control.waypoint_envoy import workload_port_protocols
+    from ambient_mesh.wire.istio.workload import workload_pb2 as wl
+
+    def port(service_port: int, target: int, protocol: int = wl.UNKNOWN) -> wl.Port:
+        return wl.Port(service_port=service_port, target_port=target, app_protocol=protocol)
+
+    services = {
+        "ns/a.ns.svc.cluster.local": wl.Service(ports=[port(80, 8080, wl.HTTP11), port(90, 0, wl.TCP)]),
+        "ns/b.ns.svc.cluster.local": wl.Service(ports=[port(81, 8080, wl.TCP), port(82, 7000, wl.GRPC)]),
+    }
+    w = wl.Workload()
+    w.services["ns/a.ns.svc.cluster.local"].ports.add(service_port=90, target_port=9090)
+    assert workload_port_protocols(w, services) == ((8080, "http"), (9090, "tcp"))
+    # A port two Services give different known protocols is left to the inspector; a Service the
+    # store does not have gives nothing.
+    w.services["ns/b.ns.svc.cluster.local"].SetInParent()
+    w.services["ns/gone.ns.svc.cluster.local"].SetInParent()
+    assert workload_port_protocols(w, services) == ((7000, "http"), (8080, "auto"), (9090, "tcp"))
+    # A named target port the pod does not declare (0) is no port.
+    w2 = wl.Workload()
+    w2.services["ns/a.ns.svc.cluster.local"].SetInParent()
+    assert workload_port_protocols(w2, services) == ((8080, "http"),)
+
+
+def test_known_tcp_workload_ports_never_change_the_listener_filters() -> None:
+    # A pod with TCP ports only: direct-tcp and no HCM; its ports coming and going leave the
+    # inspector's predicate as it is (an in-place filter-chain update that keeps the tunnels).
+    def listener(ports: dict[str, tuple[tuple[int, str], ...]]) -> dict[str, object]:
+        return dispatch_listener(
+            WaypointInputs(
+                trust_domains=("cluster.local",),
+                services=(),
+                workload_ips=("10.0.0.2", "10.0.0.3"),
+                workload_ports=ports,
+            )
+        )
+
+    none = listener({})
+    tcp = listener({"10.0.0.2": ((9000, "tcp"),), "10.0.0.3": ((5432, "tcp"),)})
+    http = listener({"10.0.0.2": ((8080, "http"),)})
+    assert none["listener_filters"] == tcp["listener_filters"] == http["listener_filters"]
+    assert none["listener_filters"][1]["filter_disabled"] == {"any_match": True}
+    assert [c["name"] for c in tcp["filter_chains"]] == ["blackhole", "direct-tcp"]
+    assert tcp["filter_chain_matcher"] == none["filter_chain_matcher"]
+    assert [c["name"] for c in http["filter_chains"]] == ["blackhole", "direct-http", "direct-tcp"]
+    # A sniffed workload port number turns the inspector on for that number.
+    auto = listener({"10.0.0.2": ((7070, "auto"),)})
+    assert auto["listener_filters"][1]["filter_disabled"] == {
+        "not_match": {"destination_port_range": {"start": 7070, "end": 7071}}
+    }
+
+
+def test_a_service_change_rebuilds_the_waypoint_of_a_pod_serving_it() -> None:
+    # The Services of the `direct` case use no waypoint; their ports still give the pod's ports
+    # their protocols, so a change of one reaches the pod's waypoint.
+    store, ambient, index, first = _followed("direct", DIRECT)
+    echo = next(s for s in store.services if s.metadata.name == "echo")
+    port = echo.ports[0]
+    renamed = type(port)(**{**_fields(port), "name": "http-echo"})
+    delta = ambient.apply([Service(**{**_fields(echo), "ports": (renamed, *echo.ports[1:])})])
+    assert index.apply(delta.addresses, delta.removed_addresses) == {DIRECT}
+    second = index.snapshot(DIRECT)
+    assert second.changed is not None and "main_internal" in second.changed[LISTENER_TYPE_URL]
+    assert first is not second
+    fresh = WaypointIndex()
+    fresh.reset(ambient.addresses)
+    assert _resources(fresh, DIRECT) == _resources(index, DIRECT)
+    assert _direct_ports(_main_internal(fresh))["9000"] == "direct-http"
