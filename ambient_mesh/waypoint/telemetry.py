@@ -59,6 +59,10 @@ log = logging.getLogger(__name__)
 PEER_PRINCIPAL_KEY = "io.istio.peer_principal"
 # The access log's custom tag with the route's cluster (control/waypoint_l7.py ROUTE_CLUSTER_TAG).
 ROUTE_CLUSTER_TAG = "route_cluster"
+# The cluster of workload-addressed HTTP (direct-http: control/waypoint_envoy.py ENCAP). Its
+# upstream is the internal connect_originate listener, which names no pod; the pod is the
+# original destination main_internal restored as the request's local address.
+ENCAP_CLUSTER = "encap"
 REPORTER = "waypoint"
 MAX_SERIES = 10_000
 ALS_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -257,7 +261,12 @@ class HttpMetrics:
                 with contextlib.suppress(IdentityError):
                     source_identity = Identity.parse(text.value)
         source = self._workload(_ip_of(common.downstream_remote_address))
-        destination = self._workload(_ip_of(common.upstream_remote_address))
+        upstream = (
+            common.downstream_local_address
+            if common.upstream_cluster == ENCAP_CLUSTER
+            else common.upstream_remote_address
+        )
+        destination = self._workload(_ip_of(upstream))
         destination_identity = (
             Identity(self.trust_domain, destination.namespace, destination.service_account)
             if destination is not None and destination.service_account

@@ -587,6 +587,21 @@ def test_workload_addressed_http_takes_direct_http_and_the_waypoints_policy(wmes
 
         wait_condition(counted_403, "the denied request in istio_requests_total", 15)
 
+        # A served one names the pod it was sent to (the original destination, not `encap`).
+        def counted_200_to_the_pod():
+            status, text = get(wmesh.waypoint.netns, "127.0.0.1", 15020, "/stats/prometheus")
+            lines = [
+                line
+                for line in text.decode().splitlines()
+                if line.startswith("istio_requests_total{")
+                and 'response_code="200"' in line
+                and 'destination_principal="spiffe://cluster.local/ns/default/sa/server"' in line
+                and 'destination_workload="server"' in line
+            ]
+            return lines or None
+
+        wait_condition(counted_200_to_the_pod, "the served request's destination pod", 15)
+
 
 def test_a_tcp_workload_port_is_direct_tcp_even_when_half_closed_before_a_line_end(wmesh):
     # The pod's TCP port (echo's `tcp-echo`) is known TCP: direct-tcp, without the inspector, so

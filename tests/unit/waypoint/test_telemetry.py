@@ -226,3 +226,34 @@ def test_the_route_cluster_tag_is_the_control_planes() -> None:
     tags = logger["typed_config"]["common_config"]["custom_tags"]
     assert tags == [{"tag": telemetry.ROUTE_CLUSTER_TAG, "value": "%UPSTREAM_CLUSTER_RAW%"}]
     assert waypoint_l7.ROUTE_CLUSTER_TAG == telemetry.ROUTE_CLUSTER_TAG
+
+
+def test_workload_addressed_http_has_the_pod_it_was_sent_to() -> None:
+    """direct-http's cluster is `encap`, whose upstream (connect_originate) names no pod: the
+    destination is the original destination main_internal restored as the local address; the
+    route has no service (a pod address)."""
+    m = HttpMetrics(mesh_state())
+    e = entry(200, principal="spiffe://cluster.local/ns/shop/sa/client")
+    c = e.common_properties
+    c.upstream_cluster = telemetry.ENCAP_CLUSTER
+    c.upstream_remote_address.envoy_internal_address.server_listener_name = "connect_originate"
+    c.upstream_remote_address.envoy_internal_address.endpoint_id = ""
+    c.downstream_local_address.socket_address.address = "10.0.0.2"
+    c.downstream_local_address.socket_address.port_value = 8080
+    got = labels_of(m, e)
+    assert (got["destination_workload"], got["destination_principal"]) == (
+        "server",
+        "spiffe://cluster.local/ns/shop/sa/server",
+    )
+    assert got["destination_service"] == "unknown"
+    assert {k: got[k] for k in CLIENT} == CLIENT
+    # A local reply on that chain (a 403 by policy) picked no upstream: no workload, as Istio.
+    denied = local_reply(403, route_cluster=telemetry.ENCAP_CLUSTER)
+    denied.common_properties.downstream_local_address.socket_address.address = "10.0.0.2"
+    assert {k: labels_of(m, denied)[k] for k in NO_ENDPOINT} == NO_ENDPOINT
+
+
+def test_the_encap_cluster_is_the_control_planes() -> None:
+    from ambient_mesh.control import waypoint_envoy
+
+    assert telemetry.ENCAP_CLUSTER == waypoint_envoy.ENCAP
