@@ -251,8 +251,15 @@ def tcp_echo(mesh, payload: bytes = b"ping over tcp") -> str:  # type: ignore[no
     return "closed"
 
 
+def tcp_served_without_policy(mesh) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the previous test's policies are gone from the TCP chain (the `routes` fixture
+    waits on HTTP only, and a waypoint-wide CUSTOM or path DENY refuses every TCP connection), so
+    a refusal seen next is the new policy's."""
+    served(mesh, lambda: tcp_echo(mesh) == "echoed", "TCP served with no policy")
+
+
 def test_tcp_allow_of_another_principal_refuses_then_the_clients_serves(rmesh, routes):
-    assert tcp_echo(rmesh) == "echoed"  # no policy yet
+    tcp_served_without_policy(rmesh)
     denied_before = stat(rmesh, "tcp.rbac.denied")
     routes(
         policy(
@@ -278,6 +285,7 @@ def test_tcp_allow_of_another_principal_refuses_then_the_clients_serves(rmesh, r
 
 
 def test_tcp_deny_of_the_client_refuses(rmesh, routes):
+    tcp_served_without_policy(rmesh)
     routes(
         policy(
             "echo-deny",
@@ -289,6 +297,7 @@ def test_tcp_deny_of_the_client_refuses(rmesh, routes):
 
 
 def test_tcp_allow_with_only_http_fields_allows_nothing(rmesh, routes):
+    tcp_served_without_policy(rmesh)
     routes(
         policy(
             "echo-http-only",
@@ -301,6 +310,7 @@ def test_tcp_allow_with_only_http_fields_allows_nothing(rmesh, routes):
 
 def test_gateway_deny_with_http_fields_refuses_tcp_and_keeps_http_rules(rmesh, routes):
     """A waypoint-wide DENY of a path: on HTTP only that path, on TCP (no path) every connection."""
+    tcp_served_without_policy(rmesh)
     routes(
         policy(
             "deny-path",
