@@ -133,6 +133,10 @@ class WaypointInputs:
     http_chains: Mapping[str, tuple[Mapping[str, Any] | None, Sequence[Mapping[str, Any]]]] = field(
         default_factory=dict
     )
+    # Per TCP chain name (a service's `inbound-vip|<port>|tcp|<host>`, `direct-tcp`): the network
+    # filters before the TCP proxy (network RBAC: translate/tcp_authz.py). A chain not listed has
+    # the TCP proxy alone.
+    tcp_filters: Mapping[str, Sequence[Mapping[str, Any]]] = field(default_factory=dict)
     # Part 2 hook: the access log of every service HTTP chain (Istio's HTTP metrics).
     access_log: Sequence[Mapping[str, Any]] = ()
     # Per workload IP of `workload_ips`: the protocol of each of its ports that a Service port
@@ -546,8 +550,11 @@ def direct_http_chain(inputs: WaypointInputs) -> dict[str, Any]:
     }
 
 
-def _direct_tcp_chain() -> dict[str, Any]:
-    return {"name": DIRECT_TCP, "filters": [_copy_filter_state(), _tcp_proxy(DIRECT_TCP, ENCAP)]}
+def _direct_tcp_chain(inputs: WaypointInputs) -> dict[str, Any]:
+    """`direct-tcp`: workload-addressed TCP, with the authorization bound to the whole waypoint
+    (`inputs.tcp_filters["direct-tcp"]`), to `encap`."""
+    rbac = inputs.tcp_filters.get(DIRECT_TCP, ())
+    return {"name": DIRECT_TCP, "filters": [*rbac, _copy_filter_state(), _tcp_proxy(DIRECT_TCP, ENCAP)]}
 
 
 # (kind "http" or "tcp", service port, VIP for its stats) -> the filter chain, as JSON or parsed.
@@ -556,12 +563,14 @@ ChainMaker = Callable[[str, ServicePort, str], Any]
 
 def chain_doc(kind: str, sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
     """The filter chain of one service port: HTTP (with its L7 part from `inputs`) or TCP."""
-    return _http_chain(sp, vip, inputs) if kind == "http" else _tcp_chain(sp, vip)
+    return _http_chain(sp, vip, inputs) if kind == "http" else _tcp_chain(sp, vip, inputs)
 
 
-def _tcp_chain(sp: ServicePort, vip: str) -> dict[str, Any]:
+def _tcp_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
+    """A service's TCP chain: its authorization (`inputs.tcp_filters`), then the TCP proxy."""
     name = sp.cluster("tcp")
-    return {"name": name, "filters": [_tcp_proxy(f"inbound_{vip}_{sp.port}", name)]}
+    filters = [*inputs.tcp_filters.get(name, ()), _tcp_proxy(f"inbound_{vip}_{sp.port}", name)]
+    return {"name": name, "filters": filters}
 
 
 def _http_or_tcp(http: str, tcp: str) -> dict[str, Any]:
@@ -695,7 +704,7 @@ def dispatch_listener(inputs: WaypointInputs, make_chain: ChainMaker | None = No
                 if protocol == "auto":
                     sniffed_ports.add(port)
             by_ip.setdefault(ip, {}).update(ports)
-        chains[DIRECT_TCP] = _direct_tcp_chain()
+        chains[DIRECT_TCP] = _direct_tcp_chain(inputs)
         if DIRECT_HTTP in used:
             chains[DIRECT_HTTP] = direct_http_chain(inputs)
     chains["blackhole"] = _blackhole()
@@ -879,7 +888,10 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
 
     def make_chain(kind: str, sp: ServicePort, vip: str) -> Any:
         l7 = inputs.http_chains.get(sp.cluster("http")) if kind == "http" else None
-        held = (l7, inputs.access_log) if kind == "http" else ()
+        if kind == "http":
+            held: tuple[object, ...] = (l7, inputs.access_log)
+        else:
+            held = (inputs.tcp_filters.get(sp.cluster("tcp")),)
         return cache.memo(
             ("chain", kind, sp, vip),
             held,

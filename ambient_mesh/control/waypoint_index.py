@@ -253,6 +253,7 @@ class WaypointIndex:
             services=tuple(services),
             workload_ips=tuple(sorted(workload_ips)),
             http_chains=self.l7.http_chains(_waypoint_of(key), services),
+            tcp_filters=self.l7.tcp_filters(_waypoint_of(key), services),
             access_log=ACCESS_LOG,
             workload_ports=workload_ports,
         )

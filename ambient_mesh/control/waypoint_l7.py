@@ -1,5 +1,6 @@
 """The L7 part of each waypoint's configuration: routes (HTTPRoute, VirtualService) and L7
-authorization (AuthorizationPolicy with targetRefs) per HTTP chain.
+authorization (AuthorizationPolicy with targetRefs) per HTTP chain, and the same policies with
+TCP semantics per TCP chain (translate/tcp_authz.py).
 
 Counterpart: what istiod's waypoint listener builder reads beside the services
 (listener_waypoint.go: the VirtualServices of each service, the policies attached to the
@@ -12,7 +13,7 @@ waypoint while it builds it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 # Types named by an `@type` below must be in the descriptor pool when the listener is parsed.
@@ -31,7 +32,8 @@ from .translate.http_routes import (
     route_configuration,
 )
 from .translate.l7_authz import Attachment, applies, attachments, policy_notes, rbac_filters
-from .waypoint_envoy import DIRECT_HTTP, ServicePort
+from .translate.tcp_authz import network_rbac_filters
+from .waypoint_envoy import DIRECT_HTTP, DIRECT_TCP, ServicePort
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,9 @@ class WaypointL7:
         # Built once per set of bound policies (every chain of a waypoint usually shares one),
         # and per chain while its rules and the waypoint's services stay the same.
         self._rbac: dict[tuple[int, ...], tuple[tuple[AuthorizationPolicy, ...], list[dict[str, Any]]]] = {}
+        self._tcp_rbac: dict[
+            tuple[int, ...], tuple[tuple[AuthorizationPolicy, ...], list[dict[str, Any]]]
+        ] = {}
         self._chains: dict[str, tuple[tuple[Any, ...], object, Any]] = {}
         self._owned: tuple[tuple[str, tuple[int, ...]], ...] = ()
         # Per chain name: what its output was made of (compared by identity), and the output.
@@ -165,18 +170,7 @@ class WaypointL7:
         if owned_now != self._owned:
             self._owned = owned_now  # a new object: chains built for the old services miss
         owned_key: object = self._owned
-        # Policies in their order, each bound to the whole waypoint or to some of its services.
-        wide: list[AuthorizationPolicy] = []
-        by_service: dict[str, list[AuthorizationPolicy]] = {}
-        for policy, where in self.policies.values():
-            if applies(where, waypoint, ""):
-                wide.append(policy)
-            else:
-                for a in where:
-                    if a.service:
-                        by_service.setdefault(a.service, [])
-        for host in by_service:
-            by_service[host] = [p for p, where in self.policies.values() if applies(where, waypoint, host)]
+        wide, by_service = self._bound(waypoint)
         wide_filters = self._rbac_filters(wide)
         out: HttpChains = {}
         chains: dict[str, tuple[tuple[object, ...], HttpChain]] = {}
@@ -222,6 +216,43 @@ class WaypointL7:
             del self._chains[gone]
         return out
 
+    def tcp_filters(
+        self, waypoint: tuple[str, str], services: Sequence[ServicePort]
+    ) -> dict[str, list[dict[str, Any]]]:
+        """Per TCP chain of `waypoint` with a bound policy: its network RBAC filters, bound as
+        the HTTP chains' are (a Service's policies to that service's chain, the waypoint's and
+        the class's to every chain and to `direct-tcp`). One set of bound policies gives the
+        same list object while it holds, so the build memo can tell an unchanged chain."""
+        wide, by_service = self._bound(waypoint)
+        out: dict[str, list[dict[str, Any]]] = {}
+        for sp in services:
+            if sp.protocol not in ("tcp", "auto"):
+                continue
+            bound = by_service.get(sp.hostname, wide)
+            if bound:
+                out[sp.cluster("tcp")] = self._tcp_rbac_filters(bound)
+        if wide:
+            out[DIRECT_TCP] = self._tcp_rbac_filters(wide)
+        return out
+
+    def _bound(
+        self, waypoint: tuple[str, str]
+    ) -> tuple[list[AuthorizationPolicy], dict[str, list[AuthorizationPolicy]]]:
+        """The policies bound to the whole `waypoint`, and per service hostname named by a
+        policy, the policies bound to that service's chains (the whole waypoint's included)."""
+        wide: list[AuthorizationPolicy] = []
+        by_service: dict[str, list[AuthorizationPolicy]] = {}
+        for policy, where in self.policies.values():
+            if applies(where, waypoint, ""):
+                wide.append(policy)
+            else:
+                for a in where:
+                    if a.service:
+                        by_service.setdefault(a.service, [])
+        for host in by_service:
+            by_service[host] = [p for p, where in self.policies.values() if applies(where, waypoint, host)]
+        return wide, by_service
+
     def _kept(self, name: str, parts: tuple[object, ...]) -> tuple[tuple[object, ...], HttpChain] | None:
         """The previous call's chain `name` when it was made of the same objects as `parts`."""
         hit = self._out.get(name)
@@ -234,14 +265,25 @@ class WaypointL7:
         return None
 
     def _rbac_filters(self, bound: list[AuthorizationPolicy]) -> list[dict[str, Any]]:
+        return self._memo_filters(self._rbac, bound, rbac_filters)
+
+    def _tcp_rbac_filters(self, bound: list[AuthorizationPolicy]) -> list[dict[str, Any]]:
+        return self._memo_filters(self._tcp_rbac, bound, network_rbac_filters)
+
+    @staticmethod
+    def _memo_filters(
+        memo: dict[tuple[int, ...], tuple[tuple[AuthorizationPolicy, ...], list[dict[str, Any]]]],
+        bound: list[AuthorizationPolicy],
+        build: Callable[[Sequence[AuthorizationPolicy]], list[dict[str, Any]]],
+    ) -> list[dict[str, Any]]:
         key = tuple(sorted(id(p) for p in bound))
-        hit = self._rbac.get(key)
+        hit = memo.get(key)
         if hit is not None and len(hit[0]) == len(bound) and all(any(p is q for q in hit[0]) for p in bound):
             return hit[1]
-        filters = rbac_filters(bound)
-        if len(self._rbac) > 256:  # a few sets per waypoint; start again rather than grow
-            self._rbac.clear()
-        self._rbac[key] = (tuple(bound), filters)
+        filters = build(bound)
+        if len(memo) > 256:  # a few sets per waypoint; start again rather than grow
+            memo.clear()
+        memo[key] = (tuple(bound), filters)
         return filters
 
     def _route_configuration(

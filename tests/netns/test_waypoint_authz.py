@@ -4,13 +4,16 @@ The mesh and apps are the route tests' (conftest's `rmesh`, tests/helpers/waypoi
 The caller is the client pod
 (`spiffe://cluster.local/ns/default/sa/client`), whose identity the waypoint takes from the
 HBONE connection its node proxy opened; a denied request gets Envoy's own 403
-`RBAC: access denied`.
+`RBAC: access denied`. On the TCP service (`echo`, a TCP echo app) the same policies apply with
+TCP semantics (translate/tcp_authz.py): a denied connection is closed by the waypoint before
+its first byte reaches the app.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.helpers.waypoint_mesh import IO_TIMEOUT_S, TCP_VIP
 from tests.helpers.waypoint_routes import V2_VIP, request, served, virtual_service
 
 # `rmesh` and `routes` are tests/netns/conftest.py's: a mesh per module and a per-test object writer.
@@ -31,6 +34,8 @@ spec:
 
 GATEWAY = "  targetRefs: [{group: gateway.networking.k8s.io, kind: Gateway, name: waypoint}]"
 ROUTED = '  targetRefs: [{group: "", kind: Service, name: routed}]'
+ECHO = '  targetRefs: [{group: "", kind: Service, name: echo}]'
+CLIENT = "cluster.local/ns/default/sa/client"
 
 
 def denied(r) -> bool:  # type: ignore[no-untyped-def]
@@ -218,3 +223,100 @@ def test_custom_without_a_provider_denies_what_it_matches(rmesh, routes):
     )
     served(rmesh, lambda: denied(request(rmesh, "/checked/a")), "CUSTOM /checked")
     assert request(rmesh, "/open").status == 200
+
+
+# -- TCP: the echo service (TCP_VIP:9000) behind the same waypoint -----------------------------
+
+
+def tcp_echo(mesh, payload: bytes = b"ping over tcp") -> str:  # type: ignore[no-untyped-def]
+    """ "echoed" when the TCP echo app answered through the waypoint, "closed" when the
+    connection was closed (or reset) with no answer; a connection left hanging fails."""
+    try:
+        with mesh.socks(TCP_VIP, 9000) as sock:
+            sock.settimeout(IO_TIMEOUT_S)
+            sock.sendall(payload)
+            data = b""
+            while len(data) < len(payload):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except TimeoutError:
+        pytest.fail(f"the TCP connection neither echoed nor closed in {IO_TIMEOUT_S} s")
+    except OSError:  # reset, or the SOCKS5 connect refused
+        return "closed"
+    if data == payload:
+        return "echoed"
+    assert data == b"", f"a partial or wrong answer: {data!r}"
+    return "closed"
+
+
+def tcp_served_without_policy(mesh) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the previous test's policies are gone from the TCP chain (the `routes` fixture
+    waits on HTTP only, and a waypoint-wide CUSTOM or path DENY refuses every TCP connection), so
+    a refusal seen next is the new policy's."""
+    served(mesh, lambda: tcp_echo(mesh) == "echoed", "TCP served with no policy")
+
+
+def test_tcp_allow_of_another_principal_refuses_then_the_clients_serves(rmesh, routes):
+    tcp_served_without_policy(rmesh)
+    denied_before = stat(rmesh, "tcp.rbac.denied")
+    routes(
+        policy(
+            "echo-allow",
+            f"{ECHO}\n  action: ALLOW\n  rules: [{{from: [{{source: {{principals: [cluster.local/ns/default/sa/other]}}}}]}}]",
+        )
+    )
+    served(rmesh, lambda: tcp_echo(rmesh) == "closed", "TCP refused: ALLOW of another principal")
+    assert tcp_echo(rmesh) == "closed"
+    assert stat(rmesh, "tcp.rbac.denied") > denied_before, rmesh.envoy_stats("rbac")
+    # The client's own principal (the HBONE peer's identity): served.
+    routes(
+        policy(
+            "echo-allow",
+            f"{ECHO}\n  action: ALLOW\n  rules: [{{from: [{{source: {{principals: [{CLIENT}]}}}}], "
+            "to: [{operation: {ports: ['9000']}}]}]",
+        )
+    )
+    served(rmesh, lambda: tcp_echo(rmesh) == "echoed", "TCP served: ALLOW of the client")
+    assert stat(rmesh, "tcp.rbac.allowed") > 0, rmesh.envoy_stats("rbac")
+    # The HTTP service is not bound by echo's policy.
+    assert request(rmesh).status == 200
+
+
+def test_tcp_deny_of_the_client_refuses(rmesh, routes):
+    tcp_served_without_policy(rmesh)
+    routes(
+        policy(
+            "echo-deny",
+            f"{ECHO}\n  action: DENY\n  rules: [{{from: [{{source: {{namespaces: [default], principals: [{CLIENT}]}}}}]}}]",
+        )
+    )
+    served(rmesh, lambda: tcp_echo(rmesh) == "closed", "TCP refused: DENY of the client")
+    assert request(rmesh).status == 200
+
+
+def test_tcp_allow_with_only_http_fields_allows_nothing(rmesh, routes):
+    tcp_served_without_policy(rmesh)
+    routes(
+        policy(
+            "echo-http-only",
+            f"{ECHO}\n  action: ALLOW\n  rules: [{{from: [{{source: {{principals: [{CLIENT}]}}}}], "
+            "to: [{operation: {methods: [GET]}}]}]",
+        )
+    )
+    served(rmesh, lambda: tcp_echo(rmesh) == "closed", "TCP refused: an ALLOW no connection can match")
+
+
+def test_gateway_deny_with_http_fields_refuses_tcp_and_keeps_http_rules(rmesh, routes):
+    """A waypoint-wide DENY of a path: on HTTP only that path, on TCP (no path) every connection."""
+    tcp_served_without_policy(rmesh)
+    routes(
+        policy(
+            "deny-path",
+            f"{GATEWAY}\n  action: DENY\n  rules: [{{to: [{{operation: {{paths: [/blocked]}}}}]}}]",
+        )
+    )
+    served(rmesh, lambda: denied(request(rmesh, "/blocked")), "DENY /blocked")
+    assert request(rmesh, "/open").status == 200
+    served(rmesh, lambda: tcp_echo(rmesh) == "closed", "TCP refused by the path-only DENY")

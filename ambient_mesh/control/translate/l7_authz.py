@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +197,9 @@ def _operation(op: Operation) -> dict[str, Any]:
     return _and_p(parts)
 
 
-def _source(src: Source, notes: list[str]) -> dict[str, Any]:
+def source_ids(src: Source) -> list[dict[str, Any]]:
+    """The AND parts of one source a connection has too (its peer identity and addresses);
+    shared with the TCP translation (tcp_authz.py)."""
     ids: list[dict[str, Any]] = []
     ids += _field(src.principals, src.not_principals, _principal, principal=True)
     ids += _field(src.namespaces, src.not_namespaces, _namespace, principal=True)
@@ -206,6 +208,11 @@ def _source(src: Source, notes: list[str]) -> dict[str, Any]:
     ids += _field(
         src.remote_ip_blocks, src.not_remote_ip_blocks, lambda v: {"remote_ip": _cidr(v)}, principal=True
     )
+    return ids
+
+
+def _source(src: Source, notes: list[str]) -> dict[str, Any]:
+    ids = source_ids(src)
     if src.request_principals or src.trust_domains:
         # No RequestAuthentication (jwt_authn) here: a rule needing a JWT identity never matches.
         notes.append(
@@ -247,13 +254,25 @@ def _when(c: Condition, notes: list[str]) -> tuple[list[dict[str, Any]], list[di
 
 
 def rule_policy(rule: AuthorizationRule, notes: list[str]) -> dict[str, Any]:
+    return assemble_policy(rule, notes, _operation, _source, rule.when)
+
+
+def assemble_policy(
+    rule: AuthorizationRule,
+    notes: list[str],
+    operation: Callable[[Operation], dict[str, Any]],
+    source: Callable[[Source, list[str]], dict[str, Any]],
+    when: Iterable[Condition],
+) -> dict[str, Any]:
+    """One rule as an RBAC policy: its operations OR'ed, its sources OR'ed, AND its `when`
+    conditions, each part translated by the given functions (HTTP here, TCP in tcp_authz.py)."""
     permissions: list[dict[str, Any]] = []
     principals: list[dict[str, Any]] = []
     if rule.operations:
-        permissions.append(_or_p([_operation(op) for op in rule.operations]))
+        permissions.append(_or_p([operation(op) for op in rule.operations]))
     if rule.sources:
-        principals.append(_or_id([_source(s, notes) for s in rule.sources]))
-    for c in rule.when:
+        principals.append(_or_id([source(s, notes) for s in rule.sources]))
+    for c in when:
         p, i = _when(c, notes)
         permissions += p
         principals += i

@@ -385,8 +385,21 @@ def test_workload_ports_take_the_protocol_their_services_give() -> None:
     assert list(policies) == ["ns[default]-policy[deny-admin]-rule[0]"]
     assert hcm["accessLog"][0]["name"] == "envoy.access_loggers.http_grpc"
     tcp = chains["direct-tcp"]["filters"]
-    assert [f["name"] for f in tcp] == ["connect_authority", "envoy.filters.network.tcp_proxy"]
-    assert tcp[1]["typedConfig"]["cluster"] == "encap"
+    # The waypoint's DENY (a path only) with TCP semantics: the path is dropped, so it refuses
+    # every workload-addressed TCP connection (fail closed, as istiod).
+    assert [f["name"] for f in tcp] == [
+        "envoy.filters.network.rbac",
+        "connect_authority",
+        "envoy.filters.network.tcp_proxy",
+    ]
+    assert tcp[0]["typedConfig"]["rules"]["action"] == "DENY"
+    assert tcp[0]["typedConfig"]["rules"]["policies"] == {
+        "ns[default]-policy[deny-admin]-rule[0]": {
+            "permissions": [{"any": True}],
+            "principals": [{"any": True}],
+        }
+    }
+    assert tcp[2]["typedConfig"]["cluster"] == "encap"
 
 
 def test_workload_port_protocols_reads_each_services_ports() -> None:

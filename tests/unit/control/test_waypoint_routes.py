@@ -42,12 +42,15 @@ def _index(store: KubeStore) -> WaypointIndex:
 
 
 def http_chains(index: WaypointIndex, key: str = WAYPOINT) -> dict[str, Any]:
-    out = {}
+    """Per chain: an HTTP chain's routes and HTTP filters, a TCP chain's network RBAC filters."""
+    out: dict[str, Any] = {}
     for name, message in index.resources(key).listeners.items():
         if name == "connect_terminate":
             continue
         for chain in json_format.MessageToDict(message).get("filterChains", []):
             for f in chain["filters"]:
+                if f["name"] == "envoy.filters.network.rbac":
+                    out.setdefault(chain["name"], {"networkFilters": []})["networkFilters"].append(f)
                 if f["name"] == "envoy.filters.network.http_connection_manager":
                     hcm = f["typedConfig"]
                     out[chain["name"]] = {
