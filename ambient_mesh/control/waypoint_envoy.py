@@ -1,9 +1,10 @@
 """The Envoy configuration of one waypoint: Listeners, Clusters and ClusterLoadAssignments.
 
 Counterpart: istiod pilot/pkg/networking/core/{listener_waypoint.go, cluster_waypoint.go,
-waypoint.go} and pilot/pkg/xds/endpoints/endpoint_builder.go, for a single network and without
-routes or L7 policy (HTTPRoute, VirtualService and AuthorizationPolicy come in a later part; every
-HTTP port gets istiod's default route).
+waypoint.go} and pilot/pkg/xds/endpoints/endpoint_builder.go, for a single network. The routes
+and the HTTP authorization of each HTTP chain come from waypoint_l7.py (translate/http_routes.py,
+translate/l7_authz.py; an HTTP port without routes gets istiod's default route), the network
+authorization of each TCP chain from translate/tcp_authz.py.
 
 The input is what this control plane already serves ztunnel (`istio.workload.Address`): a
 Service whose `waypoint` names this waypoint is served by it (chains by VIP and port), a
