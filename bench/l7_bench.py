@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import datetime
 import json
 import os
@@ -57,6 +58,7 @@ from waypoint_bench import (  # noqa: E402
     wait,
 )
 
+from ambient_mesh.control import waypoint_l7  # noqa: E402
 from ambient_mesh.host.commands import SubprocessRunner  # noqa: E402
 from ambient_mesh.host.netns import http_get  # noqa: E402
 from tests.helpers.waypoint_mesh import ALLOW_CLIENT_AND_WAYPOINT, running_waypoint_mesh  # noqa: E402
@@ -145,22 +147,13 @@ def static_rbac() -> dict[str, Any]:
 
 
 def static_access_log(cluster: str) -> dict[str, Any]:
-    return {
-        "name": "envoy.access_loggers.http_grpc",
-        "typed_config": {
-            "@type": T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
-            "common_config": {
-                "log_name": "bench",
-                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
-                "transport_api_version": "V3",
-                "buffer_flush_interval": "0.25s",
-                "filter_state_objects_to_log": ["io.istio.peer_principal"],
-                # The same fields as the generated log (waypoint_l7.ACCESS_LOG), so both pay alike.
-                "custom_tags": [{"tag": "route_cluster", "value": "%UPSTREAM_CLUSTER_RAW%"}],
-            },
-            "additional_request_headers_to_log": ["content-type"],
-        },
-    }
+    """The generated access log (waypoint_l7.ACCESS_LOG, the same fields, so both sides pay
+    alike), sent to the bench's own sink."""
+    log = copy.deepcopy(waypoint_l7.ACCESS_LOG[0])
+    common = log["typed_config"]["common_config"]
+    common["log_name"] = "bench"
+    common["grpc_service"] = {"envoy_grpc": {"cluster_name": cluster}}
+    return log
 
 
 def extend_static(boot: dict[str, Any], als_socket: Path) -> dict[str, Any]:

@@ -9,7 +9,24 @@ from ambient_mesh.proxy.hbone import HboneConnection
 from ambient_mesh.transport.relay import Endpoint
 
 
-class Echo(Endpoint):
+class QuietEndpoint(Endpoint):
+    """An app side that ignores flow control and close (the test ends it); subclasses say what
+    happens to the bytes."""
+
+    def abort(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Echo(QuietEndpoint):
     """The app side of a server stream: sends every byte back, half-closes when the client does."""
 
     def __init__(self) -> None:
@@ -23,20 +40,8 @@ class Echo(Endpoint):
     def write_eof(self) -> None:
         self.relay.eof_from(self)
 
-    def abort(self) -> None:
-        pass
 
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Recorder(Endpoint):
+class Recorder(QuietEndpoint):
     def __init__(self) -> None:
         self.relay = None
         self.received = bytearray()
@@ -50,15 +55,6 @@ class Recorder(Endpoint):
 
     def abort(self) -> None:
         self.eof.set()
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 async def wait_until(predicate, timeout: float = 5.0) -> None:
