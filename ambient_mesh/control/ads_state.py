@@ -38,17 +38,20 @@ log = logging.getLogger(__name__)
 # Pushes go out in this order, as ztunnel subscribes: workloads before the policies naming them.
 TYPE_URLS = (ADDRESS_TYPE_URL, AUTHORIZATION_TYPE_URL)
 # What a waypoint's Envoy is served, in push order: clusters before the endpoints they name,
-# both before the listeners routing to them (Envoy's make-before-break order for ADS).
+# both before the listeners and routes that send to them (Envoy's make-before-break order for
+# ADS: CDS, EDS, LDS, RDS).
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 LISTENER_TYPE_URL = "type.googleapis.com/envoy.config.listener.v3.Listener"
-ENVOY_TYPE_URLS = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL)
+ROUTE_TYPE_URL = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+ENVOY_TYPE_URLS = (CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL, ROUTE_TYPE_URL)
 SHORT_TYPE = {
     ADDRESS_TYPE_URL: "Address",
     AUTHORIZATION_TYPE_URL: "Authorization",
     CLUSTER_TYPE_URL: "Cluster",
     ENDPOINT_TYPE_URL: "ClusterLoadAssignment",
     LISTENER_TYPE_URL: "Listener",
+    ROUTE_TYPE_URL: "RouteConfiguration",
 }
 WILDCARD = "*"
 
@@ -802,8 +805,8 @@ class DeltaConnectionState:
             return [
                 self._respond(sub, send, removed, aliases=aliases) for sub, send, removed, aliases in changes
             ]
-        # Envoy, make before break: what is added or updated goes clusters, endpoints, listeners;
-        # what is removed goes after, listeners first, so nothing names a cluster that is gone.
+        # Envoy, make before break: what is added or updated goes clusters, endpoints, listeners,
+        # routes; what is removed goes after, in reverse, so nothing names a cluster that is gone.
         responses = [
             self._respond(sub, send, (), aliases=aliases) for sub, send, _, aliases in changes if send
         ]

@@ -1,4 +1,5 @@
-"""The Envoy configuration of one waypoint: Listeners, Clusters and ClusterLoadAssignments.
+"""The Envoy configuration of one waypoint: Listeners, Clusters, ClusterLoadAssignments and
+connect_terminate's RouteConfiguration.
 
 Counterpart: istiod pilot/pkg/networking/core/{listener_waypoint.go, cluster_waypoint.go,
 waypoint.go} and pilot/pkg/xds/endpoints/endpoint_builder.go, for a single network. The routes
@@ -14,13 +15,15 @@ Envoy v3 messages and parsed into `xds-protos` messages at the end, so the golde
 Envoy's own configuration dumps.
 
 Path of one request (docs/architecture.md, "Waypoints"): ztunnel -> `connect_terminate` (15008,
-HBONE) -> `main_internal` (internal listener, chain by original destination) -> HTTP connection
-manager or TCP proxy -> `inbound-vip|<port>|<http|tcp>|<host>` (EDS; endpoints are the internal
+HBONE; its routes pick the internal listener by the CONNECT's target) -> `main_internal`, or
+`main_internal_sniffed` for a target of unknown protocol (internal listeners, chain by original
+destination) -> HTTP connection manager or TCP proxy -> `inbound-vip|<port>|<http|tcp>|<host>` (EDS; endpoints are the internal
 address `connect_originate` with the pod's `ip:targetPort` as original destination) ->
 `connect_originate` (internal listener, CONNECT `ip:targetPort`) -> cluster `connect_originate`
 (ORIGINAL_DST, port 15008, mTLS h2 with the waypoint's SDS certificate) -> the destination's
-node proxy. Workload-addressed (a pod IP): `main_internal` -> `direct-http` (HTTP connection
-manager) or `direct-tcp` by the protocol the pod's Services give its port -> cluster `encap` ->
+node proxy. Workload-addressed (a pod IP): `direct-http` (HTTP connection manager) or
+`direct-tcp`, by the protocol the pod's Services give its port or the inspector's verdict ->
+cluster `encap` ->
 `connect_originate`, to the CONNECT's own target.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.http.set_filter_state.v3 import set_filter_state_pb2  # noqa: F401
 from envoy.extensions.filters.listener.http_inspector.v3 import http_inspector_pb2  # noqa: F401
@@ -60,11 +64,13 @@ from xds.type.matcher.v3 import ip_pb2  # noqa: F401
 
 from ..ports import HBONE_PORT
 from ..wire.istio.workload import workload_pb2 as wl
-from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+from .ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL, ROUTE_TYPE_URL
 from .envoy_parse_cache import ParseCache
 
 CONNECT_TERMINATE = "connect_terminate"
 MAIN_INTERNAL = "main_internal"
+# Targets of unknown protocol: main_internal with an HTTP inspector (`dispatch`).
+MAIN_INTERNAL_SNIFFED = "main_internal_sniffed"
 CONNECT_ORIGINATE = "connect_originate"
 ENCAP = "encap"
 # The chains of workload-addressed traffic (istiod's names).
@@ -81,9 +87,9 @@ CONNECT_TIMEOUT = "10s"
 # istiod: mesh hboneIdleTimeout, default one hour.
 HBONE_IDLE_TIMEOUT = "3600s"
 ORIGINAL_DST_CLEANUP_INTERVAL = "60s"
-# How long main_internal's HTTP inspector waits for a client's first bytes on a port of unknown
-# protocol before taking the connection as TCP (Envoy's default, 15 s, stalls server-first
-# protocols; istiod's protocolDetectionTimeout once defaulted to 100 ms).
+# How long main_internal_sniffed's HTTP inspector waits for a client's first bytes on a target
+# of unknown protocol before taking the connection as TCP (Envoy's default, 15 s, stalls
+# server-first protocols; istiod's protocolDetectionTimeout once defaulted to 100 ms).
 SNIFF_TIMEOUT = "1s"
 # HTTP/2 keepalive on HBONE termination: a dead node proxy is noticed within half a minute.
 HBONE_KEEPALIVE_INTERVAL = "10s"
@@ -153,12 +159,14 @@ class EnvoyResources:
     listeners: Mapping[str, listener_pb2.Listener]
     clusters: Mapping[str, cluster_pb2.Cluster]
     endpoints: Mapping[str, endpoint_pb2.ClusterLoadAssignment]
+    routes: Mapping[str, route_pb2.RouteConfiguration]
 
     def by_type(self) -> dict[str, Mapping[str, Message]]:
         return {
             CLUSTER_TYPE_URL: self.clusters,
             ENDPOINT_TYPE_URL: self.endpoints,
             LISTENER_TYPE_URL: self.listeners,
+            ROUTE_TYPE_URL: self.routes,
         }
 
 
@@ -365,16 +373,16 @@ def _tcp_proxy(stat_prefix: str, cluster: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _hcm(stat_prefix: str, route_config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+def _hcm(stat_prefix: str, **fields: Any) -> dict[str, Any]:
+    """An HTTP connection manager; `fields` name its routes (`route_config` or `rds`) and more."""
     return {
         "name": "envoy.filters.network.http_connection_manager",
         "typed_config": _typed(
             "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             stat_prefix=stat_prefix,
             use_remote_address=False,
-            route_config=route_config,
             http_filters=[_router()],
-            **extra,
+            **fields,
         ),
     }
 
@@ -404,24 +412,9 @@ def connect_terminate(trust_domains: Iterable[str]) -> dict[str, Any]:
         on_request.append(entry)
     hcm = _hcm(
         CONNECT_TERMINATE,
-        {
-            "name": "default",
-            "virtual_hosts": [
-                {
-                    "name": "default",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"connect_matcher": {}},
-                            "route": {
-                                "cluster": MAIN_INTERNAL,
-                                "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}],
-                            },
-                        }
-                    ],
-                }
-            ],
-        },
+        # Over RDS, so that a change of which targets are sniffed keeps the open tunnels
+        # (`connect_terminate_routes`); istiod inlines one route to main_internal.
+        rds={"config_source": _ads_source(), "route_config_name": CONNECT_TERMINATE},
         server_name="istio-envoy",
         forward_client_cert_details="APPEND_FORWARD",
         set_current_client_cert_details={"subject": True, "uri": True, "dns": True},
@@ -515,7 +508,7 @@ def _waypoint_hcm(
     filters) and the access log from `inputs`."""
     hcm = _hcm(
         stat_prefix,
-        route,
+        route_config=route,
         server_name="istio-envoy",
         normalize_path=True,
         merge_slashes=True,
@@ -589,15 +582,6 @@ def _http_or_tcp(http: str, tcp: str) -> dict[str, Any]:
     }
 
 
-def _direct(protocol: str) -> dict[str, Any]:
-    """Where a workload-addressed port of `protocol` goes."""
-    if protocol == "http":
-        return _string_action(DIRECT_HTTP)
-    if protocol == "auto":
-        return _http_or_tcp(DIRECT_HTTP, DIRECT_TCP)
-    return _string_action(DIRECT_TCP)
-
-
 def _ip_matcher(ranges: list[dict[str, Any]]) -> dict[str, Any]:
     # Anything else (an unknown VIP or port) is closed: istiod's BlackHoleCluster.
     matcher: dict[str, Any] = {"on_no_match": _string_action("blackhole")}
@@ -638,97 +622,150 @@ def _blackhole() -> dict[str, Any]:
     return {"name": "blackhole", "filters": [_tcp_proxy(BLACKHOLE, BLACKHOLE)]}
 
 
-def _sniffed_ports_only(ports: Iterable[int]) -> dict[str, Any]:
-    """`filter_disabled` of main_internal's HTTP inspector: off on every port that is not the
-    port of a service port of unknown protocol (always off when there is none)."""
-    rules = [{"destination_port_range": {"start": p, "end": p + 1}} for p in sorted(set(ports))]
-    if not rules:
-        return {"any_match": True}
-    return {"not_match": rules[0] if len(rules) == 1 else {"or_match": {"rules": rules}}}
+def authority(ip: str, port: int | str) -> str:
+    """A CONNECT target as node proxies write it (`ip_text`'s address; IPv6 in brackets)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-def dispatch_listener(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> dict[str, Any]:
-    """`main_internal`: where a CONNECT's original destination goes, by IP, then port, then (on
-    a port of unknown protocol) the HTTP inspector's verdict.
+def _connect_route(cluster: str) -> dict[str, Any]:
+    return {
+        "match": {"connect_matcher": {}},
+        "route": {"cluster": cluster, "upgrade_configs": [{"upgrade_type": "CONNECT", "connect_config": {}}]},
+    }
 
-    As istiod, one listener whose HTTP inspector is turned off where it has nothing to tell. The
-    inspector runs only on the port numbers of service ports of unknown protocol and of the
-    workload ports such a service port targets: a TCP client that half-closes before a line end
-    is closed by it, and a server-first protocol waits for it, so known TCP ports (of services
-    and of workloads) and workload ports no Service names never meet it. A workload's port goes
-    to direct-http or direct-tcp by the protocol its Services give it (`WaypointInputs.
-    workload_ports`), and a port no Service names is TCP. istiod
-    lists the ports of known protocol instead; listing the sniffed ones keeps the listener's
-    filters unchanged when a service of known protocol comes or goes, so such a push is an
-    in-place filter-chain update that keeps the open tunnels (a listener filter change is a full
-    update, which drains them: that happens only when the set of sniffed port numbers changes).
-    The predicate sees port numbers only, as istiod's: a TCP service that shares its port number
-    with a sniffed one meets the inspector too (its traffic still takes its own chain).
-    An earlier design sniffed in a second internal listener behind a TCP proxy hop; that hop lost
-    responses whose HTTP connection closed after them (docs/architecture.md, "Waypoints")."""
+
+def connect_terminate_routes(sniffed: Iterable[str], known: Iterable[str]) -> dict[str, Any]:
+    """`connect_terminate`'s routes (RDS): which internal listener a CONNECT goes to, by its
+    target. Targets of unknown protocol (`sniffed`: a service's VIP:port, and `<pod ip>:*` for
+    a waypoint's workload) go to main_internal_sniffed, whose HTTP inspector tells HTTP from
+    TCP; everything else (`known`: a workload's ports of known protocol, and `*`) to
+    main_internal, which has no inspector. Envoy matches exact targets first, then the
+    `<ip>:*` prefixes, then `*`."""
+    hosts = [
+        {"name": MAIN_INTERNAL, "domains": ["*", *sorted(known)], "routes": [_connect_route(MAIN_INTERNAL)]}
+    ]
+    sniffed = sorted(sniffed)
+    if sniffed:
+        hosts.append(
+            {
+                "name": MAIN_INTERNAL_SNIFFED,
+                "domains": sniffed,
+                "routes": [_connect_route(MAIN_INTERNAL_SNIFFED)],
+            }
+        )
+    return {"name": CONNECT_TERMINATE, "virtual_hosts": hosts}
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Where a CONNECT's target goes: the two internal listeners, and the routes that pick one."""
+
+    main: dict[str, Any]
+    sniffed: dict[str, Any]
+    routes: dict[str, Any]
+
+
+def dispatch(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> Dispatch:
+    """`main_internal` and `main_internal_sniffed`: chains by original destination (IP, then
+    port, then in the sniffed listener the HTTP inspector's verdict), and connect_terminate's
+    routes, which send each target to the listener of its protocol.
+
+    Targets of known protocol never meet an HTTP inspector (a TCP client that half-closes before
+    a line end would be closed by it, and a server-first protocol would wait for it). Targets of
+    unknown protocol always do: a service port with neither name nor appProtocol, and, as in
+    istiod, every port of a workload that no Service declares HTTP or TCP (`WaypointInputs.
+    workload_ports`). Both listeners' listener filters are fixed, so no push replaces a
+    listener whole: the set of sniffed targets lives in the routes, which Envoy updates under
+    open tunnels. (istiod keeps one listener whose inspector skips known port numbers, and a
+    change of that list drains every tunnel; an earlier design of ours sniffed behind a second
+    TCP proxy hop, which lost responses whose HTTP connection closed after them:
+    docs/architecture.md, "Waypoints".)"""
     chain = make_chain or (lambda kind, sp, vip: chain_doc(kind, sp, vip, inputs))
-    chains: dict[str, Any] = {}
-    by_ip: dict[str, dict[str, dict[str, Any]]] = {}
-    sniffed_ports: set[int] = set()
+    main = _Dispatched()
+    sniffed = _Dispatched()
+    sniffed_targets: set[str] = set()
+    known_targets: set[str] = set()
     for sp in inputs.services:
         if not sp.vips:
             continue
         stat_vip = sp.vips[0]
         if sp.protocol == "auto":
             for kind in ("http", "tcp"):
-                if sp.cluster(kind) not in chains:
-                    chains[sp.cluster(kind)] = chain(kind, sp, stat_vip)
-            sniffed_ports.add(sp.port)
+                sniffed.add_chain(sp.cluster(kind), partial(chain, kind, sp, stat_vip))
             for vip in sp.vips:
-                by_ip.setdefault(vip, {})[str(sp.port)] = _http_or_tcp(sp.cluster("http"), sp.cluster("tcp"))
+                sniffed.target(vip, str(sp.port), _http_or_tcp(sp.cluster("http"), sp.cluster("tcp")))
+                sniffed_targets.add(authority(vip, sp.port))
             continue
-        if sp.cluster(sp.protocol) not in chains:
-            chains[sp.cluster(sp.protocol)] = chain(sp.protocol, sp, stat_vip)
+        main.add_chain(sp.cluster(sp.protocol), partial(chain, sp.protocol, sp, stat_vip))
         for vip in sp.vips:
-            by_ip.setdefault(vip, {})[str(sp.port)] = _string_action(sp.cluster(sp.protocol))
-    workload_ips = [ip for ip in inputs.workload_ips if ip not in by_ip]
+            main.target(vip, str(sp.port), _string_action(sp.cluster(sp.protocol)))
+    workload_ips = [ip for ip in inputs.workload_ips if ip not in main.by_ip and ip not in sniffed.by_ip]
     if workload_ips:
-        # Workload-addressed: straight to the pod through HBONE (`encap`), by the protocol its
-        # Services give the pod's port (docs/architecture.md, "Waypoints"): HTTP on direct-http,
-        # TCP on direct-tcp, a Service port of unknown protocol by the inspector's verdict (its
-        # target port number is sniffed), and a port no Service names as TCP. istiod sniffs
-        # every workload port; the inspector's predicate sees port numbers only, so sniffing
-        # them all would put it before every known TCP port too.
-        used = {DIRECT_TCP}
+        # Workload-addressed: straight to the pod through HBONE (`encap`), HTTP on direct-http
+        # and TCP on direct-tcp, by the protocol the pod's Services give its port; any other
+        # port is sniffed. In main_internal an unlisted port is TCP: only a target Envoy did not
+        # match exactly (another spelling of the address) gets there.
         for ip in workload_ips:
-            ports: dict[str, dict[str, Any]] = {"*": _string_action(DIRECT_TCP)}
+            main.target(ip, "*", _string_action(DIRECT_TCP))
+            sniffed.target(ip, "*", _http_or_tcp(DIRECT_HTTP, DIRECT_TCP))
+            sniffed_targets.add(authority(ip, "*"))
             for port, protocol in inputs.workload_ports.get(ip, ()):
-                if protocol == "tcp":
-                    continue  # the default
-                ports[str(port)] = _direct(protocol)
-                used.add(DIRECT_HTTP)
                 if protocol == "auto":
-                    sniffed_ports.add(port)
-            by_ip.setdefault(ip, {}).update(ports)
-        chains[DIRECT_TCP] = _direct_tcp_chain(inputs)
-        if DIRECT_HTTP in used:
-            chains[DIRECT_HTTP] = direct_http_chain(inputs)
-    chains["blackhole"] = _blackhole()
+                    continue  # sniffed, with the pod's ports no Service names
+                known_targets.add(authority(ip, port))
+                if protocol == "http":
+                    main.target(ip, str(port), _string_action(DIRECT_HTTP))
+                    main.add_chain(DIRECT_HTTP, partial(direct_http_chain, inputs))
+        main.add_chain(DIRECT_TCP, partial(_direct_tcp_chain, inputs))
+        sniffed.add_chain(DIRECT_TCP, partial(_direct_tcp_chain, inputs))
+        sniffed.add_chain(DIRECT_HTTP, partial(direct_http_chain, inputs))
     inspector = _listener_filter(
         "envoy.filters.listener.http_inspector",
         "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
     )
-    inspector["filter_disabled"] = _sniffed_ports_only(sniffed_ports)
-    return {
-        "name": MAIN_INTERNAL,
-        "internal_listener": {},
-        "traffic_direction": "INBOUND",
-        "listener_filters": [
-            _listener_filter(_ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"),
-            inspector,
-        ],
-        # A server-first protocol on a sniffed port waits this long for the client's first
-        # bytes, then is TCP.
-        "listener_filters_timeout": SNIFF_TIMEOUT,
-        "continue_on_listener_filters_timeout": True,
-        "filter_chain_matcher": _ip_matcher(_by_ip(by_ip)),
-        "filter_chains": [chains[name] for name in sorted(chains)],
-    }
+    return Dispatch(
+        main=main.listener(MAIN_INTERNAL, []),
+        sniffed={
+            **sniffed.listener(MAIN_INTERNAL_SNIFFED, [inspector]),
+            # A server-first protocol on a sniffed target waits this long for the client's
+            # first bytes, then is TCP.
+            "listener_filters_timeout": SNIFF_TIMEOUT,
+            "continue_on_listener_filters_timeout": True,
+        },
+        routes=connect_terminate_routes(sniffed_targets, known_targets),
+    )
+
+
+class _Dispatched:
+    """One internal listener's chains and its matcher's table, as `dispatch` fills them."""
+
+    def __init__(self) -> None:
+        self.chains: dict[str, Any] = {}
+        self.by_ip: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def add_chain(self, name: str, make: Callable[[], Any]) -> None:
+        if name not in self.chains:
+            self.chains[name] = make()
+
+    def target(self, ip: str, port: str, action: dict[str, Any]) -> None:
+        """Send `ip`:`port` (`*`: its every other port) to `action`."""
+        self.by_ip.setdefault(ip, {})[port] = action
+
+    def listener(self, name: str, inspectors: list[dict[str, Any]]) -> dict[str, Any]:
+        chains = {**self.chains, "blackhole": _blackhole()}
+        return {
+            "name": name,
+            "internal_listener": {},
+            "traffic_direction": "INBOUND",
+            "listener_filters": [
+                _listener_filter(
+                    _ORIGINAL_DST, "envoy.extensions.filters.listener.original_dst.v3.OriginalDst"
+                ),
+                *inspectors,
+            ],
+            "filter_chain_matcher": _ip_matcher(_by_ip(self.by_ip)),
+            "filter_chains": [chains[n] for n in sorted(chains)],
+        }
 
 
 def connect_originate_listener() -> dict[str, Any]:
@@ -847,9 +884,11 @@ def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> 
     again: `_cached_build`)."""
     if cache is not None:  # part 2 hook: envoy_parse_cache.py
         return _cached_build(inputs, cache)
+    targets = dispatch(inputs)
     listeners = [
         connect_terminate(inputs.trust_domains),
-        dispatch_listener(inputs),
+        targets.main,
+        targets.sniffed,
         connect_originate_listener(),
     ]
     clusters = _fixed_clusters(inputs)
@@ -861,12 +900,14 @@ def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> 
         listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
         clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},
         endpoints={d["cluster_name"]: _parse(d, endpoint_pb2.ClusterLoadAssignment()) for d in assignments},
+        routes={CONNECT_TERMINATE: _parse(targets.routes, route_pb2.RouteConfiguration())},
     )
 
 
 def _fixed_clusters(inputs: WaypointInputs) -> list[dict[str, Any]]:
     return [
         _static_internal(MAIN_INTERNAL, MAIN_INTERNAL),
+        _static_internal(MAIN_INTERNAL_SNIFFED, MAIN_INTERNAL_SNIFFED),
         _static_internal(ENCAP, CONNECT_ORIGINATE),
         connect_originate_cluster(inputs.trust_domains),
         {"name": BLACKHOLE, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT},
@@ -900,9 +941,11 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
             listener_components_pb2.FilterChain,
         )
 
+    targets = dispatch(inputs, make_chain)
     listeners = [
         connect_terminate(inputs.trust_domains),
-        dispatch_listener(inputs, make_chain),
+        targets.main,
+        targets.sniffed,
         connect_originate_listener(),
     ]
     clusters = {d["name"]: cache.parse(d, cluster_pb2.Cluster) for d in _fixed_clusters(inputs)}
@@ -922,6 +965,7 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
         },
         clusters=clusters,
         endpoints=endpoints,
+        routes={CONNECT_TERMINATE: cache.parse(targets.routes, route_pb2.RouteConfiguration)},
     )
     cache.end_build()
     return resources

@@ -9,9 +9,10 @@ Deployment's new pod is ready (the gap is measured and printed); deleting the Ga
 its objects.
 
 The server's Service port has no name (its protocol sniffed by the waypoint's HTTP inspector in
-main_internal), the canary's is named `http` (known): both paths carry the L7 checks, and the
-sniffed one the pod restart. (A second sniffing listener, since removed, once lost responses
-there and made a waypoint pod reset every stream after a restart.)"""
+main_internal_sniffed), the canary's is named `http` (known, main_internal): both paths carry the
+L7 checks, and the sniffed one the pod restart. (A sniffing listener reached through a second
+internal hop, since removed, once lost responses there and made a waypoint pod reset every
+stream after a restart.)"""
 
 from __future__ import annotations
 

@@ -10,7 +10,12 @@ from envoy.config.core.v3 import base_pb2
 from google.protobuf import struct_pb2
 
 from ambient_mesh.control.ads import AdsServer
-from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+from ambient_mesh.control.ads_state import (
+    CLUSTER_TYPE_URL,
+    ENDPOINT_TYPE_URL,
+    LISTENER_TYPE_URL,
+    ROUTE_TYPE_URL,
+)
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_index import WaypointIndex
 from ambient_mesh.kube.load import load_directory
@@ -56,8 +61,14 @@ async def test_waypoint_and_ztunnel_on_one_server():
             "connect_originate",
             "connect_terminate",
             "main_internal",
+            "main_internal_sniffed",
         ]
         await envoy.ack(lds)
+        # connect_terminate's routes, which the listener names, by name.
+        envoy.send(type_url=ROUTE_TYPE_URL, resource_names_subscribe=["connect_terminate"])
+        rds = await envoy.recv()
+        assert names(rds) == ["connect_terminate"]
+        await envoy.ack(rds)
         ztunnel = Proxy(ch)
         ztunnel.send(type_url=ADDRESS_TYPE_URL, node=node("ztunnel-a"))
         wds = await ztunnel.recv()
@@ -68,6 +79,7 @@ async def test_waypoint_and_ztunnel_on_one_server():
             CLUSTER_TYPE_URL,
             ENDPOINT_TYPE_URL,
             LISTENER_TYPE_URL,
+            ROUTE_TYPE_URL,
         }
         # Removing the Gateway's services' label: the echo cluster is removed from the waypoint.
         echo_key = "default/echo.default.svc.cluster.local"

@@ -10,7 +10,8 @@ Each process runs in its own namespace on a fabric, as pods do, so the waypoint'
     waypoint  ambient waypoint (Envoy as its child), readiness on 15021
 
 Path under test: client app -> client node proxy -HBONE-> waypoint Envoy (connect_terminate ->
-main_internal -> inbound-vip cluster -> connect_originate) -HBONE-> server node proxy -> app.
+main_internal, or main_internal_sniffed for a target of unknown protocol -> inbound-vip cluster
+-> connect_originate) -HBONE-> server node proxy -> app.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ambient_mesh.host.netns import netns_socket
 from ambient_mesh.http2.connection import RST_STREAM_BURST
 from ambient_mesh.identity.ca import CertificateAuthority
 from ambient_mesh.identity.spiffe import Identity
+from ambient_mesh.waypoint.envoy import DRAIN_TIME_S
 from tests.helpers.waypoint_mesh import (
     ALLOW_CLIENT_AND_WAYPOINT,
     ALLOW_ONLY_CLIENT,
@@ -386,7 +388,7 @@ def _sniffed_service(wmesh):
 
 
 def _sniffed_stats(wmesh) -> str:
-    return wmesh.envoy_stats(SNIFFED_CLUSTER + ".upstream_rq", "main_internal.", "http_inspector.")
+    return wmesh.envoy_stats(SNIFFED_CLUSTER + ".upstream_rq", "main_internal_sniffed.", "http_inspector.")
 
 
 def _server_ready(wmesh, ready: bool) -> None:
@@ -444,8 +446,8 @@ def _keepalive_get(wmesh, vip: str, port: int) -> int:
 
 
 def test_keepalive_requests_on_an_unnamed_port_are_answered(wmesh):
-    # The sniffed path (main_internal's HTTP inspector -> HTTP chain) for clients that keep
-    # their connection: every response arrives whole.
+    # The sniffed path (main_internal_sniffed's HTTP inspector -> HTTP chain) for clients that
+    # keep their connection: every response arrives whole.
     with _sniffed_service(wmesh):
         wait_condition(
             lambda: _keepalive_get(wmesh, SNIFFED_VIP, 83) == 200, "HTTP through the sniffed port", 30
@@ -473,9 +475,9 @@ def test_requests_that_close_their_connection_on_an_unnamed_port_are_answered(wm
 
 
 def test_an_unnamed_port_through_the_waypoint_survives_a_restart_of_its_pod(wmesh):
-    # A port with neither name nor appProtocol is sniffed (main_internal's inspector). Every request
-    # must be answered, before the pod behind it goes away (not ready, its app stopped) and
-    # after it comes back.
+    # A port with neither name nor appProtocol is sniffed (main_internal_sniffed's inspector).
+    # Every request must be answered, before the pod behind it goes away (not ready, its app
+    # stopped) and after it comes back.
     cluster = SNIFFED_CLUSTER
     with _sniffed_service(wmesh) as apps:
         try:
@@ -513,12 +515,54 @@ def test_an_unnamed_port_through_the_waypoint_survives_a_restart_of_its_pod(wmes
 
 
 def test_a_known_tcp_port_never_meets_the_inspector(wmesh):
-    # With a sniffed port served, main_internal's HTTP inspector is on for that port number
-    # only. A TCP client on the named TCP port that sends no line end and half-closes must get
-    # its echo: an inspector would close it (downstream_listener_filter_remote_close).
+    # With a sniffed port served, its VIP:port goes to main_internal_sniffed and everything of
+    # known protocol to main_internal, which has no inspector. A TCP client on the named TCP port
+    # that sends no line end and half-closes must get its echo: an inspector would close it
+    # (downstream_listener_filter_remote_close).
     with _sniffed_service(wmesh):
         wait_condition(lambda: wmesh.http_get(SNIFFED_VIP, 83)[0] == 200, "HTTP through the sniffed port", 30)
         _half_closed_echoes(wmesh, TCP_VIP, 9000, "main_internal.")
+
+
+def test_a_push_that_adds_or_removes_a_sniffed_port_number_keeps_open_tunnels(wmesh):
+    # The first Service port of unknown protocol on a new port number, then its removal: the
+    # tunnel held to the TCP service must outlive both pushes by more than the waypoint's drain
+    # time (a listener whose listener filters change is replaced whole, and its connections are
+    # closed when that drain ends).
+    held = wmesh.socks(TCP_VIP, 9000)
+    try:
+        held.sendall(b"before")
+        assert recv_exactly(held, 6) == b"before"
+        with _sniffed_service(wmesh):
+            wait_condition(
+                lambda: wmesh.http_get(SNIFFED_VIP, 83)[0] == 200, "HTTP through the sniffed port", 30
+            )
+            time.sleep(DRAIN_TIME_S + 1)
+            _echo_or_fail(wmesh, held, b"added!", "the sniffed port's push")
+        wait_condition(
+            lambda: _endpoint_count(wmesh, SNIFFED_CLUSTER) == 0 and SNIFFED_CLUSTER not in _clusters(wmesh),
+            "the sniffed service to leave the waypoint",
+            30,
+        )
+        time.sleep(DRAIN_TIME_S + 1)
+        _echo_or_fail(wmesh, held, b"gone!!", "the sniffed port's removal")
+    finally:
+        held.close()
+
+
+def _clusters(wmesh) -> str:
+    return wmesh.envoy_admin("/clusters").decode(errors="replace")
+
+
+def _echo_or_fail(wmesh, held: socket.socket, data: bytes, after: str) -> None:
+    try:
+        held.sendall(data)
+        assert recv_exactly(held, len(data)) == data
+    except OSError as e:
+        pytest.fail(
+            f"the held tunnel closed after {after}: {e}\n"
+            f"{wmesh.envoy_stats('listener_manager.', 'main_internal')}"
+        )
 
 
 def _half_closed_echoes(wmesh, ip: str, port: int, stats: str) -> None:
@@ -679,11 +723,24 @@ def _answered_by(wmesh, ip: str, port: int) -> tuple[int, str]:
         return status, body[:80].decode(errors="replace")
 
 
-def test_a_pod_port_of_unknown_protocol_is_sniffed_to_direct_http_or_direct_tcp(wmesh):
-    # The sniffed Service's target port (no name, no appProtocol) on the pod: the inspector runs
-    # on that port number, HTTP takes direct-http, anything else direct-tcp.
+@contextlib.contextmanager
+def _sniffed_app_only(wmesh):
+    """The sniffed Service's app on the server pod, with no Service naming its port."""
+    app = _start_sniffed_app(wmesh)
+    try:
+        yield [app]
+    finally:
+        app.terminate()
+
+
+@pytest.mark.parametrize("named_by", ["a service port of unknown protocol", "no service"])
+def test_a_pod_port_of_unknown_protocol_is_sniffed_to_direct_http_or_direct_tcp(wmesh, named_by):
+    # A pod port that a Service names with neither name nor appProtocol, or that no Service
+    # names (istiod sniffs every workload port): main_internal_sniffed's inspector tells HTTP,
+    # which takes direct-http, from anything else, which takes direct-tcp.
     pod = str(wmesh.server.ipv4)
-    with _sniffed_service(wmesh), _server_uses_the_waypoint(wmesh):
+    app = _sniffed_app_only if named_by == "no service" else _sniffed_service
+    with app(wmesh), _server_uses_the_waypoint(wmesh):
         before = _counter(wmesh, "http.direct-http.downstream_rq_completed")
         wait_condition(
             lambda: (

@@ -13,7 +13,7 @@ import os
 
 import pytest
 from envoy.config.core.v3 import base_pb2
-from envoy.config.listener.v3 import listener_components_pb2
+from envoy.config.route.v3 import route_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format, struct_pb2
 
@@ -21,6 +21,7 @@ from ambient_mesh.control.ads_state import (
     CLUSTER_TYPE_URL,
     ENDPOINT_TYPE_URL,
     LISTENER_TYPE_URL,
+    ROUTE_TYPE_URL,
     AdsRefused,
     DeltaConnectionState,
     ProxyInfo,
@@ -31,8 +32,9 @@ from ambient_mesh.control.waypoint_envoy import (
     Endpoint,
     ServicePort,
     WaypointInputs,
+    authority,
     build_resources,
-    dispatch_listener,
+    dispatch,
 )
 from ambient_mesh.control.waypoint_index import WaypointIndex, waypoint_key
 from ambient_mesh.identity.spiffe import Identity
@@ -67,6 +69,7 @@ def _render(case: str) -> str:
                 ("listeners", resources.listeners),
                 ("clusters", resources.clusters),
                 ("endpoints", resources.endpoints),
+                ("routes", resources.routes),
             )
         }
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
@@ -86,7 +89,7 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     index = WaypointIndex()
     index.reset(translate(_store("echo"), MeshSettings()).addresses)
     r = index.resources(WAYPOINT)
-    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
+    assert set(r.listeners) == LISTENERS
     assert {
         "inbound-vip|80|http|echo.default.svc.cluster.local",
         "inbound-vip|5432|tcp|db.default.svc.cluster.local",
@@ -99,74 +102,114 @@ def test_generated_configuration_has_the_waypoint_path() -> None:
     echo = r.endpoints["inbound-vip|80|http|echo.default.svc.cluster.local"]
     ids = [e.endpoint.address.envoy_internal_address.endpoint_id for e in echo.endpoints[0].lb_endpoints]
     assert ids == ["10.0.0.2:8080", "10.0.1.2:8080"]
-    # Every destination is served in main_internal, the port of unknown protocol by its HTTP
-    # inspector's verdict; the inspector runs on that port only.
+    # Destinations of known protocol are served in main_internal, with no inspector; the port of
+    # unknown protocol in main_internal_sniffed, by its HTTP inspector's verdict.
     main = r.listeners["main_internal"]
     assert {c.name for c in main.filter_chains} == {
         "inbound-vip|80|http|echo.default.svc.cluster.local",
         "inbound-vip|5432|tcp|db.default.svc.cluster.local",
-        "inbound-vip|9000|http|misc.default.svc.cluster.local",
-        "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
         "direct-tcp",
         "blackhole",
     }
-    assert [f.name for f in main.listener_filters] == [
-        "envoy.filters.listener.original_dst",
-        "envoy.filters.listener.http_inspector",
-    ]
-    disabled = main.listener_filters[1].filter_disabled
-    assert disabled.not_match.destination_port_range.start == 9000
-    assert disabled.not_match.destination_port_range.end == 9001
-    assert main.continue_on_listener_filters_timeout
-
-
-def _inspector_off(ports: list[int], known: tuple[tuple[int, str], ...] = ()) -> dict[str, object]:
-    """main_internal's `filter_disabled` for services of unknown protocol on `ports` and of
-    known protocol on `known` ((port, "http" or "tcp"), ...)."""
-    services = tuple(
-        ServicePort(
-            hostname=f"s{i}.default.svc.cluster.local",
-            vips=(f"10.96.0.{i + 1}",),
-            port=port,
-            protocol=protocol,
-            endpoints=(Endpoint(ip="10.0.0.2", port=8080),),
-        )
-        for i, (port, protocol) in enumerate([*((p, "auto") for p in ports), *known])
-    )
-    listener = dispatch_listener(
-        WaypointInputs(trust_domains=("cluster.local",), services=services, workload_ips=("10.0.0.2",))
-    )
-    predicate = listener["listener_filters"][1]["filter_disabled"]
-    # A valid message (an or_match needs at least two rules: protoc-gen-validate, checked by Envoy).
-    json_format.ParseDict(predicate, listener_components_pb2.ListenerFilterChainMatchPredicate())
-    return predicate
-
-
-def test_the_inspector_is_off_except_on_sniffed_ports() -> None:
-    assert _inspector_off([]) == {"any_match": True}
-    assert _inspector_off([83]) == {"not_match": {"destination_port_range": {"start": 83, "end": 84}}}
-    assert _inspector_off([90, 83, 90]) == {
-        "not_match": {
-            "or_match": {
-                "rules": [
-                    {"destination_port_range": {"start": 83, "end": 84}},
-                    {"destination_port_range": {"start": 90, "end": 91}},
-                ]
-            }
-        }
+    assert [f.name for f in main.listener_filters] == ["envoy.filters.listener.original_dst"]
+    sniffed = r.listeners["main_internal_sniffed"]
+    assert {c.name for c in sniffed.filter_chains} == {
+        "inbound-vip|9000|http|misc.default.svc.cluster.local",
+        "inbound-vip|9000|tcp|misc.default.svc.cluster.local",
+        "direct-http",
+        "direct-tcp",
+        "blackhole",
     }
-    # Services of known protocol (and workloads) never change the listener filters: pushes of
-    # them stay in-place updates. Only the set of sniffed port numbers does.
-    assert _inspector_off([83], known=((80, "http"), (9000, "tcp"), (83, "tcp"))) == _inspector_off([83])
-    assert _inspector_off([], known=((80, "http"),)) == _inspector_off([])
+    assert [(f.name, f.HasField("filter_disabled")) for f in sniffed.listener_filters] == [
+        ("envoy.filters.listener.original_dst", False),
+        ("envoy.filters.listener.http_inspector", False),
+    ]
+    assert sniffed.continue_on_listener_filters_timeout
+    # connect_terminate takes its routes over RDS; they send misc's VIP:port to the inspector.
+    hcm = json_format.MessageToDict(r.listeners["connect_terminate"])["filterChains"][0]["filters"][0]
+    assert hcm["typedConfig"]["rds"]["routeConfigName"] == "connect_terminate"
+    routes = _targets(r.routes["connect_terminate"])
+    # misc's port (of unknown protocol) and every port of the waypoint's workload but its known one.
+    assert routes["main_internal_sniffed"] == ["10.0.0.3:*", "10.96.0.12:9000"]
+    assert routes["main_internal"][0] == "*"
+
+
+LISTENERS = {"connect_terminate", "main_internal", "main_internal_sniffed", "connect_originate"}
+
+
+def _targets(routes: object) -> dict[str, list[str]]:
+    """connect_terminate's routes: internal listener -> the CONNECT targets sent to it."""
+    doc = routes if isinstance(routes, dict) else json_format.MessageToDict(routes)  # type: ignore[arg-type]
+    out = {}
+    for host in doc.get("virtual_hosts", doc.get("virtualHosts", [])):
+        (route,) = host["routes"]
+        out[route["route"]["cluster"]] = host["domains"]
+    return out
+
+
+def _service_port(i: int, port: int, protocol: str) -> ServicePort:
+    return ServicePort(
+        hostname=f"s{i}.default.svc.cluster.local",
+        vips=(f"10.96.0.{i + 1}", f"fd00::{i + 1}"),
+        port=port,
+        protocol=protocol,
+        endpoints=(Endpoint(ip="10.0.0.2", port=8080),),
+    )
+
+
+def test_only_targets_of_unknown_protocol_meet_the_inspector() -> None:
+    services = (_service_port(0, 83, "auto"), _service_port(1, 83, "tcp"), _service_port(2, 80, "http"))
+    built = dispatch(
+        WaypointInputs(
+            trust_domains=("cluster.local",),
+            services=services,
+            workload_ips=("10.0.0.2", "fd00:10::2"),
+            workload_ports={"10.0.0.2": ((9000, "tcp"), (8080, "http"), (7070, "auto"))},
+        )
+    )
+    # By VIP and port, not port number alone: s1 shares port 83 with the sniffed s0 and never
+    # meets the inspector. A workload's ports of known protocol are listed; all its others are
+    # sniffed (`ip:*`), as istiod sniffs every workload port.
+    assert _targets(built.routes) == {
+        "main_internal": ["*", "10.0.0.2:8080", "10.0.0.2:9000"],
+        "main_internal_sniffed": ["10.0.0.2:*", "10.96.0.1:83", "[fd00:10::2]:*", "[fd00::1]:83"],
+    }
+    assert authority("fd00::1", 83) == "[fd00::1]:83"
+    json_format.ParseDict(built.routes, route_pb2.RouteConfiguration())
+
+
+def test_no_push_changes_a_listeners_listener_filters() -> None:
+    # A listener whose listener filters change is replaced whole, and Envoy closes its tunnels
+    # when the drain ends. Whatever the waypoint serves, both internal listeners keep theirs:
+    # which targets are sniffed lives in connect_terminate's routes.
+    def filters(inputs: WaypointInputs) -> tuple[object, ...]:
+        built = dispatch(inputs)
+        keep = ("listener_filters", "listener_filters_timeout", "continue_on_listener_filters_timeout")
+        return tuple(
+            {k: v for k, v in listener.items() if k in keep} for listener in (built.main, built.sniffed)
+        )
+
+    empty = filters(WaypointInputs(trust_domains=("cluster.local",), services=(), workload_ips=()))
+    protocols = ("auto", "tcp", "http")
+    for n in range(8):
+        services = tuple(_service_port(i, 80 + i % 3, protocols[(n + i) % 3]) for i in range(n))
+        ports = {"10.0.0.2": tuple((7000 + i, protocols[(n * i) % 3]) for i in range(n))}
+        inputs = WaypointInputs(
+            trust_domains=("cluster.local",),
+            services=services,
+            workload_ips=("10.0.0.2",) if n % 2 else (),
+            workload_ports=ports,
+        )
+        assert filters(inputs) == empty, n
 
 
 def test_a_waypoint_nobody_uses_still_terminates_hbone() -> None:
     r = build_resources(WaypointIndex().inputs("ns/none.ns.svc.cluster.local"))
-    assert set(r.listeners) == {"connect_terminate", "main_internal", "connect_originate"}
+    assert set(r.listeners) == LISTENERS
     assert [c.name for c in r.listeners["main_internal"].filter_chains] == ["blackhole"]
-    # Nothing to sniff: the inspector is off everywhere.
-    assert r.listeners["main_internal"].listener_filters[1].filter_disabled.any_match
+    assert [c.name for c in r.listeners["main_internal_sniffed"].filter_chains] == ["blackhole"]
+    # Nothing to sniff: every target goes to main_internal.
+    assert _targets(r.routes["connect_terminate"]) == {"main_internal": ["*"]}
     assert r.endpoints == {}
 
 
@@ -199,9 +242,10 @@ def test_incremental_upkeep_equals_a_fresh_build() -> None:
     assert second.changed is not None
     assert "inbound-vip|80|http|echo.default.svc.cluster.local" in second.changed[CLUSTER_TYPE_URL]
     assert "connect_originate" not in second.changed[LISTENER_TYPE_URL]
-    # The listener's filters change only with the sniffed port numbers (echo's port is HTTP):
-    # the push stays an in-place update that keeps the open tunnels.
-    assert first_listener_filters(first, "main_internal") == first_listener_filters(second, "main_internal")
+    # The listeners' filters never change: the push is an in-place update that keeps the open
+    # tunnels.
+    for name in ("main_internal", "main_internal_sniffed"):
+        assert first_listener_filters(first, name) == first_listener_filters(second, name)
     assert "main_internal" in second.changed[LISTENER_TYPE_URL]
     assert (
         second.of(LISTENER_TYPE_URL)["connect_terminate"] is first.of(LISTENER_TYPE_URL)["connect_terminate"]
@@ -277,8 +321,15 @@ def test_envoy_delta_ads_wildcard_then_eds_then_incremental_push() -> None:
     )
     assert sorted(r.name for r in eds.resources) == eds_names
     [lds] = state.receive(discovery_pb2.DeltaDiscoveryRequest(type_url=LISTENER_TYPE_URL))
-    assert len(lds.resources) == 3
-    for resp in (cds, eds, lds):
+    assert len(lds.resources) == 4
+    # And for connect_terminate's routes, by name.
+    [rds] = state.receive(
+        discovery_pb2.DeltaDiscoveryRequest(
+            type_url=ROUTE_TYPE_URL, resource_names_subscribe=["connect_terminate"]
+        )
+    )
+    assert [r.name for r in rds.resources] == ["connect_terminate"]
+    for resp in (cds, eds, lds, rds):
         assert (
             state.receive(
                 discovery_pb2.DeltaDiscoveryRequest(type_url=resp.type_url, response_nonce=resp.nonce)
@@ -323,26 +374,34 @@ def test_waypoint_is_refused_without_a_generator() -> None:
 DIRECT = "default/waypoint.default.svc.cluster.local"
 
 
-def _main_internal(index: WaypointIndex) -> dict[str, object]:
-    listener = index.resources(DIRECT).listeners["main_internal"]
-    return json_format.MessageToDict(listener)
+def _listener(index: WaypointIndex, name: str = "main_internal") -> dict[str, object]:
+    return json_format.MessageToDict(index.resources(DIRECT).listeners[name])
 
 
-def _direct_ports(main: dict[str, object]) -> dict[str, object]:
-    """The port map of the one workload IP of the `direct` case: port -> chain name, or
-    "sniffed" for the inspector's verdict between direct-http and direct-tcp; "*" the rest."""
-    ranges = main["filterChainMatcher"]["matcherTree"]["customMatch"]["typedConfig"]["rangeMatchers"]  # type: ignore[index]
+def _direct_ports(listener: dict[str, object]) -> dict[str, object]:
+    """The port map of the one workload IP of the `direct` case in an internal listener: port ->
+    chain name, or "sniffed" for the inspector's verdict between direct-http and direct-tcp; "*"
+    the rest."""
+    ranges = listener["filterChainMatcher"]["matcherTree"]["customMatch"]["typedConfig"]["rangeMatchers"]  # type: ignore[index]
     (entry,) = ranges
-    by_port = entry["onMatch"]["matcher"]
-    out: dict[str, object] = {"*": by_port["onNoMatch"]["action"]["name"]}
-    for port, action in by_port["matcherTree"]["exactMatchMap"]["map"].items():
+
+    def verdict(action: dict[str, object]) -> object:
         if "action" in action:
-            out[port] = action["action"]["name"]
-        else:
-            tree = action["matcher"]
-            verdicts = {a["action"]["name"] for a in tree["matcherTree"]["exactMatchMap"]["map"].values()}
-            out[port] = ("sniffed", sorted(verdicts), tree["onNoMatch"]["action"]["name"])
-    return out
+            return action["action"]["name"]  # type: ignore[index]
+        tree = action["matcher"]
+        if "application-protocol" not in json.dumps(tree):
+            return _direct_ports_of(tree)  # type: ignore[arg-type]
+        verdicts = {a["action"]["name"] for a in tree["matcherTree"]["exactMatchMap"]["map"].values()}  # type: ignore[index]
+        return ("sniffed", sorted(verdicts), tree["onNoMatch"]["action"]["name"])  # type: ignore[index]
+
+    def _direct_ports_of(by_port: dict[str, object]) -> dict[str, object]:
+        out: dict[str, object] = {"*": verdict(by_port["onNoMatch"])}  # type: ignore[arg-type]
+        for port, action in by_port["matcherTree"]["exactMatchMap"]["map"].items():  # type: ignore[index]
+            out[port] = verdict(action)
+        return out
+
+    found = verdict(entry["onMatch"])
+    return found if isinstance(found, dict) else {"*": found}
 
 
 def test_workload_ports_take_the_protocol_their_services_give() -> None:
@@ -350,23 +409,23 @@ def test_workload_ports_take_the_protocol_their_services_give() -> None:
     index = WaypointIndex()
     index.update_l7(store, None)
     index.reset(translate(store, MeshSettings()).addresses)
-    main = _main_internal(index)
+    main = _listener(index)
     sniffed = ("sniffed", ["direct-http"], "direct-tcp")
-    # HTTP (web's `http`) is direct-http, TCP (echo's `tcp-echo`) and every port no Service
-    # names are direct-tcp, unknown (misc) and disputed (8081: http-alt and tcp-alt) sniffed.
-    assert _direct_ports(main) == {"*": "direct-tcp", "8080": "direct-http", "7070": sniffed, "8081": sniffed}
-    # The inspector runs on the sniffed target ports only: 9000 (known TCP) never meets it.
-    disabled = main["listenerFilters"][1]["filterDisabled"]  # type: ignore[index]
-    assert disabled == {
-        "notMatch": {
-            "orMatch": {
-                "rules": [
-                    {"destinationPortRange": {"start": 7070, "end": 7071}},
-                    {"destinationPortRange": {"start": 8081, "end": 8082}},
-                ]
-            }
-        }
+    # HTTP (web's `http`) is direct-http and TCP (echo's `tcp-echo`) direct-tcp in main_internal;
+    # every other port (misc's of unknown protocol, 8081 disputed by http-alt and tcp-alt, and
+    # the ports no Service names) is sniffed.
+    assert _direct_ports(main) == {"*": "direct-tcp", "8080": "direct-http"}
+    assert _direct_ports(_listener(index, "main_internal_sniffed")) == {"*": sniffed}
+    pod = next(
+        d for d in _targets(index.resources(DIRECT).routes["connect_terminate"])["main_internal_sniffed"]
+    )
+    ip = pod.removesuffix(":*")
+    assert _targets(index.resources(DIRECT).routes["connect_terminate"]) == {
+        "main_internal": ["*", f"{ip}:8080", f"{ip}:9000"],
+        "main_internal_sniffed": [f"{ip}:*"],
     }
+    # No inspector in main_internal: 9000 (known TCP) never meets one.
+    assert [f["name"] for f in main["listenerFilters"]] == ["envoy.filters.listener.original_dst"]  # type: ignore[index]
     chains = {c["name"]: c for c in main["filterChains"]}  # type: ignore[index]
     assert set(chains) == {"direct-http", "direct-tcp", "blackhole"}
     # direct-http: the original destination handed on, then Istio's HCM with the waypoint's
@@ -427,11 +486,11 @@ def test_workload_port_protocols_reads_each_services_ports() -> None:
     assert workload_port_protocols(w2, services) == ((8080, "http"),)
 
 
-def test_known_tcp_workload_ports_never_change_the_listener_filters() -> None:
-    # A pod with TCP ports only: direct-tcp and no HCM; its ports coming and going leave the
-    # inspector's predicate as it is (an in-place filter-chain update that keeps the tunnels).
-    def listener(ports: dict[str, tuple[tuple[int, str], ...]]) -> dict[str, object]:
-        return dispatch_listener(
+def test_known_tcp_workload_ports_need_no_http_chain() -> None:
+    # A pod with TCP ports only: direct-tcp and no HCM in main_internal; the sniffed listener
+    # has both, for the pod's other ports.
+    def built(ports: dict[str, tuple[tuple[int, str], ...]]):  # type: ignore[no-untyped-def]
+        return dispatch(
             WaypointInputs(
                 trust_domains=("cluster.local",),
                 services=(),
@@ -440,19 +499,18 @@ def test_known_tcp_workload_ports_never_change_the_listener_filters() -> None:
             )
         )
 
-    none = listener({})
-    tcp = listener({"10.0.0.2": ((9000, "tcp"),), "10.0.0.3": ((5432, "tcp"),)})
-    http = listener({"10.0.0.2": ((8080, "http"),)})
-    assert none["listener_filters"] == tcp["listener_filters"] == http["listener_filters"]
-    assert none["listener_filters"][1]["filter_disabled"] == {"any_match": True}
-    assert [c["name"] for c in tcp["filter_chains"]] == ["blackhole", "direct-tcp"]
-    assert tcp["filter_chain_matcher"] == none["filter_chain_matcher"]
-    assert [c["name"] for c in http["filter_chains"]] == ["blackhole", "direct-http", "direct-tcp"]
-    # A sniffed workload port number turns the inspector on for that number.
-    auto = listener({"10.0.0.2": ((7070, "auto"),)})
-    assert auto["listener_filters"][1]["filter_disabled"] == {
-        "not_match": {"destination_port_range": {"start": 7070, "end": 7071}}
-    }
+    none = built({})
+    tcp = built({"10.0.0.2": ((9000, "tcp"),), "10.0.0.3": ((5432, "tcp"),)})
+    http = built({"10.0.0.2": ((8080, "http"),)})
+    assert [c["name"] for c in tcp.main["filter_chains"]] == ["blackhole", "direct-tcp"]
+    assert tcp.main["filter_chain_matcher"] == none.main["filter_chain_matcher"]
+    assert [c["name"] for c in http.main["filter_chains"]] == ["blackhole", "direct-http", "direct-tcp"]
+    assert [c["name"] for c in none.sniffed["filter_chains"]] == ["blackhole", "direct-http", "direct-tcp"]
+    assert _targets(tcp.routes)["main_internal"] == ["*", "10.0.0.2:9000", "10.0.0.3:5432"]
+
+
+def _listener_of(index: WaypointIndex) -> dict[str, object]:
+    return json_format.MessageToDict(index.resources(DIRECT).listeners["main_internal"])
 
 
 def test_a_service_change_rebuilds_the_waypoint_of_a_pod_serving_it() -> None:
@@ -470,4 +528,4 @@ def test_a_service_change_rebuilds_the_waypoint_of_a_pod_serving_it() -> None:
     fresh = WaypointIndex()
     fresh.reset(ambient.addresses)
     assert _resources(fresh, DIRECT) == _resources(index, DIRECT)
-    assert _direct_ports(_main_internal(fresh))["9000"] == "direct-http"
+    assert _direct_ports(_listener_of(fresh))["9000"] == "direct-http"
