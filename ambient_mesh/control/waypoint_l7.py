@@ -59,6 +59,10 @@ ACCESS_LOG: tuple[dict[str, Any], ...] = (
                 "custom_tags": [{"tag": ROUTE_CLUSTER_TAG, "value": "%UPSTREAM_CLUSTER_RAW%"}],
             },
             "additional_request_headers_to_log": ["content-type"],
+            # `grpc_response_status`: from the trailers, else the headers of a trailers-only
+            # reply (waypoint/telemetry.py, `grpc_response_status`).
+            "additional_response_headers_to_log": ["grpc-status"],
+            "additional_response_trailers_to_log": ["grpc-status"],
         },
     },
 )

@@ -25,8 +25,10 @@ Host header). Response flags are Envoy's short names in its order (`FI` for a fa
 
 and serves `istio_requests_total`, `istio_request_duration_milliseconds`, `istio_request_bytes`
 and `istio_response_bytes` on the pod's 15020 `/stats/prometheus`, followed by Envoy's own
-(from its admin socket), as pilot-agent merges them. Bytes are headers plus body, as Envoy
-counts them for the access log. Series are bounded (`MAX_SERIES`); entries past it are counted,
+(from its admin socket), as pilot-agent merges them. Bytes are the request's and the
+response's bytes on the downstream connection (the entry's wire bytes), as Istio's stats filter
+counts them; a gRPC request's `grpc_response_status` is read
+as Istio's stats filter reads it (`grpc_response_status`). Series are bounded (`MAX_SERIES`); entries past it are counted,
 not kept.
 """
 
@@ -121,6 +123,38 @@ DURATION_BUCKETS_MS = (
     3600000,
 )
 BYTES_BUCKETS = (1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000, 1000000000)
+
+# gRPC status codes Envoy knows (0 OK to 16 UNAUTHENTICATED); another value is INVALID (-1).
+GRPC_MAX_KNOWN_STATUS = 16
+GRPC_INVALID_STATUS = -1
+# The gRPC status a response without one stands for, by its HTTP status (the mapping gRPC
+# publishes, as Envoy applies it); any other status is UNKNOWN.
+_GRPC_STATUS_OF_HTTP = {400: 13, 401: 16, 403: 7, 404: 12, 429: 14, 502: 14, 503: 14, 504: 14}
+_GRPC_UNKNOWN = 2
+
+
+def is_grpc_content_type(content_type: str) -> bool:
+    """A gRPC request, as Envoy and Istio's stats tell: `application/grpc`, or
+    `application/grpc+<codec>` (gRPC-Web is not gRPC)."""
+    return content_type == "application/grpc" or content_type.startswith("application/grpc+")
+
+
+def grpc_response_status(entry: accesslog_pb2.HTTPAccessLogEntry) -> str:
+    """The `grpc_response_status` label of a gRPC request: the `grpc-status` of the trailers,
+    else of the headers (a trailers-only reply, as Envoy's own local replies to gRPC are), else
+    the status the HTTP code stands for; empty when there was no response. A value that is not
+    a known code is -1, as Envoy's INVALID."""
+    for found in (
+        entry.response.response_trailers.get("grpc-status", ""),
+        entry.response.response_headers.get("grpc-status", ""),
+    ):
+        if found:
+            code = int(found) if found.isascii() and found.isdigit() else GRPC_INVALID_STATUS
+            return str(code if code <= GRPC_MAX_KNOWN_STATUS else GRPC_INVALID_STATUS)
+    if not entry.response.HasField("response_code"):
+        return ""
+    return str(_GRPC_STATUS_OF_HTTP.get(entry.response.response_code.value, _GRPC_UNKNOWN))
+
 
 # Envoy's ResponseFlags fields and their short names (%RESPONSE_FLAGS%), in Envoy's order
 # (`unauthorized_details` is UnauthorizedExternalService, UAEX).
@@ -283,20 +317,19 @@ class HttpMetrics:
         service, service_name, service_namespace = self._service(
             common.upstream_cluster or common.custom_tags.get(ROUTE_CLUSTER_TAG, "")
         )
+        is_grpc = is_grpc_content_type(entry.request.request_headers.get("content-type", ""))
         values = {
             **{name: getattr(base, name) for name in HTTP_LABEL_NAMES if hasattr(base, name)},
             "reporter": REPORTER,
             "destination_service": service,
             "destination_service_name": service_name,
             "destination_service_namespace": service_namespace,
-            "request_protocol": "grpc"
-            if entry.request.request_headers.get("content-type", "").startswith("application/grpc")
-            else "http",
+            "request_protocol": "grpc" if is_grpc else "http",
             "response_flags": response_flags(common.response_flags),
             "response_code": str(entry.response.response_code.value)
             if entry.response.HasField("response_code")
             else "0",
-            "grpc_response_status": "",
+            "grpc_response_status": grpc_response_status(entry) if is_grpc else "",
         }
         return tuple(values[name] for name in HTTP_LABEL_NAMES)
 
@@ -313,10 +346,8 @@ class HttpMetrics:
         series.requests += 1
         last = common.time_to_last_downstream_tx_byte
         series.duration.observe(_ms(last) if common.HasField("time_to_last_downstream_tx_byte") else 0.0)
-        series.request_bytes.observe(entry.request.request_headers_bytes + entry.request.request_body_bytes)
-        series.response_bytes.observe(
-            entry.response.response_headers_bytes + entry.response.response_body_bytes
-        )
+        series.request_bytes.observe(common.downstream_wire_bytes_received)
+        series.response_bytes.observe(common.downstream_wire_bytes_sent)
 
     def render(self) -> str:
         """The Prometheus text exposition of the four metrics."""

@@ -34,10 +34,14 @@ spec: {{selector: {{app: server}}, clusterIP: {V2_VIP}, ports: [{{name: http, po
 
 
 class Response:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+    def __init__(
+        self, status: int, headers: dict[str, str], body: bytes, *, sent: int = 0, received: int = 0
+    ) -> None:
         self.status = status
         self.headers = headers
         self.body = body
+        self.sent = sent  # the request's bytes, as written to the connection
+        self.received = received  # the response's bytes, as read from it
 
     @property
     def echo(self) -> dict[str, Any]:
@@ -65,7 +69,8 @@ def request(
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     with mesh.socks(vip, 80) as sock:
         sock.settimeout(IO_TIMEOUT_S)
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        raw = ("\r\n".join(lines) + "\r\n\r\n").encode()
+        sock.sendall(raw)
         data = b""
         try:
             while chunk := sock.recv(65536):
@@ -80,7 +85,7 @@ def request(
     for line in rest:
         k, _, v = line.partition(":")
         hdrs.setdefault(k.strip().lower(), v.strip())
-    return Response(status, hdrs, body)
+    return Response(status, hdrs, body, sent=len(raw), received=len(data))
 
 
 def served(mesh: WaypointMesh, check, what: str, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]

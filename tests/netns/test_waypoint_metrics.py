@@ -131,6 +131,7 @@ def test_durations_and_bytes_are_histograms_of_the_traffic(rmesh, get):
     count0 = series(text, "istio_request_duration_milliseconds_count").get(key, 0)
     sum0 = series(text, "istio_request_duration_milliseconds_sum").get(key, 0)
     resp0 = series(text, "istio_response_bytes_sum").get(key, 0)
+    req0 = series(text, "istio_request_bytes_sum").get(key, 0)
     start = time.monotonic()
     r = request(rmesh, "/delay/300")
     took_ms = (time.monotonic() - start) * 1000
@@ -145,9 +146,11 @@ def test_durations_and_bytes_are_histograms_of_the_traffic(rmesh, get):
     now = served(rmesh, observed, "the delayed request's duration", timeout_s=15)
     duration = series(now, "istio_request_duration_milliseconds_sum")[key] - sum0
     assert 300 <= duration <= took_ms + 5, (duration, took_ms)
-    # The app's JSON body plus its headers (as Envoy wrote them), at least the body.
+    # Bytes on the wire, as Istio counts them: the request the client wrote and the response it
+    # read, exactly (the tunnel carries them unchanged).
     response_bytes = series(now, "istio_response_bytes_sum")[key] - resp0
-    assert len(r.body) < response_bytes < len(r.body) + 1024, (response_bytes, len(r.body))
+    request_bytes = series(now, "istio_request_bytes_sum")[key] - req0
+    assert (request_bytes, response_bytes) == (r.sent, r.received), (len(r.body), r.headers)
     # Envoy's own statistics follow on the same page.
     assert "envoy_cluster_upstream_rq" in now
 
@@ -240,3 +243,43 @@ def test_fault_abort_and_delay_carry_envoys_flags(rmesh, get, routes):
     counted_as(rmesh, get, abort, {**expected(429, "FI"), **NO_ENDPOINT}, 2)
     # A delayed request still reaches the app: its endpoint's workload, and `DI`.
     counted_as(rmesh, get, lambda: request(rmesh, "/slow/x"), expected(200, "DI"), 2)
+
+
+def test_grpc_requests_carry_their_grpc_status(rmesh, get, routes):
+    # Requests with gRPC's content type are `request_protocol="grpc"` with a
+    # `grpc_response_status`: the one Envoy's own reply to a gRPC request carries in its headers
+    # (a fault abort of 503 is UNAVAILABLE, 14, in a 200), and for an app that gives none, the
+    # one its HTTP status stands for (200: UNKNOWN, 2), as Istio's stats filter reads them.
+    routes(
+        virtual_service(
+            """
+  - match: [{uri: {prefix: /grpc-abort}}]
+    fault: {abort: {httpStatus: 503, percentage: {value: 100}}}
+    route: [{destination: {host: routed}}]
+  - route: [{destination: {host: routed}}]
+"""
+        )
+    )
+    grpc = {"content-type": "application/grpc"}
+
+    def aborted() -> bool:
+        r = request(rmesh, "/grpc-abort", headers=grpc)
+        assert r.status == 200 and r.headers.get("grpc-status") == "14", r
+        return True
+
+    served(rmesh, aborted, "the fault abort of a gRPC request")
+    as_grpc = {"request_protocol": "grpc"}
+    counted_as(
+        rmesh,
+        get,
+        aborted,
+        {**expected(200, "FI"), **NO_ENDPOINT, **as_grpc, "grpc_response_status": "14"},
+        2,
+    )
+    counted_as(
+        rmesh,
+        get,
+        lambda: request(rmesh, "/plain", headers=grpc),
+        {**expected(200), **as_grpc, "grpc_response_status": "2"},
+        2,
+    )

@@ -27,10 +27,14 @@ def entry(
     state.Pack(wrappers_pb2.StringValue(value=principal))
     c.filter_state_objects[telemetry.PEER_PRINCIPAL_KEY].CopyFrom(state)
     e.response.response_code.value = code
+    # Istio's byte histograms count the wire (the downstream's bytes meter), not the header and
+    # body sizes the entry also carries.
     e.request.request_headers_bytes = 100
     e.request.request_body_bytes = 20
     e.response.response_headers_bytes = 80
     e.response.response_body_bytes = 1000
+    c.downstream_wire_bytes_received = 150
+    c.downstream_wire_bytes_sent = 1100
     return e
 
 
@@ -58,7 +62,10 @@ def test_an_entry_is_labelled_and_rendered() -> None:
         for line in text.splitlines()
     )
     assert any(
-        line.startswith("istio_response_bytes_sum{") and line.endswith(" 2160") for line in text.splitlines()
+        line.startswith("istio_response_bytes_sum{") and line.endswith(" 2200") for line in text.splitlines()
+    )
+    assert any(
+        line.startswith("istio_request_bytes_sum{") and line.endswith(" 300") for line in text.splitlines()
     )
     assert 'le="+Inf"} 2' in text
 
@@ -257,3 +264,53 @@ def test_the_encap_cluster_is_the_control_planes() -> None:
     from ambient_mesh.control import waypoint_envoy
 
     assert telemetry.ENCAP_CLUSTER == waypoint_envoy.ENCAP
+
+
+def _grpc(entry_: accesslog_pb2.HTTPAccessLogEntry, content_type: str = "application/grpc") -> dict[str, str]:
+    entry_.request.request_headers["content-type"] = content_type
+    m = HttpMetrics(ProxyState())
+    return dict(zip(HTTP_LABEL_NAMES, m.labels(entry_), strict=True))
+
+
+def test_grpc_response_status_is_istios() -> None:
+    # The trailers' status first, then a trailers-only reply's headers.
+    e = entry()
+    e.response.response_trailers["grpc-status"] = "5"
+    e.response.response_headers["grpc-status"] = "0"
+    labels = _grpc(e)
+    assert (labels["request_protocol"], labels["grpc_response_status"]) == ("grpc", "5")
+    e = entry()
+    e.response.response_headers["grpc-status"] = "14"
+    assert _grpc(e)["grpc_response_status"] == "14"
+    # None given: the status the HTTP code stands for (200 says nothing: UNKNOWN).
+    assert [_grpc(entry(code))["grpc_response_status"] for code in (200, 403, 404, 503, 418)] == [
+        "2",
+        "7",
+        "12",
+        "14",
+        "2",
+    ]
+    # Not a known code: INVALID, -1.
+    for bad in ("17", "-3", "x", "١"):
+        e = entry()
+        e.response.response_trailers["grpc-status"] = bad
+        assert _grpc(e)["grpc_response_status"] == "-1", bad
+    # No response at all: empty.
+    e = entry()
+    e.response.ClearField("response_code")
+    assert _grpc(e)["grpc_response_status"] == ""
+
+
+def test_only_grpc_requests_carry_a_grpc_status() -> None:
+    e = entry()
+    e.response.response_headers["grpc-status"] = "3"
+    for content_type in ("application/json", "application/grpc-web", "application/grpcx"):
+        labels = _grpc(e, content_type)
+        assert (labels["request_protocol"], labels["grpc_response_status"]) == ("http", ""), content_type
+    assert _grpc(e, "application/grpc+proto")["grpc_response_status"] == "3"
+
+
+def test_the_access_log_carries_grpc_status() -> None:
+    config = waypoint_l7.ACCESS_LOG[0]["typed_config"]
+    assert config["additional_response_headers_to_log"] == ["grpc-status"]
+    assert config["additional_response_trailers_to_log"] == ["grpc-status"]
