@@ -59,6 +59,7 @@ from ..kube.model import (
 from ..kube.store import KubeStore
 from ..metadata import LABEL_USE_WAYPOINT
 from ..wire.istio.security import authorization_pb2 as sec
+from ..wire.istio.workload import workload_pb2 as wl
 from .route_status import route_conditions
 from .translate.authorization import (
     L4_WHEN_KEYS,
@@ -66,10 +67,11 @@ from .translate.authorization import (
     _http_source_fields,
     convert_authorization_policy,
 )
-from .translate.common import MeshSettings
+from .translate.common import MeshSettings, app_protocol, kube_app_protocol
 from .translate.context import Context, ServiceIndex
 from .translate.l7_authz import policy_notes
 from .translate.policies import PolicyIndex
+from .translate.tcp_authz import tcp_notes
 from .translate.waypoints import _allows, _use_waypoint, build_waypoints, waypoint_for_service
 
 log = logging.getLogger(__name__)
@@ -487,6 +489,62 @@ def _gateway_programmed(ctx: Context, gw: Gateway) -> Condition:
     return Condition(
         type=PROGRAMMED, status=True, reason="Programmed", message=f"node proxies reach it at {address}"
     )
+
+
+# A port of these protocols has an HTTP chain only; any other (TCP, TLS, unknown) has a TCP one.
+_HTTP_ONLY_PROTOCOLS = (wl.HTTP11, wl.HTTP2, wl.GRPC)
+
+
+def _has_tcp_port(obj: Service | ServiceEntry) -> bool:
+    if isinstance(obj, Service):
+        protocols = [kube_app_protocol(p.port, p.name, p.protocol, p.app_protocol) for p in obj.ports]
+    else:
+        protocols = [app_protocol(p.protocol or p.name) for p in obj.ports]
+    return any(p not in _HTTP_ONLY_PROTOCOLS for p in protocols)
+
+
+def _binds_tcp(ctx: Context, store: KubeStore, policy: AuthorizationPolicy) -> bool:
+    """Whether a targetRef policy reaches a TCP chain of a waypoint: a target Service of
+    (with) a port that is not HTTP, or a target Gateway that serves workload traffic
+    (`direct-tcp`) or such a Service; a GatewayClass binds every waypoint."""
+    services: list[Service | ServiceEntry] = [*store.services, *store.service_entries]
+    for ref in policy.target_refs:
+        namespace = ref.namespace or policy.metadata.namespace
+        if ref.kind == "GatewayClass":
+            return True
+        if ref.kind in ("Service", "ServiceEntry"):
+            target = ctx.objects.get(ref.kind, namespace, ref.name)
+            if isinstance(target, Service | ServiceEntry) and _has_tcp_port(target):
+                return True
+        elif ref.kind == "Gateway":
+            wp = ctx.waypoints.get(f"{namespace}/{ref.name}")
+            if wp is None:
+                continue
+            if wp.traffic_type in ("workload", "all"):
+                return True
+            for obj in services:
+                bound, _, _ = _waypoint_of(ctx, obj.metadata, f"{obj.kind} {obj.metadata.name}")
+                if bound == wp.resource_name and _has_tcp_port(obj):
+                    return True
+    return False
+
+
+def tcp_warnings(
+    store: KubeStore, keys: Iterable[ObjectKey], settings: MeshSettings | None = None
+) -> list[str]:
+    """kubectl-style warning lines for the policies of `keys` whose rules name HTTP-only fields
+    and that bind a TCP chain of a waypoint: what istiod's TCP semantics make of them there
+    (translate/tcp_authz.py `tcp_notes`). Not a condition: the policy is served as istiod serves it."""
+    wanted = {key for key in keys if key[0] == "AuthorizationPolicy"}
+    if not wanted:
+        return []
+    ctx = status_context(store, settings or MeshSettings())
+    lines: list[str] = []
+    for policy in store.authorization_policies:
+        key = ("AuthorizationPolicy", policy.metadata.namespace, policy.metadata.name)
+        if key in wanted and policy.target_refs and _binds_tcp(ctx, store, policy):
+            lines.extend(f"Warning: {note}" for note in tcp_notes(policy))
+    return lines
 
 
 def warnings_for(status: Mapping[ObjectKey, tuple[Condition, ...]], keys: Iterable[ObjectKey]) -> list[str]:

@@ -302,11 +302,12 @@ def apply_warnings(objects_dir: Path, manifests: Iterable[Manifest]) -> list[str
     """The control plane's conditions on what was just applied, as kubectl prints an API
     server's warnings: computed by the control plane's own status code over the objects as they
     now are (its status subresource follows within a second; `get -o yaml` shows it)."""
-    from ..control.status import compute_status, warnings_for
+    from ..control.status import compute_status, tcp_warnings, warnings_for
 
     loaded = load_directory(objects_dir)
     keys = [(m.kind, m.namespace, m.name) for m in manifests]
-    return warnings_for(compute_status(KubeStore(loaded.objects)), keys)
+    store = KubeStore(loaded.objects)
+    return warnings_for(compute_status(store), keys) + tcp_warnings(store, keys)
 
 
 def assign_cluster_ip(objects_dir: Path, doc: dict[str, Any]) -> None:

@@ -73,15 +73,46 @@ def _source(src: Source, notes: list[str]) -> dict[str, Any]:
     return _and_id(ids)
 
 
-def tcp_rule_policy(rule: AuthorizationRule, action: str, notes: list[str]) -> dict[str, Any] | None:
-    """One rule as a network RBAC policy with `action`'s TCP semantics; None for an ALLOW rule
-    that needs an HTTP-only field (it can never match a connection)."""
-    needs_http = (
+def needs_http(rule: AuthorizationRule) -> bool:
+    """Whether a rule names a field only an HTTP request has (hosts, methods, paths,
+    requestPrincipals, request headers, JWT claims)."""
+    return (
         any(_http_operation(op) for op in rule.operations)
         or any(_http_source(s) for s in rule.sources)
         or any(_http_condition(c) for c in rule.when)
     )
-    if needs_http and action == "ALLOW":
+
+
+def tcp_notes(policy: AuthorizationPolicy) -> tuple[str, ...]:
+    """What a targetRef policy whose rules name HTTP-only fields does to TCP connections, which
+    have none (istiod's TCP semantics, above): said by `lab apply` when the policy binds a TCP
+    chain. Empty when no rule names one, or for AUDIT (it never refuses)."""
+    http = [i for i, rule in enumerate(policy.rules) if needs_http(rule)]
+    if not http or policy.action == "AUDIT":
+        return ()
+    what = f"AuthorizationPolicy {policy.metadata.namespace}/{policy.metadata.name}: "
+    rules = f"rule{'s' if len(http) > 1 else ''} {', '.join(map(str, http))}"
+    if policy.action == "ALLOW":
+        if len(http) == len(policy.rules):
+            effect = (
+                "every rule names HTTP-only fields, which a TCP connection does not have, so on TCP "
+                "through the waypoint it allows nothing: a TCP connection to its targets is refused "
+                "unless another ALLOW policy allows it"
+            )
+        else:
+            effect = f"{rules} name HTTP-only fields and match no TCP connection through the waypoint"
+    else:
+        effect = (
+            f"on TCP through the waypoint, {rules} are enforced without their HTTP-only fields, so "
+            "they refuse every TCP connection their other fields match"
+        )
+    return (what + effect + " (TCP ports, and ports of unknown protocol that do not carry HTTP)",)
+
+
+def tcp_rule_policy(rule: AuthorizationRule, action: str, notes: list[str]) -> dict[str, Any] | None:
+    """One rule as a network RBAC policy with `action`'s TCP semantics; None for an ALLOW rule
+    that needs an HTTP-only field (it can never match a connection)."""
+    if needs_http(rule) and action == "ALLOW":
         return None
     # DENY, AUDIT: the HTTP-only conditions are dropped, the rest of the rule still applies.
     when = [c for c in rule.when if not _http_condition(c)]

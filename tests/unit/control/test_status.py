@@ -296,3 +296,101 @@ spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}
     ) and "workload traffic" in typed.message
     far = one(st, "Service", "far")
     assert (far.status, far.reason) == (False, "NotAllowed") and "infra/private" in far.message
+
+
+def _gateway(name: str, labels: str = "") -> str:
+    return f"""---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {{name: {name}, namespace: demo{labels}}}
+spec: {{gatewayClassName: istio-waypoint, listeners: [{{name: mesh, port: 15008, protocol: HBONE}}]}}
+status: {{addresses: [{{type: IPAddress, value: 10.0.0.9}}]}}
+"""
+
+
+def _service(name: str, ip: str, port: str, waypoint: str) -> str:
+    return f"""---
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: demo, labels: {{istio.io/use-waypoint: {waypoint}}}}}
+spec: {{clusterIP: {ip}, ports: [{port}]}}
+"""
+
+
+def _targets(kind: str, name: str) -> str:
+    group = "gateway.networking.k8s.io" if kind == "Gateway" else "''"
+    return f"targetRefs: [{{kind: {kind}, group: {group}, name: {name}}}]"
+
+
+def test_lab_apply_says_what_http_fields_do_on_a_waypoints_tcp_chains():
+    paths = "{to: [{operation: {paths: [/admin]}}]}"
+    text = (
+        _gateway("waypoint")
+        + _gateway("http-only")
+        + _gateway("for-pods", ", labels: {istio.io/waypoint-for: workload}")
+        + _service("web", "10.96.0.3", "{name: http, port: 80}", "waypoint")
+        + _service("db", "10.96.0.4", "{name: tcp-db, port: 5432}", "waypoint")
+        + _service("web2", "10.96.0.5", "{name: http, port: 80}", "http-only")
+        + "---"
+        + policy("web-allow", f"{{{_targets('Service', 'web')}, action: ALLOW, rules: [{paths}]}}")
+        + "---"
+        + policy("db-allow", f"{{{_targets('Service', 'db')}, action: ALLOW, rules: [{paths}]}}")
+        + "---"
+        + policy(
+            "db-mixed",
+            f"{{{_targets('Service', 'db')}, action: ALLOW, rules: [{paths},"
+            " {from: [{source: {namespaces: [demo]}}]}]}",
+        )
+        + "---"
+        + policy(
+            "db-ports",
+            f"{{{_targets('Service', 'db')}, action: ALLOW, rules: [{{to: [{{operation: {{ports: ['5432']}}}}]}}]}}",
+        )
+        + "---"
+        + policy("gw-deny", f"{{{_targets('Gateway', 'waypoint')}, action: DENY, rules: [{paths}]}}")
+        + "---"
+        + policy("gw-audit", f"{{{_targets('Gateway', 'waypoint')}, action: AUDIT, rules: [{paths}]}}")
+        + "---"
+        + policy("http-gw-deny", f"{{{_targets('Gateway', 'http-only')}, action: DENY, rules: [{paths}]}}")
+        + "---"
+        + policy("pods-deny", f"{{{_targets('Gateway', 'for-pods')}, action: DENY, rules: [{paths}]}}")
+    )
+    from ambient_mesh.control.status import tcp_warnings
+
+    store = KubeStore(parse_documents(NS + text, "t.yaml").objects)
+    keys = [("AuthorizationPolicy", "demo", p.metadata.name) for p in store.authorization_policies]
+    warned = {line.split(": ", 2)[1]: line.split(": ", 2)[2] for line in tcp_warnings(store, keys)}
+    # An HTTP-only Service, a waypoint serving only HTTP Services, and AUDIT (which never
+    # refuses) say nothing; a rule without HTTP fields says nothing.
+    assert set(warned) == {
+        "AuthorizationPolicy demo/db-allow",
+        "AuthorizationPolicy demo/db-mixed",
+        "AuthorizationPolicy demo/gw-deny",
+        "AuthorizationPolicy demo/pods-deny",
+    }
+    assert "on TCP through the waypoint it allows nothing" in warned["AuthorizationPolicy demo/db-allow"]
+    assert warned["AuthorizationPolicy demo/db-mixed"].startswith("rule 0 name HTTP-only fields")
+    assert "rule 0 are enforced without their HTTP-only fields" in warned["AuthorizationPolicy demo/gw-deny"]
+    # Only the policies asked about.
+    assert tcp_warnings(store, [("Service", "demo", "db")]) == []
+
+
+def test_lab_apply_prints_the_tcp_warning(tmp_path: Path):
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    text = (
+        NS
+        + _gateway("waypoint")
+        + _service("db", "10.96.0.4", "{name: tcp-db, port: 5432}", "waypoint")
+        + "---"
+        + policy(
+            "db-allow",
+            f"{{{_targets('Service', 'db')}, action: ALLOW, rules: [{{to: [{{operation: {{methods: [GET]}}}}]}}]}}",
+        )
+    )
+    manifests = verbs.check(text, "m.yaml", default_namespace="demo", allow_pods=False)
+    verbs.apply(objects, manifests)
+    lines = verbs.apply_warnings(objects, manifests)
+    assert lines[-1].startswith(
+        "Warning: AuthorizationPolicy demo/db-allow: every rule names HTTP-only fields"
+    )
