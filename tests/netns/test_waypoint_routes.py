@@ -332,6 +332,7 @@ def test_virtual_service_uri_rewrite_redirect_and_source_labels(rmesh, routes):
 
 CHANGE_ROUNDS = 6
 CHANGE_DEADLINE_S = 60.0
+REQUESTS_PER_ROUND = 4  # the load's requests each configuration sees at least
 
 
 def test_route_and_policy_changes_while_requests_flow(rmesh, routes):
@@ -372,12 +373,15 @@ spec:
             routes(deny_other if i % 2 == 0 else "", "policy.yaml")
             want = "v2" if i % 2 == 0 else "v1"
             served(rmesh, lambda want=want: request(rmesh, "/probe").echo["name"] == want, f"round {i}")
+            # Some of the load in every configuration, however fast the change was served.
+            before = len(results)
+            served(rmesh, lambda before=before: len(results) >= before + REQUESTS_PER_ROUND, f"load {i}")
     finally:
         stop.set()
         thread.join(timeout=CHANGE_DEADLINE_S)
     failures = [r for r in results if r[0] != 200]
     names = {name for _, name in results}
-    assert len(results) >= 20, f"only {len(results)} requests ran"
+    assert len(results) >= CHANGE_ROUNDS * REQUESTS_PER_ROUND, f"only {len(results)} requests ran"
     assert not failures, f"{len(failures)} of {len(results)} failed: {failures[:5]}"
     assert {"v1", "v2"} <= names, names
     print(f"{len(results)} requests across {CHANGE_ROUNDS} route and policy changes, none failed")
