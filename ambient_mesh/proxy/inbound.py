@@ -218,7 +218,15 @@ class InboundProxy:
             return
         self.connections.add(conn)
         try:
-            await conn.closed
+            # Shielded: cancelling this task must not cancel the connection's own future.
+            await asyncio.shield(conn.closed)
+        except asyncio.CancelledError:
+            # A drain's deadline: the TLS transport owns the socket now and closes it itself,
+            # after taking its descriptor off the event loop (the listener's guard then closes
+            # a closed socket). Closed under a live transport, the socket's descriptor number
+            # stayed watched by the loop for whichever socket was given that number next.
+            conn.abort()
+            raise
         finally:
             self.connections.discard(conn)
 

@@ -400,6 +400,10 @@ class Listener:
         try:
             await self._handler(conn)
         except asyncio.CancelledError:
+            # A handler that handed `conn` to a transport has closed that transport by now (the
+            # transport closes this same socket object, so this is then a no-op): a socket
+            # closed here under a live transport would leave the event loop watching its
+            # descriptor number (inbound.py `handle`, relays aborted before a drain cancels).
             conn.close()
             raise
         except OSError as e:

@@ -324,6 +324,26 @@ async def test_drain_waits_for_open_connections_then_closes():
         writer.close()
 
 
+async def test_a_drain_past_its_deadline_closes_hbone_connections_through_their_transport():
+    """The server proxy's drain ends while a tunnel is open: the task serving its HBONE connection
+    is cancelled. The connection's TLS transport must close the socket itself, taking its
+    descriptor off the event loop first. The listener once closed the socket under it, and the
+    loop kept watching a descriptor number the next socket reused: in the lab, the next admin
+    request took that number and timed out."""
+    async with running_mesh() as mesh:
+        reader, writer = await mesh.socks_connect(SERVER_IP, ECHO_PORT)
+        writer.write(b"held")
+        assert await reader.readexactly(4) == b"held"
+        assert mesh.server.workload_proxy is not None
+        [conn] = mesh.server.workload_proxy.inbound.connections
+        transport = conn.transport
+        assert transport is not None and not transport.is_closing()
+        await asyncio.wait_for(mesh.server.drain(0.2), 5)
+        assert transport.is_closing(), "the HBONE connection's socket was closed under its transport"
+        await asyncio.wait_for(conn.closed, 5)
+        writer.close()
+
+
 async def test_server_proxy_drain_lets_a_live_tunnel_finish_after_goaway():
     """SIGTERM / quitquitquit on the server proxy: GOAWAY to the client proxy, but the open tunnel
     keeps carrying data both ways until it ends, and the drain ends with it, before the deadline."""

@@ -163,9 +163,20 @@ def test_state_dir_is_emptied_only_when_it_is_a_labs(tmp_path):
     assert sorted(p.name for p in lab_dir.iterdir()) == [MARKER_FILE]
 
 
+def running_child() -> subprocess.Popen[bytes]:
+    """A child that has exec'd: the journal records a lab's command line from /proc, and a child
+    read before its exec still shows pytest's (then it is not proven the lab, and not refused)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"], stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stdout.readline() == b"up\n"
+    child.stdout.close()  # it writes nothing more
+    return child
+
+
 def test_state_dir_of_a_running_lab_is_refused(tmp_path):
     prepare_state_dir(tmp_path, RecordingRunner(), say=print)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = running_child()
     try:
         j = Journal(tmp_path)
         j.lab(child.pid)
@@ -349,7 +360,7 @@ def test_a_refused_second_up_touches_nothing_of_the_running_lab(tmp_path, capsys
     """Issue 31: the refused `up` deleted the running lab's lab.json ("still starting" after)."""
     state = tmp_path / "s"
     prepare_state_dir(state, RecordingRunner(), say=print)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = running_child()
     try:
         j = Journal(state)
         j.lab(child.pid)
