@@ -496,6 +496,7 @@ _HTTP_ONLY_PROTOCOLS = (wl.HTTP11, wl.HTTP2, wl.GRPC)
 
 
 def _has_tcp_port(obj: Service | ServiceEntry) -> bool:
+    """Whether a waypoint serving `obj` has a TCP chain for it (a port not declared HTTP)."""
     if isinstance(obj, Service):
         protocols = [kube_app_protocol(p.port, p.name, p.protocol, p.app_protocol) for p in obj.ports]
     else:
@@ -504,9 +505,9 @@ def _has_tcp_port(obj: Service | ServiceEntry) -> bool:
 
 
 def _binds_tcp(ctx: Context, store: KubeStore, policy: AuthorizationPolicy) -> bool:
-    """Whether a targetRef policy reaches a TCP chain of a waypoint: a target Service of
-    (with) a port that is not HTTP, or a target Gateway that serves workload traffic
-    (`direct-tcp`) or such a Service; a GatewayClass binds every waypoint."""
+    """Whether a targetRef policy reaches a TCP chain of a waypoint: a target Service with a
+    port that is not HTTP, a target Gateway that serves workload traffic (`direct-tcp`) or such
+    a Service, or the GatewayClass (it binds every waypoint)."""
     services: list[Service | ServiceEntry] = [*store.services, *store.service_entries]
     for ref in policy.target_refs:
         namespace = ref.namespace or policy.metadata.namespace

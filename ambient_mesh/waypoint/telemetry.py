@@ -27,8 +27,8 @@ and serves `istio_requests_total`, `istio_request_duration_milliseconds`, `istio
 and `istio_response_bytes` on the pod's 15020 `/stats/prometheus`, followed by Envoy's own
 (from its admin socket), as pilot-agent merges them. Bytes are the request's and the
 response's bytes on the downstream connection (the entry's wire bytes), as Istio's stats filter
-counts them; a gRPC request's `grpc_response_status` is read
-as Istio's stats filter reads it (`grpc_response_status`). Series are bounded (`MAX_SERIES`); entries past it are counted,
+counts them; a gRPC request's `grpc_response_status` is read as Istio's stats filter reads it
+(`grpc_response_status`). Series are bounded (`MAX_SERIES`); entries past it are counted,
 not kept.
 """
 
