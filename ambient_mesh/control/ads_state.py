@@ -203,6 +203,10 @@ class VersionedResource:
     # For a workload, the services it is an endpoint of (the keys of Workload.services), so a
     # patched snapshot can keep `Snapshot.endpoints` without unpacking the old resource.
     services: tuple[str, ...] = ()
+    # The message it was packed from (`Snapshot.of_messages`): handed the very same message
+    # again (a kept parse, envoy_parse_cache.py, whose messages are never changed), the next
+    # snapshot keeps this entry without serializing the message again.
+    source: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -398,11 +402,14 @@ class Snapshot:
             before = previous.of(type_url) if previous is not None else {}
             packed: dict[str, VersionedResource] = {}
             for name, message in named.items():
-                data = _serialize(message)
                 entry = before.get(name)
+                if entry is not None and entry.source is message:
+                    packed[name] = entry  # the same message object: no need to serialize it
+                    continue
+                data = _serialize(message)
                 if entry is None or entry.resource.value != data:
-                    entry = _pack_bytes(name, type_url, data, versioned=True, aliases=())
-                packed[name] = entry
+                    entry = _pack_bytes(name, type_url, data, versioned=True, aliases=(), source=message)
+                packed[name] = entry  # unchanged bytes keep their entry, and so its identity
             resources[type_url] = packed
             changed[type_url] = frozenset(
                 n for n in set(packed) | set(before) if packed.get(n) is not before.get(n)
@@ -510,6 +517,7 @@ def _pack_bytes(
     versioned: bool,
     aliases: tuple[str, ...],
     services: tuple[str, ...] = (),
+    source: object = None,
 ) -> VersionedResource:
     digest = hashlib.blake2b(data, digest_size=8).hexdigest()
     return VersionedResource(
@@ -519,6 +527,7 @@ def _pack_bytes(
         resource=any_pb2.Any(type_url=type_url, value=data),
         aliases=aliases,
         services=services,
+        source=source,
     )
 
 

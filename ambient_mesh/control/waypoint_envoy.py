@@ -501,14 +501,15 @@ def _default_route(name: str, vhost: str, cluster: str) -> dict[str, Any]:
     }
 
 
-def _waypoint_hcm(
-    name: str, stat_prefix: str, route: Mapping[str, Any], inputs: WaypointInputs
-) -> dict[str, Any]:
-    """The HTTP connection manager of one inbound HTTP chain, with the chain's L7 part (routes,
-    filters) and the access log from `inputs`."""
+def _waypoint_hcm(name: str, stat_prefix: str, inputs: WaypointInputs) -> dict[str, Any]:
+    """The HTTP connection manager of one inbound HTTP chain, with the chain's HTTP filters and
+    the access log from `inputs`. Its routes come over RDS under the chain's name
+    (`http_routes_doc`): a change of routes then leaves the chain, and the connections on it,
+    as they are (inline routes, as istiod writes a waypoint's, make it a new chain, and Envoy
+    closes the old chain's connections when its drain ends)."""
     hcm = _hcm(
         stat_prefix,
-        route_config=route,
+        rds={"config_source": _ads_source(), "route_config_name": name},
         server_name="istio-envoy",
         normalize_path=True,
         merge_slashes=True,
@@ -521,26 +522,34 @@ def _waypoint_hcm(
         hcm["typed_config"]["access_log"] = list(inputs.access_log)
     l7 = inputs.http_chains.get(name)
     if l7 is not None:
-        if l7[0] is not None:
-            hcm["typed_config"]["route_config"] = l7[0]
         hcm["typed_config"]["http_filters"] = [*l7[1], _router()]
     return hcm
 
 
+def http_routes_doc(name: str, sp: ServicePort | None, inputs: WaypointInputs) -> dict[str, Any]:
+    """The RouteConfiguration of the HTTP chain `name` (a service port's, or `direct-http` when
+    `sp` is None): its routes from `inputs.http_chains` (HTTPRoute, VirtualService), else
+    istiod's default route, to the service's cluster or, for `direct-http`, to `encap`."""
+    l7 = inputs.http_chains.get(name)
+    if l7 is not None and l7[0] is not None:
+        return dict(l7[0])
+    if sp is None:
+        return _default_route(name, "inbound|http|direct", ENCAP)
+    return _default_route(name, f"inbound|http|{sp.port}", name)
+
+
 def _http_chain(sp: ServicePort, vip: str, inputs: WaypointInputs) -> dict[str, Any]:
     name = sp.cluster("http")
-    route = _default_route(name, f"inbound|http|{sp.port}", name)
-    return {"name": name, "filters": [_waypoint_hcm(name, f"inbound_{vip}_{sp.port}", route, inputs)]}
+    return {"name": name, "filters": [_waypoint_hcm(name, f"inbound_{vip}_{sp.port}", inputs)]}
 
 
 def direct_http_chain(inputs: WaypointInputs) -> dict[str, Any]:
     """`direct-http`: workload-addressed HTTP, with the L7 filters bound to the whole waypoint
     (`inputs.http_chains["direct-http"]`; a Service's routes and policies are not its) and the
     access log, routed to `encap`: connect_originate's CONNECT to the original destination."""
-    route = _default_route("direct", "inbound|http|direct", ENCAP)
     return {
         "name": DIRECT_HTTP,
-        "filters": [_copy_filter_state(), _waypoint_hcm(DIRECT_HTTP, DIRECT_HTTP, route, inputs)],
+        "filters": [_copy_filter_state(), _waypoint_hcm(DIRECT_HTTP, DIRECT_HTTP, inputs)],
     }
 
 
@@ -663,6 +672,9 @@ class Dispatch:
     main: dict[str, Any]
     sniffed: dict[str, Any]
     routes: dict[str, Any]
+    # The HTTP chains placed in either listener, each with the service port it serves (None:
+    # direct-http): each takes its routes over RDS under its name (`http_routes_doc`).
+    http_chains: tuple[tuple[str, ServicePort | None], ...]
 
 
 def dispatch(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> Dispatch:
@@ -685,10 +697,13 @@ def dispatch(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> Di
     sniffed = _Dispatched()
     sniffed_targets: set[str] = set()
     known_targets: set[str] = set()
+    http_chains: dict[str, ServicePort | None] = {}
     for sp in inputs.services:
         if not sp.vips:
             continue
         stat_vip = sp.vips[0]
+        if sp.protocol in ("http", "auto"):
+            http_chains[sp.cluster("http")] = sp
         if sp.protocol == "auto":
             for kind in ("http", "tcp"):
                 sniffed.add_chain(sp.cluster(kind), partial(chain, kind, sp, stat_vip))
@@ -719,6 +734,7 @@ def dispatch(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> Di
         main.add_chain(DIRECT_TCP, partial(_direct_tcp_chain, inputs))
         sniffed.add_chain(DIRECT_TCP, partial(_direct_tcp_chain, inputs))
         sniffed.add_chain(DIRECT_HTTP, partial(direct_http_chain, inputs))
+        http_chains[DIRECT_HTTP] = None
     inspector = _listener_filter(
         "envoy.filters.listener.http_inspector",
         "envoy.extensions.filters.listener.http_inspector.v3.HttpInspector",
@@ -733,6 +749,7 @@ def dispatch(inputs: WaypointInputs, make_chain: ChainMaker | None = None) -> Di
             "continue_on_listener_filters_timeout": True,
         },
         routes=connect_terminate_routes(sniffed_targets, known_targets),
+        http_chains=tuple(http_chains.items()),
     )
 
 
@@ -900,7 +917,13 @@ def build_resources(inputs: WaypointInputs, cache: ParseCache | None = None) -> 
         listeners={d["name"]: _parse(d, listener_pb2.Listener()) for d in listeners},
         clusters={d["name"]: _parse(d, cluster_pb2.Cluster()) for d in clusters},
         endpoints={d["cluster_name"]: _parse(d, endpoint_pb2.ClusterLoadAssignment()) for d in assignments},
-        routes={CONNECT_TERMINATE: _parse(targets.routes, route_pb2.RouteConfiguration())},
+        routes={
+            CONNECT_TERMINATE: _parse(targets.routes, route_pb2.RouteConfiguration()),
+            **{
+                name: _parse(http_routes_doc(name, sp, inputs), route_pb2.RouteConfiguration())
+                for name, sp in targets.http_chains
+            },
+        },
     )
 
 
@@ -931,7 +954,8 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
     def make_chain(kind: str, sp: ServicePort, vip: str) -> Any:
         l7 = inputs.http_chains.get(sp.cluster("http")) if kind == "http" else None
         if kind == "http":
-            held: tuple[object, ...] = (l7, inputs.access_log)
+            # The chain holds the filters; its routes are a resource of their own.
+            held: tuple[object, ...] = (l7[1] if l7 is not None else None, inputs.access_log)
         else:
             held = (inputs.tcp_filters.get(sp.cluster("tcp")),)
         return cache.memo(
@@ -965,10 +989,27 @@ def _cached_build(inputs: WaypointInputs, cache: ParseCache) -> EnvoyResources:
         },
         clusters=clusters,
         endpoints=endpoints,
-        routes={CONNECT_TERMINATE: cache.parse(targets.routes, route_pb2.RouteConfiguration)},
+        routes={
+            CONNECT_TERMINATE: cache.parse(targets.routes, route_pb2.RouteConfiguration),
+            **{
+                name: cache.memo(
+                    ("routes", name, sp),
+                    (_routes_of(inputs, name),),
+                    partial(http_routes_doc, name, sp, inputs),
+                    route_pb2.RouteConfiguration,
+                )
+                for name, sp in targets.http_chains
+            },
+        },
     )
     cache.end_build()
     return resources
+
+
+def _routes_of(inputs: WaypointInputs, name: str) -> object:
+    """The route object an HTTP chain's RouteConfiguration is made of (None: the default)."""
+    l7 = inputs.http_chains.get(name)
+    return l7[0] if l7 is not None else None
 
 
 def _parse(doc: dict[str, Any], message: Any) -> Any:

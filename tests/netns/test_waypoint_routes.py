@@ -15,6 +15,7 @@ import json
 import time
 from typing import Any
 
+from ambient_mesh.waypoint.envoy import DRAIN_TIME_S
 from tests.helpers.waypoint_mesh import (
     WaypointMesh,
 )
@@ -333,6 +334,42 @@ def test_virtual_service_uri_rewrite_redirect_and_source_labels(rmesh, routes):
 CHANGE_ROUNDS = 6
 CHANGE_DEADLINE_S = 60.0
 REQUESTS_PER_ROUND = 4  # the load's requests each configuration sees at least
+
+
+def test_a_request_in_flight_outlives_a_change_of_its_services_routes(rmesh, routes):
+    """A request still running when its service's routes change is answered: the routes come
+    over RDS, so the change leaves the service's filter chain, and the connections on it, as
+    they are. (Inline routes made it a new chain, and Envoy closed the old chain's connections
+    when its drain ended: this request was cut after about 6 s.)"""
+    import threading
+
+    delay_ms = (DRAIN_TIME_S + 3) * 1000
+    answered: dict[str, Any] = {}
+
+    def long_request() -> None:
+        try:
+            r = request(rmesh, f"/delay/{delay_ms}")
+            answered["status"] = r.status
+        except OSError as e:
+            answered["status"] = repr(e)
+
+    thread = threading.Thread(target=long_request, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # the request is with the app
+    routes(
+        http_route(
+            "  - matches: [{headers: [{name: x-version, value: v2}]}]\n"
+            "    backendRefs: [{name: routed-v2, port: 80}]\n"
+            "  - backendRefs: [{name: routed, port: 80}]"
+        )
+    )
+    served(
+        rmesh,
+        lambda: request(rmesh, "/probe", headers={"x-version": "v2"}).echo["name"] == "v2",
+        "the changed route",
+    )
+    thread.join(delay_ms / 1000 + 10)
+    assert answered.get("status") == 200, answered
 
 
 def test_route_and_policy_changes_while_requests_flow(rmesh, routes):

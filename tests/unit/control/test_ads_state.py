@@ -502,3 +502,36 @@ def test_versions_are_content_hashes():
     assert a1 == a2
     changed = world("3", pod("a", "10.0.0.1", services=(SVC,), image="v2")).of(A)
     assert changed["Kubernetes//Pod/default/a"].version != a1["Kubernetes//Pod/default/a"].version
+
+
+def test_envoy_snapshots_reuse_what_did_not_change(monkeypatch) -> None:
+    """`Snapshot.of_messages`: the very same message object keeps its packed entry without being
+    serialized again; an equal message keeps the entry too; a changed one is packed anew, and
+    only it is named changed."""
+    from envoy.config.route.v3 import route_pb2
+
+    from ambient_mesh.control import ads_state
+
+    serialized: list[str] = []
+    real = ads_state._serialize
+
+    def counting(message):  # type: ignore[no-untyped-def]
+        serialized.append(message.name)
+        return real(message)
+
+    monkeypatch.setattr(ads_state, "_serialize", counting)
+    url = ads_state.ROUTE_TYPE_URL
+    a = route_pb2.RouteConfiguration(name="a")
+    b = route_pb2.RouteConfiguration(name="b")
+    first = Snapshot.of_messages(version="1", messages={url: {"a": a, "b": b}})
+    assert serialized == ["a", "b"]
+    same = Snapshot.of_messages(version="2", messages={url: {"a": a, "b": b}}, previous=first)
+    assert serialized == ["a", "b"]  # the same objects: not serialized again
+    assert same.of(url)["a"] is first.of(url)["a"]
+    assert same.changed == {url: frozenset()}
+    equal = route_pb2.RouteConfiguration(name="a")
+    changed_b = route_pb2.RouteConfiguration(name="b", ignore_port_in_host_matching=True)
+    second = Snapshot.of_messages(version="3", messages={url: {"a": equal, "b": changed_b}}, previous=same)
+    assert second.of(url)["a"] is first.of(url)["a"]
+    assert second.changed == {url: frozenset({"b"})}
+    assert second.of(url)["b"].resource.value == changed_b.SerializeToString(deterministic=True)

@@ -11,7 +11,12 @@ from google.protobuf import json_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ambient_mesh.control.ads_state import CLUSTER_TYPE_URL, ENDPOINT_TYPE_URL, LISTENER_TYPE_URL
+from ambient_mesh.control.ads_state import (
+    CLUSTER_TYPE_URL,
+    ENDPOINT_TYPE_URL,
+    LISTENER_TYPE_URL,
+    ROUTE_TYPE_URL,
+)
 from ambient_mesh.control.envoy_parse_cache import ParseCache
 from ambient_mesh.control.translate import AmbientIndex, MeshSettings
 from ambient_mesh.control.waypoint_envoy import EnvoyResources, build_resources
@@ -22,7 +27,12 @@ from ambient_mesh.kube.store import KubeStore
 from tests.helpers.waypoint_manifests import WAYPOINT_BASE
 
 WAYPOINT = "default/waypoint.default.svc.cluster.local"
-KINDS = {"listeners": LISTENER_TYPE_URL, "clusters": CLUSTER_TYPE_URL, "endpoints": ENDPOINT_TYPE_URL}
+KINDS = {
+    "listeners": LISTENER_TYPE_URL,
+    "clusters": CLUSTER_TYPE_URL,
+    "endpoints": ENDPOINT_TYPE_URL,
+    "routes": ROUTE_TYPE_URL,
+}
 # For all traffic: pods that use it bring workload-addressed chains (direct-http, direct-tcp)
 # whose ports take their protocols from the Services they serve.
 BASE = WAYPOINT_BASE.replace("waypoint-for: service", "waypoint-for: all")
@@ -151,7 +161,7 @@ class Objects:
 def serialized(resources: EnvoyResources) -> dict[str, dict[str, bytes]]:
     return {
         kind: {k: v.SerializeToString(deterministic=True) for k, v in getattr(resources, kind).items()}
-        for kind in ("listeners", "clusters", "endpoints")
+        for kind in KINDS
     }
 
 

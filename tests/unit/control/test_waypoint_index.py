@@ -438,7 +438,9 @@ def test_workload_ports_take_the_protocol_their_services_give() -> None:
     ]
     hcm = filters[1]["typedConfig"]
     assert hcm["statPrefix"] == "direct-http"
-    assert hcm["routeConfig"]["virtualHosts"][0]["routes"][0]["route"]["cluster"] == "encap"
+    assert hcm["rds"]["routeConfigName"] == "direct-http"
+    routes = json_format.MessageToDict(index.resources(DIRECT).routes["direct-http"])
+    assert routes["virtualHosts"][0]["routes"][0]["route"]["cluster"] == "encap"
     assert [f["name"] for f in hcm["httpFilters"]] == ["envoy.filters.http.rbac", "envoy.filters.http.router"]
     policies = hcm["httpFilters"][0]["typedConfig"]["rules"]["policies"]
     assert list(policies) == ["ns[default]-policy[deny-admin]-rule[0]"]

@@ -1,8 +1,9 @@
 """Waypoint routes: HTTPRoute and VirtualService -> each HTTP chain's Envoy RouteConfiguration.
 
 Each tests/unit/golden/waypoint_routes/<case>/input/*.yaml is loaded and translated as
-`ambient control` does; every HTTP chain's route configuration and HTTP filters (from
-`main_internal`, as Envoy receives them) are compared with <case>/expected.json.
+`ambient control` does; every HTTP chain's route configuration (its RDS resource) and HTTP
+filters (from the internal listeners, as Envoy receives them) are compared with
+<case>/expected.json.
 `UPDATE_GOLDEN=1` rewrites the expected files: read each one before accepting it.
 """
 
@@ -44,7 +45,8 @@ def _index(store: KubeStore) -> WaypointIndex:
 def http_chains(index: WaypointIndex, key: str = WAYPOINT) -> dict[str, Any]:
     """Per chain: an HTTP chain's routes and HTTP filters, a TCP chain's network RBAC filters."""
     out: dict[str, Any] = {}
-    for name, message in index.resources(key).listeners.items():
+    resources = index.resources(key)
+    for name, message in resources.listeners.items():
         if name == "connect_terminate":
             continue
         for chain in json_format.MessageToDict(message).get("filterChains", []):
@@ -53,8 +55,10 @@ def http_chains(index: WaypointIndex, key: str = WAYPOINT) -> dict[str, Any]:
                     out.setdefault(chain["name"], {"networkFilters": []})["networkFilters"].append(f)
                 if f["name"] == "envoy.filters.network.http_connection_manager":
                     hcm = f["typedConfig"]
+                    # The chain's routes come over RDS, under the chain's own name.
+                    assert hcm["rds"]["routeConfigName"] == chain["name"], hcm["rds"]
                     out[chain["name"]] = {
-                        "routeConfig": hcm["routeConfig"],
+                        "routeConfig": json_format.MessageToDict(resources.routes[chain["name"]]),
                         "httpFilters": hcm["httpFilters"],
                     }
     return out
