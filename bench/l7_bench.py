@@ -311,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                 mesh.write("l7.yaml", ROUTE + "\n---\n" + POLICIES)
 
                 def l7_programmed() -> bool:
+                    # The policies are in the chain's filters, the routes in its RDS resource.
                     listeners = mesh.envoy_admin("/config_dump?resource=dynamic_listeners").decode()
-                    return "deny-9" in listeners and "/api-8" in listeners
+                    routes = mesh.envoy_admin("/config_dump?resource=dynamic_route_configs").decode()
+                    return "deny-9" in listeners and "/api-8" in routes
 
                 for what, ok in (
                     ("the generated L7 configuration", lambda: l7_programmed()),
