@@ -874,7 +874,7 @@ def _eds_cluster(name: str) -> dict[str, Any]:
 def _load_assignment(name: str, endpoints: Iterable[Endpoint]) -> dict[str, Any]:
     lb = []
     for e in endpoints:
-        target = f"[{e.ip}]:{e.port}" if ":" in e.ip else f"{e.ip}:{e.port}"
+        target = authority(e.ip, e.port)
         lb.append(
             {
                 "endpoint": {

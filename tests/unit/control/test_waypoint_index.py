@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -374,33 +375,29 @@ def test_waypoint_is_refused_without_a_generator() -> None:
 DIRECT = "default/waypoint.default.svc.cluster.local"
 
 
-def _listener(index: WaypointIndex, name: str = "main_internal") -> dict[str, object]:
+def _listener(index: WaypointIndex, name: str = "main_internal") -> dict[str, Any]:
     return json_format.MessageToDict(index.resources(DIRECT).listeners[name])
 
 
-def _direct_ports(listener: dict[str, object]) -> dict[str, object]:
-    """The port map of the one workload IP of the `direct` case in an internal listener: port ->
-    chain name, or "sniffed" for the inspector's verdict between direct-http and direct-tcp; "*"
-    the rest."""
-    ranges = listener["filterChainMatcher"]["matcherTree"]["customMatch"]["typedConfig"]["rangeMatchers"]  # type: ignore[index]
-    (entry,) = ranges
+def _verdict(action: dict[str, Any]) -> object:
+    """A matcher entry: the chain it names, ("sniffed", HTTP chains, otherwise) for the
+    inspector's verdict, or a port map (port -> verdict, "*" the rest)."""
+    if "action" in action:
+        return action["action"]["name"]
+    tree = action["matcher"]
+    if tree["matcherTree"]["input"]["name"] == "application-protocol":
+        verdicts = {a["action"]["name"] for a in tree["matcherTree"]["exactMatchMap"]["map"].values()}
+        return ("sniffed", sorted(verdicts), _verdict(tree["onNoMatch"]))
+    return {
+        "*": _verdict(tree["onNoMatch"]),
+        **{port: _verdict(a) for port, a in tree["matcherTree"]["exactMatchMap"]["map"].items()},
+    }
 
-    def verdict(action: dict[str, object]) -> object:
-        if "action" in action:
-            return action["action"]["name"]  # type: ignore[index]
-        tree = action["matcher"]
-        if "application-protocol" not in json.dumps(tree):
-            return _direct_ports_of(tree)  # type: ignore[arg-type]
-        verdicts = {a["action"]["name"] for a in tree["matcherTree"]["exactMatchMap"]["map"].values()}  # type: ignore[index]
-        return ("sniffed", sorted(verdicts), tree["onNoMatch"]["action"]["name"])  # type: ignore[index]
 
-    def _direct_ports_of(by_port: dict[str, object]) -> dict[str, object]:
-        out: dict[str, object] = {"*": verdict(by_port["onNoMatch"])}  # type: ignore[arg-type]
-        for port, action in by_port["matcherTree"]["exactMatchMap"]["map"].items():  # type: ignore[index]
-            out[port] = verdict(action)
-        return out
-
-    found = verdict(entry["onMatch"])
+def _direct_ports(listener: dict[str, Any]) -> dict[str, object]:
+    """The port map of the one workload IP of the `direct` case in an internal listener."""
+    (entry,) = listener["filterChainMatcher"]["matcherTree"]["customMatch"]["typedConfig"]["rangeMatchers"]
+    found = _verdict(entry["onMatch"])
     return found if isinstance(found, dict) else {"*": found}
 
 
@@ -511,10 +508,6 @@ def test_known_tcp_workload_ports_need_no_http_chain() -> None:
     assert _targets(tcp.routes)["main_internal"] == ["*", "10.0.0.2:9000", "10.0.0.3:5432"]
 
 
-def _listener_of(index: WaypointIndex) -> dict[str, object]:
-    return json_format.MessageToDict(index.resources(DIRECT).listeners["main_internal"])
-
-
 def test_a_service_change_rebuilds_the_waypoint_of_a_pod_serving_it() -> None:
     # The Services of the `direct` case use no waypoint; their ports still give the pod's ports
     # their protocols, so a change of one reaches the pod's waypoint.
@@ -530,4 +523,4 @@ def test_a_service_change_rebuilds_the_waypoint_of_a_pod_serving_it() -> None:
     fresh = WaypointIndex()
     fresh.reset(ambient.addresses)
     assert _resources(fresh, DIRECT) == _resources(index, DIRECT)
-    assert _direct_ports(_listener_of(fresh))["9000"] == "direct-http"
+    assert _direct_ports(_listener(fresh))["9000"] == "direct-http"
